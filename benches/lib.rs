@@ -1,0 +1,1 @@
+//! Criterion benchmarks for kpt; see the `[[bench]]` targets.
