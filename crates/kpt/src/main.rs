@@ -1,1 +1,381 @@
-fn main() {}
+//! The `kpt` command-line tool.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use kpt::bench::{default_cases, run_case};
+use kpt::core::graph::{AttentionParams, Op, OpKind, TensorSpec};
+use kpt::core::hardware::{CpuDetector, HardwareDetector};
+use kpt::core::validate::validate_plan;
+use kpt::core::{DType, KptConfig, OptLevel};
+use kpt::demo::{demo_prompt, run_demo, DemoOptions};
+use kpt::demo_model::{build_graph, Phase};
+use kpt::kernels::CpuReference;
+use kpt::table::Table;
+use kpt::Runtime;
+
+#[derive(Parser)]
+#[command(name = "kpt", version, about = "Run deep-learning models fast on the hardware you have")]
+struct Cli {
+    /// Configuration file (TOML or JSON); KPT_* environment variables override it.
+    #[arg(long, global = true, env = "KPT_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the hardware kpt sees.
+    Detect {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Create, show or validate a configuration.
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
+    },
+    /// List kernels; with --explain, show the selection for a sample shape on this machine.
+    Kernels {
+        /// Only this op (e.g. linear, attention).
+        #[arg(long)]
+        op: Option<String>,
+        /// Explain which kernel is selected and why the others are not.
+        #[arg(long)]
+        explain: bool,
+    },
+    /// Optimize the demo model and validate every op against the f64 reference.
+    Validate {
+        /// Optimization level (default: precision.level of the config).
+        #[arg(long)]
+        level: Option<OptLevel>,
+    },
+    /// Benchmark single ops through the full stack.
+    Bench {
+        /// Small sizes (seconds instead of a minute).
+        #[arg(long)]
+        quick: bool,
+        /// Timed runs per case.
+        #[arg(long, default_value_t = 20)]
+        iters: usize,
+        /// Write the results as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Build a small transformer, optimize it at every level, validate and time it.
+    Demo {
+        /// Tokens generated after the prompt.
+        #[arg(long, default_value_t = 32)]
+        tokens: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigAction {
+    /// Write a default configuration file.
+    Init {
+        /// Where to write it (.toml or .json).
+        #[arg(default_value = "kpt.toml")]
+        path: PathBuf,
+        /// Overwrite an existing file.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Print the effective configuration (defaults, file, environment).
+    Show {
+        /// Print JSON instead of TOML.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check a configuration and list every problem.
+    Validate {
+        /// File to check (default: --config, else defaults + environment).
+        path: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KPT_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_config(path: Option<&Path>) -> anyhow::Result<KptConfig> {
+    Ok(KptConfig::load_layered(path)?)
+}
+
+fn spinner(len: u64) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let config_path = cli.config.as_deref();
+    match cli.command {
+        Command::Detect { json } => detect(json),
+        Command::Config { action } => config(action, config_path),
+        Command::Kernels { op, explain } => kernels(load_config(config_path)?, op.as_deref(), explain),
+        Command::Validate { level } => validate(load_config(config_path)?, level),
+        Command::Bench { quick, iters, json } => bench(load_config(config_path)?, quick, iters, json.as_deref()),
+        Command::Demo { tokens, json } => demo(load_config(config_path)?, tokens, json),
+    }
+}
+
+fn detect(json: bool) -> anyhow::Result<()> {
+    let devices = CpuDetector.detect()?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&devices)?);
+        return Ok(());
+    }
+    for d in &devices {
+        println!("{} {}: {}", d.kind, d.index, d.name);
+        let mut t = Table::new(["property", "value"]);
+        t.row(["arch".to_string(), d.arch.clone().unwrap_or_else(|| "-".into())]);
+        if let Some(c) = d.compute_units {
+            t.row(["compute units".to_string(), c.to_string()]);
+        }
+        if let Some(m) = d.memory_bytes {
+            t.row(["memory".to_string(), format!("{:.1} GiB", m as f64 / (1u64 << 30) as f64)]);
+        }
+        t.row(["features".to_string(), d.features.join(" ")]);
+        for (k, v) in &d.properties {
+            t.row([k.clone(), v.clone()]);
+        }
+        println!("{t}");
+    }
+    println!("NVIDIA, AMD and TPU backends: not built into this binary (see README, status table).");
+    Ok(())
+}
+
+fn config(action: ConfigAction, config_path: Option<&Path>) -> anyhow::Result<()> {
+    match action {
+        ConfigAction::Init { path, force } => {
+            if path.exists() && !force {
+                anyhow::bail!("{} exists; pass --force to overwrite", path.display());
+            }
+            KptConfig::default().save(&path)?;
+            println!("wrote {}", path.display());
+        }
+        ConfigAction::Show { json } => {
+            let cfg = load_config(config_path)?;
+            if json {
+                println!("{}", cfg.to_json_string()?);
+            } else {
+                print!("{}", cfg.to_toml_string()?);
+            }
+        }
+        ConfigAction::Validate { path } => {
+            let cfg = load_config(path.as_deref().or(config_path))?;
+            cfg.validate()?;
+            println!("configuration is valid");
+        }
+    }
+    Ok(())
+}
+
+/// A representative input signature per op, for `kpt kernels --explain`.
+fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
+    let f = |s: &[usize]| TensorSpec::new(s, DType::F32);
+    let i = |s: &[usize]| TensorSpec::new(s, DType::I64);
+    match op {
+        OpKind::Embedding => (Op::Embedding, vec![i(&[1, 16]), f(&[32000, 4096])]),
+        OpKind::MatMul => (Op::MatMul, vec![f(&[512, 1024]), f(&[1024, 512])]),
+        OpKind::Linear => (Op::Linear { bias: false }, vec![f(&[16, 4096]), TensorSpec::new(&[4096, 4096], DType::BF16)]),
+        OpKind::LinearAct => (
+            Op::LinearAct { bias: false, act: kpt::core::graph::Activation::Silu },
+            vec![f(&[16, 4096]), TensorSpec::new(&[11008, 4096], DType::F8E4M3)],
+        ),
+        OpKind::Activation => (Op::Activation { act: kpt::core::graph::Activation::GeluErf }, vec![f(&[16, 4096])]),
+        OpKind::RmsNorm => (Op::RmsNorm { eps: 1e-5 }, vec![f(&[16, 4096]), f(&[4096])]),
+        OpKind::LayerNorm => (Op::LayerNorm { eps: 1e-5 }, vec![f(&[16, 4096]), f(&[4096]), f(&[4096])]),
+        OpKind::AddRmsNorm => (Op::AddRmsNorm { eps: 1e-5 }, vec![f(&[16, 4096]), f(&[16, 4096]), f(&[4096])]),
+        OpKind::Rotary => (Op::Rotary { head_dim: 128, theta: 10000.0 }, vec![f(&[1, 16, 4096]), i(&[16])]),
+        OpKind::Softmax => (Op::Softmax, vec![f(&[16, 4096])]),
+        OpKind::Attention => (
+            Op::Attention(AttentionParams { num_heads: 32, num_kv_heads: 8, head_dim: 128, causal: true, scale: None, mask: false }),
+            vec![f(&[1, 16, 4096]), f(&[1, 16, 1024]), f(&[1, 16, 1024])],
+        ),
+        OpKind::Add => (Op::Add, vec![f(&[16, 4096]), f(&[16, 4096])]),
+        OpKind::Mul => (Op::Mul, vec![f(&[16, 4096]), f(&[16, 4096])]),
+        OpKind::Quantize => (Op::Quantize { dtype: DType::F8E4M3, scale: 1.0 }, vec![f(&[16, 4096])]),
+        OpKind::Dequantize => (Op::Dequantize { dtype: DType::F32 }, vec![TensorSpec::new(&[16, 4096], DType::F8E4M3)]),
+        OpKind::Cast => (Op::Cast { dtype: DType::BF16 }, vec![f(&[16, 4096])]),
+        OpKind::Concat => (Op::Concat { axis: 1 }, vec![f(&[1, 16, 1024]), f(&[1, 1, 1024])]),
+    }
+}
+
+fn kernels(cfg: KptConfig, op: Option<&str>, explain: bool) -> anyhow::Result<()> {
+    let rt = Runtime::new(cfg)?;
+    let ops: Vec<OpKind> = match op {
+        Some(name) => vec![name.parse()?],
+        None => OpKind::ALL.to_vec(),
+    };
+    if !explain {
+        let mut t = Table::new(["op", "kernel", "backend", "dtypes", "weights", "priority", "description"]);
+        for &k in &ops {
+            for def in rt.kernels().for_op(k) {
+                let names = |d: &[DType]| d.iter().map(|d| d.name()).collect::<Vec<_>>().join(",");
+                t.row([
+                    k.to_string(),
+                    def.name.clone(),
+                    def.backend.to_string(),
+                    names(&def.dtypes),
+                    if def.weight_dtypes.is_empty() { "-".into() } else { names(&def.weight_dtypes) },
+                    def.priority.to_string(),
+                    def.description.clone(),
+                ]);
+            }
+        }
+        println!("{t}");
+        return Ok(());
+    }
+    let backend = rt.backend()?;
+    for &k in &ops {
+        let (op, specs) = sample(k);
+        let sig: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
+        println!("{op} on {} with [{}]:", backend.device().name, sig.join(", "));
+        let mut t = Table::new(["rank", "kernel", "priority", "reason"]);
+        for c in rt.kernels().explain(&op, &specs, backend.device()) {
+            t.row([c.rank.map_or("-".into(), |r| r.to_string()), c.kernel, c.priority.to_string(), c.reason]);
+        }
+        println!("{t}");
+    }
+    Ok(())
+}
+
+fn validate(cfg: KptConfig, level: Option<OptLevel>) -> anyhow::Result<()> {
+    let level = level.unwrap_or(cfg.precision.level);
+    let scale = cfg.precision.tolerance_scale;
+    let rt = Runtime::new(cfg)?;
+    let model = kpt::demo_model::DemoConfig::default();
+    let graph = build_graph(&model, Phase::Prefill, 16)?;
+    let mut exec = rt.executor(rt.optimize(&graph, level)?)?;
+    let prompt = demo_prompt(16, model.vocab);
+    let inputs = vec![
+        kpt::core::Tensor::from_vec(prompt, &[1, 16])?,
+        kpt::core::Tensor::from_vec((0..16i64).collect(), &[16])?,
+    ];
+    let report = validate_plan(&mut exec, &graph, &CpuReference, &inputs, scale)?;
+    let mut t = Table::new(["node", "op", "kernel", "dtype", "max abs", "max rel", "tolerance", "ok"]);
+    for o in &report.ops {
+        t.row([
+            o.node.clone(),
+            o.op.clone(),
+            o.kernel.clone(),
+            o.dtype.to_string(),
+            format!("{:.2e}", o.error.max_abs),
+            format!("{:.2e}", o.error.max_rel),
+            format!("{:.1e}", o.tolerance.abs),
+            if o.error.within { "yes" } else { "NO" }.to_string(),
+        ]);
+    }
+    println!("{t}");
+    for o in &report.outputs {
+        println!(
+            "output {}: max abs {:.3e} (max |ref| {:.3e}), budget {:.1e} -> {}",
+            o.output,
+            o.error.max_abs,
+            o.error.ref_max,
+            o.budget,
+            if o.error.within { "ok" } else { "FAILED" }
+        );
+    }
+    report.into_result()?;
+    println!("level {level}: all {} ops within tolerance", exec.plan().graph.nodes().len());
+    Ok(())
+}
+
+fn bench(cfg: KptConfig, quick: bool, iters: usize, json: Option<&Path>) -> anyhow::Result<()> {
+    let rt = Runtime::new(cfg)?;
+    let cases = default_cases(quick)?;
+    let pb = spinner(cases.len() as u64);
+    let mut results = Vec::new();
+    for case in &cases {
+        pb.set_message(case.name.clone());
+        results.push(run_case(&rt, case, iters)?);
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    let mut t = Table::new(["case", "kernel", "median µs", "GFLOP/s", "GB/s"]);
+    for r in &results {
+        t.row([r.name.clone(), r.kernel.clone(), format!("{:.1}", r.median_us), format!("{:.2}", r.gflops), format!("{:.2}", r.gbps)]);
+    }
+    println!("{t}");
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn demo(cfg: KptConfig, tokens: usize, json: bool) -> anyhow::Result<()> {
+    let rt = Runtime::new(cfg)?;
+    let opts = DemoOptions { new_tokens: tokens.max(1), ..DemoOptions::default() };
+    let m = &opts.model;
+    if !json {
+        println!(
+            "kpt demo: decoder-only transformer, {} layers, dim {}, {} heads ({} kv), ffn {}, vocab {} ({:.1} M params)",
+            m.layers,
+            m.dim,
+            m.heads,
+            m.kv_heads,
+            m.ffn,
+            m.vocab,
+            m.num_params() as f64 / 1e6
+        );
+        println!("backend: {} ({}); prompt {} tokens, generating {}", rt.backend()?.name(), rt.backend()?.device().name, opts.prompt_len, opts.new_tokens);
+    }
+    let pb = spinner(1 + 3 * opts.levels.len() as u64);
+    let rows = run_demo(&rt, &opts, |msg| {
+        pb.set_message(msg.to_string());
+        pb.inc(1);
+    })?;
+    pb.finish_and_clear();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        let mut t = Table::new([
+            "level", "weights", "nodes", "weight MiB", "prefill ms", "ms/token", "tokens/s", "max rel err", "worst op/tol", "= ref tokens", "valid",
+        ]);
+        for r in &rows {
+            t.row([
+                r.level.clone(),
+                r.weights.clone(),
+                format!("{} -> {}", r.nodes.0, r.nodes.1),
+                format!("{:.1}", r.weight_bytes as f64 / (1 << 20) as f64),
+                format!("{:.1}", r.prefill_ms),
+                format!("{:.2}", r.ms_per_token),
+                format!("{:.0}", 1e3 / r.ms_per_token.max(1e-9)),
+                format!("{:.1e}", r.max_rel_error),
+                format!("{:.2}", r.worst_op_ratio),
+                format!("{}/{}", r.tokens_matching, opts.new_tokens),
+                if r.passed { "yes" } else { "NO" }.to_string(),
+            ]);
+        }
+        println!("{t}");
+    }
+    if let Some(bad) = rows.iter().find(|r| !r.passed) {
+        anyhow::bail!("level {} failed validation", bad.level);
+    }
+    Ok(())
+}

@@ -1,0 +1,218 @@
+//! The `Backend` trait: devices, memory and op execution, chosen at run time.
+//!
+//! A backend owns device memory ([`DeviceBuffer`]) and runs kernels chosen by the
+//! kernel registry. Callers hold backends as `Arc<dyn Backend>` in a
+//! [`BackendRegistry`] and never `#[cfg]` on a backend.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use crate::error::{KptError, Result};
+use crate::graph::{Op, TensorSpec};
+use crate::hardware::{DeviceInfo, DeviceKind};
+use crate::tensor::Tensor;
+use crate::DType;
+
+/// A block of device memory holding `len` elements of `dtype`.
+///
+/// The backend-specific allocation sits behind `inner`; a value stored in the buffer
+/// uses its first `numel` elements. Quantized contents carry their per-tensor `scale`.
+pub struct DeviceBuffer {
+    dtype: DType,
+    len: usize,
+    /// Quantization scale of the current contents (1.0 when not quantized).
+    pub scale: f32,
+    inner: Box<dyn Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("dtype", &self.dtype)
+            .field("len", &self.len)
+            .field("scale", &self.scale)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeviceBuffer {
+    /// Wraps a backend allocation.
+    pub fn new(dtype: DType, len: usize, inner: Box<dyn Any + Send + Sync>) -> Self {
+        Self {
+            dtype,
+            len,
+            scale: 1.0,
+            inner,
+        }
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Capacity in elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the capacity is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Capacity in bytes.
+    pub fn bytes(&self) -> usize {
+        self.len * self.dtype.size_in_bytes()
+    }
+
+    /// The backend allocation, if it is of type `T`.
+    pub fn inner<T: 'static>(&self) -> Option<&T> {
+        self.inner.downcast_ref()
+    }
+
+    /// The backend allocation, mutably, if it is of type `T`.
+    pub fn inner_mut<T: 'static>(&mut self) -> Option<&mut T> {
+        self.inner.downcast_mut()
+    }
+}
+
+/// A read-only view of a buffer as a tensor of `spec`.
+#[derive(Debug, Clone, Copy)]
+pub struct BufferRef<'a> {
+    /// The buffer.
+    pub buffer: &'a DeviceBuffer,
+    /// Shape and dtype of the value in it.
+    pub spec: &'a TensorSpec,
+}
+
+/// A writable view of a buffer as a tensor of `spec`.
+#[derive(Debug)]
+pub struct BufferMut<'a> {
+    /// The buffer.
+    pub buffer: &'a mut DeviceBuffer,
+    /// Shape and dtype of the value to write.
+    pub spec: &'a TensorSpec,
+}
+
+/// Memory use of a backend.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryStats {
+    /// Bytes currently allocated through the backend.
+    pub allocated_bytes: u64,
+    /// Highest `allocated_bytes` seen.
+    pub peak_bytes: u64,
+    /// Device capacity, when known.
+    pub total_bytes: Option<u64>,
+}
+
+/// A compute backend: one device, its memory and its kernels.
+pub trait Backend: Send + Sync {
+    /// Short name, e.g. `cpu`, `cuda:0`.
+    fn name(&self) -> &str;
+
+    /// The kind of device.
+    fn kind(&self) -> DeviceKind;
+
+    /// What the hardware is (name, arch, features).
+    fn device(&self) -> &DeviceInfo;
+
+    /// Allocates a zeroed buffer of `len` elements.
+    fn allocate(&self, dtype: DType, len: usize) -> Result<DeviceBuffer>;
+
+    /// Copies a host tensor to a new device buffer (keeping its scale).
+    fn upload(&self, tensor: &Tensor) -> Result<DeviceBuffer>;
+
+    /// Copies the first `spec.numel()` elements of a buffer back to the host.
+    fn download(&self, buffer: &DeviceBuffer, spec: &TensorSpec) -> Result<Tensor>;
+
+    /// Runs `kernel` (a name from the kernel registry) for `op`.
+    fn execute(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()>;
+
+    /// Waits until all queued work is done.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Current memory statistics.
+    fn memory_stats(&self) -> MemoryStats;
+}
+
+/// The backends available in this process, chosen at run time.
+#[derive(Default, Clone)]
+pub struct BackendRegistry {
+    backends: Vec<Arc<dyn Backend>>,
+}
+
+impl std::fmt::Debug for BackendRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.backends.iter().map(|b| b.name()))
+            .finish()
+    }
+}
+
+impl BackendRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a backend; later registrations of the same name replace earlier ones.
+    pub fn register(&mut self, backend: Arc<dyn Backend>) {
+        self.backends.retain(|b| b.name() != backend.name());
+        self.backends.push(backend);
+    }
+
+    /// Every registered backend, in registration order.
+    pub fn all(&self) -> &[Arc<dyn Backend>] {
+        &self.backends
+    }
+
+    /// A backend by name.
+    pub fn get(&self, name: &str) -> Result<Arc<dyn Backend>> {
+        self.backends
+            .iter()
+            .find(|b| b.name() == name)
+            .cloned()
+            .ok_or_else(|| KptError::Backend {
+                backend: name.to_string(),
+                message: format!("not registered; available: {}", self.names().join(", ")),
+            })
+    }
+
+    /// The first backend of a kind.
+    pub fn by_kind(&self, kind: DeviceKind) -> Result<Arc<dyn Backend>> {
+        self.backends
+            .iter()
+            .find(|b| b.kind() == kind)
+            .cloned()
+            .ok_or_else(|| KptError::Backend {
+                backend: kind.to_string(),
+                message: format!(
+                    "no {kind} device found; available: {} (build with the matching cargo feature and check `kpt detect`)",
+                    self.names().join(", ")
+                ),
+            })
+    }
+
+    /// The preferred backend: accelerators first (CUDA, ROCm, TPU), then the CPU.
+    pub fn best(&self) -> Result<Arc<dyn Backend>> {
+        [DeviceKind::Cuda, DeviceKind::Rocm, DeviceKind::Tpu, DeviceKind::Cpu]
+            .into_iter()
+            .find_map(|k| self.by_kind(k).ok())
+            .ok_or_else(|| KptError::Backend {
+                backend: "any".into(),
+                message: "no backend registered".into(),
+            })
+    }
+
+    /// Names of the registered backends.
+    pub fn names(&self) -> Vec<String> {
+        self.backends.iter().map(|b| b.name().to_string()).collect()
+    }
+}

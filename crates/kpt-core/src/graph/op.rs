@@ -1,0 +1,719 @@
+//! The ops of the graph IR, with shape and dtype inference.
+//!
+//! Layout conventions (row-major, last dimension is the feature dimension):
+//! - `Linear`: x `[.., K]`, weight `[N, K]` (PyTorch layout), bias `[N]` -> `[.., N]`.
+//! - `MatMul`: a `[.., M, K]`, b `[K, N]` or `[.., K, N]` with the same batch dims -> `[.., M, N]`.
+//! - `Attention`: q `[B, S, Hq*D]`, k and v `[B, T, Hkv*D]`, optional additive mask `[S, T]`
+//!   -> `[B, S, Hq*D]`. Causal masking is bottom-right aligned (query `i` sees keys `j <= i + T - S`).
+//! - `Rotary`: x `[B, S, H*D]`, positions `[S]` (i32/i64) -> same shape as x (NeoX "rotate half").
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::DType;
+use crate::error::{KptError, Result};
+
+/// Element-wise activation functions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// max(x, 0).
+    Relu,
+    /// x * Φ(x) with the exact error function.
+    GeluErf,
+    /// The tanh approximation of GELU.
+    GeluTanh,
+    /// x * sigmoid(x) (a.k.a. swish).
+    Silu,
+}
+
+impl Activation {
+    /// Every activation.
+    pub const ALL: [Activation; 4] = [
+        Activation::Relu,
+        Activation::GeluErf,
+        Activation::GeluTanh,
+        Activation::Silu,
+    ];
+
+    /// Lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Activation::Relu => "relu",
+            Activation::GeluErf => "gelu",
+            Activation::GeluTanh => "gelu_tanh",
+            Activation::Silu => "silu",
+        }
+    }
+}
+
+/// Parameters of the attention op.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AttentionParams {
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (GQA when smaller than `num_heads`; must divide it).
+    pub num_kv_heads: usize,
+    /// Size of one head.
+    pub head_dim: usize,
+    /// Causal (bottom-right aligned) masking.
+    pub causal: bool,
+    /// Softmax scale; `None` means `1/sqrt(head_dim)`.
+    pub scale: Option<f32>,
+    /// Whether a fourth input, an additive `[S, T]` mask, is given.
+    pub mask: bool,
+}
+
+impl AttentionParams {
+    /// The scale actually applied to `q·k`.
+    pub fn effective_scale(&self) -> f32 {
+        self.scale
+            .unwrap_or_else(|| 1.0 / (self.head_dim as f32).sqrt())
+    }
+}
+
+/// One operation of the graph IR.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// Table lookup: ids (i32/i64) and table `[V, D]` -> `[.., D]`.
+    Embedding,
+    /// Matrix product.
+    MatMul,
+    /// `x w^T (+ b)`.
+    Linear {
+        /// Whether a bias input follows the weight.
+        bias: bool,
+    },
+    /// Element-wise activation.
+    Activation {
+        /// Which function.
+        act: Activation,
+    },
+    /// Fused `act(x w^T + b)`.
+    LinearAct {
+        /// Whether a bias input follows the weight.
+        bias: bool,
+        /// The fused activation.
+        act: Activation,
+    },
+    /// RMS normalization over the last dim: x, weight `[D]`.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: f32,
+    },
+    /// Layer normalization over the last dim: x, weight `[D]`, bias `[D]`.
+    LayerNorm {
+        /// Added to the variance.
+        eps: f32,
+    },
+    /// Fused residual add + RMS norm: x, residual, weight -> (x + residual, rms_norm(x + residual)).
+    AddRmsNorm {
+        /// Added to the mean square.
+        eps: f32,
+    },
+    /// Rotary position embedding (NeoX / LLaMA "rotate half" layout).
+    Rotary {
+        /// Size of one head (even).
+        head_dim: usize,
+        /// Frequency base (10000 for LLaMA 2).
+        theta: f32,
+    },
+    /// Softmax over the last dim.
+    Softmax,
+    /// Scaled dot-product attention.
+    Attention(AttentionParams),
+    /// Element-wise sum; the right operand broadcasts over leading dims.
+    Add,
+    /// Element-wise product; the right operand broadcasts over leading dims.
+    Mul,
+    /// Float -> FP8/int8 with a per-tensor scale (stored = x / scale).
+    Quantize {
+        /// Target dtype (f8e4m3, f8e5m2 or i8).
+        dtype: DType,
+        /// Per-tensor scale.
+        scale: f32,
+    },
+    /// FP8/int8 -> float (x = stored * scale, scale carried by the input).
+    Dequantize {
+        /// Target float dtype.
+        dtype: DType,
+    },
+    /// Float -> float conversion.
+    Cast {
+        /// Target dtype.
+        dtype: DType,
+    },
+    /// Concatenation of two tensors along `axis` (e.g. appending to a KV cache).
+    Concat {
+        /// The axis to join along.
+        axis: usize,
+    },
+}
+
+/// The kind of an op without its parameters: the key of the op catalog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpKind {
+    /// See [`Op::Embedding`].
+    Embedding,
+    /// See [`Op::MatMul`].
+    MatMul,
+    /// See [`Op::Linear`].
+    Linear,
+    /// See [`Op::Activation`].
+    Activation,
+    /// See [`Op::LinearAct`].
+    LinearAct,
+    /// See [`Op::RmsNorm`].
+    RmsNorm,
+    /// See [`Op::LayerNorm`].
+    LayerNorm,
+    /// See [`Op::AddRmsNorm`].
+    AddRmsNorm,
+    /// See [`Op::Rotary`].
+    Rotary,
+    /// See [`Op::Softmax`].
+    Softmax,
+    /// See [`Op::Attention`].
+    Attention,
+    /// See [`Op::Add`].
+    Add,
+    /// See [`Op::Mul`].
+    Mul,
+    /// See [`Op::Quantize`].
+    Quantize,
+    /// See [`Op::Dequantize`].
+    Dequantize,
+    /// See [`Op::Cast`].
+    Cast,
+    /// See [`Op::Concat`].
+    Concat,
+}
+
+impl OpKind {
+    /// Every op kind, in catalog order.
+    pub const ALL: [OpKind; 17] = [
+        OpKind::Embedding,
+        OpKind::MatMul,
+        OpKind::Linear,
+        OpKind::Activation,
+        OpKind::LinearAct,
+        OpKind::RmsNorm,
+        OpKind::LayerNorm,
+        OpKind::AddRmsNorm,
+        OpKind::Rotary,
+        OpKind::Softmax,
+        OpKind::Attention,
+        OpKind::Add,
+        OpKind::Mul,
+        OpKind::Quantize,
+        OpKind::Dequantize,
+        OpKind::Cast,
+        OpKind::Concat,
+    ];
+
+    /// snake_case name, as accepted by [`FromStr`].
+    pub const fn name(self) -> &'static str {
+        match self {
+            OpKind::Embedding => "embedding",
+            OpKind::MatMul => "matmul",
+            OpKind::Linear => "linear",
+            OpKind::Activation => "activation",
+            OpKind::LinearAct => "linear_act",
+            OpKind::RmsNorm => "rms_norm",
+            OpKind::LayerNorm => "layer_norm",
+            OpKind::AddRmsNorm => "add_rms_norm",
+            OpKind::Rotary => "rotary",
+            OpKind::Softmax => "softmax",
+            OpKind::Attention => "attention",
+            OpKind::Add => "add",
+            OpKind::Mul => "mul",
+            OpKind::Quantize => "quantize",
+            OpKind::Dequantize => "dequantize",
+            OpKind::Cast => "cast",
+            OpKind::Concat => "concat",
+        }
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for OpKind {
+    type Err = KptError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim().to_ascii_lowercase().replace('-', "_");
+        OpKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or(KptError::UnknownOp(s))
+    }
+}
+
+/// Shape and dtype of a value.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    /// Element type.
+    pub dtype: DType,
+}
+
+impl TensorSpec {
+    /// A spec from a shape and dtype.
+    pub fn new(shape: &[usize], dtype: DType) -> Self {
+        Self {
+            shape: shape.to_vec(),
+            dtype,
+        }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.numel() * self.dtype.size_in_bytes()
+    }
+}
+
+impl fmt::Display for TensorSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{:?}", self.dtype, self.shape)
+    }
+}
+
+/// Floating point types that ops compute in.
+fn is_compute(d: DType) -> bool {
+    matches!(d, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
+}
+
+impl Op {
+    /// The op's kind.
+    pub fn kind(&self) -> OpKind {
+        match self {
+            Op::Embedding => OpKind::Embedding,
+            Op::MatMul => OpKind::MatMul,
+            Op::Linear { .. } => OpKind::Linear,
+            Op::Activation { .. } => OpKind::Activation,
+            Op::LinearAct { .. } => OpKind::LinearAct,
+            Op::RmsNorm { .. } => OpKind::RmsNorm,
+            Op::LayerNorm { .. } => OpKind::LayerNorm,
+            Op::AddRmsNorm { .. } => OpKind::AddRmsNorm,
+            Op::Rotary { .. } => OpKind::Rotary,
+            Op::Softmax => OpKind::Softmax,
+            Op::Attention(_) => OpKind::Attention,
+            Op::Add => OpKind::Add,
+            Op::Mul => OpKind::Mul,
+            Op::Quantize { .. } => OpKind::Quantize,
+            Op::Dequantize { .. } => OpKind::Dequantize,
+            Op::Cast { .. } => OpKind::Cast,
+            Op::Concat { .. } => OpKind::Concat,
+        }
+    }
+
+    /// How many inputs the op takes.
+    pub fn num_inputs(&self) -> usize {
+        match self {
+            Op::Activation { .. }
+            | Op::Softmax
+            | Op::Quantize { .. }
+            | Op::Dequantize { .. }
+            | Op::Cast { .. } => 1,
+            Op::Embedding | Op::MatMul | Op::RmsNorm { .. } | Op::Rotary { .. } => 2,
+            Op::Add | Op::Mul | Op::Concat { .. } => 2,
+            Op::Linear { bias } | Op::LinearAct { bias, .. } => 2 + usize::from(*bias),
+            Op::LayerNorm { .. } | Op::AddRmsNorm { .. } => 3,
+            Op::Attention(p) => 3 + usize::from(p.mask),
+        }
+    }
+
+    /// Floating point operations for one run with these inputs (for throughput reports).
+    pub fn flops(&self, inputs: &[TensorSpec]) -> f64 {
+        let numel = |i: usize| inputs.get(i).map_or(0, TensorSpec::numel) as f64;
+        match self {
+            Op::Linear { .. } | Op::LinearAct { .. } => {
+                let n = inputs.get(1).map_or(0, |w| w.shape[0]) as f64;
+                2.0 * numel(0) * n
+            }
+            Op::MatMul => {
+                let n = inputs.get(1).and_then(|b| b.shape.last()).copied().unwrap_or(0) as f64;
+                2.0 * numel(0) * n
+            }
+            Op::Attention(p) => {
+                let (Some(q), Some(k)) = (inputs.first(), inputs.get(1)) else {
+                    return 0.0;
+                };
+                let (b, s, t) = (q.shape[0] as f64, q.shape[1] as f64, k.shape[1] as f64);
+                let full = 4.0 * b * s * t * (p.num_heads * p.head_dim) as f64;
+                if p.causal {
+                    full / 2.0
+                } else {
+                    full
+                }
+            }
+            _ => numel(0),
+        }
+    }
+
+    /// Infers the output specs from the input specs; a typed error names what is wrong.
+    pub fn infer(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
+        let name = self.kind().name();
+        if inputs.len() != self.num_inputs() {
+            return Err(KptError::Graph(format!(
+                "{name} takes {} input(s), got {}",
+                self.num_inputs(),
+                inputs.len()
+            )));
+        }
+        let shape_err = |msg: String| KptError::shape(name, msg);
+        let want_compute = |s: &TensorSpec| -> Result<()> {
+            if is_compute(s.dtype) {
+                Ok(())
+            } else {
+                Err(KptError::dtype(name, "f64, f32, f16 or bf16", s.dtype))
+            }
+        };
+        let same_dtype = |a: &TensorSpec, b: &TensorSpec| -> Result<()> {
+            if a.dtype == b.dtype {
+                Ok(())
+            } else {
+                Err(KptError::dtype(name, a.dtype.name(), b.dtype))
+            }
+        };
+        let rank_at_least = |s: &TensorSpec, r: usize, what: &str| -> Result<()> {
+            if s.shape.len() >= r {
+                Ok(())
+            } else {
+                Err(KptError::shape(
+                    name,
+                    format!("{what} must have rank >= {r}, got shape {:?}", s.shape),
+                ))
+            }
+        };
+        let x = &inputs[0];
+        match self {
+            Op::Embedding => {
+                let (ids, table) = (&inputs[0], &inputs[1]);
+                if !ids.dtype.is_index() {
+                    return Err(KptError::dtype(name, "i32 or i64 ids", ids.dtype));
+                }
+                want_compute(table)?;
+                if table.shape.len() != 2 {
+                    return Err(shape_err(format!("table must be [vocab, dim], got {:?}", table.shape)));
+                }
+                let mut shape = ids.shape.clone();
+                shape.push(table.shape[1]);
+                Ok(vec![TensorSpec::new(&shape, table.dtype)])
+            }
+            Op::MatMul => {
+                let b = &inputs[1];
+                want_compute(x)?;
+                same_dtype(x, b)?;
+                rank_at_least(x, 2, "a")?;
+                rank_at_least(b, 2, "b")?;
+                let (m, k) = (x.shape[x.shape.len() - 2], x.shape[x.shape.len() - 1]);
+                let (kb, n) = (b.shape[b.shape.len() - 2], b.shape[b.shape.len() - 1]);
+                if k != kb {
+                    return Err(shape_err(format!(
+                        "inner dims differ: a is {:?}, b is {:?} ({k} != {kb})",
+                        x.shape, b.shape
+                    )));
+                }
+                let batch_a = &x.shape[..x.shape.len() - 2];
+                let batch_b = &b.shape[..b.shape.len() - 2];
+                if !batch_b.is_empty() && batch_a != batch_b {
+                    return Err(shape_err(format!(
+                        "batch dims differ: a is {:?}, b is {:?}",
+                        x.shape, b.shape
+                    )));
+                }
+                let mut shape = batch_a.to_vec();
+                shape.extend([m, n]);
+                Ok(vec![TensorSpec::new(&shape, x.dtype)])
+            }
+            Op::Linear { bias } | Op::LinearAct { bias, .. } => {
+                let w = &inputs[1];
+                want_compute(x)?;
+                if !(w.dtype.is_float() || w.dtype == DType::I8) {
+                    return Err(KptError::dtype(name, "a float or i8 weight", w.dtype));
+                }
+                rank_at_least(x, 1, "x")?;
+                if w.shape.len() != 2 {
+                    return Err(shape_err(format!("weight must be [out, in], got {:?}", w.shape)));
+                }
+                let k = x.shape[x.shape.len() - 1];
+                if w.shape[1] != k {
+                    return Err(shape_err(format!(
+                        "x has {k} features but weight {:?} expects {}",
+                        w.shape, w.shape[1]
+                    )));
+                }
+                if *bias {
+                    let b = &inputs[2];
+                    same_dtype(x, b)?;
+                    if b.shape != [w.shape[0]] {
+                        return Err(shape_err(format!(
+                            "bias must be [{}], got {:?}",
+                            w.shape[0], b.shape
+                        )));
+                    }
+                }
+                let mut shape = x.shape.clone();
+                *shape.last_mut().unwrap_or(&mut 0) = w.shape[0];
+                Ok(vec![TensorSpec::new(&shape, x.dtype)])
+            }
+            Op::Activation { .. } | Op::Softmax => {
+                want_compute(x)?;
+                if matches!(self, Op::Softmax) {
+                    rank_at_least(x, 1, "x")?;
+                }
+                Ok(vec![x.clone()])
+            }
+            Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddRmsNorm { .. } => {
+                want_compute(x)?;
+                rank_at_least(x, 1, "x")?;
+                let dim = x.shape[x.shape.len() - 1];
+                let params: &[TensorSpec] = match self {
+                    Op::RmsNorm { .. } => &inputs[1..2],
+                    Op::LayerNorm { .. } => &inputs[1..3],
+                    _ => {
+                        let r = &inputs[1];
+                        same_dtype(x, r)?;
+                        if r.shape != x.shape {
+                            return Err(shape_err(format!(
+                                "residual {:?} must match x {:?}",
+                                r.shape, x.shape
+                            )));
+                        }
+                        &inputs[2..3]
+                    }
+                };
+                for p in params {
+                    same_dtype(x, p)?;
+                    if p.shape != [dim] {
+                        return Err(shape_err(format!("weight/bias must be [{dim}], got {:?}", p.shape)));
+                    }
+                }
+                if matches!(self, Op::AddRmsNorm { .. }) {
+                    Ok(vec![x.clone(), x.clone()])
+                } else {
+                    Ok(vec![x.clone()])
+                }
+            }
+            Op::Rotary { head_dim, theta } => {
+                let pos = &inputs[1];
+                want_compute(x)?;
+                if !pos.dtype.is_index() {
+                    return Err(KptError::dtype(name, "i32 or i64 positions", pos.dtype));
+                }
+                if x.shape.len() != 3 {
+                    return Err(shape_err(format!("x must be [batch, seq, heads*head_dim], got {:?}", x.shape)));
+                }
+                if *head_dim == 0 || head_dim % 2 != 0 || x.shape[2] % head_dim != 0 {
+                    return Err(shape_err(format!(
+                        "head_dim {head_dim} must be even, non-zero and divide {}",
+                        x.shape[2]
+                    )));
+                }
+                if !(*theta > 0.0) {
+                    return Err(KptError::InvalidArgument(format!("rotary theta must be > 0, got {theta}")));
+                }
+                if pos.shape != [x.shape[1]] {
+                    return Err(shape_err(format!("positions must be [{}], got {:?}", x.shape[1], pos.shape)));
+                }
+                Ok(vec![x.clone()])
+            }
+            Op::Attention(p) => {
+                let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
+                want_compute(q)?;
+                same_dtype(q, k)?;
+                same_dtype(q, v)?;
+                if p.num_heads == 0 || p.num_kv_heads == 0 || p.head_dim == 0 {
+                    return Err(shape_err("num_heads, num_kv_heads and head_dim must be > 0".into()));
+                }
+                if p.num_heads % p.num_kv_heads != 0 {
+                    return Err(shape_err(format!(
+                        "num_heads {} is not a multiple of num_kv_heads {}",
+                        p.num_heads, p.num_kv_heads
+                    )));
+                }
+                for (t, what, heads) in [(q, "q", p.num_heads), (k, "k", p.num_kv_heads), (v, "v", p.num_kv_heads)] {
+                    if t.shape.len() != 3 || t.shape[2] != heads * p.head_dim {
+                        return Err(shape_err(format!(
+                            "{what} must be [batch, seq, {}], got {:?}",
+                            heads * p.head_dim,
+                            t.shape
+                        )));
+                    }
+                }
+                if k.shape[..2] != v.shape[..2] || k.shape[0] != q.shape[0] {
+                    return Err(shape_err(format!(
+                        "batch/seq of q {:?}, k {:?}, v {:?} disagree",
+                        q.shape, k.shape, v.shape
+                    )));
+                }
+                if p.mask {
+                    let m = &inputs[3];
+                    want_compute(m)?;
+                    if m.shape != [q.shape[1], k.shape[1]] {
+                        return Err(shape_err(format!(
+                            "mask must be [{}, {}], got {:?}",
+                            q.shape[1], k.shape[1], m.shape
+                        )));
+                    }
+                }
+                Ok(vec![q.clone()])
+            }
+            Op::Add | Op::Mul => {
+                let b = &inputs[1];
+                want_compute(x)?;
+                same_dtype(x, b)?;
+                if b.shape.len() > x.shape.len() || !x.shape.ends_with(&b.shape) {
+                    return Err(shape_err(format!(
+                        "right operand {:?} must equal or be a trailing suffix of {:?}",
+                        b.shape, x.shape
+                    )));
+                }
+                Ok(vec![x.clone()])
+            }
+            Op::Quantize { dtype, scale } => {
+                want_compute(x)?;
+                if !dtype.is_quantized() {
+                    return Err(KptError::dtype(name, "f8e4m3, f8e5m2 or i8 target", *dtype));
+                }
+                if !(scale.is_finite() && *scale > 0.0) {
+                    return Err(KptError::InvalidArgument(format!("quantize scale must be finite and > 0, got {scale}")));
+                }
+                Ok(vec![TensorSpec::new(&x.shape, *dtype)])
+            }
+            Op::Dequantize { dtype } => {
+                if !x.dtype.is_quantized() {
+                    return Err(KptError::dtype(name, "f8e4m3, f8e5m2 or i8 input", x.dtype));
+                }
+                if !is_compute(*dtype) {
+                    return Err(KptError::dtype(name, "a float target", *dtype));
+                }
+                Ok(vec![TensorSpec::new(&x.shape, *dtype)])
+            }
+            Op::Cast { dtype } => {
+                want_compute(x)?;
+                if !is_compute(*dtype) {
+                    return Err(KptError::dtype(name, "a float target (use quantize for fp8/int8)", *dtype));
+                }
+                Ok(vec![TensorSpec::new(&x.shape, *dtype)])
+            }
+            Op::Concat { axis } => {
+                let b = &inputs[1];
+                same_dtype(x, b)?;
+                let rank = x.shape.len();
+                if *axis >= rank || b.shape.len() != rank {
+                    return Err(shape_err(format!(
+                        "axis {axis} invalid for shapes {:?} and {:?}",
+                        x.shape, b.shape
+                    )));
+                }
+                let mut shape = x.shape.clone();
+                for d in 0..rank {
+                    if d != *axis && x.shape[d] != b.shape[d] {
+                        return Err(shape_err(format!(
+                            "shapes {:?} and {:?} differ outside axis {axis}",
+                            x.shape, b.shape
+                        )));
+                    }
+                }
+                shape[*axis] += b.shape[*axis];
+                Ok(vec![TensorSpec::new(&shape, x.dtype)])
+            }
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Op::Activation { act } => write!(f, "activation({})", act.name()),
+            Op::LinearAct { act, .. } => write!(f, "linear_act({})", act.name()),
+            Op::Quantize { dtype, .. } => write!(f, "quantize({dtype})"),
+            Op::Dequantize { dtype } | Op::Cast { dtype } => write!(f, "{}({dtype})", self.kind()),
+            Op::Attention(p) if p.causal => f.write_str("attention(causal)"),
+            _ => f.write_str(self.kind().name()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(shape: &[usize], dtype: DType) -> TensorSpec {
+        TensorSpec::new(shape, dtype)
+    }
+
+    #[test]
+    fn linear_infers_and_rejects() {
+        let op = Op::Linear { bias: true };
+        let out = op
+            .infer(&[s(&[2, 3, 8], DType::F32), s(&[5, 8], DType::BF16), s(&[5], DType::F32)])
+            .unwrap();
+        assert_eq!(out, vec![s(&[2, 3, 5], DType::F32)]);
+        let err = op
+            .infer(&[s(&[2, 7], DType::F32), s(&[5, 8], DType::F32), s(&[5], DType::F32)])
+            .unwrap_err();
+        assert!(matches!(err, KptError::Shape { .. }), "{err}");
+        assert!(err.to_string().contains("7 features"));
+        let err = op.infer(&[s(&[2, 8], DType::F32), s(&[5, 8], DType::F32)]).unwrap_err();
+        assert!(matches!(err, KptError::Graph(_)));
+        let err = op
+            .infer(&[s(&[2, 8], DType::I32), s(&[5, 8], DType::F32), s(&[5], DType::F32)])
+            .unwrap_err();
+        assert!(matches!(err, KptError::DTypeMismatch { .. }));
+    }
+
+    #[test]
+    fn attention_checks_gqa_and_mask() {
+        let p = AttentionParams { num_heads: 8, num_kv_heads: 2, head_dim: 4, causal: true, scale: None, mask: true };
+        let op = Op::Attention(p);
+        let ok = op.infer(&[
+            s(&[1, 3, 32], DType::F32),
+            s(&[1, 5, 8], DType::F32),
+            s(&[1, 5, 8], DType::F32),
+            s(&[3, 5], DType::F32),
+        ]);
+        assert_eq!(ok.unwrap(), vec![s(&[1, 3, 32], DType::F32)]);
+        let bad = Op::Attention(AttentionParams { num_kv_heads: 3, ..p }).infer(&[
+            s(&[1, 3, 32], DType::F32),
+            s(&[1, 5, 12], DType::F32),
+            s(&[1, 5, 12], DType::F32),
+            s(&[3, 5], DType::F32),
+        ]);
+        assert!(matches!(bad, Err(KptError::Shape { .. })));
+    }
+
+    #[test]
+    fn op_names_parse() {
+        for k in OpKind::ALL {
+            assert_eq!(k.name().parse::<OpKind>().unwrap(), k);
+        }
+        assert!(matches!("convolution".parse::<OpKind>(), Err(KptError::UnknownOp(_))));
+    }
+
+    #[test]
+    fn concat_and_broadcast() {
+        let out = Op::Concat { axis: 1 }
+            .infer(&[s(&[1, 4, 8], DType::F32), s(&[1, 1, 8], DType::F32)])
+            .unwrap();
+        assert_eq!(out[0].shape, vec![1, 5, 8]);
+        assert!(Op::Add.infer(&[s(&[2, 8], DType::F32), s(&[8], DType::F32)]).is_ok());
+        assert!(Op::Add.infer(&[s(&[2, 8], DType::F32), s(&[2], DType::F32)]).is_err());
+    }
+}

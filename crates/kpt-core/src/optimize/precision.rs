@@ -1,0 +1,84 @@
+//! The precision policy: which dtype the weights of each linear layer are stored in.
+
+use crate::error::Result;
+use crate::graph::{Graph, Op, TensorSpec};
+use crate::hardware::DeviceInfo;
+use crate::DType;
+
+use super::{KernelSelector, OptLevel, PassReport, PrecisionPolicy};
+
+impl PrecisionPolicy {
+    /// The weight dtype candidates for a level, most compact first.
+    pub fn weight_candidates(&self, level: OptLevel) -> Vec<DType> {
+        if let Some(d) = self.weight_dtype {
+            return vec![d];
+        }
+        match level {
+            OptLevel::Conservative => vec![],
+            OptLevel::Balanced => vec![DType::BF16],
+            OptLevel::Aggressive => {
+                let mut v = Vec::new();
+                if self.allow_fp8 {
+                    v.push(DType::F8E4M3);
+                }
+                if self.allow_int8 {
+                    v.push(DType::I8);
+                }
+                v.push(DType::BF16);
+                v
+            }
+        }
+    }
+}
+
+/// Converts the weights of linear layers to the policy's dtype, where a kernel for
+/// the converted layer exists on the device; otherwise the layer is left as it is.
+pub fn apply_precision(
+    graph: &Graph,
+    level: OptLevel,
+    policy: &PrecisionPolicy,
+    selector: &dyn KernelSelector,
+    device: &DeviceInfo,
+) -> Result<(Graph, PassReport)> {
+    let mut report = PassReport::new("precision");
+    let candidates = policy.weight_candidates(level);
+    let mut out = graph.clone();
+    if candidates.is_empty() {
+        return Ok((out, report));
+    }
+    for node in graph.nodes() {
+        if !matches!(node.op, Op::Linear { .. } | Op::LinearAct { .. }) {
+            continue;
+        }
+        let w = node.inputs[1];
+        let Some(tensor) = graph.param_tensor(w) else {
+            continue;
+        };
+        if tensor.dtype() != DType::F32 {
+            continue;
+        }
+        let specs: Vec<TensorSpec> = node
+            .inputs
+            .iter()
+            .map(|&v| graph.spec(v).cloned())
+            .collect::<Result<_>>()?;
+        let chosen = candidates.iter().copied().find(|&d| {
+            let mut s = specs.clone();
+            s[1].dtype = d;
+            selector.select(&node.op, &s, device).is_ok()
+        });
+        match chosen {
+            Some(d) => {
+                out.set_param(w, tensor.to_dtype(d)?)?;
+                report.change(format!("{}: weight f32 -> {d}", node.name));
+            }
+            None => report.change(format!(
+                "{}: kept f32 weight (no kernel for {} weights on {})",
+                node.name,
+                candidates.iter().map(|d| d.name()).collect::<Vec<_>>().join("/"),
+                device.name
+            )),
+        }
+    }
+    Ok((out, report))
+}

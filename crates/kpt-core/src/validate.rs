@@ -1,0 +1,302 @@
+//! Numeric validation: an optimized plan against the f64 reference.
+//!
+//! Two checks, both reported:
+//! - **per op**: every node's output is compared with the f64 reference applied to
+//!   the very inputs the node received, so each kernel's own error is measured
+//!   against a tolerance for its output dtype and reduction length;
+//! - **end to end**: the plan's outputs are compared with the f64 reference of the
+//!   original, unoptimized graph; this includes the error of lower-precision weights
+//!   and is held to a budget per weight dtype.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{KptError, Result};
+use crate::exec::Executor;
+use crate::graph::{Graph, Op, TensorSpec, ValueSource};
+use crate::tensor::Tensor;
+use crate::DType;
+
+/// The f64 reference of every op (implemented in `kpt-kernels`).
+pub trait ReferenceOps {
+    /// Evaluates `op` in f64 on (dequantized) inputs; returns f64 tensors.
+    fn eval(&self, op: &Op, inputs: &[Tensor]) -> Result<Vec<Tensor>>;
+}
+
+/// An `|got - want| <= abs + rel * |want|` bound.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Tolerance {
+    /// Absolute part, in units of the reference's largest magnitude.
+    pub abs: f64,
+    /// Relative part.
+    pub rel: f64,
+}
+
+/// How many products a single output element of `op` accumulates.
+pub fn reduction_len(op: &Op, inputs: &[TensorSpec]) -> usize {
+    let last = |i: usize| inputs.get(i).and_then(|s| s.shape.last()).copied().unwrap_or(1);
+    match op {
+        Op::Linear { .. } | Op::LinearAct { .. } => last(0),
+        Op::MatMul => inputs.get(1).map_or(1, |b| b.shape[b.shape.len().saturating_sub(2)]),
+        Op::Attention(p) => p.head_dim + inputs.get(1).map_or(1, |k| k.shape[1]),
+        Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddRmsNorm { .. } | Op::Softmax => last(0),
+        _ => 1,
+    }
+    .max(1)
+}
+
+/// The per-op tolerance for an output of `dtype` that accumulates `k` terms:
+/// a few units of roundoff of the output dtype (f32 for f64 outputs of f32 math),
+/// growing with `sqrt(k)` as rounding errors of a sum do.
+pub fn tolerance(op: &Op, dtype: DType, k: usize) -> Tolerance {
+    let eps = match dtype {
+        DType::F64 => DType::F64.epsilon(),
+        d if d.is_float() => d.epsilon().max(DType::F32.epsilon()),
+        // Integer outputs (ids) must match exactly, int8 within one step.
+        _ => 0.0,
+    };
+    let c = match op {
+        Op::Quantize { .. } | Op::Dequantize { .. } | Op::Cast { .. } | Op::Concat { .. } | Op::Embedding => 2.0,
+        _ => 16.0,
+    };
+    let t = c * eps * (k as f64).sqrt().max(1.0);
+    let t = if dtype == DType::I8 { 1.0 / 127.0 } else { t };
+    Tolerance { abs: t, rel: t }
+}
+
+/// Error budget of whole-model outputs, relative to the largest reference magnitude,
+/// for the most compact weight dtype in the plan.
+pub fn end_to_end_budget(weight_dtype: DType) -> f64 {
+    match weight_dtype {
+        DType::F64 | DType::F32 => 1e-4,
+        DType::F16 => 1e-2,
+        DType::BF16 => 5e-2,
+        DType::I8 => 1e-1,
+        _ => 2.5e-1,
+    }
+}
+
+/// Errors of one tensor against its reference.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ErrorStats {
+    /// Largest absolute difference.
+    pub max_abs: f64,
+    /// Largest `|got - want| / |want|` over elements with `|want|` above 1e-3 of the max.
+    pub max_rel: f64,
+    /// Largest reference magnitude.
+    pub ref_max: f64,
+    /// Whether every element is within the tolerance.
+    pub within: bool,
+}
+
+/// Compares `got` with the reference `want` under `tol`.
+pub fn compare(got: &Tensor, want: &Tensor, tol: Tolerance) -> Result<ErrorStats> {
+    if got.shape() != want.shape() {
+        return Err(KptError::shape(
+            "compare",
+            format!("result {:?} vs reference {:?}", got.shape(), want.shape()),
+        ));
+    }
+    let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+    let ref_max = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+    let (mut max_abs, mut max_rel, mut within) = (0f64, 0f64, true);
+    for (a, b) in g.iter().zip(&w) {
+        let d = (a - b).abs();
+        if !d.is_finite() && !(a.is_nan() && b.is_nan()) {
+            within = false;
+            max_abs = f64::INFINITY;
+            continue;
+        }
+        max_abs = max_abs.max(d);
+        if b.abs() > 1e-3 * ref_max {
+            max_rel = max_rel.max(d / b.abs());
+        }
+        if d > tol.abs * ref_max.max(1e-30) + tol.rel * b.abs() {
+            within = false;
+        }
+    }
+    Ok(ErrorStats {
+        max_abs,
+        max_rel,
+        ref_max,
+        within,
+    })
+}
+
+/// The per-op line of a validation report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpValidation {
+    /// Node name.
+    pub node: String,
+    /// Op, e.g. `linear_act(silu)`.
+    pub op: String,
+    /// Kernel that ran.
+    pub kernel: String,
+    /// Output dtype.
+    pub dtype: DType,
+    /// The bound used.
+    pub tolerance: Tolerance,
+    /// The errors found (worst output of the node).
+    pub error: ErrorStats,
+}
+
+/// The end-to-end line of a validation report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutputValidation {
+    /// Output value name.
+    pub output: String,
+    /// Budget relative to the largest reference magnitude.
+    pub budget: f64,
+    /// The errors found.
+    pub error: ErrorStats,
+}
+
+/// Result of [`validate_plan`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ValidationReport {
+    /// One line per node of the optimized graph.
+    pub ops: Vec<OpValidation>,
+    /// One line per graph output.
+    pub outputs: Vec<OutputValidation>,
+}
+
+impl ValidationReport {
+    /// Whether every op and every output is within bounds.
+    pub fn passed(&self) -> bool {
+        self.ops.iter().all(|o| o.error.within) && self.outputs.iter().all(|o| o.error.within)
+    }
+
+    /// Largest end-to-end error relative to the reference magnitude.
+    pub fn max_output_rel_error(&self) -> f64 {
+        self.outputs
+            .iter()
+            .map(|o| o.error.max_abs / o.error.ref_max.max(1e-30))
+            .fold(0.0, f64::max)
+    }
+
+    /// Turns a failed report into a [`KptError::Validation`] naming the worst offenders.
+    pub fn into_result(self) -> Result<Self> {
+        if self.passed() {
+            return Ok(self);
+        }
+        let mut bad: Vec<String> = self
+            .ops
+            .iter()
+            .filter(|o| !o.error.within)
+            .map(|o| format!("{} ({} via {}): max abs {:.3e}", o.node, o.op, o.kernel, o.error.max_abs))
+            .collect();
+        bad.extend(
+            self.outputs
+                .iter()
+                .filter(|o| !o.error.within)
+                .map(|o| format!("output {}: max abs {:.3e} over budget {:.1e}", o.output, o.error.max_abs, o.budget)),
+        );
+        Err(KptError::Validation(bad.join("; ")))
+    }
+}
+
+/// Runs `graph` entirely with the f64 reference.
+pub fn run_reference(graph: &Graph, reference: &dyn ReferenceOps, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+    if inputs.len() != graph.inputs().len() {
+        return Err(KptError::InvalidArgument(format!(
+            "graph takes {} input(s), got {}",
+            graph.inputs().len(),
+            inputs.len()
+        )));
+    }
+    let mut values: Vec<Option<Tensor>> = graph
+        .values()
+        .iter()
+        .map(|v| match &v.source {
+            ValueSource::Param(t) => Some(t.clone()),
+            _ => None,
+        })
+        .collect();
+    for (&id, t) in graph.inputs().iter().zip(inputs) {
+        values[id.0] = Some(t.clone());
+    }
+    for node in graph.nodes() {
+        let ins = node
+            .inputs
+            .iter()
+            .map(|v| values[v.0].clone().ok_or_else(|| KptError::Graph(format!("value {} missing", v.0))))
+            .collect::<Result<Vec<_>>>()?;
+        let outs = reference.eval(&node.op, &ins)?;
+        for (o, t) in node.outputs.iter().zip(outs) {
+            values[o.0] = Some(t);
+        }
+    }
+    graph
+        .outputs()
+        .iter()
+        .map(|o| values[o.0].clone().ok_or_else(|| KptError::Graph("output missing".into())))
+        .collect()
+}
+
+/// Validates the plan inside `exec` against the reference (see the module docs).
+/// `original` is the graph before optimization; `tolerance_scale` multiplies every bound.
+pub fn validate_plan(
+    exec: &mut Executor,
+    original: &Graph,
+    reference: &dyn ReferenceOps,
+    inputs: &[Tensor],
+    tolerance_scale: f64,
+) -> Result<ValidationReport> {
+    let _span = tracing::info_span!("validate_plan").entered();
+    let (outputs, values) = exec.run_traced(inputs)?;
+    let plan = exec.plan();
+    let graph = &plan.graph;
+    let mut ops = Vec::with_capacity(graph.nodes().len());
+    for (node, choice) in graph.nodes().iter().zip(&plan.kernels) {
+        let ins = node
+            .inputs
+            .iter()
+            .map(|v| values[v.0].clone().ok_or_else(|| KptError::Graph(format!("value {} not traced", v.0))))
+            .collect::<Result<Vec<_>>>()?;
+        let specs: Vec<TensorSpec> = ins.iter().map(|t| TensorSpec::new(t.shape(), t.dtype())).collect();
+        let want = reference.eval(&node.op, &ins)?;
+        let k = reduction_len(&node.op, &specs);
+        let mut worst: Option<(DType, Tolerance, ErrorStats)> = None;
+        for (o, w) in node.outputs.iter().zip(&want) {
+            let got = values[o.0].as_ref().ok_or_else(|| KptError::Graph("output not traced".into()))?;
+            let mut tol = tolerance(&node.op, got.dtype(), k);
+            tol.abs *= tolerance_scale;
+            tol.rel *= tolerance_scale;
+            let e = compare(got, w, tol)?;
+            if worst.is_none_or(|(_, _, we)| !e.within || e.max_abs > we.max_abs && we.within) {
+                worst = Some((got.dtype(), tol, e));
+            }
+        }
+        if let Some((dtype, tolerance, error)) = worst {
+            ops.push(OpValidation {
+                node: node.name.clone(),
+                op: node.op.to_string(),
+                kernel: choice.kernel.clone(),
+                dtype,
+                tolerance,
+                error,
+            });
+        }
+    }
+    let reference_outputs = run_reference(original, reference, inputs)?;
+    let weight_dtype = graph
+        .values()
+        .iter()
+        .filter(|v| matches!(v.source, ValueSource::Param(_)))
+        .map(|v| v.spec.dtype)
+        .min_by_key(|d| d.size_in_bytes())
+        .unwrap_or(DType::F32);
+    let budget = end_to_end_budget(weight_dtype) * tolerance_scale;
+    let outputs = outputs
+        .iter()
+        .zip(&reference_outputs)
+        .zip(original.outputs())
+        .map(|((got, want), &id)| {
+            compare(got, want, Tolerance { abs: budget, rel: 0.0 }).map(|error| OutputValidation {
+                output: original.value(id).name.clone(),
+                budget,
+                error,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ValidationReport { ops, outputs })
+}

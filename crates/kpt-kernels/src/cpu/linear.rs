@@ -1,0 +1,363 @@
+//! Fused `y = act(x · wᵀ + bias)` with weights stored in f32, bf16, f16, FP8 or int8.
+//!
+//! - Small `m` (decode, `m <=` [`GEMV_MAX_M`]): a GEMV-style kernel, parallel over output
+//!   columns, that streams each weight row once in its stored dtype and widens it to f32
+//!   in registers (32 lanes at a time, shared by up to 4 rows of `x`). The kernel is
+//!   memory-bound, so 2-byte / 1-byte weights cut the traffic by 2x / 4x. Scales are
+//!   applied once per dot product; bias and activation on the finished value.
+//! - Larger `m`: f32 weights go straight to `gemm` (`wᵀ` is just a stride swap);
+//!   other dtypes are widened tile by tile ([`TILE_N`] weight rows at a time, spread over
+//!   the threads) into an f32 buffer that `gemm` consumes, and bias + activation run
+//!   on each output tile right after its product, while it is still in cache.
+
+use half::{bf16, f16};
+use kpt_core::{DType, KptError, Result};
+
+use super::gemm::{gemm_f32_raw, Strided};
+use super::par::for_each_row;
+use super::simd::{self, dot_rows, Decode, E4M3, E5M2};
+use super::{check_len, checked_product, Act};
+
+/// Largest `m` handled by the GEMV kernel; above it the tiled `gemm` path is faster.
+pub const GEMV_MAX_M: usize = 4;
+
+/// Weight rows widened to f32 per `gemm` call on the large-`m` path.
+pub const TILE_N: usize = 256;
+
+/// Output columns per GEMV task.
+const GEMV_COLS: usize = 8;
+
+/// Linear-layer weights `[n, k]` (row-major, PyTorch layout) in their stored dtype.
+/// The weight value is `stored * scale` for the quantized variants.
+#[derive(Debug, Clone, Copy)]
+pub enum WeightsRef<'a> {
+    /// f32 weights.
+    F32(&'a [f32]),
+    /// bf16 weights.
+    BF16(&'a [bf16]),
+    /// f16 weights.
+    F16(&'a [f16]),
+    /// FP8 E4M3 bits with a per-tensor scale.
+    F8E4M3 {
+        /// The FP8 bit patterns.
+        bits: &'a [u8],
+        /// Dequantization scale.
+        scale: f32,
+    },
+    /// FP8 E5M2 bits with a per-tensor scale.
+    F8E5M2 {
+        /// The FP8 bit patterns.
+        bits: &'a [u8],
+        /// Dequantization scale.
+        scale: f32,
+    },
+    /// Symmetric int8 with a per-tensor scale.
+    I8 {
+        /// The int8 values.
+        data: &'a [i8],
+        /// Dequantization scale.
+        scale: f32,
+    },
+}
+
+impl WeightsRef<'_> {
+    /// Number of stored elements.
+    pub fn len(&self) -> usize {
+        match self {
+            WeightsRef::F32(w) => w.len(),
+            WeightsRef::BF16(w) => w.len(),
+            WeightsRef::F16(w) => w.len(),
+            WeightsRef::F8E4M3 { bits, .. } | WeightsRef::F8E5M2 { bits, .. } => bits.len(),
+            WeightsRef::I8 { data, .. } => data.len(),
+        }
+    }
+
+    /// Whether there are no weights.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The stored dtype.
+    pub fn dtype(&self) -> DType {
+        match self {
+            WeightsRef::F32(_) => DType::F32,
+            WeightsRef::BF16(_) => DType::BF16,
+            WeightsRef::F16(_) => DType::F16,
+            WeightsRef::F8E4M3 { .. } => DType::F8E4M3,
+            WeightsRef::F8E5M2 { .. } => DType::F8E5M2,
+            WeightsRef::I8 { .. } => DType::I8,
+        }
+    }
+
+    /// The dequantization scale (1 for the unscaled dtypes).
+    pub fn scale(&self) -> f32 {
+        match self {
+            WeightsRef::F32(_) | WeightsRef::BF16(_) | WeightsRef::F16(_) => 1.0,
+            WeightsRef::F8E4M3 { scale, .. }
+            | WeightsRef::F8E5M2 { scale, .. }
+            | WeightsRef::I8 { scale, .. } => *scale,
+        }
+    }
+}
+
+/// `y[m, n] = act(x[m, k] · w[n, k]ᵀ + bias[n])`, fused (see the module docs).
+///
+/// Errors: a slice whose length does not match `m`, `k`, `n`
+/// ([`KptError::Shape`]), a non-finite scale ([`KptError::InvalidArgument`]).
+#[allow(clippy::too_many_arguments)]
+pub fn linear(
+    x: &[f32],
+    w: WeightsRef<'_>,
+    bias: Option<&[f32]>,
+    act: Option<Act>,
+    out: &mut [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "linear";
+    check_len(OP, "x [m, k]", x.len(), checked_product(OP, "[m, k]", &[m, k])?)?;
+    check_len(OP, "w [n, k]", w.len(), checked_product(OP, "[n, k]", &[n, k])?)?;
+    if let Some(b) = bias {
+        check_len(OP, "bias [n]", b.len(), n)?;
+    }
+    check_len(OP, "out [m, n]", out.len(), checked_product(OP, "[m, n]", &[m, n])?)?;
+    let scale = w.scale();
+    if !scale.is_finite() {
+        return Err(KptError::InvalidArgument(format!("linear: weight scale must be finite, got {scale}")));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        // Empty reduction: every output is act(bias).
+        for row in out.chunks_exact_mut(n) {
+            for (j, o) in row.iter_mut().enumerate() {
+                *o = finish(0.0, scale, bias.map_or(0.0, |b| b[j]), act);
+            }
+        }
+        return Ok(());
+    }
+    let p = Problem { x, bias, act, scale, m, k, n };
+    if m <= GEMV_MAX_M {
+        match w {
+            WeightsRef::F32(w) => gemv(&p, w, out),
+            WeightsRef::BF16(w) => gemv(&p, w, out),
+            WeightsRef::F16(w) => gemv(&p, w, out),
+            WeightsRef::F8E4M3 { bits, .. } => gemv(&p, bytemuck::cast_slice::<u8, E4M3>(bits), out),
+            WeightsRef::F8E5M2 { bits, .. } => gemv(&p, bytemuck::cast_slice::<u8, E5M2>(bits), out),
+            WeightsRef::I8 { data, .. } => gemv(&p, data, out),
+        }
+        return Ok(());
+    }
+    let ok = match w {
+        WeightsRef::F32(w) => {
+            let done = gemm_f32_raw(m, n, k, out, n, Strided { data: x, rs: k, cs: 1 }, Strided {
+                data: w,
+                rs: 1,
+                cs: k,
+            });
+            epilogue_cols(out, n, 0, n, bias, act);
+            done
+        }
+        WeightsRef::BF16(w) => tiled(&p, w, out),
+        WeightsRef::F16(w) => tiled(&p, w, out),
+        WeightsRef::F8E4M3 { bits, .. } => tiled(&p, bytemuck::cast_slice::<u8, E4M3>(bits), out),
+        WeightsRef::F8E5M2 { bits, .. } => tiled(&p, bytemuck::cast_slice::<u8, E5M2>(bits), out),
+        WeightsRef::I8 { data, .. } => tiled(&p, data, out),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(KptError::shape(OP, "internal error: a matrix view does not fit its buffer"))
+    }
+}
+
+/// The validated arguments of one call.
+struct Problem<'a> {
+    x: &'a [f32],
+    bias: Option<&'a [f32]>,
+    act: Option<Act>,
+    scale: f32,
+    m: usize,
+    k: usize,
+    n: usize,
+}
+
+/// `act(dot * scale + bias)` for one output.
+#[inline(always)]
+fn finish(dot: f32, scale: f32, bias: f32, act: Option<Act>) -> f32 {
+    let v = dot * scale + bias;
+    match act {
+        Some(a) => a.apply_f32(v),
+        None => v,
+    }
+}
+
+/// GEMV for a block of output columns: `out_t` is `[cols, m]` (column-major output),
+/// `w` holds the block's `cols` weight rows.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn gemv_block<const FMA: bool, T: Decode>(
+    x: &[f32],
+    w: &[T],
+    bias: &[f32],
+    out_t: &mut [f32],
+    scale: f32,
+    act: Option<Act>,
+    m: usize,
+    k: usize,
+) {
+    for (c, (o, wr)) in out_t.chunks_exact_mut(m).zip(w.chunks_exact(k.max(1))).enumerate() {
+        let b = bias.get(c).copied().unwrap_or(0.0);
+        let row = |i: usize| &x[i * k..(i + 1) * k];
+        let mut i = 0;
+        while i + 4 <= m {
+            let d = dot_rows::<4, FMA, T>([row(i), row(i + 1), row(i + 2), row(i + 3)], wr);
+            for r in 0..4 {
+                o[i + r] = finish(d[r], scale, b, act);
+            }
+            i += 4;
+        }
+        if i + 2 <= m {
+            let d = dot_rows::<2, FMA, T>([row(i), row(i + 1)], wr);
+            o[i] = finish(d[0], scale, b, act);
+            o[i + 1] = finish(d[1], scale, b, act);
+            i += 2;
+        }
+        if i < m {
+            let d = dot_rows::<1, FMA, T>([row(i)], wr);
+            o[i] = finish(d[0], scale, b, act);
+        }
+    }
+}
+
+/// Runs `gemv_block` with AVX2+FMA when available.
+#[allow(clippy::too_many_arguments)]
+fn gemv_block_d<T: Decode>(
+    x: &[f32],
+    w: &[T],
+    bias: &[f32],
+    out_t: &mut [f32],
+    scale: f32,
+    act: Option<Act>,
+    m: usize,
+    k: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn avx2<T: Decode>(
+            x: &[f32],
+            w: &[T],
+            bias: &[f32],
+            out_t: &mut [f32],
+            scale: f32,
+            act: Option<Act>,
+            m: usize,
+            k: usize,
+        ) {
+            gemv_block::<true, T>(x, w, bias, out_t, scale, act, m, k);
+        }
+        if simd::has_avx2_fma() {
+            // SAFETY: avx2 and fma were detected on this CPU.
+            unsafe { avx2(x, w, bias, out_t, scale, act, m, k) };
+            return;
+        }
+    }
+    gemv_block::<false, T>(x, w, bias, out_t, scale, act, m, k);
+}
+
+/// The small-`m` path: parallel over blocks of output columns.
+fn gemv<T: Decode>(p: &Problem<'_>, w: &[T], out: &mut [f32]) {
+    let (m, k, n) = (p.m, p.k, p.n);
+    let task = |c: usize, o: &mut [f32]| {
+        let j0 = c * GEMV_COLS;
+        let cols = o.len() / m;
+        let bias = p.bias.map_or(&[][..], |b| &b[j0..j0 + cols]);
+        gemv_block_d(p.x, &w[j0 * k..(j0 + cols) * k], bias, o, p.scale, p.act, m, k);
+    };
+    let cost = GEMV_COLS * k.max(1) * m;
+    if m == 1 {
+        for_each_row(out, GEMV_COLS, cost, task);
+        return;
+    }
+    // Column-major scratch [n, m], transposed into `out` afterwards (m <= 4: cheap).
+    let mut out_t = vec![0f32; n * m];
+    for_each_row(&mut out_t, GEMV_COLS * m, cost, task);
+    for (i, row) in out.chunks_exact_mut(n).enumerate() {
+        for (j, o) in row.iter_mut().enumerate() {
+            *o = out_t[j * m + i];
+        }
+    }
+}
+
+#[inline(always)]
+fn epilogue<const FMA: bool>(row: &mut [f32], bias: Option<&[f32]>, act: Option<Act>) {
+    if let Some(b) = bias {
+        row.iter_mut().zip(b).for_each(|(v, &c)| *v += c);
+    }
+    match act {
+        None => {}
+        Some(Act::Relu) => row.iter_mut().for_each(|v| *v = Act::Relu.apply_f32(*v)),
+        Some(Act::GeluErf) => row.iter_mut().for_each(|v| *v = Act::GeluErf.apply_f32(*v)),
+        Some(Act::GeluTanh) => row.iter_mut().for_each(|v| *v = Act::GeluTanh.apply_f32(*v)),
+        Some(Act::Silu) => row.iter_mut().for_each(|v| *v = Act::Silu.apply_f32(*v)),
+    }
+}
+
+simd::dispatch!(fn epilogue_d(row: &mut [f32], bias: Option<&[f32]>, act: Option<Act>) => epilogue);
+
+/// Bias + activation on columns `j0..j1` of every row of `out [_, n]`, rows in parallel.
+fn epilogue_cols(out: &mut [f32], n: usize, j0: usize, j1: usize, bias: Option<&[f32]>, act: Option<Act>) {
+    if bias.is_none() && act.is_none() {
+        return;
+    }
+    let cost = (j1 - j0) * if act.is_some() { 16 } else { 1 };
+    for_each_row(out, n, cost, |_, row| epilogue_d(&mut row[j0..j1], bias.map(|b| &b[j0..j1]), act));
+}
+
+#[inline(always)]
+fn decode_rows<const FMA: bool, T: Decode>(src: &[T], scale: f32, dst: &mut [f32]) {
+    simd::decode_scaled(src, scale, dst);
+}
+
+/// Widens `src` to f32 times `scale`, with AVX2 when available.
+fn decode_rows_d<T: Decode>(src: &[T], scale: f32, dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2<T: Decode>(src: &[T], scale: f32, dst: &mut [f32]) {
+            decode_rows::<true, T>(src, scale, dst);
+        }
+        if simd::has_avx2_fma() {
+            // SAFETY: avx2 and fma were detected on this CPU.
+            unsafe { avx2(src, scale, dst) };
+            return;
+        }
+    }
+    decode_rows::<false, T>(src, scale, dst);
+}
+
+/// The large-`m` path for non-f32 weights: widen `TILE_N` weight rows at a time, `gemm`
+/// them into the output columns, then bias + activation on those columns.
+fn tiled<T: Decode>(p: &Problem<'_>, w: &[T], out: &mut [f32]) -> bool {
+    let (m, k, n) = (p.m, p.k, p.n);
+    let tile_n = TILE_N.min(n);
+    let mut tile = vec![0f32; tile_n * k];
+    let mut j0 = 0;
+    while j0 < n {
+        let nt = tile_n.min(n - j0);
+        let buf = &mut tile[..nt * k];
+        let src = &w[j0 * k..(j0 + nt) * k];
+        for_each_row(buf, k.max(1), 2 * k, |r, dst| decode_rows_d(&src[r * k..][..dst.len()], p.scale, dst));
+        let rhs = Strided { data: &tile[..nt * k], rs: 1, cs: k };
+        if !gemm_f32_raw(m, nt, k, &mut out[j0..], n, Strided { data: p.x, rs: k, cs: 1 }, rhs) {
+            return false;
+        }
+        epilogue_cols(out, n, j0, j0 + nt, p.bias, p.act);
+        j0 += nt;
+    }
+    true
+}

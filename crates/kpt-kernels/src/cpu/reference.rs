@@ -1,0 +1,425 @@
+//! f64 reference implementations: naive loops, written to be obviously correct.
+//!
+//! Tensors are row-major contiguous `&[f64]` slices; the argument conventions are those
+//! of the fast kernels (see each function). Every length is validated first.
+
+// Index loops are the point here: they mirror the math.
+#![allow(clippy::needless_range_loop)]
+
+use kpt_core::{DType, KptError, Result};
+
+use super::shapes::AttentionShape;
+use super::{check_len, checked_product, Act};
+
+/// `out[m,n] = a[m,k] · b[k,n]`.
+pub fn matmul(a: &[f64], b: &[f64], out: &mut [f64], m: usize, k: usize, n: usize) -> Result<()> {
+    const OP: &str = "matmul";
+    check_len(OP, "a [m, k]", a.len(), checked_product(OP, "[m, k]", &[m, k])?)?;
+    check_len(OP, "b [k, n]", b.len(), checked_product(OP, "[k, n]", &[k, n])?)?;
+    check_len(OP, "out [m, n]", out.len(), checked_product(OP, "[m, n]", &[m, n])?)?;
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = 0.0;
+            for p in 0..k {
+                s += a[i * k + p] * b[p * n + j];
+            }
+            out[i * n + j] = s;
+        }
+    }
+    Ok(())
+}
+
+/// `out[m,n] = x[m,k] · w[n,k]ᵀ + bias[n]` (PyTorch `Linear` weight layout).
+pub fn linear(
+    x: &[f64],
+    w: &[f64],
+    bias: Option<&[f64]>,
+    out: &mut [f64],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    linear_act(x, w, bias, None, out, m, k, n)
+}
+
+/// [`linear`] followed by the activation `act` (if any).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_act(
+    x: &[f64],
+    w: &[f64],
+    bias: Option<&[f64]>,
+    act: Option<Act>,
+    out: &mut [f64],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "linear";
+    check_len(OP, "x [m, k]", x.len(), checked_product(OP, "[m, k]", &[m, k])?)?;
+    check_len(OP, "w [n, k]", w.len(), checked_product(OP, "[n, k]", &[n, k])?)?;
+    if let Some(b) = bias {
+        check_len(OP, "bias [n]", b.len(), n)?;
+    }
+    check_len(OP, "out [m, n]", out.len(), checked_product(OP, "[m, n]", &[m, n])?)?;
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = bias.map_or(0.0, |b| b[j]);
+            for p in 0..k {
+                s += x[i * k + p] * w[j * k + p];
+            }
+            out[i * n + j] = act.map_or(s, |a| a.apply_f64(s));
+        }
+    }
+    Ok(())
+}
+
+/// `out[i] = act(x[i])`.
+pub fn activation(x: &[f64], out: &mut [f64], act: Act) -> Result<()> {
+    check_len("activation", "out", out.len(), x.len())?;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = act.apply_f64(v);
+    }
+    Ok(())
+}
+
+/// Checks `[rows, dim]` tensors and a `[dim]` parameter.
+fn check_rows(op: &str, names: &[(&str, usize)], params: &[(&str, usize)], rows: usize, dim: usize) -> Result<()> {
+    let total = checked_product(op, "[rows, dim]", &[rows, dim])?;
+    for &(name, len) in names {
+        check_len(op, name, len, total)?;
+    }
+    for &(name, len) in params {
+        check_len(op, name, len, dim)?;
+    }
+    Ok(())
+}
+
+/// RMS norm over the last axis: `y = x / sqrt(mean(x²) + eps) * w`.
+pub fn rms_norm(x: &[f64], w: &[f64], out: &mut [f64], rows: usize, dim: usize, eps: f64) -> Result<()> {
+    check_rows("rms_norm", &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())], &[("w [dim]", w.len())], rows, dim)?;
+    for r in 0..rows {
+        let row = &x[r * dim..(r + 1) * dim];
+        let ms = row.iter().map(|v| v * v).sum::<f64>() / dim as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for c in 0..dim {
+            out[r * dim + c] = row[c] * inv * w[c];
+        }
+    }
+    Ok(())
+}
+
+/// Layer norm over the last axis: `y = (x - mean) / sqrt(var + eps) * w + b` (biased var).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm(
+    x: &[f64],
+    w: &[f64],
+    b: &[f64],
+    out: &mut [f64],
+    rows: usize,
+    dim: usize,
+    eps: f64,
+) -> Result<()> {
+    check_rows(
+        "layer_norm",
+        &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())],
+        &[("w [dim]", w.len()), ("b [dim]", b.len())],
+        rows,
+        dim,
+    )?;
+    for r in 0..rows {
+        let row = &x[r * dim..(r + 1) * dim];
+        let mean = row.iter().sum::<f64>() / dim as f64;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / dim as f64;
+        let inv = 1.0 / (var + eps).sqrt();
+        for c in 0..dim {
+            out[r * dim + c] = (row[c] - mean) * inv * w[c] + b[c];
+        }
+    }
+    Ok(())
+}
+
+/// `sum_out = x + residual`, `norm_out = rms_norm(sum_out)`.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm(
+    x: &[f64],
+    residual: &[f64],
+    w: &[f64],
+    sum_out: &mut [f64],
+    norm_out: &mut [f64],
+    rows: usize,
+    dim: usize,
+    eps: f64,
+) -> Result<()> {
+    check_rows(
+        "add_rms_norm",
+        &[
+            ("x [rows, dim]", x.len()),
+            ("residual [rows, dim]", residual.len()),
+            ("sum_out [rows, dim]", sum_out.len()),
+        ],
+        &[("w [dim]", w.len())],
+        rows,
+        dim,
+    )?;
+    check_len("add_rms_norm", "norm_out [rows, dim]", norm_out.len(), x.len())?;
+    for (s, (a, r)) in sum_out.iter_mut().zip(x.iter().zip(residual)) {
+        *s = a + r;
+    }
+    rms_norm(sum_out, w, norm_out, rows, dim, eps)
+}
+
+/// Checks the arguments of rotary embeddings (shared with the fast kernel).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_rotary(
+    x: usize,
+    positions: usize,
+    out: usize,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    const OP: &str = "rotary";
+    if head_dim % 2 != 0 {
+        return Err(KptError::shape(OP, format!("head_dim must be even, got {head_dim}")));
+    }
+    let total = checked_product(OP, "[batch, seq, heads, head_dim]", &[batch, seq, heads, head_dim])?;
+    check_len(OP, "x [batch, seq, heads*head_dim]", x, total)?;
+    check_len(OP, "positions [seq]", positions, seq)?;
+    check_len(OP, "out [batch, seq, heads*head_dim]", out, total)
+}
+
+/// Rotary position embedding, NeoX / LLaMA "rotate half" layout.
+///
+/// `x` is `[batch, seq, heads * head_dim]`, `positions` is `[seq]` (the same for every
+/// batch). For `i < head_dim/2`, `angle = pos * theta^(-2i/head_dim)`:
+/// `out[i] = x[i] cos - x[i + h/2] sin`, `out[i + h/2] = x[i + h/2] cos + x[i] sin`.
+#[allow(clippy::too_many_arguments)]
+pub fn rotary(
+    x: &[f64],
+    positions: &[i64],
+    out: &mut [f64],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    theta: f64,
+) -> Result<()> {
+    check_rotary(x.len(), positions.len(), out.len(), batch, seq, heads, head_dim)?;
+    let half = head_dim / 2;
+    for b in 0..batch {
+        for s in 0..seq {
+            for h in 0..heads {
+                let base = ((b * seq + s) * heads + h) * head_dim;
+                for i in 0..half {
+                    let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+                    let angle = positions[s] as f64 * freq;
+                    let (sin, cos) = angle.sin_cos();
+                    let (x0, x1) = (x[base + i], x[base + i + half]);
+                    out[base + i] = x0 * cos - x1 * sin;
+                    out[base + i + half] = x1 * cos + x0 * sin;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Softmax over the last axis of `x [rows, dim]`, subtracting the row max first. A row
+/// whose entries are all `-inf` gives zeros.
+pub fn softmax(x: &[f64], out: &mut [f64], rows: usize, dim: usize) -> Result<()> {
+    check_rows("softmax", &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())], &[], rows, dim)?;
+    for r in 0..rows {
+        let row = &x[r * dim..(r + 1) * dim];
+        let o = &mut out[r * dim..(r + 1) * dim];
+        let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if max == f64::NEG_INFINITY {
+            o.fill(0.0);
+            continue;
+        }
+        let mut sum = 0.0;
+        for (oi, &v) in o.iter_mut().zip(row) {
+            *oi = (v - max).exp();
+            sum += *oi;
+        }
+        for oi in o.iter_mut() {
+            *oi /= sum;
+        }
+    }
+    Ok(())
+}
+
+/// Scaled dot-product attention with GQA, optional additive mask and bottom-right causal
+/// masking; see [`AttentionShape`] for layouts and semantics.
+pub fn attention(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    mask: Option<&[f64]>,
+    out: &mut [f64],
+    shape: &AttentionShape,
+) -> Result<()> {
+    shape.check_buffers("attention", q.len(), k.len(), v.len(), mask.map(<[f64]>::len), out.len())?;
+    let s = *shape;
+    let d = s.head_dim;
+    let (q_row, kv_row) = (s.q_row(), s.kv_row());
+    let mut scores = vec![0.0; s.seq_kv];
+    for b in 0..s.batch {
+        for h in 0..s.num_heads {
+            let g = h / s.group_size();
+            for i in 0..s.seq_q {
+                let qi = &q[(b * s.seq_q + i) * q_row + h * d..][..d];
+                let limit = s.key_limit(i);
+                let mut max = f64::NEG_INFINITY;
+                for (j, sc) in scores.iter_mut().enumerate() {
+                    *sc = f64::NEG_INFINITY;
+                    if j >= limit {
+                        continue;
+                    }
+                    let kj = &k[(b * s.seq_kv + j) * kv_row + g * d..][..d];
+                    let dot: f64 = qi.iter().zip(kj).map(|(a, c)| a * c).sum();
+                    *sc = dot * s.scale + mask.map_or(0.0, |m| m[i * s.seq_kv + j]);
+                    max = max.max(*sc);
+                }
+                let o = &mut out[(b * s.seq_q + i) * q_row + h * d..][..d];
+                o.fill(0.0);
+                if max == f64::NEG_INFINITY {
+                    continue;
+                }
+                let mut sum = 0.0;
+                for (j, sc) in scores.iter().enumerate() {
+                    if *sc == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    let p = (sc - max).exp();
+                    sum += p;
+                    let vj = &v[(b * s.seq_kv + j) * kv_row + g * d..][..d];
+                    for (oc, vc) in o.iter_mut().zip(vj) {
+                        *oc += p * vc;
+                    }
+                }
+                for oc in o.iter_mut() {
+                    *oc /= sum;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks embedding arguments and ids (shared with the fast kernel).
+pub(crate) fn check_embedding(ids: &[i64], table: usize, out: usize, vocab: usize, dim: usize) -> Result<()> {
+    const OP: &str = "embedding";
+    check_len(OP, "table [vocab, dim]", table, checked_product(OP, "[vocab, dim]", &[vocab, dim])?)?;
+    check_len(OP, "out [ids, dim]", out, checked_product(OP, "[ids, dim]", &[ids.len(), dim])?)?;
+    if let Some((pos, id)) = ids.iter().enumerate().find(|(_, &id)| id < 0 || id as u64 >= vocab as u64) {
+        return Err(KptError::InvalidArgument(format!(
+            "embedding: id {id} at position {pos} is out of range for vocab size {vocab}"
+        )));
+    }
+    Ok(())
+}
+
+/// Row lookup: `out[i, :] = table[ids[i], :]`; an id outside `0..vocab` is an error.
+pub fn embedding(ids: &[i64], table: &[f64], out: &mut [f64], vocab: usize, dim: usize) -> Result<()> {
+    check_embedding(ids, table.len(), out.len(), vocab, dim)?;
+    for (i, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        out[i * dim..(i + 1) * dim].copy_from_slice(&table[id * dim..(id + 1) * dim]);
+    }
+    Ok(())
+}
+
+/// Checks a broadcasting binary op: `b.len()` divides `a.len()`, `out` matches `a`.
+pub(crate) fn check_broadcast(op: &str, a: usize, b: usize, out: usize) -> Result<()> {
+    if (b == 0 && a != 0) || (b != 0 && a % b != 0) {
+        return Err(KptError::shape(
+            op,
+            format!("b has {b} elements, which must divide a's {a} (b broadcasts over a's leading rows)"),
+        ));
+    }
+    check_len(op, "out", out, a)
+}
+
+/// `out = a + b`, `b` repeated over the leading rows of `a` (`a.len() % b.len() == 0`).
+pub fn add(a: &[f64], b: &[f64], out: &mut [f64]) -> Result<()> {
+    check_broadcast("add", a.len(), b.len(), out.len())?;
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = a[i] + b[i % b.len()];
+    }
+    Ok(())
+}
+
+/// `out = a * b`, `b` repeated over the leading rows of `a` (`a.len() % b.len() == 0`).
+pub fn mul(a: &[f64], b: &[f64], out: &mut [f64]) -> Result<()> {
+    check_broadcast("mul", a.len(), b.len(), out.len())?;
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = a[i] * b[i % b.len()];
+    }
+    Ok(())
+}
+
+/// Checks a quantization scale: finite and positive.
+pub(crate) fn check_scale(op: &str, scale: f64) -> Result<()> {
+    if scale.is_finite() && scale > 0.0 {
+        Ok(())
+    } else {
+        Err(KptError::InvalidArgument(format!("{op}: scale must be finite and > 0, got {scale}")))
+    }
+}
+
+/// `v` rounded to f32 with round-to-odd: an inexact result gets an odd last mantissa bit.
+///
+/// Rounding that value once more to any format with at least two fewer mantissa bits
+/// (f16, bf16, FP8, int8 range) gives the correctly rounded result of `v` itself, which
+/// converting through a plain `v as f32` (double rounding) or `half`'s `from_f64`
+/// (truncates the low 32 bits first) does not always.
+pub fn f64_to_f32_round_odd(v: f64) -> f32 {
+    let r = v as f32;
+    if !r.is_finite() || r as f64 == v || r.to_bits() & 1 == 1 {
+        return r;
+    }
+    // Inexact with an even last bit: step one ulp towards `v` (same sign as `r`).
+    let bits = r.to_bits();
+    if v.abs() > (r as f64).abs() {
+        f32::from_bits(bits + 1)
+    } else {
+        f32::from_bits(bits - 1)
+    }
+}
+
+/// Rounds `x / scale` to the grid of `dtype` and writes the stored values (not scaled
+/// back): round to nearest, ties to even, computed exactly from the f64 quotient
+/// (through [`f64_to_f32_round_odd`]); FP8 and int8 saturate like the `kpt_core::dtype`
+/// conversions, which do the final rounding. Dequantize with [`dequantize`].
+pub fn quantize(x: &[f64], dtype: DType, scale: f64, out: &mut [f64]) -> Result<()> {
+    const OP: &str = "quantize";
+    check_scale(OP, scale)?;
+    check_len(OP, "out", out.len(), x.len())?;
+    let round: fn(f64) -> f64 = match dtype {
+        DType::F32 => |v| v as f32 as f64,
+        DType::F16 => |v| half::f16::from_f32(f64_to_f32_round_odd(v)).to_f64(),
+        DType::BF16 => |v| half::bf16::from_f32(f64_to_f32_round_odd(v)).to_f64(),
+        DType::F8E4M3 => |v| {
+            kpt_core::dtype::f8e4m3_to_f32(kpt_core::dtype::f32_to_f8e4m3(f64_to_f32_round_odd(v))) as f64
+        },
+        DType::F8E5M2 => |v| {
+            kpt_core::dtype::f8e5m2_to_f32(kpt_core::dtype::f32_to_f8e5m2(f64_to_f32_round_odd(v))) as f64
+        },
+        DType::I8 => |v| kpt_core::dtype::f32_to_i8(f64_to_f32_round_odd(v)) as f64,
+        other => return Err(KptError::dtype(OP, "f32, f16, bf16, f8e4m3, f8e5m2 or i8", other)),
+    };
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = round(v / scale);
+    }
+    Ok(())
+}
+
+/// `out = stored * scale`.
+pub fn dequantize(stored: &[f64], scale: f64, out: &mut [f64]) -> Result<()> {
+    check_len("dequantize", "out", out.len(), stored.len())?;
+    for (o, &v) in out.iter_mut().zip(stored) {
+        *o = v * scale;
+    }
+    Ok(())
+}

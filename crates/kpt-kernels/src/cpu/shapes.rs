@@ -1,0 +1,169 @@
+//! Shape descriptions shared by the reference and the fast kernels.
+
+use kpt_core::{KptError, Result};
+
+use super::{check_len, checked_product};
+
+/// The dimensions of a (grouped-query) attention call.
+///
+/// Layouts, row-major: `q` and `out` are `[batch, seq_q, num_heads * head_dim]`, `k` and
+/// `v` are `[batch, seq_kv, num_kv_heads * head_dim]`, the optional additive mask is
+/// `[seq_q, seq_kv]` (shared by every batch and head). Query head `h` reads kv head
+/// `h / (num_heads / num_kv_heads)`. With `causal`, the mask is aligned bottom-right:
+/// query `i` may attend key `j` iff `j <= i + (seq_kv - seq_q)`. A key whose additive mask
+/// is `-inf` is excluded too; a query with no key left outputs zeros.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    /// Batch size.
+    pub batch: usize,
+    /// Number of query positions.
+    pub seq_q: usize,
+    /// Number of key/value positions.
+    pub seq_kv: usize,
+    /// Number of query heads.
+    pub num_heads: usize,
+    /// Number of key/value heads (divides `num_heads`).
+    pub num_kv_heads: usize,
+    /// Size of one head.
+    pub head_dim: usize,
+    /// Bottom-right aligned causal masking.
+    pub causal: bool,
+    /// Factor applied to `q · k` before the softmax, usually `1/√head_dim`.
+    pub scale: f64,
+}
+
+impl AttentionShape {
+    /// A shape with the usual scale `1/√head_dim` (1 when `head_dim` is 0).
+    pub fn new(
+        batch: usize,
+        seq_q: usize,
+        seq_kv: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        causal: bool,
+    ) -> Self {
+        Self {
+            batch,
+            seq_q,
+            seq_kv,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+        }
+    }
+
+    /// Checks that the heads group evenly, the scale is finite and no buffer size
+    /// overflows.
+    pub fn validate(&self) -> Result<()> {
+        const OP: &str = "attention";
+        if self.num_kv_heads == 0 && self.num_heads > 0 {
+            return Err(KptError::shape(
+                OP,
+                format!("num_kv_heads is 0 but num_heads is {}", self.num_heads),
+            ));
+        }
+        if self.num_kv_heads > 0 && self.num_heads % self.num_kv_heads != 0 {
+            return Err(KptError::shape(
+                OP,
+                format!(
+                    "num_heads {} is not a multiple of num_kv_heads {}",
+                    self.num_heads, self.num_kv_heads
+                ),
+            ));
+        }
+        if !self.scale.is_finite() {
+            return Err(KptError::InvalidArgument(format!(
+                "attention scale must be finite, got {}",
+                self.scale
+            )));
+        }
+        checked_product(OP, "q size [batch, seq_q, num_heads, head_dim]", &[
+            self.batch,
+            self.seq_q,
+            self.num_heads,
+            self.head_dim,
+        ])?;
+        checked_product(OP, "k/v size [batch, seq_kv, num_kv_heads, head_dim]", &[
+            self.batch,
+            self.seq_kv,
+            self.num_kv_heads,
+            self.head_dim,
+        ])?;
+        checked_product(OP, "mask size [seq_q, seq_kv]", &[self.seq_q, self.seq_kv])?;
+        checked_product(OP, "scores per head [seq_q, seq_kv, head_dim]", &[
+            self.seq_q,
+            self.seq_kv,
+            self.head_dim.max(1),
+        ])?;
+        Ok(())
+    }
+
+    /// Elements of `q` (and of `out`): `batch * seq_q * num_heads * head_dim`.
+    pub fn q_len(&self) -> usize {
+        self.batch
+            .saturating_mul(self.seq_q)
+            .saturating_mul(self.num_heads)
+            .saturating_mul(self.head_dim)
+    }
+
+    /// Elements of `k` (and of `v`): `batch * seq_kv * num_kv_heads * head_dim`.
+    pub fn kv_len(&self) -> usize {
+        self.batch
+            .saturating_mul(self.seq_kv)
+            .saturating_mul(self.num_kv_heads)
+            .saturating_mul(self.head_dim)
+    }
+
+    /// Elements of the optional mask: `seq_q * seq_kv`.
+    pub fn mask_len(&self) -> usize {
+        self.seq_q.saturating_mul(self.seq_kv)
+    }
+
+    /// Query heads per kv head (`num_heads / num_kv_heads`; 1 when there are no heads).
+    pub fn group_size(&self) -> usize {
+        self.num_heads.checked_div(self.num_kv_heads).unwrap_or(1).max(1)
+    }
+
+    /// Elements of one query/output row: `num_heads * head_dim`.
+    pub fn q_row(&self) -> usize {
+        self.num_heads.saturating_mul(self.head_dim)
+    }
+
+    /// Elements of one key/value row: `num_kv_heads * head_dim`.
+    pub fn kv_row(&self) -> usize {
+        self.num_kv_heads.saturating_mul(self.head_dim)
+    }
+
+    /// How many leading keys query `i` may attend (`seq_kv` unless causal).
+    pub fn key_limit(&self, i: usize) -> usize {
+        if !self.causal {
+            return self.seq_kv;
+        }
+        // j <= i + seq_kv - seq_q  <=>  j < i + 1 + seq_kv - seq_q.
+        (i + 1 + self.seq_kv).saturating_sub(self.seq_q).min(self.seq_kv)
+    }
+
+    /// [`validate`](Self::validate)s the shape and checks every buffer length.
+    pub fn check_buffers(
+        &self,
+        op: &str,
+        q: usize,
+        k: usize,
+        v: usize,
+        mask: Option<usize>,
+        out: usize,
+    ) -> Result<()> {
+        self.validate()?;
+        let (ql, kvl) = (self.q_len(), self.kv_len());
+        check_len(op, "q [batch, seq_q, num_heads*head_dim]", q, ql)?;
+        check_len(op, "k [batch, seq_kv, num_kv_heads*head_dim]", k, kvl)?;
+        check_len(op, "v [batch, seq_kv, num_kv_heads*head_dim]", v, kvl)?;
+        if let Some(m) = mask {
+            check_len(op, "mask [seq_q, seq_kv]", m, self.mask_len())?;
+        }
+        check_len(op, "out [batch, seq_q, num_heads*head_dim]", out, ql)
+    }
+}

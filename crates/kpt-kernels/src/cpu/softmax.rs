@@ -1,0 +1,73 @@
+//! Softmax over the last axis in f32 (row max subtracted first; rows in parallel).
+
+use kpt_core::Result;
+
+use super::par::for_each_row;
+use super::simd::{dispatch, exp_f32, hsum16};
+use super::{check_len, checked_product};
+
+/// Maximum of `x` (`-inf` for an empty slice), 16 lanes.
+#[inline(always)]
+pub(crate) fn max16(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for j in 0..16 {
+            acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for &v in acc.iter().chain(tail) {
+        m = if v > m { v } else { m };
+    }
+    m
+}
+
+/// `out = exp(x - shift)`, returning the sum of `out` (16 partial sums).
+#[inline(always)]
+pub(crate) fn exp_shift_sum(x: &[f32], shift: f32, out: &mut [f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut xc = x.chunks_exact(16);
+    let mut oc = out.chunks_exact_mut(16);
+    for (c, o) in (&mut xc).zip(&mut oc) {
+        for j in 0..16 {
+            let e = exp_f32(c[j] - shift);
+            o[j] = e;
+            acc[j] += e;
+        }
+    }
+    let mut t = 0f32;
+    for (&v, o) in xc.remainder().iter().zip(oc.into_remainder()) {
+        *o = exp_f32(v - shift);
+        t += *o;
+    }
+    hsum16(acc) + t
+}
+
+#[inline(always)]
+fn softmax_row<const FMA: bool>(x: &[f32], out: &mut [f32]) {
+    let max = max16(x);
+    if max == f32::NEG_INFINITY {
+        out.fill(0.0);
+        return;
+    }
+    let sum = exp_shift_sum(x, max, out);
+    let inv = 1.0 / sum;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+
+dispatch!(fn softmax_row_d(x: &[f32], out: &mut [f32]) => softmax_row);
+
+/// Softmax over the last axis of `x [rows, dim]`. A row of only `-inf` gives zeros
+/// (like a fully masked attention row); NaN propagates.
+pub fn softmax(x: &[f32], out: &mut [f32], rows: usize, dim: usize) -> Result<()> {
+    const OP: &str = "softmax";
+    let total = checked_product(OP, "[rows, dim]", &[rows, dim])?;
+    check_len(OP, "x [rows, dim]", x.len(), total)?;
+    check_len(OP, "out [rows, dim]", out.len(), total)?;
+    for_each_row(out, dim, 16 * dim, |r, o| softmax_row_d(&x[r * dim..(r + 1) * dim], o));
+    Ok(())
+}

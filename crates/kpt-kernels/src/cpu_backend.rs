@@ -1,0 +1,402 @@
+//! The CPU backend: host memory and the CPU kernels behind the `Backend` trait.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use half::{bf16, f16};
+use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
+use kpt_core::graph::{Op, TensorSpec};
+use kpt_core::hardware::{CpuDetector, DeviceInfo, DeviceKind, HardwareDetector};
+use kpt_core::tensor::Element;
+use kpt_core::validate::ReferenceOps;
+use kpt_core::{DType, KptError, Result, Storage, Tensor};
+
+use crate::cpu;
+use crate::cpu::linear::WeightsRef;
+use crate::reference::{act, CpuReference};
+
+/// Attention tile sizes of the CPU flash kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuTuning {
+    /// Query rows per tile.
+    pub block_q: usize,
+    /// Key/value rows per tile.
+    pub block_kv: usize,
+}
+
+impl Default for CpuTuning {
+    fn default() -> Self {
+        Self { block_q: 64, block_kv: 64 }
+    }
+}
+
+/// The host CPU as a kpt backend. Buffers are typed host vectors ([`Storage`]).
+#[derive(Debug)]
+pub struct CpuBackend {
+    device: DeviceInfo,
+    tuning: CpuTuning,
+    allocated: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl CpuBackend {
+    /// Detects the host CPU.
+    pub fn new() -> Result<Self> {
+        Self::with_tuning(CpuTuning::default())
+    }
+
+    /// Detects the host CPU and sets the attention tiles.
+    pub fn with_tuning(tuning: CpuTuning) -> Result<Self> {
+        let device = CpuDetector
+            .detect()?
+            .into_iter()
+            .next()
+            .ok_or_else(|| KptError::Backend { backend: "cpu".into(), message: "no CPU detected".into() })?;
+        if tuning.block_q == 0 || tuning.block_kv == 0 {
+            return Err(KptError::InvalidArgument("attention blocks must be > 0".into()));
+        }
+        Ok(Self { device, tuning, allocated: AtomicU64::new(0), peak: AtomicU64::new(0) })
+    }
+
+    fn track(&self, bytes: usize) {
+        let now = self.allocated.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+}
+
+fn storage<'a>(b: &'a DeviceBuffer) -> Result<&'a Storage> {
+    b.inner::<Storage>().ok_or_else(|| KptError::Backend {
+        backend: "cpu".into(),
+        message: "buffer does not belong to the CPU backend".into(),
+    })
+}
+
+fn input<'a, T: Element>(r: &BufferRef<'a>) -> Result<&'a [T]> {
+    let s = storage(r.buffer)?;
+    let all = T::slice(s).ok_or_else(|| KptError::dtype("cpu kernel input", T::DTYPE.name(), s.dtype()))?;
+    all.get(..r.spec.numel()).ok_or_else(|| too_small(all.len(), r.spec))
+}
+
+fn output<'a, T: Element>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [T]> {
+    let n = m.spec.numel();
+    let spec = m.spec.clone();
+    let s = m.buffer.inner_mut::<Storage>().ok_or_else(|| KptError::Backend {
+        backend: "cpu".into(),
+        message: "buffer does not belong to the CPU backend".into(),
+    })?;
+    let dtype = s.dtype();
+    let all = T::slice_mut(s).ok_or_else(|| KptError::dtype("cpu kernel output", T::DTYPE.name(), dtype))?;
+    let len = all.len();
+    all.get_mut(..n).ok_or_else(|| too_small(len, &spec))
+}
+
+fn bytes_in<'a>(r: &BufferRef<'a>) -> Result<&'a [u8]> {
+    match storage(r.buffer)? {
+        Storage::F8E4M3(v) | Storage::F8E5M2(v) => v.get(..r.spec.numel()).ok_or_else(|| too_small(v.len(), r.spec)),
+        s => Err(KptError::dtype("cpu fp8 input", "f8e4m3 or f8e5m2", s.dtype())),
+    }
+}
+
+fn bytes_out<'a>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [u8]> {
+    let n = m.spec.numel();
+    match m.buffer.inner_mut::<Storage>() {
+        Some(Storage::F8E4M3(v) | Storage::F8E5M2(v)) => {
+            let len = v.len();
+            v.get_mut(..n).ok_or_else(|| KptError::Backend { backend: "cpu".into(), message: format!("buffer of {len} < {n}") })
+        }
+        Some(s) => Err(KptError::dtype("cpu fp8 output", "f8e4m3 or f8e5m2", s.dtype())),
+        None => Err(KptError::Backend { backend: "cpu".into(), message: "foreign buffer".into() }),
+    }
+}
+
+fn too_small(len: usize, spec: &TensorSpec) -> KptError {
+    KptError::Backend { backend: "cpu".into(), message: format!("buffer of {len} elements cannot hold {spec}") }
+}
+
+/// Index tensors (ids, positions) as i64, whatever their integer dtype.
+fn indices(r: &BufferRef<'_>) -> Result<Vec<i64>> {
+    match r.spec.dtype {
+        DType::I64 => Ok(input::<i64>(r)?.to_vec()),
+        DType::I32 => Ok(input::<i32>(r)?.iter().map(|&x| x as i64).collect()),
+        d => Err(KptError::dtype("indices", "i32 or i64", d)),
+    }
+}
+
+fn weights<'a>(r: &BufferRef<'a>) -> Result<WeightsRef<'a>> {
+    let scale = r.buffer.scale;
+    Ok(match r.spec.dtype {
+        DType::F32 => WeightsRef::F32(input(r)?),
+        DType::BF16 => WeightsRef::BF16(input(r)?),
+        DType::F16 => WeightsRef::F16(input(r)?),
+        DType::F8E4M3 => WeightsRef::F8E4M3 { bits: bytes_in(r)?, scale },
+        DType::F8E5M2 => WeightsRef::F8E5M2 { bits: bytes_in(r)?, scale },
+        DType::I8 => WeightsRef::I8 { data: input(r)?, scale },
+        d => return Err(KptError::dtype("linear weights", "f32, bf16, f16, f8e4m3, f8e5m2 or i8", d)),
+    })
+}
+
+/// Rows and last-dim size of a tensor spec.
+fn rows_dim(spec: &TensorSpec) -> (usize, usize) {
+    let dim = spec.shape.last().copied().unwrap_or(1);
+    (spec.numel() / dim.max(1), dim)
+}
+
+impl CpuBackend {
+    /// Runs the f64 reference and writes its results in the output dtypes.
+    fn run_reference(&self, op: &Op, inputs: &[BufferRef<'_>], outputs: &mut [BufferMut<'_>]) -> Result<()> {
+        let ins = inputs.iter().map(|r| self.download(r.buffer, r.spec)).collect::<Result<Vec<_>>>()?;
+        let outs = CpuReference.eval(op, &ins)?;
+        for (m, t) in outputs.iter_mut().zip(outs) {
+            let scale = match op {
+                Op::Quantize { scale, .. } => *scale,
+                _ => 1.0,
+            };
+            let converted = Storage::from_f64(m.spec.dtype, &t.to_f64_vec(), scale);
+            let dst = m.buffer.inner_mut::<Storage>().ok_or_else(|| too_small(0, m.spec))?;
+            copy_prefix(dst, &converted)?;
+            m.buffer.scale = scale;
+        }
+        Ok(())
+    }
+
+    fn run_fast(&self, kernel: &str, op: &Op, inputs: &[BufferRef<'_>], outputs: &mut [BufferMut<'_>]) -> Result<()> {
+        let (out0, rest) = outputs
+            .split_first_mut()
+            .ok_or_else(|| KptError::Graph(format!("{kernel}: no output")))?;
+        match op {
+            Op::Embedding => {
+                let (vocab, dim) = (inputs[1].spec.shape[0], inputs[1].spec.shape[1]);
+                cpu::elementwise::embedding(&indices(&inputs[0])?, input(&inputs[1])?, output(out0)?, vocab, dim)
+            }
+            Op::MatMul => {
+                let a = inputs[0].spec;
+                let b = inputs[1].spec;
+                let (k, n) = (b.shape[b.shape.len() - 2], b.shape[b.shape.len() - 1]);
+                let m = a.numel() / k;
+                if b.shape.len() != 2 {
+                    return self.run_reference(op, inputs, outputs);
+                }
+                match a.dtype {
+                    DType::F32 => cpu::gemm::matmul_f32(input(&inputs[0])?, input(&inputs[1])?, output(out0)?, m, k, n),
+                    DType::BF16 => cpu::gemm::matmul_bf16(input::<bf16>(&inputs[0])?, input(&inputs[1])?, output(out0)?, m, k, n),
+                    DType::F16 => cpu::gemm::matmul_f16(input::<f16>(&inputs[0])?, input(&inputs[1])?, output(out0)?, m, k, n),
+                    d => Err(KptError::dtype(kernel, "f32, bf16 or f16", d)),
+                }
+            }
+            Op::Linear { bias } | Op::LinearAct { bias, .. } => {
+                let a = match op {
+                    Op::LinearAct { act: a, .. } => Some(act(*a)),
+                    _ => None,
+                };
+                let (m, k) = rows_dim(inputs[0].spec);
+                let n = inputs[1].spec.shape[0];
+                let b = if *bias { Some(input::<f32>(&inputs[2])?) } else { None };
+                cpu::linear::linear(input(&inputs[0])?, weights(&inputs[1])?, b, a, output(out0)?, m, k, n)
+            }
+            Op::Activation { act: a } => cpu::elementwise::activation(input(&inputs[0])?, output(out0)?, act(*a)),
+            Op::RmsNorm { eps } => {
+                let (rows, dim) = rows_dim(inputs[0].spec);
+                cpu::norm::rms_norm(input(&inputs[0])?, input(&inputs[1])?, output(out0)?, rows, dim, *eps)
+            }
+            Op::LayerNorm { eps } => {
+                let (rows, dim) = rows_dim(inputs[0].spec);
+                cpu::norm::layer_norm(input(&inputs[0])?, input(&inputs[1])?, input(&inputs[2])?, output(out0)?, rows, dim, *eps)
+            }
+            Op::AddRmsNorm { eps } => {
+                let (rows, dim) = rows_dim(inputs[0].spec);
+                let out1 = rest.first_mut().ok_or_else(|| KptError::Graph("add_rms_norm needs two outputs".into()))?;
+                cpu::norm::add_rms_norm(
+                    input(&inputs[0])?,
+                    input(&inputs[1])?,
+                    input(&inputs[2])?,
+                    output(out0)?,
+                    output(out1)?,
+                    rows,
+                    dim,
+                    *eps,
+                )
+            }
+            Op::Rotary { head_dim, theta } => {
+                let s = &inputs[0].spec.shape;
+                cpu::rotary::rotary(
+                    input(&inputs[0])?,
+                    &indices(&inputs[1])?,
+                    output(out0)?,
+                    s[0],
+                    s[1],
+                    s[2] / head_dim,
+                    *head_dim,
+                    *theta,
+                )
+            }
+            Op::Softmax => {
+                let (rows, dim) = rows_dim(inputs[0].spec);
+                cpu::softmax::softmax(input(&inputs[0])?, output(out0)?, rows, dim)
+            }
+            Op::Attention(p) => {
+                let (q, k) = (&inputs[0].spec.shape, &inputs[1].spec.shape);
+                let shape = cpu::AttentionShape {
+                    batch: q[0],
+                    seq_q: q[1],
+                    seq_kv: k[1],
+                    num_heads: p.num_heads,
+                    num_kv_heads: p.num_kv_heads,
+                    head_dim: p.head_dim,
+                    causal: p.causal,
+                    scale: p.effective_scale() as f64,
+                };
+                let mask = if p.mask { Some(input::<f32>(&inputs[3])?) } else { None };
+                cpu::attention::attention(
+                    input(&inputs[0])?,
+                    input(&inputs[1])?,
+                    input(&inputs[2])?,
+                    mask,
+                    output(out0)?,
+                    &shape,
+                    self.tuning.block_q,
+                    self.tuning.block_kv,
+                )
+            }
+            Op::Add => cpu::elementwise::add(input(&inputs[0])?, input(&inputs[1])?, output(out0)?),
+            Op::Mul => cpu::elementwise::mul(input(&inputs[0])?, input(&inputs[1])?, output(out0)?),
+            Op::Quantize { dtype, scale } => {
+                let x = input::<f32>(&inputs[0])?;
+                match dtype {
+                    DType::F8E4M3 => cpu::elementwise::quantize_f8e4m3(x, *scale, bytes_out(out0)?),
+                    DType::F8E5M2 => cpu::elementwise::quantize_f8e5m2(x, *scale, bytes_out(out0)?),
+                    DType::I8 => cpu::elementwise::quantize_i8(x, *scale, output(out0)?),
+                    d => Err(KptError::dtype(kernel, "f8e4m3, f8e5m2 or i8", *d)),
+                }?;
+                out0.buffer.scale = *scale;
+                Ok(())
+            }
+            Op::Dequantize { .. } => {
+                let scale = inputs[0].buffer.scale;
+                let out = output::<f32>(out0)?;
+                match inputs[0].spec.dtype {
+                    DType::F8E4M3 => cpu::elementwise::dequantize_f8e4m3(bytes_in(&inputs[0])?, scale, out),
+                    DType::F8E5M2 => cpu::elementwise::dequantize_f8e5m2(bytes_in(&inputs[0])?, scale, out),
+                    DType::I8 => cpu::elementwise::dequantize_i8(input(&inputs[0])?, scale, out),
+                    d => Err(KptError::dtype(kernel, "f8e4m3, f8e5m2 or i8", d)),
+                }
+            }
+            Op::Cast { dtype } => match (inputs[0].spec.dtype, dtype) {
+                (DType::F32, DType::BF16) => cpu::elementwise::cast_f32_to_bf16(input(&inputs[0])?, output(out0)?),
+                (DType::F32, DType::F16) => cpu::elementwise::cast_f32_to_f16(input(&inputs[0])?, output(out0)?),
+                (DType::BF16, DType::F32) => cpu::elementwise::cast_bf16_to_f32(input(&inputs[0])?, output(out0)?),
+                (DType::F16, DType::F32) => cpu::elementwise::cast_f16_to_f32(input(&inputs[0])?, output(out0)?),
+                _ => self.run_reference(op, inputs, outputs),
+            },
+            Op::Concat { axis } => concat(inputs, out0, *axis),
+        }
+    }
+}
+
+/// Copies `src` into the front of `dst` (same dtype).
+fn copy_prefix(dst: &mut Storage, src: &Storage) -> Result<()> {
+    macro_rules! copy {
+        ($($v:ident),*) => {
+            match (dst, src) {
+                $((Storage::$v(d), Storage::$v(s)) => {
+                    let len = d.len();
+                    d.get_mut(..s.len())
+                        .ok_or_else(|| KptError::Backend { backend: "cpu".into(), message: format!("buffer of {len} < {}", s.len()) })?
+                        .copy_from_slice(s);
+                    Ok(())
+                })*
+                (d, s) => Err(KptError::dtype("cpu copy", d.dtype().name(), s.dtype())),
+            }
+        };
+    }
+    copy!(F64, F32, F16, BF16, F8E4M3, F8E5M2, I8, I32, I64)
+}
+
+/// Concatenation along `axis` as a sequence of contiguous block copies.
+fn concat(inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>, axis: usize) -> Result<()> {
+    let (a, b) = (inputs[0].spec, inputs[1].spec);
+    let outer: usize = a.shape[..axis].iter().product();
+    let inner: usize = a.shape[axis + 1..].iter().product();
+    let (na, nb) = (a.shape[axis] * inner, b.shape[axis] * inner);
+    macro_rules! run {
+        ($t:ty) => {{
+            let (x, y) = (input::<$t>(&inputs[0])?, input::<$t>(&inputs[1])?);
+            let o = output::<$t>(out)?;
+            for ((row, xa), yb) in o.chunks_exact_mut(na + nb).zip(x.chunks_exact(na.max(1))).zip(y.chunks_exact(nb.max(1))).take(outer) {
+                row[..na].copy_from_slice(&xa[..na]);
+                row[na..].copy_from_slice(&yb[..nb]);
+            }
+            Ok(())
+        }};
+    }
+    match a.dtype {
+        DType::F32 => run!(f32),
+        DType::BF16 => run!(bf16),
+        DType::F16 => run!(f16),
+        DType::F64 => run!(f64),
+        DType::I32 => run!(i32),
+        DType::I64 => run!(i64),
+        d => Err(KptError::dtype("cpu.concat", "f64, f32, f16, bf16, i32 or i64", d)),
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &str {
+        "cpu"
+    }
+
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+
+    fn device(&self) -> &DeviceInfo {
+        &self.device
+    }
+
+    fn allocate(&self, dtype: DType, len: usize) -> Result<DeviceBuffer> {
+        self.track(len * dtype.size_in_bytes());
+        Ok(DeviceBuffer::new(dtype, len, Box::new(Storage::zeros(dtype, len))))
+    }
+
+    fn upload(&self, tensor: &Tensor) -> Result<DeviceBuffer> {
+        let t = tensor.contiguous();
+        let storage = t.storage().clone();
+        self.track(storage.as_bytes().len());
+        let mut b = DeviceBuffer::new(t.dtype(), storage.len(), Box::new(storage));
+        b.scale = t.scale();
+        Ok(b)
+    }
+
+    fn download(&self, buffer: &DeviceBuffer, spec: &TensorSpec) -> Result<Tensor> {
+        let s = storage(buffer)?;
+        let n = spec.numel();
+        if s.len() < n || s.dtype() != spec.dtype {
+            return Err(too_small(s.len(), spec));
+        }
+        let size = spec.dtype.size_in_bytes();
+        Ok(Tensor::from_bytes(&s.as_bytes()[..n * size], spec.dtype, &spec.shape)?.with_scale(buffer.scale))
+    }
+
+    fn execute(&self, kernel: &str, op: &Op, inputs: &[BufferRef<'_>], outputs: &mut [BufferMut<'_>]) -> Result<()> {
+        if inputs.len() != op.num_inputs() {
+            return Err(KptError::Graph(format!("{op} takes {} inputs, got {}", op.num_inputs(), inputs.len())));
+        }
+        if kernel == crate::catalog::CPU_REFERENCE {
+            self.run_reference(op, inputs, outputs)
+        } else if kernel.starts_with("cpu.") {
+            self.run_fast(kernel, op, inputs, outputs)
+        } else {
+            Err(KptError::Backend { backend: "cpu".into(), message: format!("kernel {kernel} is not a CPU kernel") })
+        }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn memory_stats(&self) -> MemoryStats {
+        MemoryStats {
+            allocated_bytes: self.allocated.load(Ordering::Relaxed),
+            peak_bytes: self.peak.load(Ordering::Relaxed),
+            total_bytes: self.device.memory_bytes,
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! [`CpuReference`]: the f64 reference of every op on whole tensors, used by the
+//! validator and as the last fallback kernel on the CPU.
+
+use kpt_core::graph::{Activation, Op};
+use kpt_core::validate::ReferenceOps;
+use kpt_core::{DType, Result, Tensor, TensorSpec};
+
+use crate::cpu::{self, reference as r, Act};
+
+/// The f64 reference (naive loops, no parallelism): slow and obviously correct.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuReference;
+
+/// Maps the graph IR's activation onto the kernels' activation.
+pub fn act(a: Activation) -> Act {
+    match a {
+        Activation::Relu => Act::Relu,
+        Activation::GeluErf => Act::GeluErf,
+        Activation::GeluTanh => Act::GeluTanh,
+        Activation::Silu => Act::Silu,
+    }
+}
+
+fn ids(t: &Tensor) -> Vec<i64> {
+    t.to_f64_vec().into_iter().map(|x| x as i64).collect()
+}
+
+fn rows_dim(t: &Tensor) -> (usize, usize) {
+    let dim = t.shape().last().copied().unwrap_or(1);
+    (t.numel() / dim.max(1), dim)
+}
+
+impl ReferenceOps for CpuReference {
+    fn eval(&self, op: &Op, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        // The reference computes on real values in f64, whatever the stored dtypes.
+        let specs: Vec<TensorSpec> = inputs
+            .iter()
+            .map(|t| {
+                let dtype = if t.dtype().is_index() { t.dtype() } else { DType::F64 };
+                TensorSpec::new(t.shape(), dtype)
+            })
+            .collect();
+        let out_specs = match op {
+            Op::Dequantize { .. } => vec![TensorSpec::new(inputs[0].shape(), DType::F64)],
+            _ => op.infer(&specs)?,
+        };
+        let x: Vec<Vec<f64>> = inputs.iter().map(Tensor::to_f64_vec).collect();
+        let mut outs: Vec<Vec<f64>> = out_specs.iter().map(|s| vec![0.0; s.numel()]).collect();
+        let first = &inputs[0];
+        match op {
+            Op::Embedding => {
+                let s = inputs[1].shape();
+                r::embedding(&ids(first), &x[1], &mut outs[0], s[0], s[1])?
+            }
+            Op::MatMul => {
+                let (a, b) = (first.shape(), inputs[1].shape());
+                let (m, k, n) = (a[a.len() - 2], a[a.len() - 1], b[b.len() - 1]);
+                let batches = first.numel() / (m * k).max(1);
+                let b_batched = b.len() > 2;
+                for i in 0..batches {
+                    let bb = if b_batched { &x[1][i * k * n..(i + 1) * k * n] } else { &x[1][..] };
+                    r::matmul(&x[0][i * m * k..(i + 1) * m * k], bb, &mut outs[0][i * m * n..(i + 1) * m * n], m, k, n)?;
+                }
+            }
+            Op::Linear { bias } | Op::LinearAct { bias, .. } => {
+                let a = match op {
+                    Op::LinearAct { act: a, .. } => Some(act(*a)),
+                    _ => None,
+                };
+                let (m, k) = rows_dim(first);
+                let n = inputs[1].shape()[0];
+                let b = if *bias { Some(&x[2][..]) } else { None };
+                r::linear_act(&x[0], &x[1], b, a, &mut outs[0], m, k, n)?
+            }
+            Op::Activation { act: a } => r::activation(&x[0], &mut outs[0], act(*a))?,
+            Op::RmsNorm { eps } => {
+                let (rows, dim) = rows_dim(first);
+                r::rms_norm(&x[0], &x[1], &mut outs[0], rows, dim, *eps as f64)?
+            }
+            Op::LayerNorm { eps } => {
+                let (rows, dim) = rows_dim(first);
+                r::layer_norm(&x[0], &x[1], &x[2], &mut outs[0], rows, dim, *eps as f64)?
+            }
+            Op::AddRmsNorm { eps } => {
+                let (rows, dim) = rows_dim(first);
+                let (sum, norm) = outs.split_at_mut(1);
+                r::add_rms_norm(&x[0], &x[1], &x[2], &mut sum[0], &mut norm[0], rows, dim, *eps as f64)?
+            }
+            Op::Rotary { head_dim, theta } => {
+                let s = first.shape();
+                r::rotary(&x[0], &ids(&inputs[1]), &mut outs[0], s[0], s[1], s[2] / head_dim, *head_dim, *theta as f64)?
+            }
+            Op::Softmax => {
+                let (rows, dim) = rows_dim(first);
+                r::softmax(&x[0], &mut outs[0], rows, dim)?
+            }
+            Op::Attention(p) => {
+                let (q, k) = (first.shape(), inputs[1].shape());
+                let shape = cpu::AttentionShape {
+                    batch: q[0],
+                    seq_q: q[1],
+                    seq_kv: k[1],
+                    num_heads: p.num_heads,
+                    num_kv_heads: p.num_kv_heads,
+                    head_dim: p.head_dim,
+                    causal: p.causal,
+                    scale: p.effective_scale() as f64,
+                };
+                let mask = if p.mask { Some(&x[3][..]) } else { None };
+                r::attention(&x[0], &x[1], &x[2], mask, &mut outs[0], &shape)?
+            }
+            Op::Add => r::add(&x[0], &x[1], &mut outs[0])?,
+            Op::Mul => r::mul(&x[0], &x[1], &mut outs[0])?,
+            Op::Quantize { dtype, scale } => {
+                // Reference tensors hold real values: scale the stored values back.
+                let mut stored = vec![0.0; x[0].len()];
+                r::quantize(&x[0], *dtype, *scale as f64, &mut stored)?;
+                r::dequantize(&stored, *scale as f64, &mut outs[0])?;
+            }
+            Op::Dequantize { .. } | Op::Cast { .. } => outs[0].copy_from_slice(&x[0]),
+            Op::Concat { axis } => {
+                let (a, b) = (first.shape(), inputs[1].shape());
+                let inner: usize = a[axis + 1..].iter().product();
+                let (na, nb) = (a[*axis] * inner, b[*axis] * inner);
+                let outer: usize = a[..*axis].iter().product();
+                for o in 0..outer {
+                    let row = &mut outs[0][o * (na + nb)..(o + 1) * (na + nb)];
+                    row[..na].copy_from_slice(&x[0][o * na..(o + 1) * na]);
+                    row[na..].copy_from_slice(&x[1][o * nb..(o + 1) * nb]);
+                }
+            }
+        }
+        outs.into_iter()
+            .zip(out_specs)
+            .map(|(v, s)| Tensor::from_vec(v, &s.shape))
+            .collect()
+    }
+}
