@@ -1089,6 +1089,8 @@ fn env_candidates(current: &Value, raw: &str) -> std::result::Result<Vec<Value>,
         v
     };
     match current {
+        // A set optional number (e.g. `num_threads = 4`) can be cleared with `none`.
+        Value::Bool(_) | Value::Number(_) if is_none => Ok(vec![Value::Null]),
         Value::Bool(_) => parse_bool(trimmed)
             .map(|b| vec![Value::Bool(b)])
             .ok_or_else(|| {
@@ -1427,6 +1429,13 @@ mod tests {
         assert_eq!(c.precision.weight_dtype, Some(DType::BF16));
         assert_eq!(c.tpu.topology.as_deref(), Some("2x2x1"));
         assert_eq!(c.monitor.history_db, PathBuf::from("/tmp/h.sqlite"));
+
+        c.apply_env_from(env(&[("KPT_HARDWARE__NUM_THREADS", "none")]))
+            .unwrap();
+        assert_eq!(c.hardware.num_threads, None);
+        assert!(c
+            .apply_env_from(env(&[("KPT_DEPLOY__PORT", "none")]))
+            .is_err());
 
         c.apply_env_from(env(&[
             ("KPT_BACKEND", "CPU"),

@@ -101,7 +101,7 @@ pub fn compare(got: &Tensor, want: &Tensor, tol: Tolerance) -> Result<ErrorStats
     let (mut max_abs, mut max_rel, mut within) = (0f64, 0f64, true);
     for (a, b) in g.iter().zip(&w) {
         let d = (a - b).abs();
-        if !d.is_finite() && !(a.is_nan() && b.is_nan()) {
+        if !(d.is_finite() || a.is_nan() && b.is_nan()) {
             within = false;
             max_abs = f64::INFINITY;
             continue;

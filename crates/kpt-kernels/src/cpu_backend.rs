@@ -63,7 +63,7 @@ impl CpuBackend {
     }
 }
 
-fn storage<'a>(b: &'a DeviceBuffer) -> Result<&'a Storage> {
+fn storage(b: &DeviceBuffer) -> Result<&Storage> {
     b.inner::<Storage>().ok_or_else(|| KptError::Backend {
         backend: "cpu".into(),
         message: "buffer does not belong to the CPU backend".into(),

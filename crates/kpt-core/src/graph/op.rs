@@ -525,7 +525,7 @@ impl Op {
                         x.shape[2]
                     )));
                 }
-                if !(*theta > 0.0) {
+                if theta.is_nan() || *theta <= 0.0 {
                     return Err(KptError::InvalidArgument(format!("rotary theta must be > 0, got {theta}")));
                 }
                 if pos.shape != [x.shape[1]] {

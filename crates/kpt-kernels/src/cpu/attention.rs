@@ -16,7 +16,7 @@ use kpt_core::{KptError, Result};
 
 use super::par::for_each_row;
 use super::shapes::AttentionShape;
-use super::simd::{dispatch, exp_f32, fmadd, hsum16};
+use super::simd::{dispatch, exp_f32, fmadd, hsum};
 use super::softmax::max16;
 
 /// A good default query block (rows per task).
@@ -126,7 +126,7 @@ fn exp_inplace_sum(x: &mut [f32], shift: f32) -> f32 {
         *v = exp_f32(*v - shift);
         t += *v;
     }
-    hsum16(acc) + t
+    hsum(acc) + t
 }
 
 /// One task: queries `qb*bq ..` of head `h` in batch `b` (`t = (b*H + h)*nqb + qb`);

@@ -15,11 +15,11 @@ use kpt_core::{DType, KptError, Result};
 
 use super::gemm::{gemm_f32_raw, Strided};
 use super::par::for_each_row;
-use super::simd::{self, dot_rows, Decode, E4M3, E5M2};
+use super::simd::{self, Decode, E4M3, E5M2};
 use super::{check_len, checked_product, Act};
 
 /// Largest `m` handled by the GEMV kernel; above it the tiled `gemm` path is faster.
-pub const GEMV_MAX_M: usize = 4;
+pub const GEMV_MAX_M: usize = 8;
 
 /// Weight rows widened to f32 per `gemm` call on the large-`m` path.
 pub const TILE_N: usize = 256;
@@ -208,26 +208,20 @@ fn gemv_block<const FMA: bool, T: Decode>(
     m: usize,
     k: usize,
 ) {
+    // With several rows, each weight row is widened once into an L1-resident buffer and
+    // reused by every row of `x`.
+    let mut wbuf = if m > 1 { vec![0f32; k] } else { Vec::new() };
     for (c, (o, wr)) in out_t.chunks_exact_mut(m).zip(w.chunks_exact(k.max(1))).enumerate() {
         let b = bias.get(c).copied().unwrap_or(0.0);
-        let row = |i: usize| &x[i * k..(i + 1) * k];
-        let mut i = 0;
-        while i + 4 <= m {
-            let d = dot_rows::<4, FMA, T>([row(i), row(i + 1), row(i + 2), row(i + 3)], wr);
-            for r in 0..4 {
-                o[i + r] = finish(d[r], scale, b, act);
-            }
-            i += 4;
+        if m == 1 {
+            o[0] = finish(simd::dot_decode::<FMA, T>(&x[..k], wr), scale, b, act);
+            continue;
         }
-        if i + 2 <= m {
-            let d = dot_rows::<2, FMA, T>([row(i), row(i + 1)], wr);
-            o[i] = finish(d[0], scale, b, act);
-            o[i + 1] = finish(d[1], scale, b, act);
-            i += 2;
+        for (d, s) in wbuf.iter_mut().zip(wr) {
+            *d = s.decode();
         }
-        if i < m {
-            let d = dot_rows::<1, FMA, T>([row(i)], wr);
-            o[i] = finish(d[0], scale, b, act);
+        for (i, v) in o.iter_mut().enumerate() {
+            *v = finish(simd::dot_decode::<FMA, f32>(&x[i * k..(i + 1) * k], &wbuf), scale, b, act);
         }
     }
 }

@@ -8,7 +8,7 @@
 use kpt_core::Result;
 
 use super::par::for_each_row;
-use super::simd::{dispatch, fmadd, hsum16};
+use super::simd::{dispatch, fmadd, hsum};
 use super::{check_len, checked_product};
 
 /// `Σ f(x_i)` with 16 partial sums.
@@ -26,7 +26,7 @@ fn sum16(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     for &v in tail {
         t += f(v);
     }
-    hsum16(acc) + t
+    hsum(acc) + t
 }
 
 /// `Σ x_i²` with 16 partial sums (FMA when available).
@@ -44,7 +44,7 @@ fn sum_sq<const FMA: bool>(x: &[f32]) -> f32 {
     for &v in tail {
         t = fmadd::<FMA>(v, v, t);
     }
-    hsum16(acc) + t
+    hsum(acc) + t
 }
 
 #[inline(always)]

@@ -3,7 +3,7 @@
 use kpt_core::Result;
 
 use super::par::for_each_row;
-use super::simd::{dispatch, exp_f32, hsum16};
+use super::simd::{dispatch, exp_f32, hsum};
 use super::{check_len, checked_product};
 
 /// Maximum of `x` (`-inf` for an empty slice), 16 lanes.
@@ -42,7 +42,7 @@ pub(crate) fn exp_shift_sum(x: &[f32], shift: f32, out: &mut [f32]) -> f32 {
         *o = exp_f32(v - shift);
         t += *o;
     }
-    hsum16(acc) + t
+    hsum(acc) + t
 }
 
 #[inline(always)]
