@@ -300,3 +300,40 @@ pub fn validate_plan(
         .collect::<Result<Vec<_>>>()?;
     Ok(ValidationReport { ops, outputs })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: &[f64]) -> Tensor {
+        Tensor::from_vec(v.to_vec(), &[v.len()]).unwrap()
+    }
+
+    #[test]
+    fn compare_measures_abs_and_rel_error() {
+        let tol = Tolerance { abs: 1e-3, rel: 0.0 };
+        let e = compare(&t(&[1.0, 2.0, -4.0]), &t(&[1.0, 2.001, -4.0]), tol).unwrap();
+        assert!((e.max_abs - 1e-3).abs() < 1e-12);
+        assert!((e.max_rel - 1e-3 / 2.001).abs() < 1e-9);
+        assert_eq!(e.ref_max, 4.0);
+        assert!(e.within, "1e-3 <= 1e-3 * 4");
+        let e = compare(&t(&[1.0, 2.1]), &t(&[1.0, 2.0]), tol).unwrap();
+        assert!(!e.within);
+        let e = compare(&t(&[f64::NAN]), &t(&[1.0]), tol).unwrap();
+        assert!(!e.within, "NaN must fail");
+        assert!(compare(&t(&[1.0]), &t(&[1.0, 2.0]), tol).is_err());
+    }
+
+    #[test]
+    fn tolerances_grow_with_precision_and_reduction() {
+        let op = Op::Linear { bias: false };
+        let f32_small = tolerance(&op, DType::F32, 16);
+        let f32_big = tolerance(&op, DType::F32, 4096);
+        let bf16 = tolerance(&op, DType::BF16, 16);
+        assert!(f32_small.abs < f32_big.abs);
+        assert!(f32_small.abs < bf16.abs);
+        assert!(tolerance(&Op::Cast { dtype: DType::BF16 }, DType::BF16, 1).abs < bf16.abs);
+        assert!(end_to_end_budget(DType::F32) < end_to_end_budget(DType::BF16));
+        assert!(end_to_end_budget(DType::BF16) < end_to_end_budget(DType::F8E4M3));
+    }
+}

@@ -1,6 +1,7 @@
 //! The CPU backend: host memory and the CPU kernels behind the `Backend` trait.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use half::{bf16, f16};
 use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
@@ -34,7 +35,7 @@ impl Default for CpuTuning {
 pub struct CpuBackend {
     device: DeviceInfo,
     tuning: CpuTuning,
-    allocated: AtomicU64,
+    live: Arc<AtomicU64>,
     peak: AtomicU64,
 }
 
@@ -54,17 +55,35 @@ impl CpuBackend {
         if tuning.block_q == 0 || tuning.block_kv == 0 {
             return Err(KptError::InvalidArgument("attention blocks must be > 0".into()));
         }
-        Ok(Self { device, tuning, allocated: AtomicU64::new(0), peak: AtomicU64::new(0) })
+        Ok(Self { device, tuning, live: Arc::new(AtomicU64::new(0)), peak: AtomicU64::new(0) })
     }
 
-    fn track(&self, bytes: usize) {
-        let now = self.allocated.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+    /// Wraps storage into a buffer whose bytes count as live until it is dropped.
+    fn buffer(&self, storage: Storage, scale: f32) -> DeviceBuffer {
+        let bytes = storage.as_bytes().len() as u64;
+        let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.peak.fetch_max(now, Ordering::Relaxed);
+        let (dtype, len) = (storage.dtype(), storage.len());
+        let mut b = DeviceBuffer::new(dtype, len, Box::new(HostAlloc { storage, live: self.live.clone() }));
+        b.scale = scale;
+        b
+    }
+}
+
+/// A host allocation that takes its bytes off the backend's live count when dropped.
+struct HostAlloc {
+    storage: Storage,
+    live: Arc<AtomicU64>,
+}
+
+impl Drop for HostAlloc {
+    fn drop(&mut self) {
+        self.live.fetch_sub(self.storage.as_bytes().len() as u64, Ordering::Relaxed);
     }
 }
 
 fn storage(b: &DeviceBuffer) -> Result<&Storage> {
-    b.inner::<Storage>().ok_or_else(|| KptError::Backend {
+    b.inner::<HostAlloc>().map(|a| &a.storage).ok_or_else(|| KptError::Backend {
         backend: "cpu".into(),
         message: "buffer does not belong to the CPU backend".into(),
     })
@@ -79,7 +98,7 @@ fn input<'a, T: Element>(r: &BufferRef<'a>) -> Result<&'a [T]> {
 fn output<'a, T: Element>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [T]> {
     let n = m.spec.numel();
     let spec = m.spec.clone();
-    let s = m.buffer.inner_mut::<Storage>().ok_or_else(|| KptError::Backend {
+    let s = m.buffer.inner_mut::<HostAlloc>().map(|a| &mut a.storage).ok_or_else(|| KptError::Backend {
         backend: "cpu".into(),
         message: "buffer does not belong to the CPU backend".into(),
     })?;
@@ -98,7 +117,7 @@ fn bytes_in<'a>(r: &BufferRef<'a>) -> Result<&'a [u8]> {
 
 fn bytes_out<'a>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [u8]> {
     let n = m.spec.numel();
-    match m.buffer.inner_mut::<Storage>() {
+    match m.buffer.inner_mut::<HostAlloc>().map(|a| &mut a.storage) {
         Some(Storage::F8E4M3(v) | Storage::F8E5M2(v)) => {
             let len = v.len();
             v.get_mut(..n).ok_or_else(|| KptError::Backend { backend: "cpu".into(), message: format!("buffer of {len} < {n}") })
@@ -151,7 +170,7 @@ impl CpuBackend {
                 _ => 1.0,
             };
             let converted = Storage::from_f64(m.spec.dtype, &t.to_f64_vec(), scale);
-            let dst = m.buffer.inner_mut::<Storage>().ok_or_else(|| too_small(0, m.spec))?;
+            let dst = m.buffer.inner_mut::<HostAlloc>().map(|a| &mut a.storage).ok_or_else(|| too_small(0, m.spec))?;
             copy_prefix(dst, &converted)?;
             m.buffer.scale = scale;
         }
@@ -352,17 +371,13 @@ impl Backend for CpuBackend {
     }
 
     fn allocate(&self, dtype: DType, len: usize) -> Result<DeviceBuffer> {
-        self.track(len * dtype.size_in_bytes());
-        Ok(DeviceBuffer::new(dtype, len, Box::new(Storage::zeros(dtype, len))))
+        Ok(self.buffer(Storage::zeros(dtype, len), 1.0))
     }
 
     fn upload(&self, tensor: &Tensor) -> Result<DeviceBuffer> {
         let t = tensor.contiguous();
         let storage = t.storage().clone();
-        self.track(storage.as_bytes().len());
-        let mut b = DeviceBuffer::new(t.dtype(), storage.len(), Box::new(storage));
-        b.scale = t.scale();
-        Ok(b)
+        Ok(self.buffer(storage, t.scale()))
     }
 
     fn download(&self, buffer: &DeviceBuffer, spec: &TensorSpec) -> Result<Tensor> {
@@ -394,7 +409,7 @@ impl Backend for CpuBackend {
 
     fn memory_stats(&self) -> MemoryStats {
         MemoryStats {
-            allocated_bytes: self.allocated.load(Ordering::Relaxed),
+            allocated_bytes: self.live.load(Ordering::Relaxed),
             peak_bytes: self.peak.load(Ordering::Relaxed),
             total_bytes: self.device.memory_bytes,
         }

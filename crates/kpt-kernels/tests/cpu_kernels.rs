@@ -43,7 +43,12 @@ fn f64s(x: &[f32]) -> Vec<f64> {
 }
 
 /// Checks `|got - want| <= abs + rel |want|` everywhere (NaN must match NaN).
-fn check_close(what: &str, got: &[f64], want: &[f64], (abs, rel): (f64, f64)) -> Result<(), TestCaseError> {
+fn check_close(
+    what: &str,
+    got: &[f64],
+    want: &[f64],
+    (abs, rel): (f64, f64),
+) -> Result<(), TestCaseError> {
     prop_assert_eq!(got.len(), want.len(), "{}: length", what);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         if w.is_nan() {
@@ -126,8 +131,16 @@ impl Weights {
         }
         // Exact in f64: stored value times scale (dequantize rounds it to f32 once).
         s.dequantized = match dtype {
-            DType::F8E4M3 => s.bits.iter().map(|&b| kpt_core::dtype::f8e4m3_to_f32(b) as f64 * scale as f64).collect(),
-            DType::F8E5M2 => s.bits.iter().map(|&b| kpt_core::dtype::f8e5m2_to_f32(b) as f64 * scale as f64).collect(),
+            DType::F8E4M3 => s
+                .bits
+                .iter()
+                .map(|&b| kpt_core::dtype::f8e4m3_to_f32(b) as f64 * scale as f64)
+                .collect(),
+            DType::F8E5M2 => s
+                .bits
+                .iter()
+                .map(|&b| kpt_core::dtype::f8e5m2_to_f32(b) as f64 * scale as f64)
+                .collect(),
             DType::I8 => s.i8.iter().map(|&v| v as f64 * scale as f64).collect(),
             _ => f64s(&deq),
         };
@@ -139,18 +152,41 @@ impl Weights {
             DType::F32 => WeightsRef::F32(&self.f32),
             DType::BF16 => WeightsRef::BF16(&self.bf16),
             DType::F16 => WeightsRef::F16(&self.f16),
-            DType::F8E4M3 => WeightsRef::F8E4M3 { bits: &self.bits, scale: self.scale },
-            DType::F8E5M2 => WeightsRef::F8E5M2 { bits: &self.bits, scale: self.scale },
-            _ => WeightsRef::I8 { data: &self.i8, scale: self.scale },
+            DType::F8E4M3 => WeightsRef::F8E4M3 {
+                bits: &self.bits,
+                scale: self.scale,
+            },
+            DType::F8E5M2 => WeightsRef::F8E5M2 {
+                bits: &self.bits,
+                scale: self.scale,
+            },
+            _ => WeightsRef::I8 {
+                data: &self.i8,
+                scale: self.scale,
+            },
         }
     }
 }
 
-const WEIGHT_DTYPES: [DType; 6] = [DType::F32, DType::BF16, DType::F16, DType::F8E4M3, DType::F8E5M2, DType::I8];
+const WEIGHT_DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::BF16,
+    DType::F16,
+    DType::F8E4M3,
+    DType::F8E5M2,
+    DType::I8,
+];
 
 /// Runs fast `linear` for every weight dtype and compares with the reference.
 #[allow(clippy::too_many_arguments)]
-fn check_linear(seed: u64, m: usize, k: usize, n: usize, with_bias: bool, act: Option<Act>) -> Result<(), TestCaseError> {
+fn check_linear(
+    seed: u64,
+    m: usize,
+    k: usize,
+    n: usize,
+    with_bias: bool,
+    act: Option<Act>,
+) -> Result<(), TestCaseError> {
     let mut rng = Rng(seed);
     let x = rng.vec(m * k, -1.0, 1.0);
     let w = rng.vec(n * k, -1.0, 1.0);
@@ -159,11 +195,26 @@ fn check_linear(seed: u64, m: usize, k: usize, n: usize, with_bias: bool, act: O
     for dtype in WEIGHT_DTYPES {
         let wq = Weights::new(&w, dtype);
         let mut want = vec![0f64; m * n];
-        r::linear_act(&f64s(&x), &wq.dequantized, bias.map(f64s).as_deref(), act, &mut want, m, k, n)
-            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        r::linear_act(
+            &f64s(&x),
+            &wq.dequantized,
+            bias.map(f64s).as_deref(),
+            act,
+            &mut want,
+            m,
+            k,
+            n,
+        )
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
         let mut got = vec![f32::NAN; m * n];
-        cpu::linear(&x, wq.as_ref(), bias, act, &mut got, m, k, n).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        check_close(&format!("linear {dtype} {m}x{k}x{n} {act:?}"), &f64s(&got), &want, tolerance(DType::F32, k))?;
+        cpu::linear(&x, wq.as_ref(), bias, act, &mut got, m, k, n)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        check_close(
+            &format!("linear {dtype} {m}x{k}x{n} {act:?}"),
+            &f64s(&got),
+            &want,
+            tolerance(DType::F32, k),
+        )?;
     }
     Ok(())
 }
@@ -180,12 +231,25 @@ fn check_attention(
     let k = rng.vec(shape.kv_len(), -1.0, 1.0);
     let v = rng.vec(shape.kv_len(), -1.0, 1.0);
     let mask: Vec<f32> = (0..shape.mask_len())
-        .map(|_| if rng.below(8) == 0 { f32::NEG_INFINITY } else { rng.uniform(-2.0, 0.5) })
+        .map(|_| {
+            if rng.below(8) == 0 {
+                f32::NEG_INFINITY
+            } else {
+                rng.uniform(-2.0, 0.5)
+            }
+        })
         .collect();
     let mask = with_mask.then_some(&mask[..]);
     let mut want = vec![0f64; shape.q_len()];
-    r::attention(&f64s(&q), &f64s(&k), &f64s(&v), mask.map(f64s).as_deref(), &mut want, &shape)
-        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    r::attention(
+        &f64s(&q),
+        &f64s(&k),
+        &f64s(&v),
+        mask.map(f64s).as_deref(),
+        &mut want,
+        &shape,
+    )
+    .map_err(|e| TestCaseError::fail(e.to_string()))?;
     let mut got = vec![f32::NAN; shape.q_len()];
     cpu::attention(&q, &k, &v, mask, &mut got, &shape, block_q, block_kv)
         .map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -202,7 +266,7 @@ fn fail(e: KptError) -> TestCaseError {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
+    #![proptest_config(ProptestConfig::with_cases(48))]
 
     #[test]
     fn linear_matches_reference(
@@ -407,7 +471,11 @@ proptest! {
 
 #[test]
 fn linear_large_all_dtypes() {
-    for (m, k, n, act) in [(128, 512, 384, Some(Act::Silu)), (3, 1000, 600, Some(Act::GeluErf)), (1, 4096, 64, None)] {
+    for (m, k, n, act) in [
+        (128, 512, 384, Some(Act::Silu)),
+        (3, 1000, 600, Some(Act::GeluErf)),
+        (1, 4096, 64, None),
+    ] {
         check_linear(7, m, k, n, true, act).expect("linear large");
     }
 }
@@ -416,11 +484,19 @@ fn linear_large_all_dtypes() {
 fn attention_large() {
     for causal in [false, true] {
         let shape = AttentionShape::new(1, 257, 257, 4, 2, 64, causal);
-        check_attention(11, shape, false, cpu::DEFAULT_BLOCK_Q, cpu::DEFAULT_BLOCK_KV).expect("attention large");
+        check_attention(
+            11,
+            shape,
+            false,
+            cpu::DEFAULT_BLOCK_Q,
+            cpu::DEFAULT_BLOCK_KV,
+        )
+        .expect("attention large");
     }
     // Decode: one query against a long cache, GQA 4.
     let shape = AttentionShape::new(2, 1, 300, 8, 2, 64, true);
-    check_attention(12, shape, true, cpu::DEFAULT_BLOCK_Q, cpu::DEFAULT_BLOCK_KV).expect("attention decode");
+    check_attention(12, shape, true, cpu::DEFAULT_BLOCK_Q, cpu::DEFAULT_BLOCK_KV)
+        .expect("attention decode");
 }
 
 #[test]
@@ -433,13 +509,31 @@ fn large_elementwise_and_norms_run_in_parallel() {
     let mut want = vec![0f64; x.len()];
     cpu::activation(&x, &mut got, Act::GeluTanh).expect("activation");
     r::activation(&f64s(&x), &mut want, Act::GeluTanh).expect("reference");
-    check_close("gelu_tanh large", &f64s(&got), &want, tolerance(DType::F32, 1)).expect("close");
+    check_close(
+        "gelu_tanh large",
+        &f64s(&got),
+        &want,
+        tolerance(DType::F32, 1),
+    )
+    .expect("close");
     cpu::rms_norm(&x, &w, &mut got, rows, dim, 1e-6).expect("rms_norm");
     r::rms_norm(&f64s(&x), &f64s(&w), &mut want, rows, dim, 1e-6).expect("reference");
-    check_close("rms_norm large", &f64s(&got), &want, tolerance(DType::F32, dim)).expect("close");
+    check_close(
+        "rms_norm large",
+        &f64s(&got),
+        &want,
+        tolerance(DType::F32, dim),
+    )
+    .expect("close");
     cpu::softmax(&x, &mut got, rows, dim).expect("softmax");
     r::softmax(&f64s(&x), &mut want, rows, dim).expect("reference");
-    check_close("softmax large", &f64s(&got), &want, tolerance(DType::F32, dim)).expect("close");
+    check_close(
+        "softmax large",
+        &f64s(&got),
+        &want,
+        tolerance(DType::F32, dim),
+    )
+    .expect("close");
     cpu::mul(&x, &w, &mut got).expect("mul");
     r::mul(&f64s(&x), &f64s(&w), &mut want).expect("reference");
     check_close("mul large", &f64s(&got), &want, tolerance(DType::F32, 1)).expect("close");
@@ -480,7 +574,17 @@ fn edge_cases() {
     assert_eq!(&out[4..], &[0.5; 4]);
     // k = 0: linear is act(bias).
     let mut out = [f32::NAN; 2];
-    cpu::linear(&[], WeightsRef::F32(&[]), Some(&[-1.0, 2.0]), Some(Act::Relu), &mut out, 1, 0, 2).expect("linear");
+    cpu::linear(
+        &[],
+        WeightsRef::F32(&[]),
+        Some(&[-1.0, 2.0]),
+        Some(Act::Relu),
+        &mut out,
+        1,
+        0,
+        2,
+    )
+    .expect("linear");
     assert_eq!(out, [0.0, 2.0]);
     // Zero-sized inputs are fine.
     cpu::matmul_f32(&[], &[], &mut [], 0, 3, 0).expect("empty matmul");
@@ -489,13 +593,19 @@ fn edge_cases() {
 
 fn assert_shape_err<T: std::fmt::Debug>(r: kpt_core::Result<T>, needle: &str) {
     match r {
-        Err(KptError::Shape { message, .. }) => assert!(message.contains(needle), "message `{message}` lacks `{needle}`"),
+        Err(KptError::Shape { message, .. }) => assert!(
+            message.contains(needle),
+            "message `{message}` lacks `{needle}`"
+        ),
         other => panic!("expected a shape error containing `{needle}`, got {other:?}"),
     }
 }
 
 fn assert_invalid<T: std::fmt::Debug>(r: kpt_core::Result<T>) {
-    assert!(matches!(r, Err(KptError::InvalidArgument(_))), "expected InvalidArgument, got {r:?}");
+    assert!(
+        matches!(r, Err(KptError::InvalidArgument(_))),
+        "expected InvalidArgument, got {r:?}"
+    );
 }
 
 #[test]
@@ -504,40 +614,135 @@ fn bad_inputs_are_typed_errors() {
     let w = vec![0f32; 6];
     let mut out = vec![0f32; 4];
     // linear: x has 6 elements, [m=2, k=4] needs 8.
-    assert_shape_err(cpu::linear(&x, WeightsRef::F32(&w), None, None, &mut out, 2, 4, 2), "x [m, k] has 6 elements, expected 8");
-    assert_shape_err(cpu::linear(&x, WeightsRef::BF16(&[bf16::ZERO; 5]), None, None, &mut out, 2, 3, 2), "w [n, k]");
-    assert_shape_err(cpu::linear(&x, WeightsRef::F32(&w), Some(&[0.0; 3]), None, &mut out, 2, 3, 2), "bias [n]");
-    assert_shape_err(cpu::linear(&x, WeightsRef::F32(&w), None, None, &mut out[..3], 2, 3, 2), "out [m, n]");
-    assert_invalid(cpu::linear(&x, WeightsRef::I8 { data: &[0; 6], scale: f32::NAN }, None, None, &mut out, 2, 3, 2));
-    assert_shape_err(cpu::matmul_f32(&x, &w, &mut out[..3], 2, 3, 2), "out [m, n] has 3 elements, expected 4");
-    assert_shape_err(cpu::matmul_bf16(&[bf16::ZERO; 6], &[bf16::ZERO; 5], &mut [bf16::ZERO; 4], 2, 3, 2), "b [k, n]");
-    assert_shape_err(r::matmul(&[0.0; 6], &[0.0; 6], &mut [0.0; 3], 2, 3, 2), "out [m, n]");
+    assert_shape_err(
+        cpu::linear(&x, WeightsRef::F32(&w), None, None, &mut out, 2, 4, 2),
+        "x [m, k] has 6 elements, expected 8",
+    );
+    assert_shape_err(
+        cpu::linear(
+            &x,
+            WeightsRef::BF16(&[bf16::ZERO; 5]),
+            None,
+            None,
+            &mut out,
+            2,
+            3,
+            2,
+        ),
+        "w [n, k]",
+    );
+    assert_shape_err(
+        cpu::linear(
+            &x,
+            WeightsRef::F32(&w),
+            Some(&[0.0; 3]),
+            None,
+            &mut out,
+            2,
+            3,
+            2,
+        ),
+        "bias [n]",
+    );
+    assert_shape_err(
+        cpu::linear(&x, WeightsRef::F32(&w), None, None, &mut out[..3], 2, 3, 2),
+        "out [m, n]",
+    );
+    assert_invalid(cpu::linear(
+        &x,
+        WeightsRef::I8 {
+            data: &[0; 6],
+            scale: f32::NAN,
+        },
+        None,
+        None,
+        &mut out,
+        2,
+        3,
+        2,
+    ));
+    assert_shape_err(
+        cpu::matmul_f32(&x, &w, &mut out[..3], 2, 3, 2),
+        "out [m, n] has 3 elements, expected 4",
+    );
+    assert_shape_err(
+        cpu::matmul_bf16(
+            &[bf16::ZERO; 6],
+            &[bf16::ZERO; 5],
+            &mut [bf16::ZERO; 4],
+            2,
+            3,
+            2,
+        ),
+        "b [k, n]",
+    );
+    assert_shape_err(
+        r::matmul(&[0.0; 6], &[0.0; 6], &mut [0.0; 3], 2, 3, 2),
+        "out [m, n]",
+    );
     // usize overflow is an error, not a panic.
-    assert_shape_err(cpu::matmul_f32(&x, &w, &mut out, usize::MAX, 2, 2), "overflows");
+    assert_shape_err(
+        cpu::matmul_f32(&x, &w, &mut out, usize::MAX, 2, 2),
+        "overflows",
+    );
 
     // Attention: GQA heads that do not group, wrong lengths, zero block.
     let shape = AttentionShape::new(1, 2, 2, 6, 4, 2, false);
-    assert_shape_err(shape.validate(), "num_heads 6 is not a multiple of num_kv_heads 4");
+    assert_shape_err(
+        shape.validate(),
+        "num_heads 6 is not a multiple of num_kv_heads 4",
+    );
     let q = vec![0f32; shape.q_len()];
     let kv = vec![0f32; 2 * 2 * 4 * 2];
     let mut o = vec![0f32; shape.q_len()];
-    assert_shape_err(cpu::attention(&q, &kv, &kv, None, &mut o, &shape, 4, 4), "not a multiple");
+    assert_shape_err(
+        cpu::attention(&q, &kv, &kv, None, &mut o, &shape, 4, 4),
+        "not a multiple",
+    );
     let shape = AttentionShape::new(1, 2, 3, 4, 2, 2, false);
     let (q, kv) = (vec![0f32; shape.q_len()], vec![0f32; shape.kv_len()]);
     let mut o = vec![0f32; shape.q_len()];
-    assert_shape_err(cpu::attention(&q, &kv[1..], &kv, None, &mut o, &shape, 4, 4), "k [batch");
-    assert_shape_err(cpu::attention(&q, &kv, &kv, Some(&[0.0; 5]), &mut o, &shape, 4, 4), "mask [seq_q, seq_kv] has 5 elements, expected 6");
+    assert_shape_err(
+        cpu::attention(&q, &kv[1..], &kv, None, &mut o, &shape, 4, 4),
+        "k [batch",
+    );
+    assert_shape_err(
+        cpu::attention(&q, &kv, &kv, Some(&[0.0; 5]), &mut o, &shape, 4, 4),
+        "mask [seq_q, seq_kv] has 5 elements, expected 6",
+    );
     assert_invalid(cpu::attention(&q, &kv, &kv, None, &mut o, &shape, 0, 4));
     let q64 = vec![0f64; shape.q_len()];
-    assert_shape_err(r::attention(&q64[1..], &f64s(&kv), &f64s(&kv), None, &mut vec![0.0; shape.q_len()], &shape), "q [batch");
+    assert_shape_err(
+        r::attention(
+            &q64[1..],
+            &f64s(&kv),
+            &f64s(&kv),
+            None,
+            &mut vec![0.0; shape.q_len()],
+            &shape,
+        ),
+        "q [batch",
+    );
 
     // Rotary: odd head_dim, wrong positions length.
     let x = vec![0f32; 2 * 3];
     let mut o = vec![0f32; 6];
-    assert_shape_err(cpu::rotary(&x, &[0, 1], &mut o, 1, 2, 1, 3, 10_000.0), "head_dim must be even, got 3");
-    assert_shape_err(r::rotary(&[0.0; 6], &[0, 1], &mut [0.0; 6], 1, 2, 1, 3, 10_000.0), "even");
-    assert_shape_err(cpu::rotary(&x, &[0], &mut o, 1, 2, 1, 3 - 1, 10_000.0), "x [batch");
-    assert_shape_err(cpu::rotary(&x[..4], &[0], &mut o[..4], 1, 2, 1, 2, 10_000.0), "positions [seq] has 1 elements, expected 2");
+    assert_shape_err(
+        cpu::rotary(&x, &[0, 1], &mut o, 1, 2, 1, 3, 10_000.0),
+        "head_dim must be even, got 3",
+    );
+    assert_shape_err(
+        r::rotary(&[0.0; 6], &[0, 1], &mut [0.0; 6], 1, 2, 1, 3, 10_000.0),
+        "even",
+    );
+    assert_shape_err(
+        cpu::rotary(&x, &[0], &mut o, 1, 2, 1, 3 - 1, 10_000.0),
+        "x [batch",
+    );
+    assert_shape_err(
+        cpu::rotary(&x[..4], &[0], &mut o[..4], 1, 2, 1, 2, 10_000.0),
+        "positions [seq] has 1 elements, expected 2",
+    );
 
     // Embedding: id out of range (checked before anything is written).
     let table = vec![1f32; 3 * 2];
@@ -546,21 +751,48 @@ fn bad_inputs_are_typed_errors() {
     assert_invalid(cpu::embedding(&[-1, 0], &table, &mut o, 3, 2));
     assert_eq!(o, [0.0; 4]);
     assert_invalid(r::embedding(&[5, 0], &[0.0; 6], &mut [0.0; 4], 3, 2));
-    assert_shape_err(cpu::embedding(&[0, 1], &table, &mut o[..3], 3, 2), "out [ids, dim]");
+    assert_shape_err(
+        cpu::embedding(&[0, 1], &table, &mut o[..3], 3, 2),
+        "out [ids, dim]",
+    );
 
     // Broadcast, norms, softmax, quantization.
     assert_shape_err(cpu::add(&[0.0; 6], &[0.0; 4], &mut [0.0; 6]), "must divide");
     assert_shape_err(cpu::mul(&[0.0; 6], &[0.0; 3], &mut [0.0; 5]), "out");
-    assert_shape_err(cpu::rms_norm(&[0.0; 6], &[0.0; 2], &mut [0.0; 6], 2, 3, 1e-5), "w [dim] has 2 elements, expected 3");
-    assert_shape_err(cpu::layer_norm(&[0.0; 6], &[0.0; 3], &[0.0; 3], &mut [0.0; 6], 3, 3, 1e-5), "x [rows, dim]");
-    assert_shape_err(cpu::add_rms_norm(&[0.0; 6], &[0.0; 6], &[0.0; 3], &mut [0.0; 6], &mut [0.0; 5], 2, 3, 1e-5), "norm_out");
-    assert_shape_err(cpu::softmax(&[0.0; 6], &mut [0.0; 6], 4, 2), "x [rows, dim]");
+    assert_shape_err(
+        cpu::rms_norm(&[0.0; 6], &[0.0; 2], &mut [0.0; 6], 2, 3, 1e-5),
+        "w [dim] has 2 elements, expected 3",
+    );
+    assert_shape_err(
+        cpu::layer_norm(&[0.0; 6], &[0.0; 3], &[0.0; 3], &mut [0.0; 6], 3, 3, 1e-5),
+        "x [rows, dim]",
+    );
+    assert_shape_err(
+        cpu::add_rms_norm(
+            &[0.0; 6],
+            &[0.0; 6],
+            &[0.0; 3],
+            &mut [0.0; 6],
+            &mut [0.0; 5],
+            2,
+            3,
+            1e-5,
+        ),
+        "norm_out",
+    );
+    assert_shape_err(
+        cpu::softmax(&[0.0; 6], &mut [0.0; 6], 4, 2),
+        "x [rows, dim]",
+    );
     assert_shape_err(cpu::activation(&[0.0; 6], &mut [0.0; 5], Act::Relu), "out");
     assert_invalid(cpu::quantize_f8e4m3(&[1.0], 0.0, &mut [0]));
     assert_shape_err(cpu::quantize_i8(&[1.0, 2.0], 1.0, &mut [0]), "out");
     assert_shape_err(cpu::dequantize_f8e5m2(&[0, 0], 1.0, &mut [0.0]), "out");
     assert_shape_err(cpu::cast_f32_to_bf16(&[1.0, 2.0], &mut [bf16::ZERO]), "out");
-    assert!(matches!(r::quantize(&[1.0], DType::I32, 1.0, &mut [0.0]), Err(KptError::DTypeMismatch { .. })));
+    assert!(matches!(
+        r::quantize(&[1.0], DType::I32, 1.0, &mut [0.0]),
+        Err(KptError::DTypeMismatch { .. })
+    ));
 }
 
 /// Rough timings (run with `--ignored --nocapture`): GEMV with f32 vs bf16/fp8 weights,
@@ -586,7 +818,10 @@ fn timing_report() {
     let mut out = vec![0f32; n];
     for dtype in WEIGHT_DTYPES {
         let wq = Weights::new(&w, dtype);
-        let ms = best(|| cpu::linear(&x, wq.as_ref(), None, None, &mut out, 1, k, n).expect("linear"), 20);
+        let ms = best(
+            || cpu::linear(&x, wq.as_ref(), None, None, &mut out, 1, k, n).expect("linear"),
+            20,
+        );
         let gbs = (n * k * dtype.size_in_bytes()) as f64 / ms / 1e6;
         println!("linear m=1 k={k} n={n} {dtype:>7}: {ms:7.3} ms ({gbs:5.1} GB/s of weights)");
     }
@@ -595,8 +830,14 @@ fn timing_report() {
         let mut om = vec![0f32; m * n];
         for dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
             let wq = Weights::new(&w, dtype);
-            let ms = best(|| cpu::linear(&xm, wq.as_ref(), None, None, &mut om, m, k, n).expect("linear"), 5);
-            println!("linear m={m} k={k} n={n} {dtype:>7}: {ms:7.3} ms ({:5.1} GFLOP/s)", 2.0 * (m * n * k) as f64 / ms / 1e6);
+            let ms = best(
+                || cpu::linear(&xm, wq.as_ref(), None, None, &mut om, m, k, n).expect("linear"),
+                5,
+            );
+            println!(
+                "linear m={m} k={k} n={n} {dtype:>7}: {ms:7.3} ms ({:5.1} GFLOP/s)",
+                2.0 * (m * n * k) as f64 / ms / 1e6
+            );
         }
     }
     for causal in [false, true] {
@@ -606,22 +847,46 @@ fn timing_report() {
         let v = rng.vec(shape.kv_len(), -1.0, 1.0);
         let mut o = vec![0f32; shape.q_len()];
         let ms = best(
-            || cpu::attention(&q, &kk, &v, None, &mut o, &shape, cpu::DEFAULT_BLOCK_Q, cpu::DEFAULT_BLOCK_KV).expect("attention"),
+            || {
+                cpu::attention(
+                    &q,
+                    &kk,
+                    &v,
+                    None,
+                    &mut o,
+                    &shape,
+                    cpu::DEFAULT_BLOCK_Q,
+                    cpu::DEFAULT_BLOCK_KV,
+                )
+                .expect("attention")
+            },
             10,
         );
         let flops = 4.0 * (8 * 512 * 512 * 64) as f64 / if causal { 2.0 } else { 1.0 };
-        println!("attention B1 H8 S512 D64 causal={causal}: {ms:7.3} ms ({:5.1} GFLOP/s)", flops / ms / 1e6);
+        println!(
+            "attention B1 H8 S512 D64 causal={causal}: {ms:7.3} ms ({:5.1} GFLOP/s)",
+            flops / ms / 1e6
+        );
     }
     let (m, kk, nn) = (512, 512, 512);
     let a = rng.vec(m * kk, -1.0, 1.0);
     let b = rng.vec(kk * nn, -1.0, 1.0);
     let mut o = vec![0f32; m * nn];
-    let ms = best(|| cpu::matmul_f32(&a, &b, &mut o, m, kk, nn).expect("matmul"), 5);
-    println!("matmul_f32 512^3: {ms:7.3} ms ({:5.1} GFLOP/s)", 2.0 * (m * kk * nn) as f64 / ms / 1e6);
+    let ms = best(
+        || cpu::matmul_f32(&a, &b, &mut o, m, kk, nn).expect("matmul"),
+        5,
+    );
+    println!(
+        "matmul_f32 512^3: {ms:7.3} ms ({:5.1} GFLOP/s)",
+        2.0 * (m * kk * nn) as f64 / ms / 1e6
+    );
     let ah: Vec<f16> = a.iter().map(|&v| f16::from_f32(v)).collect();
     let bh: Vec<f16> = b.iter().map(|&v| f16::from_f32(v)).collect();
     let mut oh = vec![f16::ZERO; m * nn];
-    let ms = best(|| cpu::matmul_f16(&ah, &bh, &mut oh, m, kk, nn).expect("matmul"), 5);
+    let ms = best(
+        || cpu::matmul_f16(&ah, &bh, &mut oh, m, kk, nn).expect("matmul"),
+        5,
+    );
     println!("matmul_f16 512^3 (via f32): {ms:7.3} ms");
     let ms = best(
         || unsafe {
@@ -633,7 +898,10 @@ fn timing_report() {
     let ab: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
     let bb: Vec<bf16> = b.iter().map(|&v| bf16::from_f32(v)).collect();
     let mut ob = vec![bf16::ZERO; m * nn];
-    let ms = best(|| cpu::matmul_bf16(&ab, &bb, &mut ob, m, kk, nn).expect("matmul"), 5);
+    let ms = best(
+        || cpu::matmul_bf16(&ab, &bb, &mut ob, m, kk, nn).expect("matmul"),
+        5,
+    );
     println!("matmul_bf16 512^3: {ms:7.3} ms");
 }
 
@@ -646,8 +914,25 @@ unsafe fn gemm_native_f16(a: &[f16], b: &[f16], out: &mut [f16], m: usize, k: us
     // SAFETY: lengths asserted above; row-major strides.
     unsafe {
         gemm::gemm(
-            m, n, k, out.as_mut_ptr(), 1, n as isize, false, a.as_ptr(), 1, k as isize, b.as_ptr(), 1, n as isize,
-            f16::ZERO, f16::ONE, false, false, false, gemm::Parallelism::Rayon(rayon::current_num_threads()),
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            1,
+            n as isize,
+            f16::ZERO,
+            f16::ONE,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(rayon::current_num_threads()),
         );
     }
 }

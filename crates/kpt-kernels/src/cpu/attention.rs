@@ -51,7 +51,13 @@ struct Ctx<'a> {
 
 /// Scores of 4 query rows (`q`, `[4, d]`) against keys `c0..c0+16` of `kt` (`[d, kts]`).
 #[inline(always)]
-fn qk_4x16<const FMA: bool>(q: &[f32], kt: &[f32], kts: usize, c0: usize, d: usize) -> [[f32; KC]; QR] {
+fn qk_4x16<const FMA: bool>(
+    q: &[f32],
+    kt: &[f32],
+    kts: usize,
+    c0: usize,
+    d: usize,
+) -> [[f32; KC]; QR] {
     let mut acc = [[0f32; KC]; QR];
     let (q01, q23) = q.split_at(2 * d);
     let (q0, q1) = q01.split_at(d);
@@ -93,7 +99,12 @@ fn pv_4xw<const FMA: bool, const W: usize>(
     let p1 = &p[ps..ps + nk];
     let p2 = &p[2 * ps..2 * ps + nk];
     let p3 = &p[3 * ps..3 * ps + nk];
-    let rows = vp[j0 * dp + d0..].chunks(dp).zip(p0).zip(p1).zip(p2).zip(p3);
+    let rows = vp[j0 * dp + d0..]
+        .chunks(dp)
+        .zip(p0)
+        .zip(p1)
+        .zip(p2)
+        .zip(p3);
     for ((((vrow, &a), &b), &c), &e) in rows {
         let Some(vr) = vrow.first_chunk::<W>() else {
             break;
@@ -164,7 +175,10 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
     let kt = &c.kt[bg * d * c.skv_pad..(bg + 1) * d * c.skv_pad];
     let vp = &c.vp[bg * c.skv_pad * dp..(bg + 1) * c.skv_pad * dp];
     // Keys visible to the last (most permissive) query of the task.
-    let kv_end = s.key_limit(i0 + rows - 1).next_multiple_of(KC).min(c.skv_pad);
+    let kv_end = s
+        .key_limit(i0 + rows - 1)
+        .next_multiple_of(KC)
+        .min(c.skv_pad);
 
     let mut j0 = 0;
     while j0 < kv_end {
@@ -189,7 +203,10 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
             let valid = s.key_limit(i).saturating_sub(j0).min(nk);
             if let Some(mask) = c.mask {
                 let mrow = &mask[i * s.seq_kv + j0..i * s.seq_kv + j0 + valid];
-                srow[..valid].iter_mut().zip(mrow).for_each(|(x, &a)| *x += a);
+                srow[..valid]
+                    .iter_mut()
+                    .zip(mrow)
+                    .for_each(|(x, &a)| *x += a);
             }
             srow[valid..].fill(f32::NEG_INFINITY);
             let bm = max16(srow);
@@ -251,7 +268,14 @@ pub fn attention(
     block_q: usize,
     block_kv: usize,
 ) -> Result<()> {
-    shape.check_buffers("attention", q.len(), k.len(), v.len(), mask.map(<[f32]>::len), out.len())?;
+    shape.check_buffers(
+        "attention",
+        q.len(),
+        k.len(),
+        v.len(),
+        mask.map(<[f32]>::len),
+        out.len(),
+    )?;
     if block_q == 0 || block_kv == 0 {
         return Err(KptError::InvalidArgument(format!(
             "attention: block sizes must be positive, got block_q {block_q}, block_kv {block_kv}"
@@ -305,7 +329,10 @@ pub fn attention(
     };
     // Task outputs, [batch, heads, nqb * bq, head_dim] (query blocks padded).
     let mut out_t = vec![0f32; s.batch * s.num_heads * nqb * bq * d];
-    let task_cost = bq * s.seq_kv.max(1) * d * 4;
+    let task_cost = bq
+        .saturating_mul(s.seq_kv.max(1))
+        .saturating_mul(d)
+        .saturating_mul(4);
     for_each_row(&mut out_t, bq * d, task_cost, |t, o| task_d(&ctx, t, o));
 
     // Scatter into [batch, seq_q, heads * head_dim].

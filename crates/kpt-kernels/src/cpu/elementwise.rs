@@ -16,10 +16,22 @@ const CHUNK: usize = 1 << 14;
 fn act_chunk<const FMA: bool>(x: &[f32], out: &mut [f32], act: Act) {
     // One loop per variant so that each one vectorizes on its own.
     match act {
-        Act::Relu => out.iter_mut().zip(x).for_each(|(o, &v)| *o = Act::Relu.apply_f32(v)),
-        Act::GeluErf => out.iter_mut().zip(x).for_each(|(o, &v)| *o = Act::GeluErf.apply_f32(v)),
-        Act::GeluTanh => out.iter_mut().zip(x).for_each(|(o, &v)| *o = Act::GeluTanh.apply_f32(v)),
-        Act::Silu => out.iter_mut().zip(x).for_each(|(o, &v)| *o = Act::Silu.apply_f32(v)),
+        Act::Relu => out
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, &v)| *o = Act::Relu.apply_f32(v)),
+        Act::GeluErf => out
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, &v)| *o = Act::GeluErf.apply_f32(v)),
+        Act::GeluTanh => out
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, &v)| *o = Act::GeluTanh.apply_f32(v)),
+        Act::Silu => out
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, &v)| *o = Act::Silu.apply_f32(v)),
     }
 }
 
@@ -31,7 +43,9 @@ dispatch!(
 /// `out[i] = act(x[i])`.
 pub fn activation(x: &[f32], out: &mut [f32], act: Act) -> Result<()> {
     check_len("activation", "out", out.len(), x.len())?;
-    for_each_row(out, CHUNK, 8 * CHUNK, |c, o| act_slice(&x[c * CHUNK..][..o.len()], o, act));
+    for_each_row(out, CHUNK, 8 * CHUNK, |c, o| {
+        act_slice(&x[c * CHUNK..][..o.len()], o, act)
+    });
     Ok(())
 }
 
@@ -40,9 +54,15 @@ fn binary_rows<const FMA: bool>(a: &[f32], b: &[f32], out: &mut [f32], is_mul: b
     // `a` and `out` hold whole repetitions of `b`.
     for (oa, aa) in out.chunks_exact_mut(b.len()).zip(a.chunks_exact(b.len())) {
         if is_mul {
-            oa.iter_mut().zip(aa).zip(b).for_each(|((o, &x), &y)| *o = x * y);
+            oa.iter_mut()
+                .zip(aa)
+                .zip(b)
+                .for_each(|((o, &x), &y)| *o = x * y);
         } else {
-            oa.iter_mut().zip(aa).zip(b).for_each(|((o, &x), &y)| *o = x + y);
+            oa.iter_mut()
+                .zip(aa)
+                .zip(b)
+                .for_each(|((o, &x), &y)| *o = x + y);
         }
     }
 }
@@ -56,7 +76,9 @@ fn binary(op: &str, a: &[f32], b: &[f32], out: &mut [f32], is_mul: bool) -> Resu
     }
     // Tasks of whole repetitions of `b`, at least about CHUNK elements each.
     let task = b.len() * CHUNK.div_ceil(b.len());
-    for_each_row(out, task, task, |c, o| binary_rows_d(&a[c * task..][..o.len()], b, o, is_mul));
+    for_each_row(out, task, task, |c, o| {
+        binary_rows_d(&a[c * task..][..o.len()], b, o, is_mul)
+    });
     Ok(())
 }
 
@@ -74,7 +96,13 @@ pub fn mul(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
 /// Row lookup `out[i, :] = table[ids[i], :]` with `table [vocab, dim]`; any id outside
 /// `0..vocab` is an [`InvalidArgument`](kpt_core::KptError::InvalidArgument) error
 /// (checked before anything is written).
-pub fn embedding(ids: &[i64], table: &[f32], out: &mut [f32], vocab: usize, dim: usize) -> Result<()> {
+pub fn embedding(
+    ids: &[i64],
+    table: &[f32],
+    out: &mut [f32],
+    vocab: usize,
+    dim: usize,
+) -> Result<()> {
     check_embedding(ids, table.len(), out.len(), vocab, dim)?;
     for_each_row(out, dim, dim, |i, o| {
         let id = ids[i] as usize;
@@ -107,12 +135,24 @@ fn quantize_with<T: Copy + Send + Sync>(
 
 /// FP8 E4M3 bits of `x / scale` (correctly rounded to nearest even, saturating to ±448).
 pub fn quantize_f8e4m3(x: &[f32], scale: f32, out: &mut [u8]) -> Result<()> {
-    quantize_with("quantize_f8e4m3", x, scale, out, kpt_core::dtype::f32_to_f8e4m3)
+    quantize_with(
+        "quantize_f8e4m3",
+        x,
+        scale,
+        out,
+        kpt_core::dtype::f32_to_f8e4m3,
+    )
 }
 
 /// FP8 E5M2 bits of `x / scale` (correctly rounded to nearest even, saturating to ±57344).
 pub fn quantize_f8e5m2(x: &[f32], scale: f32, out: &mut [u8]) -> Result<()> {
-    quantize_with("quantize_f8e5m2", x, scale, out, kpt_core::dtype::f32_to_f8e5m2)
+    quantize_with(
+        "quantize_f8e5m2",
+        x,
+        scale,
+        out,
+        kpt_core::dtype::f32_to_f8e5m2,
+    )
 }
 
 /// `round(x / scale)` as int8 (correctly rounded, ties to even, saturating to ±127).
@@ -148,12 +188,22 @@ fn dequantize_with<T: Decode>(op: &str, src: &[T], scale: f32, out: &mut [f32]) 
 
 /// `out = f8e4m3(bits) * scale`.
 pub fn dequantize_f8e4m3(bits: &[u8], scale: f32, out: &mut [f32]) -> Result<()> {
-    dequantize_with("dequantize_f8e4m3", bytemuck::cast_slice::<u8, E4M3>(bits), scale, out)
+    dequantize_with(
+        "dequantize_f8e4m3",
+        bytemuck::cast_slice::<u8, E4M3>(bits),
+        scale,
+        out,
+    )
 }
 
 /// `out = f8e5m2(bits) * scale`.
 pub fn dequantize_f8e5m2(bits: &[u8], scale: f32, out: &mut [f32]) -> Result<()> {
-    dequantize_with("dequantize_f8e5m2", bytemuck::cast_slice::<u8, E5M2>(bits), scale, out)
+    dequantize_with(
+        "dequantize_f8e5m2",
+        bytemuck::cast_slice::<u8, E5M2>(bits),
+        scale,
+        out,
+    )
 }
 
 /// `out = data * scale`.
@@ -174,7 +224,9 @@ dispatch!(fn to_bf16_chunk_d(x: &[f32], out: &mut [u16]) => to_bf16_chunk);
 pub fn cast_f32_to_bf16(x: &[f32], out: &mut [bf16]) -> Result<()> {
     check_len("cast_f32_to_bf16", "out", out.len(), x.len())?;
     let out: &mut [u16] = out.reinterpret_cast_mut();
-    for_each_row(out, CHUNK, CHUNK, |c, o| to_bf16_chunk_d(&x[c * CHUNK..][..o.len()], o));
+    for_each_row(out, CHUNK, CHUNK, |c, o| {
+        to_bf16_chunk_d(&x[c * CHUNK..][..o.len()], o)
+    });
     Ok(())
 }
 
@@ -186,13 +238,17 @@ pub fn cast_bf16_to_f32(x: &[bf16], out: &mut [f32]) -> Result<()> {
 /// f32 to f16, round to nearest even (`half`'s F16C-accelerated slice conversion).
 pub fn cast_f32_to_f16(x: &[f32], out: &mut [f16]) -> Result<()> {
     check_len("cast_f32_to_f16", "out", out.len(), x.len())?;
-    for_each_row(out, CHUNK, CHUNK, |c, o| o.convert_from_f32_slice(&x[c * CHUNK..][..o.len()]));
+    for_each_row(out, CHUNK, CHUNK, |c, o| {
+        o.convert_from_f32_slice(&x[c * CHUNK..][..o.len()])
+    });
     Ok(())
 }
 
 /// f16 to f32 (exact; `half`'s F16C-accelerated slice conversion).
 pub fn cast_f16_to_f32(x: &[f16], out: &mut [f32]) -> Result<()> {
     check_len("cast_f16_to_f32", "out", out.len(), x.len())?;
-    for_each_row(out, CHUNK, CHUNK, |c, o| x[c * CHUNK..][..o.len()].convert_to_f32_slice(o));
+    for_each_row(out, CHUNK, CHUNK, |c, o| {
+        x[c * CHUNK..][..o.len()].convert_to_f32_slice(o)
+    });
     Ok(())
 }

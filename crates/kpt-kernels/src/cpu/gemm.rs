@@ -31,9 +31,11 @@ impl Strided<'_> {
         if rows == 0 || cols == 0 {
             return true;
         }
-        let last = (rows - 1)
-            .checked_mul(self.rs)
-            .and_then(|r| (cols - 1).checked_mul(self.cs).and_then(|c| r.checked_add(c)));
+        let last = (rows - 1).checked_mul(self.rs).and_then(|r| {
+            (cols - 1)
+                .checked_mul(self.cs)
+                .and_then(|c| r.checked_add(c))
+        });
         matches!(last, Some(l) if l < self.data.len())
     }
 }
@@ -50,7 +52,11 @@ pub(crate) fn gemm_f32_raw(
     lhs: Strided<'_>,
     rhs: Strided<'_>,
 ) -> bool {
-    let dst_view = Strided { data: dst, rs: dst_rs, cs: 1 };
+    let dst_view = Strided {
+        data: dst,
+        rs: dst_rs,
+        cs: 1,
+    };
     if !dst_view.fits(m, n) || !lhs.fits(m, k) || !rhs.fits(k, n) {
         return false;
     }
@@ -104,7 +110,12 @@ pub(crate) fn gemm_f32_raw(
 fn check(op: &str, a: usize, b: usize, out: usize, m: usize, k: usize, n: usize) -> Result<()> {
     check_len(op, "a [m, k]", a, checked_product(op, "[m, k]", &[m, k])?)?;
     check_len(op, "b [k, n]", b, checked_product(op, "[k, n]", &[k, n])?)?;
-    check_len(op, "out [m, n]", out, checked_product(op, "[m, n]", &[m, n])?)
+    check_len(
+        op,
+        "out [m, n]",
+        out,
+        checked_product(op, "[m, n]", &[m, n])?,
+    )
 }
 
 /// The unreachable case of a view that does not fit after validation.
@@ -113,11 +124,26 @@ fn internal(op: &str) -> kpt_core::KptError {
 }
 
 /// `out[m,n] = a[m,k] · b[k,n]` in f32 (multi-threaded for large products).
-pub fn matmul_f32(a: &[f32], b: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) -> Result<()> {
+pub fn matmul_f32(
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
     const OP: &str = "matmul_f32";
     check(OP, a.len(), b.len(), out.len(), m, k, n)?;
-    let lhs = Strided { data: a, rs: k, cs: 1 };
-    let rhs = Strided { data: b, rs: n, cs: 1 };
+    let lhs = Strided {
+        data: a,
+        rs: k,
+        cs: 1,
+    };
+    let rhs = Strided {
+        data: b,
+        rs: n,
+        cs: 1,
+    };
     if gemm_f32_raw(m, n, k, out, n, lhs, rhs) {
         Ok(())
     } else {
@@ -127,7 +153,14 @@ pub fn matmul_f32(a: &[f32], b: &[f32], out: &mut [f32], m: usize, k: usize, n: 
 
 /// `out[m,n] = a[m,k] · b[k,n]` for bf16 operands: f32 products and accumulation, one
 /// rounding (to nearest even) of each output.
-pub fn matmul_bf16(a: &[bf16], b: &[bf16], out: &mut [bf16], m: usize, k: usize, n: usize) -> Result<()> {
+pub fn matmul_bf16(
+    a: &[bf16],
+    b: &[bf16],
+    out: &mut [bf16],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
     const OP: &str = "matmul_bf16";
     check(OP, a.len(), b.len(), out.len(), m, k, n)?;
     let mut a32 = vec![0f32; a.len()];
@@ -141,7 +174,14 @@ pub fn matmul_bf16(a: &[bf16], b: &[bf16], out: &mut [bf16], m: usize, k: usize,
 
 /// `out[m,n] = a[m,k] · b[k,n]` for f16 operands: f32 products and accumulation, one
 /// rounding (to nearest even) of each output.
-pub fn matmul_f16(a: &[f16], b: &[f16], out: &mut [f16], m: usize, k: usize, n: usize) -> Result<()> {
+pub fn matmul_f16(
+    a: &[f16],
+    b: &[f16],
+    out: &mut [f16],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
     const OP: &str = "matmul_f16";
     check(OP, a.len(), b.len(), out.len(), m, k, n)?;
     let mut a32 = vec![0f32; a.len()];

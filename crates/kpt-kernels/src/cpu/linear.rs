@@ -2,9 +2,10 @@
 //!
 //! - Small `m` (decode, `m <=` [`GEMV_MAX_M`]): a GEMV-style kernel, parallel over output
 //!   columns, that streams each weight row once in its stored dtype and widens it to f32
-//!   in registers (32 lanes at a time, shared by up to 4 rows of `x`). The kernel is
-//!   memory-bound, so 2-byte / 1-byte weights cut the traffic by 2x / 4x. Scales are
-//!   applied once per dot product; bias and activation on the finished value.
+//!   on the fly (in registers for `m = 1`; for `m > 1` into an L1-resident row buffer
+//!   reused by every row of `x`). The kernel is memory-bound, so 2-byte / 1-byte weights
+//!   cut the traffic by 2x / 4x. Scales are applied once per dot product; bias and
+//!   activation on the finished value.
 //! - Larger `m`: f32 weights go straight to `gemm` (`wᵀ` is just a stride swap);
 //!   other dtypes are widened tile by tile ([`TILE_N`] weight rows at a time, spread over
 //!   the threads) into an f32 buffer that `gemm` consumes, and bias + activation run
@@ -116,15 +117,32 @@ pub fn linear(
     n: usize,
 ) -> Result<()> {
     const OP: &str = "linear";
-    check_len(OP, "x [m, k]", x.len(), checked_product(OP, "[m, k]", &[m, k])?)?;
-    check_len(OP, "w [n, k]", w.len(), checked_product(OP, "[n, k]", &[n, k])?)?;
+    check_len(
+        OP,
+        "x [m, k]",
+        x.len(),
+        checked_product(OP, "[m, k]", &[m, k])?,
+    )?;
+    check_len(
+        OP,
+        "w [n, k]",
+        w.len(),
+        checked_product(OP, "[n, k]", &[n, k])?,
+    )?;
     if let Some(b) = bias {
         check_len(OP, "bias [n]", b.len(), n)?;
     }
-    check_len(OP, "out [m, n]", out.len(), checked_product(OP, "[m, n]", &[m, n])?)?;
+    check_len(
+        OP,
+        "out [m, n]",
+        out.len(),
+        checked_product(OP, "[m, n]", &[m, n])?,
+    )?;
     let scale = w.scale();
     if !scale.is_finite() {
-        return Err(KptError::InvalidArgument(format!("linear: weight scale must be finite, got {scale}")));
+        return Err(KptError::InvalidArgument(format!(
+            "linear: weight scale must be finite, got {scale}"
+        )));
     }
     if m == 0 || n == 0 {
         return Ok(());
@@ -138,25 +156,49 @@ pub fn linear(
         }
         return Ok(());
     }
-    let p = Problem { x, bias, act, scale, m, k, n };
+    let p = Problem {
+        x,
+        bias,
+        act,
+        scale,
+        m,
+        k,
+        n,
+    };
     if m <= GEMV_MAX_M {
         match w {
             WeightsRef::F32(w) => gemv(&p, w, out),
             WeightsRef::BF16(w) => gemv(&p, w, out),
             WeightsRef::F16(w) => gemv(&p, w, out),
-            WeightsRef::F8E4M3 { bits, .. } => gemv(&p, bytemuck::cast_slice::<u8, E4M3>(bits), out),
-            WeightsRef::F8E5M2 { bits, .. } => gemv(&p, bytemuck::cast_slice::<u8, E5M2>(bits), out),
+            WeightsRef::F8E4M3 { bits, .. } => {
+                gemv(&p, bytemuck::cast_slice::<u8, E4M3>(bits), out)
+            }
+            WeightsRef::F8E5M2 { bits, .. } => {
+                gemv(&p, bytemuck::cast_slice::<u8, E5M2>(bits), out)
+            }
             WeightsRef::I8 { data, .. } => gemv(&p, data, out),
         }
         return Ok(());
     }
     let ok = match w {
         WeightsRef::F32(w) => {
-            let done = gemm_f32_raw(m, n, k, out, n, Strided { data: x, rs: k, cs: 1 }, Strided {
-                data: w,
-                rs: 1,
-                cs: k,
-            });
+            let done = gemm_f32_raw(
+                m,
+                n,
+                k,
+                out,
+                n,
+                Strided {
+                    data: x,
+                    rs: k,
+                    cs: 1,
+                },
+                Strided {
+                    data: w,
+                    rs: 1,
+                    cs: k,
+                },
+            );
             epilogue_cols(out, n, 0, n, bias, act);
             done
         }
@@ -169,7 +211,10 @@ pub fn linear(
     if ok {
         Ok(())
     } else {
-        Err(KptError::shape(OP, "internal error: a matrix view does not fit its buffer"))
+        Err(KptError::shape(
+            OP,
+            "internal error: a matrix view does not fit its buffer",
+        ))
     }
 }
 
@@ -211,7 +256,11 @@ fn gemv_block<const FMA: bool, T: Decode>(
     // With several rows, each weight row is widened once into an L1-resident buffer and
     // reused by every row of `x`.
     let mut wbuf = if m > 1 { vec![0f32; k] } else { Vec::new() };
-    for (c, (o, wr)) in out_t.chunks_exact_mut(m).zip(w.chunks_exact(k.max(1))).enumerate() {
+    for (c, (o, wr)) in out_t
+        .chunks_exact_mut(m)
+        .zip(w.chunks_exact(k.max(1)))
+        .enumerate()
+    {
         let b = bias.get(c).copied().unwrap_or(0.0);
         if m == 1 {
             o[0] = finish(simd::dot_decode::<FMA, T>(&x[..k], wr), scale, b, act);
@@ -221,7 +270,12 @@ fn gemv_block<const FMA: bool, T: Decode>(
             *d = s.decode();
         }
         for (i, v) in o.iter_mut().enumerate() {
-            *v = finish(simd::dot_decode::<FMA, f32>(&x[i * k..(i + 1) * k], &wbuf), scale, b, act);
+            *v = finish(
+                simd::dot_decode::<FMA, f32>(&x[i * k..(i + 1) * k], &wbuf),
+                scale,
+                b,
+                act,
+            );
         }
     }
 }
@@ -270,7 +324,16 @@ fn gemv<T: Decode>(p: &Problem<'_>, w: &[T], out: &mut [f32]) {
         let j0 = c * GEMV_COLS;
         let cols = o.len() / m;
         let bias = p.bias.map_or(&[][..], |b| &b[j0..j0 + cols]);
-        gemv_block_d(p.x, &w[j0 * k..(j0 + cols) * k], bias, o, p.scale, p.act, m, k);
+        gemv_block_d(
+            p.x,
+            &w[j0 * k..(j0 + cols) * k],
+            bias,
+            o,
+            p.scale,
+            p.act,
+            m,
+            k,
+        );
     };
     let cost = GEMV_COLS * k.max(1) * m;
     if m == 1 {
@@ -296,7 +359,9 @@ fn epilogue<const FMA: bool>(row: &mut [f32], bias: Option<&[f32]>, act: Option<
         None => {}
         Some(Act::Relu) => row.iter_mut().for_each(|v| *v = Act::Relu.apply_f32(*v)),
         Some(Act::GeluErf) => row.iter_mut().for_each(|v| *v = Act::GeluErf.apply_f32(*v)),
-        Some(Act::GeluTanh) => row.iter_mut().for_each(|v| *v = Act::GeluTanh.apply_f32(*v)),
+        Some(Act::GeluTanh) => row
+            .iter_mut()
+            .for_each(|v| *v = Act::GeluTanh.apply_f32(*v)),
         Some(Act::Silu) => row.iter_mut().for_each(|v| *v = Act::Silu.apply_f32(*v)),
     }
 }
@@ -304,12 +369,21 @@ fn epilogue<const FMA: bool>(row: &mut [f32], bias: Option<&[f32]>, act: Option<
 simd::dispatch!(fn epilogue_d(row: &mut [f32], bias: Option<&[f32]>, act: Option<Act>) => epilogue);
 
 /// Bias + activation on columns `j0..j1` of every row of `out [_, n]`, rows in parallel.
-fn epilogue_cols(out: &mut [f32], n: usize, j0: usize, j1: usize, bias: Option<&[f32]>, act: Option<Act>) {
+fn epilogue_cols(
+    out: &mut [f32],
+    n: usize,
+    j0: usize,
+    j1: usize,
+    bias: Option<&[f32]>,
+    act: Option<Act>,
+) {
     if bias.is_none() && act.is_none() {
         return;
     }
     let cost = (j1 - j0) * if act.is_some() { 16 } else { 1 };
-    for_each_row(out, n, cost, |_, row| epilogue_d(&mut row[j0..j1], bias.map(|b| &b[j0..j1]), act));
+    for_each_row(out, n, cost, |_, row| {
+        epilogue_d(&mut row[j0..j1], bias.map(|b| &b[j0..j1]), act)
+    });
 }
 
 #[inline(always)]
@@ -345,9 +419,27 @@ fn tiled<T: Decode>(p: &Problem<'_>, w: &[T], out: &mut [f32]) -> bool {
         let nt = tile_n.min(n - j0);
         let buf = &mut tile[..nt * k];
         let src = &w[j0 * k..(j0 + nt) * k];
-        for_each_row(buf, k.max(1), 2 * k, |r, dst| decode_rows_d(&src[r * k..][..dst.len()], p.scale, dst));
-        let rhs = Strided { data: &tile[..nt * k], rs: 1, cs: k };
-        if !gemm_f32_raw(m, nt, k, &mut out[j0..], n, Strided { data: p.x, rs: k, cs: 1 }, rhs) {
+        for_each_row(buf, k.max(1), 2 * k, |r, dst| {
+            decode_rows_d(&src[r * k..][..dst.len()], p.scale, dst)
+        });
+        let rhs = Strided {
+            data: &tile[..nt * k],
+            rs: 1,
+            cs: k,
+        };
+        if !gemm_f32_raw(
+            m,
+            nt,
+            k,
+            &mut out[j0..],
+            n,
+            Strided {
+                data: p.x,
+                rs: k,
+                cs: 1,
+            },
+            rhs,
+        ) {
             return false;
         }
         epilogue_cols(out, n, j0, j0 + nt, p.bias, p.act);

@@ -1,4 +1,4 @@
-//! CPU kernels on plain row-major slices: an f64 [`reference`] for every op and fast,
+//! CPU kernels on plain row-major slices: an f64 [`reference`](mod@reference) for every op and fast,
 //! multi-threaded f32 kernels.
 //!
 //! Every function validates each slice length against the dimensions it is given and
@@ -105,7 +105,7 @@ impl Act {
     }
 }
 
-/// Tolerance `(abs, rel)` for comparing a kernel result with the f64 [`reference`]:
+/// Tolerance `(abs, rel)` for comparing a kernel result with the f64 [`reference`](mod@reference):
 /// an element passes when `|got - want| <= abs + rel * |want|`.
 ///
 /// `dtype` is the dtype the result is *stored* in, `k` the length of the longest
@@ -129,7 +129,10 @@ pub fn tolerance(dtype: DType, k: usize) -> (f64, f64) {
         DType::F64 => (1e-12 * growth, 1e-12 * growth),
         DType::F32 => (f32_tol, f32_tol),
         DType::BF16 => (f32_tol, f32_tol + 2.0 * DType::BF16.epsilon()),
-        DType::F16 => (f32_tol + 2f64.powi(-25), f32_tol + 4.0 * DType::F16.epsilon()),
+        DType::F16 => (
+            f32_tol + 2f64.powi(-25),
+            f32_tol + 4.0 * DType::F16.epsilon(),
+        ),
         DType::F8E4M3 => (f32_tol + 2f64.powi(-10), f32_tol + DType::F8E4M3.epsilon()),
         DType::F8E5M2 => (f32_tol + 2f64.powi(-17), f32_tol + DType::F8E5M2.epsilon()),
         DType::I8 => (f32_tol + 0.5, f32_tol),

@@ -88,7 +88,13 @@ fn layer_row<const FMA: bool>(x: &[f32], w: &[f32], b: &[f32], out: &mut [f32], 
 dispatch!(fn layer_row_d(x: &[f32], w: &[f32], b: &[f32], out: &mut [f32], eps: f32) => layer_row);
 
 /// Checks `[rows, dim]` tensors and `[dim]` parameters.
-fn check(op: &str, tensors: &[(&str, usize)], params: &[(&str, usize)], rows: usize, dim: usize) -> Result<()> {
+fn check(
+    op: &str,
+    tensors: &[(&str, usize)],
+    params: &[(&str, usize)],
+    rows: usize,
+    dim: usize,
+) -> Result<()> {
     let total = checked_product(op, "[rows, dim]", &[rows, dim])?;
     for &(name, len) in tensors {
         check_len(op, name, len, total)?;
@@ -100,7 +106,14 @@ fn check(op: &str, tensors: &[(&str, usize)], params: &[(&str, usize)], rows: us
 }
 
 /// RMS norm over the last axis of `x [rows, dim]`: `y = x / sqrt(mean(x²) + eps) * w`.
-pub fn rms_norm(x: &[f32], w: &[f32], out: &mut [f32], rows: usize, dim: usize, eps: f32) -> Result<()> {
+pub fn rms_norm(
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    dim: usize,
+    eps: f32,
+) -> Result<()> {
     check(
         "rms_norm",
         &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())],
@@ -108,7 +121,9 @@ pub fn rms_norm(x: &[f32], w: &[f32], out: &mut [f32], rows: usize, dim: usize, 
         rows,
         dim,
     )?;
-    for_each_row(out, dim, 3 * dim, |r, o| rms_row_d(&x[r * dim..(r + 1) * dim], w, o, eps));
+    for_each_row(out, dim, 3 * dim, |r, o| {
+        rms_row_d(&x[r * dim..(r + 1) * dim], w, o, eps)
+    });
     Ok(())
 }
 
@@ -131,7 +146,9 @@ pub fn layer_norm(
         rows,
         dim,
     )?;
-    for_each_row(out, dim, 4 * dim, |r, o| layer_row_d(&x[r * dim..(r + 1) * dim], w, b, o, eps));
+    for_each_row(out, dim, 4 * dim, |r, o| {
+        layer_row_d(&x[r * dim..(r + 1) * dim], w, b, o, eps)
+    });
     Ok(())
 }
 

@@ -34,7 +34,9 @@ where
             .with_min_len(min_rows(cost))
             .for_each(|(i, r)| f(i, r));
     } else {
-        out.chunks_mut(row_len).enumerate().for_each(|(i, r)| f(i, r));
+        out.chunks_mut(row_len)
+            .enumerate()
+            .for_each(|(i, r)| f(i, r));
     }
 }
 

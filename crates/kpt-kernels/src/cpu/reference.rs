@@ -14,9 +14,24 @@ use super::{check_len, checked_product, Act};
 /// `out[m,n] = a[m,k] · b[k,n]`.
 pub fn matmul(a: &[f64], b: &[f64], out: &mut [f64], m: usize, k: usize, n: usize) -> Result<()> {
     const OP: &str = "matmul";
-    check_len(OP, "a [m, k]", a.len(), checked_product(OP, "[m, k]", &[m, k])?)?;
-    check_len(OP, "b [k, n]", b.len(), checked_product(OP, "[k, n]", &[k, n])?)?;
-    check_len(OP, "out [m, n]", out.len(), checked_product(OP, "[m, n]", &[m, n])?)?;
+    check_len(
+        OP,
+        "a [m, k]",
+        a.len(),
+        checked_product(OP, "[m, k]", &[m, k])?,
+    )?;
+    check_len(
+        OP,
+        "b [k, n]",
+        b.len(),
+        checked_product(OP, "[k, n]", &[k, n])?,
+    )?;
+    check_len(
+        OP,
+        "out [m, n]",
+        out.len(),
+        checked_product(OP, "[m, n]", &[m, n])?,
+    )?;
     for i in 0..m {
         for j in 0..n {
             let mut s = 0.0;
@@ -55,12 +70,27 @@ pub fn linear_act(
     n: usize,
 ) -> Result<()> {
     const OP: &str = "linear";
-    check_len(OP, "x [m, k]", x.len(), checked_product(OP, "[m, k]", &[m, k])?)?;
-    check_len(OP, "w [n, k]", w.len(), checked_product(OP, "[n, k]", &[n, k])?)?;
+    check_len(
+        OP,
+        "x [m, k]",
+        x.len(),
+        checked_product(OP, "[m, k]", &[m, k])?,
+    )?;
+    check_len(
+        OP,
+        "w [n, k]",
+        w.len(),
+        checked_product(OP, "[n, k]", &[n, k])?,
+    )?;
     if let Some(b) = bias {
         check_len(OP, "bias [n]", b.len(), n)?;
     }
-    check_len(OP, "out [m, n]", out.len(), checked_product(OP, "[m, n]", &[m, n])?)?;
+    check_len(
+        OP,
+        "out [m, n]",
+        out.len(),
+        checked_product(OP, "[m, n]", &[m, n])?,
+    )?;
     for i in 0..m {
         for j in 0..n {
             let mut s = bias.map_or(0.0, |b| b[j]);
@@ -83,7 +113,13 @@ pub fn activation(x: &[f64], out: &mut [f64], act: Act) -> Result<()> {
 }
 
 /// Checks `[rows, dim]` tensors and a `[dim]` parameter.
-fn check_rows(op: &str, names: &[(&str, usize)], params: &[(&str, usize)], rows: usize, dim: usize) -> Result<()> {
+fn check_rows(
+    op: &str,
+    names: &[(&str, usize)],
+    params: &[(&str, usize)],
+    rows: usize,
+    dim: usize,
+) -> Result<()> {
     let total = checked_product(op, "[rows, dim]", &[rows, dim])?;
     for &(name, len) in names {
         check_len(op, name, len, total)?;
@@ -95,8 +131,21 @@ fn check_rows(op: &str, names: &[(&str, usize)], params: &[(&str, usize)], rows:
 }
 
 /// RMS norm over the last axis: `y = x / sqrt(mean(x²) + eps) * w`.
-pub fn rms_norm(x: &[f64], w: &[f64], out: &mut [f64], rows: usize, dim: usize, eps: f64) -> Result<()> {
-    check_rows("rms_norm", &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())], &[("w [dim]", w.len())], rows, dim)?;
+pub fn rms_norm(
+    x: &[f64],
+    w: &[f64],
+    out: &mut [f64],
+    rows: usize,
+    dim: usize,
+    eps: f64,
+) -> Result<()> {
+    check_rows(
+        "rms_norm",
+        &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())],
+        &[("w [dim]", w.len())],
+        rows,
+        dim,
+    )?;
     for r in 0..rows {
         let row = &x[r * dim..(r + 1) * dim];
         let ms = row.iter().map(|v| v * v).sum::<f64>() / dim as f64;
@@ -161,7 +210,12 @@ pub fn add_rms_norm(
         rows,
         dim,
     )?;
-    check_len("add_rms_norm", "norm_out [rows, dim]", norm_out.len(), x.len())?;
+    check_len(
+        "add_rms_norm",
+        "norm_out [rows, dim]",
+        norm_out.len(),
+        x.len(),
+    )?;
     for (s, (a, r)) in sum_out.iter_mut().zip(x.iter().zip(residual)) {
         *s = a + r;
     }
@@ -181,9 +235,16 @@ pub(crate) fn check_rotary(
 ) -> Result<()> {
     const OP: &str = "rotary";
     if head_dim % 2 != 0 {
-        return Err(KptError::shape(OP, format!("head_dim must be even, got {head_dim}")));
+        return Err(KptError::shape(
+            OP,
+            format!("head_dim must be even, got {head_dim}"),
+        ));
     }
-    let total = checked_product(OP, "[batch, seq, heads, head_dim]", &[batch, seq, heads, head_dim])?;
+    let total = checked_product(
+        OP,
+        "[batch, seq, heads, head_dim]",
+        &[batch, seq, heads, head_dim],
+    )?;
     check_len(OP, "x [batch, seq, heads*head_dim]", x, total)?;
     check_len(OP, "positions [seq]", positions, seq)?;
     check_len(OP, "out [batch, seq, heads*head_dim]", out, total)
@@ -205,7 +266,15 @@ pub fn rotary(
     head_dim: usize,
     theta: f64,
 ) -> Result<()> {
-    check_rotary(x.len(), positions.len(), out.len(), batch, seq, heads, head_dim)?;
+    check_rotary(
+        x.len(),
+        positions.len(),
+        out.len(),
+        batch,
+        seq,
+        heads,
+        head_dim,
+    )?;
     let half = head_dim / 2;
     for b in 0..batch {
         for s in 0..seq {
@@ -228,7 +297,13 @@ pub fn rotary(
 /// Softmax over the last axis of `x [rows, dim]`, subtracting the row max first. A row
 /// whose entries are all `-inf` gives zeros.
 pub fn softmax(x: &[f64], out: &mut [f64], rows: usize, dim: usize) -> Result<()> {
-    check_rows("softmax", &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())], &[], rows, dim)?;
+    check_rows(
+        "softmax",
+        &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())],
+        &[],
+        rows,
+        dim,
+    )?;
     for r in 0..rows {
         let row = &x[r * dim..(r + 1) * dim];
         let o = &mut out[r * dim..(r + 1) * dim];
@@ -259,7 +334,14 @@ pub fn attention(
     out: &mut [f64],
     shape: &AttentionShape,
 ) -> Result<()> {
-    shape.check_buffers("attention", q.len(), k.len(), v.len(), mask.map(<[f64]>::len), out.len())?;
+    shape.check_buffers(
+        "attention",
+        q.len(),
+        k.len(),
+        v.len(),
+        mask.map(<[f64]>::len),
+        out.len(),
+    )?;
     let s = *shape;
     let d = s.head_dim;
     let (q_row, kv_row) = (s.q_row(), s.kv_row());
@@ -308,11 +390,31 @@ pub fn attention(
 }
 
 /// Checks embedding arguments and ids (shared with the fast kernel).
-pub(crate) fn check_embedding(ids: &[i64], table: usize, out: usize, vocab: usize, dim: usize) -> Result<()> {
+pub(crate) fn check_embedding(
+    ids: &[i64],
+    table: usize,
+    out: usize,
+    vocab: usize,
+    dim: usize,
+) -> Result<()> {
     const OP: &str = "embedding";
-    check_len(OP, "table [vocab, dim]", table, checked_product(OP, "[vocab, dim]", &[vocab, dim])?)?;
-    check_len(OP, "out [ids, dim]", out, checked_product(OP, "[ids, dim]", &[ids.len(), dim])?)?;
-    if let Some((pos, id)) = ids.iter().enumerate().find(|(_, &id)| id < 0 || id as u64 >= vocab as u64) {
+    check_len(
+        OP,
+        "table [vocab, dim]",
+        table,
+        checked_product(OP, "[vocab, dim]", &[vocab, dim])?,
+    )?;
+    check_len(
+        OP,
+        "out [ids, dim]",
+        out,
+        checked_product(OP, "[ids, dim]", &[ids.len(), dim])?,
+    )?;
+    if let Some((pos, id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id < 0 || id as u64 >= vocab as u64)
+    {
         return Err(KptError::InvalidArgument(format!(
             "embedding: id {id} at position {pos} is out of range for vocab size {vocab}"
         )));
@@ -321,7 +423,13 @@ pub(crate) fn check_embedding(ids: &[i64], table: usize, out: usize, vocab: usiz
 }
 
 /// Row lookup: `out[i, :] = table[ids[i], :]`; an id outside `0..vocab` is an error.
-pub fn embedding(ids: &[i64], table: &[f64], out: &mut [f64], vocab: usize, dim: usize) -> Result<()> {
+pub fn embedding(
+    ids: &[i64],
+    table: &[f64],
+    out: &mut [f64],
+    vocab: usize,
+    dim: usize,
+) -> Result<()> {
     check_embedding(ids, table.len(), out.len(), vocab, dim)?;
     for (i, &id) in ids.iter().enumerate() {
         let id = id as usize;
@@ -364,7 +472,9 @@ pub(crate) fn check_scale(op: &str, scale: f64) -> Result<()> {
     if scale.is_finite() && scale > 0.0 {
         Ok(())
     } else {
-        Err(KptError::InvalidArgument(format!("{op}: scale must be finite and > 0, got {scale}")))
+        Err(KptError::InvalidArgument(format!(
+            "{op}: scale must be finite and > 0, got {scale}"
+        )))
     }
 }
 
@@ -401,13 +511,21 @@ pub fn quantize(x: &[f64], dtype: DType, scale: f64, out: &mut [f64]) -> Result<
         DType::F16 => |v| half::f16::from_f32(f64_to_f32_round_odd(v)).to_f64(),
         DType::BF16 => |v| half::bf16::from_f32(f64_to_f32_round_odd(v)).to_f64(),
         DType::F8E4M3 => |v| {
-            kpt_core::dtype::f8e4m3_to_f32(kpt_core::dtype::f32_to_f8e4m3(f64_to_f32_round_odd(v))) as f64
+            kpt_core::dtype::f8e4m3_to_f32(kpt_core::dtype::f32_to_f8e4m3(f64_to_f32_round_odd(v)))
+                as f64
         },
         DType::F8E5M2 => |v| {
-            kpt_core::dtype::f8e5m2_to_f32(kpt_core::dtype::f32_to_f8e5m2(f64_to_f32_round_odd(v))) as f64
+            kpt_core::dtype::f8e5m2_to_f32(kpt_core::dtype::f32_to_f8e5m2(f64_to_f32_round_odd(v)))
+                as f64
         },
         DType::I8 => |v| kpt_core::dtype::f32_to_i8(f64_to_f32_round_odd(v)) as f64,
-        other => return Err(KptError::dtype(OP, "f32, f16, bf16, f8e4m3, f8e5m2 or i8", other)),
+        other => {
+            return Err(KptError::dtype(
+                OP,
+                "f32, f16, bf16, f8e4m3, f8e5m2 or i8",
+                other,
+            ))
+        }
     };
     for (o, &v) in out.iter_mut().zip(x) {
         *o = round(v / scale);

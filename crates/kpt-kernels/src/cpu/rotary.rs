@@ -36,13 +36,23 @@ pub fn rotary(
     head_dim: usize,
     theta: f32,
 ) -> Result<()> {
-    check_rotary(x.len(), positions.len(), out.len(), batch, seq, heads, head_dim)?;
+    check_rotary(
+        x.len(),
+        positions.len(),
+        out.len(),
+        batch,
+        seq,
+        heads,
+        head_dim,
+    )?;
     let half = head_dim / 2;
     if half == 0 || x.is_empty() {
         return Ok(());
     }
     let theta = theta as f64;
-    let freqs: Vec<f64> = (0..half).map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
+    let freqs: Vec<f64> = (0..half)
+        .map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64))
+        .collect();
     let mut cos = vec![0f32; seq * half];
     let mut sin = vec![0f32; seq * half];
     for (s, &pos) in positions.iter().enumerate() {
@@ -56,7 +66,12 @@ pub fn rotary(
     for_each_row(out, head_dim, 3 * head_dim, |r, o| {
         let s = (r / heads) % seq;
         let tab = s * half..(s + 1) * half;
-        rotate_row_d(&x[r * head_dim..(r + 1) * head_dim], &cos[tab.clone()], &sin[tab], o);
+        rotate_row_d(
+            &x[r * head_dim..(r + 1) * head_dim],
+            &cos[tab.clone()],
+            &sin[tab],
+            o,
+        );
     });
     Ok(())
 }

@@ -80,24 +80,22 @@ impl AttentionShape {
                 self.scale
             )));
         }
-        checked_product(OP, "q size [batch, seq_q, num_heads, head_dim]", &[
-            self.batch,
-            self.seq_q,
-            self.num_heads,
-            self.head_dim,
-        ])?;
-        checked_product(OP, "k/v size [batch, seq_kv, num_kv_heads, head_dim]", &[
-            self.batch,
-            self.seq_kv,
-            self.num_kv_heads,
-            self.head_dim,
-        ])?;
+        checked_product(
+            OP,
+            "q size [batch, seq_q, num_heads, head_dim]",
+            &[self.batch, self.seq_q, self.num_heads, self.head_dim],
+        )?;
+        checked_product(
+            OP,
+            "k/v size [batch, seq_kv, num_kv_heads, head_dim]",
+            &[self.batch, self.seq_kv, self.num_kv_heads, self.head_dim],
+        )?;
         checked_product(OP, "mask size [seq_q, seq_kv]", &[self.seq_q, self.seq_kv])?;
-        checked_product(OP, "scores per head [seq_q, seq_kv, head_dim]", &[
-            self.seq_q,
-            self.seq_kv,
-            self.head_dim.max(1),
-        ])?;
+        checked_product(
+            OP,
+            "scores per head [seq_q, seq_kv, head_dim]",
+            &[self.seq_q, self.seq_kv, self.head_dim.max(1)],
+        )?;
         Ok(())
     }
 
@@ -124,7 +122,10 @@ impl AttentionShape {
 
     /// Query heads per kv head (`num_heads / num_kv_heads`; 1 when there are no heads).
     pub fn group_size(&self) -> usize {
-        self.num_heads.checked_div(self.num_kv_heads).unwrap_or(1).max(1)
+        self.num_heads
+            .checked_div(self.num_kv_heads)
+            .unwrap_or(1)
+            .max(1)
     }
 
     /// Elements of one query/output row: `num_heads * head_dim`.
@@ -143,7 +144,9 @@ impl AttentionShape {
             return self.seq_kv;
         }
         // j <= i + seq_kv - seq_q  <=>  j < i + 1 + seq_kv - seq_q.
-        (i + 1 + self.seq_kv).saturating_sub(self.seq_q).min(self.seq_kv)
+        (i + 1 + self.seq_kv)
+            .saturating_sub(self.seq_q)
+            .min(self.seq_kv)
     }
 
     /// [`validate`](Self::validate)s the shape and checks every buffer length.

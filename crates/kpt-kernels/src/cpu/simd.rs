@@ -74,8 +74,8 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_359_4; // 0.693359375, exact in 9 bits: n * LN2_HI is exact.
     const LN2_LO: f32 = -2.121_944_4e-4;
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
-    // Clamp (NaN passes through `clamp`): below -104 the result underflows to 0, above
-    // 88.73 it overflows to +inf.
+                                     // Clamp (NaN passes through `clamp`): below -104 the result underflows to 0, above
+                                     // 88.73 it overflows to +inf.
     let xc = x.clamp(-104.0, 88.73);
     let t = xc * LOG2E + MAGIC;
     let n_f = t - MAGIC;
@@ -272,18 +272,30 @@ mod tests {
     fn decoders_match_reference_conversions() {
         for b in 0..=255u8 {
             let (got, want) = (f8e4m3_bits_to_f32(b), kpt_core::dtype::f8e4m3_to_f32(b));
-            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{b:#x}");
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{b:#x}"
+            );
             let (got, want) = (f8e5m2_bits_to_f32(b), kpt_core::dtype::f8e5m2_to_f32(b));
-            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{b:#x}");
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{b:#x}"
+            );
         }
         for h in 0..=u16::MAX {
             let (got, want) = (f16_bits_to_f32(h), half::f16::from_bits(h).to_f32());
-            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{h:#x}");
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{h:#x}"
+            );
             let x = f32::from_bits((h as u32) << 16 | 0x8000);
             let y = f32::from_bits((h as u32) << 16 | 0x7fff);
             for v in [x, y, bf16_bits_to_f32(h)] {
                 let (got, want) = (f32_to_bf16_bits(v), half::bf16::from_f32(v).to_bits());
-                assert!(got == want || (v.is_nan() && bf16_bits_to_f32(got).is_nan()), "{v}");
+                assert!(
+                    got == want || (v.is_nan() && bf16_bits_to_f32(got).is_nan()),
+                    "{v}"
+                );
             }
         }
     }

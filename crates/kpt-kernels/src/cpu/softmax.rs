@@ -68,6 +68,8 @@ pub fn softmax(x: &[f32], out: &mut [f32], rows: usize, dim: usize) -> Result<()
     let total = checked_product(OP, "[rows, dim]", &[rows, dim])?;
     check_len(OP, "x [rows, dim]", x.len(), total)?;
     check_len(OP, "out [rows, dim]", out.len(), total)?;
-    for_each_row(out, dim, 16 * dim, |r, o| softmax_row_d(&x[r * dim..(r + 1) * dim], o));
+    for_each_row(out, dim, 16 * dim, |r, o| {
+        softmax_row_d(&x[r * dim..(r + 1) * dim], o)
+    });
     Ok(())
 }

@@ -148,7 +148,8 @@ fn erfc_tail(x: f64) -> f64 {
             RA0 + s * (RA1 + s * (RA2 + s * (RA3 + s * (RA4 + s * (RA5 + s * (RA6 + s * RA7)))))),
             1.0 + s
                 * (SA1
-                    + s * (SA2 + s * (SA3 + s * (SA4 + s * (SA5 + s * (SA6 + s * (SA7 + s * SA8))))))),
+                    + s * (SA2
+                        + s * (SA3 + s * (SA4 + s * (SA5 + s * (SA6 + s * (SA7 + s * SA8))))))),
         )
     } else {
         (
@@ -230,7 +231,8 @@ fn erfcf_tail(x: f32) -> f32 {
             RA0 + s * (RA1 + s * (RA2 + s * (RA3 + s * (RA4 + s * (RA5 + s * (RA6 + s * RA7)))))),
             1.0 + s
                 * (SA1
-                    + s * (SA2 + s * (SA3 + s * (SA4 + s * (SA5 + s * (SA6 + s * (SA7 + s * SA8))))))),
+                    + s * (SA2
+                        + s * (SA3 + s * (SA4 + s * (SA5 + s * (SA6 + s * (SA7 + s * SA8))))))),
         )
     } else {
         (
@@ -337,10 +339,16 @@ mod tests {
             let x = i as f32 * 1e-3;
             let want = erf(x as f64);
             let got = erff(x) as f64;
-            assert!((got - want).abs() <= 1.2e-7 * want.abs().max(1e-30) + 1e-30, "erff({x})");
+            assert!(
+                (got - want).abs() <= 1.2e-7 * want.abs().max(1e-30) + 1e-30,
+                "erff({x})"
+            );
             let want_c = erfc(x as f64);
             let got_c = erfcf(x) as f64;
-            assert!((got_c - want_c).abs() <= 2.4e-7 * want_c, "erfcf({x}): {got_c} vs {want_c}");
+            assert!(
+                (got_c - want_c).abs() <= 2.4e-7 * want_c,
+                "erfcf({x}): {got_c} vs {want_c}"
+            );
         }
     }
 }
