@@ -7,7 +7,11 @@ use kpt_kernels::cpu::{self, Act, AttentionShape, WeightsRef};
 
 fn data(n: usize, seed: u32) -> Vec<f32> {
     (0..n)
-        .map(|i| (((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32 / (1u32 << 24) as f32) - 0.5)
+        .map(|i| {
+            (((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32
+                / (1u32 << 24) as f32)
+                - 0.5
+        })
         .collect()
 }
 
@@ -25,7 +29,13 @@ fn linear(c: &mut Criterion) {
         let cases: [(&str, WeightsRef<'_>); 3] = [
             ("f32", WeightsRef::F32(&w)),
             ("bf16", WeightsRef::BF16(&w_bf16)),
-            ("f8e4m3", WeightsRef::F8E4M3 { bits: &w_f8, scale: 1.0 / 800.0 }),
+            (
+                "f8e4m3",
+                WeightsRef::F8E4M3 {
+                    bits: &w_f8,
+                    scale: 1.0 / 800.0,
+                },
+            ),
         ];
         for (name, weights) in cases {
             g.bench_function(BenchmarkId::new(name, format!("m{m}_{k}x{n}")), |b| {
@@ -39,14 +49,21 @@ fn linear(c: &mut Criterion) {
 fn matmul(c: &mut Criterion) {
     let s = 512;
     let (a, b) = (data(s * s, 3), data(s * s, 4));
-    let (ab, bb): (Vec<bf16>, Vec<bf16>) = (a.iter().map(|&x| bf16::from_f32(x)).collect(), b.iter().map(|&x| bf16::from_f32(x)).collect());
+    let (ab, bb): (Vec<bf16>, Vec<bf16>) = (
+        a.iter().map(|&x| bf16::from_f32(x)).collect(),
+        b.iter().map(|&x| bf16::from_f32(x)).collect(),
+    );
     let mut g = c.benchmark_group("cpu/matmul");
     g.sample_size(20);
     g.throughput(Throughput::Elements((2 * s * s * s) as u64));
     let mut out = vec![0f32; s * s];
-    g.bench_function(BenchmarkId::new("f32", s), |bch| bch.iter(|| cpu::matmul_f32(&a, &b, &mut out, s, s, s)));
+    g.bench_function(BenchmarkId::new("f32", s), |bch| {
+        bch.iter(|| cpu::matmul_f32(&a, &b, &mut out, s, s, s))
+    });
     let mut outb = vec![bf16::ZERO; s * s];
-    g.bench_function(BenchmarkId::new("bf16", s), |bch| bch.iter(|| cpu::matmul_bf16(&ab, &bb, &mut outb, s, s, s)));
+    g.bench_function(BenchmarkId::new("bf16", s), |bch| {
+        bch.iter(|| cpu::matmul_bf16(&ab, &bb, &mut outb, s, s, s))
+    });
     g.finish();
 }
 
@@ -58,9 +75,13 @@ fn attention(c: &mut Criterion) {
         let q = data(seq * 8 * 64, 5);
         let kv = data(seq * 2 * 64, 6);
         let mut out = vec![0f32; q.len()];
-        g.bench_function(BenchmarkId::new(if causal { "causal" } else { "full" }, format!("s{seq}_h8_kv2_d64")), |b| {
-            b.iter(|| cpu::attention(&q, &kv, &kv, None, &mut out, &shape, 64, 64))
-        });
+        g.bench_function(
+            BenchmarkId::new(
+                if causal { "causal" } else { "full" },
+                format!("s{seq}_h8_kv2_d64"),
+            ),
+            |b| b.iter(|| cpu::attention(&q, &kv, &kv, None, &mut out, &shape, 64, 64)),
+        );
     }
     g.finish();
 }
@@ -72,10 +93,16 @@ fn norms(c: &mut Criterion) {
     let mut out = vec![0f32; x.len()];
     let mut g = c.benchmark_group("cpu/rowwise");
     g.throughput(Throughput::Bytes((2 * x.len() * 4) as u64));
-    g.bench_function("rms_norm_256x4096", |b| b.iter(|| cpu::rms_norm(&x, &w, &mut out, rows, dim, 1e-5)));
-    g.bench_function("softmax_256x4096", |b| b.iter(|| cpu::softmax(&x, &mut out, rows, dim)));
+    g.bench_function("rms_norm_256x4096", |b| {
+        b.iter(|| cpu::rms_norm(&x, &w, &mut out, rows, dim, 1e-5))
+    });
+    g.bench_function("softmax_256x4096", |b| {
+        b.iter(|| cpu::softmax(&x, &mut out, rows, dim))
+    });
     let pos: Vec<i64> = (0..rows as i64).collect();
-    g.bench_function("rotary_256x32x128", |b| b.iter(|| cpu::rotary(&x, &pos, &mut out, 1, rows, 32, 128, 10000.0)));
+    g.bench_function("rotary_256x32x128", |b| {
+        b.iter(|| cpu::rotary(&x, &pos, &mut out, 1, rows, 32, 128, 10000.0))
+    });
     g.finish();
 }
 

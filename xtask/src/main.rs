@@ -57,7 +57,14 @@ fn cargo(args: &[&str]) -> Result<()> {
 
 fn test() -> Result<()> {
     cargo(&["fmt", "--all", "--check"])?;
-    cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
     cargo(&["test", "--workspace"])?;
     check_kernels()?;
     eprintln!("xtask test: all checks passed");
@@ -84,7 +91,10 @@ struct ArtifactEntry {
 fn sha256_hex(path: &Path) -> Result<String> {
     use sha2::Digest;
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect())
+    Ok(sha2::Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// Every kernel source under `kernels/` must be in the artifact manifest with its
@@ -96,25 +106,35 @@ fn check_kernels() -> Result<()> {
     let manifest_path = artifacts_dir.join("manifest.json");
     let entries: Vec<ManifestEntry> = if manifest_path.exists() {
         let text = std::fs::read_to_string(&manifest_path)?;
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", manifest_path.display()))?
+        serde_json::from_str(&text)
+            .with_context(|| format!("parsing {}", manifest_path.display()))?
     } else {
         Vec::new()
     };
     let mut problems = Vec::new();
     for src in &sources {
-        let rel = src.strip_prefix(&root).unwrap_or(src).to_string_lossy().replace('\\', "/");
+        let rel = src
+            .strip_prefix(&root)
+            .unwrap_or(src)
+            .to_string_lossy()
+            .replace('\\', "/");
         match entries.iter().find(|e| e.source == rel) {
-            None => problems.push(format!("{rel}: not in the manifest (run `cargo xtask build-kernels`)")),
-            Some(e) if e.source_sha256 != sha256_hex(src)? => {
-                problems.push(format!("{rel}: changed since its artifacts were built (run `cargo xtask build-kernels`)"))
-            }
+            None => problems.push(format!(
+                "{rel}: not in the manifest (run `cargo xtask build-kernels`)"
+            )),
+            Some(e) if e.source_sha256 != sha256_hex(src)? => problems.push(format!(
+                "{rel}: changed since its artifacts were built (run `cargo xtask build-kernels`)"
+            )),
             Some(e) => {
                 for a in &e.artifacts {
                     let path = artifacts_dir.join(&a.path);
                     if !path.exists() {
                         problems.push(format!("{}: artifact missing", a.path));
                     } else if sha256_hex(&path)? != a.sha256 {
-                        problems.push(format!("{}: artifact does not match its manifest hash", a.path));
+                        problems.push(format!(
+                            "{}: artifact does not match its manifest hash",
+                            a.path
+                        ));
                     }
                 }
             }
@@ -122,13 +142,23 @@ fn check_kernels() -> Result<()> {
     }
     for e in &entries {
         if !root.join(&e.source).exists() {
-            problems.push(format!("{}: in the manifest but the source is gone", e.source));
+            problems.push(format!(
+                "{}: in the manifest but the source is gone",
+                e.source
+            ));
         }
     }
     if !problems.is_empty() {
-        bail!("check-kernels found {} problem(s):\n  {}", problems.len(), problems.join("\n  "));
+        bail!(
+            "check-kernels found {} problem(s):\n  {}",
+            problems.len(),
+            problems.join("\n  ")
+        );
     }
-    eprintln!("check-kernels: {} kernel source(s), all artifacts current", sources.len());
+    eprintln!(
+        "check-kernels: {} kernel source(s), all artifacts current",
+        sources.len()
+    );
     Ok(())
 }
 
@@ -141,7 +171,10 @@ fn list_sources(dir: &Path) -> Result<Vec<PathBuf>> {
         let path = entry?.path();
         if path.is_dir() {
             out.extend(list_sources(&path)?);
-        } else if matches!(path.extension().and_then(|e| e.to_str()), Some("cu" | "cuh" | "py" | "hip")) {
+        } else if matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("cu" | "cuh" | "py" | "hip")
+        ) {
             out.push(path);
         }
     }

@@ -202,13 +202,18 @@ impl BackendRegistry {
 
     /// The preferred backend: accelerators first (CUDA, ROCm, TPU), then the CPU.
     pub fn best(&self) -> Result<Arc<dyn Backend>> {
-        [DeviceKind::Cuda, DeviceKind::Rocm, DeviceKind::Tpu, DeviceKind::Cpu]
-            .into_iter()
-            .find_map(|k| self.by_kind(k).ok())
-            .ok_or_else(|| KptError::Backend {
-                backend: "any".into(),
-                message: "no backend registered".into(),
-            })
+        [
+            DeviceKind::Cuda,
+            DeviceKind::Rocm,
+            DeviceKind::Tpu,
+            DeviceKind::Cpu,
+        ]
+        .into_iter()
+        .find_map(|k| self.by_kind(k).ok())
+        .ok_or_else(|| KptError::Backend {
+            backend: "any".into(),
+            message: "no backend registered".into(),
+        })
     }
 
     /// Names of the registered backends.

@@ -12,7 +12,9 @@ use std::str::FromStr;
 use crate::error::KptError;
 
 /// The element type of a tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     /// 64-bit float (reference computations).
@@ -268,7 +270,10 @@ mod tests {
         for d in DType::ALL {
             assert_eq!(d.name().parse::<DType>().unwrap(), d);
         }
-        assert!(matches!("f7".parse::<DType>(), Err(KptError::UnknownDType(_))));
+        assert!(matches!(
+            "f7".parse::<DType>(),
+            Err(KptError::UnknownDType(_))
+        ));
     }
 
     proptest::proptest! {

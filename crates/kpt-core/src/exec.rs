@@ -78,8 +78,17 @@ impl Executor {
         self.run_inner(inputs, true)
     }
 
-    fn run_inner(&mut self, inputs: &[Tensor], trace: bool) -> Result<(Vec<Tensor>, Vec<Option<Tensor>>)> {
-        let Self { plan, backend, params, slots } = self;
+    fn run_inner(
+        &mut self,
+        inputs: &[Tensor],
+        trace: bool,
+    ) -> Result<(Vec<Tensor>, Vec<Option<Tensor>>)> {
+        let Self {
+            plan,
+            backend,
+            params,
+            slots,
+        } = self;
         let graph = &plan.graph;
         let slot_of = &plan.memory.slot_of;
         let input_specs: Vec<TensorSpec> = inputs
@@ -98,7 +107,8 @@ impl Executor {
             .iter()
             .map(|t| backend.upload(t))
             .collect::<Result<Vec<_>>>()?;
-        let mut traced: Vec<Option<Tensor>> = vec![None; if trace { graph.values().len() } else { 0 }];
+        let mut traced: Vec<Option<Tensor>> =
+            vec![None; if trace { graph.values().len() } else { 0 }];
         if trace {
             for (&id, t) in graph.inputs().iter().zip(inputs) {
                 traced[id.0] = Some(t.clone());
@@ -110,14 +120,18 @@ impl Executor {
             }
         }
         for (node, choice) in graph.nodes().iter().zip(&plan.kernels) {
-            let _span = tracing::trace_span!("launch", node = %node.name, kernel = %choice.kernel).entered();
+            let _span = tracing::trace_span!("launch", node = %node.name, kernel = %choice.kernel)
+                .entered();
             let mut outs = node
                 .outputs
                 .iter()
                 .map(|o| {
-                    slot_of[o.0]
-                        .and_then(|s| slots[s].take())
-                        .ok_or_else(|| KptError::Graph(format!("value `{}` has no free buffer", graph.value(*o).name)))
+                    slot_of[o.0].and_then(|s| slots[s].take()).ok_or_else(|| {
+                        KptError::Graph(format!(
+                            "value `{}` has no free buffer",
+                            graph.value(*o).name
+                        ))
+                    })
                 })
                 .collect::<Result<Vec<_>>>()?;
             let result = {
@@ -130,17 +144,27 @@ impl Executor {
                         ValueSource::Param(_) => params[v.0].as_ref(),
                         ValueSource::Node { .. } => slot_of[v.0].and_then(|s| slots[s].as_ref()),
                     }
-                    .ok_or_else(|| KptError::Graph(format!("value `{}` has no buffer", graph.value(v).name)))
+                    .ok_or_else(|| {
+                        KptError::Graph(format!("value `{}` has no buffer", graph.value(v).name))
+                    })
                 };
                 let in_refs = node
                     .inputs
                     .iter()
-                    .map(|&v| lookup(v).map(|buffer| BufferRef { buffer, spec: &specs[v.0] }))
+                    .map(|&v| {
+                        lookup(v).map(|buffer| BufferRef {
+                            buffer,
+                            spec: &specs[v.0],
+                        })
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 let mut out_refs: Vec<BufferMut<'_>> = outs
                     .iter_mut()
                     .zip(&node.outputs)
-                    .map(|(buffer, o)| BufferMut { buffer, spec: &specs[o.0] })
+                    .map(|(buffer, o)| BufferMut {
+                        buffer,
+                        spec: &specs[o.0],
+                    })
                     .collect();
                 backend.execute(&choice.kernel, &node.op, &in_refs, &mut out_refs)
             };

@@ -178,7 +178,12 @@ impl Storage {
                     .map(|&x| dtype::f32_to_f8e5m2((x / s) as f32))
                     .collect(),
             ),
-            DType::I8 => Storage::I8(values.iter().map(|&x| dtype::f32_to_i8((x / s) as f32)).collect()),
+            DType::I8 => Storage::I8(
+                values
+                    .iter()
+                    .map(|&x| dtype::f32_to_i8((x / s) as f32))
+                    .collect(),
+            ),
             DType::I32 => Storage::I32(values.iter().map(|&x| x.round() as i32).collect()),
             DType::I64 => Storage::I64(values.iter().map(|&x| x.round() as i64).collect()),
         }
@@ -425,9 +430,8 @@ impl Tensor {
 
     /// The elements as a typed slice when the tensor is contiguous and of type `T`.
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
-        let s = T::slice(&self.storage).ok_or_else(|| {
-            KptError::dtype("Tensor::as_slice", T::DTYPE.name(), self.dtype())
-        })?;
+        let s = T::slice(&self.storage)
+            .ok_or_else(|| KptError::dtype("Tensor::as_slice", T::DTYPE.name(), self.dtype()))?;
         if !self.is_contiguous() {
             return Err(KptError::InvalidArgument(
                 "as_slice needs a contiguous tensor; call .contiguous() first".into(),
@@ -593,14 +597,23 @@ mod tests {
         let t = Tensor::zeros(DType::F32, &[2, 3]);
         assert!(t.reshape(&[4, 2]).is_err());
         assert!(t.transpose(0, 2).is_err());
-        assert!(matches!(t.as_slice::<f16>(), Err(KptError::DTypeMismatch { .. })));
+        assert!(matches!(
+            t.as_slice::<f16>(),
+            Err(KptError::DTypeMismatch { .. })
+        ));
         assert!(Storage::from_bytes(DType::F32, &[0u8; 7]).is_err());
     }
 
     #[test]
     fn quantized_round_trip_within_precision() {
         let values: Vec<f64> = (0..64).map(|i| (i as f64 - 31.5) * 0.37).collect();
-        for dtype in [DType::F8E4M3, DType::F8E5M2, DType::I8, DType::BF16, DType::F16] {
+        for dtype in [
+            DType::F8E4M3,
+            DType::F8E5M2,
+            DType::I8,
+            DType::BF16,
+            DType::F16,
+        ] {
             let t = Tensor::from_f64(&values, &[8, 8], dtype).unwrap();
             let amax = values.iter().fold(0f64, |m, x| m.max(x.abs()));
             let bound = if dtype == DType::I8 {

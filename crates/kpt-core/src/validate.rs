@@ -33,10 +33,18 @@ pub struct Tolerance {
 
 /// How many products a single output element of `op` accumulates.
 pub fn reduction_len(op: &Op, inputs: &[TensorSpec]) -> usize {
-    let last = |i: usize| inputs.get(i).and_then(|s| s.shape.last()).copied().unwrap_or(1);
+    let last = |i: usize| {
+        inputs
+            .get(i)
+            .and_then(|s| s.shape.last())
+            .copied()
+            .unwrap_or(1)
+    };
     match op {
         Op::Linear { .. } | Op::LinearAct { .. } => last(0),
-        Op::MatMul => inputs.get(1).map_or(1, |b| b.shape[b.shape.len().saturating_sub(2)]),
+        Op::MatMul => inputs
+            .get(1)
+            .map_or(1, |b| b.shape[b.shape.len().saturating_sub(2)]),
         Op::Attention(p) => p.head_dim + inputs.get(1).map_or(1, |k| k.shape[1]),
         Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddRmsNorm { .. } | Op::Softmax => last(0),
         _ => 1,
@@ -55,7 +63,11 @@ pub fn tolerance(op: &Op, dtype: DType, k: usize) -> Tolerance {
         _ => 0.0,
     };
     let c = match op {
-        Op::Quantize { .. } | Op::Dequantize { .. } | Op::Cast { .. } | Op::Concat { .. } | Op::Embedding => 2.0,
+        Op::Quantize { .. }
+        | Op::Dequantize { .. }
+        | Op::Cast { .. }
+        | Op::Concat { .. }
+        | Op::Embedding => 2.0,
         _ => 16.0,
     };
     let t = c * eps * (k as f64).sqrt().max(1.0);
@@ -182,20 +194,29 @@ impl ValidationReport {
             .ops
             .iter()
             .filter(|o| !o.error.within)
-            .map(|o| format!("{} ({} via {}): max abs {:.3e}", o.node, o.op, o.kernel, o.error.max_abs))
+            .map(|o| {
+                format!(
+                    "{} ({} via {}): max abs {:.3e}",
+                    o.node, o.op, o.kernel, o.error.max_abs
+                )
+            })
             .collect();
-        bad.extend(
-            self.outputs
-                .iter()
-                .filter(|o| !o.error.within)
-                .map(|o| format!("output {}: max abs {:.3e} over budget {:.1e}", o.output, o.error.max_abs, o.budget)),
-        );
+        bad.extend(self.outputs.iter().filter(|o| !o.error.within).map(|o| {
+            format!(
+                "output {}: max abs {:.3e} over budget {:.1e}",
+                o.output, o.error.max_abs, o.budget
+            )
+        }));
         Err(KptError::Validation(bad.join("; ")))
     }
 }
 
 /// Runs `graph` entirely with the f64 reference.
-pub fn run_reference(graph: &Graph, reference: &dyn ReferenceOps, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+pub fn run_reference(
+    graph: &Graph,
+    reference: &dyn ReferenceOps,
+    inputs: &[Tensor],
+) -> Result<Vec<Tensor>> {
     if inputs.len() != graph.inputs().len() {
         return Err(KptError::InvalidArgument(format!(
             "graph takes {} input(s), got {}",
@@ -218,7 +239,11 @@ pub fn run_reference(graph: &Graph, reference: &dyn ReferenceOps, inputs: &[Tens
         let ins = node
             .inputs
             .iter()
-            .map(|v| values[v.0].clone().ok_or_else(|| KptError::Graph(format!("value {} missing", v.0))))
+            .map(|v| {
+                values[v.0]
+                    .clone()
+                    .ok_or_else(|| KptError::Graph(format!("value {} missing", v.0)))
+            })
             .collect::<Result<Vec<_>>>()?;
         let outs = reference.eval(&node.op, &ins)?;
         for (o, t) in node.outputs.iter().zip(outs) {
@@ -228,7 +253,11 @@ pub fn run_reference(graph: &Graph, reference: &dyn ReferenceOps, inputs: &[Tens
     graph
         .outputs()
         .iter()
-        .map(|o| values[o.0].clone().ok_or_else(|| KptError::Graph("output missing".into())))
+        .map(|o| {
+            values[o.0]
+                .clone()
+                .ok_or_else(|| KptError::Graph("output missing".into()))
+        })
         .collect()
 }
 
@@ -250,14 +279,23 @@ pub fn validate_plan(
         let ins = node
             .inputs
             .iter()
-            .map(|v| values[v.0].clone().ok_or_else(|| KptError::Graph(format!("value {} not traced", v.0))))
+            .map(|v| {
+                values[v.0]
+                    .clone()
+                    .ok_or_else(|| KptError::Graph(format!("value {} not traced", v.0)))
+            })
             .collect::<Result<Vec<_>>>()?;
-        let specs: Vec<TensorSpec> = ins.iter().map(|t| TensorSpec::new(t.shape(), t.dtype())).collect();
+        let specs: Vec<TensorSpec> = ins
+            .iter()
+            .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+            .collect();
         let want = reference.eval(&node.op, &ins)?;
         let k = reduction_len(&node.op, &specs);
         let mut worst: Option<(DType, Tolerance, ErrorStats)> = None;
         for (o, w) in node.outputs.iter().zip(&want) {
-            let got = values[o.0].as_ref().ok_or_else(|| KptError::Graph("output not traced".into()))?;
+            let got = values[o.0]
+                .as_ref()
+                .ok_or_else(|| KptError::Graph("output not traced".into()))?;
             let mut tol = tolerance(&node.op, got.dtype(), k);
             tol.abs *= tolerance_scale;
             tol.rel *= tolerance_scale;
@@ -278,20 +316,32 @@ pub fn validate_plan(
         }
     }
     let reference_outputs = run_reference(original, reference, inputs)?;
-    let weight_dtype = graph
+    // The loosest budget of any parameter or output dtype: a bf16 graph or FP8
+    // weights cannot be held to the f32 budget.
+    let budget = graph
         .values()
         .iter()
         .filter(|v| matches!(v.source, ValueSource::Param(_)))
         .map(|v| v.spec.dtype)
-        .min_by_key(|d| d.size_in_bytes())
-        .unwrap_or(DType::F32);
-    let budget = end_to_end_budget(weight_dtype) * tolerance_scale;
+        .chain(graph.outputs().iter().map(|&o| graph.value(o).spec.dtype))
+        .filter(|d| d.is_float() || *d == DType::I8)
+        .map(end_to_end_budget)
+        .fold(end_to_end_budget(DType::F32), f64::max)
+        * tolerance_scale;
     let outputs = outputs
         .iter()
         .zip(&reference_outputs)
         .zip(original.outputs())
         .map(|((got, want), &id)| {
-            compare(got, want, Tolerance { abs: budget, rel: 0.0 }).map(|error| OutputValidation {
+            compare(
+                got,
+                want,
+                Tolerance {
+                    abs: budget,
+                    rel: 0.0,
+                },
+            )
+            .map(|error| OutputValidation {
                 output: original.value(id).name.clone(),
                 budget,
                 error,
@@ -311,7 +361,10 @@ mod tests {
 
     #[test]
     fn compare_measures_abs_and_rel_error() {
-        let tol = Tolerance { abs: 1e-3, rel: 0.0 };
+        let tol = Tolerance {
+            abs: 1e-3,
+            rel: 0.0,
+        };
         let e = compare(&t(&[1.0, 2.0, -4.0]), &t(&[1.0, 2.001, -4.0]), tol).unwrap();
         assert!((e.max_abs - 1e-3).abs() < 1e-12);
         assert!((e.max_rel - 1e-3 / 2.001).abs() < 1e-9);

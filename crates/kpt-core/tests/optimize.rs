@@ -17,9 +17,17 @@ impl KernelSelector for Selector {
     fn select(&self, op: &Op, inputs: &[TensorSpec], device: &DeviceInfo) -> Result<KernelChoice> {
         let is_linear = matches!(op, Op::Linear { .. } | Op::LinearAct { .. });
         if is_linear && self.reject.contains(&inputs[1].dtype) {
-            return Err(KptError::NoKernel { op: op.to_string(), backend: device.name.clone(), reasons: vec![] });
+            return Err(KptError::NoKernel {
+                op: op.to_string(),
+                backend: device.name.clone(),
+                reasons: vec![],
+            });
         }
-        Ok(KernelChoice { kernel: format!("test.{}", op.kind()), backend: device.kind, skipped: vec![] })
+        Ok(KernelChoice {
+            kernel: format!("test.{}", op.kind()),
+            backend: device.kind,
+            skipped: vec![],
+        })
     }
 }
 
@@ -49,7 +57,15 @@ fn block() -> Graph {
     let w2 = g.param("w2", weight(8, 16));
     let nw = g.param("norm", Tensor::from_vec(vec![1f32; 8], &[8]).unwrap());
     let h = g.op("up", Op::Linear { bias: false }, &[x, w1]).unwrap();
-    let h = g.op("act", Op::Activation { act: Activation::Silu }, &[h]).unwrap();
+    let h = g
+        .op(
+            "act",
+            Op::Activation {
+                act: Activation::Silu,
+            },
+            &[h],
+        )
+        .unwrap();
     let h = g.op("down", Op::Linear { bias: false }, &[h, w2]).unwrap();
     let s = g.op("residual", Op::Add, &[x, h]).unwrap();
     let y = g.op("norm", Op::RmsNorm { eps: 1e-5 }, &[s, nw]).unwrap();
@@ -61,16 +77,33 @@ fn block() -> Graph {
 #[test]
 fn linear_activation_fuses_only_single_consumers() {
     let (g, report) = fuse_linear_activation(&block()).unwrap();
-    assert_eq!(report.changes, vec!["up + act -> linear_act(silu)".to_string()]);
+    assert_eq!(
+        report.changes,
+        vec!["up + act -> linear_act(silu)".to_string()]
+    );
     assert_eq!(g.nodes().len(), 4);
-    assert!(matches!(g.nodes()[0].op, Op::LinearAct { act: Activation::Silu, bias: false }));
+    assert!(matches!(
+        g.nodes()[0].op,
+        Op::LinearAct {
+            act: Activation::Silu,
+            bias: false
+        }
+    ));
 
     // A linear whose output is also read elsewhere must stay unfused.
     let mut g = Graph::new();
     let x = g.input("x", DType::F32, &[2, 4]);
     let w = g.param("w", weight(4, 4));
     let h = g.op("fc", Op::Linear { bias: false }, &[x, w]).unwrap();
-    let a = g.op("act", Op::Activation { act: Activation::Relu }, &[h]).unwrap();
+    let a = g
+        .op(
+            "act",
+            Op::Activation {
+                act: Activation::Relu,
+            },
+            &[h],
+        )
+        .unwrap();
     let y = g.op("sum", Op::Add, &[a, h]).unwrap();
     g.output(y).unwrap();
     let (fused, report) = fuse_linear_activation(&g).unwrap();
@@ -81,7 +114,10 @@ fn linear_activation_fuses_only_single_consumers() {
 #[test]
 fn residual_add_and_norm_fuse_keeping_the_sum() {
     let (g, report) = fuse_add_rms_norm(&block()).unwrap();
-    assert_eq!(report.changes, vec!["residual + norm -> add_rms_norm".to_string()]);
+    assert_eq!(
+        report.changes,
+        vec!["residual + norm -> add_rms_norm".to_string()]
+    );
     let fused = g.nodes().last().unwrap();
     assert!(matches!(fused.op, Op::AddRmsNorm { .. }));
     assert_eq!(fused.outputs.len(), 2);
@@ -102,33 +138,91 @@ fn levels_pick_weight_dtypes_and_fall_back_without_kernels() {
             .map(|n| plan.graph.spec(n.inputs[1]).unwrap().dtype)
             .collect::<Vec<_>>()
     };
-    assert_eq!(weights(OptLevel::Conservative, &sel, &policy), vec![DType::F32; 2]);
-    assert_eq!(weights(OptLevel::Balanced, &sel, &policy), vec![DType::BF16; 2]);
-    assert_eq!(weights(OptLevel::Aggressive, &sel, &policy), vec![DType::F8E4M3; 2]);
-    let no_fp8 = PrecisionPolicy { allow_fp8: false, ..policy.clone() };
-    assert_eq!(weights(OptLevel::Aggressive, &sel, &no_fp8), vec![DType::I8; 2]);
-    let picky = Selector { reject: vec![DType::F8E4M3, DType::I8] };
-    assert_eq!(weights(OptLevel::Aggressive, &picky, &policy), vec![DType::BF16; 2]);
-    let forced = PrecisionPolicy { weight_dtype: Some(DType::F16), ..policy };
-    assert_eq!(weights(OptLevel::Balanced, &sel, &forced), vec![DType::F16; 2]);
+    assert_eq!(
+        weights(OptLevel::Conservative, &sel, &policy),
+        vec![DType::F32; 2]
+    );
+    assert_eq!(
+        weights(OptLevel::Balanced, &sel, &policy),
+        vec![DType::BF16; 2]
+    );
+    assert_eq!(
+        weights(OptLevel::Aggressive, &sel, &policy),
+        vec![DType::F8E4M3; 2]
+    );
+    let no_fp8 = PrecisionPolicy {
+        allow_fp8: false,
+        ..policy.clone()
+    };
+    assert_eq!(
+        weights(OptLevel::Aggressive, &sel, &no_fp8),
+        vec![DType::I8; 2]
+    );
+    let picky = Selector {
+        reject: vec![DType::F8E4M3, DType::I8],
+    };
+    assert_eq!(
+        weights(OptLevel::Aggressive, &picky, &policy),
+        vec![DType::BF16; 2]
+    );
+    let forced = PrecisionPolicy {
+        weight_dtype: Some(DType::F16),
+        ..policy
+    };
+    assert_eq!(
+        weights(OptLevel::Balanced, &sel, &forced),
+        vec![DType::F16; 2]
+    );
 }
 
 #[test]
 fn optimization_is_deterministic_and_reports_every_pass() {
     let sel = Selector { reject: vec![] };
-    let a = auto_optimize(&block(), OptLevel::Aggressive, &PrecisionPolicy::default(), &sel, &device()).unwrap();
-    let b = auto_optimize(&block(), OptLevel::Aggressive, &PrecisionPolicy::default(), &sel, &device()).unwrap();
+    let a = auto_optimize(
+        &block(),
+        OptLevel::Aggressive,
+        &PrecisionPolicy::default(),
+        &sel,
+        &device(),
+    )
+    .unwrap();
+    let b = auto_optimize(
+        &block(),
+        OptLevel::Aggressive,
+        &PrecisionPolicy::default(),
+        &sel,
+        &device(),
+    )
+    .unwrap();
     assert_eq!(a.graph, b.graph);
     assert_eq!(a.reports, b.reports);
     let passes: Vec<&str> = a.reports.iter().map(|r| r.pass.as_str()).collect();
-    assert_eq!(passes, ["fuse_linear_activation", "fuse_add_rms_norm", "precision", "kernel_selection", "memory_plan"]);
+    assert_eq!(
+        passes,
+        [
+            "fuse_linear_activation",
+            "fuse_add_rms_norm",
+            "precision",
+            "kernel_selection",
+            "memory_plan"
+        ]
+    );
     assert_eq!(a.kernels.len(), a.graph.nodes().len());
 }
 
 #[test]
 fn selection_errors_propagate() {
-    let sel = Selector { reject: vec![DType::F32] };
-    let err = auto_optimize(&block(), OptLevel::Conservative, &PrecisionPolicy::default(), &sel, &device()).unwrap_err();
+    let sel = Selector {
+        reject: vec![DType::F32],
+    };
+    let err = auto_optimize(
+        &block(),
+        OptLevel::Conservative,
+        &PrecisionPolicy::default(),
+        &sel,
+        &device(),
+    )
+    .unwrap_err();
     assert!(matches!(err, KptError::NoKernel { .. }), "{err}");
 }
 
@@ -138,7 +232,15 @@ fn memory_plan_reuses_dead_buffers_but_never_outputs() {
     let x = g.input("x", DType::F32, &[64, 64]);
     let mut h = x;
     for i in 0..6 {
-        h = g.op(format!("act{i}"), Op::Activation { act: Activation::Relu }, &[h]).unwrap();
+        h = g
+            .op(
+                format!("act{i}"),
+                Op::Activation {
+                    act: Activation::Relu,
+                },
+                &[h],
+            )
+            .unwrap();
     }
     g.output(h).unwrap();
     let plan = plan_memory(&g);
@@ -148,9 +250,33 @@ fn memory_plan_reuses_dead_buffers_but_never_outputs() {
     // Outputs keep their slot: nothing produced after them may share it.
     let mut later = Graph::new();
     let x = later.input("x", DType::F32, &[4]);
-    let a = later.op("a", Op::Activation { act: Activation::Relu }, &[x]).unwrap();
-    let b = later.op("b", Op::Activation { act: Activation::Relu }, &[a]).unwrap();
-    let c = later.op("c", Op::Activation { act: Activation::Relu }, &[b]).unwrap();
+    let a = later
+        .op(
+            "a",
+            Op::Activation {
+                act: Activation::Relu,
+            },
+            &[x],
+        )
+        .unwrap();
+    let b = later
+        .op(
+            "b",
+            Op::Activation {
+                act: Activation::Relu,
+            },
+            &[a],
+        )
+        .unwrap();
+    let c = later
+        .op(
+            "c",
+            Op::Activation {
+                act: Activation::Relu,
+            },
+            &[b],
+        )
+        .unwrap();
     later.output(a).unwrap();
     later.output(c).unwrap();
     let p = plan_memory(&later);

@@ -13,7 +13,7 @@ use kpt_core::{DType, KptError, Result, Storage, Tensor};
 
 use crate::cpu;
 use crate::cpu::linear::WeightsRef;
-use crate::reference::{act, CpuReference};
+use crate::reference::{act, attention_shape, rows_dim, CpuReference};
 
 /// Attention tile sizes of the CPU flash kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,7 +26,10 @@ pub struct CpuTuning {
 
 impl Default for CpuTuning {
     fn default() -> Self {
-        Self { block_q: 64, block_kv: 64 }
+        Self {
+            block_q: 64,
+            block_kv: 64,
+        }
     }
 }
 
@@ -51,11 +54,21 @@ impl CpuBackend {
             .detect()?
             .into_iter()
             .next()
-            .ok_or_else(|| KptError::Backend { backend: "cpu".into(), message: "no CPU detected".into() })?;
+            .ok_or_else(|| KptError::Backend {
+                backend: "cpu".into(),
+                message: "no CPU detected".into(),
+            })?;
         if tuning.block_q == 0 || tuning.block_kv == 0 {
-            return Err(KptError::InvalidArgument("attention blocks must be > 0".into()));
+            return Err(KptError::InvalidArgument(
+                "attention blocks must be > 0".into(),
+            ));
         }
-        Ok(Self { device, tuning, live: Arc::new(AtomicU64::new(0)), peak: AtomicU64::new(0) })
+        Ok(Self {
+            device,
+            tuning,
+            live: Arc::new(AtomicU64::new(0)),
+            peak: AtomicU64::new(0),
+        })
     }
 
     /// Wraps storage into a buffer whose bytes count as live until it is dropped.
@@ -64,7 +77,14 @@ impl CpuBackend {
         let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.peak.fetch_max(now, Ordering::Relaxed);
         let (dtype, len) = (storage.dtype(), storage.len());
-        let mut b = DeviceBuffer::new(dtype, len, Box::new(HostAlloc { storage, live: self.live.clone() }));
+        let mut b = DeviceBuffer::new(
+            dtype,
+            len,
+            Box::new(HostAlloc {
+                storage,
+                live: self.live.clone(),
+            }),
+        );
         b.scale = scale;
         b
     }
@@ -78,40 +98,56 @@ struct HostAlloc {
 
 impl Drop for HostAlloc {
     fn drop(&mut self) {
-        self.live.fetch_sub(self.storage.as_bytes().len() as u64, Ordering::Relaxed);
+        self.live
+            .fetch_sub(self.storage.as_bytes().len() as u64, Ordering::Relaxed);
     }
 }
 
 fn storage(b: &DeviceBuffer) -> Result<&Storage> {
-    b.inner::<HostAlloc>().map(|a| &a.storage).ok_or_else(|| KptError::Backend {
-        backend: "cpu".into(),
-        message: "buffer does not belong to the CPU backend".into(),
-    })
+    b.inner::<HostAlloc>()
+        .map(|a| &a.storage)
+        .ok_or_else(|| KptError::Backend {
+            backend: "cpu".into(),
+            message: "buffer does not belong to the CPU backend".into(),
+        })
 }
 
 fn input<'a, T: Element>(r: &BufferRef<'a>) -> Result<&'a [T]> {
     let s = storage(r.buffer)?;
-    let all = T::slice(s).ok_or_else(|| KptError::dtype("cpu kernel input", T::DTYPE.name(), s.dtype()))?;
-    all.get(..r.spec.numel()).ok_or_else(|| too_small(all.len(), r.spec))
+    let all = T::slice(s)
+        .ok_or_else(|| KptError::dtype("cpu kernel input", T::DTYPE.name(), s.dtype()))?;
+    all.get(..r.spec.numel())
+        .ok_or_else(|| too_small(all.len(), r.spec))
 }
 
 fn output<'a, T: Element>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [T]> {
     let n = m.spec.numel();
     let spec = m.spec.clone();
-    let s = m.buffer.inner_mut::<HostAlloc>().map(|a| &mut a.storage).ok_or_else(|| KptError::Backend {
-        backend: "cpu".into(),
-        message: "buffer does not belong to the CPU backend".into(),
-    })?;
+    let s = m
+        .buffer
+        .inner_mut::<HostAlloc>()
+        .map(|a| &mut a.storage)
+        .ok_or_else(|| KptError::Backend {
+            backend: "cpu".into(),
+            message: "buffer does not belong to the CPU backend".into(),
+        })?;
     let dtype = s.dtype();
-    let all = T::slice_mut(s).ok_or_else(|| KptError::dtype("cpu kernel output", T::DTYPE.name(), dtype))?;
+    let all = T::slice_mut(s)
+        .ok_or_else(|| KptError::dtype("cpu kernel output", T::DTYPE.name(), dtype))?;
     let len = all.len();
     all.get_mut(..n).ok_or_else(|| too_small(len, &spec))
 }
 
 fn bytes_in<'a>(r: &BufferRef<'a>) -> Result<&'a [u8]> {
     match storage(r.buffer)? {
-        Storage::F8E4M3(v) | Storage::F8E5M2(v) => v.get(..r.spec.numel()).ok_or_else(|| too_small(v.len(), r.spec)),
-        s => Err(KptError::dtype("cpu fp8 input", "f8e4m3 or f8e5m2", s.dtype())),
+        Storage::F8E4M3(v) | Storage::F8E5M2(v) => v
+            .get(..r.spec.numel())
+            .ok_or_else(|| too_small(v.len(), r.spec)),
+        s => Err(KptError::dtype(
+            "cpu fp8 input",
+            "f8e4m3 or f8e5m2",
+            s.dtype(),
+        )),
     }
 }
 
@@ -120,15 +156,28 @@ fn bytes_out<'a>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [u8]> {
     match m.buffer.inner_mut::<HostAlloc>().map(|a| &mut a.storage) {
         Some(Storage::F8E4M3(v) | Storage::F8E5M2(v)) => {
             let len = v.len();
-            v.get_mut(..n).ok_or_else(|| KptError::Backend { backend: "cpu".into(), message: format!("buffer of {len} < {n}") })
+            v.get_mut(..n).ok_or_else(|| KptError::Backend {
+                backend: "cpu".into(),
+                message: format!("buffer of {len} < {n}"),
+            })
         }
-        Some(s) => Err(KptError::dtype("cpu fp8 output", "f8e4m3 or f8e5m2", s.dtype())),
-        None => Err(KptError::Backend { backend: "cpu".into(), message: "foreign buffer".into() }),
+        Some(s) => Err(KptError::dtype(
+            "cpu fp8 output",
+            "f8e4m3 or f8e5m2",
+            s.dtype(),
+        )),
+        None => Err(KptError::Backend {
+            backend: "cpu".into(),
+            message: "foreign buffer".into(),
+        }),
     }
 }
 
 fn too_small(len: usize, spec: &TensorSpec) -> KptError {
-    KptError::Backend { backend: "cpu".into(), message: format!("buffer of {len} elements cannot hold {spec}") }
+    KptError::Backend {
+        backend: "cpu".into(),
+        message: format!("buffer of {len} elements cannot hold {spec}"),
+    }
 }
 
 /// Index tensors (ids, positions) as i64, whatever their integer dtype.
@@ -146,58 +195,129 @@ fn weights<'a>(r: &BufferRef<'a>) -> Result<WeightsRef<'a>> {
         DType::F32 => WeightsRef::F32(input(r)?),
         DType::BF16 => WeightsRef::BF16(input(r)?),
         DType::F16 => WeightsRef::F16(input(r)?),
-        DType::F8E4M3 => WeightsRef::F8E4M3 { bits: bytes_in(r)?, scale },
-        DType::F8E5M2 => WeightsRef::F8E5M2 { bits: bytes_in(r)?, scale },
-        DType::I8 => WeightsRef::I8 { data: input(r)?, scale },
-        d => return Err(KptError::dtype("linear weights", "f32, bf16, f16, f8e4m3, f8e5m2 or i8", d)),
+        DType::F8E4M3 => WeightsRef::F8E4M3 {
+            bits: bytes_in(r)?,
+            scale,
+        },
+        DType::F8E5M2 => WeightsRef::F8E5M2 {
+            bits: bytes_in(r)?,
+            scale,
+        },
+        DType::I8 => WeightsRef::I8 {
+            data: input(r)?,
+            scale,
+        },
+        d => {
+            return Err(KptError::dtype(
+                "linear weights",
+                "f32, bf16, f16, f8e4m3, f8e5m2 or i8",
+                d,
+            ))
+        }
     })
-}
-
-/// Rows and last-dim size of a tensor spec.
-fn rows_dim(spec: &TensorSpec) -> (usize, usize) {
-    let dim = spec.shape.last().copied().unwrap_or(1);
-    (spec.numel() / dim.max(1), dim)
 }
 
 impl CpuBackend {
     /// Runs the f64 reference and writes its results in the output dtypes.
-    fn run_reference(&self, op: &Op, inputs: &[BufferRef<'_>], outputs: &mut [BufferMut<'_>]) -> Result<()> {
-        let ins = inputs.iter().map(|r| self.download(r.buffer, r.spec)).collect::<Result<Vec<_>>>()?;
+    fn run_reference(
+        &self,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        let ins = inputs
+            .iter()
+            .map(|r| self.download(r.buffer, r.spec))
+            .collect::<Result<Vec<_>>>()?;
         let outs = CpuReference.eval(op, &ins)?;
         for (m, t) in outputs.iter_mut().zip(outs) {
+            let values = t.to_f64_vec();
             let scale = match op {
                 Op::Quantize { scale, .. } => *scale,
+                _ if m.spec.dtype.is_quantized() => {
+                    // Keep the inputs' scale when they share one (exact for concat),
+                    // otherwise choose one from the result's range.
+                    let scales: Vec<f32> = inputs
+                        .iter()
+                        .filter(|r| r.spec.dtype.is_quantized())
+                        .map(|r| r.buffer.scale)
+                        .collect();
+                    match scales.split_first() {
+                        Some((&s0, rest)) if rest.iter().all(|&s| s == s0) => s0,
+                        _ => {
+                            let amax = values.iter().fold(0f64, |a, x| a.max(x.abs())) as f32;
+                            kpt_core::dtype::quant_scale(amax, m.spec.dtype)
+                        }
+                    }
+                }
                 _ => 1.0,
             };
-            let converted = Storage::from_f64(m.spec.dtype, &t.to_f64_vec(), scale);
-            let dst = m.buffer.inner_mut::<HostAlloc>().map(|a| &mut a.storage).ok_or_else(|| too_small(0, m.spec))?;
+            let converted = Storage::from_f64(m.spec.dtype, &values, scale);
+            let dst = m
+                .buffer
+                .inner_mut::<HostAlloc>()
+                .map(|a| &mut a.storage)
+                .ok_or_else(|| too_small(0, m.spec))?;
             copy_prefix(dst, &converted)?;
             m.buffer.scale = scale;
         }
         Ok(())
     }
 
-    fn run_fast(&self, kernel: &str, op: &Op, inputs: &[BufferRef<'_>], outputs: &mut [BufferMut<'_>]) -> Result<()> {
+    fn run_fast(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
         let (out0, rest) = outputs
             .split_first_mut()
             .ok_or_else(|| KptError::Graph(format!("{kernel}: no output")))?;
         match op {
             Op::Embedding => {
                 let (vocab, dim) = (inputs[1].spec.shape[0], inputs[1].spec.shape[1]);
-                cpu::elementwise::embedding(&indices(&inputs[0])?, input(&inputs[1])?, output(out0)?, vocab, dim)
+                cpu::elementwise::embedding(
+                    &indices(&inputs[0])?,
+                    input(&inputs[1])?,
+                    output(out0)?,
+                    vocab,
+                    dim,
+                )
             }
             Op::MatMul => {
                 let a = inputs[0].spec;
                 let b = inputs[1].spec;
                 let (k, n) = (b.shape[b.shape.len() - 2], b.shape[b.shape.len() - 1]);
-                let m = a.numel() / k;
+                let m: usize = a.shape[..a.shape.len() - 1].iter().product();
                 if b.shape.len() != 2 {
                     return self.run_reference(op, inputs, outputs);
                 }
                 match a.dtype {
-                    DType::F32 => cpu::gemm::matmul_f32(input(&inputs[0])?, input(&inputs[1])?, output(out0)?, m, k, n),
-                    DType::BF16 => cpu::gemm::matmul_bf16(input::<bf16>(&inputs[0])?, input(&inputs[1])?, output(out0)?, m, k, n),
-                    DType::F16 => cpu::gemm::matmul_f16(input::<f16>(&inputs[0])?, input(&inputs[1])?, output(out0)?, m, k, n),
+                    DType::F32 => cpu::gemm::matmul_f32(
+                        input(&inputs[0])?,
+                        input(&inputs[1])?,
+                        output(out0)?,
+                        m,
+                        k,
+                        n,
+                    ),
+                    DType::BF16 => cpu::gemm::matmul_bf16(
+                        input::<bf16>(&inputs[0])?,
+                        input(&inputs[1])?,
+                        output(out0)?,
+                        m,
+                        k,
+                        n,
+                    ),
+                    DType::F16 => cpu::gemm::matmul_f16(
+                        input::<f16>(&inputs[0])?,
+                        input(&inputs[1])?,
+                        output(out0)?,
+                        m,
+                        k,
+                        n,
+                    ),
                     d => Err(KptError::dtype(kernel, "f32, bf16 or f16", d)),
                 }
             }
@@ -206,23 +326,55 @@ impl CpuBackend {
                     Op::LinearAct { act: a, .. } => Some(act(*a)),
                     _ => None,
                 };
-                let (m, k) = rows_dim(inputs[0].spec);
+                let (m, k) = rows_dim(&inputs[0].spec.shape);
                 let n = inputs[1].spec.shape[0];
-                let b = if *bias { Some(input::<f32>(&inputs[2])?) } else { None };
-                cpu::linear::linear(input(&inputs[0])?, weights(&inputs[1])?, b, a, output(out0)?, m, k, n)
+                let b = if *bias {
+                    Some(input::<f32>(&inputs[2])?)
+                } else {
+                    None
+                };
+                cpu::linear::linear(
+                    input(&inputs[0])?,
+                    weights(&inputs[1])?,
+                    b,
+                    a,
+                    output(out0)?,
+                    m,
+                    k,
+                    n,
+                )
             }
-            Op::Activation { act: a } => cpu::elementwise::activation(input(&inputs[0])?, output(out0)?, act(*a)),
+            Op::Activation { act: a } => {
+                cpu::elementwise::activation(input(&inputs[0])?, output(out0)?, act(*a))
+            }
             Op::RmsNorm { eps } => {
-                let (rows, dim) = rows_dim(inputs[0].spec);
-                cpu::norm::rms_norm(input(&inputs[0])?, input(&inputs[1])?, output(out0)?, rows, dim, *eps)
+                let (rows, dim) = rows_dim(&inputs[0].spec.shape);
+                cpu::norm::rms_norm(
+                    input(&inputs[0])?,
+                    input(&inputs[1])?,
+                    output(out0)?,
+                    rows,
+                    dim,
+                    *eps,
+                )
             }
             Op::LayerNorm { eps } => {
-                let (rows, dim) = rows_dim(inputs[0].spec);
-                cpu::norm::layer_norm(input(&inputs[0])?, input(&inputs[1])?, input(&inputs[2])?, output(out0)?, rows, dim, *eps)
+                let (rows, dim) = rows_dim(&inputs[0].spec.shape);
+                cpu::norm::layer_norm(
+                    input(&inputs[0])?,
+                    input(&inputs[1])?,
+                    input(&inputs[2])?,
+                    output(out0)?,
+                    rows,
+                    dim,
+                    *eps,
+                )
             }
             Op::AddRmsNorm { eps } => {
-                let (rows, dim) = rows_dim(inputs[0].spec);
-                let out1 = rest.first_mut().ok_or_else(|| KptError::Graph("add_rms_norm needs two outputs".into()))?;
+                let (rows, dim) = rows_dim(&inputs[0].spec.shape);
+                let out1 = rest
+                    .first_mut()
+                    .ok_or_else(|| KptError::Graph("add_rms_norm needs two outputs".into()))?;
                 cpu::norm::add_rms_norm(
                     input(&inputs[0])?,
                     input(&inputs[1])?,
@@ -248,22 +400,16 @@ impl CpuBackend {
                 )
             }
             Op::Softmax => {
-                let (rows, dim) = rows_dim(inputs[0].spec);
+                let (rows, dim) = rows_dim(&inputs[0].spec.shape);
                 cpu::softmax::softmax(input(&inputs[0])?, output(out0)?, rows, dim)
             }
             Op::Attention(p) => {
-                let (q, k) = (&inputs[0].spec.shape, &inputs[1].spec.shape);
-                let shape = cpu::AttentionShape {
-                    batch: q[0],
-                    seq_q: q[1],
-                    seq_kv: k[1],
-                    num_heads: p.num_heads,
-                    num_kv_heads: p.num_kv_heads,
-                    head_dim: p.head_dim,
-                    causal: p.causal,
-                    scale: p.effective_scale() as f64,
+                let shape = attention_shape(p, &inputs[0].spec.shape, &inputs[1].spec.shape);
+                let mask = if p.mask {
+                    Some(input::<f32>(&inputs[3])?)
+                } else {
+                    None
                 };
-                let mask = if p.mask { Some(input::<f32>(&inputs[3])?) } else { None };
                 cpu::attention::attention(
                     input(&inputs[0])?,
                     input(&inputs[1])?,
@@ -292,17 +438,29 @@ impl CpuBackend {
                 let scale = inputs[0].buffer.scale;
                 let out = output::<f32>(out0)?;
                 match inputs[0].spec.dtype {
-                    DType::F8E4M3 => cpu::elementwise::dequantize_f8e4m3(bytes_in(&inputs[0])?, scale, out),
-                    DType::F8E5M2 => cpu::elementwise::dequantize_f8e5m2(bytes_in(&inputs[0])?, scale, out),
+                    DType::F8E4M3 => {
+                        cpu::elementwise::dequantize_f8e4m3(bytes_in(&inputs[0])?, scale, out)
+                    }
+                    DType::F8E5M2 => {
+                        cpu::elementwise::dequantize_f8e5m2(bytes_in(&inputs[0])?, scale, out)
+                    }
                     DType::I8 => cpu::elementwise::dequantize_i8(input(&inputs[0])?, scale, out),
                     d => Err(KptError::dtype(kernel, "f8e4m3, f8e5m2 or i8", d)),
                 }
             }
             Op::Cast { dtype } => match (inputs[0].spec.dtype, dtype) {
-                (DType::F32, DType::BF16) => cpu::elementwise::cast_f32_to_bf16(input(&inputs[0])?, output(out0)?),
-                (DType::F32, DType::F16) => cpu::elementwise::cast_f32_to_f16(input(&inputs[0])?, output(out0)?),
-                (DType::BF16, DType::F32) => cpu::elementwise::cast_bf16_to_f32(input(&inputs[0])?, output(out0)?),
-                (DType::F16, DType::F32) => cpu::elementwise::cast_f16_to_f32(input(&inputs[0])?, output(out0)?),
+                (DType::F32, DType::BF16) => {
+                    cpu::elementwise::cast_f32_to_bf16(input(&inputs[0])?, output(out0)?)
+                }
+                (DType::F32, DType::F16) => {
+                    cpu::elementwise::cast_f32_to_f16(input(&inputs[0])?, output(out0)?)
+                }
+                (DType::BF16, DType::F32) => {
+                    cpu::elementwise::cast_bf16_to_f32(input(&inputs[0])?, output(out0)?)
+                }
+                (DType::F16, DType::F32) => {
+                    cpu::elementwise::cast_f16_to_f32(input(&inputs[0])?, output(out0)?)
+                }
                 _ => self.run_reference(op, inputs, outputs),
             },
             Op::Concat { axis } => concat(inputs, out0, *axis),
@@ -339,9 +497,10 @@ fn concat(inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>, axis: usize) -> Res
         ($t:ty) => {{
             let (x, y) = (input::<$t>(&inputs[0])?, input::<$t>(&inputs[1])?);
             let o = output::<$t>(out)?;
-            for ((row, xa), yb) in o.chunks_exact_mut(na + nb).zip(x.chunks_exact(na.max(1))).zip(y.chunks_exact(nb.max(1))).take(outer) {
-                row[..na].copy_from_slice(&xa[..na]);
-                row[na..].copy_from_slice(&yb[..nb]);
+            for i in 0..outer {
+                let row = &mut o[i * (na + nb)..(i + 1) * (na + nb)];
+                row[..na].copy_from_slice(&x[i * na..(i + 1) * na]);
+                row[na..].copy_from_slice(&y[i * nb..(i + 1) * nb]);
             }
             Ok(())
         }};
@@ -353,7 +512,11 @@ fn concat(inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>, axis: usize) -> Res
         DType::F64 => run!(f64),
         DType::I32 => run!(i32),
         DType::I64 => run!(i64),
-        d => Err(KptError::dtype("cpu.concat", "f64, f32, f16, bf16, i32 or i64", d)),
+        d => Err(KptError::dtype(
+            "cpu.concat",
+            "f64, f32, f16, bf16, i32 or i64",
+            d,
+        )),
     }
 }
 
@@ -387,19 +550,35 @@ impl Backend for CpuBackend {
             return Err(too_small(s.len(), spec));
         }
         let size = spec.dtype.size_in_bytes();
-        Ok(Tensor::from_bytes(&s.as_bytes()[..n * size], spec.dtype, &spec.shape)?.with_scale(buffer.scale))
+        Ok(
+            Tensor::from_bytes(&s.as_bytes()[..n * size], spec.dtype, &spec.shape)?
+                .with_scale(buffer.scale),
+        )
     }
 
-    fn execute(&self, kernel: &str, op: &Op, inputs: &[BufferRef<'_>], outputs: &mut [BufferMut<'_>]) -> Result<()> {
+    fn execute(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
         if inputs.len() != op.num_inputs() {
-            return Err(KptError::Graph(format!("{op} takes {} inputs, got {}", op.num_inputs(), inputs.len())));
+            return Err(KptError::Graph(format!(
+                "{op} takes {} inputs, got {}",
+                op.num_inputs(),
+                inputs.len()
+            )));
         }
         if kernel == crate::catalog::CPU_REFERENCE {
             self.run_reference(op, inputs, outputs)
         } else if kernel.starts_with("cpu.") {
             self.run_fast(kernel, op, inputs, outputs)
         } else {
-            Err(KptError::Backend { backend: "cpu".into(), message: format!("kernel {kernel} is not a CPU kernel") })
+            Err(KptError::Backend {
+                backend: "cpu".into(),
+                message: format!("kernel {kernel} is not a CPU kernel"),
+            })
         }
     }
 

@@ -1,7 +1,7 @@
 //! [`CpuReference`]: the f64 reference of every op on whole tensors, used by the
 //! validator and as the last fallback kernel on the CPU.
 
-use kpt_core::graph::{Activation, Op};
+use kpt_core::graph::{Activation, AttentionParams, Op};
 use kpt_core::validate::ReferenceOps;
 use kpt_core::{DType, Result, Tensor, TensorSpec};
 
@@ -21,13 +21,34 @@ pub fn act(a: Activation) -> Act {
     }
 }
 
+/// The kernels' attention shape for packed `q [B, S, Hq*D]` and `k [B, T, Hkv*D]`.
+pub(crate) fn attention_shape(
+    p: &AttentionParams,
+    q: &[usize],
+    k: &[usize],
+) -> cpu::AttentionShape {
+    cpu::AttentionShape {
+        batch: q[0],
+        seq_q: q[1],
+        seq_kv: k[1],
+        num_heads: p.num_heads,
+        num_kv_heads: p.num_kv_heads,
+        head_dim: p.head_dim,
+        causal: p.causal,
+        scale: p.effective_scale() as f64,
+    }
+}
+
 fn ids(t: &Tensor) -> Vec<i64> {
     t.to_f64_vec().into_iter().map(|x| x as i64).collect()
 }
 
-fn rows_dim(t: &Tensor) -> (usize, usize) {
-    let dim = t.shape().last().copied().unwrap_or(1);
-    (t.numel() / dim.max(1), dim)
+/// Rows (product of all but the last dim) and the last dim of a shape.
+pub(crate) fn rows_dim(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        Some((&dim, rest)) => (rest.iter().product(), dim),
+        None => (1, 1),
+    }
 }
 
 impl ReferenceOps for CpuReference {
@@ -36,7 +57,11 @@ impl ReferenceOps for CpuReference {
         let specs: Vec<TensorSpec> = inputs
             .iter()
             .map(|t| {
-                let dtype = if t.dtype().is_index() { t.dtype() } else { DType::F64 };
+                let dtype = if t.dtype().is_index() {
+                    t.dtype()
+                } else {
+                    DType::F64
+                };
                 TensorSpec::new(t.shape(), dtype)
             })
             .collect();
@@ -58,8 +83,19 @@ impl ReferenceOps for CpuReference {
                 let batches = first.numel() / (m * k).max(1);
                 let b_batched = b.len() > 2;
                 for i in 0..batches {
-                    let bb = if b_batched { &x[1][i * k * n..(i + 1) * k * n] } else { &x[1][..] };
-                    r::matmul(&x[0][i * m * k..(i + 1) * m * k], bb, &mut outs[0][i * m * n..(i + 1) * m * n], m, k, n)?;
+                    let bb = if b_batched {
+                        &x[1][i * k * n..(i + 1) * k * n]
+                    } else {
+                        &x[1][..]
+                    };
+                    r::matmul(
+                        &x[0][i * m * k..(i + 1) * m * k],
+                        bb,
+                        &mut outs[0][i * m * n..(i + 1) * m * n],
+                        m,
+                        k,
+                        n,
+                    )?;
                 }
             }
             Op::Linear { bias } | Op::LinearAct { bias, .. } => {
@@ -67,45 +103,53 @@ impl ReferenceOps for CpuReference {
                     Op::LinearAct { act: a, .. } => Some(act(*a)),
                     _ => None,
                 };
-                let (m, k) = rows_dim(first);
+                let (m, k) = rows_dim(first.shape());
                 let n = inputs[1].shape()[0];
                 let b = if *bias { Some(&x[2][..]) } else { None };
                 r::linear_act(&x[0], &x[1], b, a, &mut outs[0], m, k, n)?
             }
             Op::Activation { act: a } => r::activation(&x[0], &mut outs[0], act(*a))?,
             Op::RmsNorm { eps } => {
-                let (rows, dim) = rows_dim(first);
+                let (rows, dim) = rows_dim(first.shape());
                 r::rms_norm(&x[0], &x[1], &mut outs[0], rows, dim, *eps as f64)?
             }
             Op::LayerNorm { eps } => {
-                let (rows, dim) = rows_dim(first);
+                let (rows, dim) = rows_dim(first.shape());
                 r::layer_norm(&x[0], &x[1], &x[2], &mut outs[0], rows, dim, *eps as f64)?
             }
             Op::AddRmsNorm { eps } => {
-                let (rows, dim) = rows_dim(first);
+                let (rows, dim) = rows_dim(first.shape());
                 let (sum, norm) = outs.split_at_mut(1);
-                r::add_rms_norm(&x[0], &x[1], &x[2], &mut sum[0], &mut norm[0], rows, dim, *eps as f64)?
+                r::add_rms_norm(
+                    &x[0],
+                    &x[1],
+                    &x[2],
+                    &mut sum[0],
+                    &mut norm[0],
+                    rows,
+                    dim,
+                    *eps as f64,
+                )?
             }
             Op::Rotary { head_dim, theta } => {
                 let s = first.shape();
-                r::rotary(&x[0], &ids(&inputs[1]), &mut outs[0], s[0], s[1], s[2] / head_dim, *head_dim, *theta as f64)?
+                r::rotary(
+                    &x[0],
+                    &ids(&inputs[1]),
+                    &mut outs[0],
+                    s[0],
+                    s[1],
+                    s[2] / head_dim,
+                    *head_dim,
+                    *theta as f64,
+                )?
             }
             Op::Softmax => {
-                let (rows, dim) = rows_dim(first);
+                let (rows, dim) = rows_dim(first.shape());
                 r::softmax(&x[0], &mut outs[0], rows, dim)?
             }
             Op::Attention(p) => {
-                let (q, k) = (first.shape(), inputs[1].shape());
-                let shape = cpu::AttentionShape {
-                    batch: q[0],
-                    seq_q: q[1],
-                    seq_kv: k[1],
-                    num_heads: p.num_heads,
-                    num_kv_heads: p.num_kv_heads,
-                    head_dim: p.head_dim,
-                    causal: p.causal,
-                    scale: p.effective_scale() as f64,
-                };
+                let shape = attention_shape(p, first.shape(), inputs[1].shape());
                 let mask = if p.mask { Some(&x[3][..]) } else { None };
                 r::attention(&x[0], &x[1], &x[2], mask, &mut outs[0], &shape)?
             }

@@ -47,7 +47,14 @@ pub struct KernelDef {
 
 impl KernelDef {
     /// A kernel definition with no arch, feature or shape requirement.
-    pub fn new(name: &str, op: OpKind, backend: DeviceKind, dtypes: &[DType], priority: i32, description: &str) -> Self {
+    pub fn new(
+        name: &str,
+        op: OpKind,
+        backend: DeviceKind,
+        dtypes: &[DType],
+        priority: i32,
+        description: &str,
+    ) -> Self {
         Self {
             name: name.to_string(),
             op,
@@ -89,24 +96,38 @@ impl KernelDef {
     /// Why this kernel cannot run `op` with `inputs` on `device`, or `None` if it can.
     pub fn rejection(&self, op: &Op, inputs: &[TensorSpec], device: &DeviceInfo) -> Option<String> {
         if self.backend != device.kind {
-            return Some(format!("runs on {}, device is {}", self.backend, device.kind));
+            return Some(format!(
+                "runs on {}, device is {}",
+                self.backend, device.kind
+            ));
         }
         if self.op != op.kind() {
             return Some(format!("implements {}, not {}", self.op, op.kind()));
         }
         let first = inputs.first()?;
         // Ops whose first input is an index tensor are keyed by their second input.
-        let data = if first.dtype.is_index() { inputs.get(1).unwrap_or(first) } else { first };
+        let data = if first.dtype.is_index() {
+            inputs.get(1).unwrap_or(first)
+        } else {
+            first
+        };
         let data_dtype = match op {
             Op::Dequantize { dtype } => *dtype,
             _ => data.dtype,
         };
         if !self.dtypes.contains(&data_dtype) {
-            return Some(format!("no {data_dtype} support (has {})", names(&self.dtypes)));
+            return Some(format!(
+                "no {data_dtype} support (has {})",
+                names(&self.dtypes)
+            ));
         }
         if matches!(op, Op::Linear { .. } | Op::LinearAct { .. }) {
             if let Some(w) = inputs.get(1) {
-                let allowed = if self.weight_dtypes.is_empty() { &self.dtypes } else { &self.weight_dtypes };
+                let allowed = if self.weight_dtypes.is_empty() {
+                    &self.dtypes
+                } else {
+                    &self.weight_dtypes
+                };
                 if !allowed.contains(&w.dtype) {
                     return Some(format!("no {} weights (has {})", w.dtype, names(allowed)));
                 }
@@ -131,11 +152,17 @@ impl KernelDef {
             if let Some(max) = self.limits.max_head_dim.filter(|&m| p.head_dim > m) {
                 return Some(format!("head_dim {} > {max}", p.head_dim));
             }
-            if let Some(m) = self.limits.head_dim_multiple.filter(|&m| p.head_dim % m != 0) {
+            if let Some(m) = self
+                .limits
+                .head_dim_multiple
+                .filter(|&m| p.head_dim % m != 0)
+            {
                 return Some(format!("head_dim {} not a multiple of {m}", p.head_dim));
             }
         }
-        if let (Some(max), Op::Linear { .. } | Op::LinearAct { .. } | Op::MatMul) = (self.limits.max_k, op) {
+        if let (Some(max), Op::Linear { .. } | Op::LinearAct { .. } | Op::MatMul) =
+            (self.limits.max_k, op)
+        {
             let k = first.shape.last().copied().unwrap_or(0);
             if k > max {
                 return Some(format!("K = {k} > {max}"));
@@ -163,10 +190,13 @@ pub fn arch_at_least(arch: &str, min: &str) -> bool {
         } else {
             return None;
         };
-        let digits: String = rest.chars().take_while(|c| c.is_ascii_hexdigit()).collect();
+        // gfx numbers are hexadecimal (gfx90a); sm and TPU numbers are decimal with an
+        // optional letter suffix (sm_90a, v5e) that does not change the order.
         let radix = if family == "gfx" { 16 } else { 10 };
-        let digits = if family == "tpu" { digits.chars().take_while(char::is_ascii_digit).collect() } else { digits };
-        u32::from_str_radix(&digits, radix).ok().map(|n| (family, n))
+        let digits: String = rest.chars().take_while(|c| c.is_digit(radix)).collect();
+        u32::from_str_radix(&digits, radix)
+            .ok()
+            .map(|n| (family, n))
     }
     match (split(arch), split(min)) {
         (Some((fa, a)), Some((fb, b))) => fa == fb && a >= b,
@@ -206,7 +236,8 @@ impl KernelRegistry {
 
     /// Adds a kernel; a kernel with the same name and op is replaced.
     pub fn register(&mut self, def: KernelDef) {
-        self.kernels.retain(|k| !(k.name == def.name && k.op == def.op));
+        self.kernels
+            .retain(|k| !(k.name == def.name && k.op == def.op));
         self.kernels.push(def);
     }
 
@@ -248,11 +279,22 @@ impl KernelRegistry {
                 k.rejection(op, inputs, device)
             };
             match rejection {
-                Some(reason) => out.push(Candidate { kernel: k.name.clone(), priority: k.priority, measured_us, rank: None, reason }),
+                Some(reason) => out.push(Candidate {
+                    kernel: k.name.clone(),
+                    priority: k.priority,
+                    measured_us,
+                    rank: None,
+                    reason,
+                }),
                 None => accepted.push((k, measured_us)),
             }
         }
-        let preferred = |k: &KernelDef| self.preferred.iter().position(|p| *p == k.name).unwrap_or(usize::MAX);
+        let preferred = |k: &KernelDef| {
+            self.preferred
+                .iter()
+                .position(|p| *p == k.name)
+                .unwrap_or(usize::MAX)
+        };
         accepted.sort_by(|(a, ta), (b, tb)| {
             preferred(a)
                 .cmp(&preferred(b))
@@ -276,8 +318,18 @@ impl KernelRegistry {
                 } else {
                     format!("priority {}", k.priority)
                 };
-                let reason = if rank == 0 { format!("selected: {why}") } else { format!("fallback #{rank}: {why}") };
-                Candidate { kernel: k.name.clone(), priority: k.priority, measured_us, rank: Some(rank), reason }
+                let reason = if rank == 0 {
+                    format!("selected: {why}")
+                } else {
+                    format!("fallback #{rank}: {why}")
+                };
+                Candidate {
+                    kernel: k.name.clone(),
+                    priority: k.priority,
+                    measured_us,
+                    rank: Some(rank),
+                    reason,
+                }
             })
             .collect();
         chain.extend(out);
@@ -285,7 +337,12 @@ impl KernelRegistry {
     }
 
     /// The kernels that can run `op`, best first.
-    pub fn fallback_chain(&self, op: &Op, inputs: &[TensorSpec], device: &DeviceInfo) -> Vec<String> {
+    pub fn fallback_chain(
+        &self,
+        op: &Op,
+        inputs: &[TensorSpec],
+        device: &DeviceInfo,
+    ) -> Vec<String> {
         self.explain(op, inputs, device)
             .into_iter()
             .filter(|c| c.rank.is_some())
@@ -313,12 +370,22 @@ impl KernelSelector for KernelRegistry {
                     .collect(),
             }),
             None => Err(KptError::NoKernel {
-                op: format!("{op} with inputs [{}]", inputs.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ")),
+                op: format!(
+                    "{op} with inputs [{}]",
+                    inputs
+                        .iter()
+                        .map(|s| s.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
                 backend: device.name.clone(),
                 reasons: if candidates.is_empty() {
                     vec![format!("no kernel registered for {}", op.kind())]
                 } else {
-                    candidates.iter().map(|c| format!("{}: {}", c.kernel, c.reason)).collect()
+                    candidates
+                        .iter()
+                        .map(|c| format!("{}: {}", c.kernel, c.reason))
+                        .collect()
                 },
             }),
         }

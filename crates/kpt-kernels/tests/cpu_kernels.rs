@@ -277,7 +277,9 @@ proptest! {
     }
 
     #[test]
-    fn matmul_matches_reference(m in 1usize..=37, k in 1usize..=70, n in 1usize..=45, seed in any::<u64>()) {
+    fn matmul_matches_reference(
+        m in 1usize..=37, k in 1usize..=70, n in 1usize..=45, seed in any::<u64>(),
+    ) {
         let mut rng = Rng(seed);
         let a = rng.vec(m * k, -1.0, 1.0);
         let b = rng.vec(k * n, -1.0, 1.0);
@@ -287,16 +289,16 @@ proptest! {
         cpu::matmul_f32(&a, &b, &mut got, m, k, n).map_err(fail)?;
         check_close("matmul_f32", &f64s(&got), &want, tolerance(DType::F32, k))?;
 
-        let (a16, b16): (Vec<bf16>, Vec<bf16>) =
-            (a.iter().map(|&v| bf16::from_f32(v)).collect(), b.iter().map(|&v| bf16::from_f32(v)).collect());
+        let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+        let b16: Vec<bf16> = b.iter().map(|&v| bf16::from_f32(v)).collect();
         let to64 = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
         r::matmul(&to64(&a16), &to64(&b16), &mut want, m, k, n).map_err(fail)?;
         let mut got = vec![bf16::ZERO; m * n];
         cpu::matmul_bf16(&a16, &b16, &mut got, m, k, n).map_err(fail)?;
         check_close("matmul_bf16", &to64(&got), &want, tolerance(DType::BF16, k))?;
 
-        let (ah, bh): (Vec<f16>, Vec<f16>) =
-            (a.iter().map(|&v| f16::from_f32(v)).collect(), b.iter().map(|&v| f16::from_f32(v)).collect());
+        let ah: Vec<f16> = a.iter().map(|&v| f16::from_f32(v)).collect();
+        let bh: Vec<f16> = b.iter().map(|&v| f16::from_f32(v)).collect();
         let to64 = |x: &[f16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
         r::matmul(&to64(&ah), &to64(&bh), &mut want, m, k, n).map_err(fail)?;
         let mut got = vec![f16::ZERO; m * n];
@@ -306,7 +308,8 @@ proptest! {
 
     #[test]
     fn attention_matches_reference(
-        batch in 1usize..=2, kv_heads in 1usize..=2, ratio in prop::sample::select(vec![1usize, 2, 4]),
+        batch in 1usize..=2, kv_heads in 1usize..=2,
+        ratio in prop::sample::select(vec![1usize, 2, 4]),
         seq_q in 1usize..=33, seq_kv in 1usize..=70,
         head_dim in prop::sample::select(vec![1usize, 2, 8, 16, 64]),
         causal in any::<bool>(), with_mask in any::<bool>(),
@@ -314,7 +317,8 @@ proptest! {
         block_kv in prop::sample::select(vec![1usize, 16, 20, 64]),
         seed in any::<u64>(),
     ) {
-        let shape = AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal);
+        let heads = kv_heads * ratio;
+        let shape = AttentionShape::new(batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal);
         check_attention(seed, shape, with_mask, block_q, block_kv)?;
     }
 
@@ -339,7 +343,9 @@ proptest! {
 
         let mut want_sum = vec![0f64; rows * dim];
         let mut got_sum = vec![0f32; rows * dim];
-        r::add_rms_norm(&f64s(&x), &f64s(&res), &f64s(&w), &mut want_sum, &mut want, rows, dim, 1e-5).map_err(fail)?;
+        let (x64, res64, w64) = (f64s(&x), f64s(&res), f64s(&w));
+        r::add_rms_norm(&x64, &res64, &w64, &mut want_sum, &mut want, rows, dim, 1e-5)
+            .map_err(fail)?;
         cpu::add_rms_norm(&x, &res, &w, &mut got_sum, &mut got, rows, dim, 1e-5).map_err(fail)?;
         check_close("add_rms_norm.sum", &f64s(&got_sum), &want_sum, tolerance(DType::F32, 1))?;
         check_close("add_rms_norm.norm", &f64s(&got), &want, tol)?;
@@ -354,7 +360,8 @@ proptest! {
         let x = rng.vec(batch * seq * heads * head_dim, -1.0, 1.0);
         let positions: Vec<i64> = (0..seq).map(|_| rng.below(4096) as i64).collect();
         let mut want = vec![0f64; x.len()];
-        r::rotary(&f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, 10_000.0).map_err(fail)?;
+        r::rotary(&f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, 10_000.0)
+            .map_err(fail)?;
         let mut got = vec![0f32; x.len()];
         cpu::rotary(&x, &positions, &mut got, batch, seq, heads, head_dim, 10_000.0).map_err(fail)?;
         check_close("rotary", &f64s(&got), &want, tolerance(DType::F32, 2))?;
@@ -374,7 +381,9 @@ proptest! {
     }
 
     #[test]
-    fn elementwise_matches_reference(rows in 1usize..=20, cols in 1usize..=70, seed in any::<u64>()) {
+    fn elementwise_matches_reference(
+        rows in 1usize..=20, cols in 1usize..=70, seed in any::<u64>(),
+    ) {
         let mut rng = Rng(seed);
         let a = rng.vec(rows * cols, -8.0, 8.0);
         let b = rng.vec(cols, -2.0, 2.0);
@@ -403,7 +412,9 @@ proptest! {
     }
 
     #[test]
-    fn quantize_matches_reference_and_error_is_bounded(len in 1usize..=500, seed in any::<u64>(), range in 0.01f32..100.0) {
+    fn quantize_matches_reference_and_error_is_bounded(
+        len in 1usize..=500, seed in any::<u64>(), range in 0.01f32..100.0,
+    ) {
         let mut rng = Rng(seed);
         let x = rng.vec(len, -range, range);
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -442,10 +453,12 @@ proptest! {
             prop_assert_eq!(&got_stored, &want_stored, "{} stored values", dtype);
             let mut want_deq = vec![0f64; len];
             r::dequantize(&want_stored, scale as f64, &mut want_deq).map_err(fail)?;
-            check_close(&format!("dequantize {dtype}"), &f64s(&got_deq), &want_deq, tolerance(DType::F32, 1))?;
+            let tol = tolerance(DType::F32, 1);
+            check_close(&format!("dequantize {dtype}"), &f64s(&got_deq), &want_deq, tol)?;
             // The quantization error itself: one rounding on the dtype's grid.
             let (abs, rel) = tolerance(dtype, 1);
-            check_close(&format!("quantization error {dtype}"), &want_deq, &f64s(&x), (abs * scale as f64, rel))?;
+            let tol = (abs * scale as f64, rel);
+            check_close(&format!("quantization error {dtype}"), &want_deq, &f64s(&x), tol)?;
         }
         for dtype in [DType::BF16, DType::F16] {
             let mut want = vec![0f64; len];
@@ -473,6 +486,9 @@ proptest! {
 fn linear_large_all_dtypes() {
     for (m, k, n, act) in [
         (128, 512, 384, Some(Act::Silu)),
+        // Several weight tiles on the gemm path (n > TILE_N).
+        (20, 300, 1100, Some(Act::GeluTanh)),
+        // GEMV with several rows, and with one.
         (3, 1000, 600, Some(Act::GeluErf)),
         (1, 4096, 64, None),
     ] {

@@ -64,32 +64,72 @@ pub fn default_cases(quick: bool) -> Result<Vec<BenchCase>> {
             let w = random_tensor(&[n, k], k, 2)?.to_dtype(wd)?;
             let bytes = (n * k * wd.size_in_bytes() + 4 * m * (k + n)) as f64;
             let (graph, inputs) = single_op(
-                Op::LinearAct { bias: false, act: Activation::Silu },
+                Op::LinearAct {
+                    bias: false,
+                    act: Activation::Silu,
+                },
                 &[("x", x, false), ("w", w, true)],
             )?;
-            cases.push(BenchCase { name: format!("linear_silu m{m} {k}x{n} w={wd}"), graph, inputs, bytes });
+            cases.push(BenchCase {
+                name: format!("linear_silu m{m} {k}x{n} w={wd}"),
+                graph,
+                inputs,
+                bytes,
+            });
         }
     }
     let (s, h, d) = if quick { (128, 4, 64) } else { (1024, 8, 64) };
     let q = random_tensor(&[1, s, h * d], 1, 3)?;
     let kv = random_tensor(&[1, s, h * d], 1, 4)?;
-    let p = AttentionParams { num_heads: h, num_kv_heads: h, head_dim: d, causal: true, scale: None, mask: false };
-    let (graph, inputs) = single_op(Op::Attention(p), &[("q", q, false), ("k", kv.clone(), false), ("v", kv, false)])?;
-    cases.push(BenchCase { name: format!("attention causal s{s} h{h} d{d}"), graph, inputs, bytes: (4 * s * h * d * 4) as f64 });
+    let p = AttentionParams {
+        num_heads: h,
+        num_kv_heads: h,
+        head_dim: d,
+        causal: true,
+        scale: None,
+        mask: false,
+    };
+    let (graph, inputs) = single_op(
+        Op::Attention(p),
+        &[("q", q, false), ("k", kv.clone(), false), ("v", kv, false)],
+    )?;
+    cases.push(BenchCase {
+        name: format!("attention causal s{s} h{h} d{d}"),
+        graph,
+        inputs,
+        bytes: (4 * s * h * d * 4) as f64,
+    });
     let rows = if quick { 256 } else { 4096 };
     let x = random_tensor(&[rows, k], 1, 5)?;
     let w = Tensor::from_vec(vec![1f32; k], &[k])?;
-    let (graph, inputs) = single_op(Op::RmsNorm { eps: 1e-5 }, &[("x", x.clone(), false), ("w", w, true)])?;
-    cases.push(BenchCase { name: format!("rms_norm {rows}x{k}"), graph, inputs, bytes: (2 * rows * k * 4) as f64 });
+    let (graph, inputs) = single_op(
+        Op::RmsNorm { eps: 1e-5 },
+        &[("x", x.clone(), false), ("w", w, true)],
+    )?;
+    cases.push(BenchCase {
+        name: format!("rms_norm {rows}x{k}"),
+        graph,
+        inputs,
+        bytes: (2 * rows * k * 4) as f64,
+    });
     let (graph, inputs) = single_op(Op::Softmax, &[("x", x, false)])?;
-    cases.push(BenchCase { name: format!("softmax {rows}x{k}"), graph, inputs, bytes: (2 * rows * k * 4) as f64 });
+    cases.push(BenchCase {
+        name: format!("softmax {rows}x{k}"),
+        graph,
+        inputs,
+        bytes: (2 * rows * k * 4) as f64,
+    });
     Ok(cases)
 }
 
 /// Times one case: warm-up, then the median of `iters` runs.
 pub fn run_case(rt: &Runtime, case: &BenchCase, iters: usize) -> Result<BenchResult> {
     let plan = rt.optimize(&case.graph, OptLevel::Conservative)?;
-    let kernel = plan.kernels.first().map(|k| k.kernel.clone()).unwrap_or_default();
+    let kernel = plan
+        .kernels
+        .first()
+        .map(|k| k.kernel.clone())
+        .unwrap_or_default();
     let specs: Vec<TensorSpec> = case.graph.nodes()[0]
         .inputs
         .iter()

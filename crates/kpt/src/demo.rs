@@ -74,12 +74,21 @@ pub struct Generation {
 
 fn argmax_last(logits: &Tensor) -> Result<i64> {
     let v = logits.to_f64_vec();
-    let vocab = *logits.shape().last().ok_or_else(|| KptError::Graph("logits have no dims".into()))?;
+    let vocab = *logits
+        .shape()
+        .last()
+        .ok_or_else(|| KptError::Graph("logits have no dims".into()))?;
     let last = &v[v.len() - vocab..];
     let (best, _) = last
         .iter()
         .enumerate()
-        .fold((0, f64::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) });
+        .fold((0, f64::NEG_INFINITY), |(bi, bv), (i, &x)| {
+            if x > bv {
+                (i, x)
+            } else {
+                (bi, bv)
+            }
+        });
     Ok(best as i64)
 }
 
@@ -111,11 +120,18 @@ pub fn generate(
             break;
         }
         let t = Instant::now();
-        outs = run(Phase::Decode, &step_inputs(&[next], prompt.len() + i, &outs[1..])?)?;
+        outs = run(
+            Phase::Decode,
+            &step_inputs(&[next], prompt.len() + i, &outs[1..])?,
+        )?;
         step_ms.push(t.elapsed().as_secs_f64() * 1e3);
         next = argmax_last(&outs[0])?;
     }
-    Ok(Generation { tokens, prefill_ms, step_ms })
+    Ok(Generation {
+        tokens,
+        prefill_ms,
+        step_ms,
+    })
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -134,14 +150,26 @@ pub fn demo_prompt(len: usize, vocab: usize) -> Vec<i64> {
 }
 
 /// Runs the demo, calling `progress` with a message after each step.
-pub fn run_demo(rt: &Runtime, opts: &DemoOptions, mut progress: impl FnMut(&str)) -> Result<Vec<DemoRow>> {
+pub fn run_demo(
+    rt: &Runtime,
+    opts: &DemoOptions,
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<DemoRow>> {
     let cfg = &opts.model;
     let prefill = build_graph(cfg, Phase::Prefill, opts.prompt_len)?;
     let decode = build_graph(cfg, Phase::Decode, opts.prompt_len)?;
     let prompt = demo_prompt(opts.prompt_len, cfg.vocab);
-    let graph_of = |p: Phase| -> &Graph { if p == Phase::Prefill { &prefill } else { &decode } };
+    let graph_of = |p: Phase| -> &Graph {
+        if p == Phase::Prefill {
+            &prefill
+        } else {
+            &decode
+        }
+    };
     progress("f64 reference generation");
-    let reference = generate(&prompt, opts.new_tokens, |p, ins| run_reference(graph_of(p), &CpuReference, ins))?;
+    let reference = generate(&prompt, opts.new_tokens, |p, ins| {
+        run_reference(graph_of(p), &CpuReference, ins)
+    })?;
     let mut rows = Vec::new();
     for &level in &opts.levels {
         progress(&format!("{level}: optimizing"));
@@ -149,26 +177,57 @@ pub fn run_demo(rt: &Runtime, opts: &DemoOptions, mut progress: impl FnMut(&str)
         let mut dec = rt.executor(rt.optimize(&decode, level)?)?;
         progress(&format!("{level}: validating"));
         let pre_inputs = step_inputs(&prompt, 0, &[])?;
-        let report_pre = validate_plan(&mut pre, &prefill, &CpuReference, &pre_inputs, rt.config().precision.tolerance_scale)?;
+        let report_pre = validate_plan(
+            &mut pre,
+            &prefill,
+            &CpuReference,
+            &pre_inputs,
+            rt.config().precision.tolerance_scale,
+        )?;
         let cache = run_reference(&prefill, &CpuReference, &pre_inputs)?
             .iter()
             .skip(1)
             .map(|t| t.to_dtype(DType::F32))
             .collect::<Result<Vec<_>>>()?;
         let dec_inputs = step_inputs(&[prompt[0]], prompt.len(), &cache)?;
-        let report_dec = validate_plan(&mut dec, &decode, &CpuReference, &dec_inputs, rt.config().precision.tolerance_scale)?;
+        let report_dec = validate_plan(
+            &mut dec,
+            &decode,
+            &CpuReference,
+            &dec_inputs,
+            rt.config().precision.tolerance_scale,
+        )?;
         progress(&format!("{level}: generating"));
         let gen = generate(&prompt, opts.new_tokens, |p, ins| match p {
             Phase::Prefill => pre.run(ins),
             Phase::Decode => dec.run(ins),
         })?;
-        let matching = gen.tokens.iter().zip(&reference.tokens).take_while(|(a, b)| a == b).count();
-        rows.push(row(level, &pre, &prefill, [&report_pre, &report_dec], &gen, matching));
+        let matching = gen
+            .tokens
+            .iter()
+            .zip(&reference.tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        rows.push(row(
+            level,
+            &pre,
+            &prefill,
+            [&report_pre, &report_dec],
+            &gen,
+            matching,
+        ));
     }
     Ok(rows)
 }
 
-fn row(level: OptLevel, exec: &Executor, original: &Graph, reports: [&ValidationReport; 2], gen: &Generation, matching: usize) -> DemoRow {
+fn row(
+    level: OptLevel,
+    exec: &Executor,
+    original: &Graph,
+    reports: [&ValidationReport; 2],
+    gen: &Generation,
+    matching: usize,
+) -> DemoRow {
     let graph = &exec.plan().graph;
     let weights = graph
         .nodes()
@@ -190,7 +249,10 @@ fn row(level: OptLevel, exec: &Executor, original: &Graph, reports: [&Validation
         prefill_ms: gen.prefill_ms,
         ms_per_token: median(&gen.step_ms),
         worst_op_ratio,
-        max_rel_error: reports.iter().map(|r| r.max_output_rel_error()).fold(0.0, f64::max),
+        max_rel_error: reports
+            .iter()
+            .map(|r| r.max_output_rel_error())
+            .fold(0.0, f64::max),
         tokens_matching: matching,
         passed: reports.iter().all(|r| r.passed()),
     }
@@ -204,7 +266,15 @@ mod tests {
     fn tiny_demo_runs_and_validates() {
         let rt = Runtime::new(kpt_core::KptConfig::default()).unwrap();
         let opts = DemoOptions {
-            model: DemoConfig { vocab: 96, dim: 64, layers: 2, heads: 4, kv_heads: 2, ffn: 96, seed: 3 },
+            model: DemoConfig {
+                vocab: 96,
+                dim: 64,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                ffn: 96,
+                seed: 3,
+            },
             prompt_len: 5,
             new_tokens: 4,
             levels: OptLevel::ALL.to_vec(),
@@ -216,9 +286,15 @@ mod tests {
             assert!(r.nodes.1 < r.nodes.0, "fusion removed no node: {r:?}");
         }
         assert_eq!(rows[0].weights, "f32");
-        assert_eq!(rows[0].tokens_matching, 4, "conservative must match the reference");
+        assert_eq!(
+            rows[0].tokens_matching, 4,
+            "conservative must match the reference"
+        );
         assert_eq!(rows[1].weights, "bf16");
         assert_eq!(rows[2].weights, "f8e4m3");
-        assert!(rows[2].weight_bytes < rows[1].weight_bytes && rows[1].weight_bytes < rows[0].weight_bytes);
+        assert!(
+            rows[2].weight_bytes < rows[1].weight_bytes
+                && rows[1].weight_bytes < rows[0].weight_bytes
+        );
     }
 }

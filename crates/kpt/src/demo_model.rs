@@ -56,14 +56,21 @@ impl DemoConfig {
     }
 
     fn check(&self) -> Result<()> {
-        if self.heads == 0 || self.kv_heads == 0 || self.dim % self.heads != 0 || self.heads % self.kv_heads != 0 {
+        if self.heads == 0
+            || self.kv_heads == 0
+            || self.dim % self.heads != 0
+            || self.heads % self.kv_heads != 0
+        {
             return Err(KptError::InvalidArgument(format!(
                 "dim {} must split into {} heads, and heads into {} kv heads",
                 self.dim, self.heads, self.kv_heads
             )));
         }
         if self.head_dim() % 2 != 0 {
-            return Err(KptError::InvalidArgument(format!("head_dim {} must be even for rotary", self.head_dim())));
+            return Err(KptError::InvalidArgument(format!(
+                "head_dim {} must be even for rotary",
+                self.head_dim()
+            )));
         }
         Ok(())
     }
@@ -109,7 +116,11 @@ pub fn build_graph(cfg: &DemoConfig, phase: Phase, example_seq: usize) -> Result
     cfg.check()?;
     let mut g = Graph::new();
     let (d, hd, kvd) = (cfg.dim, cfg.head_dim(), cfg.kv_dim());
-    let seq = if phase == Phase::Decode { 1 } else { example_seq };
+    let seq = if phase == Phase::Decode {
+        1
+    } else {
+        example_seq
+    };
     let ids = g.input("ids", DType::I64, &[1, seq]);
     let pos = g.input("positions", DType::I64, &[seq]);
     let mut past = Vec::new();
@@ -121,10 +132,11 @@ pub fn build_graph(cfg: &DemoConfig, phase: Phase, example_seq: usize) -> Result
         }
     }
     let mut seed = cfg.seed;
-    let mut weight = |g: &mut Graph, name: &str, shape: &[usize], fan_in: usize| -> Result<ValueId> {
-        seed = seed.wrapping_add(1);
-        Ok(g.param(name, random_tensor(shape, fan_in, seed)?))
-    };
+    let mut weight =
+        |g: &mut Graph, name: &str, shape: &[usize], fan_in: usize| -> Result<ValueId> {
+            seed = seed.wrapping_add(1);
+            Ok(g.param(name, random_tensor(shape, fan_in, seed)?))
+        };
     let ones = |g: &mut Graph, name: &str| -> Result<ValueId> {
         Ok(g.param(name, Tensor::from_vec(vec![1f32; d], &[d])?))
     };
@@ -150,7 +162,10 @@ pub fn build_graph(cfg: &DemoConfig, phase: Phase, example_seq: usize) -> Result
         let q = g.op(format!("{p}.q"), Op::Linear { bias: false }, &[x, wq])?;
         let k = g.op(format!("{p}.k"), Op::Linear { bias: false }, &[x, wk])?;
         let mut v = g.op(format!("{p}.v"), Op::Linear { bias: false }, &[x, wv])?;
-        let rot = Op::Rotary { head_dim: hd, theta: 10000.0 };
+        let rot = Op::Rotary {
+            head_dim: hd,
+            theta: 10000.0,
+        };
         let q = g.op(format!("{p}.q_rot"), rot.clone(), &[q, pos])?;
         let mut k = g.op(format!("{p}.k_rot"), rot, &[k, pos])?;
         if let Some(&(pk, pv)) = past.get(l) {
@@ -168,7 +183,13 @@ pub fn build_graph(cfg: &DemoConfig, phase: Phase, example_seq: usize) -> Result
         let wu = weight(&mut g, &format!("{p}.up"), &[cfg.ffn, d], d)?;
         let wd = weight(&mut g, &format!("{p}.down"), &[d, cfg.ffn], cfg.ffn)?;
         let gate = g.op(format!("{p}.gate"), Op::Linear { bias: false }, &[x, wg])?;
-        let gate = g.op(format!("{p}.gate_act"), Op::Activation { act: Activation::Silu }, &[gate])?;
+        let gate = g.op(
+            format!("{p}.gate_act"),
+            Op::Activation {
+                act: Activation::Silu,
+            },
+            &[gate],
+        )?;
         let up = g.op(format!("{p}.up"), Op::Linear { bias: false }, &[x, wu])?;
         let m = g.op(format!("{p}.swiglu"), Op::Mul, &[gate, up])?;
         let down = g.op(format!("{p}.down"), Op::Linear { bias: false }, &[m, wd])?;
@@ -192,12 +213,23 @@ mod tests {
 
     #[test]
     fn graphs_build_with_expected_shapes() {
-        let cfg = DemoConfig { vocab: 64, dim: 32, layers: 2, heads: 4, kv_heads: 2, ffn: 48, seed: 1 };
+        let cfg = DemoConfig {
+            vocab: 64,
+            dim: 32,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            ffn: 48,
+            seed: 1,
+        };
         let g = build_graph(&cfg, Phase::Prefill, 5).unwrap();
         assert_eq!(g.outputs().len(), 1 + 2 * cfg.layers);
         assert_eq!(g.spec(g.outputs()[0]).unwrap().shape, vec![1, 5, 64]);
         let d = build_graph(&cfg, Phase::Decode, 5).unwrap();
-        assert_eq!(d.spec(d.outputs()[1]).unwrap().shape, vec![1, 6, cfg.kv_dim()]);
+        assert_eq!(
+            d.spec(d.outputs()[1]).unwrap().shape,
+            vec![1, 6, cfg.kv_dim()]
+        );
         assert!(build_graph(&DemoConfig { heads: 5, ..cfg }, Phase::Prefill, 4).is_err());
     }
 

@@ -54,7 +54,9 @@ impl Runtime {
         config.validate()?;
         if let Some(n) = config.hardware.num_threads {
             // The global pool can be built once per process; later runtimes share it.
-            let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+            let _ = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build_global();
         }
         let mut backends = BackendRegistry::new();
         let tuning = CpuTuning {
@@ -65,7 +67,11 @@ impl Runtime {
         let mut kernels = KernelRegistry::with_builtin();
         kernels.set_disabled(&config.kernel.disable);
         kernels.set_preferred(&config.kernel.prefer);
-        Ok(Self { config, backends, kernels })
+        Ok(Self {
+            config,
+            backends,
+            kernels,
+        })
     }
 
     /// The configuration.
@@ -97,7 +103,13 @@ impl Runtime {
     /// Optimizes `graph` at `level` for the configured backend.
     pub fn optimize(&self, graph: &Graph, level: OptLevel) -> Result<Plan> {
         let backend = self.backend()?;
-        auto_optimize(graph, level, &PrecisionPolicy::from_config(&self.config), &self.kernels, backend.device())
+        auto_optimize(
+            graph,
+            level,
+            &PrecisionPolicy::from_config(&self.config),
+            &self.kernels,
+            backend.device(),
+        )
     }
 
     /// An executor for `plan` on the configured backend.

@@ -17,7 +17,11 @@ use kpt::table::Table;
 use kpt::Runtime;
 
 #[derive(Parser)]
-#[command(name = "kpt", version, about = "Run deep-learning models fast on the hardware you have")]
+#[command(
+    name = "kpt",
+    version,
+    about = "Run deep-learning models fast on the hardware you have"
+)]
 struct Cli {
     /// Configuration file (TOML or JSON); KPT_* environment variables override it.
     #[arg(long, global = true, env = "KPT_CONFIG")]
@@ -103,7 +107,10 @@ enum ConfigAction {
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KPT_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KPT_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -134,9 +141,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Detect { json } => detect(json),
         Command::Config { action } => config(action, config_path),
-        Command::Kernels { op, explain } => kernels(load_config(config_path)?, op.as_deref(), explain),
+        Command::Kernels { op, explain } => {
+            kernels(load_config(config_path)?, op.as_deref(), explain)
+        }
         Command::Validate { level } => validate(load_config(config_path)?, level),
-        Command::Bench { quick, iters, json } => bench(load_config(config_path)?, quick, iters, json.as_deref()),
+        Command::Bench { quick, iters, json } => {
+            bench(load_config(config_path)?, quick, iters, json.as_deref())
+        }
         Command::Demo { tokens, json } => demo(load_config(config_path)?, tokens, json),
     }
 }
@@ -150,12 +161,18 @@ fn detect(json: bool) -> anyhow::Result<()> {
     for d in &devices {
         println!("{} {}: {}", d.kind, d.index, d.name);
         let mut t = Table::new(["property", "value"]);
-        t.row(["arch".to_string(), d.arch.clone().unwrap_or_else(|| "-".into())]);
+        t.row([
+            "arch".to_string(),
+            d.arch.clone().unwrap_or_else(|| "-".into()),
+        ]);
         if let Some(c) = d.compute_units {
             t.row(["compute units".to_string(), c.to_string()]);
         }
         if let Some(m) = d.memory_bytes {
-            t.row(["memory".to_string(), format!("{:.1} GiB", m as f64 / (1u64 << 30) as f64)]);
+            t.row([
+                "memory".to_string(),
+                format!("{:.1} GiB", m as f64 / (1u64 << 30) as f64),
+            ]);
         }
         t.row(["features".to_string(), d.features.join(" ")]);
         for (k, v) in &d.properties {
@@ -163,7 +180,9 @@ fn detect(json: bool) -> anyhow::Result<()> {
         }
         println!("{t}");
     }
-    println!("NVIDIA, AMD and TPU backends: not built into this binary (see README, status table).");
+    println!(
+        "NVIDIA, AMD and TPU backends: not built into this binary (see README, status table)."
+    );
     Ok(())
 }
 
@@ -200,27 +219,72 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
     match op {
         OpKind::Embedding => (Op::Embedding, vec![i(&[1, 16]), f(&[32000, 4096])]),
         OpKind::MatMul => (Op::MatMul, vec![f(&[512, 1024]), f(&[1024, 512])]),
-        OpKind::Linear => (Op::Linear { bias: false }, vec![f(&[16, 4096]), TensorSpec::new(&[4096, 4096], DType::BF16)]),
-        OpKind::LinearAct => (
-            Op::LinearAct { bias: false, act: kpt::core::graph::Activation::Silu },
-            vec![f(&[16, 4096]), TensorSpec::new(&[11008, 4096], DType::F8E4M3)],
+        OpKind::Linear => (
+            Op::Linear { bias: false },
+            vec![f(&[16, 4096]), TensorSpec::new(&[4096, 4096], DType::BF16)],
         ),
-        OpKind::Activation => (Op::Activation { act: kpt::core::graph::Activation::GeluErf }, vec![f(&[16, 4096])]),
+        OpKind::LinearAct => (
+            Op::LinearAct {
+                bias: false,
+                act: kpt::core::graph::Activation::Silu,
+            },
+            vec![
+                f(&[16, 4096]),
+                TensorSpec::new(&[11008, 4096], DType::F8E4M3),
+            ],
+        ),
+        OpKind::Activation => (
+            Op::Activation {
+                act: kpt::core::graph::Activation::GeluErf,
+            },
+            vec![f(&[16, 4096])],
+        ),
         OpKind::RmsNorm => (Op::RmsNorm { eps: 1e-5 }, vec![f(&[16, 4096]), f(&[4096])]),
-        OpKind::LayerNorm => (Op::LayerNorm { eps: 1e-5 }, vec![f(&[16, 4096]), f(&[4096]), f(&[4096])]),
-        OpKind::AddRmsNorm => (Op::AddRmsNorm { eps: 1e-5 }, vec![f(&[16, 4096]), f(&[16, 4096]), f(&[4096])]),
-        OpKind::Rotary => (Op::Rotary { head_dim: 128, theta: 10000.0 }, vec![f(&[1, 16, 4096]), i(&[16])]),
+        OpKind::LayerNorm => (
+            Op::LayerNorm { eps: 1e-5 },
+            vec![f(&[16, 4096]), f(&[4096]), f(&[4096])],
+        ),
+        OpKind::AddRmsNorm => (
+            Op::AddRmsNorm { eps: 1e-5 },
+            vec![f(&[16, 4096]), f(&[16, 4096]), f(&[4096])],
+        ),
+        OpKind::Rotary => (
+            Op::Rotary {
+                head_dim: 128,
+                theta: 10000.0,
+            },
+            vec![f(&[1, 16, 4096]), i(&[16])],
+        ),
         OpKind::Softmax => (Op::Softmax, vec![f(&[16, 4096])]),
         OpKind::Attention => (
-            Op::Attention(AttentionParams { num_heads: 32, num_kv_heads: 8, head_dim: 128, causal: true, scale: None, mask: false }),
+            Op::Attention(AttentionParams {
+                num_heads: 32,
+                num_kv_heads: 8,
+                head_dim: 128,
+                causal: true,
+                scale: None,
+                mask: false,
+            }),
             vec![f(&[1, 16, 4096]), f(&[1, 16, 1024]), f(&[1, 16, 1024])],
         ),
         OpKind::Add => (Op::Add, vec![f(&[16, 4096]), f(&[16, 4096])]),
         OpKind::Mul => (Op::Mul, vec![f(&[16, 4096]), f(&[16, 4096])]),
-        OpKind::Quantize => (Op::Quantize { dtype: DType::F8E4M3, scale: 1.0 }, vec![f(&[16, 4096])]),
-        OpKind::Dequantize => (Op::Dequantize { dtype: DType::F32 }, vec![TensorSpec::new(&[16, 4096], DType::F8E4M3)]),
+        OpKind::Quantize => (
+            Op::Quantize {
+                dtype: DType::F8E4M3,
+                scale: 1.0,
+            },
+            vec![f(&[16, 4096])],
+        ),
+        OpKind::Dequantize => (
+            Op::Dequantize { dtype: DType::F32 },
+            vec![TensorSpec::new(&[16, 4096], DType::F8E4M3)],
+        ),
         OpKind::Cast => (Op::Cast { dtype: DType::BF16 }, vec![f(&[16, 4096])]),
-        OpKind::Concat => (Op::Concat { axis: 1 }, vec![f(&[1, 16, 1024]), f(&[1, 1, 1024])]),
+        OpKind::Concat => (
+            Op::Concat { axis: 1 },
+            vec![f(&[1, 16, 1024]), f(&[1, 1, 1024])],
+        ),
     }
 }
 
@@ -231,7 +295,15 @@ fn kernels(cfg: KptConfig, op: Option<&str>, explain: bool) -> anyhow::Result<()
         None => OpKind::ALL.to_vec(),
     };
     if !explain {
-        let mut t = Table::new(["op", "kernel", "backend", "dtypes", "weights", "priority", "description"]);
+        let mut t = Table::new([
+            "op",
+            "kernel",
+            "backend",
+            "dtypes",
+            "weights",
+            "priority",
+            "description",
+        ]);
         for &k in &ops {
             for def in rt.kernels().for_op(k) {
                 let names = |d: &[DType]| d.iter().map(|d| d.name()).collect::<Vec<_>>().join(",");
@@ -240,7 +312,11 @@ fn kernels(cfg: KptConfig, op: Option<&str>, explain: bool) -> anyhow::Result<()
                     def.name.clone(),
                     def.backend.to_string(),
                     names(&def.dtypes),
-                    if def.weight_dtypes.is_empty() { "-".into() } else { names(&def.weight_dtypes) },
+                    if def.weight_dtypes.is_empty() {
+                        "-".into()
+                    } else {
+                        names(&def.weight_dtypes)
+                    },
                     def.priority.to_string(),
                     def.description.clone(),
                 ]);
@@ -253,10 +329,19 @@ fn kernels(cfg: KptConfig, op: Option<&str>, explain: bool) -> anyhow::Result<()
     for &k in &ops {
         let (op, specs) = sample(k);
         let sig: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
-        println!("{op} on {} with [{}]:", backend.device().name, sig.join(", "));
+        println!(
+            "{op} on {} with [{}]:",
+            backend.device().name,
+            sig.join(", ")
+        );
         let mut t = Table::new(["rank", "kernel", "priority", "reason"]);
         for c in rt.kernels().explain(&op, &specs, backend.device()) {
-            t.row([c.rank.map_or("-".into(), |r| r.to_string()), c.kernel, c.priority.to_string(), c.reason]);
+            t.row([
+                c.rank.map_or("-".into(), |r| r.to_string()),
+                c.kernel,
+                c.priority.to_string(),
+                c.reason,
+            ]);
         }
         println!("{t}");
     }
@@ -276,7 +361,16 @@ fn validate(cfg: KptConfig, level: Option<OptLevel>) -> anyhow::Result<()> {
         kpt::core::Tensor::from_vec((0..16i64).collect(), &[16])?,
     ];
     let report = validate_plan(&mut exec, &graph, &CpuReference, &inputs, scale)?;
-    let mut t = Table::new(["node", "op", "kernel", "dtype", "max abs", "max rel", "tolerance", "ok"]);
+    let mut t = Table::new([
+        "node",
+        "op",
+        "kernel",
+        "dtype",
+        "max abs",
+        "max rel",
+        "tolerance",
+        "ok",
+    ]);
     for o in &report.ops {
         t.row([
             o.node.clone(),
@@ -301,7 +395,10 @@ fn validate(cfg: KptConfig, level: Option<OptLevel>) -> anyhow::Result<()> {
         );
     }
     report.into_result()?;
-    println!("level {level}: all {} ops within tolerance", exec.plan().graph.nodes().len());
+    println!(
+        "level {level}: all {} ops within tolerance",
+        exec.plan().graph.nodes().len()
+    );
     Ok(())
 }
 
@@ -318,7 +415,13 @@ fn bench(cfg: KptConfig, quick: bool, iters: usize, json: Option<&Path>) -> anyh
     pb.finish_and_clear();
     let mut t = Table::new(["case", "kernel", "median µs", "GFLOP/s", "GB/s"]);
     for r in &results {
-        t.row([r.name.clone(), r.kernel.clone(), format!("{:.1}", r.median_us), format!("{:.2}", r.gflops), format!("{:.2}", r.gbps)]);
+        t.row([
+            r.name.clone(),
+            r.kernel.clone(),
+            format!("{:.1}", r.median_us),
+            format!("{:.2}", r.gflops),
+            format!("{:.2}", r.gbps),
+        ]);
     }
     println!("{t}");
     if let Some(path) = json {
@@ -330,7 +433,10 @@ fn bench(cfg: KptConfig, quick: bool, iters: usize, json: Option<&Path>) -> anyh
 
 fn demo(cfg: KptConfig, tokens: usize, json: bool) -> anyhow::Result<()> {
     let rt = Runtime::new(cfg)?;
-    let opts = DemoOptions { new_tokens: tokens.max(1), ..DemoOptions::default() };
+    let opts = DemoOptions {
+        new_tokens: tokens.max(1),
+        ..DemoOptions::default()
+    };
     let m = &opts.model;
     if !json {
         println!(
@@ -343,7 +449,13 @@ fn demo(cfg: KptConfig, tokens: usize, json: bool) -> anyhow::Result<()> {
             m.vocab,
             m.num_params() as f64 / 1e6
         );
-        println!("backend: {} ({}); prompt {} tokens, generating {}", rt.backend()?.name(), rt.backend()?.device().name, opts.prompt_len, opts.new_tokens);
+        println!(
+            "backend: {} ({}); prompt {} tokens, generating {}",
+            rt.backend()?.name(),
+            rt.backend()?.device().name,
+            opts.prompt_len,
+            opts.new_tokens
+        );
     }
     let pb = spinner(1 + 3 * opts.levels.len() as u64);
     let rows = run_demo(&rt, &opts, |msg| {
@@ -355,7 +467,17 @@ fn demo(cfg: KptConfig, tokens: usize, json: bool) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         let mut t = Table::new([
-            "level", "weights", "nodes", "weight MiB", "prefill ms", "ms/token", "tokens/s", "max rel err", "worst op/tol", "= ref tokens", "valid",
+            "level",
+            "weights",
+            "nodes",
+            "weight MiB",
+            "prefill ms",
+            "ms/token",
+            "tokens/s",
+            "max rel err",
+            "worst op/tol",
+            "= ref tokens",
+            "valid",
         ]);
         for r in &rows {
             t.row([

@@ -13,7 +13,11 @@ impl Table {
     pub fn new<S: Into<String>>(header: impl IntoIterator<Item = S>) -> Self {
         let header: Vec<String> = header.into_iter().map(Into::into).collect();
         let right = vec![true; header.len()];
-        Self { header, rows: Vec::new(), right }
+        Self {
+            header,
+            rows: Vec::new(),
+            right,
+        }
     }
 
     /// Appends a row (missing cells are empty, extra cells are an error in the caller's logic and dropped).
@@ -21,7 +25,9 @@ impl Table {
         let mut cells: Vec<String> = cells.into_iter().map(Into::into).collect();
         cells.resize(self.header.len(), String::new());
         for (i, c) in cells.iter().enumerate() {
-            let numeric = c.trim_end_matches(['%', 'x', ' ']).parse::<f64>().is_ok() || c.is_empty() || c == "-";
+            let numeric = c.trim_end_matches(['%', 'x', ' ']).parse::<f64>().is_ok()
+                || c.is_empty()
+                || c == "-";
             self.right[i] &= numeric;
         }
         self.rows.push(cells);
@@ -49,20 +55,21 @@ impl std::fmt::Display for Table {
                 .unwrap_or(0)
         };
         let widths: Vec<usize> = (0..self.header.len()).map(width).collect();
-        let line = |f: &mut std::fmt::Formatter<'_>, cells: &[String], header: bool| -> std::fmt::Result {
-            let parts: Vec<String> = cells
-                .iter()
-                .enumerate()
-                .map(|(i, c)| {
-                    if self.right[i] && !header {
-                        format!("{c:>w$}", w = widths[i])
-                    } else {
-                        format!("{c:<w$}", w = widths[i])
-                    }
-                })
-                .collect();
-            writeln!(f, "{}", parts.join("  ").trim_end())
-        };
+        let line =
+            |f: &mut std::fmt::Formatter<'_>, cells: &[String], header: bool| -> std::fmt::Result {
+                let parts: Vec<String> = cells
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        if self.right[i] && !header {
+                            format!("{c:>w$}", w = widths[i])
+                        } else {
+                            format!("{c:<w$}", w = widths[i])
+                        }
+                    })
+                    .collect();
+                writeln!(f, "{}", parts.join("  ").trim_end())
+            };
         line(f, &self.header, true)?;
         let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
         writeln!(f, "{}", rule.join("  "))?;

@@ -85,7 +85,11 @@ impl Graph {
 
     /// Declares a run-time input with an example shape.
     pub fn input(&mut self, name: impl Into<String>, dtype: DType, shape: &[usize]) -> ValueId {
-        let id = self.push_value(name.into(), TensorSpec::new(shape, dtype), ValueSource::Input);
+        let id = self.push_value(
+            name.into(),
+            TensorSpec::new(shape, dtype),
+            ValueSource::Input,
+        );
         self.inputs.push(id);
         id
     }
@@ -97,7 +101,12 @@ impl Graph {
     }
 
     /// Applies an op; checks the inputs and returns every output value.
-    pub fn op_multi(&mut self, name: impl Into<String>, op: Op, inputs: &[ValueId]) -> Result<Vec<ValueId>> {
+    pub fn op_multi(
+        &mut self,
+        name: impl Into<String>,
+        op: Op,
+        inputs: &[ValueId],
+    ) -> Result<Vec<ValueId>> {
         let name = name.into();
         let specs = inputs
             .iter()
@@ -109,7 +118,11 @@ impl Graph {
             .into_iter()
             .enumerate()
             .map(|(index, spec)| {
-                let vname = if index == 0 { name.clone() } else { format!("{name}.{index}") };
+                let vname = if index == 0 {
+                    name.clone()
+                } else {
+                    format!("{name}.{index}")
+                };
                 self.push_value(vname, spec, ValueSource::Node { node, index })
             })
             .collect::<Vec<_>>();
@@ -190,12 +203,20 @@ impl Graph {
             .get_mut(v.0)
             .ok_or_else(|| KptError::Graph(format!("value {} does not exist", v.0)))?;
         if !matches!(value.source, ValueSource::Param(_)) {
-            return Err(KptError::Graph(format!("value `{}` is not a parameter", value.name)));
+            return Err(KptError::Graph(format!(
+                "value `{}` is not a parameter",
+                value.name
+            )));
         }
         if tensor.shape() != value.spec.shape.as_slice() {
             return Err(KptError::shape(
                 "set_param",
-                format!("`{}` is {:?}, new tensor is {:?}", value.name, value.spec.shape, tensor.shape()),
+                format!(
+                    "`{}` is {:?}, new tensor is {:?}",
+                    value.name,
+                    value.spec.shape,
+                    tensor.shape()
+                ),
             ));
         }
         value.spec.dtype = tensor.dtype();
@@ -244,7 +265,8 @@ impl Graph {
         let mut specs: Vec<TensorSpec> = self.values.iter().map(|v| v.spec.clone()).collect();
         for (&id, given) in self.inputs.iter().zip(inputs) {
             let declared = &self.values[id.0];
-            if declared.spec.dtype != given.dtype || declared.spec.shape.len() != given.shape.len() {
+            if declared.spec.dtype != given.dtype || declared.spec.shape.len() != given.shape.len()
+            {
                 return Err(KptError::InvalidArgument(format!(
                     "input `{}` must be {} with rank {}, got {given}",
                     declared.name,
@@ -291,12 +313,24 @@ mod tests {
         let x = g.input("x", DType::F32, &[2, 4]);
         let w = g.param("w", Tensor::zeros(DType::F32, &[3, 4]));
         let y = g.op("fc", Op::Linear { bias: false }, &[x, w]).unwrap();
-        let z = g.op("act", Op::Activation { act: Activation::Relu }, &[y]).unwrap();
+        let z = g
+            .op(
+                "act",
+                Op::Activation {
+                    act: Activation::Relu,
+                },
+                &[y],
+            )
+            .unwrap();
         g.output(z).unwrap();
         assert_eq!(g.spec(z).unwrap().shape, vec![2, 3]);
-        let specs = g.infer_specs(&[TensorSpec::new(&[7, 4], DType::F32)]).unwrap();
+        let specs = g
+            .infer_specs(&[TensorSpec::new(&[7, 4], DType::F32)])
+            .unwrap();
         assert_eq!(specs[z.0].shape, vec![7, 3]);
-        let err = g.infer_specs(&[TensorSpec::new(&[7, 5], DType::F32)]).unwrap_err();
+        let err = g
+            .infer_specs(&[TensorSpec::new(&[7, 5], DType::F32)])
+            .unwrap_err();
         assert!(err.to_string().contains("`fc`"), "{err}");
         assert_eq!(g.consumers()[y.0], vec![NodeId(1)]);
     }
@@ -307,9 +341,13 @@ mod tests {
         let x = g.input("x", DType::F32, &[2, 4]);
         assert!(g.op("bad", Op::Add, &[x, ValueId(99)]).is_err());
         let w = g.param("w", Tensor::zeros(DType::F32, &[4]));
-        let outs = g.op_multi("n", Op::AddRmsNorm { eps: 1e-5 }, &[x, x, w]).unwrap();
+        let outs = g
+            .op_multi("n", Op::AddRmsNorm { eps: 1e-5 }, &[x, x, w])
+            .unwrap();
         assert_eq!(outs.len(), 2);
-        assert!(g.op("n2", Op::AddRmsNorm { eps: 1e-5 }, &[x, x, w]).is_err());
+        assert!(g
+            .op("n2", Op::AddRmsNorm { eps: 1e-5 }, &[x, x, w])
+            .is_err());
         assert!(g.set_param(x, Tensor::zeros(DType::F32, &[2, 4])).is_err());
         assert!(g.set_param(w, Tensor::zeros(DType::F32, &[5])).is_err());
     }

@@ -346,7 +346,11 @@ impl Op {
                 2.0 * numel(0) * n
             }
             Op::MatMul => {
-                let n = inputs.get(1).and_then(|b| b.shape.last()).copied().unwrap_or(0) as f64;
+                let n = inputs
+                    .get(1)
+                    .and_then(|b| b.shape.last())
+                    .copied()
+                    .unwrap_or(0) as f64;
                 2.0 * numel(0) * n
             }
             Op::Attention(p) => {
@@ -409,7 +413,10 @@ impl Op {
                 }
                 want_compute(table)?;
                 if table.shape.len() != 2 {
-                    return Err(shape_err(format!("table must be [vocab, dim], got {:?}", table.shape)));
+                    return Err(shape_err(format!(
+                        "table must be [vocab, dim], got {:?}",
+                        table.shape
+                    )));
                 }
                 let mut shape = ids.shape.clone();
                 shape.push(table.shape[1]);
@@ -449,7 +456,10 @@ impl Op {
                 }
                 rank_at_least(x, 1, "x")?;
                 if w.shape.len() != 2 {
-                    return Err(shape_err(format!("weight must be [out, in], got {:?}", w.shape)));
+                    return Err(shape_err(format!(
+                        "weight must be [out, in], got {:?}",
+                        w.shape
+                    )));
                 }
                 let k = x.shape[x.shape.len() - 1];
                 if w.shape[1] != k {
@@ -501,7 +511,10 @@ impl Op {
                 for p in params {
                     same_dtype(x, p)?;
                     if p.shape != [dim] {
-                        return Err(shape_err(format!("weight/bias must be [{dim}], got {:?}", p.shape)));
+                        return Err(shape_err(format!(
+                            "weight/bias must be [{dim}], got {:?}",
+                            p.shape
+                        )));
                     }
                 }
                 if matches!(self, Op::AddRmsNorm { .. }) {
@@ -517,7 +530,10 @@ impl Op {
                     return Err(KptError::dtype(name, "i32 or i64 positions", pos.dtype));
                 }
                 if x.shape.len() != 3 {
-                    return Err(shape_err(format!("x must be [batch, seq, heads*head_dim], got {:?}", x.shape)));
+                    return Err(shape_err(format!(
+                        "x must be [batch, seq, heads*head_dim], got {:?}",
+                        x.shape
+                    )));
                 }
                 if *head_dim == 0 || head_dim % 2 != 0 || x.shape[2] % head_dim != 0 {
                     return Err(shape_err(format!(
@@ -526,10 +542,15 @@ impl Op {
                     )));
                 }
                 if theta.is_nan() || *theta <= 0.0 {
-                    return Err(KptError::InvalidArgument(format!("rotary theta must be > 0, got {theta}")));
+                    return Err(KptError::InvalidArgument(format!(
+                        "rotary theta must be > 0, got {theta}"
+                    )));
                 }
                 if pos.shape != [x.shape[1]] {
-                    return Err(shape_err(format!("positions must be [{}], got {:?}", x.shape[1], pos.shape)));
+                    return Err(shape_err(format!(
+                        "positions must be [{}], got {:?}",
+                        x.shape[1], pos.shape
+                    )));
                 }
                 Ok(vec![x.clone()])
             }
@@ -539,7 +560,9 @@ impl Op {
                 same_dtype(q, k)?;
                 same_dtype(q, v)?;
                 if p.num_heads == 0 || p.num_kv_heads == 0 || p.head_dim == 0 {
-                    return Err(shape_err("num_heads, num_kv_heads and head_dim must be > 0".into()));
+                    return Err(shape_err(
+                        "num_heads, num_kv_heads and head_dim must be > 0".into(),
+                    ));
                 }
                 if p.num_heads % p.num_kv_heads != 0 {
                     return Err(shape_err(format!(
@@ -547,7 +570,11 @@ impl Op {
                         p.num_heads, p.num_kv_heads
                     )));
                 }
-                for (t, what, heads) in [(q, "q", p.num_heads), (k, "k", p.num_kv_heads), (v, "v", p.num_kv_heads)] {
+                for (t, what, heads) in [
+                    (q, "q", p.num_heads),
+                    (k, "k", p.num_kv_heads),
+                    (v, "v", p.num_kv_heads),
+                ] {
                     if t.shape.len() != 3 || t.shape[2] != heads * p.head_dim {
                         return Err(shape_err(format!(
                             "{what} must be [batch, seq, {}], got {:?}",
@@ -592,7 +619,9 @@ impl Op {
                     return Err(KptError::dtype(name, "f8e4m3, f8e5m2 or i8 target", *dtype));
                 }
                 if !(scale.is_finite() && *scale > 0.0) {
-                    return Err(KptError::InvalidArgument(format!("quantize scale must be finite and > 0, got {scale}")));
+                    return Err(KptError::InvalidArgument(format!(
+                        "quantize scale must be finite and > 0, got {scale}"
+                    )));
                 }
                 Ok(vec![TensorSpec::new(&x.shape, *dtype)])
             }
@@ -608,7 +637,11 @@ impl Op {
             Op::Cast { dtype } => {
                 want_compute(x)?;
                 if !is_compute(*dtype) {
-                    return Err(KptError::dtype(name, "a float target (use quantize for fp8/int8)", *dtype));
+                    return Err(KptError::dtype(
+                        name,
+                        "a float target (use quantize for fp8/int8)",
+                        *dtype,
+                    ));
                 }
                 Ok(vec![TensorSpec::new(&x.shape, *dtype)])
             }
@@ -663,25 +696,46 @@ mod tests {
     fn linear_infers_and_rejects() {
         let op = Op::Linear { bias: true };
         let out = op
-            .infer(&[s(&[2, 3, 8], DType::F32), s(&[5, 8], DType::BF16), s(&[5], DType::F32)])
+            .infer(&[
+                s(&[2, 3, 8], DType::F32),
+                s(&[5, 8], DType::BF16),
+                s(&[5], DType::F32),
+            ])
             .unwrap();
         assert_eq!(out, vec![s(&[2, 3, 5], DType::F32)]);
         let err = op
-            .infer(&[s(&[2, 7], DType::F32), s(&[5, 8], DType::F32), s(&[5], DType::F32)])
+            .infer(&[
+                s(&[2, 7], DType::F32),
+                s(&[5, 8], DType::F32),
+                s(&[5], DType::F32),
+            ])
             .unwrap_err();
         assert!(matches!(err, KptError::Shape { .. }), "{err}");
         assert!(err.to_string().contains("7 features"));
-        let err = op.infer(&[s(&[2, 8], DType::F32), s(&[5, 8], DType::F32)]).unwrap_err();
+        let err = op
+            .infer(&[s(&[2, 8], DType::F32), s(&[5, 8], DType::F32)])
+            .unwrap_err();
         assert!(matches!(err, KptError::Graph(_)));
         let err = op
-            .infer(&[s(&[2, 8], DType::I32), s(&[5, 8], DType::F32), s(&[5], DType::F32)])
+            .infer(&[
+                s(&[2, 8], DType::I32),
+                s(&[5, 8], DType::F32),
+                s(&[5], DType::F32),
+            ])
             .unwrap_err();
         assert!(matches!(err, KptError::DTypeMismatch { .. }));
     }
 
     #[test]
     fn attention_checks_gqa_and_mask() {
-        let p = AttentionParams { num_heads: 8, num_kv_heads: 2, head_dim: 4, causal: true, scale: None, mask: true };
+        let p = AttentionParams {
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_dim: 4,
+            causal: true,
+            scale: None,
+            mask: true,
+        };
         let op = Op::Attention(p);
         let ok = op.infer(&[
             s(&[1, 3, 32], DType::F32),
@@ -690,7 +744,11 @@ mod tests {
             s(&[3, 5], DType::F32),
         ]);
         assert_eq!(ok.unwrap(), vec![s(&[1, 3, 32], DType::F32)]);
-        let bad = Op::Attention(AttentionParams { num_kv_heads: 3, ..p }).infer(&[
+        let bad = Op::Attention(AttentionParams {
+            num_kv_heads: 3,
+            ..p
+        })
+        .infer(&[
             s(&[1, 3, 32], DType::F32),
             s(&[1, 5, 12], DType::F32),
             s(&[1, 5, 12], DType::F32),
@@ -704,7 +762,10 @@ mod tests {
         for k in OpKind::ALL {
             assert_eq!(k.name().parse::<OpKind>().unwrap(), k);
         }
-        assert!(matches!("convolution".parse::<OpKind>(), Err(KptError::UnknownOp(_))));
+        assert!(matches!(
+            "convolution".parse::<OpKind>(),
+            Err(KptError::UnknownOp(_))
+        ));
     }
 
     #[test]
@@ -713,7 +774,11 @@ mod tests {
             .infer(&[s(&[1, 4, 8], DType::F32), s(&[1, 1, 8], DType::F32)])
             .unwrap();
         assert_eq!(out[0].shape, vec![1, 5, 8]);
-        assert!(Op::Add.infer(&[s(&[2, 8], DType::F32), s(&[8], DType::F32)]).is_ok());
-        assert!(Op::Add.infer(&[s(&[2, 8], DType::F32), s(&[2], DType::F32)]).is_err());
+        assert!(Op::Add
+            .infer(&[s(&[2, 8], DType::F32), s(&[8], DType::F32)])
+            .is_ok());
+        assert!(Op::Add
+            .infer(&[s(&[2, 8], DType::F32), s(&[2], DType::F32)])
+            .is_err());
     }
 }

@@ -64,7 +64,10 @@ pub fn fuse_add_rms_norm(graph: &Graph) -> Result<(Graph, PassReport)> {
                 matches!(nodes[n.0].op, Op::RmsNorm { .. }) && nodes[n.0].inputs[0] == sum
             });
             let weight_is_param = |n: usize| {
-                matches!(graph.value(nodes[n].inputs[1]).source, ValueSource::Param(_))
+                matches!(
+                    graph.value(nodes[n].inputs[1]).source,
+                    ValueSource::Param(_)
+                )
             };
             if let (true, Some(n)) = (same_shape, norm) {
                 // The norm must be emitted where the add is: its weight must not be a
@@ -74,7 +77,10 @@ pub fn fuse_add_rms_norm(graph: &Graph) -> Result<(Graph, PassReport)> {
                     let Op::RmsNorm { eps } = norm_node.op else {
                         unreachable!("filtered to RmsNorm above")
                     };
-                    report.change(format!("{} + {} -> add_rms_norm", node.name, norm_node.name));
+                    report.change(format!(
+                        "{} + {} -> add_rms_norm",
+                        node.name, norm_node.name
+                    ));
                     rw.emit(
                         &norm_node.name,
                         Op::AddRmsNorm { eps },

@@ -84,7 +84,8 @@ pub fn plan_memory(graph: &Graph) -> MemoryPlan {
         for v in node.inputs.iter().chain(&node.outputs) {
             if last_use[v.0] == Some(i) && !released.contains(&v.0) {
                 released.push(v.0);
-                if let (Some(s), ValueSource::Node { .. }) = (slot_of[v.0], &graph.value(*v).source) {
+                if let (Some(s), ValueSource::Node { .. }) = (slot_of[v.0], &graph.value(*v).source)
+                {
                     free.push(s);
                 }
             }

@@ -21,8 +21,8 @@ pub use precision::apply_precision;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::config::OptLevel;
 use crate::config::KptConfig;
+pub use crate::config::OptLevel;
 use crate::error::Result;
 use crate::graph::{Graph, Op, TensorSpec};
 use crate::hardware::{DeviceInfo, DeviceKind};

@@ -46,11 +46,30 @@ pub fn apply_precision(
     if candidates.is_empty() {
         return Ok((out, report));
     }
+    let consumers = graph.consumers();
+    let is_linear =
+        |n: &crate::graph::Node| matches!(n.op, Op::Linear { .. } | Op::LinearAct { .. });
     for node in graph.nodes() {
-        if !matches!(node.op, Op::Linear { .. } | Op::LinearAct { .. }) {
+        if !is_linear(node) {
             continue;
         }
         let w = node.inputs[1];
+        // A weight shared with another use (e.g. an embedding table tied to the output
+        // layer) keeps its dtype: only linear weight slots read compact weights.
+        let only_linear_weight = consumers[w.0].iter().all(|c| {
+            let n = &graph.nodes()[c.0];
+            is_linear(n)
+                && n.inputs[1] == w
+                && !n.inputs[..1].contains(&w)
+                && !n.inputs[2..].contains(&w)
+        });
+        if !only_linear_weight {
+            report.change(format!(
+                "{}: kept f32 weight (shared with another op)",
+                node.name
+            ));
+            continue;
+        }
         let Some(tensor) = graph.param_tensor(w) else {
             continue;
         };
@@ -75,7 +94,11 @@ pub fn apply_precision(
             None => report.change(format!(
                 "{}: kept f32 weight (no kernel for {} weights on {})",
                 node.name,
-                candidates.iter().map(|d| d.name()).collect::<Vec<_>>().join("/"),
+                candidates
+                    .iter()
+                    .map(|d| d.name())
+                    .collect::<Vec<_>>()
+                    .join("/"),
                 device.name
             )),
         }

@@ -41,7 +41,13 @@ impl<'a> Rewriter<'a> {
     }
 
     /// Adds a node with source-graph inputs and maps its outputs to `outputs` (source ids).
-    pub fn emit(&mut self, name: &str, op: Op, inputs: &[ValueId], outputs: &[ValueId]) -> Result<Vec<ValueId>> {
+    pub fn emit(
+        &mut self,
+        name: &str,
+        op: Op,
+        inputs: &[ValueId],
+        outputs: &[ValueId],
+    ) -> Result<Vec<ValueId>> {
         let ins: Vec<ValueId> = inputs.iter().map(|&v| self.get(v)).collect();
         let outs = self.dst.op_multi(name, op, &ins)?;
         for (&o, &n) in outputs.iter().zip(&outs) {
@@ -53,8 +59,13 @@ impl<'a> Rewriter<'a> {
     /// Copies a source node unchanged.
     pub fn copy_node(&mut self, index: usize) -> Result<()> {
         let node = &self.src.nodes()[index];
-        self.emit(&node.name, node.op.clone(), &node.inputs.clone(), &node.outputs.clone())
-            .map(|_| ())
+        self.emit(
+            &node.name,
+            node.op.clone(),
+            &node.inputs.clone(),
+            &node.outputs.clone(),
+        )
+        .map(|_| ())
     }
 
     /// Finishes: marks the mapped outputs and returns the new graph.

@@ -1,5 +1,5 @@
-//! CPU kernels on plain row-major slices: an f64 [`reference`](mod@reference) for every op and fast,
-//! multi-threaded f32 kernels.
+//! CPU kernels on plain row-major slices: an f64 [`reference`](mod@reference) for every
+//! op, and fast multi-threaded f32 kernels (weights also in bf16, f16, FP8 and int8).
 //!
 //! Every function validates each slice length against the dimensions it is given and
 //! returns [`KptError::Shape`](kpt_core::KptError::Shape) on a mismatch; none of them

@@ -72,7 +72,16 @@ fn add_rms_row<const FMA: bool>(
     rms_row::<FMA>(sum, w, out, eps);
 }
 
-dispatch!(fn add_rms_row_d(x: &[f32], r: &[f32], w: &[f32], sum: &mut [f32], out: &mut [f32], eps: f32) => add_rms_row);
+dispatch!(
+    fn add_rms_row_d(
+        x: &[f32],
+        r: &[f32],
+        w: &[f32],
+        sum: &mut [f32],
+        out: &mut [f32],
+        eps: f32,
+    ) => add_rms_row
+);
 
 #[inline(always)]
 fn layer_row<const FMA: bool>(x: &[f32], w: &[f32], b: &[f32], out: &mut [f32], eps: f32) {

@@ -443,7 +443,10 @@ pub(crate) fn check_broadcast(op: &str, a: usize, b: usize, out: usize) -> Resul
     if (b == 0 && a != 0) || (b != 0 && a % b != 0) {
         return Err(KptError::shape(
             op,
-            format!("b has {b} elements, which must divide a's {a} (b broadcasts over a's leading rows)"),
+            format!(
+                "b has {b} elements, which must divide a's {a} \
+                 (b broadcasts over a's leading rows)"
+            ),
         ));
     }
     check_len(op, "out", out, a)

@@ -24,7 +24,10 @@ pub(crate) fn has_avx2_fma() -> bool {
 /// Defines `fn $name(args) -> ret` that calls `$body::<true>(args)` compiled with
 /// `avx2,fma` when the CPU has them, and `$body::<false>(args)` otherwise.
 macro_rules! dispatch {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:ident) => {
+    (
+        $(#[$meta:meta])*
+        $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:ident
+    ) => {
         $(#[$meta])*
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
@@ -34,8 +37,8 @@ macro_rules! dispatch {
                     $body::<true>($($arg),*)
                 }
                 if $crate::cpu::simd::has_avx2_fma() {
-                    // SAFETY: `avx2_fma` is safe code whose only requirement is the `avx2` and `fma` target
-                    // features, which were detected on this CPU just above.
+                    // SAFETY: `avx2_fma` is safe code whose only requirement is the
+                    // `avx2` and `fma` target features, detected on this CPU just above.
                     return unsafe { avx2_fma($($arg),*) };
                 }
             }
@@ -73,9 +76,10 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4; // 0.693359375, exact in 9 bits: n * LN2_HI is exact.
     const LN2_LO: f32 = -2.121_944_4e-4;
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
-                                     // Clamp (NaN passes through `clamp`): below -104 the result underflows to 0, above
-                                     // 88.73 it overflows to +inf.
+    // 1.5 * 2^23: adding it rounds to an integer.
+    const MAGIC: f32 = 12_582_912.0;
+    // Clamp (NaN passes through `clamp`): below -104 the result underflows to 0,
+    // above 88.73 it overflows to +inf.
     let xc = x.clamp(-104.0, 88.73);
     let t = xc * LOG2E + MAGIC;
     let n_f = t - MAGIC;
@@ -114,45 +118,64 @@ pub(crate) fn f32_to_bf16_bits(x: f32) -> u16 {
 }
 
 /// f16 bits to f32 (exact, subnormals, infinities and NaN included), branch-free.
+///
+/// The bits are sign-extended once: the low 15 bits are the magnitude, bit 31 the sign
+/// (one widening instruction per 8 lanes instead of two).
 #[inline(always)]
 pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
-    let h = h as u32;
-    let em = h & 0x7fff;
+    let v = h as i16 as i32 as u32;
+    let em = v & 0x7fff;
     // Normal and subnormal: the f16 exponent/mantissa moved into f32 position, times
     // 2^(127-15) (an f16 subnormal becomes an f32 subnormal, scaled back exactly).
     let finite = f32::from_bits(em << 13) * TWO_POW_112;
     let special = f32::from_bits((em << 13) | 0x7f80_0000);
     let mag = if em >= 0x7c00 { special } else { finite };
-    f32::from_bits(mag.to_bits() | ((h & 0x8000) << 16))
+    f32::from_bits(mag.to_bits() | (v & 0x8000_0000))
 }
 
 /// FP8 E4M3 ("fn": no infinities, 0x7f/0xff are NaN) bits to f32 (exact), branch-free.
 #[inline(always)]
 pub(crate) fn f8e4m3_bits_to_f32(b: u8) -> f32 {
-    let b = b as u32;
-    let em = b & 0x7f;
+    let v = b as i8 as i32 as u32;
+    let em = v & 0x7f;
     // Same trick as f16: exponent bias 7 -> 127 is a factor 2^120, subnormals included.
     let finite = f32::from_bits(em << 20) * TWO_POW_120;
     let mag = if em == 0x7f { f32::NAN } else { finite };
-    f32::from_bits(mag.to_bits() | ((b & 0x80) << 24))
+    f32::from_bits(mag.to_bits() | (v & 0x8000_0000))
 }
 
-/// FP8 E5M2 bits to f32 (exact): E5M2 is the upper byte of an f16.
+/// FP8 E5M2 bits to f32 (exact; E5M2 is the upper byte of an f16).
 #[inline(always)]
 pub(crate) fn f8e5m2_bits_to_f32(b: u8) -> f32 {
-    f16_bits_to_f32((b as u16) << 8)
+    let v = b as i8 as i32 as u32;
+    let em = v & 0x7f;
+    let finite = f32::from_bits(em << 21) * TWO_POW_112;
+    let special = f32::from_bits((em << 21) | 0x7f80_0000);
+    let mag = if em >= 0x7c { special } else { finite };
+    f32::from_bits(mag.to_bits() | (v & 0x8000_0000))
 }
 
 /// A stored element type that decodes to f32 without a scale.
 pub(crate) trait Decode: Copy + Send + Sync {
     /// The element as f32.
     fn decode(self) -> f32;
+
+    /// The slice itself when it already is f32 (lets kernels skip a widening copy).
+    #[inline(always)]
+    fn as_f32(_s: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Decode for f32 {
     #[inline(always)]
     fn decode(self) -> f32 {
         self
+    }
+
+    #[inline(always)]
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
     }
 }
 

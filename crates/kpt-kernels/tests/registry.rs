@@ -1,0 +1,618 @@
+//! The kernel registry: selection by device, dtype, architecture, shape limits,
+//! configuration (disable / prefer) and measured timings, and the explanations.
+
+use kpt_core::graph::{Activation, AttentionParams, Op, OpKind, TensorSpec};
+use kpt_core::hardware::{CpuDetector, DeviceInfo, DeviceKind, HardwareDetector};
+use kpt_core::optimize::KernelSelector;
+use kpt_core::{DType, KptError};
+use kpt_kernels::registry::arch_at_least;
+use kpt_kernels::{KernelDef, KernelRegistry, ShapeLimits, CPU_REFERENCE};
+
+fn cpu() -> DeviceInfo {
+    CpuDetector.detect().expect("CPU detection").remove(0)
+}
+
+/// A made-up accelerator of `kind` with architecture `arch`.
+fn fake_device(kind: DeviceKind, arch: &str) -> DeviceInfo {
+    DeviceInfo {
+        kind,
+        index: 0,
+        name: format!("fake {kind} {arch}"),
+        memory_bytes: Some(80 << 30),
+        compute_units: Some(132),
+        arch: Some(arch.to_string()),
+        features: vec![],
+        properties: Default::default(),
+    }
+}
+
+fn f32s(shape: &[usize]) -> TensorSpec {
+    TensorSpec::new(shape, DType::F32)
+}
+
+fn linear_inputs(x: DType, w: DType) -> Vec<TensorSpec> {
+    vec![TensorSpec::new(&[4, 64], x), TensorSpec::new(&[32, 64], w)]
+}
+
+fn strings(names: &[&str]) -> Vec<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+fn attention(head_dim: usize) -> (Op, Vec<TensorSpec>) {
+    let p = AttentionParams {
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim,
+        causal: true,
+        scale: None,
+        mask: false,
+    };
+    let op = Op::Attention(p);
+    let inputs = vec![
+        f32s(&[1, 8, 4 * head_dim]),
+        f32s(&[1, 8, 2 * head_dim]),
+        f32s(&[1, 8, 2 * head_dim]),
+    ];
+    (op, inputs)
+}
+
+/// A small valid f32 signature for every op kind.
+fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
+    let i64s = |s: &[usize]| TensorSpec::new(s, DType::I64);
+    match kind {
+        OpKind::Embedding => (Op::Embedding, vec![i64s(&[2, 3]), f32s(&[10, 8])]),
+        OpKind::MatMul => (Op::MatMul, vec![f32s(&[2, 4, 8]), f32s(&[8, 5])]),
+        OpKind::Linear => (
+            Op::Linear { bias: true },
+            vec![f32s(&[4, 8]), f32s(&[6, 8]), f32s(&[6])],
+        ),
+        OpKind::LinearAct => (
+            Op::LinearAct {
+                bias: false,
+                act: Activation::Silu,
+            },
+            vec![f32s(&[4, 8]), f32s(&[6, 8])],
+        ),
+        OpKind::Activation => (
+            Op::Activation {
+                act: Activation::GeluTanh,
+            },
+            vec![f32s(&[4, 8])],
+        ),
+        OpKind::RmsNorm => (Op::RmsNorm { eps: 1e-5 }, vec![f32s(&[4, 8]), f32s(&[8])]),
+        OpKind::LayerNorm => (
+            Op::LayerNorm { eps: 1e-5 },
+            vec![f32s(&[4, 8]), f32s(&[8]), f32s(&[8])],
+        ),
+        OpKind::AddRmsNorm => (
+            Op::AddRmsNorm { eps: 1e-5 },
+            vec![f32s(&[4, 8]), f32s(&[4, 8]), f32s(&[8])],
+        ),
+        OpKind::Rotary => (
+            Op::Rotary {
+                head_dim: 8,
+                theta: 10000.0,
+            },
+            vec![f32s(&[1, 3, 16]), i64s(&[3])],
+        ),
+        OpKind::Softmax => (Op::Softmax, vec![f32s(&[4, 8])]),
+        OpKind::Attention => attention(16),
+        OpKind::Add => (Op::Add, vec![f32s(&[4, 8]), f32s(&[8])]),
+        OpKind::Mul => (Op::Mul, vec![f32s(&[4, 8]), f32s(&[4, 8])]),
+        OpKind::Quantize => (
+            Op::Quantize {
+                dtype: DType::F8E4M3,
+                scale: 0.5,
+            },
+            vec![f32s(&[4, 8])],
+        ),
+        OpKind::Dequantize => (
+            Op::Dequantize { dtype: DType::F32 },
+            vec![TensorSpec::new(&[4, 8], DType::I8)],
+        ),
+        OpKind::Cast => (Op::Cast { dtype: DType::BF16 }, vec![f32s(&[4, 8])]),
+        OpKind::Concat => (
+            Op::Concat { axis: 1 },
+            vec![f32s(&[1, 4, 8]), f32s(&[1, 1, 8])],
+        ),
+    }
+}
+
+#[test]
+fn fused_linear_is_selected_for_every_weight_dtype() {
+    let registry = KernelRegistry::with_builtin();
+    let device = cpu();
+    for w in [
+        DType::F32,
+        DType::BF16,
+        DType::F16,
+        DType::F8E4M3,
+        DType::F8E5M2,
+        DType::I8,
+    ] {
+        let inputs = linear_inputs(DType::F32, w);
+        let op = Op::Linear { bias: false };
+        op.infer(&inputs).expect("valid signature");
+        let choice = registry
+            .select(&op, &inputs, &device)
+            .unwrap_or_else(|e| panic!("{w}: {e}"));
+        assert_eq!(choice.kernel, "cpu.linear.fused", "weights {w}");
+        assert_eq!(choice.backend, DeviceKind::Cpu);
+        assert_eq!(
+            registry.fallback_chain(&op, &inputs, &device),
+            ["cpu.linear.fused", CPU_REFERENCE],
+            "weights {w}"
+        );
+        // The fused linear+activation kernel accepts the same weights.
+        let op = Op::LinearAct {
+            bias: false,
+            act: Activation::Relu,
+        };
+        assert_eq!(
+            registry.select(&op, &inputs, &device).unwrap().kernel,
+            "cpu.linear_act.fused",
+            "weights {w}"
+        );
+    }
+}
+
+#[test]
+fn bf16_activations_fall_back_to_the_reference() {
+    let registry = KernelRegistry::with_builtin();
+    let device = cpu();
+    let op = Op::Linear { bias: false };
+    let inputs = linear_inputs(DType::BF16, DType::BF16);
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &device),
+        [CPU_REFERENCE]
+    );
+    let choice = registry.select(&op, &inputs, &device).unwrap();
+    assert_eq!(choice.kernel, CPU_REFERENCE);
+    let fused = choice
+        .skipped
+        .iter()
+        .find(|s| s.starts_with("cpu.linear.fused"))
+        .expect("the fused kernel is listed as skipped");
+    assert!(fused.contains("bf16"), "{fused}");
+}
+
+#[test]
+fn disabled_kernels_are_skipped_and_explained() {
+    let mut registry = KernelRegistry::with_builtin();
+    let device = cpu();
+    let op = Op::Linear { bias: false };
+    let inputs = linear_inputs(DType::F32, DType::BF16);
+    registry.set_disabled(&strings(&["cpu.linear.fused"]));
+    assert_eq!(
+        registry.select(&op, &inputs, &device).unwrap().kernel,
+        CPU_REFERENCE
+    );
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &device),
+        [CPU_REFERENCE]
+    );
+    let explained = registry.explain(&op, &inputs, &device);
+    let fused = explained
+        .iter()
+        .find(|c| c.kernel == "cpu.linear.fused")
+        .expect("listed");
+    assert_eq!(fused.rank, None);
+    assert!(fused.reason.contains("disabled"), "{}", fused.reason);
+    let reference = explained
+        .iter()
+        .find(|c| c.kernel == CPU_REFERENCE)
+        .expect("listed");
+    assert_eq!(reference.rank, Some(0));
+    assert!(
+        reference.reason.starts_with("selected"),
+        "{}",
+        reference.reason
+    );
+
+    // Disabling every kernel of the op leaves nothing: a typed error with the reasons.
+    registry.set_disabled(&strings(&["cpu.linear.fused", CPU_REFERENCE]));
+    match registry.select(&op, &inputs, &device) {
+        Err(KptError::NoKernel { reasons, .. }) => {
+            assert_eq!(reasons.len(), 2, "{reasons:?}");
+            assert!(
+                reasons.iter().all(|r| r.contains("disabled")),
+                "{reasons:?}"
+            );
+        }
+        other => panic!("expected NoKernel, got {other:?}"),
+    }
+    // Re-enabling restores the default.
+    registry.set_disabled(&[]);
+    assert_eq!(
+        registry.select(&op, &inputs, &device).unwrap().kernel,
+        "cpu.linear.fused"
+    );
+}
+
+#[test]
+fn preferred_kernels_come_first() {
+    let mut registry = KernelRegistry::with_builtin();
+    let device = cpu();
+    let op = Op::Softmax;
+    let inputs = vec![f32s(&[4, 16])];
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &device),
+        ["cpu.softmax", CPU_REFERENCE]
+    );
+    registry.set_preferred(&strings(&[CPU_REFERENCE]));
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &device),
+        [CPU_REFERENCE, "cpu.softmax"]
+    );
+    let explained = registry.explain(&op, &inputs, &device);
+    assert_eq!(explained[0].kernel, CPU_REFERENCE);
+    assert!(
+        explained[0].reason.contains("preferred"),
+        "{}",
+        explained[0].reason
+    );
+    assert!(
+        explained[1].reason.starts_with("fallback #1"),
+        "{}",
+        explained[1].reason
+    );
+    // A preferred kernel that does not qualify is ignored.
+    let mut registry = KernelRegistry::with_builtin();
+    registry.set_preferred(&strings(&["cpu.linear.fused"]));
+    let inputs = linear_inputs(DType::BF16, DType::BF16);
+    assert_eq!(
+        registry.fallback_chain(&Op::Linear { bias: false }, &inputs, &device),
+        [CPU_REFERENCE]
+    );
+}
+
+#[test]
+fn measured_kernels_come_first() {
+    let mut registry = KernelRegistry::with_builtin();
+    let device = cpu();
+    let op = Op::Linear { bias: false };
+    let inputs = linear_inputs(DType::F32, DType::F32);
+    registry.record_timing(CPU_REFERENCE, &op, &inputs, 7);
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &device),
+        [CPU_REFERENCE, "cpu.linear.fused"]
+    );
+    let explained = registry.explain(&op, &inputs, &device);
+    assert_eq!(explained[0].measured_us, Some(7));
+    assert!(
+        explained[0].reason.contains("measured 7"),
+        "{}",
+        explained[0].reason
+    );
+    // With both measured, the faster one wins.
+    registry.record_timing("cpu.linear.fused", &op, &inputs, 3);
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &device),
+        ["cpu.linear.fused", CPU_REFERENCE]
+    );
+    // Timings are per signature: another shape keeps the priority order.
+    let other = vec![f32s(&[9, 64]), f32s(&[32, 64])];
+    registry.record_timing("cpu.linear.fused", &op, &inputs, 100);
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &device),
+        [CPU_REFERENCE, "cpu.linear.fused"]
+    );
+    assert_eq!(
+        registry.fallback_chain(&op, &other, &device),
+        ["cpu.linear.fused", CPU_REFERENCE]
+    );
+}
+
+#[test]
+fn a_device_without_kernels_gets_no_kernel_with_reasons() {
+    let registry = KernelRegistry::with_builtin();
+    let device = fake_device(DeviceKind::Cuda, "sm_90");
+    let op = Op::Linear { bias: false };
+    let inputs = linear_inputs(DType::F32, DType::BF16);
+    let err = registry.select(&op, &inputs, &device).unwrap_err();
+    match &err {
+        KptError::NoKernel {
+            backend, reasons, ..
+        } => {
+            assert_eq!(backend, &device.name);
+            assert_eq!(reasons.len(), 2, "{reasons:?}");
+            assert!(
+                reasons.iter().all(|r| r.contains("runs on cpu")),
+                "{reasons:?}"
+            );
+        }
+        other => panic!("expected NoKernel, got {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains("cpu.linear.fused") && msg.contains(CPU_REFERENCE),
+        "{msg}"
+    );
+    assert!(msg.contains("device is cuda"), "{msg}");
+    assert!(registry.fallback_chain(&op, &inputs, &device).is_empty());
+}
+
+#[test]
+fn an_empty_registry_says_no_kernel_is_registered() {
+    let registry = KernelRegistry::new();
+    let err = registry
+        .select(&Op::Softmax, &[f32s(&[2, 2])], &cpu())
+        .unwrap_err();
+    assert!(matches!(err, KptError::NoKernel { .. }), "{err}");
+    assert!(
+        err.to_string().contains("no kernel registered for softmax"),
+        "{err}"
+    );
+}
+
+#[test]
+fn minimum_architecture_is_enforced() {
+    let mut registry = KernelRegistry::new();
+    let def = KernelDef::new(
+        "cuda.linear.fp8",
+        OpKind::Linear,
+        DeviceKind::Cuda,
+        &[DType::F32],
+        100,
+        "test",
+    )
+    .weights(&[DType::F8E4M3])
+    .min_arch("sm_90");
+    registry.register(def);
+    let op = Op::Linear { bias: false };
+    let inputs = linear_inputs(DType::F32, DType::F8E4M3);
+
+    let ampere = fake_device(DeviceKind::Cuda, "sm_80");
+    let err = registry.select(&op, &inputs, &ampere).unwrap_err();
+    assert!(matches!(err, KptError::NoKernel { .. }), "{err}");
+    assert!(
+        err.to_string().contains("needs sm_90, device is sm_80"),
+        "{err}"
+    );
+
+    let hopper = fake_device(DeviceKind::Cuda, "sm_90");
+    let choice = registry.select(&op, &inputs, &hopper).unwrap();
+    assert_eq!(choice.kernel, "cuda.linear.fp8");
+    assert_eq!(choice.backend, DeviceKind::Cuda);
+    let blackwell = fake_device(DeviceKind::Cuda, "sm_100");
+    assert_eq!(
+        registry.select(&op, &inputs, &blackwell).unwrap().kernel,
+        "cuda.linear.fp8"
+    );
+
+    let mut unknown = fake_device(DeviceKind::Cuda, "sm_90");
+    unknown.arch = None;
+    let err = registry.select(&op, &inputs, &unknown).unwrap_err();
+    assert!(err.to_string().contains("device arch unknown"), "{err}");
+
+    // The weight dtype is checked too.
+    let bf16 = linear_inputs(DType::F32, DType::BF16);
+    let err = registry.select(&op, &bf16, &hopper).unwrap_err();
+    assert!(err.to_string().contains("no bf16 weights"), "{err}");
+}
+
+#[test]
+fn required_features_are_enforced() {
+    let mut registry = KernelRegistry::new();
+    registry.register(
+        KernelDef::new(
+            "rocm.softmax",
+            OpKind::Softmax,
+            DeviceKind::Rocm,
+            &[DType::F32],
+            1,
+            "test",
+        )
+        .needs(&["wave64"]),
+    );
+    let mut device = fake_device(DeviceKind::Rocm, "gfx942");
+    let inputs = [f32s(&[2, 8])];
+    let err = registry.select(&Op::Softmax, &inputs, &device).unwrap_err();
+    assert!(err.to_string().contains("wave64"), "{err}");
+    device.features.push("wave64".into());
+    assert_eq!(
+        registry
+            .select(&Op::Softmax, &inputs, &device)
+            .unwrap()
+            .kernel,
+        "rocm.softmax"
+    );
+}
+
+#[test]
+fn arch_at_least_orders_within_a_family() {
+    let cases = [
+        ("sm_80", "sm_80", true),
+        ("sm_90", "sm_80", true),
+        ("sm_86", "sm_89", false),
+        ("sm_100", "sm_90", true),
+        ("gfx942", "gfx90a", true),
+        ("gfx90a", "gfx942", false),
+        ("gfx90a", "gfx908", true),
+        ("gfx942", "gfx942", true),
+        ("sm_90", "gfx90a", false),
+        ("gfx942", "sm_80", false),
+        ("v5e", "v4", true),
+        ("v4", "v5e", false),
+        ("v5p", "v5e", true),
+        ("x86_64-avx2", "sm_80", false),
+        ("sm_80", "x86_64-avx2", false),
+    ];
+    let wrong: Vec<String> = cases
+        .iter()
+        .filter(|&&(a, b, want)| arch_at_least(a, b) != want)
+        .map(|&(a, b, want)| format!("arch_at_least({a:?}, {b:?}) should be {want}"))
+        .collect();
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
+/// Architecture names with a feature suffix (`sm_90a`, `sm_100a`) compare by number.
+#[test]
+
+fn arch_suffixes_compare_by_number() {
+    let cases = [
+        ("sm_90a", "sm_80", true),
+        ("sm_90a", "sm_90", true),
+        ("sm_90a", "sm_90a", true),
+        ("sm_100a", "sm_90a", true),
+        ("sm_80", "sm_90a", false),
+    ];
+    let wrong: Vec<String> = cases
+        .iter()
+        .filter(|&&(a, b, want)| arch_at_least(a, b) != want)
+        .map(|&(a, b, want)| format!("arch_at_least({a:?}, {b:?}) should be {want}"))
+        .collect();
+    assert!(wrong.is_empty(), "{wrong:#?}");
+
+    // So a kernel that needs sm_90 runs on an sm_90a device.
+    let mut registry = KernelRegistry::new();
+    registry.register(
+        KernelDef::new(
+            "cuda.linear.fp8",
+            OpKind::Linear,
+            DeviceKind::Cuda,
+            &[DType::F32],
+            100,
+            "test",
+        )
+        .weights(&[DType::F8E4M3])
+        .min_arch("sm_90"),
+    );
+    let inputs = linear_inputs(DType::F32, DType::F8E4M3);
+    let hopper = fake_device(DeviceKind::Cuda, "sm_90a");
+    let choice = registry
+        .select(&Op::Linear { bias: false }, &inputs, &hopper)
+        .unwrap_or_else(|e| panic!("sm_90a >= sm_90: {e}"));
+    assert_eq!(choice.kernel, "cuda.linear.fp8");
+}
+
+#[test]
+fn shape_limits_reject_large_head_dims() {
+    let mut registry = KernelRegistry::with_builtin();
+    let limits = ShapeLimits {
+        max_head_dim: Some(128),
+        head_dim_multiple: Some(16),
+        ..ShapeLimits::default()
+    };
+    let def = KernelDef::new(
+        "cpu.attention.small",
+        OpKind::Attention,
+        DeviceKind::Cpu,
+        &[DType::F32],
+        1000,
+        "test",
+    )
+    .limits(limits);
+    registry.register(def);
+    let device = cpu();
+
+    let (op, inputs) = attention(64);
+    assert_eq!(
+        registry.select(&op, &inputs, &device).unwrap().kernel,
+        "cpu.attention.small"
+    );
+
+    let (op, inputs) = attention(256);
+    op.infer(&inputs).expect("valid signature");
+    let explained = registry.explain(&op, &inputs, &device);
+    let small = explained
+        .iter()
+        .find(|c| c.kernel == "cpu.attention.small")
+        .expect("listed");
+    assert_eq!(small.rank, None);
+    assert!(small.reason.contains("head_dim"), "{}", small.reason);
+    assert!(
+        small.reason.contains("256") && small.reason.contains("128"),
+        "{}",
+        small.reason
+    );
+    let choice = registry.select(&op, &inputs, &device).unwrap();
+    assert_eq!(choice.kernel, "cpu.attention.flash");
+    assert!(choice
+        .skipped
+        .iter()
+        .any(|s| s.starts_with("cpu.attention.small") && s.contains("head_dim")));
+
+    let (op, inputs) = attention(40);
+    let small = registry
+        .explain(&op, &inputs, &device)
+        .into_iter()
+        .find(|c| c.kernel == "cpu.attention.small");
+    let reason = small.expect("listed").reason;
+    assert!(reason.contains("not a multiple of 16"), "{reason}");
+}
+
+#[test]
+fn registering_a_kernel_again_replaces_it() {
+    let mut registry = KernelRegistry::with_builtin();
+    let before = registry.kernels().len();
+    registry.register(KernelDef::new(
+        "cpu.softmax",
+        OpKind::Softmax,
+        DeviceKind::Cpu,
+        &[DType::F32],
+        -5,
+        "slower",
+    ));
+    assert_eq!(registry.kernels().len(), before);
+    assert_eq!(registry.for_op(OpKind::Softmax).count(), 2);
+    let chain = registry.fallback_chain(&Op::Softmax, &[f32s(&[2, 4])], &cpu());
+    assert_eq!(chain, [CPU_REFERENCE, "cpu.softmax"], "priority 0 beats -5");
+}
+
+#[test]
+fn every_op_has_a_cpu_kernel_and_ends_in_the_reference() {
+    let registry = KernelRegistry::with_builtin();
+    let device = cpu();
+    for kind in OpKind::ALL {
+        assert!(
+            registry
+                .for_op(kind)
+                .any(|k| k.backend == DeviceKind::Cpu && k.name != CPU_REFERENCE),
+            "{kind}: no fast CPU kernel"
+        );
+        let (op, inputs) = sample(kind);
+        assert_eq!(op.kind(), kind);
+        op.infer(&inputs)
+            .unwrap_or_else(|e| panic!("{kind}: sample does not infer: {e}"));
+        let chain = registry.fallback_chain(&op, &inputs, &device);
+        assert!(chain.len() >= 2, "{kind}: {chain:?}");
+        assert_ne!(
+            chain[0], CPU_REFERENCE,
+            "{kind}: a fast kernel should be selected"
+        );
+        assert!(chain[0].starts_with("cpu."), "{kind}: {chain:?}");
+        assert_eq!(
+            chain.last().map(String::as_str),
+            Some(CPU_REFERENCE),
+            "{kind}: {chain:?}"
+        );
+        // explain lists every kernel of the op, the chain in rank order first.
+        let explained = registry.explain(&op, &inputs, &device);
+        assert_eq!(explained.len(), registry.for_op(kind).count(), "{kind}");
+        for (i, c) in explained.iter().take(chain.len()).enumerate() {
+            assert_eq!(c.rank, Some(i), "{kind}: {c:?}");
+        }
+        assert!(
+            explained[0].reason.starts_with("selected"),
+            "{kind}: {}",
+            explained[0].reason
+        );
+    }
+}
+
+#[test]
+fn the_reference_covers_low_precision_activations() {
+    let registry = KernelRegistry::with_builtin();
+    let device = cpu();
+    for dtype in [DType::F64, DType::F16, DType::BF16] {
+        let op = Op::Softmax;
+        let inputs = [TensorSpec::new(&[2, 8], dtype)];
+        let chain = registry.fallback_chain(&op, &inputs, &device);
+        assert_eq!(
+            chain.last().map(String::as_str),
+            Some(CPU_REFERENCE),
+            "{dtype}: {chain:?}"
+        );
+    }
+}

@@ -1,0 +1,296 @@
+//! The `kpt` binary: exit codes, output and error messages of its subcommands.
+//!
+//! Every command runs with the `KPT_*` variables of the test environment removed, so
+//! that only the variables a test sets are seen.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// A `kpt` command with a clean `KPT_*` environment.
+fn kpt(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kpt"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("KPT_") {
+            cmd.env_remove(&name);
+        }
+    }
+    cmd.args(args);
+    cmd
+}
+
+fn run(cmd: &mut Command) -> Output {
+    cmd.output().expect("the kpt binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs and asserts success; returns stdout.
+fn ok(cmd: &mut Command) -> String {
+    let o = run(cmd);
+    assert!(
+        o.status.success(),
+        "{cmd:?} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        stdout(&o),
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+/// Runs and asserts failure with a non-zero exit code; returns stderr.
+fn fails(cmd: &mut Command) -> String {
+    let o = run(cmd);
+    assert!(
+        !o.status.success(),
+        "{cmd:?} should fail:\nstdout:\n{}\nstderr:\n{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    assert_ne!(o.status.code(), Some(0));
+    assert!(
+        o.status.code().is_some(),
+        "{cmd:?} was killed by a signal: {}",
+        o.status
+    );
+    stderr(&o)
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 temp path")
+}
+
+#[test]
+fn detect_prints_the_cpu() {
+    let out = ok(&mut kpt(&["detect"]));
+    assert!(out.starts_with("cpu 0: "), "{out}");
+    assert!(out.contains("arch") && out.contains("features"), "{out}");
+}
+
+#[test]
+fn detect_json_has_one_cpu() {
+    let out = ok(&mut kpt(&["detect", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let devices = v.as_array().expect("a JSON array of devices");
+    assert_eq!(devices.len(), 1, "{out}");
+    assert_eq!(devices[0]["kind"], "cpu", "{out}");
+    assert_eq!(devices[0]["index"], 0, "{out}");
+    assert!(
+        devices[0]["name"].as_str().is_some_and(|n| !n.is_empty()),
+        "{out}"
+    );
+    assert!(devices[0]["features"].is_array(), "{out}");
+}
+
+#[test]
+fn kernels_lists_the_catalog() {
+    let out = ok(&mut kpt(&["kernels"]));
+    for name in [
+        "cpu.attention.flash",
+        "cpu.linear.fused",
+        "cpu.rms_norm",
+        "cpu.reference",
+    ] {
+        assert!(out.contains(name), "{name} missing:\n{out}");
+    }
+    let out = ok(&mut kpt(&["kernels", "--op", "linear"]));
+    assert!(
+        out.contains("cpu.linear.fused") && !out.contains("cpu.attention.flash"),
+        "{out}"
+    );
+}
+
+#[test]
+fn kernels_explain_shows_the_selection() {
+    let out = ok(&mut kpt(&["kernels", "--op", "attention", "--explain"]));
+    assert!(out.contains("selected"), "{out}");
+    assert!(out.contains("cpu.attention.flash"), "{out}");
+    assert!(out.contains("fallback #1"), "{out}");
+    // Explaining every op works too.
+    let out = ok(&mut kpt(&["kernels", "--explain"]));
+    assert_eq!(
+        out.matches("selected").count(),
+        17,
+        "one selection per op:\n{out}"
+    );
+}
+
+#[test]
+fn kernels_explain_reports_disabled_kernels_from_the_environment() {
+    let out =
+        ok(kpt(&["kernels", "--op", "softmax", "--explain"])
+            .env("KPT_KERNEL__DISABLE", "cpu.softmax"));
+    assert!(out.contains("disabled"), "{out}");
+}
+
+#[test]
+fn kernels_of_an_unknown_op_fail() {
+    let err = fails(&mut kpt(&["kernels", "--op", "convolution"]));
+    assert!(err.contains("unknown op"), "{err}");
+    assert!(err.contains("convolution"), "{err}");
+}
+
+#[test]
+fn config_init_then_validate() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kpt.toml");
+    let out = ok(&mut kpt(&["config", "init", path_str(&path)]));
+    assert!(out.contains("wrote"), "{out}");
+    assert!(path.exists());
+    let out = ok(&mut kpt(&[
+        "--config",
+        path_str(&path),
+        "config",
+        "validate",
+    ]));
+    assert!(out.contains("valid"), "{out}");
+    let out = ok(&mut kpt(&["config", "validate", path_str(&path)]));
+    assert!(out.contains("valid"), "{out}");
+    // The file round-trips: `config show` with it prints the same settings.
+    let shown = ok(&mut kpt(&["--config", path_str(&path), "config", "show"]));
+    assert_eq!(shown, std::fs::read_to_string(&path).unwrap());
+    // init refuses to overwrite without --force.
+    let err = fails(&mut kpt(&["config", "init", path_str(&path)]));
+    assert!(err.contains("--force"), "{err}");
+    ok(&mut kpt(&["config", "init", "--force", path_str(&path)]));
+    // JSON works as well.
+    let json = dir.path().join("kpt.json");
+    ok(&mut kpt(&["config", "init", path_str(&json)]));
+    ok(&mut kpt(&[
+        "--config",
+        path_str(&json),
+        "config",
+        "validate",
+    ]));
+}
+
+#[test]
+fn config_validate_lists_every_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "[precision]\ncompute_dtype = \"i8\"\n[deploy]\nport = 0\n",
+    )
+    .unwrap();
+    let err = fails(&mut kpt(&[
+        "--config",
+        path_str(&path),
+        "config",
+        "validate",
+    ]));
+    assert!(err.contains("precision.compute_dtype"), "{err}");
+    assert!(err.contains("deploy.port"), "{err}");
+    assert!(err.contains("2 problem"), "{err}");
+    let err = fails(&mut kpt(&["config", "validate", path_str(&path)]));
+    assert!(
+        err.contains("precision.compute_dtype") && err.contains("deploy.port"),
+        "{err}"
+    );
+    // Commands that need a valid configuration refuse it too.
+    let err = fails(&mut kpt(&["--config", path_str(&path), "kernels"]));
+    assert!(err.contains("deploy.port"), "{err}");
+}
+
+#[test]
+fn config_file_errors_name_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.toml");
+    let err = fails(&mut kpt(&[
+        "--config",
+        path_str(&missing),
+        "config",
+        "show",
+    ]));
+    assert!(err.contains("missing.toml"), "{err}");
+    let unknown = dir.path().join("unknown.toml");
+    std::fs::write(&unknown, "[precision]\nno_such_field = 1\n").unwrap();
+    let err = fails(&mut kpt(&[
+        "--config",
+        path_str(&unknown),
+        "config",
+        "validate",
+    ]));
+    assert!(err.contains("no_such_field"), "{err}");
+    let yaml = dir.path().join("kpt.yaml");
+    std::fs::write(&yaml, "precision: {}\n").unwrap();
+    let err = fails(&mut kpt(&["--config", path_str(&yaml), "config", "show"]));
+    assert!(err.contains(".toml"), "{err}");
+}
+
+#[test]
+fn a_bad_environment_variable_is_named() {
+    let err = fails(kpt(&["config", "show"]).env("KPT_PRECISION__LEVEL", "bogus"));
+    assert!(err.contains("KPT_PRECISION__LEVEL"), "{err}");
+    assert!(err.contains("bogus"), "{err}");
+}
+
+#[test]
+fn environment_variables_override_the_file() {
+    let out = ok(kpt(&["config", "show", "--json"]).env("KPT_PRECISION__LEVEL", "aggressive"));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["precision"]["level"], "aggressive", "{out}");
+}
+
+#[test]
+fn config_show_json_parses() {
+    let out = ok(&mut kpt(&["config", "show", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let sections = v.as_object().expect("a JSON object");
+    for s in ["precision", "deploy", "kernel", "hardware"] {
+        assert!(sections.contains_key(s), "{s} missing: {out}");
+    }
+    assert_eq!(v["precision"]["compute_dtype"], "f32", "{out}");
+}
+
+#[test]
+fn usage_errors_exit_non_zero() {
+    let err = fails(&mut kpt(&["no-such-command"]));
+    assert!(
+        err.contains("no-such-command") || err.contains("unrecognized"),
+        "{err}"
+    );
+    let out = ok(&mut kpt(&["--help"]));
+    for cmd in ["detect", "config", "kernels", "validate", "bench", "demo"] {
+        assert!(out.contains(cmd), "{cmd} missing from --help:\n{out}");
+    }
+}
+
+/// `bench --quick` takes well under a second in a debug (opt-level 2) build.
+#[test]
+fn bench_quick_writes_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bench.json");
+    let start = std::time::Instant::now();
+    let out = ok(&mut kpt(&[
+        "bench",
+        "--quick",
+        "--iters",
+        "2",
+        "--json",
+        path_str(&path),
+    ]));
+    let elapsed = start.elapsed();
+    assert!(
+        out.contains("cpu.attention.flash") && out.contains("median"),
+        "{out}"
+    );
+    let text = std::fs::read_to_string(&path).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let results = v.as_array().expect("a JSON array of results");
+    assert!(!results.is_empty(), "{text}");
+    for r in results {
+        assert!(
+            r["name"].is_string() && r["kernel"].as_str().is_some_and(|k| k.starts_with("cpu.")),
+            "{r}"
+        );
+        assert!(r["median_us"].as_f64().is_some_and(|t| t > 0.0), "{r}");
+    }
+    assert!(elapsed.as_secs() < 60, "bench --quick took {elapsed:?}");
+}
