@@ -17,7 +17,7 @@ use kpt_core::{DType, KptError, Result};
 use super::gemm::{gemm_f32_raw, Strided};
 use super::par::for_each_row;
 use super::simd::{self, Decode, E4M3, E5M2};
-use super::{check_len, checked_product, Act};
+use super::{check_linear, Act};
 
 /// Largest `m` handled by the GEMV kernel; above it the `gemm` paths are faster (measured
 /// on a 2-core Zen 3 at k = n = 4096: GEMV and `gemm` cross over between m = 16 and 32).
@@ -119,26 +119,15 @@ pub fn linear(
     n: usize,
 ) -> Result<()> {
     const OP: &str = "linear";
-    check_len(
+    check_linear(
         OP,
-        "x [m, k]",
         x.len(),
-        checked_product(OP, "[m, k]", &[m, k])?,
-    )?;
-    check_len(
-        OP,
-        "w [n, k]",
         w.len(),
-        checked_product(OP, "[n, k]", &[n, k])?,
-    )?;
-    if let Some(b) = bias {
-        check_len(OP, "bias [n]", b.len(), n)?;
-    }
-    check_len(
-        OP,
-        "out [m, n]",
+        bias.map(<[f32]>::len),
         out.len(),
-        checked_product(OP, "[m, n]", &[m, n])?,
+        m,
+        k,
+        n,
     )?;
     let scale = w.scale();
     if !scale.is_finite() {

@@ -152,6 +152,49 @@ pub(crate) fn check_len(op: &str, what: &str, len: usize, expected: usize) -> kp
     }
 }
 
+/// Checks `[rows, dim]` tensors (`tensors`) and `[dim]` parameters (`params`).
+pub(crate) fn check_rows(
+    op: &str,
+    tensors: &[(&str, usize)],
+    params: &[(&str, usize)],
+    rows: usize,
+    dim: usize,
+) -> kpt_core::Result<()> {
+    let total = checked_product(op, "[rows, dim]", &[rows, dim])?;
+    for &(name, len) in tensors {
+        check_len(op, name, len, total)?;
+    }
+    for &(name, len) in params {
+        check_len(op, name, len, dim)?;
+    }
+    Ok(())
+}
+
+/// Checks the slices of a linear layer: x `[m, k]`, w `[n, k]`, bias `[n]`, out `[m, n]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_linear(
+    op: &str,
+    x: usize,
+    w: usize,
+    bias: Option<usize>,
+    out: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> kpt_core::Result<()> {
+    check_len(op, "x [m, k]", x, checked_product(op, "[m, k]", &[m, k])?)?;
+    check_len(op, "w [n, k]", w, checked_product(op, "[n, k]", &[n, k])?)?;
+    if let Some(b) = bias {
+        check_len(op, "bias [n]", b, n)?;
+    }
+    check_len(
+        op,
+        "out [m, n]",
+        out,
+        checked_product(op, "[m, n]", &[m, n])?,
+    )
+}
+
 /// The product of `dims` (named in `desc` for the error), or a shape error on overflow.
 pub(crate) fn checked_product(op: &str, desc: &str, dims: &[usize]) -> kpt_core::Result<usize> {
     dims.iter()

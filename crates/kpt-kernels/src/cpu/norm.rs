@@ -7,9 +7,9 @@
 
 use kpt_core::Result;
 
+use super::check_rows;
 use super::par::for_each_row;
 use super::simd::{dispatch, fmadd, hsum};
-use super::{check_len, checked_product};
 
 /// `Σ f(x_i)` with 16 partial sums.
 #[inline(always)]
@@ -96,24 +96,6 @@ fn layer_row<const FMA: bool>(x: &[f32], w: &[f32], b: &[f32], out: &mut [f32], 
 
 dispatch!(fn layer_row_d(x: &[f32], w: &[f32], b: &[f32], out: &mut [f32], eps: f32) => layer_row);
 
-/// Checks `[rows, dim]` tensors and `[dim]` parameters.
-fn check(
-    op: &str,
-    tensors: &[(&str, usize)],
-    params: &[(&str, usize)],
-    rows: usize,
-    dim: usize,
-) -> Result<()> {
-    let total = checked_product(op, "[rows, dim]", &[rows, dim])?;
-    for &(name, len) in tensors {
-        check_len(op, name, len, total)?;
-    }
-    for &(name, len) in params {
-        check_len(op, name, len, dim)?;
-    }
-    Ok(())
-}
-
 /// RMS norm over the last axis of `x [rows, dim]`: `y = x / sqrt(mean(x²) + eps) * w`.
 pub fn rms_norm(
     x: &[f32],
@@ -123,7 +105,7 @@ pub fn rms_norm(
     dim: usize,
     eps: f32,
 ) -> Result<()> {
-    check(
+    check_rows(
         "rms_norm",
         &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())],
         &[("w [dim]", w.len())],
@@ -148,7 +130,7 @@ pub fn layer_norm(
     dim: usize,
     eps: f32,
 ) -> Result<()> {
-    check(
+    check_rows(
         "layer_norm",
         &[("x [rows, dim]", x.len()), ("out [rows, dim]", out.len())],
         &[("w [dim]", w.len()), ("b [dim]", b.len())],
@@ -174,7 +156,7 @@ pub fn add_rms_norm(
     dim: usize,
     eps: f32,
 ) -> Result<()> {
-    check(
+    check_rows(
         "add_rms_norm",
         &[
             ("x [rows, dim]", x.len()),

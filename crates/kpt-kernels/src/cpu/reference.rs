@@ -9,7 +9,7 @@
 use kpt_core::{DType, KptError, Result};
 
 use super::shapes::AttentionShape;
-use super::{check_len, checked_product, Act};
+use super::{check_len, check_linear, check_rows, checked_product, Act};
 
 /// `out[m,n] = a[m,k] · b[k,n]`.
 pub fn matmul(a: &[f64], b: &[f64], out: &mut [f64], m: usize, k: usize, n: usize) -> Result<()> {
@@ -70,26 +70,15 @@ pub fn linear_act(
     n: usize,
 ) -> Result<()> {
     const OP: &str = "linear";
-    check_len(
+    check_linear(
         OP,
-        "x [m, k]",
         x.len(),
-        checked_product(OP, "[m, k]", &[m, k])?,
-    )?;
-    check_len(
-        OP,
-        "w [n, k]",
         w.len(),
-        checked_product(OP, "[n, k]", &[n, k])?,
-    )?;
-    if let Some(b) = bias {
-        check_len(OP, "bias [n]", b.len(), n)?;
-    }
-    check_len(
-        OP,
-        "out [m, n]",
+        bias.map(<[f64]>::len),
         out.len(),
-        checked_product(OP, "[m, n]", &[m, n])?,
+        m,
+        k,
+        n,
     )?;
     for i in 0..m {
         for j in 0..n {
@@ -108,24 +97,6 @@ pub fn activation(x: &[f64], out: &mut [f64], act: Act) -> Result<()> {
     check_len("activation", "out", out.len(), x.len())?;
     for (o, &v) in out.iter_mut().zip(x) {
         *o = act.apply_f64(v);
-    }
-    Ok(())
-}
-
-/// Checks `[rows, dim]` tensors and a `[dim]` parameter.
-fn check_rows(
-    op: &str,
-    names: &[(&str, usize)],
-    params: &[(&str, usize)],
-    rows: usize,
-    dim: usize,
-) -> Result<()> {
-    let total = checked_product(op, "[rows, dim]", &[rows, dim])?;
-    for &(name, len) in names {
-        check_len(op, name, len, total)?;
-    }
-    for &(name, len) in params {
-        check_len(op, name, len, dim)?;
     }
     Ok(())
 }
