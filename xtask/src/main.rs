@@ -5,6 +5,9 @@
 //! - `check-kernels`: fails when a kernel source under `kernels/` changed and the
 //!   committed artifact manifest (`crates/kpt-kernels/artifacts/manifest.json`) does
 //!   not record its current hash, or an artifact does not match its recorded hash.
+//! - `bench-cpu`: installs PyTorch (pinned in `benches/requirements-cpu.txt`) into a
+//!   virtual environment under `target/`, builds `kpt-bench-cpu` in release mode and runs
+//!   kpt and PyTorch side by side, writing `docs/reports/cpu-latest.{json,md,svg}`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -25,12 +28,19 @@ enum Task {
     Test,
     /// Verify that committed kernel artifacts match their sources.
     CheckKernels,
+    /// kpt's CPU kernels vs PyTorch on this machine, same run; writes docs/reports/cpu-*.
+    BenchCpu {
+        /// Extra arguments for kpt-bench-cpu (e.g. `--filter gemm`, `--quick`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Test => test(),
         Task::CheckKernels => check_kernels(),
+        Task::BenchCpu { args } => bench_cpu(&args),
     }
 }
 
@@ -69,6 +79,75 @@ fn test() -> Result<()> {
     check_kernels()?;
     eprintln!("xtask test: all checks passed");
     Ok(())
+}
+
+/// Runs `program args` in the repository root, failing on a non-zero exit.
+fn run(program: &Path, args: &[&str]) -> Result<()> {
+    eprintln!("$ {} {}", program.display(), args.join(" "));
+    let status = Command::new(program)
+        .args(args)
+        .current_dir(root())
+        .status()
+        .with_context(|| format!("cannot run {}", program.display()))?;
+    if !status.success() {
+        bail!("{} {} failed ({status})", program.display(), args.join(" "));
+    }
+    Ok(())
+}
+
+/// A virtual environment under `target/` with the packages of `requirements` installed;
+/// reinstalled only when the requirements file changes. Returns its python.
+fn python_env(name: &str, requirements: &str) -> Result<PathBuf> {
+    let root = root();
+    let dir = root.join("target").join(name);
+    let python = dir.join("bin").join("python");
+    let req_path = root.join(requirements);
+    let wanted = std::fs::read_to_string(&req_path)
+        .with_context(|| format!("reading {}", req_path.display()))?;
+    let stamp = dir.join("kpt-requirements.txt");
+    if python.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(&wanted) {
+        return Ok(python);
+    }
+    if !python.exists() {
+        let host = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+        let dir_s = dir.to_string_lossy().into_owned();
+        run(Path::new(&host), &["-m", "venv", &dir_s])?;
+    }
+    eprintln!(
+        "installing {requirements} into {} (PyTorch is a large download)",
+        dir.display()
+    );
+    let req_s = req_path.to_string_lossy().into_owned();
+    run(
+        &python,
+        &[
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-r",
+            &req_s,
+        ],
+    )?;
+    std::fs::write(&stamp, wanted)?;
+    Ok(python)
+}
+
+fn bench_cpu(extra: &[String]) -> Result<()> {
+    let python = python_env("bench-venv", "benches/requirements-cpu.txt")?;
+    cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "kpt-benches",
+        "--bin",
+        "kpt-bench-cpu",
+    ])?;
+    let bin = root().join("target/release/kpt-bench-cpu");
+    let python_s = python.to_string_lossy().into_owned();
+    let mut args = vec!["--python", &python_s];
+    args.extend(extra.iter().map(String::as_str));
+    run(&bin, &args)
 }
 
 /// One entry of `crates/kpt-kernels/artifacts/manifest.json`.

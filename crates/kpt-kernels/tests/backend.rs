@@ -14,30 +14,7 @@ use kpt_core::validate::{run_reference, validate_plan};
 use kpt_core::{DType, KptError, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
 
-/// Deterministic generator (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[lo, hi)`.
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-
-    fn tensor(&mut self, shape: &[usize], lo: f32, hi: f32) -> Tensor {
-        let n = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| self.uniform(lo, hi)).collect();
-        Tensor::from_vec(v, shape).unwrap()
-    }
-}
+use kpt_core::rand::SplitMix64 as Rng;
 
 fn backend() -> Arc<dyn Backend> {
     Arc::new(CpuBackend::new().expect("CPU backend"))
@@ -132,8 +109,8 @@ fn param_dtypes(plan: &Plan, shape: &[usize]) -> Vec<DType> {
 fn mlp_graph(rng: &mut Rng) -> Graph {
     let mut g = Graph::new();
     let x = g.input("x", DType::F32, &[3, 16]);
-    let w = g.param("fc.weight", rng.tensor(&[24, 16], -0.5, 0.5));
-    let b = g.param("fc.bias", rng.tensor(&[24], -0.5, 0.5));
+    let w = g.param("fc.weight", tensor(rng, &[24, 16], -0.5, 0.5));
+    let b = g.param("fc.bias", tensor(rng, &[24], -0.5, 0.5));
     let h = g.op("fc", Op::Linear { bias: true }, &[x, w, b]).unwrap();
     let y = g
         .op(
@@ -150,9 +127,9 @@ fn mlp_graph(rng: &mut Rng) -> Graph {
 
 #[test]
 fn linear_bias_gelu_fuses_and_validates_at_every_level() {
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     let g = mlp_graph(&mut rng);
-    let x = rng.tensor(&[3, 16], -2.0, 2.0);
+    let x = tensor(&mut rng, &[3, 16], -2.0, 2.0);
     let plans = check_all_levels(&g, &[x]);
     for (plan, want_w) in plans.iter().zip([DType::F32, DType::BF16, DType::F8E4M3]) {
         assert_eq!(plan.graph.nodes().len(), 1, "{}", plan.level);
@@ -176,18 +153,18 @@ fn linear_bias_gelu_fuses_and_validates_at_every_level() {
 
 #[test]
 fn residual_add_rms_norm_fuses_and_both_outputs_are_right() {
-    let mut rng = Rng(2);
+    let mut rng = Rng::new(2);
     let mut g = Graph::new();
     let x = g.input("x", DType::F32, &[4, 32]);
     let r = g.input("residual", DType::F32, &[4, 32]);
-    let nw = g.param("norm.weight", rng.tensor(&[32], 0.5, 1.5));
+    let nw = g.param("norm.weight", tensor(&mut rng, &[32], 0.5, 1.5));
     let s = g.op("residual_add", Op::Add, &[x, r]).unwrap();
     let y = g.op("norm", Op::RmsNorm { eps: 1e-5 }, &[s, nw]).unwrap();
     g.output(y).unwrap();
     g.output(s).unwrap();
 
-    let xt = rng.tensor(&[4, 32], -3.0, 3.0);
-    let rt = rng.tensor(&[4, 32], -3.0, 3.0);
+    let xt = tensor(&mut rng, &[4, 32], -3.0, 3.0);
+    let rt = tensor(&mut rng, &[4, 32], -3.0, 3.0);
     let inputs = [xt.clone(), rt.clone()];
     let plans = check_all_levels(&g, &inputs);
     let sum: Vec<f32> = xt
@@ -249,7 +226,7 @@ fn attention_graph(rng: &mut Rng) -> Graph {
     let k = g.input("k", DType::F32, &[1, 7, 32]);
     let v = g.input("v", DType::F32, &[1, 7, 32]);
     let mask = g.input("mask", DType::F32, &[5, 7]);
-    let wq = g.param("q_proj", rng.tensor(&[64, 32], -0.3, 0.3));
+    let wq = g.param("q_proj", tensor(rng, &[64, 32], -0.3, 0.3));
     let q = g
         .op("q_proj", Op::Linear { bias: false }, &[x, wq])
         .unwrap();
@@ -261,9 +238,9 @@ fn attention_graph(rng: &mut Rng) -> Graph {
 /// Inputs of [`attention_graph`] for `s` queries and `t` keys; the mask has `-inf`
 /// entries (one query row fully masked) and finite biases elsewhere.
 fn attention_inputs(rng: &mut Rng, s: usize, t: usize) -> Vec<Tensor> {
-    let x = rng.tensor(&[1, s, 32], -1.0, 1.0);
-    let k = rng.tensor(&[1, t, 32], -1.0, 1.0);
-    let v = rng.tensor(&[1, t, 32], -1.0, 1.0);
+    let x = tensor(rng, &[1, s, 32], -1.0, 1.0);
+    let k = tensor(rng, &[1, t, 32], -1.0, 1.0);
+    let v = tensor(rng, &[1, t, 32], -1.0, 1.0);
     let mut mask: Vec<f32> = (0..s * t).map(|_| rng.uniform(-1.0, 0.0)).collect();
     if s > 1 {
         mask[..t].fill(f32::NEG_INFINITY);
@@ -276,7 +253,7 @@ fn attention_inputs(rng: &mut Rng, s: usize, t: usize) -> Vec<Tensor> {
 
 #[test]
 fn attention_with_mask_and_gqa_validates_at_every_level() {
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     let g = attention_graph(&mut rng);
     let inputs = attention_inputs(&mut rng, 5, 7);
     let plans = check_all_levels(&g, &inputs);
@@ -303,7 +280,7 @@ fn attention_with_mask_and_gqa_validates_at_every_level() {
 
 #[test]
 fn executor_reruns_with_new_sequence_lengths() {
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     let g = attention_graph(&mut rng);
     let backend = backend();
     for level in [OptLevel::Conservative, OptLevel::Balanced] {
@@ -326,7 +303,7 @@ fn executor_reruns_with_new_sequence_lengths() {
 
 #[test]
 fn rotary_validates_at_every_level() {
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let mut g = Graph::new();
     let x = g.input("x", DType::F32, &[2, 5, 32]);
     let pos = g.input("positions", DType::I64, &[5]);
@@ -341,7 +318,7 @@ fn rotary_validates_at_every_level() {
         )
         .unwrap();
     g.output(y).unwrap();
-    let xt = rng.tensor(&[2, 5, 32], -2.0, 2.0);
+    let xt = tensor(&mut rng, &[2, 5, 32], -2.0, 2.0);
     let positions = Tensor::from_vec(vec![3i64, 4, 5, 6, 1000], &[5]).unwrap();
     let plans = check_all_levels(&g, &[xt.clone(), positions]);
     assert_eq!(kernels(&plans[0]), ["cpu.rotary"]);
@@ -372,7 +349,7 @@ fn rotary_validates_at_every_level() {
 fn embedding_graph(rng: &mut Rng) -> Graph {
     let mut g = Graph::new();
     let ids = g.input("ids", DType::I64, &[2, 3]);
-    let table = g.param("embed", rng.tensor(&[10, 8], -1.0, 1.0));
+    let table = g.param("embed", tensor(rng, &[10, 8], -1.0, 1.0));
     let e = g.op("embed", Op::Embedding, &[ids, table]).unwrap();
     g.output(e).unwrap();
     g
@@ -380,7 +357,7 @@ fn embedding_graph(rng: &mut Rng) -> Graph {
 
 #[test]
 fn embedding_out_of_range_is_a_typed_error() {
-    let mut rng = Rng(6);
+    let mut rng = Rng::new(6);
     let g = embedding_graph(&mut rng);
     let good = Tensor::from_vec(vec![0i64, 9, 3, 3, 1, 2], &[2, 3]).unwrap();
     let plans = check_all_levels(&g, std::slice::from_ref(&good));
@@ -419,13 +396,13 @@ fn embedding_out_of_range_is_a_typed_error() {
 
 #[test]
 fn quantize_dequantize_round_trips() {
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     for (dtype, max_stored) in [
         (DType::F8E4M3, 448.0f32),
         (DType::F8E5M2, 57344.0),
         (DType::I8, 127.0),
     ] {
-        let x = rng.tensor(&[4, 32], -3.0, 3.0);
+        let x = tensor(&mut rng, &[4, 32], -3.0, 3.0);
         let amax = x
             .as_slice::<f32>()
             .unwrap()
@@ -479,7 +456,7 @@ fn quantize_dequantize_round_trips() {
 
 #[test]
 fn concat_along_every_axis() {
-    let mut rng = Rng(8);
+    let mut rng = Rng::new(8);
     for axis in 0..3 {
         let mut b_shape = [2, 3, 4];
         b_shape[axis] = 5;
@@ -488,8 +465,8 @@ fn concat_along_every_axis() {
         let b = g.input("b", DType::F32, &b_shape);
         let c = g.op("cat", Op::Concat { axis }, &[a, b]).unwrap();
         g.output(c).unwrap();
-        let at = rng.tensor(&[2, 3, 4], -1.0, 1.0);
-        let bt = rng.tensor(&b_shape, -1.0, 1.0);
+        let at = tensor(&mut rng, &[2, 3, 4], -1.0, 1.0);
+        let bt = tensor(&mut rng, &b_shape, -1.0, 1.0);
         let plans = check_all_levels(&g, &[at.clone(), bt.clone()]);
         assert_eq!(kernels(&plans[0]), ["cpu.concat"]);
         let backend = backend();
@@ -549,7 +526,7 @@ fn concat_of_a_growing_cache_with_i64() {
 
 #[test]
 fn wrong_inputs_are_invalid_arguments() {
-    let mut rng = Rng(9);
+    let mut rng = Rng::new(9);
     let g = mlp_graph(&mut rng);
     let backend = backend();
     let mut exec = Executor::new(optimize(&g, OptLevel::Conservative, &backend), backend).unwrap();
@@ -581,7 +558,7 @@ fn wrong_inputs_are_invalid_arguments() {
     assert!(matches!(err, KptError::Shape { .. }), "{err:?}");
     assert!(err.to_string().contains("fc"), "{err}");
     // And the executor still works with a valid input of another row count.
-    let x = rng.tensor(&[7, 16], -1.0, 1.0);
+    let x = tensor(&mut rng, &[7, 16], -1.0, 1.0);
     let got = exec.run(std::slice::from_ref(&x)).unwrap();
     let want = run_reference(&g, &CpuReference, &[x]).unwrap();
     assert!(rel_err(&got[0], &want[0]) < 1e-5);
@@ -589,7 +566,7 @@ fn wrong_inputs_are_invalid_arguments() {
 
 #[test]
 fn memory_is_released_when_the_executor_is_dropped() {
-    let mut rng = Rng(10);
+    let mut rng = Rng::new(10);
     let g = mlp_graph(&mut rng);
     let cpu = Arc::new(CpuBackend::new().unwrap());
     let backend: Arc<dyn Backend> = cpu.clone();
@@ -606,7 +583,7 @@ fn memory_is_released_when_the_executor_is_dropped() {
         (24 * 16 + 24) * 4,
         "the parameters are uploaded once"
     );
-    exec.run(&[rng.tensor(&[3, 16], -1.0, 1.0)]).unwrap();
+    exec.run(&[tensor(&mut rng, &[3, 16], -1.0, 1.0)]).unwrap();
     let after_run = backend.memory_stats();
     assert!(after_run.allocated_bytes > params, "{after_run:?}");
     assert!(
@@ -614,7 +591,7 @@ fn memory_is_released_when_the_executor_is_dropped() {
         "the input was live: {after_run:?}"
     );
     // A second run of the same shape allocates nothing new.
-    exec.run(&[rng.tensor(&[3, 16], -1.0, 1.0)]).unwrap();
+    exec.run(&[tensor(&mut rng, &[3, 16], -1.0, 1.0)]).unwrap();
     assert_eq!(
         backend.memory_stats().allocated_bytes,
         after_run.allocated_bytes
@@ -665,7 +642,7 @@ fn the_memory_plan_reuses_buffers_in_a_chain() {
         report.changes
     );
 
-    let x = Rng(11).tensor(&[16, 64], -3.0, 3.0);
+    let x = tensor(&mut Rng::new(11), &[16, 64], -3.0, 3.0);
     let mut exec = Executor::new(plan, backend).unwrap();
     let report =
         validate_plan(&mut exec, &g, &CpuReference, std::slice::from_ref(&x), 1.0).unwrap();
@@ -743,7 +720,7 @@ fn execute_rejects_kernels_of_other_backends() {
 
 #[test]
 fn a_plan_for_another_backend_is_refused() {
-    let mut rng = Rng(12);
+    let mut rng = Rng::new(12);
     let g = mlp_graph(&mut rng);
     let backend = backend();
     let mut plan = optimize(&g, OptLevel::Conservative, &backend);
@@ -841,10 +818,10 @@ fn int8_concat_keeps_values_and_scale() {
 #[test]
 
 fn tied_embedding_and_output_weights() {
-    let mut rng = Rng(13);
+    let mut rng = Rng::new(13);
     let mut g = Graph::new();
     let ids = g.input("ids", DType::I64, &[1, 3]);
-    let table = g.param("embed", rng.tensor(&[10, 8], -1.0, 1.0));
+    let table = g.param("embed", tensor(&mut rng, &[10, 8], -1.0, 1.0));
     let h = g.op("embed", Op::Embedding, &[ids, table]).unwrap();
     let logits = g
         .op("lm_head", Op::Linear { bias: false }, &[h, table])
@@ -861,16 +838,19 @@ fn bf16_graphs_validate() {
     let b = g.input("b", DType::BF16, &[2, 4, 5]);
     let y = g.op("mm", Op::MatMul, &[a, b]).unwrap();
     g.output(y).unwrap();
-    let a = Rng(14)
-        .tensor(&[2, 3, 4], -1.0, 1.0)
+    let a = tensor(&mut Rng::new(14), &[2, 3, 4], -1.0, 1.0)
         .to_dtype(DType::BF16)
         .unwrap();
-    let b = Rng(15)
-        .tensor(&[2, 4, 5], -1.0, 1.0)
+    let b = tensor(&mut Rng::new(15), &[2, 4, 5], -1.0, 1.0)
         .to_dtype(DType::BF16)
         .unwrap();
     let backend = backend();
     let mut exec = Executor::new(optimize(&g, OptLevel::Conservative, &backend), backend).unwrap();
     let report = validate_plan(&mut exec, &g, &CpuReference, &[a, b], 1.0).unwrap();
     assert!(report.passed(), "{report:#?}");
+}
+
+fn tensor(rng: &mut Rng, shape: &[usize], lo: f32, hi: f32) -> Tensor {
+    let v = rng.vec(shape.iter().product(), lo, hi);
+    Tensor::from_vec(v, shape).unwrap()
 }

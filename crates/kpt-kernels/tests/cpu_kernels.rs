@@ -11,32 +11,7 @@ use kpt_kernels::cpu::{self, reference as r, tolerance, Act, AttentionShape, Wei
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
-/// Deterministic generator (splitmix64), seeded by proptest.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[lo, hi)`.
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-
-    fn vec(&mut self, len: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..len).map(|_| self.uniform(lo, hi)).collect()
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
+use kpt_core::rand::SplitMix64 as Rng;
 
 fn f64s(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64).collect()
@@ -187,7 +162,7 @@ fn check_linear(
     with_bias: bool,
     act: Option<Act>,
 ) -> Result<(), TestCaseError> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let x = rng.vec(m * k, -1.0, 1.0);
     let w = rng.vec(n * k, -1.0, 1.0);
     let bias = rng.vec(n, -1.0, 1.0);
@@ -226,7 +201,7 @@ fn check_attention(
     block_q: usize,
     block_kv: usize,
 ) -> Result<(), TestCaseError> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let q = rng.vec(shape.q_len(), -1.0, 1.0);
     let k = rng.vec(shape.kv_len(), -1.0, 1.0);
     let v = rng.vec(shape.kv_len(), -1.0, 1.0);
@@ -258,6 +233,29 @@ fn check_attention(
         &f64s(&got),
         &want,
         tolerance(DType::F32, shape.seq_kv + shape.head_dim),
+    )?;
+
+    // bf16 storage: the reference sees the same (bf16-rounded) operands.
+    let to16 = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    let to64 = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
+    let (q16, k16, v16) = (to16(&q), to16(&k), to16(&v));
+    r::attention(
+        &to64(&q16),
+        &to64(&k16),
+        &to64(&v16),
+        mask.map(f64s).as_deref(),
+        &mut want,
+        &shape,
+    )
+    .map_err(fail)?;
+    let mut got = vec![bf16::NAN; shape.q_len()];
+    cpu::attention_bf16(&q16, &k16, &v16, mask, &mut got, &shape, block_q, block_kv)
+        .map_err(fail)?;
+    check_close(
+        &format!("attention_bf16 {shape:?} mask={with_mask} blocks {block_q}x{block_kv}"),
+        &to64(&got),
+        &want,
+        tolerance(DType::BF16, shape.seq_kv + shape.head_dim),
     )
 }
 
@@ -280,7 +278,7 @@ proptest! {
     fn matmul_matches_reference(
         m in 1usize..=37, k in 1usize..=70, n in 1usize..=45, seed in any::<u64>(),
     ) {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let a = rng.vec(m * k, -1.0, 1.0);
         let b = rng.vec(k * n, -1.0, 1.0);
         let mut want = vec![0f64; m * n];
@@ -324,7 +322,7 @@ proptest! {
 
     #[test]
     fn norms_match_reference(rows in 1usize..=9, dim in 1usize..=300, seed in any::<u64>()) {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let x = rng.vec(rows * dim, -2.0, 2.0);
         let res = rng.vec(rows * dim, -2.0, 2.0);
         let w = rng.vec(dim, -1.5, 1.5);
@@ -356,7 +354,7 @@ proptest! {
         batch in 1usize..=2, seq in 1usize..=9, heads in 1usize..=3,
         head_dim in prop::sample::select(vec![2usize, 8, 16, 64]), seed in any::<u64>(),
     ) {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let x = rng.vec(batch * seq * heads * head_dim, -1.0, 1.0);
         let positions: Vec<i64> = (0..seq).map(|_| rng.below(4096) as i64).collect();
         let mut want = vec![0f64; x.len()];
@@ -369,7 +367,7 @@ proptest! {
 
     #[test]
     fn softmax_matches_reference(rows in 1usize..=9, dim in 1usize..=300, seed in any::<u64>()) {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let x: Vec<f32> = (0..rows * dim)
             .map(|_| if rng.below(16) == 0 { f32::NEG_INFINITY } else { rng.uniform(-20.0, 20.0) })
             .collect();
@@ -384,7 +382,7 @@ proptest! {
     fn elementwise_matches_reference(
         rows in 1usize..=20, cols in 1usize..=70, seed in any::<u64>(),
     ) {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let a = rng.vec(rows * cols, -8.0, 8.0);
         let b = rng.vec(cols, -2.0, 2.0);
         let tol = tolerance(DType::F32, 1);
@@ -415,7 +413,7 @@ proptest! {
     fn quantize_matches_reference_and_error_is_bounded(
         len in 1usize..=500, seed in any::<u64>(), range in 0.01f32..100.0,
     ) {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let x = rng.vec(len, -range, range);
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         for dtype in [DType::F8E4M3, DType::F8E5M2, DType::I8] {
@@ -517,7 +515,7 @@ fn attention_large() {
 
 #[test]
 fn large_elementwise_and_norms_run_in_parallel() {
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let (rows, dim) = (300, 1024);
     let x = rng.vec(rows * dim, -4.0, 4.0);
     let w = rng.vec(dim, -1.0, 1.0);
@@ -827,7 +825,7 @@ fn timing_report() {
             })
             .fold(f64::INFINITY, f64::min)
     }
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     let (k, n) = (4096, 4096);
     let x = rng.vec(k, -1.0, 1.0);
     let w = rng.vec(n * k, -1.0, 1.0);

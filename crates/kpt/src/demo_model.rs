@@ -2,6 +2,7 @@
 //! lowered to kpt's graph IR; the model behind `kpt demo` and `kpt validate`.
 
 use kpt_core::graph::{Activation, AttentionParams, Graph, Op, ValueId};
+use kpt_core::rand::SplitMix64;
 use kpt_core::{DType, KptError, Result, Tensor};
 
 /// Sizes of the demo transformer.
@@ -76,23 +77,9 @@ impl DemoConfig {
     }
 }
 
-/// A splitmix64 stream: deterministic weights without a dependency.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next_f64(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Deterministic weights, uniform in `±sqrt(3/fan_in)` (unit variance outputs).
 pub fn random_tensor(shape: &[usize], fan_in: usize, seed: u64) -> Result<Tensor> {
-    let mut rng = SplitMix(seed);
+    let mut rng = SplitMix64::new(seed);
     let bound = (3.0 / fan_in.max(1) as f64).sqrt();
     let data: Vec<f32> = (0..shape.iter().product::<usize>())
         .map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32)

@@ -7,16 +7,23 @@
 //! by `exp(m_old - m_new)`), so only a `block_q × block_kv` score tile ever exists. Key
 //! blocks that causality masks for every query of the task are never visited.
 //!
-//! Before the tasks start, K is repacked per (batch, kv head) as `Kᵀ [head_dim, seq_kv]`
-//! and V as `[seq_kv, head_dim]`, both zero-padded (keys to 16, head_dim to 8), so that
-//! the two micro-kernels (`Q·Kᵀ`: 4 queries × 16 keys, `P·V`: 4 queries × 16 dims, 8
-//! independent FMA accumulators each) run on full vectors without edge cases.
+//! Before the tasks start, K and V are repacked per (batch, kv head) into 16-wide panels,
+//! as a GEMM packs its operands: K as `[seq_kv / 16][head_dim][16]` (16 keys side by side
+//! for each dimension) and V as `[head_dim / 16][seq_kv][16]` (16 dimensions for each
+//! key), zero-padded (keys and head_dim to multiples of 16). Each micro-kernel
+//! (`Q·Kᵀ`: 4 queries × 16 keys, `P·V`: 4 queries × 16 dims, 8 independent FMA
+//! accumulators) then streams one contiguous panel. (A plain `Kᵀ [head_dim, seq_kv]`
+//! layout strides by `seq_kv` floats, a power of two for usual lengths, and thrashes
+//! the L1 sets: attention ran at half the speed.)
 
+use std::borrow::Cow;
+
+use half::bf16;
 use kpt_core::{KptError, Result};
 
 use super::par::for_each_row;
 use super::shapes::AttentionShape;
-use super::simd::{dispatch, exp_f32, fmadd, hsum};
+use super::simd::{dispatch, exp_f32, fmadd, hsum, Decode, Encode};
 use super::softmax::max16;
 
 /// A good default query block (rows per task).
@@ -33,9 +40,9 @@ const QR: usize = 4;
 struct Ctx<'a> {
     s: AttentionShape,
     q: &'a [f32],
-    /// `Kᵀ` per (batch, kv head): `[head_dim, skv_pad]`.
-    kt: &'a [f32],
-    /// V per (batch, kv head): `[skv_pad, d_pad]`.
+    /// K panels per (batch, kv head): `[skv_pad / 16][head_dim][16]`.
+    kp: &'a [f32],
+    /// V panels per (batch, kv head): `[d_pad / 16][skv_pad][16]`.
     vp: &'a [f32],
     mask: Option<&'a [f32]>,
     scale: f32,
@@ -49,24 +56,16 @@ struct Ctx<'a> {
     d_pad: usize,
 }
 
-/// Scores of 4 query rows (`q`, `[4, d]`) against keys `c0..c0+16` of `kt` (`[d, kts]`).
+/// Scores of 4 query rows (`q`, `[4, d]`) against the 16 keys of one K panel
+/// (`kp`, `[d][16]`).
 #[inline(always)]
-fn qk_4x16<const FMA: bool>(
-    q: &[f32],
-    kt: &[f32],
-    kts: usize,
-    c0: usize,
-    d: usize,
-) -> [[f32; KC]; QR] {
+fn qk_4x16<const FMA: bool>(q: &[f32], kp: &[f32], d: usize) -> [[f32; KC]; QR] {
     let mut acc = [[0f32; KC]; QR];
     let (q01, q23) = q.split_at(2 * d);
     let (q0, q1) = q01.split_at(d);
     let (q2, q3) = q23.split_at(d);
-    let rows = kt[c0..].chunks(kts.max(1)).zip(q0).zip(q1).zip(q2).zip(q3);
-    for ((((krow, &a), &b), &c), &e) in rows {
-        let Some(kr) = krow.first_chunk::<KC>() else {
-            break;
-        };
+    let rows = kp.chunks_exact(KC).zip(q0).zip(q1).zip(q2).zip(q3);
+    for ((((kr, &a), &b), &c), &e) in rows {
         let qv = [a, b, c, e];
         for r in 0..QR {
             for j in 0..KC {
@@ -77,47 +76,29 @@ fn qk_4x16<const FMA: bool>(
     acc
 }
 
-/// `o[r, d0..d0+W] += Σ_c p[r, c] · vp[j0 + c, d0..d0+W]` for 4 rows `r` (`p` rows are
-/// `ps` apart, `o` and `vp` rows `dp` apart).
+/// `o[r, 0..16] += Σ_c p[r, c] · vp[c, 0..16]` for 4 rows `r` over `nk` keys (`p` rows
+/// are `ps` apart, `o` rows `dp` apart; `vp` is a V panel from the block's first key).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn pv_4xw<const FMA: bool, const W: usize>(
-    p: &[f32],
-    ps: usize,
-    vp: &[f32],
-    dp: usize,
-    j0: usize,
-    nk: usize,
-    d0: usize,
-    o: &mut [f32],
-) {
-    let mut acc = [[0f32; W]; QR];
+fn pv_4x16<const FMA: bool>(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
+    let mut acc = [[0f32; KC]; QR];
     for (r, a) in acc.iter_mut().enumerate() {
-        a.copy_from_slice(&o[r * dp + d0..r * dp + d0 + W]);
+        a.copy_from_slice(&o[r * dp..r * dp + KC]);
     }
     let p0 = &p[..nk];
     let p1 = &p[ps..ps + nk];
     let p2 = &p[2 * ps..2 * ps + nk];
     let p3 = &p[3 * ps..3 * ps + nk];
-    let rows = vp[j0 * dp + d0..]
-        .chunks(dp)
-        .zip(p0)
-        .zip(p1)
-        .zip(p2)
-        .zip(p3);
-    for ((((vrow, &a), &b), &c), &e) in rows {
-        let Some(vr) = vrow.first_chunk::<W>() else {
-            break;
-        };
+    let rows = vp.chunks_exact(KC).zip(p0).zip(p1).zip(p2).zip(p3);
+    for ((((vr, &a), &b), &c), &e) in rows {
         let pv = [a, b, c, e];
         for r in 0..QR {
-            for j in 0..W {
+            for j in 0..KC {
                 acc[r][j] = fmadd::<FMA>(pv[r], vr[j], acc[r][j]);
             }
         }
     }
     for (r, a) in acc.iter().enumerate() {
-        o[r * dp + d0..r * dp + d0 + W].copy_from_slice(a);
+        o[r * dp..r * dp + KC].copy_from_slice(a);
     }
 }
 
@@ -172,7 +153,7 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
     let mut l_run = vec![0f32; rows];
 
     let bg = b * s.num_kv_heads + g;
-    let kt = &c.kt[bg * d * c.skv_pad..(bg + 1) * d * c.skv_pad];
+    let kp = &c.kp[bg * d * c.skv_pad..(bg + 1) * d * c.skv_pad];
     let vp = &c.vp[bg * c.skv_pad * dp..(bg + 1) * c.skv_pad * dp];
     // Keys visible to the last (most permissive) query of the task.
     let kv_end = s
@@ -186,7 +167,8 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
         // S = Q·Kᵀ for the tile.
         for r0 in (0..rows_pad).step_by(QR) {
             for c0 in (0..nk).step_by(KC) {
-                let acc = qk_4x16::<FMA>(&qt[r0 * d..(r0 + QR) * d], kt, c.skv_pad, j0 + c0, d);
+                let panel = &kp[(j0 + c0) * d..(j0 + c0 + KC) * d];
+                let acc = qk_4x16::<FMA>(&qt[r0 * d..(r0 + QR) * d], panel, d);
                 for (r, a) in acc.iter().enumerate() {
                     st[(r0 + r) * bkv + c0..(r0 + r) * bkv + c0 + KC].copy_from_slice(a);
                 }
@@ -227,13 +209,9 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
         for r0 in (0..rows_pad).step_by(QR) {
             let p = &st[r0 * bkv..];
             let orows = &mut o[r0 * dp..(r0 + QR) * dp];
-            let mut d0 = 0;
-            while d0 + 16 <= dp {
-                pv_4xw::<FMA, 16>(p, bkv, vp, dp, j0, nk, d0, orows);
-                d0 += 16;
-            }
-            if d0 < dp {
-                pv_4xw::<FMA, 8>(p, bkv, vp, dp, j0, nk, d0, orows);
+            for d0 in (0..dp).step_by(KC) {
+                let panel = &vp[(d0 * c.skv_pad + j0 * KC)..];
+                pv_4x16::<FMA>(p, bkv, panel, nk, dp, &mut orows[d0..]);
             }
         }
         j0 += nk;
@@ -253,7 +231,7 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
 
 dispatch!(fn task_d(c: &Ctx<'_>, t: usize, out: &mut [f32]) => task);
 
-/// Blocked flash attention (see the module docs); `block_q` queries per task, keys in
+/// Blocked ("flash") attention (see the module docs); `block_q` queries per task, keys in
 /// blocks of `block_kv` (rounded up to 16). Same results as the reference up to f32
 /// rounding. Errors on any length mismatch, a head count that does not group, or a
 /// zero block size.
@@ -264,6 +242,37 @@ pub fn attention(
     v: &[f32],
     mask: Option<&[f32]>,
     out: &mut [f32],
+    shape: &AttentionShape,
+    block_q: usize,
+    block_kv: usize,
+) -> Result<()> {
+    attention_impl(q, k, v, mask, out, shape, block_q, block_kv)
+}
+
+/// [`attention`] on bf16 `q`, `k`, `v` and `out` (the mask stays f32): the operands are
+/// widened to f32 while they are repacked, everything is computed in f32, and each output
+/// is rounded once (to nearest even) to bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bf16(
+    q: &[bf16],
+    k: &[bf16],
+    v: &[bf16],
+    mask: Option<&[f32]>,
+    out: &mut [bf16],
+    shape: &AttentionShape,
+    block_q: usize,
+    block_kv: usize,
+) -> Result<()> {
+    attention_impl(q, k, v, mask, out, shape, block_q, block_kv)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_impl<T: Decode + Encode>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: Option<&[f32]>,
+    out: &mut [T],
     shape: &AttentionShape,
     block_q: usize,
     block_kv: usize,
@@ -287,20 +296,36 @@ pub fn attention(
         return Ok(());
     }
     let skv_pad = s.seq_kv.next_multiple_of(KC);
-    let d_pad = d.next_multiple_of(8);
+    let d_pad = d.next_multiple_of(KC);
     let groups = s.batch * s.num_kv_heads;
     let kv_row = s.kv_row();
 
-    // Repack K as Kᵀ and V with padded rows, per (batch, kv head).
-    let mut kt = vec![0f32; groups * d * skv_pad];
+    // Queries as f32 (borrowed when they already are).
+    let q32: Cow<'_, [f32]> = match T::as_f32(q) {
+        Some(q) => Cow::Borrowed(q),
+        None => {
+            let mut w = vec![0f32; q.len()];
+            let row = s.q_row().max(1);
+            for_each_row(&mut w, row, row, |r, dst| {
+                for (o, &x) in dst.iter_mut().zip(&q[r * row..]) {
+                    *o = x.decode();
+                }
+            });
+            Cow::Owned(w)
+        }
+    };
+
+    // Pack K and V into 16-wide panels per (batch, kv head), widened to f32.
+    let mut kp = vec![0f32; groups * d * skv_pad];
     let mut vp = vec![0f32; groups * skv_pad * d_pad];
     let cost = s.seq_kv * d;
-    for_each_row(&mut kt, d * skv_pad, cost, |bg, dst| {
+    for_each_row(&mut kp, d * skv_pad, cost, |bg, dst| {
         let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
         for j in 0..s.seq_kv {
             let src = &k[(b * s.seq_kv + j) * kv_row + g * d..][..d];
+            let panel = &mut dst[(j / KC) * KC * d..][..KC * d];
             for (p, &x) in src.iter().enumerate() {
-                dst[p * skv_pad + j] = x;
+                panel[p * KC + j % KC] = x.decode();
             }
         }
     });
@@ -308,7 +333,9 @@ pub fn attention(
         let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
         for j in 0..s.seq_kv {
             let src = &v[(b * s.seq_kv + j) * kv_row + g * d..][..d];
-            dst[j * d_pad..j * d_pad + d].copy_from_slice(src);
+            for (p, &x) in src.iter().enumerate() {
+                dst[((p / KC) * skv_pad + j) * KC + p % KC] = x.decode();
+            }
         }
     });
 
@@ -316,8 +343,8 @@ pub fn attention(
     let nqb = s.seq_q.div_ceil(bq);
     let ctx = Ctx {
         s,
-        q,
-        kt: &kt,
+        q: &q32,
+        kp: &kp,
         vp: &vp,
         mask,
         scale: s.scale as f32,
@@ -335,13 +362,15 @@ pub fn attention(
         .saturating_mul(4);
     for_each_row(&mut out_t, bq * d, task_cost, |t, o| task_d(&ctx, t, o));
 
-    // Scatter into [batch, seq_q, heads * head_dim].
+    // Scatter into [batch, seq_q, heads * head_dim], rounding to the output dtype.
     let q_row = s.q_row();
     for_each_row(out, q_row, q_row, |bi, row| {
         let (b, i) = (bi / s.seq_q, bi % s.seq_q);
         for h in 0..s.num_heads {
             let src = &out_t[((b * s.num_heads + h) * nqb * bq + i) * d..][..d];
-            row[h * d..(h + 1) * d].copy_from_slice(src);
+            for (o, &x) in row[h * d..(h + 1) * d].iter_mut().zip(src) {
+                *o = T::encode(x);
+            }
         }
     });
     Ok(())

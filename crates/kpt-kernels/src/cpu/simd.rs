@@ -200,6 +200,26 @@ impl Decode for i8 {
     }
 }
 
+/// A stored element type that f32 results are rounded to (to nearest even).
+pub(crate) trait Encode: Copy + Send + Sync {
+    /// `x` rounded to the type.
+    fn encode(x: f32) -> Self;
+}
+
+impl Encode for f32 {
+    #[inline(always)]
+    fn encode(x: f32) -> Self {
+        x
+    }
+}
+
+impl Encode for half::bf16 {
+    #[inline(always)]
+    fn encode(x: f32) -> Self {
+        half::bf16::from_bits(f32_to_bf16_bits(x))
+    }
+}
+
 /// FP8 E4M3 bits (`bytemuck::cast_slice` turns `&[u8]` into `&[E4M3]`).
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 #[repr(transparent)]

@@ -1,0 +1,298 @@
+//! `kpt-bench-cpu`: kpt's CPU kernels side by side with PyTorch on the CPU, in one run.
+//!
+//! For every case the kpt kernel and the PyTorch equivalent run in the same process tree
+//! on the same cores, with the same number of threads, timed the same way (a clock
+//! around each call, warm-up first, median of the calls), alternating kpt and torch in
+//! two rounds so that drift hits both. kpt's output is checked against the f64 reference
+//! before it is timed. The report (JSON, Markdown, SVG) follows docs/reports' schema.
+//! `cargo xtask bench-cpu` installs PyTorch and runs this binary.
+
+mod cases;
+mod torch;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use kpt::demo::{run_demo, DemoOptions};
+use kpt::Runtime;
+use kpt_core::hardware::cpu_info;
+use kpt_core::{KptConfig, OptLevel};
+use kpt_monitor::{Machine, Report, Row};
+
+use cases::{Case, Workload};
+use torch::TorchWorker;
+
+#[derive(Parser, Debug)]
+#[command(about = "kpt CPU kernels vs PyTorch on the same machine, same run")]
+struct Args {
+    /// Python interpreter with torch installed.
+    #[arg(long, default_value = "python3")]
+    python: PathBuf,
+    /// The PyTorch worker script.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/torch_cpu.py"))]
+    script: PathBuf,
+    /// Skip PyTorch (kpt timings and accuracy only; rows are marked not compared).
+    #[arg(long)]
+    no_torch: bool,
+    /// Where the report goes.
+    #[arg(long, default_value = "docs/reports")]
+    out: PathBuf,
+    /// Report name (files are NAME-latest.json etc.).
+    #[arg(long, default_value = "cpu")]
+    name: String,
+    /// Small shapes: a fast smoke test of the harness, not a benchmark.
+    #[arg(long)]
+    quick: bool,
+    /// Only cases whose name contains this.
+    #[arg(long)]
+    filter: Option<String>,
+    /// Seconds of timed calls per side and round.
+    #[arg(long, default_value_t = 1.0)]
+    budget_s: f64,
+    /// Skip the demo row (conservative vs balanced per-token latency).
+    #[arg(long)]
+    no_demo: bool,
+    /// The command recorded in the report.
+    #[arg(long, default_value = "cargo xtask bench-cpu")]
+    command: String,
+}
+
+/// Seed of every case's random inputs.
+const SEED: u64 = 0x6b70;
+
+/// Timing loop parameters shared by both sides.
+#[derive(Clone, Copy)]
+struct Timing {
+    warmup: usize,
+    min_reps: usize,
+    max_reps: usize,
+    budget_s: f64,
+}
+
+impl Timing {
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({"warmup": self.warmup, "min_reps": self.min_reps,
+                           "max_reps": self.max_reps, "budget_s": self.budget_s})
+    }
+
+    /// The same loop as `time_calls` in torch_cpu.py.
+    fn time(&self, w: &mut dyn Workload) -> Result<Vec<f64>> {
+        for _ in 0..self.warmup {
+            w.run()?;
+        }
+        let mut times = Vec::new();
+        let start = Instant::now();
+        while times.len() < self.max_reps
+            && (times.len() < self.min_reps || start.elapsed().as_secs_f64() < self.budget_s)
+        {
+            let t0 = Instant::now();
+            w.run()?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        Ok(times)
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+fn git_commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Runs one case on both sides and makes its report row.
+fn run_case(
+    case: &Case,
+    torch: Option<&mut TorchWorker>,
+    timing: Timing,
+    pb: &ProgressBar,
+) -> Result<Row> {
+    let (metric, work) = case.metric();
+    let rate = |secs: f64| work / secs / 1e9;
+    pb.set_message(format!("{}: checking", case.name));
+    let mut w = case.prepare(SEED);
+    w.run()?;
+    let check = w.check()?;
+    let Some(torch) = torch else {
+        pb.set_message(format!("{}: kpt", case.name));
+        let kpt = median(&timing.time(w.as_mut())?);
+        return Ok(Row::absolute(&case.name, metric, true, rate(kpt))
+            .with_max_abs_err(check.max_abs_err)
+            .with_note("PyTorch not run (--no-torch)"));
+    };
+    let mut request = case.torch_request();
+    for (k, v) in timing.json().as_object().into_iter().flatten() {
+        request[k] = v.clone();
+    }
+    let mut kpt_times = Vec::new();
+    let mut torch_times: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    for round in 1..=2 {
+        pb.set_message(format!("{}: kpt (round {round})", case.name));
+        kpt_times.extend(timing.time(w.as_mut())?);
+        pb.set_message(format!("{}: torch (round {round})", case.name));
+        for (name, t) in torch.time(&request)? {
+            torch_times.entry(name).or_default().extend(t);
+        }
+    }
+    // The strongest PyTorch variant is the baseline; the others go into the notes.
+    let medians: Vec<(String, f64)> = torch_times
+        .iter()
+        .map(|(n, t)| (n.clone(), median(t)))
+        .collect();
+    let (best_name, best) = medians
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .cloned()
+        .context("the PyTorch worker timed nothing")?;
+    let kpt = median(&kpt_times);
+    let mut row = Row::compared(&case.name, metric, true, rate(kpt), rate(best), best_name)
+        .with_target_ratio(case.target_ratio)
+        .with_max_abs_err(check.max_abs_err);
+    row = row.with_note(format!(
+        "median of {} kpt / {} torch calls: {:.3} / {:.3} ms",
+        kpt_times.len(),
+        torch_times.values().map(Vec::len).max().unwrap_or(0),
+        kpt * 1e3,
+        best * 1e3
+    ));
+    for (name, t) in medians.iter().filter(|(_, t)| *t != best) {
+        row = row.with_note(format!("{name}: {:.3} ms", t * 1e3));
+    }
+    if check.failures > 0 {
+        row = row.with_note(format!(
+            "ACCURACY: {} of {} checked outputs outside tolerance",
+            check.failures, check.compared
+        ));
+        row.met = false;
+    }
+    Ok(row)
+}
+
+/// Per-token decode latency of the demo model, conservative vs balanced.
+fn demo_row(pb: &ProgressBar) -> Result<Row> {
+    const NAME: &str = "demo_decode_speedup_balanced_vs_conservative";
+    const METRIC: &str = "x (ms/token ratio)";
+    let rt = Runtime::new(KptConfig::default())?;
+    let opts = DemoOptions {
+        levels: vec![OptLevel::Conservative, OptLevel::Balanced],
+        ..DemoOptions::default()
+    };
+    let rows = run_demo(&rt, &opts, |m| pb.set_message(format!("demo: {m}")))?;
+    let ms = |level: OptLevel| {
+        rows.iter()
+            .find(|r| r.level == level.to_string())
+            .map(|r| r.ms_per_token)
+            .with_context(|| format!("demo did not run level {level}"))
+    };
+    let (cons, bal) = (ms(OptLevel::Conservative)?, ms(OptLevel::Balanced)?);
+    let mut row = Row::absolute(NAME, METRIC, true, cons / bal)
+        .with_target(2.0)
+        .with_note(format!(
+            "conservative {cons:.2} ms/token, balanced {bal:.2} ms/token"
+        ));
+    if let Some(bad) = rows.iter().find(|r| !r.passed) {
+        row = row.with_note(format!("VALIDATION FAILED at level {}", bad.level));
+        row.met = false;
+    }
+    Ok(row)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let threads = rayon::current_num_threads();
+    let cpu = cpu_info();
+    let mut torch = if args.no_torch {
+        None
+    } else {
+        Some(TorchWorker::start(&args.python, &args.script, threads)?)
+    };
+    let mut versions = std::collections::BTreeMap::new();
+    versions.insert("kpt".to_string(), env!("CARGO_PKG_VERSION").to_string());
+    if let Some(t) = &torch {
+        let s = |k: &str| t.info[k].as_str().unwrap_or("?").to_string();
+        versions.insert("torch".into(), s("torch_full"));
+        versions.insert("torch_cpu_capability".into(), s("cpu_capability"));
+        versions.insert("torch_threads".into(), t.info["threads"].to_string());
+    }
+    versions.insert("kpt_threads".into(), threads.to_string());
+    let machine = Machine {
+        device: format!(
+            "CPU: {} ({} logical cores)",
+            cpu.model_name, cpu.logical_cores
+        ),
+        driver: None,
+        cpu: format!("{} [{}]", cpu.model_name, cpu.features.names().join(" ")),
+        versions,
+    };
+    let mut report = Report::new(&args.name, &args.command, git_commit(), machine);
+
+    let cases: Vec<Case> = cases::all(args.quick)
+        .into_iter()
+        .filter(|c| {
+            args.filter
+                .as_ref()
+                .is_none_or(|f| c.name.contains(f.as_str()))
+        })
+        .collect();
+    let run_demo_row = !args.no_demo && !args.quick && args.filter.is_none();
+    let pb = ProgressBar::new(cases.len() as u64 + run_demo_row as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}] {msg}")
+            .context("progress template")?,
+    );
+    let timing = Timing {
+        warmup: 2,
+        min_reps: if args.quick { 2 } else { 5 },
+        max_reps: 200,
+        budget_s: if args.quick { 0.01 } else { args.budget_s },
+    };
+    for case in &cases {
+        let row = run_case(case, torch.as_mut(), timing, &pb).unwrap_or_else(|e| {
+            Row::not_run(&case.name, case.metric().0, true, "torch", format!("{e:#}"))
+        });
+        pb.println(format!(
+            "{:<44} {:>10} {}",
+            row.name,
+            row.ratio.map_or("–".into(), |r| format!("{r:.2}x")),
+            row.kpt
+                .map_or("–".into(), |v| format!("{v:.1} {}", row.metric))
+        ));
+        report.rows.push(row);
+        pb.inc(1);
+    }
+    if run_demo_row {
+        let row = demo_row(&pb).unwrap_or_else(|e| {
+            Row::not_run(
+                "demo_decode_speedup_balanced_vs_conservative",
+                "x (ms/token ratio)",
+                true,
+                "kpt conservative level",
+                format!("{e:#}"),
+            )
+        });
+        report.rows.push(row);
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    print!("{}", report.to_markdown());
+    for path in report.write(&args.out)? {
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
