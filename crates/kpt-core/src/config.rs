@@ -316,7 +316,7 @@ impl Default for KernelConfig {
             prefer: Vec::new(),
             disable: Vec::new(),
             attention_block_q: 64,
-            attention_block_kv: 64,
+            attention_block_kv: 256,
         }
     }
 }

@@ -27,8 +27,8 @@ pub struct CpuTuning {
 impl Default for CpuTuning {
     fn default() -> Self {
         Self {
-            block_q: 64,
-            block_kv: 64,
+            block_q: cpu::DEFAULT_BLOCK_Q,
+            block_kv: cpu::DEFAULT_BLOCK_KV,
         }
     }
 }

@@ -48,5 +48,15 @@ mod tests {
         assert_eq!(rfc3339(1_795_435_200), "2026-11-23T12:00:00Z");
         assert_eq!(rfc3339(-1), "1969-12-31T23:59:59Z");
         assert_eq!(rfc3339(4_107_542_399), "2100-02-28T23:59:59Z");
+        assert_eq!(rfc3339(1_735_689_599), "2024-12-31T23:59:59Z");
+        assert_eq!(rfc3339(1_709_164_800), "2024-02-29T00:00:00Z");
+    }
+
+    #[test]
+    fn now_is_rfc3339_utc() {
+        let now = now_rfc3339();
+        assert_eq!(now.len(), 20, "{now}");
+        assert!(now.ends_with('Z') && &now[10..11] == "T", "{now}");
+        assert!(now.as_str() > "2024-01-01T00:00:00Z", "{now}");
     }
 }

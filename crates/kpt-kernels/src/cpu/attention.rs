@@ -29,7 +29,7 @@ use super::softmax::max16;
 /// A good default query block (rows per task).
 pub const DEFAULT_BLOCK_Q: usize = 64;
 /// A good default key block (rounded up to a multiple of 16 internally).
-pub const DEFAULT_BLOCK_KV: usize = 64;
+pub const DEFAULT_BLOCK_KV: usize = 256;
 
 /// Keys per `Q·Kᵀ` micro-kernel call (and key padding).
 const KC: usize = 16;
