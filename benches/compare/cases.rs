@@ -316,12 +316,14 @@ impl Check {
 }
 
 /// An element type of the kpt side's operands.
-trait Elem: Copy + Send + Sync + 'static {
+trait Elem: Copy + Default + Send + Sync + 'static {
+    const DTYPE: DType;
     fn from_f32(x: f32) -> Self;
     fn to_f64(self) -> f64;
 }
 
 impl Elem for f32 {
+    const DTYPE: DType = DType::F32;
     fn from_f32(x: f32) -> Self {
         x
     }
@@ -331,6 +333,7 @@ impl Elem for f32 {
 }
 
 impl Elem for bf16 {
+    const DTYPE: DType = DType::BF16;
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
     }
@@ -374,28 +377,21 @@ struct Gemm<T> {
     out: Vec<T>,
     dims: (usize, usize, usize),
     f: MatmulFn<T>,
-    dtype: DType,
 }
 
-impl<T: Elem + Default> Gemm<T> {
+impl<T: Elem> Gemm<T> {
     fn new(rng: &mut SplitMix64, m: usize, k: usize, n: usize, f: MatmulFn<T>) -> Self {
-        let dtype = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
-            DType::F32
-        } else {
-            DType::BF16
-        };
         Self {
             a: random(rng, m * k, -1.0, 1.0),
             b: random(rng, k * n, -1.0, 1.0),
             out: vec![T::default(); m * n],
             dims: (m, k, n),
             f,
-            dtype,
         }
     }
 }
 
-impl<T: Elem + Default> Workload for Gemm<T> {
+impl<T: Elem> Workload for Gemm<T> {
     fn run(&mut self) -> Result<()> {
         let (m, k, n) = self.dims;
         (self.f)(&self.a, &self.b, &mut self.out, m, k, n)
@@ -409,7 +405,7 @@ impl<T: Elem + Default> Workload for Gemm<T> {
         r::matmul(&a, &f64s(&self.b), &mut want, idx.len(), k, n)?;
         let got = gather_rows(&self.out, n, &idx);
         let mut c = Check::default();
-        let tol = tolerance(self.dtype, k);
+        let tol = tolerance(T::DTYPE, k);
         got.iter().zip(&want).for_each(|(&g, &w)| c.add(g, w, tol));
         Ok(c)
     }
@@ -484,16 +480,10 @@ struct Attention<T> {
     out: Vec<T>,
     shape: AttentionShape,
     f: AttentionFn<T>,
-    dtype: DType,
 }
 
-impl<T: Elem + Default> Attention<T> {
+impl<T: Elem> Attention<T> {
     fn new(rng: &mut SplitMix64, shape: AttentionShape, f: AttentionFn<T>) -> Self {
-        let dtype = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
-            DType::F32
-        } else {
-            DType::BF16
-        };
         Self {
             q: random(rng, shape.q_len(), -1.0, 1.0),
             k: random(rng, shape.kv_len(), -1.0, 1.0),
@@ -501,7 +491,6 @@ impl<T: Elem + Default> Attention<T> {
             out: vec![T::default(); shape.q_len()],
             shape,
             f,
-            dtype,
         }
     }
 
@@ -518,7 +507,7 @@ impl<T: Elem + Default> Attention<T> {
     }
 }
 
-impl<T: Elem + Default> Workload for Attention<T> {
+impl<T: Elem> Workload for Attention<T> {
     fn run(&mut self) -> Result<()> {
         (self.f)(
             &self.q,
@@ -541,7 +530,7 @@ impl<T: Elem + Default> Workload for Attention<T> {
             num_kv_heads: 1,
             ..s
         };
-        let tol = tolerance(self.dtype, s.seq_kv + s.head_dim);
+        let tol = tolerance(T::DTYPE, s.seq_kv + s.head_dim);
         let mut c = Check::default();
         let b = s.batch - 1;
         for h in [0, s.num_heads - 1] {
