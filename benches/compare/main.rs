@@ -20,7 +20,7 @@ use kpt::demo::{run_demo, DemoOptions};
 use kpt::Runtime;
 use kpt_core::hardware::cpu_info;
 use kpt_core::{KptConfig, OptLevel};
-use kpt_monitor::{Machine, Report, Row};
+use kpt_monitor::{median, Machine, Report, Row};
 
 use cases::{Case, Workload};
 use torch::TorchWorker;
@@ -115,16 +115,6 @@ impl Timing {
     }
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
-    }
-}
-
 fn git_commit() -> String {
     std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
@@ -150,7 +140,7 @@ fn run_case(
     let check = w.check()?;
     let Some(torch) = torch else {
         pb.set_message(format!("{}: kpt", case.name));
-        let kpt = median(&timing.time(w.as_mut())?);
+        let kpt = median(&timing.time(w.as_mut())?).unwrap_or(f64::NAN);
         return Ok(Row::absolute(&case.name, metric, true, rate(kpt))
             .with_max_abs_err(check.max_abs_err)
             .with_note("PyTorch not run (--no-torch)"));
@@ -182,14 +172,14 @@ fn run_case(
     // The strongest PyTorch variant is the baseline; the others go into the notes.
     let medians: Vec<(String, f64)> = torch_times
         .iter()
-        .map(|(n, t)| (n.clone(), median(t)))
+        .map(|(n, t)| (n.clone(), median(t).unwrap_or(f64::NAN)))
         .collect();
     let (best_name, best) = medians
         .iter()
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .cloned()
         .context("the PyTorch worker timed nothing")?;
-    let kpt = median(&kpt_times);
+    let kpt = median(&kpt_times).unwrap_or(f64::NAN);
     let mut row = Row::compared(&case.name, metric, true, rate(kpt), rate(best), best_name)
         .with_target_ratio(case.target_ratio)
         .with_max_abs_err(check.max_abs_err);

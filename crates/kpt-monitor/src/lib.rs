@@ -45,7 +45,9 @@
 
 pub mod plot;
 pub mod report;
+mod stats;
 mod time;
 
 pub use plot::ratio_chart_svg;
 pub use report::{Machine, Report, Row};
+pub use stats::median;

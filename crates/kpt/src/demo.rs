@@ -134,16 +134,6 @@ pub fn generate(
     })
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
-}
-
 /// The prompt: deterministic token ids.
 pub fn demo_prompt(len: usize, vocab: usize) -> Vec<i64> {
     (0..len).map(|i| ((i * 7919 + 13) % vocab) as i64).collect()
@@ -247,7 +237,7 @@ fn row(
         nodes: (original.nodes().len(), graph.nodes().len()),
         weight_bytes: graph.param_bytes(),
         prefill_ms: gen.prefill_ms,
-        ms_per_token: median(&gen.step_ms),
+        ms_per_token: kpt_monitor::median(&gen.step_ms).unwrap_or(0.0),
         worst_op_ratio,
         max_rel_error: reports
             .iter()
