@@ -1,6 +1,8 @@
 //! Dense matrix products `out[m,n] = a[m,k] · b[k,n]` (row-major) through the `gemm` crate.
 //!
-//! f32 calls `gemm` directly. bf16 and f16 inputs are widened to f32 (exact), multiplied
+//! f32 calls `gemm` directly (its AVX-512 kernels where the CPU has them). bf16 runs on
+//! AMX tiles where the CPU and OS offer them (see `amx`). Otherwise bf16 and f16 inputs
+//! are widened to f32 (exact), multiplied
 //! with the f32 kernel (f32 accumulation) and the result is rounded once to the output
 //! dtype: on AVX2 machines `gemm`'s own f16 path does the same conversions internally
 //! and was not faster (see the crate's report), and `gemm` has no bf16 path at all.
@@ -9,7 +11,7 @@ use gemm::Parallelism;
 use half::{bf16, f16};
 use kpt_core::Result;
 
-use super::{check_len, checked_product, elementwise};
+use super::{amx, check_len, checked_product, elementwise};
 
 /// Below this many multiply-adds, `gemm` runs on the calling thread.
 const GEMM_PAR_THRESHOLD: usize = 1 << 16;
@@ -163,6 +165,9 @@ pub fn matmul_bf16(
 ) -> Result<()> {
     const OP: &str = "matmul_bf16";
     check(OP, a.len(), b.len(), out.len(), m, k, n)?;
+    if amx::matmul_bf16(a, b, out, m, k, n) {
+        return Ok(());
+    }
     let mut a32 = vec![0f32; a.len()];
     let mut b32 = vec![0f32; b.len()];
     let mut o32 = vec![0f32; out.len()];

@@ -11,6 +11,7 @@
 //! They run on the current rayon pool and stay on the calling thread when the work is
 //! too small to be worth splitting.
 
+mod amx;
 pub mod attention;
 pub mod elementwise;
 pub mod gemm;

@@ -4,9 +4,26 @@
 //! Everything here is plain safe Rust written so that LLVM vectorizes it (fixed-size
 //! arrays, no data-dependent branches). Generic bodies are `#[inline(always)]` and take a
 //! `const FMA: bool`; [`dispatch!`] instantiates them inside a
-//! `#[target_feature(enable = "avx2,fma")]` wrapper (real 256-bit SIMD and FMA even
-//! though the crate is built for baseline x86-64) and in a portable copy, and picks one
-//! at run time.
+//! `#[target_feature(enable = "avx512f,…")]` wrapper (512-bit SIMD), an `avx2,fma`
+//! wrapper (256-bit SIMD and FMA even though the crate is built for baseline x86-64) and
+//! a portable copy, and picks the best the CPU has at run time.
+
+/// Whether the running CPU has AVX-512 F/BW/VL/DQ (cached by std after the first call).
+#[inline]
+pub(crate) fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+            && has_avx2_fma()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
 
 /// Whether the running CPU has AVX2 and FMA (cached by std after the first call).
 #[inline]
@@ -22,7 +39,8 @@ pub(crate) fn has_avx2_fma() -> bool {
 }
 
 /// Defines `fn $name(args) -> ret` that calls `$body::<true>(args)` compiled with
-/// `avx2,fma` when the CPU has them, and `$body::<false>(args)` otherwise.
+/// AVX-512 (F/BW/VL/DQ) or else `avx2,fma` when the CPU has them, and
+/// `$body::<false>(args)` otherwise.
 macro_rules! dispatch {
     (
         $(#[$meta:meta])*
@@ -32,6 +50,15 @@ macro_rules! dispatch {
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    $body::<true>($($arg),*)
+                }
+                if $crate::cpu::simd::has_avx512() {
+                    // SAFETY: `avx512` is safe code whose only requirement is the target
+                    // features it enables, detected on this CPU just above.
+                    return unsafe { avx512($($arg),*) };
+                }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2_fma($($arg: $ty),*) $(-> $ret)? {
                     $body::<true>($($arg),*)

@@ -1,0 +1,385 @@
+//! bf16 matrix products on Intel AMX tiles (Sapphire Rapids and later), used by
+//! [`matmul_bf16`](super::matmul_bf16) when the CPU and the OS offer them.
+//!
+//! Both operands are packed once into 1 KiB tiles, zero-padded to multiples of 32:
+//! A as `[m / 16][k / 32]` tiles of 16 rows × 32 bf16, B as `[n / 16][k / 32]` tiles in
+//! the pair-interleaved ("VNNI") layout `TDPBF16PS` reads: 16 rows of k-pairs, each
+//! holding 16 columns × 2 consecutive k. A tile's k-step successor is the next 1 KiB,
+//! so the inner loop streams both operands linearly. The micro-kernel keeps a 32 × 32
+//! f32 output block in four accumulator tiles (`tmm0..3`), loads two A tiles
+//! (`tmm4..5`) and two B tiles (`tmm6..7`) per 32-wide k step and issues four
+//! `TDPBF16PS` (f32 accumulation of bf16 products, like the portable path).
+//! Rayon tasks own a 128 × 128 output rectangle each, so that their A rows and B
+//! columns (≤ 1 MiB at k = 2048) stay in the core's L2.
+//!
+//! The tile instructions are written as inline assembly: Rust's AMX intrinsics are not
+//! stable. Linux only grants the tile state to a process that asks for it
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); [`available`] asks once.
+
+use half::bf16;
+
+use super::simd::Encode;
+
+/// Rows / columns of one output micro-block (two tiles each way).
+const MB: usize = 32;
+/// k elements per tile step.
+const KB: usize = 32;
+/// bf16 elements in one 1 KiB tile.
+const TILE: usize = 512;
+/// Output rows / columns per rayon task.
+const TASK: usize = 128;
+
+/// Whether AMX-BF16 can run in this process: the CPU has it, the OS saves its state and
+/// granted this process the tile data permission.
+pub(crate) fn available() -> bool {
+    imp::available()
+}
+
+/// `out[m, n] = a[m, k] · b[k, n]` on AMX tiles (row-major, lengths checked by the
+/// caller), f32 accumulation and one rounding to `T`. Returns false (and does nothing)
+/// when [`available`] is false.
+pub(crate) fn matmul_bf16<T: Encode>(
+    a: &[bf16],
+    b: &[bf16],
+    out: &mut [T],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> bool {
+    if !available() {
+        return false;
+    }
+    if m == 0 || n == 0 {
+        return true;
+    }
+    let (mt, kt, nt) = (
+        m.next_multiple_of(MB) / 16,
+        k.div_ceil(KB),
+        n.next_multiple_of(MB) / 16,
+    );
+    let ap = pack_a(a, m, k, mt, kt);
+    let bp = pack_b(b, k, n, kt, nt);
+    imp::run(&ap, &bp, out, m, n, kt);
+    true
+}
+
+/// A as `[mt][kt]` tiles of 16 rows × 32 columns (bf16 bits), zero-padded.
+fn pack_a(a: &[bf16], m: usize, k: usize, mt: usize, kt: usize) -> Vec<u16> {
+    let mut ap = vec![0u16; mt * kt * TILE];
+    super::par::for_each_row(&mut ap, kt * TILE, 16 * k, |t, dst| {
+        for r in 0..16 {
+            let i = t * 16 + r;
+            if i >= m {
+                break;
+            }
+            let row = &a[i * k..(i + 1) * k];
+            for (s, chunk) in row.chunks(KB).enumerate() {
+                let d = &mut dst[s * TILE + r * KB..][..chunk.len()];
+                for (o, x) in d.iter_mut().zip(chunk) {
+                    *o = x.to_bits();
+                }
+            }
+        }
+    });
+    ap
+}
+
+/// B as `[nt][kt]` tiles of 16 k-pairs × 16 columns × 2 (bf16 bits), zero-padded:
+/// element `(p, c)` of column `c` at k = 2p + s sits at `p * 32 + c * 2 + s`.
+fn pack_b(b: &[bf16], k: usize, n: usize, kt: usize, nt: usize) -> Vec<u16> {
+    let mut bp = vec![0u16; nt * kt * TILE];
+    super::par::for_each_row(&mut bp, kt * TILE, 16 * k, |t, dst| {
+        let c0 = t * 16;
+        let cols = n.saturating_sub(c0).min(16);
+        if cols == 0 {
+            return;
+        }
+        for kk in 0..k {
+            let src = &b[kk * n + c0..][..cols];
+            let base = (kk / KB) * TILE + ((kk % KB) / 2) * 32 + kk % 2;
+            for (c, x) in src.iter().enumerate() {
+                dst[base + c * 2] = x.to_bits();
+            }
+        }
+    });
+    bp
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod imp {
+    use std::arch::asm;
+    use std::sync::OnceLock;
+
+    use rayon::prelude::*;
+
+    use super::{Encode, MB, TASK, TILE};
+
+    /// `arch_prctl` request for extra xstate components, and the tile data component.
+    const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_ulong = 18;
+
+    pub(super) fn available() -> bool {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            let f = kpt_core::hardware::cpu_info().features;
+            if !(f.amx_tile && f.amx_bf16) {
+                return false;
+            }
+            // SAFETY: a plain system call with integer arguments; it only changes this
+            // process's permitted xstate set.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_arch_prctl,
+                    ARCH_REQ_XCOMP_PERM,
+                    XFEATURE_XTILEDATA,
+                )
+            };
+            if rc != 0 {
+                tracing::debug!("AMX tile data permission refused (arch_prctl rc {rc})");
+            }
+            rc == 0
+        })
+    }
+
+    /// Palette 1, tiles 0..8 all 16 rows × 64 bytes.
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    impl TileConfig {
+        fn new() -> Self {
+            let mut c = [0u8; 64];
+            c[0] = 1;
+            for t in 0..8 {
+                c[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
+                c[48 + t] = 16;
+            }
+            TileConfig(c)
+        }
+    }
+
+    /// A pointer to the output that tasks share; each writes its own rectangle.
+    #[derive(Clone, Copy)]
+    struct OutPtr<T>(*mut T);
+    // SAFETY: tasks write disjoint elements (see `run`), and `T: Send`.
+    unsafe impl<T: Send> Send for OutPtr<T> {}
+    // SAFETY: as above; the pointer itself is never used to read.
+    unsafe impl<T: Send> Sync for OutPtr<T> {}
+
+    impl<T> OutPtr<T> {
+        /// Writes element `i`.
+        ///
+        /// # Safety
+        /// `i` is in bounds of the output and no other thread accesses it meanwhile.
+        unsafe fn write(&self, i: usize, v: T) {
+            // SAFETY: per the function contract.
+            unsafe { self.0.add(i).write(v) }
+        }
+    }
+
+    /// `c[32][32] = Σ_s A(a0, a1)[s] · B(b0, b1)[s]` over `kt` steps; `a0`/`b0` point
+    /// at the first k tile of the upper / left tile row, and the second tile row starts
+    /// `stride` tiles later.
+    ///
+    /// # Safety
+    /// The tile configuration of [`TileConfig::new`] is loaded on this thread, AMX is
+    /// [`available`], `kt >= 1`, and `a0`, `b0` have `stride + kt` readable tiles.
+    #[inline(always)]
+    unsafe fn block(a0: *const u16, b0: *const u16, stride: usize, kt: usize, c: &mut [f32; 1024]) {
+        // SAFETY: per the function contract; the loads read 16 rows of 64 bytes from
+        // each tile, the stores write the 32 × 32 f32 of `c` (rows 128 bytes apart).
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "tileloadd tmm4, [{a0} + {s}*1]",
+                "tileloadd tmm5, [{a1} + {s}*1]",
+                "tileloadd tmm6, [{b0} + {s}*1]",
+                "tileloadd tmm7, [{b1} + {s}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {a0}, 1024",
+                "add {a1}, 1024",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c} + {cs}*1], tmm0",
+                "tilestored [{c} + {cs}*1 + 64], tmm1",
+                "tilestored [{c} + {cs}*1 + 2048], tmm2",
+                "tilestored [{c} + {cs}*1 + 2112], tmm3",
+                a0 = inout(reg) a0 => _,
+                a1 = inout(reg) a0.add(stride * TILE) => _,
+                b0 = inout(reg) b0 => _,
+                b1 = inout(reg) b0.add(stride * TILE) => _,
+                n = inout(reg) kt => _,
+                s = in(reg) 64usize,
+                c = in(reg) c.as_mut_ptr(),
+                cs = in(reg) 128usize,
+                options(nostack),
+            );
+        }
+    }
+
+    pub(super) fn run<T: Encode>(
+        ap: &[u16],
+        bp: &[u16],
+        out: &mut [T],
+        m: usize,
+        n: usize,
+        kt: usize,
+    ) {
+        let (mb, nb) = (m.next_multiple_of(MB), n.next_multiple_of(MB));
+        assert!(ap.len() >= mb / 16 * kt * TILE && bp.len() >= nb / 16 * kt * TILE);
+        assert!(out.len() >= m * n && kt >= 1);
+        let (tr, tc) = (mb.div_ceil(TASK), nb.div_ceil(TASK));
+        let dst = OutPtr(out.as_mut_ptr());
+        (0..tr * tc).into_par_iter().for_each(|t| {
+            let (r0, c0) = ((t / tc) * TASK, (t % tc) * TASK);
+            let cfg = TileConfig::new();
+            let mut c = [0f32; 1024];
+            // SAFETY: AMX is available (checked by the caller) and the config is valid.
+            unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
+            for i0 in (r0..(r0 + TASK).min(mb)).step_by(MB) {
+                for j0 in (c0..(c0 + TASK).min(nb)).step_by(MB) {
+                    // SAFETY: tiles i0/16, i0/16 + 1 of A and j0/16, j0/16 + 1 of B exist
+                    // (i0 < mb, j0 < nb, both multiples of 32), each with kt k tiles,
+                    // as asserted above; the config is loaded.
+                    unsafe {
+                        block(
+                            ap.as_ptr().add(i0 / 16 * kt * TILE),
+                            bp.as_ptr().add(j0 / 16 * kt * TILE),
+                            kt,
+                            kt,
+                            &mut c,
+                        );
+                    }
+                    for r in 0..MB.min(m.saturating_sub(i0)) {
+                        let cols = MB.min(n - j0.min(n));
+                        for (x, &v) in c[r * MB..r * MB + cols].iter().enumerate() {
+                            // SAFETY: (i0 + r, j0 + x) < (m, n) lies in `out`, and no
+                            // other task writes it: tasks own disjoint rectangles.
+                            unsafe { dst.write((i0 + r) * n + j0 + x, T::encode(v)) };
+                        }
+                    }
+                }
+            }
+            // SAFETY: releases this thread's tile state; no tile is live.
+            unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        });
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+mod imp {
+    use super::Encode;
+
+    pub(super) fn available() -> bool {
+        false
+    }
+
+    pub(super) fn run<T: Encode>(_: &[u16], _: &[u16], _: &mut [T], _: usize, _: usize, _: usize) {
+        unreachable!("AMX is never available on this target")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kpt_core::rand::SplitMix64;
+
+    fn random_bf16(rng: &mut SplitMix64, len: usize) -> Vec<bf16> {
+        (0..len)
+            .map(|_| bf16::from_f32(rng.uniform(-1.0, 1.0)))
+            .collect()
+    }
+
+    /// `a · b` in f64 from the bf16 values.
+    fn reference(a: &[bf16], b: &[bf16], m: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut want = vec![0f64; m * n];
+        for i in 0..m {
+            for p in 0..k {
+                let x = a[i * k + p].to_f64();
+                for j in 0..n {
+                    want[i * n + j] += x * b[p * n + j].to_f64();
+                }
+            }
+        }
+        want
+    }
+
+    fn assert_close(got: &[f32], want: &[f64], k: usize) {
+        assert_eq!(got.len(), want.len());
+        let tol = 1e-6 * k as f64 + 1e-6;
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= tol, "element {i}: {g} vs {w}");
+        }
+    }
+
+    const SHAPES: [(usize, usize, usize); 5] = [
+        (1, 1, 1),
+        (17, 33, 45),
+        (40, 70, 31),
+        (130, 100, 150),
+        (257, 64, 33),
+    ];
+
+    /// The packed layouts, multiplied the way `TDPBF16PS` pairs them, give `a · b`:
+    /// checks the packing on any CPU.
+    #[test]
+    fn packed_tiles_multiply_to_the_product() {
+        let mut rng = SplitMix64::new(7);
+        for (m, k, n) in SHAPES {
+            let a = random_bf16(&mut rng, m * k);
+            let b = random_bf16(&mut rng, k * n);
+            let (mt, kt, nt) = (
+                m.next_multiple_of(MB) / 16,
+                k.div_ceil(KB),
+                n.next_multiple_of(MB) / 16,
+            );
+            let ap = pack_a(&a, m, k, mt, kt);
+            let bp = pack_b(&b, k, n, kt, nt);
+            let f = |h: u16| bf16::from_bits(h).to_f32();
+            let mut got = vec![0f32; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    let mut acc = 0f32;
+                    for s in 0..kt {
+                        let at = &ap[((i / 16) * kt + s) * TILE + (i % 16) * KB..][..KB];
+                        let bt = &bp[((j / 16) * kt + s) * TILE..][..TILE];
+                        for p in 0..16 {
+                            for sub in 0..2 {
+                                acc += f(at[2 * p + sub]) * f(bt[p * 32 + (j % 16) * 2 + sub]);
+                            }
+                        }
+                    }
+                    got[i * n + j] = acc;
+                }
+            }
+            assert_close(&got, &reference(&a, &b, m, k, n), k);
+        }
+    }
+
+    /// The tile kernel itself (where this CPU has AMX; elsewhere `matmul_bf16` must
+    /// decline so that the portable path runs).
+    #[test]
+    fn amx_product_matches_reference() {
+        let mut rng = SplitMix64::new(11);
+        for (m, k, n) in SHAPES {
+            let a = random_bf16(&mut rng, m * k);
+            let b = random_bf16(&mut rng, k * n);
+            let mut got = vec![f32::NAN; m * n];
+            let ran = matmul_bf16(&a, &b, &mut got, m, k, n);
+            assert_eq!(ran, available());
+            if ran {
+                assert_close(&got, &reference(&a, &b, m, k, n), k);
+            } else {
+                assert!(got.iter().all(|x| x.is_nan()), "declined but wrote output");
+            }
+        }
+    }
+}
