@@ -117,7 +117,7 @@ impl Storage {
     /// Builds storage from raw little-endian bytes; the length must be a multiple of the element size.
     pub fn from_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
         let size = dtype.size_in_bytes();
-        if bytes.len() % size != 0 {
+        if !bytes.len().is_multiple_of(size) {
             return Err(KptError::InvalidArgument(format!(
                 "{} bytes is not a whole number of {dtype} elements ({size} bytes each)",
                 bytes.len()

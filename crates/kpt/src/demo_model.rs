@@ -59,15 +59,15 @@ impl DemoConfig {
     fn check(&self) -> Result<()> {
         if self.heads == 0
             || self.kv_heads == 0
-            || self.dim % self.heads != 0
-            || self.heads % self.kv_heads != 0
+            || !self.dim.is_multiple_of(self.heads)
+            || !self.heads.is_multiple_of(self.kv_heads)
         {
             return Err(KptError::InvalidArgument(format!(
                 "dim {} must split into {} heads, and heads into {} kv heads",
                 self.dim, self.heads, self.kv_heads
             )));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(KptError::InvalidArgument(format!(
                 "head_dim {} must be even for rotary",
                 self.head_dim()

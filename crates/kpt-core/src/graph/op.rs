@@ -535,7 +535,7 @@ impl Op {
                         x.shape
                     )));
                 }
-                if *head_dim == 0 || head_dim % 2 != 0 || x.shape[2] % head_dim != 0 {
+                if *head_dim == 0 || head_dim % 2 != 0 || !x.shape[2].is_multiple_of(*head_dim) {
                     return Err(shape_err(format!(
                         "head_dim {head_dim} must be even, non-zero and divide {}",
                         x.shape[2]

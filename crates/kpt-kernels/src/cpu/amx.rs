@@ -9,8 +9,10 @@
 //! f32 output block in four accumulator tiles (`tmm0..3`), loads two A tiles
 //! (`tmm4..5`) and two B tiles (`tmm6..7`) per 32-wide k step and issues four
 //! `TDPBF16PS` (f32 accumulation of bf16 products, like the portable path).
-//! Rayon tasks own a 128 × 128 output rectangle each, so that their A rows and B
-//! columns (≤ 1 MiB at k = 2048) stay in the core's L2.
+//! Rayon tasks own a 128 × 128 output rectangle each, accumulated in f32 over passes of
+//! 512 k: within a pass one 32-row A block (32 KiB) stays in L1 while it meets the
+//! task's four B blocks (128 KiB, in L2). Packed buffers are kept per calling thread,
+//! so repeated calls do not fault in fresh pages.
 //!
 //! The tile instructions are written as inline assembly: Rust's AMX intrinsics are not
 //! stable. Linux only grants the tile state to a process that asks for it
@@ -52,27 +54,53 @@ pub(crate) fn matmul_bf16<T: Encode>(
     if m == 0 || n == 0 {
         return true;
     }
+    if k == 0 {
+        out[..m * n].fill(T::encode(0.0));
+        return true;
+    }
     let (mt, kt, nt) = (
         m.next_multiple_of(MB) / 16,
         k.div_ceil(KB),
         n.next_multiple_of(MB) / 16,
     );
-    let ap = pack_a(a, m, k, mt, kt);
-    let bp = pack_b(b, k, n, kt, nt);
-    imp::run(&ap, &bp, out, m, n, kt);
+    PACKED.with_borrow_mut(|(ap, bp)| {
+        pack_a(a, m, k, mt, kt, ap);
+        pack_b(b, k, n, kt, nt, bp);
+        imp::run(ap, bp, out, m, n, kt);
+        // Keep the buffers for the next call (no page faults on reuse), unless large.
+        for v in [ap, bp] {
+            if v.capacity() > MAX_KEPT {
+                *v = Vec::new();
+            }
+        }
+    });
     true
 }
 
-/// A as `[mt][kt]` tiles of 16 rows × 32 columns (bf16 bits), zero-padded.
-fn pack_a(a: &[bf16], m: usize, k: usize, mt: usize, kt: usize) -> Vec<u16> {
-    let mut ap = vec![0u16; mt * kt * TILE];
-    super::par::for_each_row(&mut ap, kt * TILE, 16 * k, |t, dst| {
-        for r in 0..16 {
-            let i = t * 16 + r;
-            if i >= m {
-                break;
-            }
-            let row = &a[i * k..(i + 1) * k];
+thread_local! {
+    /// Packed-operand buffers kept per calling thread.
+    static PACKED: std::cell::RefCell<(Vec<u16>, Vec<u16>)> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    };
+}
+
+/// Largest packed buffer (elements) kept between calls: 32 MiB.
+const MAX_KEPT: usize = 16 << 20;
+
+/// Clears `v` and refills it with `len` zeros (reusing its allocation).
+fn zeroed(v: &mut Vec<u16>, len: usize) -> &mut [u16] {
+    v.clear();
+    v.resize(len, 0);
+    v
+}
+
+/// Packs A into `ap` as `[mt][kt]` tiles of 16 rows × 32 columns (bf16 bits),
+/// zero-padded.
+fn pack_a(a: &[bf16], m: usize, k: usize, mt: usize, kt: usize, ap: &mut Vec<u16>) {
+    let dst = zeroed(ap, mt * kt * TILE);
+    super::par::for_each_row(dst, kt * TILE, 16 * k, |t, dst| {
+        for r in 0..16.min(m.saturating_sub(t * 16)) {
+            let row = &a[(t * 16 + r) * k..][..k];
             for (s, chunk) in row.chunks(KB).enumerate() {
                 let d = &mut dst[s * TILE + r * KB..][..chunk.len()];
                 for (o, x) in d.iter_mut().zip(chunk) {
@@ -81,14 +109,13 @@ fn pack_a(a: &[bf16], m: usize, k: usize, mt: usize, kt: usize) -> Vec<u16> {
             }
         }
     });
-    ap
 }
 
-/// B as `[nt][kt]` tiles of 16 k-pairs × 16 columns × 2 (bf16 bits), zero-padded:
-/// element `(p, c)` of column `c` at k = 2p + s sits at `p * 32 + c * 2 + s`.
-fn pack_b(b: &[bf16], k: usize, n: usize, kt: usize, nt: usize) -> Vec<u16> {
-    let mut bp = vec![0u16; nt * kt * TILE];
-    super::par::for_each_row(&mut bp, kt * TILE, 16 * k, |t, dst| {
+/// Packs B into `bp` as `[nt][kt]` tiles of 16 k-pairs × 16 columns × 2 (bf16 bits),
+/// zero-padded: element `(p, c)` of column `c` at k = 2p + s sits at `p * 32 + c * 2 + s`.
+fn pack_b(b: &[bf16], k: usize, n: usize, kt: usize, nt: usize, bp: &mut Vec<u16>) {
+    let dst = zeroed(bp, nt * kt * TILE);
+    super::par::for_each_row(dst, kt * TILE, 16 * k, |t, dst| {
         let c0 = t * 16;
         let cols = n.saturating_sub(c0).min(16);
         if cols == 0 {
@@ -102,7 +129,6 @@ fn pack_b(b: &[bf16], k: usize, n: usize, kt: usize, nt: usize) -> Vec<u16> {
             }
         }
     });
-    bp
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -176,27 +202,45 @@ mod imp {
         }
     }
 
-    /// `c[32][32] = Σ_s A(a0, a1)[s] · B(b0, b1)[s]` over `kt` steps; `a0`/`b0` point
-    /// at the first k tile of the upper / left tile row, and the second tile row starts
-    /// `stride` tiles later.
+    /// `C += Σ_s A(a0, a1)[s] · B(b0, b1)[s]` over `steps` k tiles for one 32 × 32 f32
+    /// block `C` at `c` (rows `cs` bytes apart), or `C =` when `first`. `a0` / `b0`
+    /// point at the first k tile of the upper / left tile row; the second tile row
+    /// starts `stride` tiles later.
     ///
     /// # Safety
     /// The tile configuration of [`TileConfig::new`] is loaded on this thread, AMX is
-    /// [`available`], `kt >= 1`, and `a0`, `b0` have `stride + kt` readable tiles.
+    /// [`available`], `steps >= 1`, `a0` and `b0` have `stride + steps` readable tiles,
+    /// and `c` has 32 rows of 32 f32, `cs` bytes apart, readable and writable.
     #[inline(always)]
-    unsafe fn block(a0: *const u16, b0: *const u16, stride: usize, kt: usize, c: &mut [f32; 1024]) {
-        // SAFETY: per the function contract; the loads read 16 rows of 64 bytes from
-        // each tile, the stores write the 32 × 32 f32 of `c` (rows 128 bytes apart).
+    unsafe fn block(
+        a0: *const u16,
+        b0: *const u16,
+        stride: usize,
+        steps: usize,
+        c: *mut f32,
+        cs: usize,
+        first: bool,
+    ) {
+        // SAFETY: per the function contract; each tile load reads 16 rows of 64 bytes,
+        // C loads / stores touch the 32 × 32 block at `c`.
         unsafe {
             asm!(
+                "test {first}, {first}",
+                "jz 3f",
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
                 "tilezero tmm3",
+                "jmp 2f",
+                "3:",
+                "tileloadd tmm0, [{c} + {cs}*1]",
+                "tileloadd tmm1, [{c} + {cs}*1 + 64]",
+                "tileloadd tmm2, [{c1} + {cs}*1]",
+                "tileloadd tmm3, [{c1} + {cs}*1 + 64]",
                 "2:",
                 "tileloadd tmm4, [{a0} + {s}*1]",
-                "tileloadd tmm5, [{a1} + {s}*1]",
                 "tileloadd tmm6, [{b0} + {s}*1]",
+                "tileloadd tmm5, [{a1} + {s}*1]",
                 "tileloadd tmm7, [{b1} + {s}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
                 "tdpbf16ps tmm1, tmm4, tmm7",
@@ -210,20 +254,26 @@ mod imp {
                 "jnz 2b",
                 "tilestored [{c} + {cs}*1], tmm0",
                 "tilestored [{c} + {cs}*1 + 64], tmm1",
-                "tilestored [{c} + {cs}*1 + 2048], tmm2",
-                "tilestored [{c} + {cs}*1 + 2112], tmm3",
+                "tilestored [{c1} + {cs}*1], tmm2",
+                "tilestored [{c1} + {cs}*1 + 64], tmm3",
+                first = in(reg) usize::from(first),
                 a0 = inout(reg) a0 => _,
                 a1 = inout(reg) a0.add(stride * TILE) => _,
                 b0 = inout(reg) b0 => _,
                 b1 = inout(reg) b0.add(stride * TILE) => _,
-                n = inout(reg) kt => _,
+                n = inout(reg) steps => _,
                 s = in(reg) 64usize,
-                c = in(reg) c.as_mut_ptr(),
-                cs = in(reg) 128usize,
+                c = in(reg) c,
+                c1 = in(reg) c.byte_add(16 * cs),
+                cs = in(reg) cs,
                 options(nostack),
             );
         }
     }
+
+    /// k tiles per pass over a task's blocks: one A block row (32 × 512 bf16, 32 KiB)
+    /// then stays in L1 while it meets the task's B blocks (in L2).
+    const KSTEPS: usize = 16;
 
     pub(super) fn run<T: Encode>(
         ap: &[u16],
@@ -240,36 +290,44 @@ mod imp {
         let dst = OutPtr(out.as_mut_ptr());
         (0..tr * tc).into_par_iter().for_each(|t| {
             let (r0, c0) = ((t / tc) * TASK, (t % tc) * TASK);
+            let (rows, cols) = (TASK.min(mb - r0), TASK.min(nb - c0));
+            // The task's f32 accumulators, [rows][TASK].
+            let mut acc = vec![0f32; rows * TASK];
             let cfg = TileConfig::new();
-            let mut c = [0f32; 1024];
             // SAFETY: AMX is available (checked by the caller) and the config is valid.
             unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
-            for i0 in (r0..(r0 + TASK).min(mb)).step_by(MB) {
-                for j0 in (c0..(c0 + TASK).min(nb)).step_by(MB) {
-                    // SAFETY: tiles i0/16, i0/16 + 1 of A and j0/16, j0/16 + 1 of B exist
-                    // (i0 < mb, j0 < nb, both multiples of 32), each with kt k tiles,
-                    // as asserted above; the config is loaded.
-                    unsafe {
-                        block(
-                            ap.as_ptr().add(i0 / 16 * kt * TILE),
-                            bp.as_ptr().add(j0 / 16 * kt * TILE),
-                            kt,
-                            kt,
-                            &mut c,
-                        );
-                    }
-                    for r in 0..MB.min(m.saturating_sub(i0)) {
-                        let cols = MB.min(n - j0.min(n));
-                        for (x, &v) in c[r * MB..r * MB + cols].iter().enumerate() {
-                            // SAFETY: (i0 + r, j0 + x) < (m, n) lies in `out`, and no
-                            // other task writes it: tasks own disjoint rectangles.
-                            unsafe { dst.write((i0 + r) * n + j0 + x, T::encode(v)) };
+            for k0 in (0..kt).step_by(KSTEPS) {
+                let steps = KSTEPS.min(kt - k0);
+                for i in (0..rows).step_by(MB) {
+                    for j in (0..cols).step_by(MB) {
+                        // SAFETY: A tiles (r0+i)/16 and +1, B tiles (c0+j)/16 and +1
+                        // exist with kt k tiles each (asserted above; r0+i < mb and
+                        // c0+j < nb are multiples of 32), k0 + steps <= kt; the block
+                        // (i.., j..) of 32 × 32 lies in `acc`; the config is loaded.
+                        unsafe {
+                            block(
+                                ap.as_ptr().add(((r0 + i) / 16 * kt + k0) * TILE),
+                                bp.as_ptr().add(((c0 + j) / 16 * kt + k0) * TILE),
+                                kt,
+                                steps,
+                                acc.as_mut_ptr().add(i * TASK + j),
+                                TASK * 4,
+                                k0 == 0,
+                            );
                         }
                     }
                 }
             }
             // SAFETY: releases this thread's tile state; no tile is live.
             unsafe { asm!("tilerelease", options(nostack, nomem)) };
+            for r in 0..rows.min(m - r0) {
+                let src = &acc[r * TASK..][..cols.min(n - c0)];
+                for (x, &v) in src.iter().enumerate() {
+                    // SAFETY: (r0 + r, c0 + x) < (m, n) lies in `out`, and no other
+                    // task writes it: tasks own disjoint rectangles.
+                    unsafe { dst.write((r0 + r) * n + c0 + x, T::encode(v)) };
+                }
+            }
         });
     }
 }
@@ -341,8 +399,9 @@ mod tests {
                 k.div_ceil(KB),
                 n.next_multiple_of(MB) / 16,
             );
-            let ap = pack_a(&a, m, k, mt, kt);
-            let bp = pack_b(&b, k, n, kt, nt);
+            let (mut ap, mut bp) = (Vec::new(), Vec::new());
+            pack_a(&a, m, k, mt, kt, &mut ap);
+            pack_b(&b, k, n, kt, nt, &mut bp);
             let f = |h: u16| bf16::from_bits(h).to_f32();
             let mut got = vec![0f32; m * n];
             for i in 0..m {

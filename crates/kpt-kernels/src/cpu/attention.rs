@@ -11,8 +11,9 @@
 //! as a GEMM packs its operands: K as `[seq_kv / 16][head_dim][16]` (16 keys side by side
 //! for each dimension) and V as `[head_dim / 16][seq_kv][16]` (16 dimensions for each
 //! key), zero-padded (keys and head_dim to multiples of 16). Each micro-kernel
-//! (`Q·Kᵀ`: 4 queries × 16 keys, `P·V`: 4 queries × 16 dims, 8 independent FMA
-//! accumulators) then streams one contiguous panel. (A plain `Kᵀ [head_dim, seq_kv]`
+//! (`Q·Kᵀ`: QR queries × 16 keys, `P·V`: QR queries × 16 dims; QR = 4 on AVX2, 8 on
+//! AVX-512, so 8 independent FMA accumulators either way) then streams one contiguous
+//! panel, with Q packed QR-wide (`[d][QR]`). (A plain `Kᵀ [head_dim, seq_kv]`
 //! layout strides by `seq_kv` floats, a power of two for usual lengths, and thrashes
 //! the L1 sets: attention ran at half the speed.)
 
@@ -33,8 +34,6 @@ pub const DEFAULT_BLOCK_KV: usize = 256;
 
 /// Keys per `Q·Kᵀ` micro-kernel call (and key padding).
 const KC: usize = 16;
-/// Queries per micro-kernel call (and query-tile padding).
-const QR: usize = 4;
 
 /// Read-only state shared by the tasks.
 struct Ctx<'a> {
@@ -56,17 +55,14 @@ struct Ctx<'a> {
     d_pad: usize,
 }
 
-/// Scores of 4 query rows (`q`, `[4, d]`) against the 16 keys of one K panel
-/// (`kp`, `[d][16]`).
+/// Scores of `QR` query rows (`qg`, packed `[d][QR]`) against the 16 keys of one K
+/// panel (`kp`, `[d][16]`).
 #[inline(always)]
-fn qk_4x16<const FMA: bool>(q: &[f32], kp: &[f32], d: usize) -> [[f32; KC]; QR] {
+fn qk_tile<const FMA: bool, const QR: usize>(qg: &[f32], kp: &[f32]) -> [[f32; KC]; QR] {
     let mut acc = [[0f32; KC]; QR];
-    let (q01, q23) = q.split_at(2 * d);
-    let (q0, q1) = q01.split_at(d);
-    let (q2, q3) = q23.split_at(d);
-    let rows = kp.chunks_exact(KC).zip(q0).zip(q1).zip(q2).zip(q3);
-    for ((((kr, &a), &b), &c), &e) in rows {
-        let qv = [a, b, c, e];
+    let (qs, _) = qg.as_chunks::<QR>();
+    let (ks, _) = kp.as_chunks::<KC>();
+    for (qv, kr) in qs.iter().zip(ks) {
         for r in 0..QR {
             for j in 0..KC {
                 acc[r][j] = fmadd::<FMA>(qv[r], kr[j], acc[r][j]);
@@ -76,24 +72,28 @@ fn qk_4x16<const FMA: bool>(q: &[f32], kp: &[f32], d: usize) -> [[f32; KC]; QR] 
     acc
 }
 
-/// `o[r, 0..16] += Σ_c p[r, c] · vp[c, 0..16]` for 4 rows `r` over `nk` keys (`p` rows
-/// are `ps` apart, `o` rows `dp` apart; `vp` is a V panel from the block's first key).
+/// `o[r, 0..16] += Σ_c p[r, c] · vp[c, 0..16]` for `QR` rows `r` over `nk` keys (`p`
+/// rows are `ps` apart, `o` rows `dp` apart; `vp` is a V panel from the block's first
+/// key).
 #[inline(always)]
-fn pv_4x16<const FMA: bool>(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
+fn pv_tile<const FMA: bool, const QR: usize>(
+    p: &[f32],
+    ps: usize,
+    vp: &[f32],
+    nk: usize,
+    dp: usize,
+    o: &mut [f32],
+) {
     let mut acc = [[0f32; KC]; QR];
     for (r, a) in acc.iter_mut().enumerate() {
         a.copy_from_slice(&o[r * dp..r * dp + KC]);
     }
-    let p0 = &p[..nk];
-    let p1 = &p[ps..ps + nk];
-    let p2 = &p[2 * ps..2 * ps + nk];
-    let p3 = &p[3 * ps..3 * ps + nk];
-    let rows = vp.chunks_exact(KC).zip(p0).zip(p1).zip(p2).zip(p3);
-    for ((((vr, &a), &b), &c), &e) in rows {
-        let pv = [a, b, c, e];
+    let prow: [&[f32]; QR] = std::array::from_fn(|r| &p[r * ps..r * ps + nk]);
+    let (vs, _) = vp[..nk * KC].as_chunks::<KC>();
+    for (c, vr) in vs.iter().enumerate() {
         for r in 0..QR {
             for j in 0..KC {
-                acc[r][j] = fmadd::<FMA>(pv[r], vr[j], acc[r][j]);
+                acc[r][j] = fmadd::<FMA>(prow[r][c], vr[j], acc[r][j]);
             }
         }
     }
@@ -122,9 +122,9 @@ fn exp_inplace_sum(x: &mut [f32], shift: f32) -> f32 {
 }
 
 /// One task: queries `qb*bq ..` of head `h` in batch `b` (`t = (b*H + h)*nqb + qb`);
-/// writes `[rows, head_dim]` at the start of `out`.
+/// writes `[rows, head_dim]` at the start of `out`. Micro-kernels take `QR` query rows.
 #[inline(always)]
-fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
+fn task<const FMA: bool, const QR: usize>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
     let s = &c.s;
     let d = s.head_dim;
     let dp = c.d_pad;
@@ -139,12 +139,14 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
     let rows = c.bq.min(s.seq_q - i0);
     let rows_pad = rows.next_multiple_of(QR);
 
-    // Scaled query tile, zero-padded to a multiple of 4 rows.
+    // Scaled query tile, zero-padded to a multiple of QR rows, packed per QR-row group
+    // as [d][QR].
     let mut qt = vec![0f32; rows_pad * d];
     for r in 0..rows {
         let src = &c.q[(b * s.seq_q + i0 + r) * s.q_row() + h * d..][..d];
-        for (dst, &v) in qt[r * d..(r + 1) * d].iter_mut().zip(src) {
-            *dst = v * c.scale;
+        let group = &mut qt[(r / QR) * QR * d..][..QR * d];
+        for (p, &v) in src.iter().enumerate() {
+            group[p * QR + r % QR] = v * c.scale;
         }
     }
     let mut o = vec![0f32; rows_pad * dp];
@@ -168,7 +170,7 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
         for r0 in (0..rows_pad).step_by(QR) {
             for c0 in (0..nk).step_by(KC) {
                 let panel = &kp[(j0 + c0) * d..(j0 + c0 + KC) * d];
-                let acc = qk_4x16::<FMA>(&qt[r0 * d..(r0 + QR) * d], panel, d);
+                let acc = qk_tile::<FMA, QR>(&qt[r0 * d..(r0 + QR) * d], panel);
                 for (r, a) in acc.iter().enumerate() {
                     st[(r0 + r) * bkv + c0..(r0 + r) * bkv + c0 + KC].copy_from_slice(a);
                 }
@@ -211,7 +213,7 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
             let orows = &mut o[r0 * dp..(r0 + QR) * dp];
             for d0 in (0..dp).step_by(KC) {
                 let panel = &vp[(d0 * c.skv_pad + j0 * KC)..];
-                pv_4x16::<FMA>(p, bkv, panel, nk, dp, &mut orows[d0..]);
+                pv_tile::<FMA, QR>(p, bkv, panel, nk, dp, &mut orows[d0..]);
             }
         }
         j0 += nk;
@@ -229,7 +231,11 @@ fn task<const FMA: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
     }
 }
 
-dispatch!(fn task_d(c: &Ctx<'_>, t: usize, out: &mut [f32]) => task);
+dispatch!(
+    /// [`task`] with 8-row micro-kernels on AVX-512 (8 × 16 f32 accumulators in 8 zmm)
+    /// and 4-row ones otherwise (8 ymm on AVX2).
+    fn task_d(c: &Ctx<'_>, t: usize, out: &mut [f32]) => task [8, 4]
+);
 
 /// Blocked ("flash") attention (see the module docs); `block_q` queries per task, keys in
 /// blocks of `block_kv` (rounded up to 16). Same results as the reference up to f32

@@ -205,7 +205,7 @@ pub(crate) fn check_rotary(
     head_dim: usize,
 ) -> Result<()> {
     const OP: &str = "rotary";
-    if head_dim % 2 != 0 {
+    if !head_dim.is_multiple_of(2) {
         return Err(KptError::shape(
             OP,
             format!("head_dim must be even, got {head_dim}"),
@@ -411,7 +411,7 @@ pub fn embedding(
 
 /// Checks a broadcasting binary op: `b.len()` divides `a.len()`, `out` matches `a`.
 pub(crate) fn check_broadcast(op: &str, a: usize, b: usize, out: usize) -> Result<()> {
-    if (b == 0 && a != 0) || (b != 0 && a % b != 0) {
+    if (b == 0 && a != 0) || (b != 0 && !a.is_multiple_of(b)) {
         return Err(KptError::shape(
             op,
             format!(

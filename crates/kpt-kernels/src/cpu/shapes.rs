@@ -65,7 +65,7 @@ impl AttentionShape {
                 format!("num_kv_heads is 0 but num_heads is {}", self.num_heads),
             ));
         }
-        if self.num_kv_heads > 0 && self.num_heads % self.num_kv_heads != 0 {
+        if self.num_kv_heads > 0 && !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(KptError::shape(
                 OP,
                 format!(

@@ -40,19 +40,36 @@ pub(crate) fn has_avx2_fma() -> bool {
 
 /// Defines `fn $name(args) -> ret` that calls `$body::<true>(args)` compiled with
 /// AVX-512 (F/BW/VL/DQ) or else `avx2,fma` when the CPU has them, and
-/// `$body::<false>(args)` otherwise.
+/// `$body::<false>(args)` otherwise. With `=> $body [W, N]` the body takes a second
+/// const argument: `W` in the AVX-512 copy, `N` in the others (e.g. a tile height that
+/// fills 32 zmm or 16 ymm registers).
 macro_rules! dispatch {
     (
         $(#[$meta:meta])*
         $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:ident
     ) => {
-        $(#[$meta])*
+        $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name($($arg: $ty),*)
+            $(-> $ret)? => $body [true] [true] [false]);
+    };
+    (
+        $(#[$meta:meta])*
+        $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)?
+            => $body:ident [$wide:expr, $narrow:expr]
+    ) => {
+        $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name($($arg: $ty),*)
+            $(-> $ret)? => $body [true, $wide] [true, $narrow] [false, $narrow]);
+    };
+    (
+        @gen [$($meta:tt)*] $vis:vis fn $name:ident($($arg:ident : $ty:ty),*) $(-> $ret:ty)?
+            => $body:ident [$($g512:tt)*] [$($g256:tt)*] [$($gport:tt)*]
+    ) => {
+        $($meta)*
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
                 unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
-                    $body::<true>($($arg),*)
+                    $body::<$($g512)*>($($arg),*)
                 }
                 if $crate::cpu::simd::has_avx512() {
                     // SAFETY: `avx512` is safe code whose only requirement is the target
@@ -61,7 +78,7 @@ macro_rules! dispatch {
                 }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2_fma($($arg: $ty),*) $(-> $ret)? {
-                    $body::<true>($($arg),*)
+                    $body::<$($g256)*>($($arg),*)
                 }
                 if $crate::cpu::simd::has_avx2_fma() {
                     // SAFETY: `avx2_fma` is safe code whose only requirement is the
@@ -69,7 +86,7 @@ macro_rules! dispatch {
                     return unsafe { avx2_fma($($arg),*) };
                 }
             }
-            $body::<false>($($arg),*)
+            $body::<$($gport)*>($($arg),*)
         }
     };
 }
