@@ -40,9 +40,9 @@ pub(crate) fn has_avx2_fma() -> bool {
 
 /// Defines `fn $name(args) -> ret` that calls `$body::<true>(args)` compiled with
 /// AVX-512 (F/BW/VL/DQ) or else `avx2,fma` when the CPU has them, and
-/// `$body::<false>(args)` otherwise. With `=> $body [W, N]` the body takes a second
-/// const argument: `W` in the AVX-512 copy, `N` in the others (e.g. a tile height that
-/// fills 32 zmm or 16 ymm registers).
+/// `$body::<false>(args)` otherwise. With `=> $body [W, A, P]` the body's generic
+/// arguments are `W` in the AVX-512 copy, `A` in the AVX2 copy and `P` in the portable
+/// one (e.g. micro-kernel types sized for 32 zmm or 16 ymm registers).
 macro_rules! dispatch {
     (
         $(#[$meta:meta])*
@@ -54,10 +54,10 @@ macro_rules! dispatch {
     (
         $(#[$meta:meta])*
         $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)?
-            => $body:ident [$wide:expr, $narrow:expr]
+            => $body:ident [$wide:ty, $avx2:ty, $portable:ty]
     ) => {
         $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name($($arg: $ty),*)
-            $(-> $ret)? => $body [true, $wide] [true, $narrow] [false, $narrow]);
+            $(-> $ret)? => $body [$wide] [$avx2] [$portable]);
     };
     (
         @gen [$($meta:tt)*] $vis:vis fn $name:ident($($arg:ident : $ty:ty),*) $(-> $ret:ty)?
