@@ -251,10 +251,18 @@ impl Case {
             ) => {
                 let shape = AttentionShape::new(batch, seq, seq, heads, heads, head_dim, causal);
                 match prec {
-                    Prec::F32 => Box::new(Attention::<f32>::new(&mut rng, shape, cpu::attention)),
-                    Prec::BF16 => {
-                        Box::new(Attention::<bf16>::new(&mut rng, shape, cpu::attention_bf16))
-                    }
+                    Prec::F32 => Box::new(Attention::<f32>::new(
+                        &mut rng,
+                        shape,
+                        cpu::attention,
+                        |_, _, _, s| tolerance(DType::F32, s.seq_kv + s.head_dim),
+                    )),
+                    Prec::BF16 => Box::new(Attention::<bf16>::new(
+                        &mut rng,
+                        shape,
+                        cpu::attention_bf16,
+                        cpu::attention_bf16_tolerance,
+                    )),
                 }
             }
             (Kind::RmsNorm { rows, dim }, _) => {
@@ -473,6 +481,9 @@ impl Workload for LinearGelu {
 type AttentionFn<T> =
     fn(&[T], &[T], &[T], Option<&[f32]>, &mut [T], &AttentionShape, usize, usize) -> Result<()>;
 
+/// The kernel's error bound `(abs, rel)` for the given q, k, v.
+type AttentionTol<T> = fn(&[T], &[T], &[T], &AttentionShape) -> (f64, f64);
+
 struct Attention<T> {
     q: Vec<T>,
     k: Vec<T>,
@@ -480,14 +491,24 @@ struct Attention<T> {
     out: Vec<T>,
     shape: AttentionShape,
     f: AttentionFn<T>,
+    tol: (f64, f64),
 }
 
 impl<T: Elem> Attention<T> {
-    fn new(rng: &mut SplitMix64, shape: AttentionShape, f: AttentionFn<T>) -> Self {
+    fn new(
+        rng: &mut SplitMix64,
+        shape: AttentionShape,
+        f: AttentionFn<T>,
+        tol: AttentionTol<T>,
+    ) -> Self {
+        let q = random(rng, shape.q_len(), -1.0, 1.0);
+        let k = random(rng, shape.kv_len(), -1.0, 1.0);
+        let v = random(rng, shape.kv_len(), -1.0, 1.0);
         Self {
-            q: random(rng, shape.q_len(), -1.0, 1.0),
-            k: random(rng, shape.kv_len(), -1.0, 1.0),
-            v: random(rng, shape.kv_len(), -1.0, 1.0),
+            tol: tol(&q, &k, &v, &shape),
+            q,
+            k,
+            v,
             out: vec![T::default(); shape.q_len()],
             shape,
             f,
@@ -530,7 +551,7 @@ impl<T: Elem> Workload for Attention<T> {
             num_kv_heads: 1,
             ..s
         };
-        let tol = tolerance(T::DTYPE, s.seq_kv + s.head_dim);
+        let tol = self.tol;
         let mut c = Check::default();
         let b = s.batch - 1;
         for h in [0, s.num_heads - 1] {

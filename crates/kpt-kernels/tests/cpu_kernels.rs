@@ -255,7 +255,7 @@ fn check_attention(
         &format!("attention_bf16 {shape:?} mask={with_mask} blocks {block_q}x{block_kv}"),
         &to64(&got),
         &want,
-        tolerance(DType::BF16, shape.seq_kv + shape.head_dim),
+        cpu::attention_bf16_tolerance(&q16, &k16, &v16, &shape),
     )
 }
 

@@ -32,7 +32,8 @@ const TILE: usize = 512;
 const TASK: usize = 128;
 
 /// Whether AMX-BF16 can run in this process: the CPU has it, the OS saves its state and
-/// granted this process the tile data permission.
+/// granted this process the tile data permission, and `KPT_CPU_AMX` is not `off` (or
+/// `0`), which makes kpt use its AVX-512 / AVX2 kernels instead.
 pub(crate) fn available() -> bool {
     imp::available()
 }
@@ -116,19 +117,151 @@ fn pack_a(a: &[bf16], m: usize, k: usize, mt: usize, kt: usize, ap: &mut Vec<u16
 fn pack_b(b: &[bf16], k: usize, n: usize, kt: usize, nt: usize, bp: &mut Vec<u16>) {
     let dst = zeroed(bp, nt * kt * TILE);
     super::par::for_each_row(dst, kt * TILE, 16 * k, |t, dst| {
-        let c0 = t * 16;
-        let cols = n.saturating_sub(c0).min(16);
-        if cols == 0 {
-            return;
+        pack_b_tiles(dst, t, k, n, |kk, c0, cols| &b[kk * n + c0..][..cols]);
+    });
+}
+
+/// Packs the `kt` tiles of tile column `t` (columns `16t..`) into `dst` (zeroed):
+/// `row(kk, c0, cols)` gives B's row `kk` from column `c0`, `cols` long.
+fn pack_b_tiles<'a>(
+    dst: &mut [u16],
+    t: usize,
+    k: usize,
+    n: usize,
+    row: impl Fn(usize, usize, usize) -> &'a [bf16],
+) {
+    let c0 = t * 16;
+    let cols = n.saturating_sub(c0).min(16);
+    if cols == 0 {
+        return;
+    }
+    for kk in 0..k {
+        let base = (kk / KB) * TILE + ((kk % KB) / 2) * 32 + kk % 2;
+        for (c, x) in row(kk, c0, cols).iter().enumerate() {
+            dst[base + c * 2] = x.to_bits();
         }
-        for kk in 0..k {
-            let src = &b[kk * n + c0..][..cols];
-            let base = (kk / KB) * TILE + ((kk % KB) / 2) * 32 + kk % 2;
-            for (c, x) in src.iter().enumerate() {
-                dst[base + c * 2] = x.to_bits();
+    }
+}
+
+/// Packs the `k × n` matrix B with B[kk, j] = `b[kk * ldb + j]` into `dst`
+/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b`] does.
+pub(crate) fn pack_b_strided(b: &[bf16], ldb: usize, k: usize, n: usize, dst: &mut [u16]) {
+    let kt = k.div_ceil(KB);
+    for (t, tiles) in dst.chunks_exact_mut(kt * TILE).enumerate() {
+        pack_b_tiles(tiles, t, k, n, |kk, c0, cols| &b[kk * ldb + c0..][..cols]);
+    }
+}
+
+/// Packs B = Tᵀ, given T (`n × k`) with T[j, kk] = `t[j * ldt + kk]`, into `dst`
+/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b`] does.
+pub(crate) fn pack_bt_strided(t: &[bf16], ldt: usize, k: usize, n: usize, dst: &mut [u16]) {
+    let kt = k.div_ceil(KB);
+    for (nt, tiles) in dst.chunks_exact_mut(kt * TILE).enumerate() {
+        for c in 0..16.min(n.saturating_sub(nt * 16)) {
+            let src = &t[(nt * 16 + c) * ldt..][..k];
+            for (kk, x) in src.iter().enumerate() {
+                tiles[(kk / KB) * TILE + ((kk % KB) / 2) * 32 + c * 2 + kk % 2] = x.to_bits();
             }
         }
-    });
+    }
+}
+
+/// bf16 elements per packed B tile (`TILE`), for callers sizing buffers.
+pub(crate) const TILE_ELEMS: usize = TILE;
+
+/// This thread's AMX tile configuration, loaded while the value lives (released on
+/// drop); the products it runs are bounds-checked.
+pub(crate) struct Tiles {
+    /// Tile state is per thread: keep the value on its thread.
+    _not_send: std::marker::PhantomData<*const ()>,
+    /// Tests: compute the products in scalar code instead (any CPU).
+    #[cfg(test)]
+    emulate: bool,
+}
+
+impl Tiles {
+    /// Loads the configuration, or `None` when AMX is not [`available`].
+    pub(crate) fn load() -> Option<Tiles> {
+        imp::load().then_some(Tiles {
+            _not_send: std::marker::PhantomData,
+            #[cfg(test)]
+            emulate: false,
+        })
+    }
+
+    /// Tiles whose products run in scalar code with the same operand layouts, so that
+    /// callers' packing and indexing are tested on any CPU.
+    #[cfg(test)]
+    pub(crate) fn emulated() -> Option<Tiles> {
+        Some(Tiles {
+            _not_send: std::marker::PhantomData,
+            emulate: true,
+        })
+    }
+
+    /// `C (=|+=) A · B` for one 32 × 32 f32 block: `C[r, j] = c[r * ldc + j]`,
+    /// A is 32 rows of `32 * steps` bf16 bits, row `r` at `a[r * lda..]`, and B is packed
+    /// ([`pack_b_strided`]): `steps` tiles of the left 16 columns from `b[0]`, of the
+    /// right 16 from `b[b_next]`. `accumulate` adds to C instead of overwriting it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn block(
+        &self,
+        a: &[u16],
+        lda: usize,
+        b: &[u16],
+        b_next: usize,
+        steps: usize,
+        c: &mut [f32],
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        assert!(steps >= 1 && lda >= KB * steps && ldc >= 32);
+        assert!(a.len() >= 31 * lda + KB * steps);
+        assert!(b.len() >= b_next + steps * TILE && b_next >= steps * TILE);
+        assert!(c.len() >= 31 * ldc + 32);
+        #[cfg(test)]
+        if self.emulate {
+            let f = |h: u16| bf16::from_bits(h).to_f32();
+            for r in 0..32 {
+                for j in 0..32 {
+                    let bt = &b[(j / 16) * b_next + (j % 16) * 2..];
+                    let mut acc = if accumulate { c[r * ldc + j] } else { 0.0 };
+                    for s in 0..steps {
+                        for e in 0..KB {
+                            let bv = bt[s * TILE + (e / 2) * 32 + e % 2];
+                            acc += f(a[r * lda + s * KB + e]) * f(bv);
+                        }
+                    }
+                    c[r * ldc + j] = acc;
+                }
+            }
+            return;
+        }
+        // SAFETY: the configuration is loaded on this thread (`self` is not `Send`), and
+        // the asserts above keep every load and store inside the three slices.
+        unsafe {
+            imp::block_rm(
+                a.as_ptr(),
+                lda * 2,
+                b.as_ptr(),
+                b_next,
+                steps,
+                c.as_mut_ptr(),
+                ldc * 4,
+                accumulate,
+            );
+        }
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        #[cfg(test)]
+        if self.emulate {
+            return;
+        }
+        imp::release();
+    }
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -149,6 +282,10 @@ mod imp {
         *OK.get_or_init(|| {
             let f = kpt_core::hardware::cpu_info().features;
             if !(f.amx_tile && f.amx_bf16) {
+                return false;
+            }
+            if std::env::var("KPT_CPU_AMX").is_ok_and(|v| v == "off" || v == "0") {
+                tracing::debug!("AMX disabled by KPT_CPU_AMX");
                 return false;
             }
             // SAFETY: a plain system call with integer arguments; it only changes this
@@ -271,6 +408,89 @@ mod imp {
         }
     }
 
+    pub(super) fn load() -> bool {
+        if !available() {
+            return false;
+        }
+        let cfg = TileConfig::new();
+        // SAFETY: AMX is available and the configuration is valid.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
+        true
+    }
+
+    pub(super) fn release() {
+        // SAFETY: only called after `load` succeeded on this thread; no tile is live.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// As [`block`], but A is row-major: 32 rows `lda` bytes apart, each step 64 bytes
+    /// further; the right B tile column starts `b_next` elements after `b0`.
+    ///
+    /// # Safety
+    /// The configuration is loaded on this thread, `steps >= 1`, and all rows of A, the
+    /// `steps` tiles at `b0` and `b0 + b_next`, and the 32 × 32 f32 at `c` (rows `cs`
+    /// bytes apart) are in bounds.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block_rm(
+        a0: *const u16,
+        lda: usize,
+        b0: *const u16,
+        b_next: usize,
+        steps: usize,
+        c: *mut f32,
+        cs: usize,
+        accumulate: bool,
+    ) {
+        // SAFETY: per the function contract.
+        unsafe {
+            asm!(
+                "test {acc}, {acc}",
+                "jnz 3f",
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "jmp 2f",
+                "3:",
+                "tileloadd tmm0, [{c} + {cs}*1]",
+                "tileloadd tmm1, [{c} + {cs}*1 + 64]",
+                "tileloadd tmm2, [{c1} + {cs}*1]",
+                "tileloadd tmm3, [{c1} + {cs}*1 + 64]",
+                "2:",
+                "tileloadd tmm4, [{a0} + {lda}*1]",
+                "tileloadd tmm6, [{b0} + {s}*1]",
+                "tileloadd tmm5, [{a1} + {lda}*1]",
+                "tileloadd tmm7, [{b1} + {s}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {a0}, 64",
+                "add {a1}, 64",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c} + {cs}*1], tmm0",
+                "tilestored [{c} + {cs}*1 + 64], tmm1",
+                "tilestored [{c1} + {cs}*1], tmm2",
+                "tilestored [{c1} + {cs}*1 + 64], tmm3",
+                acc = in(reg) usize::from(accumulate),
+                a0 = inout(reg) a0 => _,
+                a1 = inout(reg) a0.byte_add(16 * lda) => _,
+                lda = in(reg) lda,
+                b0 = inout(reg) b0 => _,
+                b1 = inout(reg) b0.add(b_next) => _,
+                n = inout(reg) steps => _,
+                s = in(reg) 64usize,
+                c = in(reg) c,
+                c1 = in(reg) c.byte_add(16 * cs),
+                cs = in(reg) cs,
+                options(nostack),
+            );
+        }
+    }
+
     /// k tiles per pass over a task's blocks: one A block row (32 × 512 bf16, 32 KiB)
     /// then stays in L1 while it meets the task's B blocks (in L2).
     const KSTEPS: usize = 16;
@@ -293,9 +513,8 @@ mod imp {
             let (rows, cols) = (TASK.min(mb - r0), TASK.min(nb - c0));
             // The task's f32 accumulators, [rows][TASK].
             let mut acc = vec![0f32; rows * TASK];
-            let cfg = TileConfig::new();
-            // SAFETY: AMX is available (checked by the caller) and the config is valid.
-            unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
+            // `matmul_bf16` checked `available()`, so the configuration loads.
+            assert!(load(), "AMX tile configuration failed to load");
             for k0 in (0..kt).step_by(KSTEPS) {
                 let steps = KSTEPS.min(kt - k0);
                 for i in (0..rows).step_by(MB) {
@@ -318,8 +537,7 @@ mod imp {
                     }
                 }
             }
-            // SAFETY: releases this thread's tile state; no tile is live.
-            unsafe { asm!("tilerelease", options(nostack, nomem)) };
+            release();
             for r in 0..rows.min(m - r0) {
                 let src = &acc[r * TASK..][..cols.min(n - c0)];
                 for (x, &v) in src.iter().enumerate() {
@@ -338,6 +556,26 @@ mod imp {
 
     pub(super) fn available() -> bool {
         false
+    }
+
+    pub(super) fn load() -> bool {
+        false
+    }
+
+    pub(super) fn release() {}
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block_rm(
+        _: *const u16,
+        _: usize,
+        _: *const u16,
+        _: usize,
+        _: usize,
+        _: *mut f32,
+        _: usize,
+        _: bool,
+    ) {
+        unreachable!("AMX is never available on this target")
     }
 
     pub(super) fn run<T: Encode>(_: &[u16], _: &[u16], _: &mut [T], _: usize, _: usize, _: usize) {

@@ -20,8 +20,9 @@
 use std::borrow::Cow;
 
 use half::bf16;
-use kpt_core::{KptError, Result};
+use kpt_core::{DType, KptError, Result};
 
+use super::attention_amx;
 use super::par::for_each_row;
 use super::shapes::AttentionShape;
 use super::simd::{dispatch, exp_f32, fmadd, hsum, Decode, Encode};
@@ -245,6 +246,72 @@ fn exp_inplace_sum(x: &mut [f32], shift: f32) -> f32 {
     hsum(acc) + t
 }
 
+/// One key block of the online softmax on the score tile `st` (rows `bkv` apart):
+/// adds the mask, masks keys beyond each query's limit, updates the running max `m`
+/// and sum `l`, leaves `exp(s - m)` in `st` and rescales the rows of the accumulator
+/// `o` (rows `dp` apart). `rows` = (first query, real rows, padded rows; padded rows
+/// become 0), `keys` = (first key, keys in the block).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn online_softmax(
+    s: &AttentionShape,
+    mask: Option<&[f32]>,
+    st: &mut [f32],
+    bkv: usize,
+    (i0, rows, rows_pad): (usize, usize, usize),
+    (j0, nk): (usize, usize),
+    (m_run, l_run): (&mut [f32], &mut [f32]),
+    o: &mut [f32],
+    dp: usize,
+) {
+    for r in 0..rows_pad {
+        let srow = &mut st[r * bkv..r * bkv + nk];
+        if r >= rows {
+            srow.fill(0.0);
+            continue;
+        }
+        let i = i0 + r;
+        let valid = s.key_limit(i).saturating_sub(j0).min(nk);
+        if let Some(mask) = mask {
+            let mrow = &mask[i * s.seq_kv + j0..i * s.seq_kv + j0 + valid];
+            srow[..valid]
+                .iter_mut()
+                .zip(mrow)
+                .for_each(|(x, &a)| *x += a);
+        }
+        srow[valid..].fill(f32::NEG_INFINITY);
+        let bm = max16(srow);
+        let m_new = if bm > m_run[r] { bm } else { m_run[r] };
+        if m_new == f32::NEG_INFINITY {
+            srow.fill(0.0);
+            continue;
+        }
+        let alpha = exp_f32(m_run[r] - m_new);
+        let sum = exp_inplace_sum(srow, m_new);
+        l_run[r] = l_run[r] * alpha + sum;
+        m_run[r] = m_new;
+        if alpha != 1.0 {
+            o[r * dp..(r + 1) * dp].iter_mut().for_each(|x| *x *= alpha);
+        }
+    }
+}
+
+/// `out[r, ..d] = o[r, ..d] / l[r]` for each row (0 where no key was visible).
+#[inline(always)]
+pub(super) fn normalize(out: &mut [f32], o: &[f32], dp: usize, d: usize, l_run: &[f32]) {
+    for (r, &l) in l_run.iter().enumerate() {
+        let dst = &mut out[r * d..(r + 1) * d];
+        if l > 0.0 {
+            let inv = 1.0 / l;
+            for (x, &a) in dst.iter_mut().zip(&o[r * dp..r * dp + d]) {
+                *x = a * inv;
+            }
+        } else {
+            dst.fill(0.0);
+        }
+    }
+}
+
 /// One task: queries `qb*bq ..` of head `h` in batch `b` (`t = (b*H + h)*nqb + qb`);
 /// writes `[rows, head_dim]` at the start of `out`.
 #[inline(always)]
@@ -304,36 +371,18 @@ fn task<M: Tile>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
             }
         }
         // Mask, online softmax, rescale the accumulator.
-        for r in 0..rows_pad {
-            let srow = &mut st[r * bkv..r * bkv + nk];
-            if r >= rows {
-                srow.fill(0.0);
-                continue;
-            }
-            let i = i0 + r;
-            let valid = s.key_limit(i).saturating_sub(j0).min(nk);
-            if let Some(mask) = c.mask {
-                let mrow = &mask[i * s.seq_kv + j0..i * s.seq_kv + j0 + valid];
-                srow[..valid]
-                    .iter_mut()
-                    .zip(mrow)
-                    .for_each(|(x, &a)| *x += a);
-            }
-            srow[valid..].fill(f32::NEG_INFINITY);
-            let bm = max16(srow);
-            let m_new = if bm > m_run[r] { bm } else { m_run[r] };
-            if m_new == f32::NEG_INFINITY {
-                srow.fill(0.0);
-                continue;
-            }
-            let alpha = exp_f32(m_run[r] - m_new);
-            let sum = exp_inplace_sum(srow, m_new);
-            l_run[r] = l_run[r] * alpha + sum;
-            m_run[r] = m_new;
-            if alpha != 1.0 {
-                o[r * dp..(r + 1) * dp].iter_mut().for_each(|x| *x *= alpha);
-            }
-        }
+        let run = (&mut m_run[..], &mut l_run[..]);
+        online_softmax(
+            s,
+            c.mask,
+            &mut st,
+            bkv,
+            (i0, rows, rows_pad),
+            (j0, nk),
+            run,
+            &mut o,
+            dp,
+        );
         // O += P·V.
         for r0 in (0..rows_pad).step_by(qr) {
             let p = &st[r0 * bkv..];
@@ -345,17 +394,7 @@ fn task<M: Tile>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
         }
         j0 += nk;
     }
-    for r in 0..rows {
-        let dst = &mut out[r * d..(r + 1) * d];
-        if l_run[r] > 0.0 {
-            let inv = 1.0 / l_run[r];
-            for (x, &a) in dst.iter_mut().zip(&o[r * dp..r * dp + d]) {
-                *x = a * inv;
-            }
-        } else {
-            dst.fill(0.0);
-        }
-    }
+    normalize(out, &o, dp, d, &l_run);
 }
 
 dispatch!(
@@ -381,9 +420,11 @@ pub fn attention(
     attention_impl(q, k, v, mask, out, shape, block_q, block_kv, task_d)
 }
 
-/// [`attention`] on bf16 `q`, `k`, `v` and `out` (the mask stays f32): the operands are
-/// widened to f32 while they are repacked, everything is computed in f32, and each output
-/// is rounded once (to nearest even) to bf16.
+/// [`attention`] on bf16 `q`, `k`, `v` and `out` (the mask stays f32). On CPUs with AMX
+/// both products run on bf16 tiles with f32 accumulation (the scaled queries and the
+/// softmax probabilities are rounded to bf16 first, as FlashAttention does); elsewhere
+/// the operands are widened to f32 while they are repacked and everything is computed
+/// in f32. Each output is rounded once (to nearest even) to bf16.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bf16(
     q: &[bf16],
@@ -395,7 +436,34 @@ pub fn attention_bf16(
     block_q: usize,
     block_kv: usize,
 ) -> Result<()> {
+    if attention_amx::available() {
+        check(q, k, v, mask, out, shape, block_q, block_kv)?;
+        attention_amx::attention(q, k, v, mask, out, shape, block_q, block_kv);
+        return Ok(());
+    }
     attention_impl(q, k, v, mask, out, shape, block_q, block_kv, task_d)
+}
+
+/// The error bound `(abs, rel)` of [`attention_bf16`] on this CPU against the f64
+/// reference of the same bf16 inputs: `|got - want| <= abs + rel·|want|`. It is the
+/// bf16 [`tolerance`](super::tolerance) (f32 math, one output rounding), plus on AMX
+/// CPUs the effect of rounding the scaled queries and the probabilities to bf16:
+/// `2⁻⁸·max|v|·(4 + 4·scale·√d·max|q|·max|k|)` (a probabilistic bound on the score
+/// error; unstructured inputs stay well inside it).
+pub fn attention_bf16_tolerance(
+    q: &[bf16],
+    k: &[bf16],
+    v: &[bf16],
+    shape: &AttentionShape,
+) -> (f64, f64) {
+    let (abs, rel) = super::tolerance(DType::BF16, shape.seq_kv + shape.head_dim);
+    if !attention_amx::available() {
+        return (abs, rel);
+    }
+    let max = |x: &[bf16]| x.iter().fold(0f64, |m, a| m.max(a.to_f64().abs()));
+    let score = shape.scale * (shape.head_dim as f64).sqrt() * max(q) * max(k);
+    let extra = DType::BF16.epsilon() * max(v) * (4.0 + 4.0 * score);
+    (abs + extra, rel)
 }
 
 /// One task of [`attention_impl`] (see [`task`]).
@@ -413,19 +481,7 @@ fn attention_impl<T: Decode + Encode>(
     block_kv: usize,
     task: TaskFn,
 ) -> Result<()> {
-    shape.check_buffers(
-        "attention",
-        q.len(),
-        k.len(),
-        v.len(),
-        mask.map(<[f32]>::len),
-        out.len(),
-    )?;
-    if block_q == 0 || block_kv == 0 {
-        return Err(KptError::InvalidArgument(format!(
-            "attention: block sizes must be positive, got block_q {block_q}, block_kv {block_kv}"
-        )));
-    }
+    check(q, k, v, mask, out, shape, block_q, block_kv)?;
     let s = *shape;
     let d = s.head_dim;
     if out.is_empty() {
@@ -498,8 +554,43 @@ fn attention_impl<T: Decode + Encode>(
         .saturating_mul(4);
     for_each_row(&mut out_t, bq * d, task_cost, |t, o| task(&ctx, t, o));
 
-    // Scatter into [batch, seq_q, heads * head_dim], rounding to the output dtype.
-    let q_row = s.q_row();
+    scatter(&out_t, out, &s, bq);
+    Ok(())
+}
+
+/// Validates the operands of an attention call.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check<T>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: Option<&[f32]>,
+    out: &[T],
+    shape: &AttentionShape,
+    block_q: usize,
+    block_kv: usize,
+) -> Result<()> {
+    shape.check_buffers(
+        "attention",
+        q.len(),
+        k.len(),
+        v.len(),
+        mask.map(<[f32]>::len),
+        out.len(),
+    )?;
+    if block_q == 0 || block_kv == 0 {
+        return Err(KptError::InvalidArgument(format!(
+            "attention: block sizes must be positive, got block_q {block_q}, block_kv {block_kv}"
+        )));
+    }
+    Ok(())
+}
+
+/// Scatters task outputs `[batch, heads, query blocks × bq, head_dim]` into
+/// `[batch, seq_q, heads × head_dim]`, rounding to the output dtype.
+pub(super) fn scatter<T: Encode>(out_t: &[f32], out: &mut [T], s: &AttentionShape, bq: usize) {
+    let (d, q_row) = (s.head_dim, s.q_row());
+    let nqb = s.seq_q.div_ceil(bq);
     for_each_row(out, q_row, q_row, |bi, row| {
         let (b, i) = (bi / s.seq_q, bi % s.seq_q);
         for h in 0..s.num_heads {
@@ -509,7 +600,6 @@ fn attention_impl<T: Decode + Encode>(
             }
         }
     });
-    Ok(())
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 
 mod amx;
 pub mod attention;
+mod attention_amx;
 pub mod elementwise;
 pub mod gemm;
 pub mod linear;
@@ -28,7 +29,9 @@ mod simd;
 
 use kpt_core::DType;
 
-pub use attention::{attention, attention_bf16, DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q};
+pub use attention::{
+    attention, attention_bf16, attention_bf16_tolerance, DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q,
+};
 pub use elementwise::{
     activation, add, cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16,
     dequantize_f8e4m3, dequantize_f8e5m2, dequantize_i8, embedding, mul, quantize_f8e4m3,

@@ -1,0 +1,253 @@
+//! bf16 attention on AMX tiles: the blocked online-softmax attention of
+//! [`attention`](super::attention), with both products (`S = Q·Kᵀ` and `O += P·V`) as
+//! `TDPBF16PS` tile products (bf16 inputs, f32 accumulation) and the softmax in f32.
+//!
+//! Per (batch, kv head), K and V are packed once into pair-interleaved B tiles
+//! (`Kᵀ`: k = head_dim, n = keys; `V`: k = keys, n = head_dim). Each task scales its
+//! query block, rounds it to bf16 and reads it in place as A tiles; after the softmax
+//! the probabilities are rounded to bf16 (as in FlashAttention's bf16 kernels) and read
+//! in place as A tiles of the `P·V` product, which accumulates into the f32 output
+//! block. Query blocks, keys and head_dim are padded to multiples of 32.
+
+use half::bf16;
+
+use super::amx::{self, Tiles, TILE_ELEMS as TILE};
+use super::attention::{normalize, online_softmax, scatter};
+use super::par::for_each_row;
+use super::shapes::AttentionShape;
+use super::simd::{dispatch, f32_to_bf16_bits, Decode};
+
+/// Tile edge of the products (rows, keys and head_dim are padded to it).
+const T: usize = 32;
+
+/// Read-only state shared by the tasks.
+struct Ctx<'a> {
+    s: AttentionShape,
+    q: &'a [bf16],
+    /// Kᵀ tiles per (batch, kv head): `[skv_pad / 16][d_pad / 32]`.
+    kp: &'a [u16],
+    /// V tiles per (batch, kv head): `[d_pad / 16][skv_pad / 32]`.
+    vp: &'a [u16],
+    mask: Option<&'a [f32]>,
+    scale: f32,
+    bq: usize,
+    bkv: usize,
+    nqb: usize,
+    skv_pad: usize,
+    d_pad: usize,
+    /// Loads this thread's tiles ([`Tiles::load`]; tests emulate them).
+    tiles: fn() -> Option<Tiles>,
+}
+
+/// Whether the AMX path runs on this machine.
+pub(crate) fn available() -> bool {
+    amx::available()
+}
+
+/// [`attention_bf16`](super::attention_bf16) on AMX tiles; the operands are validated by
+/// the caller and [`available`] is true. `block_q` / `block_kv` are rounded up to 32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    q: &[bf16],
+    k: &[bf16],
+    v: &[bf16],
+    mask: Option<&[f32]>,
+    out: &mut [bf16],
+    s: &AttentionShape,
+    block_q: usize,
+    block_kv: usize,
+) {
+    attention_with(q, k, v, mask, out, s, block_q, block_kv, Tiles::load);
+}
+
+/// [`attention`] with the given way of loading tiles.
+#[allow(clippy::too_many_arguments)]
+fn attention_with(
+    q: &[bf16],
+    k: &[bf16],
+    v: &[bf16],
+    mask: Option<&[f32]>,
+    out: &mut [bf16],
+    s: &AttentionShape,
+    block_q: usize,
+    block_kv: usize,
+    tiles: fn() -> Option<Tiles>,
+) {
+    let d = s.head_dim;
+    if out.is_empty() {
+        return;
+    }
+    let (skv_pad, d_pad) = (s.seq_kv.next_multiple_of(T), d.next_multiple_of(T));
+    let kv_row = s.kv_row();
+    let k_tiles = (skv_pad / 16) * (d_pad / T) * TILE;
+    let v_tiles = (d_pad / 16) * (skv_pad / T) * TILE;
+    let mut kp = vec![0u16; s.batch * s.num_kv_heads * k_tiles];
+    let mut vp = vec![0u16; s.batch * s.num_kv_heads * v_tiles];
+    let cost = s.seq_kv * d;
+    for_each_row(&mut kp, k_tiles, cost, |bg, dst| {
+        let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
+        let src = &k[b * s.seq_kv * kv_row + g * d..];
+        amx::pack_bt_strided(src, kv_row, d, s.seq_kv, dst);
+    });
+    for_each_row(&mut vp, v_tiles, cost, |bg, dst| {
+        let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
+        let src = &v[b * s.seq_kv * kv_row + g * d..];
+        amx::pack_b_strided(src, kv_row, s.seq_kv, d, dst);
+    });
+
+    let bq = block_q.next_multiple_of(T).min(s.seq_q.next_multiple_of(T));
+    let nqb = s.seq_q.div_ceil(bq);
+    let ctx = Ctx {
+        s: *s,
+        q,
+        kp: &kp,
+        vp: &vp,
+        mask,
+        scale: s.scale as f32,
+        bq,
+        bkv: block_kv.next_multiple_of(T),
+        nqb,
+        skv_pad,
+        d_pad,
+        tiles,
+    };
+    let mut out_t = vec![0f32; s.batch * s.num_heads * nqb * bq * d];
+    let task_cost = bq.saturating_mul(s.seq_kv.max(1)).saturating_mul(d);
+    for_each_row(&mut out_t, bq * d, task_cost, |t, o| task_d(&ctx, t, o));
+    scatter(&out_t, out, s, bq);
+}
+
+/// One task: queries `qb*bq ..` of head `h` in batch `b` (`t = (b*H + h)*nqb + qb`);
+/// writes `[rows, head_dim]` at the start of `out`. `_W` only selects the instruction
+/// set of the softmax code (see [`dispatch!`]).
+#[inline(always)]
+fn task<const _W: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
+    let s = &c.s;
+    let (d, dp, bkv) = (s.head_dim, c.d_pad, c.bkv);
+    let (bh, qb) = (t / c.nqb, t % c.nqb);
+    let (b, h) = (bh / s.num_heads, bh % s.num_heads);
+    let g = h / s.group_size();
+    let i0 = qb * c.bq;
+    if i0 >= s.seq_q {
+        return;
+    }
+    let rows = c.bq.min(s.seq_q - i0);
+    let rows_pad = rows.next_multiple_of(T);
+    let Some(tiles) = (c.tiles)() else {
+        unreachable!("the AMX attention runs only where AMX is available")
+    };
+
+    // Scaled queries in bf16, [rows_pad][d_pad], zero-padded.
+    let mut qb16 = vec![0u16; rows_pad * dp];
+    for r in 0..rows {
+        let src = &c.q[(b * s.seq_q + i0 + r) * s.q_row() + h * d..][..d];
+        for (dst, &x) in qb16[r * dp..r * dp + d].iter_mut().zip(src) {
+            *dst = f32_to_bf16_bits(x.decode() * c.scale);
+        }
+    }
+    let mut st = vec![0f32; rows_pad * bkv];
+    let mut pb = vec![0u16; rows_pad * bkv];
+    let mut o = vec![0f32; rows_pad * dp];
+    let mut m_run = vec![f32::NEG_INFINITY; rows];
+    let mut l_run = vec![0f32; rows];
+
+    let bg = b * s.num_kv_heads + g;
+    let (dkt, skt) = (dp / T, c.skv_pad / T);
+    let k_tiles = (c.skv_pad / 16) * dkt * TILE;
+    let v_tiles = (dp / 16) * skt * TILE;
+    let kp = &c.kp[bg * k_tiles..(bg + 1) * k_tiles];
+    let vp = &c.vp[bg * v_tiles..(bg + 1) * v_tiles];
+    let kv_end = s
+        .key_limit(i0 + rows - 1)
+        .next_multiple_of(T)
+        .min(c.skv_pad);
+
+    let mut j0 = 0;
+    while j0 < kv_end {
+        let nk = bkv.min(kv_end - j0);
+        for i in (0..rows_pad).step_by(T) {
+            for j in (0..nk).step_by(T) {
+                let kt = &kp[(j0 + j) / 16 * dkt * TILE..];
+                let c_blk = &mut st[i * bkv + j..];
+                tiles.block(&qb16[i * dp..], dp, kt, dkt * TILE, dkt, c_blk, bkv, false);
+            }
+        }
+        let run = (&mut m_run[..], &mut l_run[..]);
+        online_softmax(
+            s,
+            c.mask,
+            &mut st,
+            bkv,
+            (i0, rows, rows_pad),
+            (j0, nk),
+            run,
+            &mut o,
+            dp,
+        );
+        for (prow, srow) in pb.chunks_exact_mut(bkv).zip(st.chunks_exact(bkv)) {
+            for (y, &x) in prow[..nk].iter_mut().zip(&srow[..nk]) {
+                *y = f32_to_bf16_bits(x);
+            }
+        }
+        for i in (0..rows_pad).step_by(T) {
+            for dn in (0..dp).step_by(T) {
+                let vt = &vp[(dn / 16 * skt + j0 / T) * TILE..];
+                let o_blk = &mut o[i * dp + dn..];
+                tiles.block(&pb[i * bkv..], bkv, vt, skt * TILE, nk / T, o_blk, dp, true);
+            }
+        }
+        j0 += nk;
+    }
+    drop(tiles);
+    normalize(out, &o, dp, d, &l_run);
+}
+
+dispatch!(fn task_d(c: &Ctx<'_>, t: usize, out: &mut [f32]) => task);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::reference;
+    use kpt_core::rand::SplitMix64;
+
+    /// The AMX attention's packing, blocking and softmax with emulated tile products
+    /// (any CPU), against the f64 reference.
+    #[test]
+    fn emulated_tiles_match_reference() {
+        let mut rng = SplitMix64::new(5);
+        let shapes = [
+            (AttentionShape::new(1, 1, 1, 1, 1, 1, false), 32, 32),
+            (AttentionShape::new(2, 13, 37, 4, 2, 24, true), 32, 32),
+            (AttentionShape::new(1, 70, 45, 2, 1, 64, false), 64, 32),
+            (AttentionShape::new(1, 33, 300, 2, 2, 128, true), 64, 256),
+            (AttentionShape::new(1, 40, 40, 4, 1, 40, false), 16, 50),
+        ];
+        for (shape, bq, bkv) in shapes {
+            let gen = |rng: &mut SplitMix64, n: usize| -> Vec<bf16> {
+                (0..n)
+                    .map(|_| bf16::from_f32(rng.uniform(-1.0, 1.0)))
+                    .collect()
+            };
+            let (q, k, v) = (
+                gen(&mut rng, shape.q_len()),
+                gen(&mut rng, shape.kv_len()),
+                gen(&mut rng, shape.kv_len()),
+            );
+            let mask: Vec<f32> = (0..shape.mask_len())
+                .map(|_| rng.uniform(-2.0, 0.5))
+                .collect();
+            let f64s = |x: &[bf16]| x.iter().map(|a| a.to_f64()).collect::<Vec<_>>();
+            let mask64: Vec<f64> = mask.iter().map(|&a| f64::from(a)).collect();
+            let mut want = vec![0f64; shape.q_len()];
+            let (q64, k64, v64) = (f64s(&q), f64s(&k), f64s(&v));
+            reference::attention(&q64, &k64, &v64, Some(&mask64), &mut want, &shape).unwrap();
+            let mut got = vec![bf16::NAN; shape.q_len()];
+            let load = Tiles::emulated;
+            attention_with(&q, &k, &v, Some(&mask), &mut got, &shape, bq, bkv, load);
+            for (i, (g, &w)) in got.iter().zip(&want).enumerate() {
+                let tol = 2e-2 * w.abs().max(0.25);
+                assert!((g.to_f64() - w).abs() <= tol, "{shape:?} [{i}]: {g} vs {w}");
+            }
+        }
+    }
+}
