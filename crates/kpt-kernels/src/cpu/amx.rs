@@ -11,8 +11,7 @@
 //! `TDPBF16PS` (f32 accumulation of bf16 products, like the portable path).
 //! Rayon tasks own a 128 × 128 output rectangle each, accumulated in f32 over passes of
 //! 512 k: within a pass one 32-row A block (32 KiB) stays in L1 while it meets the
-//! task's four B blocks (128 KiB, in L2). Packed buffers are kept per calling thread,
-//! so repeated calls do not fault in fresh pages.
+//! task's four B blocks (128 KiB, in L2). Packed operands live in [`Scratch`] buffers.
 //!
 //! The tile instructions are written as inline assembly: Rust's AMX intrinsics are not
 //! stable. Linux only grants the tile state to a process that asks for it
@@ -20,6 +19,7 @@
 
 use half::bf16;
 
+use super::scratch::Scratch;
 use super::simd::Encode;
 
 /// Rows / columns of one output micro-block (two tiles each way).
@@ -64,42 +64,19 @@ pub(crate) fn matmul_bf16<T: Encode>(
         k.div_ceil(KB),
         n.next_multiple_of(MB) / 16,
     );
-    PACKED.with_borrow_mut(|(ap, bp)| {
-        pack_a(a, m, k, mt, kt, ap);
-        pack_b(b, k, n, kt, nt, bp);
-        imp::run(ap, bp, out, m, n, kt);
-        // Keep the buffers for the next call (no page faults on reuse), unless large.
-        for v in [ap, bp] {
-            if v.capacity() > MAX_KEPT {
-                *v = Vec::new();
-            }
-        }
-    });
+    let mut ap = Scratch::new(mt * kt * TILE);
+    let mut bp = Scratch::new(nt * kt * TILE);
+    pack_a(a, m, k, kt, &mut ap);
+    pack_b(b, k, n, kt, &mut bp);
+    imp::run(&ap, &bp, out, m, n, kt);
     true
 }
 
-thread_local! {
-    /// Packed-operand buffers kept per calling thread.
-    static PACKED: std::cell::RefCell<(Vec<u16>, Vec<u16>)> = const {
-        std::cell::RefCell::new((Vec::new(), Vec::new()))
-    };
-}
-
-/// Largest packed buffer (elements) kept between calls: 32 MiB.
-const MAX_KEPT: usize = 16 << 20;
-
-/// Clears `v` and refills it with `len` zeros (reusing its allocation).
-fn zeroed(v: &mut Vec<u16>, len: usize) -> &mut [u16] {
-    v.clear();
-    v.resize(len, 0);
-    v
-}
-
-/// Packs A into `ap` as `[mt][kt]` tiles of 16 rows × 32 columns (bf16 bits),
-/// zero-padded.
-fn pack_a(a: &[bf16], m: usize, k: usize, mt: usize, kt: usize, ap: &mut Vec<u16>) {
-    let dst = zeroed(ap, mt * kt * TILE);
-    super::par::for_each_row(dst, kt * TILE, 16 * k, |t, dst| {
+/// Packs A into `ap` (`[m / 16][kt]` tiles) as tiles of 16 rows × 32 columns (bf16
+/// bits), zero-padded.
+fn pack_a(a: &[bf16], m: usize, k: usize, kt: usize, ap: &mut [u16]) {
+    super::par::for_each_row(ap, kt * TILE, 16 * k, |t, dst| {
+        dst.fill(0);
         for r in 0..16.min(m.saturating_sub(t * 16)) {
             let row = &a[(t * 16 + r) * k..][..k];
             for (s, chunk) in row.chunks(KB).enumerate() {
@@ -112,11 +89,11 @@ fn pack_a(a: &[bf16], m: usize, k: usize, mt: usize, kt: usize, ap: &mut Vec<u16
     });
 }
 
-/// Packs B into `bp` as `[nt][kt]` tiles of 16 k-pairs × 16 columns × 2 (bf16 bits),
+/// Packs B into `bp` (`[n / 16][kt]` tiles) as tiles of 16 k-pairs × 16 columns × 2 (bf16 bits),
 /// zero-padded: element `(p, c)` of column `c` at k = 2p + s sits at `p * 32 + c * 2 + s`.
-fn pack_b(b: &[bf16], k: usize, n: usize, kt: usize, nt: usize, bp: &mut Vec<u16>) {
-    let dst = zeroed(bp, nt * kt * TILE);
-    super::par::for_each_row(dst, kt * TILE, 16 * k, |t, dst| {
+fn pack_b(b: &[bf16], k: usize, n: usize, kt: usize, bp: &mut [u16]) {
+    super::par::for_each_row(bp, kt * TILE, 16 * k, |t, dst| {
+        dst.fill(0);
         pack_b_tiles(dst, t, k, n, |kk, c0, cols| &b[kk * n + c0..][..cols]);
     });
 }
@@ -637,9 +614,9 @@ mod tests {
                 k.div_ceil(KB),
                 n.next_multiple_of(MB) / 16,
             );
-            let (mut ap, mut bp) = (Vec::new(), Vec::new());
-            pack_a(&a, m, k, mt, kt, &mut ap);
-            pack_b(&b, k, n, kt, nt, &mut bp);
+            let (mut ap, mut bp) = (vec![1; mt * kt * TILE], vec![1; nt * kt * TILE]);
+            pack_a(&a, m, k, kt, &mut ap);
+            pack_b(&b, k, n, kt, &mut bp);
             let f = |h: u16| bf16::from_bits(h).to_f32();
             let mut got = vec![0f32; m * n];
             for i in 0..m {

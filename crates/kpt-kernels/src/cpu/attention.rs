@@ -17,13 +17,12 @@
 //! layout strides by `seq_kv` floats, a power of two for usual lengths, and thrashes
 //! the L1 sets: attention ran at half the speed.)
 
-use std::borrow::Cow;
-
 use half::bf16;
 use kpt_core::{DType, KptError, Result};
 
 use super::attention_amx;
 use super::par::for_each_row;
+use super::scratch::Scratch;
 use super::shapes::AttentionShape;
 use super::simd::{dispatch, exp_f32, fmadd, hsum, Decode, Encode};
 use super::softmax::max16;
@@ -493,25 +492,27 @@ fn attention_impl<T: Decode + Encode>(
     let kv_row = s.kv_row();
 
     // Queries as f32 (borrowed when they already are).
-    let q32: Cow<'_, [f32]> = match T::as_f32(q) {
-        Some(q) => Cow::Borrowed(q),
+    let mut q_wide = None;
+    let q32: &[f32] = match T::as_f32(q) {
+        Some(q) => q,
         None => {
-            let mut w = vec![0f32; q.len()];
+            let w = q_wide.insert(Scratch::new(q.len()));
             let row = s.q_row().max(1);
-            for_each_row(&mut w, row, row, |r, dst| {
+            for_each_row(w, row, row, |r, dst| {
                 for (o, &x) in dst.iter_mut().zip(&q[r * row..]) {
                     *o = x.decode();
                 }
             });
-            Cow::Owned(w)
+            w
         }
     };
 
     // Pack K and V into 16-wide panels per (batch, kv head), widened to f32.
-    let mut kp = vec![0f32; groups * d * skv_pad];
-    let mut vp = vec![0f32; groups * skv_pad * d_pad];
+    let mut kp = Scratch::new(groups * d * skv_pad);
+    let mut vp = Scratch::new(groups * skv_pad * d_pad);
     let cost = s.seq_kv * d;
     for_each_row(&mut kp, d * skv_pad, cost, |bg, dst| {
+        dst.fill(0.0);
         let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
         for j in 0..s.seq_kv {
             let src = &k[(b * s.seq_kv + j) * kv_row + g * d..][..d];
@@ -522,6 +523,7 @@ fn attention_impl<T: Decode + Encode>(
         }
     });
     for_each_row(&mut vp, skv_pad * d_pad, cost, |bg, dst| {
+        dst.fill(0.0);
         let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
         for j in 0..s.seq_kv {
             let src = &v[(b * s.seq_kv + j) * kv_row + g * d..][..d];
@@ -535,7 +537,7 @@ fn attention_impl<T: Decode + Encode>(
     let nqb = s.seq_q.div_ceil(bq);
     let ctx = Ctx {
         s,
-        q: &q32,
+        q: q32,
         kp: &kp,
         vp: &vp,
         mask,
@@ -547,7 +549,8 @@ fn attention_impl<T: Decode + Encode>(
         d_pad,
     };
     // Task outputs, [batch, heads, nqb * bq, head_dim] (query blocks padded).
-    let mut out_t = vec![0f32; s.batch * s.num_heads * nqb * bq * d];
+    // Every row that `scatter` reads is written by its task.
+    let mut out_t = Scratch::new(s.batch * s.num_heads * nqb * bq * d);
     let task_cost = bq
         .saturating_mul(s.seq_kv.max(1))
         .saturating_mul(d)

@@ -14,6 +14,7 @@ use half::bf16;
 use super::amx::{self, Tiles, TILE_ELEMS as TILE};
 use super::attention::{normalize, online_softmax, scatter};
 use super::par::for_each_row;
+use super::scratch::Scratch;
 use super::shapes::AttentionShape;
 use super::simd::{dispatch, f32_to_bf16_bits, Decode};
 
@@ -81,15 +82,17 @@ fn attention_with(
     let kv_row = s.kv_row();
     let k_tiles = (skv_pad / 16) * (d_pad / T) * TILE;
     let v_tiles = (d_pad / 16) * (skv_pad / T) * TILE;
-    let mut kp = vec![0u16; s.batch * s.num_kv_heads * k_tiles];
-    let mut vp = vec![0u16; s.batch * s.num_kv_heads * v_tiles];
+    let mut kp = Scratch::new(s.batch * s.num_kv_heads * k_tiles);
+    let mut vp = Scratch::new(s.batch * s.num_kv_heads * v_tiles);
     let cost = s.seq_kv * d;
     for_each_row(&mut kp, k_tiles, cost, |bg, dst| {
+        dst.fill(0);
         let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
         let src = &k[b * s.seq_kv * kv_row + g * d..];
         amx::pack_bt_strided(src, kv_row, d, s.seq_kv, dst);
     });
     for_each_row(&mut vp, v_tiles, cost, |bg, dst| {
+        dst.fill(0);
         let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
         let src = &v[b * s.seq_kv * kv_row + g * d..];
         amx::pack_b_strided(src, kv_row, s.seq_kv, d, dst);
@@ -111,7 +114,8 @@ fn attention_with(
         d_pad,
         tiles,
     };
-    let mut out_t = vec![0f32; s.batch * s.num_heads * nqb * bq * d];
+    // Every row that `scatter` reads is written by its task.
+    let mut out_t = Scratch::new(s.batch * s.num_heads * nqb * bq * d);
     let task_cost = bq.saturating_mul(s.seq_kv.max(1)).saturating_mul(d);
     for_each_row(&mut out_t, bq * d, task_cost, |t, o| task_d(&ctx, t, o));
     scatter(&out_t, out, s, bq);

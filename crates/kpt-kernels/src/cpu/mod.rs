@@ -25,6 +25,7 @@ pub mod softmax;
 pub mod special;
 
 mod par;
+mod scratch;
 mod simd;
 
 use kpt_core::DType;
