@@ -247,9 +247,10 @@ fn exp_inplace_sum(x: &mut [f32], shift: f32) -> f32 {
 
 /// One key block of the online softmax on the score tile `st` (rows `bkv` apart):
 /// adds the mask, masks keys beyond each query's limit, updates the running max `m`
-/// and sum `l`, leaves `exp(s - m)` in `st` and rescales the rows of the accumulator
-/// `o` (rows `dp` apart). `rows` = (first query, real rows, padded rows; padded rows
-/// become 0), `keys` = (first key, keys in the block).
+/// and sum `l`, has `exp_sum(r, row, m)` turn row `r` into probabilities `exp(s - m)`
+/// (in place or elsewhere) and return their sum, and rescales the rows of the
+/// accumulator `o` (rows `dp` apart). `rows` = (first query, real rows, padded rows;
+/// padded rows become 0 in `st`), `keys` = (first key, keys in the block).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn online_softmax(
@@ -262,6 +263,7 @@ pub(super) fn online_softmax(
     (m_run, l_run): (&mut [f32], &mut [f32]),
     o: &mut [f32],
     dp: usize,
+    mut exp_sum: impl FnMut(usize, &mut [f32], f32) -> f32,
 ) {
     for r in 0..rows_pad {
         let srow = &mut st[r * bkv..r * bkv + nk];
@@ -286,7 +288,7 @@ pub(super) fn online_softmax(
             continue;
         }
         let alpha = exp_f32(m_run[r] - m_new);
-        let sum = exp_inplace_sum(srow, m_new);
+        let sum = exp_sum(r, srow, m_new);
         l_run[r] = l_run[r] * alpha + sum;
         m_run[r] = m_new;
         if alpha != 1.0 {
@@ -381,6 +383,7 @@ fn task<M: Tile>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
             run,
             &mut o,
             dp,
+            |_, row, m| exp_inplace_sum(row, m),
         );
         // O += P·V.
         for r0 in (0..rows_pad).step_by(qr) {

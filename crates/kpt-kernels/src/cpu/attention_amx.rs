@@ -16,7 +16,7 @@ use super::attention::{normalize, online_softmax, scatter};
 use super::par::for_each_row;
 use super::scratch::Scratch;
 use super::shapes::AttentionShape;
-use super::simd::{dispatch, f32_to_bf16_bits, Decode};
+use super::simd::{dispatch, exp_f32, f32_to_bf16_bits, Decode};
 
 /// Tile edge of the products (rows, keys and head_dim are padded to it).
 const T: usize = 32;
@@ -187,12 +187,10 @@ fn task<const _W: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
             run,
             &mut o,
             dp,
+            // Probabilities go to `pb` in bf16. Rows that stay 0 there: padded rows
+            // (never written) and rows with no visible key yet (skipped).
+            |r, row, m| exp_row_bf16(row, m, &mut pb[r * bkv..]),
         );
-        for (prow, srow) in pb.chunks_exact_mut(bkv).zip(st.chunks_exact(bkv)) {
-            for (y, &x) in prow[..nk].iter_mut().zip(&srow[..nk]) {
-                *y = f32_to_bf16_bits(x);
-            }
-        }
         for i in (0..rows_pad).step_by(T) {
             for dn in (0..dp).step_by(T) {
                 let vt = &vp[(dn / 16 * skt + j0 / T) * TILE..];
@@ -208,11 +206,112 @@ fn task<const _W: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
 
 dispatch!(fn task_d(c: &Ctx<'_>, t: usize, out: &mut [f32]) => task);
 
+/// `p[j] = bf16(exp(x[j] - m))` for the row, returning `Σ exp(x[j] - m)` (before
+/// rounding).
+#[inline(always)]
+fn exp_row_bf16(x: &[f32], m: f32, p: &mut [u16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if zmm::available() {
+        // SAFETY: the CPU has AVX-512F and AVX-512-BF16 (checked just above).
+        return unsafe { zmm::exp_row_bf16(x, m, p) };
+    }
+    let mut sum = 0f32;
+    for (y, &v) in p.iter_mut().zip(x) {
+        let e = exp_f32(v - m);
+        sum += e;
+        *y = f32_to_bf16_bits(e);
+    }
+    sum
+}
+
+/// [`exp_row_bf16`] in AVX-512: `e^x = 2^n · 2^f` with `n = round(x·log2 e)`, a degree-6
+/// polynomial for `2^f` on `[-1/2, 1/2]` (truncation error < 2e-7, far below bf16's
+/// 2⁻⁹) and `vscalefps` for the `2^n` (exact, saturating to 0 and +inf), then
+/// `vcvtneps2bf16` (round to nearest even).
+#[cfg(target_arch = "x86_64")]
+mod zmm {
+    use std::arch::x86_64::*;
+
+    pub(super) fn available() -> bool {
+        super::super::simd::has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) fn exp_row_bf16(x: &[f32], m: f32, p: &mut [u16]) -> f32 {
+        const C: [f32; 6] = [
+            std::f32::consts::LN_2,
+            0.240_226_5,
+            0.055_504_11,
+            0.009_618_129,
+            0.001_333_356,
+            0.000_154_035_3,
+        ];
+        let shift = _mm512_set1_ps(m);
+        let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
+        let mut sum = _mm512_setzero_ps();
+        let (xs, tail) = x.as_chunks::<16>();
+        for (xv, pv) in xs.iter().zip(p.chunks_exact_mut(16)) {
+            // SAFETY: `xv` holds 16 f32; the load is unaligned.
+            let v = unsafe { _mm512_loadu_ps(xv.as_ptr()) };
+            // Clamped below so that -inf (a masked key) gives 0, not inf - inf = NaN;
+            // `max(c, t)` keeps a NaN `t`.
+            let t = _mm512_mul_ps(_mm512_sub_ps(v, shift), log2e);
+            let t = _mm512_max_ps(_mm512_set1_ps(-150.0), t);
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+            let f = _mm512_sub_ps(t, n);
+            let mut q = _mm512_set1_ps(C[5]);
+            for &c in C[..5].iter().rev() {
+                q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(c));
+            }
+            q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0));
+            let e = _mm512_scalef_ps(q, n);
+            sum = _mm512_add_ps(sum, e);
+            // SAFETY: both are 256-bit vectors; every bit pattern is a valid __m256i.
+            let h = unsafe { std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(e)) };
+            // SAFETY: `pv` holds 16 u16 (32 bytes); the store is unaligned.
+            unsafe { _mm256_storeu_si256(pv.as_mut_ptr().cast(), h) };
+        }
+        let mut total = _mm512_reduce_add_ps(sum);
+        let done = xs.len() * 16;
+        for (y, &v) in p[done..].iter_mut().zip(tail) {
+            let e = super::exp_f32(v - m);
+            total += e;
+            *y = super::f32_to_bf16_bits(e);
+        }
+        total
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cpu::reference;
     use kpt_core::rand::SplitMix64;
+
+    /// Probabilities in bf16 and their sum, for masked (-inf), tiny and ordinary scores,
+    /// full 16-lane chunks and a tail.
+    #[test]
+    fn exp_row_bf16_matches_exp() {
+        let mut rng = SplitMix64::new(9);
+        let mut x: Vec<f32> = (0..37).map(|_| rng.uniform(-30.0, 2.0)).collect();
+        x[3] = f32::NEG_INFINITY;
+        x[20] = -200.0;
+        x[36] = f32::NEG_INFINITY;
+        let m = 2.5f32;
+        let mut p = vec![0u16; x.len()];
+        let sum = exp_row_bf16(&x, m, &mut p);
+        let mut want_sum = 0f64;
+        for (i, (&v, &h)) in x.iter().zip(&p).enumerate() {
+            let want = (f64::from(v) - f64::from(m)).exp();
+            want_sum += want;
+            let got = f64::from(bf16::from_bits(h).to_f32());
+            assert!(
+                (got - want).abs() <= 4e-3 * want + 1e-30,
+                "[{i}] {got} vs {want}"
+            );
+        }
+        assert!((f64::from(sum) - want_sum).abs() <= 1e-6 * want_sum);
+    }
 
     /// The AMX attention's packing, blocking and softmax with emulated tile products
     /// (any CPU), against the f64 reference.
