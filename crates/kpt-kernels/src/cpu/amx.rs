@@ -1,5 +1,6 @@
-//! bf16 matrix products on Intel AMX tiles (Sapphire Rapids and later), used by
-//! [`matmul_bf16`](super::matmul_bf16) when the CPU and the OS offer them.
+//! bf16 matrix products on Intel AMX tiles (Sapphire Rapids and later): the matmul
+//! behind [`matmul_bf16`](super::matmul_bf16), and [`Tiles`], the bounds-checked tile
+//! products that the AMX attention builds on. Used when the CPU and the OS offer AMX.
 //!
 //! Both operands are packed once into 1 KiB tiles, zero-padded to multiples of 32:
 //! A as `[m / 16][k / 32]` tiles of 16 rows × 32 bf16, B as `[n / 16][k / 32]` tiles in
@@ -27,7 +28,7 @@ const MB: usize = 32;
 /// k elements per tile step.
 const KB: usize = 32;
 /// bf16 elements in one 1 KiB tile.
-const TILE: usize = 512;
+pub(crate) const TILE: usize = 512;
 /// Output rows / columns per rayon task.
 const TASK: usize = 128;
 
@@ -142,9 +143,6 @@ pub(crate) fn pack_bt_strided(t: &[bf16], ldt: usize, k: usize, n: usize, dst: &
         }
     }
 }
-
-/// bf16 elements per packed B tile (`TILE`), for callers sizing buffers.
-pub(crate) const TILE_ELEMS: usize = TILE;
 
 /// This thread's AMX tile configuration, loaded while the value lives (released on
 /// drop); the products it runs are bounds-checked.

@@ -11,7 +11,7 @@
 
 use half::bf16;
 
-use super::amx::{self, Tiles, TILE_ELEMS as TILE};
+use super::amx::{self, Tiles, TILE};
 use super::attention::{normalize, online_softmax, scatter};
 use super::par::for_each_row;
 use super::scratch::Scratch;
