@@ -5,6 +5,9 @@
 //! - `check-kernels`: fails when a kernel source under `kernels/` changed and the
 //!   committed artifact manifest (`crates/kpt-kernels/artifacts/manifest.json`) does
 //!   not record its current hash, or an artifact does not match its recorded hash.
+//! - `build-kernels`: installs the pinned CUDA toolchain (`kernels/requirements-cuda.txt`)
+//!   into `target/kernels-venv`, compiles `kernels/cuda/*.cu` to cubin (sm_80, sm_90a)
+//!   and PTX (compute_80) and rewrites the manifest.
 //! - `bench-cpu`: installs PyTorch (pinned in `benches/requirements-cpu.txt`) into a
 //!   virtual environment under `target/`, builds `kpt-bench-cpu` in release mode and runs
 //!   kpt and PyTorch side by side, writing `docs/reports/cpu-latest.{json,md,svg}`.
@@ -14,6 +17,10 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+
+mod kernels;
+
+use kernels::{build_kernels, check_kernels};
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "kpt developer tasks")]
@@ -28,6 +35,8 @@ enum Task {
     Test,
     /// Verify that committed kernel artifacts match their sources.
     CheckKernels,
+    /// Compile kernels/cuda/*.cu with the pinned nvcc into crates/kpt-kernels/artifacts.
+    BuildKernels,
     /// kpt's CPU kernels vs PyTorch on this machine, same run; writes docs/reports/cpu-*.
     BenchCpu {
         /// Extra arguments for kpt-bench-cpu (e.g. `--filter gemm`, `--quick`).
@@ -40,6 +49,7 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Test => test(),
         Task::CheckKernels => check_kernels(),
+        Task::BuildKernels => build_kernels(),
         Task::BenchCpu { args } => bench_cpu(&args),
     }
 }
@@ -114,7 +124,7 @@ fn python_env(name: &str, requirements: &str) -> Result<PathBuf> {
         run(Path::new(&host), &["-m", "venv", &dir_s])?;
     }
     eprintln!(
-        "installing {requirements} into {} (PyTorch is a large download)",
+        "installing {requirements} into {} (a large download the first time)",
         dir.display()
     );
     let req_s = req_path.to_string_lossy().into_owned();
@@ -148,115 +158,4 @@ fn bench_cpu(extra: &[String]) -> Result<()> {
     let mut args = vec!["--python", &python_s];
     args.extend(extra.iter().map(String::as_str));
     run(&bin, &args)
-}
-
-/// One entry of `crates/kpt-kernels/artifacts/manifest.json`.
-#[derive(serde::Deserialize)]
-struct ManifestEntry {
-    /// Source path relative to the repository root.
-    source: String,
-    /// sha256 of the source when its artifacts were built.
-    source_sha256: String,
-    /// Artifact paths relative to the manifest's folder.
-    artifacts: Vec<ArtifactEntry>,
-}
-
-#[derive(serde::Deserialize)]
-struct ArtifactEntry {
-    path: String,
-    sha256: String,
-}
-
-fn sha256_hex(path: &Path) -> Result<String> {
-    use sha2::Digest;
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(sha2::Sha256::digest(&bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
-}
-
-/// Every kernel source under `kernels/` must be in the artifact manifest with its
-/// current sha256, and every artifact the manifest lists must exist with its hash.
-fn check_kernels() -> Result<()> {
-    let root = root();
-    let sources = list_sources(&root.join("kernels"))?;
-    let artifacts_dir = root.join("crates/kpt-kernels/artifacts");
-    let manifest_path = artifacts_dir.join("manifest.json");
-    let entries: Vec<ManifestEntry> = if manifest_path.exists() {
-        let text = std::fs::read_to_string(&manifest_path)?;
-        serde_json::from_str(&text)
-            .with_context(|| format!("parsing {}", manifest_path.display()))?
-    } else {
-        Vec::new()
-    };
-    let mut problems = Vec::new();
-    for src in &sources {
-        let rel = src
-            .strip_prefix(&root)
-            .unwrap_or(src)
-            .to_string_lossy()
-            .replace('\\', "/");
-        match entries.iter().find(|e| e.source == rel) {
-            None => problems.push(format!(
-                "{rel}: not in the manifest (run `cargo xtask build-kernels`)"
-            )),
-            Some(e) if e.source_sha256 != sha256_hex(src)? => problems.push(format!(
-                "{rel}: changed since its artifacts were built (run `cargo xtask build-kernels`)"
-            )),
-            Some(e) => {
-                for a in &e.artifacts {
-                    let path = artifacts_dir.join(&a.path);
-                    if !path.exists() {
-                        problems.push(format!("{}: artifact missing", a.path));
-                    } else if sha256_hex(&path)? != a.sha256 {
-                        problems.push(format!(
-                            "{}: artifact does not match its manifest hash",
-                            a.path
-                        ));
-                    }
-                }
-            }
-        }
-    }
-    for e in &entries {
-        if !root.join(&e.source).exists() {
-            problems.push(format!(
-                "{}: in the manifest but the source is gone",
-                e.source
-            ));
-        }
-    }
-    if !problems.is_empty() {
-        bail!(
-            "check-kernels found {} problem(s):\n  {}",
-            problems.len(),
-            problems.join("\n  ")
-        );
-    }
-    eprintln!(
-        "check-kernels: {} kernel source(s), all artifacts current",
-        sources.len()
-    );
-    Ok(())
-}
-
-fn list_sources(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    if !dir.exists() {
-        return Ok(out);
-    }
-    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-        let path = entry?.path();
-        if path.is_dir() {
-            out.extend(list_sources(&path)?);
-        } else if matches!(
-            path.extension().and_then(|e| e.to_str()),
-            Some("cu" | "cuh" | "py" | "hip")
-        ) {
-            out.push(path);
-        }
-    }
-    out.sort();
-    Ok(out)
 }

@@ -22,6 +22,7 @@
 //! # Ok::<(), kpt_core::KptError>(())
 //! ```
 
+pub mod artifacts;
 pub mod catalog;
 pub mod cpu;
 mod cpu_backend;

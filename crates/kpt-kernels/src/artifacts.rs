@@ -1,0 +1,101 @@
+//! Compiled GPU kernels shipped inside the crate: the cubins and PTX that
+//! `cargo xtask build-kernels` wrote under `crates/kpt-kernels/artifacts/` (listed in its
+//! `manifest.json`), embedded at build time, and the choice of the artifact that fits a
+//! device: an exact cubin first, then PTX for the driver to JIT.
+
+pub mod manifest;
+
+/// The binary format of an artifact.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// Machine code for one GPU architecture.
+    Cubin,
+    /// PTX, compiled by the driver for the device at load time.
+    Ptx,
+}
+
+/// How to launch one entry point of an artifact.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EntryPoint {
+    /// Symbol name.
+    pub name: &'static str,
+    /// Threads per block.
+    pub block: u32,
+    /// Dynamic shared memory in bytes.
+    pub shared_bytes: u32,
+    /// What the grid spans (e.g. `rows`).
+    pub grid: &'static str,
+}
+
+/// One embedded artifact.
+#[derive(Debug, Clone, Copy)]
+pub struct Artifact {
+    /// Kernel name (its source's file stem).
+    pub kernel: &'static str,
+    /// `sm_XY` / `sm_XYa` (cubin) or `compute_XY` (PTX).
+    pub target: &'static str,
+    /// Cubin or PTX.
+    pub format: Format,
+    /// sha256 of `bytes`, as the manifest records it.
+    pub sha256: &'static str,
+    /// The toolchain versions that built it (e.g. `nvcc 13.0.88`).
+    pub toolchain: &'static str,
+    /// Its entry points.
+    pub entry_points: &'static [EntryPoint],
+    /// The cubin or PTX text.
+    pub bytes: &'static [u8],
+}
+
+include!(concat!(env!("OUT_DIR"), "/artifacts.rs"));
+
+/// `(major, minor, arch-specific)` of a target such as `sm_90a` or `compute_80`.
+fn parse_target(target: &str) -> Option<(u32, u32, bool)> {
+    let digits = target
+        .strip_prefix("sm_")
+        .or_else(|| target.strip_prefix("compute_"))?;
+    let (digits, specific) = match digits.strip_suffix('a') {
+        Some(d) => (d, true),
+        None => (digits, false),
+    };
+    let n: u32 = digits.parse().ok()?;
+    Some((n / 10, n % 10, specific))
+}
+
+impl Artifact {
+    /// Whether this artifact runs on a device of compute capability `major.minor`: a
+    /// cubin for `sm_XY` on X.Y and later minors of X, one for `sm_XYa` only on X.Y; PTX
+    /// for `compute_XY` on X.Y and every newer device.
+    pub fn runs_on(&self, major: u32, minor: u32) -> bool {
+        let Some((m, n, specific)) = parse_target(self.target) else {
+            return false;
+        };
+        match self.format {
+            Format::Cubin if specific => (m, n) == (major, minor),
+            Format::Cubin => m == major && n <= minor,
+            Format::Ptx => (m, n) <= (major, minor),
+        }
+    }
+}
+
+/// Every embedded artifact.
+pub fn embedded() -> &'static [Artifact] {
+    EMBEDDED
+}
+
+/// The artifact of `kernel` for a device of compute capability `major.minor`: the
+/// cubin of the newest fitting architecture, else the newest fitting PTX, else `None`
+/// (the caller falls back to the next kernel of the chain).
+pub fn select_cuda(kernel: &str, major: u32, minor: u32) -> Option<&'static Artifact> {
+    let fits = |f: Format| {
+        EMBEDDED
+            .iter()
+            .filter(move |a| a.kernel == kernel && a.format == f && a.runs_on(major, minor))
+            .max_by_key(|a| parse_target(a.target))
+    };
+    let chosen = fits(Format::Cubin).or_else(|| fits(Format::Ptx));
+    match chosen {
+        Some(a) => tracing::debug!(kernel, target = a.target, "selected CUDA artifact"),
+        None => tracing::debug!(kernel, major, minor, "no CUDA artifact fits this device"),
+    }
+    chosen
+}

@@ -1,0 +1,79 @@
+//! The embedded GPU artifacts match the committed manifest, are well-formed cubins and
+//! PTX with their entry points, and the per-device choice follows CUDA's compatibility
+//! rules.
+
+use kpt_kernels::artifacts::manifest::Manifest;
+use kpt_kernels::artifacts::{embedded, select_cuda, Format};
+use sha2::Digest;
+
+fn manifest() -> Manifest {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/artifacts/manifest.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn embedded_artifacts_are_the_manifest() {
+    let m = manifest();
+    let listed: Vec<_> = m
+        .kernels
+        .iter()
+        .flat_map(|k| k.artifacts.iter().map(move |a| (k.name.as_str(), a)))
+        .collect();
+    assert_eq!(listed.len(), embedded().len());
+    assert!(!listed.is_empty(), "the manifest lists no artifact");
+    for (kernel, a) in listed {
+        let e = embedded()
+            .iter()
+            .find(|e| e.kernel == kernel && e.target == a.target)
+            .unwrap_or_else(|| panic!("{} not embedded", a.path));
+        let digest: String = sha2::Sha256::digest(e.bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            digest, a.sha256,
+            "{}: bytes differ from the manifest",
+            a.path
+        );
+        assert!(e.toolchain.starts_with("nvcc "), "{}", e.toolchain);
+    }
+}
+
+#[test]
+fn artifacts_are_well_formed_with_their_entry_points() {
+    for a in embedded() {
+        assert!(!a.entry_points.is_empty());
+        match a.format {
+            Format::Cubin => assert_eq!(&a.bytes[..4], b"\x7fELF", "{} {}", a.kernel, a.target),
+            Format::Ptx => {
+                let text = std::str::from_utf8(a.bytes).unwrap();
+                // CUDA 13.0 drivers JIT PTX up to ISA 9.0.
+                assert!(text.contains(".version 9.0"), "{}: PTX ISA", a.kernel);
+                assert!(text.contains(&format!(".target {}", a.target.replace("compute", "sm"))));
+            }
+        }
+        for ep in a.entry_points {
+            let name = ep.name.as_bytes();
+            assert!(
+                a.bytes.windows(name.len()).any(|w| w == name),
+                "{} {}: no symbol {}",
+                a.kernel,
+                a.target,
+                ep.name
+            );
+            assert!(ep.block > 0 && ep.block <= 1024 && !ep.grid.is_empty());
+        }
+    }
+}
+
+#[test]
+fn selection_prefers_exact_cubins_then_ptx() {
+    let pick = |major, minor| select_cuda("rms_norm", major, minor).map(|a| a.target);
+    assert_eq!(pick(9, 0), Some("sm_90a")); // H100, H200
+    assert_eq!(pick(8, 0), Some("sm_80")); // A100
+    assert_eq!(pick(8, 9), Some("sm_80")); // L4, RTX 40xx: sm_80 cubins run on 8.x
+    assert_eq!(pick(10, 0), Some("compute_80")); // Blackwell: JIT from PTX
+    assert_eq!(pick(12, 0), Some("compute_80"));
+    assert_eq!(pick(7, 5), None); // Turing: nothing fits, fall back
+    assert_eq!(select_cuda("no_such_kernel", 9, 0).map(|a| a.target), None);
+}

@@ -1,0 +1,299 @@
+//! `build-kernels` (compile `kernels/cuda/*.cu` with a pinned nvcc into committed
+//! artifacts and their manifest) and `check-kernels` (the committed artifacts match
+//! their sources and hashes; needs no toolchain, runs in CI).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+#[path = "../../crates/kpt-kernels/src/artifacts/manifest.rs"]
+mod manifest;
+
+use manifest::{ArtifactEntry, EntryPoint, KernelEntry, Manifest};
+
+use crate::{python_env, root};
+
+/// The artifact targets of every CUDA kernel: cubins for Ampere and Hopper (`sm_90a`
+/// enables wgmma/TMA) and PTX for Ampere and newer, JIT-compiled by the driver.
+const CUDA_TARGETS: [(&str, &str, &[&str]); 3] = [
+    (
+        "sm_80",
+        "cubin",
+        &["-cubin", "-gencode=arch=compute_80,code=sm_80"],
+    ),
+    (
+        "sm_90a",
+        "cubin",
+        &["-cubin", "-gencode=arch=compute_90a,code=sm_90a"],
+    ),
+    ("compute_80", "ptx", &["-ptx", "-arch=compute_80"]),
+];
+
+fn artifacts_dir() -> PathBuf {
+    root().join("crates/kpt-kernels/artifacts")
+}
+
+fn manifest_path() -> PathBuf {
+    artifacts_dir().join("manifest.json")
+}
+
+fn read_manifest() -> Result<Manifest> {
+    let path = manifest_path();
+    if !path.exists() {
+        return Ok(Manifest::default());
+    }
+    let text = std::fs::read_to_string(&path)?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+fn sha256_hex(path: &Path) -> Result<String> {
+    use sha2::Digest;
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(sha2::Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// `path` relative to the repository root, with `/` separators.
+fn rel(path: &Path) -> String {
+    path.strip_prefix(root())
+        .unwrap_or(path)
+        .to_string_lossy()
+        .replace('\\', "/")
+}
+
+/// Kernel sources (`.cu`, `.cuh`, `.py`, `.hip`) under `dir`, sorted.
+fn list_sources(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    if !dir.exists() {
+        return Ok(out);
+    }
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        if path.is_dir() {
+            out.extend(list_sources(&path)?);
+        } else if matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("cu" | "cuh" | "py" | "hip")
+        ) {
+            out.push(path);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The `// kpt:launch NAME block=N shared=N grid=WHAT` lines of a source.
+fn launch_lines(source: &str, path: &str) -> Result<Vec<EntryPoint>> {
+    let mut out = Vec::new();
+    for line in source.lines() {
+        let Some(rest) = line.trim().strip_prefix("// kpt:launch ") else {
+            continue;
+        };
+        let mut words = rest.split_whitespace();
+        let name = words
+            .next()
+            .context("kpt:launch without a name")?
+            .to_string();
+        let mut fields = BTreeMap::new();
+        for w in words {
+            let (k, v) = w
+                .split_once('=')
+                .with_context(|| format!("{path}: `{w}` is not key=value"))?;
+            fields.insert(k, v);
+        }
+        let get = |k: &str| {
+            fields
+                .get(k)
+                .copied()
+                .with_context(|| format!("{path}: kpt:launch {name} lacks `{k}=`"))
+        };
+        out.push(EntryPoint {
+            block: get("block")?.parse().context("block")?,
+            shared_bytes: get("shared")?.parse().context("shared")?,
+            grid: get("grid")?.to_string(),
+            name,
+        });
+    }
+    if out.is_empty() {
+        bail!("{path}: no `// kpt:launch` line names an entry point");
+    }
+    Ok(out)
+}
+
+/// The pinned nvcc from `kernels/requirements-cuda.txt` and its version.
+fn nvcc() -> Result<(PathBuf, String)> {
+    let python = python_env("kernels-venv", "kernels/requirements-cuda.txt")?;
+    let out = Command::new(&python)
+        .args([
+            "-c",
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        ])
+        .output()
+        .context("asking the kernels venv for its site-packages")?;
+    let site = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let nvcc = site.join("nvidia/cu13/bin/nvcc");
+    let version = Command::new(&nvcc)
+        .arg("--version")
+        .output()
+        .with_context(|| format!("running {}", nvcc.display()))?;
+    let text = String::from_utf8_lossy(&version.stdout);
+    let v = text
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix('V'))
+        .with_context(|| format!("no version in `nvcc --version`: {text}"))?
+        .to_string();
+    Ok((nvcc, v))
+}
+
+/// Compiles every `kernels/cuda/*.cu` for [`CUDA_TARGETS`] and rewrites the manifest.
+pub fn build_kernels() -> Result<()> {
+    let (nvcc, version) = nvcc()?;
+    let include = nvcc
+        .parent()
+        .and_then(Path::parent)
+        .map(|p| p.join("include"))
+        .context("nvcc has no include folder")?;
+    let out_dir = artifacts_dir().join("cuda");
+    std::fs::create_dir_all(&out_dir)?;
+    let mut manifest = Manifest::default();
+    manifest.toolchains.insert("nvcc".into(), version.clone());
+    for src in list_sources(&root().join("kernels/cuda"))? {
+        if src.extension().and_then(|e| e.to_str()) != Some("cu") {
+            continue;
+        }
+        let name = src
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .context("kernel file name")?
+            .to_string();
+        let text = std::fs::read_to_string(&src)?;
+        let entry_points = launch_lines(&text, &rel(&src))?;
+        let mut artifacts = Vec::new();
+        for (target, format, flags) in CUDA_TARGETS {
+            let file = format!("{name}.{target}.{format}");
+            let out = out_dir.join(&file);
+            let include_flag = format!("-I{}", include.display());
+            let status = Command::new(&nvcc)
+                .args(flags)
+                .args(["-O3", "-std=c++17", "--use_fast_math", &include_flag, "-o"])
+                .arg(&out)
+                .arg(&src)
+                .status()
+                .with_context(|| format!("running {}", nvcc.display()))?;
+            if !status.success() {
+                bail!("nvcc failed on {} for {target}", rel(&src));
+            }
+            let bytes = std::fs::read(&out)?;
+            for ep in &entry_points {
+                if !bytes
+                    .windows(ep.name.len())
+                    .any(|w| w == ep.name.as_bytes())
+                {
+                    bail!("{file}: entry point {} not found", ep.name);
+                }
+            }
+            eprintln!("built {file} ({} bytes)", bytes.len());
+            artifacts.push(ArtifactEntry {
+                path: format!("cuda/{file}"),
+                target: target.into(),
+                format: format.into(),
+                sha256: sha256_hex(&out)?,
+            });
+        }
+        manifest.kernels.push(KernelEntry {
+            name,
+            source: rel(&src),
+            source_sha256: sha256_hex(&src)?,
+            entry_points,
+            artifacts,
+        });
+    }
+    let json = serde_json::to_string_pretty(&manifest)? + "\n";
+    std::fs::write(manifest_path(), json)?;
+    eprintln!(
+        "build-kernels: {} kernel(s) with nvcc {version}; wrote {}",
+        manifest.kernels.len(),
+        rel(&manifest_path())
+    );
+    check_kernels()
+}
+
+/// Every kernel source under `kernels/` must be in the manifest with its current
+/// sha256, and every artifact the manifest lists must exist with its hash.
+pub fn check_kernels() -> Result<()> {
+    let root = root();
+    let sources = list_sources(&root.join("kernels"))?;
+    let manifest = read_manifest()?;
+    let mut problems = Vec::new();
+    for src in &sources {
+        let path = rel(src);
+        // Headers are checked through the kernels that include them (rebuild on change).
+        if src.extension().and_then(|e| e.to_str()) == Some("cuh") {
+            continue;
+        }
+        match manifest.kernels.iter().find(|e| e.source == path) {
+            None => problems.push(format!(
+                "{path}: not in the manifest (run `cargo xtask build-kernels`)"
+            )),
+            Some(e) if e.source_sha256 != sha256_hex(src)? => problems.push(format!(
+                "{path}: changed since its artifacts were built (run `cargo xtask build-kernels`)"
+            )),
+            Some(e) => {
+                for a in &e.artifacts {
+                    let file = artifacts_dir().join(&a.path);
+                    if !file.exists() {
+                        problems.push(format!("{}: artifact missing", a.path));
+                    } else if sha256_hex(&file)? != a.sha256 {
+                        problems.push(format!(
+                            "{}: artifact does not match its manifest hash",
+                            a.path
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    for e in &manifest.kernels {
+        if !root.join(&e.source).exists() {
+            problems.push(format!(
+                "{}: in the manifest but the source is gone",
+                e.source
+            ));
+        }
+    }
+    if !problems.is_empty() {
+        bail!(
+            "check-kernels found {} problem(s):\n  {}",
+            problems.len(),
+            problems.join("\n  ")
+        );
+    }
+    eprintln!(
+        "check-kernels: {} kernel source(s), all artifacts current",
+        sources.len()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_lines_are_parsed_and_checked() {
+        let src = "// kpt:launch k_a block=256 shared=0 grid=rows\n\
+                   int x;\n  // kpt:launch k_b block=128 shared=4096 grid=tiles\n";
+        let eps = launch_lines(src, "t.cu").unwrap();
+        assert_eq!(eps.len(), 2);
+        assert_eq!((eps[0].name.as_str(), eps[0].block), ("k_a", 256));
+        assert_eq!((eps[1].shared_bytes, eps[1].grid.as_str()), (4096, "tiles"));
+        let err = launch_lines("// kpt:launch k block=1 grid=rows", "t.cu").unwrap_err();
+        assert!(err.to_string().contains("lacks `shared=`"), "{err}");
+        assert!(launch_lines("int x;", "t.cu").is_err());
+        assert!(launch_lines("// kpt:launch k block=x shared=0 grid=r", "t.cu").is_err());
+    }
+}
