@@ -15,6 +15,7 @@ use kpt::demo_model::{build_graph, Phase};
 use kpt::kernels::CpuReference;
 use kpt::table::Table;
 use kpt::Runtime;
+use kpt_nvidia::{driver_present, CudaDetector};
 
 #[derive(Parser)]
 #[command(
@@ -153,7 +154,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn detect(json: bool) -> anyhow::Result<()> {
-    let devices = CpuDetector.detect()?;
+    let mut devices = CpuDetector.detect()?;
+    let gpus = CudaDetector.detect()?;
+    let no_cuda = gpus.is_empty();
+    devices.extend(gpus);
     if json {
         println!("{}", serde_json::to_string_pretty(&devices)?);
         return Ok(());
@@ -180,9 +184,15 @@ fn detect(json: bool) -> anyhow::Result<()> {
         }
         println!("{t}");
     }
-    println!(
-        "NVIDIA, AMD and TPU backends: not built into this binary (see README, status table)."
-    );
+    if no_cuda {
+        let why = if driver_present() {
+            "the driver sees no device"
+        } else {
+            "no CUDA driver on this machine"
+        };
+        println!("cuda: none ({why})");
+    }
+    println!("AMD and TPU backends: not built yet (see README, status table).");
     Ok(())
 }
 
