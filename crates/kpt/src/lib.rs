@@ -31,14 +31,26 @@ use std::sync::Arc;
 pub use kpt_core as core;
 pub use kpt_core::{KptConfig, KptError, OptLevel, Result};
 pub use kpt_kernels as kernels;
+#[cfg(feature = "cuda")]
+pub use kpt_nvidia as nvidia;
 
 use kpt_core::backend::{Backend, BackendRegistry};
 use kpt_core::config::BackendChoice;
 use kpt_core::exec::Executor;
 use kpt_core::graph::Graph;
-use kpt_core::hardware::DeviceKind;
+use kpt_core::hardware::{CpuDetector, DeviceKind, HardwareDetector};
 use kpt_core::optimize::{auto_optimize, Plan, PrecisionPolicy};
 use kpt_kernels::{CpuBackend, CpuTuning, KernelRegistry};
+
+/// A detector for every device kind built into this binary (the one place that lists
+/// the backend crates): the CPU, and CUDA with the `cuda` feature.
+pub fn detectors() -> Vec<Box<dyn HardwareDetector>> {
+    vec![
+        Box::new(CpuDetector),
+        #[cfg(feature = "cuda")]
+        Box::new(kpt_nvidia::CudaDetector),
+    ]
+}
 
 /// Backends, kernels and configuration of one process.
 #[derive(Debug)]

@@ -7,7 +7,6 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kpt::bench::{default_cases, run_case};
 use kpt::core::graph::{AttentionParams, Op, OpKind, TensorSpec};
-use kpt::core::hardware::{CpuDetector, HardwareDetector};
 use kpt::core::validate::validate_plan;
 use kpt::core::{DType, KptConfig, OptLevel};
 use kpt::demo::{demo_prompt, run_demo, DemoOptions};
@@ -15,7 +14,6 @@ use kpt::demo_model::{build_graph, Phase};
 use kpt::kernels::CpuReference;
 use kpt::table::Table;
 use kpt::Runtime;
-use kpt_nvidia::{driver_present, CudaDetector};
 
 #[derive(Parser)]
 #[command(
@@ -154,10 +152,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn detect(json: bool) -> anyhow::Result<()> {
-    let mut devices = CpuDetector.detect()?;
-    let gpus = CudaDetector.detect()?;
-    let no_cuda = gpus.is_empty();
-    devices.extend(gpus);
+    let mut devices = Vec::new();
+    let mut none_found = Vec::new();
+    for detector in kpt::detectors() {
+        let found = detector.detect()?;
+        if found.is_empty() {
+            none_found.push(detector.kind().to_string());
+        }
+        devices.extend(found);
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&devices)?);
         return Ok(());
@@ -184,13 +187,8 @@ fn detect(json: bool) -> anyhow::Result<()> {
         }
         println!("{t}");
     }
-    if no_cuda {
-        let why = if driver_present() {
-            "the driver sees no device"
-        } else {
-            "no CUDA driver on this machine"
-        };
-        println!("cuda: none ({why})");
+    for kind in none_found {
+        println!("{kind}: no device found (no driver, or the driver sees none)");
     }
     println!("AMD and TPU backends: not built yet (see README, status table).");
     Ok(())
