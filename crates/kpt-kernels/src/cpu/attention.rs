@@ -20,12 +20,12 @@
 use half::bf16;
 use kpt_core::{DType, KptError, Result};
 
-use super::attention_amx;
 use super::par::for_each_row;
 use super::scratch::Scratch;
 use super::shapes::AttentionShape;
 use super::simd::{dispatch, exp_f32, fmadd, hsum, Decode, Encode};
 use super::softmax::max16;
+use super::{amx, attention_amx};
 
 /// A good default query block (rows per task).
 pub const DEFAULT_BLOCK_Q: usize = 64;
@@ -35,24 +35,57 @@ pub const DEFAULT_BLOCK_KV: usize = 256;
 /// Keys per `Q·Kᵀ` micro-kernel call (and key padding).
 const KC: usize = 16;
 
-/// Read-only state shared by the tasks.
-struct Ctx<'a> {
-    s: AttentionShape,
-    q: &'a [f32],
-    /// K panels per (batch, kv head): `[skv_pad / 16][head_dim][16]`.
-    kp: &'a [f32],
-    /// V panels per (batch, kv head): `[d_pad / 16][skv_pad][16]`.
-    vp: &'a [f32],
-    mask: Option<&'a [f32]>,
-    scale: f32,
+/// Read-only state shared by the tasks of one call: queries of type `Q`, K and V
+/// packed as `P` (f32 panels here, bf16 tiles in the AMX path).
+pub(super) struct Ctx<'a, Q, P> {
+    pub(super) s: AttentionShape,
+    pub(super) q: &'a [Q],
+    /// Packed K per (batch, kv head).
+    pub(super) kp: &'a [P],
+    /// Packed V per (batch, kv head).
+    pub(super) vp: &'a [P],
+    pub(super) mask: Option<&'a [f32]>,
+    pub(super) scale: f32,
     /// Queries per task.
-    bq: usize,
-    /// Keys per block (multiple of `KC`).
-    bkv: usize,
+    pub(super) bq: usize,
+    /// Keys per block.
+    pub(super) bkv: usize,
     /// Query blocks per (batch, head).
-    nqb: usize,
-    skv_pad: usize,
-    d_pad: usize,
+    pub(super) nqb: usize,
+    pub(super) skv_pad: usize,
+    pub(super) d_pad: usize,
+}
+
+/// The queries of one task.
+pub(super) struct TaskRows {
+    /// Batch.
+    pub(super) b: usize,
+    /// Query head.
+    pub(super) h: usize,
+    /// Its kv head.
+    pub(super) g: usize,
+    /// First query.
+    pub(super) i0: usize,
+    /// Queries in the task.
+    pub(super) rows: usize,
+}
+
+impl<Q, P> Ctx<'_, Q, P> {
+    /// Task `t = (b·H + h)·nqb + qb`: queries `qb·bq ..` of head `h` in batch `b`
+    /// (`None` for a block past the last query).
+    pub(super) fn task_rows(&self, t: usize) -> Option<TaskRows> {
+        let s = &self.s;
+        let (bh, qb) = (t / self.nqb, t % self.nqb);
+        let (b, h) = (bh / s.num_heads, bh % s.num_heads);
+        let i0 = qb * self.bq;
+        (i0 < s.seq_q).then(|| TaskRows {
+            b,
+            h,
+            g: h / s.group_size(),
+            i0,
+            rows: self.bq.min(s.seq_q - i0),
+        })
+    }
 }
 
 /// Scores of `QR` query rows (`qg`, packed `[d][QR]`) against the 16 keys of one K
@@ -313,23 +346,17 @@ pub(super) fn normalize(out: &mut [f32], o: &[f32], dp: usize, d: usize, l_run: 
     }
 }
 
-/// One task: queries `qb*bq ..` of head `h` in batch `b` (`t = (b*H + h)*nqb + qb`);
-/// writes `[rows, head_dim]` at the start of `out`.
+/// One task ([`Ctx::task_rows`]); writes `[rows, head_dim]` at the start of `out`.
 #[inline(always)]
-fn task<M: Tile>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
+fn task<M: Tile>(c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) {
     let qr = M::QR;
     let s = &c.s;
     let d = s.head_dim;
     let dp = c.d_pad;
     let bkv = c.bkv;
-    let (bh, qb) = (t / c.nqb, t % c.nqb);
-    let (b, h) = (bh / s.num_heads, bh % s.num_heads);
-    let g = h / s.group_size();
-    let i0 = qb * c.bq;
-    if i0 >= s.seq_q {
+    let Some(TaskRows { b, h, g, i0, rows }) = c.task_rows(t) else {
         return;
-    }
-    let rows = c.bq.min(s.seq_q - i0);
+    };
     let rows_pad = rows.next_multiple_of(qr);
 
     // Scaled query tile, zero-padded to a multiple of qr rows, packed per qr-row group
@@ -401,7 +428,7 @@ fn task<M: Tile>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
 
 dispatch!(
     /// [`task`] with 8-row micro-kernels on AVX-512 and 4-row ones otherwise.
-    fn task_d(c: &Ctx<'_>, t: usize, out: &mut [f32]) => task [Rows8Avx512, Rows4<true>, Rows4<false>]
+    fn task_d(c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) => task [Rows8Avx512, Rows4<true>, Rows4<false>]
 );
 
 /// Blocked ("flash") attention (see the module docs); `block_q` queries per task, keys in
@@ -438,7 +465,7 @@ pub fn attention_bf16(
     block_q: usize,
     block_kv: usize,
 ) -> Result<()> {
-    if attention_amx::available() {
+    if amx::available() {
         check(q, k, v, mask, out, shape, block_q, block_kv)?;
         attention_amx::attention(q, k, v, mask, out, shape, block_q, block_kv);
         return Ok(());
@@ -459,7 +486,7 @@ pub fn attention_bf16_tolerance(
     shape: &AttentionShape,
 ) -> (f64, f64) {
     let (abs, rel) = super::tolerance(DType::BF16, shape.seq_kv + shape.head_dim);
-    if !attention_amx::available() {
+    if !amx::available() {
         return (abs, rel);
     }
     let max = |x: &[bf16]| x.iter().fold(0f64, |m, a| m.max(a.to_f64().abs()));
@@ -469,7 +496,7 @@ pub fn attention_bf16_tolerance(
 }
 
 /// One task of [`attention_impl`] (see [`task`]).
-type TaskFn = fn(&Ctx<'_>, usize, &mut [f32]);
+type TaskFn = fn(&Ctx<'_, f32, f32>, usize, &mut [f32]);
 
 #[allow(clippy::too_many_arguments)]
 fn attention_impl<T: Decode + Encode>(

@@ -12,7 +12,7 @@
 use half::bf16;
 
 use super::amx::{self, Tiles, TILE};
-use super::attention::{normalize, online_softmax, scatter};
+use super::attention::{normalize, online_softmax, scatter, Ctx, TaskRows};
 use super::par::for_each_row;
 use super::scratch::Scratch;
 use super::shapes::AttentionShape;
@@ -21,32 +21,16 @@ use super::simd::{dispatch, exp_f32, f32_to_bf16_bits, Decode};
 /// Tile edge of the products (rows, keys and head_dim are padded to it).
 const T: usize = 32;
 
-/// Read-only state shared by the tasks.
-struct Ctx<'a> {
-    s: AttentionShape,
-    q: &'a [bf16],
-    /// Kᵀ tiles per (batch, kv head): `[skv_pad / 16][d_pad / 32]`.
-    kp: &'a [u16],
-    /// V tiles per (batch, kv head): `[d_pad / 16][skv_pad / 32]`.
-    vp: &'a [u16],
-    mask: Option<&'a [f32]>,
-    scale: f32,
-    bq: usize,
-    bkv: usize,
-    nqb: usize,
-    skv_pad: usize,
-    d_pad: usize,
+/// The tasks' shared state: K as Kᵀ tiles `[skv_pad / 16][d_pad / 32]` and V as tiles
+/// `[d_pad / 16][skv_pad / 32]` per (batch, kv head), and how to load tiles.
+struct AmxCtx<'a> {
+    c: Ctx<'a, bf16, u16>,
     /// Loads this thread's tiles ([`Tiles::load`]; tests emulate them).
     tiles: fn() -> Option<Tiles>,
 }
 
-/// Whether the AMX path runs on this machine.
-pub(crate) fn available() -> bool {
-    amx::available()
-}
-
 /// [`attention_bf16`](super::attention_bf16) on AMX tiles; the operands are validated by
-/// the caller and [`available`] is true. `block_q` / `block_kv` are rounded up to 32.
+/// the caller and [`amx::available`] is true. `block_q` / `block_kv` are rounded up to 32.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
     q: &[bf16],
@@ -100,18 +84,20 @@ fn attention_with(
 
     let bq = block_q.next_multiple_of(T).min(s.seq_q.next_multiple_of(T));
     let nqb = s.seq_q.div_ceil(bq);
-    let ctx = Ctx {
-        s: *s,
-        q,
-        kp: &kp,
-        vp: &vp,
-        mask,
-        scale: s.scale as f32,
-        bq,
-        bkv: block_kv.next_multiple_of(T),
-        nqb,
-        skv_pad,
-        d_pad,
+    let ctx = AmxCtx {
+        c: Ctx {
+            s: *s,
+            q,
+            kp: &kp,
+            vp: &vp,
+            mask,
+            scale: s.scale as f32,
+            bq,
+            bkv: block_kv.next_multiple_of(T),
+            nqb,
+            skv_pad,
+            d_pad,
+        },
         tiles,
     };
     // Every row that `scatter` reads is written by its task.
@@ -121,23 +107,19 @@ fn attention_with(
     scatter(&out_t, out, s, bq);
 }
 
-/// One task: queries `qb*bq ..` of head `h` in batch `b` (`t = (b*H + h)*nqb + qb`);
-/// writes `[rows, head_dim]` at the start of `out`. `_W` only selects the instruction
+/// One task ([`Ctx::task_rows`]); writes `[rows, head_dim]` at the start of `out`. `_W`
+/// only selects the instruction
 /// set of the softmax code (see [`dispatch!`]).
 #[inline(always)]
-fn task<const _W: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
+fn task<const _W: bool>(ctx: &AmxCtx<'_>, t: usize, out: &mut [f32]) {
+    let c = &ctx.c;
     let s = &c.s;
     let (d, dp, bkv) = (s.head_dim, c.d_pad, c.bkv);
-    let (bh, qb) = (t / c.nqb, t % c.nqb);
-    let (b, h) = (bh / s.num_heads, bh % s.num_heads);
-    let g = h / s.group_size();
-    let i0 = qb * c.bq;
-    if i0 >= s.seq_q {
+    let Some(TaskRows { b, h, g, i0, rows }) = c.task_rows(t) else {
         return;
-    }
-    let rows = c.bq.min(s.seq_q - i0);
+    };
     let rows_pad = rows.next_multiple_of(T);
-    let Some(tiles) = (c.tiles)() else {
+    let Some(tiles) = (ctx.tiles)() else {
         unreachable!("the AMX attention runs only where AMX is available")
     };
 
@@ -204,7 +186,7 @@ fn task<const _W: bool>(c: &Ctx<'_>, t: usize, out: &mut [f32]) {
     normalize(out, &o, dp, d, &l_run);
 }
 
-dispatch!(fn task_d(c: &Ctx<'_>, t: usize, out: &mut [f32]) => task);
+dispatch!(fn task_d(c: &AmxCtx<'_>, t: usize, out: &mut [f32]) => task);
 
 /// `p[j] = bf16(exp(x[j] - m))` for the row, returning `Σ exp(x[j] - m)` (before
 /// rounding).
