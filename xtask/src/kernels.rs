@@ -49,12 +49,37 @@ fn read_manifest() -> Result<Manifest> {
 }
 
 fn sha256_hex(path: &Path) -> Result<String> {
-    use sha2::Digest;
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(sha2::Sha256::digest(&bytes)
+    Ok(hex_digest(&bytes))
+}
+
+fn hex_digest(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
         .iter()
         .map(|b| format!("{b:02x}"))
-        .collect())
+        .collect()
+}
+
+/// sha256 of a kernel source followed by every local header it includes
+/// (`#include "x.cuh"`, next to it), so a header change also marks its kernels stale.
+fn source_sha256(src: &Path) -> Result<String> {
+    let text = std::fs::read(src).with_context(|| format!("reading {}", src.display()))?;
+    let mut all = text.clone();
+    let dir = src.parent().context("kernel source has no folder")?;
+    for line in String::from_utf8_lossy(&text).lines() {
+        let Some(rest) = line.trim().strip_prefix("#include \"") else {
+            continue;
+        };
+        let header = rest.split('"').next().unwrap_or_default();
+        let path = dir.join(header);
+        all.extend(
+            std::fs::read(&path).with_context(|| {
+                format!("{}: reading included {}", src.display(), path.display())
+            })?,
+        );
+    }
+    Ok(hex_digest(&all))
 }
 
 /// `path` relative to the repository root, with `/` separators.
@@ -207,7 +232,7 @@ pub fn build_kernels() -> Result<()> {
         manifest.kernels.push(KernelEntry {
             name,
             source: rel(&src),
-            source_sha256: sha256_hex(&src)?,
+            source_sha256: source_sha256(&src)?,
             entry_points,
             artifacts,
         });
@@ -231,7 +256,7 @@ pub fn check_kernels() -> Result<()> {
     let mut problems = Vec::new();
     for src in &sources {
         let path = rel(src);
-        // Headers are checked through the kernels that include them (rebuild on change).
+        // Headers are hashed into the kernels that include them.
         if src.extension().and_then(|e| e.to_str()) == Some("cuh") {
             continue;
         }
@@ -239,7 +264,7 @@ pub fn check_kernels() -> Result<()> {
             None => problems.push(format!(
                 "{path}: not in the manifest (run `cargo xtask build-kernels`)"
             )),
-            Some(e) if e.source_sha256 != sha256_hex(src)? => problems.push(format!(
+            Some(e) if e.source_sha256 != source_sha256(src)? => problems.push(format!(
                 "{path}: changed since its artifacts were built (run `cargo xtask build-kernels`)"
             )),
             Some(e) => {

@@ -132,6 +132,107 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
     ]
 }
 
+/// The CUDA kernels: cuBLASLt GEMMs and kpt's own kernels (`kernels/cuda/`), all
+/// built for sm_80 and newer.
+pub fn cuda_kernels() -> Vec<KernelDef> {
+    use OpKind::*;
+    const CUDA_FLOATS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
+    let k = |name: &str, op: OpKind, dtypes: &[DType], desc: &str| {
+        KernelDef::new(name, op, DeviceKind::Cuda, dtypes, 100, desc).min_arch("sm_80")
+    };
+    let gemm = |name: &str, op: OpKind, desc: &str| {
+        k(name, op, CUDA_FLOATS, desc)
+            .needs(&["cublaslt"])
+            .weights(LINEAR_WEIGHTS)
+    };
+    vec![
+        gemm(
+            "cuda.matmul.cublaslt",
+            MatMul,
+            "cuBLASLt GEMM, autotuned algorithm per shape; TF32 only if allowed",
+        )
+        .weights(CUDA_FLOATS),
+        gemm(
+            "cuda.linear.cublaslt",
+            Linear,
+            "cuBLASLt GEMM with the bias fused in the epilogue",
+        ),
+        gemm(
+            "cuda.linear_act.cublaslt",
+            LinearAct,
+            "cuBLASLt GEMM, bias and ReLU/GELU(tanh) fused in the epilogue",
+        ),
+        k(
+            "cuda.rms_norm",
+            RmsNorm,
+            CUDA_FLOATS,
+            "one block per row, row held in registers",
+        ),
+        k(
+            "cuda.add_rms_norm",
+            AddRmsNorm,
+            CUDA_FLOATS,
+            "residual add and RMS norm in one pass, row in registers",
+        ),
+        k(
+            "cuda.layer_norm",
+            LayerNorm,
+            CUDA_FLOATS,
+            "one block per row, two-pass statistics from registers",
+        ),
+        k(
+            "cuda.softmax",
+            Softmax,
+            CUDA_FLOATS,
+            "one block per row, row in registers",
+        ),
+        k(
+            "cuda.rotary",
+            Rotary,
+            CUDA_FLOATS,
+            "NeoX rotary, f64 angles per row in shared memory",
+        ),
+        k(
+            "cuda.activation",
+            Activation,
+            CUDA_FLOATS,
+            "vectorized element-wise activation",
+        ),
+        k("cuda.add", Add, CUDA_FLOATS, "vectorized broadcasting add"),
+        k(
+            "cuda.mul",
+            Mul,
+            CUDA_FLOATS,
+            "vectorized broadcasting multiply",
+        ),
+        k(
+            "cuda.embedding",
+            Embedding,
+            CUDA_FLOATS,
+            "one block per id, 16-byte row copies",
+        ),
+        k(
+            "cuda.quantize",
+            Quantize,
+            CUDA_FLOATS,
+            "f64 x/scale rounded once to FP8/int8, saturating",
+        )
+        .weights(QUANTIZED),
+        k(
+            "cuda.dequantize",
+            Dequantize,
+            CUDA_FLOATS,
+            "FP8/int8 times the tensor's scale",
+        ),
+        k(
+            "cuda.cast",
+            Cast,
+            CUDA_FLOATS,
+            "element-wise float conversion",
+        ),
+    ]
+}
+
 /// The f64 reference declared for every op: correct for every float dtype, slow.
 pub fn reference_kernels() -> Vec<KernelDef> {
     OpKind::ALL
@@ -157,7 +258,8 @@ pub fn reference_kernels() -> Vec<KernelDef> {
                 dtypes,
                 0,
                 "f64 reference (naive loops), converted to the output dtype",
-            );
+            )
+            .host_fallback();
             if matches!(op, OpKind::Linear | OpKind::LinearAct) {
                 def = def.weights(&[
                     DType::F64,
@@ -178,7 +280,11 @@ impl KernelRegistry {
     /// A registry with every built-in kernel.
     pub fn with_builtin() -> Self {
         let mut r = Self::new();
-        for def in cpu_kernels().into_iter().chain(reference_kernels()) {
+        for def in cpu_kernels()
+            .into_iter()
+            .chain(cuda_kernels())
+            .chain(reference_kernels())
+        {
             r.register(def);
         }
         r

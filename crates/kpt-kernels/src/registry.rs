@@ -43,6 +43,10 @@ pub struct KernelDef {
     pub priority: i32,
     /// One line on how it works.
     pub description: String,
+    /// A CPU kernel any backend may run on the host, copying the data over and back
+    /// (the last step of every device's fallback chain).
+    #[serde(default)]
+    pub host_fallback: bool,
 }
 
 impl KernelDef {
@@ -66,6 +70,7 @@ impl KernelDef {
             limits: ShapeLimits::default(),
             priority,
             description: description.to_string(),
+            host_fallback: false,
         }
     }
 
@@ -87,6 +92,13 @@ impl KernelDef {
         self
     }
 
+    /// Lets every backend run this CPU kernel on the host (see
+    /// [`KernelDef::host_fallback`]).
+    pub fn host_fallback(mut self) -> Self {
+        self.host_fallback = true;
+        self
+    }
+
     /// Sets shape limits.
     pub fn limits(mut self, limits: ShapeLimits) -> Self {
         self.limits = limits;
@@ -95,7 +107,8 @@ impl KernelDef {
 
     /// Why this kernel cannot run `op` with `inputs` on `device`, or `None` if it can.
     pub fn rejection(&self, op: &Op, inputs: &[TensorSpec], device: &DeviceInfo) -> Option<String> {
-        if self.backend != device.kind {
+        let on_host = self.host_fallback && self.backend == DeviceKind::Cpu;
+        if self.backend != device.kind && !on_host {
             return Some(format!(
                 "runs on {}, device is {}",
                 self.backend, device.kind

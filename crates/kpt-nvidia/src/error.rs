@@ -18,6 +18,55 @@ pub enum NvidiaError {
         /// The driver's description of it.
         message: String,
     },
+    /// A cuBLASLt call returned an error.
+    #[error("{call} failed: {status}")]
+    Cublas {
+        /// The cuBLASLt function, e.g. `cublasLtMatmul`.
+        call: &'static str,
+        /// The status name, e.g. `CUBLAS_STATUS_NOT_SUPPORTED`.
+        status: String,
+    },
+    /// The device could not hold an allocation even after kpt released its cache.
+    #[error(
+        "out of GPU memory: asked for {} but only {} are free on the device \
+         ({} reserved by kpt, cached blocks already released)",
+        bytes(*requested), bytes(*free), bytes(*reserved)
+    )]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes the driver reports free.
+        free: u64,
+        /// Bytes kpt's allocator holds from the driver.
+        reserved: u64,
+    },
+    /// No compiled kernel fits the device.
+    #[error("no build of CUDA kernel {kernel} runs on {arch}; run `cargo xtask build-kernels`")]
+    NoKernel {
+        /// Kernel (source) name.
+        kernel: String,
+        /// The device's architecture.
+        arch: String,
+    },
+    /// Arguments the backend cannot run (shapes, dtypes, sizes).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// `1.50 GiB`-style size for messages.
+pub(crate) fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[unit])
+    }
 }
 
 impl NvidiaError {
@@ -33,6 +82,14 @@ impl NvidiaError {
             message: text(e.error_string()),
         }
     }
+
+    /// Wraps a cuBLASLt error of `call`.
+    pub(crate) fn cublas(call: &'static str, e: cudarc::cublaslt::result::CublasError) -> Self {
+        NvidiaError::Cublas {
+            call,
+            status: format!("{:?}", e.0),
+        }
+    }
 }
 
 impl From<NvidiaError> for KptError {
@@ -41,5 +98,25 @@ impl From<NvidiaError> for KptError {
             backend: "cuda".into(),
             message: e.to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_memory_message_names_the_sizes() {
+        let e = NvidiaError::OutOfMemory {
+            requested: 3 << 30,
+            free: 512 << 20,
+            reserved: 1536 << 20,
+        };
+        let m = e.to_string();
+        assert!(
+            m.contains("3.00 GiB") && m.contains("512.00 MiB") && m.contains("1.50 GiB"),
+            "{m}"
+        );
+        assert_eq!(bytes(100), "100 B");
     }
 }

@@ -4,12 +4,23 @@
 //! without the driver every entry point returns [`NvidiaError::NoDriver`] instead of
 //! failing to start.
 //!
-//! So far: device discovery ([`devices`], [`CudaDetector`] for `kpt detect`). The
-//! kernels it will launch are built by `cargo xtask build-kernels` and embedded in
-//! `kpt_kernels::artifacts`.
+//! - [`devices`], [`CudaDetector`]: discovery for `kpt detect`.
+//! - [`Gpu`]: a device in use: context, stream, [`CachingAllocator`], kernel modules
+//!   loaded from `kpt_kernels::artifacts` (cubin for the device, else PTX).
+//! - [`Blas`]: cuBLASLt GEMMs with fused bias/activation epilogues and FP8.
+//! - [`CudaBackend`]: the `Backend` the manager, validator and CLI use.
 
+mod backend;
+mod blas;
 mod device;
 mod error;
+mod gpu;
+mod kernels;
+mod memory;
 
+pub use backend::{CudaBackend, CudaOptions};
+pub use blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
 pub use device::{devices, driver_present, CudaDetector, GpuProperties};
 pub use error::NvidiaError;
+pub use gpu::Gpu;
+pub use memory::{estimate_bytes, size_class, CachingAllocator, DeviceBlock, MemoryStatistics};

@@ -52,6 +52,39 @@ pub fn detectors() -> Vec<Box<dyn HardwareDetector>> {
     ]
 }
 
+/// A CUDA backend for every device the config allows; none without a driver. A device
+/// that fails to open is logged and skipped (the CPU still runs).
+#[cfg(feature = "cuda")]
+fn cuda_backends(config: &KptConfig) -> Vec<Arc<dyn Backend>> {
+    let nv = &config.nvidia;
+    if !nv.enabled || !kpt_nvidia::driver_present() {
+        return Vec::new();
+    }
+    let found = match kpt_nvidia::devices() {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::warn!(error = %e, "CUDA devices could not be listed");
+            return Vec::new();
+        }
+    };
+    let min = nv.compute_capability().unwrap_or((0, 0));
+    let options = kpt_nvidia::CudaOptions {
+        allow_tf32: nv.allow_tf32,
+        ..Default::default()
+    };
+    found
+        .iter()
+        .filter(|d| d.compute_capability >= min)
+        .filter_map(|d| match kpt_nvidia::CudaBackend::new(d.index, options) {
+            Ok(b) => Some(Arc::new(b) as Arc<dyn Backend>),
+            Err(e) => {
+                tracing::warn!(device = d.index, error = %e, "CUDA device skipped");
+                None
+            }
+        })
+        .collect()
+}
+
 /// Backends, kernels and configuration of one process.
 #[derive(Debug)]
 pub struct Runtime {
@@ -76,6 +109,10 @@ impl Runtime {
             block_kv: config.kernel.attention_block_kv,
         };
         backends.register(Arc::new(CpuBackend::with_tuning(tuning)?));
+        #[cfg(feature = "cuda")]
+        for backend in cuda_backends(&config) {
+            backends.register(backend);
+        }
         let mut kernels = KernelRegistry::with_builtin();
         kernels.set_disabled(&config.kernel.disable);
         kernels.set_preferred(&config.kernel.prefer);

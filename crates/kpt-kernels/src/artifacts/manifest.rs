@@ -23,7 +23,8 @@ pub struct KernelEntry {
     pub name: String,
     /// Source path relative to the repository root.
     pub source: String,
-    /// sha256 of the source the artifacts were built from.
+    /// sha256 of the source the artifacts were built from, followed by the local
+    /// headers it includes.
     pub source_sha256: String,
     /// The `extern "C"` entry points and how to launch them.
     pub entry_points: Vec<EntryPoint>,

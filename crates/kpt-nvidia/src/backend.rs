@@ -1,0 +1,544 @@
+//! `CudaBackend`: kpt's `Backend` on one CUDA device. Buffers are blocks of the caching
+//! allocator; `cuda.*` kernels run on the device (cuBLASLt GEMMs, kpt's own kernels);
+//! the CPU reference, the last step of every fallback chain, runs on the host with
+//! the data copied over and back.
+
+use std::sync::Arc;
+
+use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
+use kpt_core::graph::{Activation, Op, TensorSpec};
+use kpt_core::hardware::{DeviceInfo, DeviceKind};
+use kpt_core::tensor::Tensor;
+use kpt_core::{DType, KptError, Result};
+use kpt_kernels::CpuBackend;
+
+use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
+use crate::gpu::Gpu;
+use crate::kernels::Binary;
+use crate::memory::DeviceBlock;
+use crate::NvidiaError;
+
+/// Options of the CUDA backend (from `KptConfig`'s `nvidia` section).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Let f32 GEMMs use TF32 tensor cores.
+    pub allow_tf32: bool,
+    /// Time cuBLASLt's candidate algorithms on the first use of each GEMM shape.
+    pub autotune: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            allow_tf32: false,
+            autotune: true,
+        }
+    }
+}
+
+/// The CUDA backend for one device.
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    blas: Option<Blas>,
+    info: DeviceInfo,
+    name: String,
+    host: CpuBackend,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("name", &self.name)
+            .field("gpu", &self.gpu)
+            .finish_non_exhaustive()
+    }
+}
+
+fn err(message: impl Into<String>) -> KptError {
+    KptError::Backend {
+        backend: "cuda".into(),
+        message: message.into(),
+    }
+}
+
+/// The device block behind `buffer`, checked to hold `spec`.
+fn block<'a>(buffer: &'a DeviceBuffer, spec: &TensorSpec) -> Result<&'a DeviceBlock> {
+    if buffer.dtype() != spec.dtype || buffer.len() < spec.numel() {
+        return Err(err(format!(
+            "buffer of {} {} cannot hold {spec}",
+            buffer.len(),
+            buffer.dtype()
+        )));
+    }
+    buffer
+        .inner::<DeviceBlock>()
+        .ok_or_else(|| err("buffer does not belong to the CUDA backend"))
+}
+
+fn ptr(r: &BufferRef<'_>) -> Result<u64> {
+    block(r.buffer, r.spec).map(DeviceBlock::ptr)
+}
+
+fn out_ptr(m: &BufferMut<'_>) -> Result<u64> {
+    block(m.buffer, m.spec).map(DeviceBlock::ptr)
+}
+
+/// `(rows, last dim)` of a shape.
+fn rows_dim(shape: &[usize]) -> (usize, usize) {
+    let dim = shape.last().copied().unwrap_or(1);
+    (shape.iter().product::<usize>() / dim.max(1), dim)
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`. cuBLASLt is optional: without it GEMMs are not offered
+    /// on this device (the registry falls back) and `kpt detect` lacks `cublaslt`.
+    pub fn new(ordinal: usize, options: CudaOptions) -> std::result::Result<Self, NvidiaError> {
+        let gpu = Arc::new(Gpu::new(ordinal)?);
+        let blas = if cublaslt_present() {
+            Some(Blas::new(&gpu, options.allow_tf32, options.autotune)?)
+        } else {
+            tracing::warn!("cuBLASLt not found; CUDA GEMMs fall back down the kernel chain");
+            None
+        };
+        let mut info = gpu.properties().device_info();
+        if blas.is_some() {
+            info.features.push("cublaslt".into());
+        }
+        Ok(Self {
+            name: format!("cuda:{ordinal}"),
+            gpu,
+            blas,
+            info,
+            host: CpuBackend::new().map_err(|e| NvidiaError::Invalid(e.to_string()))?,
+        })
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// cuBLASLt, when the library is present.
+    pub fn blas(&self) -> Option<&Blas> {
+        self.blas.as_ref()
+    }
+
+    fn blas_or_err(&self) -> Result<&Blas> {
+        self.blas
+            .as_ref()
+            .ok_or_else(|| err("cuBLASLt is not available on this machine"))
+    }
+
+    /// Gated activation (SwiGLU with SiLU, GeGLU with GELU): `x [.., 2d]` ->
+    /// `act(x[.., :d]) * x[.., d:]` into `out [.., d]`.
+    pub fn act_and_mul(&self, x: BufferRef<'_>, out: BufferMut<'_>, act: Activation) -> Result<()> {
+        let (rows, two_d) = rows_dim(&x.spec.shape);
+        let (out_rows, d) = rows_dim(&out.spec.shape);
+        if d * 2 != two_d || rows != out_rows || x.spec.dtype != out.spec.dtype {
+            return Err(err(format!(
+                "act_and_mul takes [.., 2d] -> [.., d] of one dtype, got {} -> {}",
+                x.spec, out.spec
+            )));
+        }
+        Ok(self
+            .gpu
+            .act_and_mul(x.spec.dtype, ptr(&x)?, out_ptr(&out)?, rows, d, act)?)
+    }
+
+    /// Quantizes `x` to `out`'s dtype with the scale `max|x| / max_finite` computed on
+    /// the device; returns the scale (also stored in `out.buffer.scale`).
+    pub fn quantize_dynamic(&self, x: BufferRef<'_>, out: BufferMut<'_>) -> Result<f32> {
+        let n = x.spec.numel();
+        if out.spec.numel() != n {
+            return Err(err(format!("quantize {} into {}", x.spec, out.spec)));
+        }
+        let slot = self.gpu.alloc_zeroed(4)?;
+        self.gpu.amax(x.spec.dtype, ptr(&x)?, n, slot.ptr())?;
+        self.gpu.amax_to_scale(slot.ptr(), out.spec.dtype)?;
+        self.gpu.quantize(
+            x.spec.dtype,
+            out.spec.dtype,
+            ptr(&x)?,
+            out_ptr(&out)?,
+            n,
+            slot.ptr(),
+        )?;
+        let scale = f32::from_le_bytes(
+            self.gpu.read(&slot, 4)?[..4]
+                .try_into()
+                .map_err(|_| err("short read of the scale"))?,
+        );
+        out.buffer.scale = scale;
+        Ok(scale)
+    }
+
+    /// A device f32 holding `v`.
+    fn scalar(&self, v: f32) -> Result<DeviceBlock> {
+        Ok(self.gpu.upload(&v.to_le_bytes())?)
+    }
+
+    fn gemm(&self, op: &Op, inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>) -> Result<()> {
+        let blas = self.blas_or_err()?;
+        let a = inputs[0].spec;
+        let b = inputs[1].spec;
+        let (layout, m, k, n, batch, bias, act) = match op {
+            Op::MatMul => {
+                let (k, n) = (b.shape[b.shape.len() - 2], b.shape[b.shape.len() - 1]);
+                if b.shape.len() == 2 {
+                    let (m, _) = rows_dim(&a.shape);
+                    (Layout::MatMul, m, k, n, 1, false, None)
+                } else {
+                    let m = a.shape[a.shape.len() - 2];
+                    let batch = a.shape[..a.shape.len() - 2].iter().product();
+                    (Layout::MatMul, m, k, n, batch, false, None)
+                }
+            }
+            Op::Linear { bias } => {
+                let (m, k) = rows_dim(&a.shape);
+                (Layout::Linear, m, k, b.shape[0], 1, *bias, None)
+            }
+            Op::LinearAct { bias, act } => {
+                let (m, k) = rows_dim(&a.shape);
+                (Layout::Linear, m, k, b.shape[0], 1, *bias, Some(*act))
+            }
+            _ => return Err(err(format!("{op} is not a GEMM"))),
+        };
+        let epilogue = match act {
+            Some(Activation::Relu) => Epilogue::Relu,
+            Some(Activation::GeluTanh) => Epilogue::GeluTanh,
+            _ => Epilogue::None,
+        };
+        // Weights of another dtype are converted to the activations' dtype first.
+        let converted;
+        let mut w = ptr(&inputs[1])?;
+        if b.dtype != a.dtype {
+            let block = self.gpu.alloc(b.numel() * a.dtype.size_in_bytes())?;
+            if b.dtype.is_quantized() {
+                self.gpu.dequantize(
+                    b.dtype,
+                    a.dtype,
+                    w,
+                    block.ptr(),
+                    b.numel(),
+                    inputs[1].buffer.scale,
+                )?;
+            } else {
+                self.gpu.cast(b.dtype, a.dtype, w, block.ptr(), b.numel())?;
+            }
+            w = block.ptr();
+            converted = block;
+            tracing::trace!(bytes = converted.bytes(), "converted weights for GEMM");
+        }
+        let shape = GemmShape {
+            m,
+            n,
+            k,
+            batch,
+            layout,
+            a: a.dtype,
+            b: a.dtype,
+            out: out.spec.dtype,
+            bias,
+            epilogue,
+        };
+        let y = out_ptr(out)?;
+        let args = GemmArgs {
+            a: ptr(&inputs[0])?,
+            b: w,
+            out: y,
+            bias: if bias { ptr(&inputs[2])? } else { 0 },
+            a_scale: 0,
+            b_scale: 0,
+        };
+        blas.gemm(&self.gpu, &shape, &args)?;
+        if let Some(act @ (Activation::GeluErf | Activation::Silu)) = act {
+            self.gpu
+                .activation(out.spec.dtype, y, y, out.spec.numel(), act)?;
+        }
+        Ok(())
+    }
+
+    /// Runs a `cuda.*` kernel.
+    fn run_device(
+        &self,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        let (out0, rest) = outputs
+            .split_first_mut()
+            .ok_or_else(|| err(format!("{op}: no output")))?;
+        let x = inputs[0].spec;
+        let dt = x.dtype;
+        let g = &self.gpu;
+        match op {
+            Op::MatMul | Op::Linear { .. } | Op::LinearAct { .. } => {
+                return self.gemm(op, inputs, out0)
+            }
+            Op::RmsNorm { eps } => {
+                let (rows, dim) = rows_dim(&x.shape);
+                g.rms_norm(
+                    dt,
+                    ptr(&inputs[0])?,
+                    ptr(&inputs[1])?,
+                    out_ptr(out0)?,
+                    rows,
+                    dim,
+                    *eps,
+                )?;
+            }
+            Op::AddRmsNorm { eps } => {
+                let (rows, dim) = rows_dim(&x.shape);
+                let out1 = rest
+                    .first_mut()
+                    .ok_or_else(|| err("add_rms_norm needs two outputs"))?;
+                g.add_rms_norm(
+                    dt,
+                    ptr(&inputs[0])?,
+                    ptr(&inputs[1])?,
+                    ptr(&inputs[2])?,
+                    out_ptr(out0)?,
+                    out_ptr(out1)?,
+                    rows,
+                    dim,
+                    *eps,
+                )?;
+            }
+            Op::LayerNorm { eps } => {
+                let (rows, dim) = rows_dim(&x.shape);
+                g.layer_norm(
+                    dt,
+                    ptr(&inputs[0])?,
+                    ptr(&inputs[1])?,
+                    ptr(&inputs[2])?,
+                    out_ptr(out0)?,
+                    rows,
+                    dim,
+                    *eps,
+                )?;
+            }
+            Op::Softmax => {
+                let (rows, dim) = rows_dim(&x.shape);
+                g.softmax(dt, ptr(&inputs[0])?, out_ptr(out0)?, rows, dim)?;
+            }
+            Op::Activation { act } => {
+                g.activation(dt, ptr(&inputs[0])?, out_ptr(out0)?, x.numel(), *act)?;
+            }
+            Op::Add | Op::Mul => {
+                let kind = if matches!(op, Op::Add) {
+                    Binary::Add
+                } else {
+                    Binary::Mul
+                };
+                g.binary(
+                    dt,
+                    ptr(&inputs[0])?,
+                    ptr(&inputs[1])?,
+                    out_ptr(out0)?,
+                    x.numel(),
+                    inputs[1].spec.numel(),
+                    kind,
+                )?;
+            }
+            Op::Rotary { head_dim, theta } => {
+                let s = &x.shape;
+                g.rotary(
+                    dt,
+                    inputs[1].spec.dtype,
+                    ptr(&inputs[0])?,
+                    ptr(&inputs[1])?,
+                    out_ptr(out0)?,
+                    (s[0], s[1], s[2] / head_dim, *head_dim),
+                    *theta,
+                )?;
+            }
+            Op::Embedding => {
+                let table = inputs[1].spec;
+                g.embedding(
+                    table.dtype,
+                    dt,
+                    ptr(&inputs[0])?,
+                    ptr(&inputs[1])?,
+                    out_ptr(out0)?,
+                    x.numel(),
+                    table.shape[0],
+                    table.shape[1],
+                )?;
+            }
+            Op::Quantize { dtype, scale } => {
+                if !(*scale > 0.0 && scale.is_finite()) {
+                    return Err(err(format!(
+                        "quantize scale must be positive and finite, got {scale}"
+                    )));
+                }
+                let s = self.scalar(*scale)?;
+                g.quantize(
+                    dt,
+                    *dtype,
+                    ptr(&inputs[0])?,
+                    out_ptr(out0)?,
+                    x.numel(),
+                    s.ptr(),
+                )?;
+                out0.buffer.scale = *scale;
+            }
+            Op::Dequantize { dtype } => {
+                let scale = inputs[0].buffer.scale;
+                g.dequantize(
+                    dt,
+                    *dtype,
+                    ptr(&inputs[0])?,
+                    out_ptr(out0)?,
+                    x.numel(),
+                    scale,
+                )?;
+            }
+            Op::Cast { dtype } => {
+                g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
+            }
+            Op::Attention(_) | Op::Concat { .. } => {
+                return Err(err(format!(
+                    "no CUDA kernel for {op} yet; the registry falls back to the CPU reference"
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs a CPU kernel on copies of the inputs and copies the results back.
+    fn run_on_host(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        tracing::debug!(kernel, %op, "running on the host (fallback)");
+        let host_in = inputs
+            .iter()
+            .map(|r| self.host.upload(&self.download(r.buffer, r.spec)?))
+            .collect::<Result<Vec<_>>>()?;
+        let mut host_out = outputs
+            .iter()
+            .map(|m| self.host.allocate(m.spec.dtype, m.spec.numel()))
+            .collect::<Result<Vec<_>>>()?;
+        {
+            let refs: Vec<_> = host_in
+                .iter()
+                .zip(inputs)
+                .map(|(b, r)| BufferRef {
+                    buffer: b,
+                    spec: r.spec,
+                })
+                .collect();
+            let mut muts: Vec<_> = host_out
+                .iter_mut()
+                .zip(outputs.iter())
+                .map(|(b, m)| BufferMut {
+                    buffer: b,
+                    spec: m.spec,
+                })
+                .collect();
+            self.host.execute(kernel, op, &refs, &mut muts)?;
+        }
+        for (h, m) in host_out.iter().zip(outputs.iter_mut()) {
+            let t = self.host.download(h, m.spec)?;
+            self.gpu.write(block(m.buffer, m.spec)?, t.as_bytes()?)?;
+            m.buffer.scale = h.scale;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn device(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn allocate(&self, dtype: DType, len: usize) -> Result<DeviceBuffer> {
+        let bytes = len
+            .checked_mul(dtype.size_in_bytes())
+            .ok_or_else(|| err(format!("{len} elements of {dtype} overflow")))?;
+        let block = self.gpu.alloc_zeroed(bytes)?;
+        Ok(DeviceBuffer::new(dtype, len, Box::new(block)))
+    }
+
+    fn upload(&self, tensor: &Tensor) -> Result<DeviceBuffer> {
+        let t = tensor.contiguous();
+        let block = self.gpu.upload(t.as_bytes()?)?;
+        let mut buffer = DeviceBuffer::new(t.dtype(), t.numel(), Box::new(block));
+        buffer.scale = t.scale();
+        Ok(buffer)
+    }
+
+    fn download(&self, buffer: &DeviceBuffer, spec: &TensorSpec) -> Result<Tensor> {
+        let b = block(buffer, spec)?;
+        let bytes = self
+            .gpu
+            .read(b, spec.numel() * spec.dtype.size_in_bytes())?;
+        Ok(Tensor::from_bytes(&bytes, spec.dtype, &spec.shape)?.with_scale(buffer.scale))
+    }
+
+    fn execute(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        if inputs.len() != op.num_inputs() {
+            return Err(KptError::Graph(format!(
+                "{op} takes {} inputs, got {}",
+                op.num_inputs(),
+                inputs.len()
+            )));
+        }
+        // Device kernels trust their sizes, so the specs must be exactly what the op
+        // makes of its inputs.
+        let specs: Vec<TensorSpec> = inputs.iter().map(|r| r.spec.clone()).collect();
+        let expected = op.infer(&specs)?;
+        if expected.len() != outputs.len()
+            || expected
+                .iter()
+                .zip(outputs.iter())
+                .any(|(e, m)| e != m.spec)
+        {
+            return Err(KptError::Graph(format!(
+                "{op}: outputs {:?} do not match the inferred {:?}",
+                outputs
+                    .iter()
+                    .map(|m| m.spec.to_string())
+                    .collect::<Vec<_>>(),
+                expected.iter().map(ToString::to_string).collect::<Vec<_>>()
+            )));
+        }
+        if kernel.starts_with("cuda.") {
+            self.run_device(op, inputs, outputs)
+        } else if kernel.starts_with("cpu.") {
+            self.run_on_host(kernel, op, inputs, outputs)
+        } else {
+            Err(err(format!("kernel {kernel} does not run on CUDA")))
+        }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(self.gpu.synchronize()?)
+    }
+
+    fn memory_stats(&self) -> MemoryStats {
+        let s = self.gpu.memory().statistics();
+        MemoryStats {
+            allocated_bytes: s.requested_bytes,
+            peak_bytes: s.peak_allocated_bytes,
+            total_bytes: Some(self.gpu.properties().memory_bytes),
+        }
+    }
+}

@@ -1,0 +1,481 @@
+//! GEMM through cuBLASLt: f32 (TF32 only when allowed), f16, bf16 and FP8 with
+//! per-tensor scales, bias and ReLU/GELU epilogues fused, and an autotune cache of
+//! algorithms keyed by problem.
+//!
+//! Everything is row-major on kpt's side. cuBLASLt is column-major, so a row-major
+//! `Y[M, N]` is computed as the column-major `Yᵀ[N, M]`:
+//! - linear `Y = X Wᵀ` with `W [N, K]`: `Yᵀ = W Xᵀ`, A = W transposed ("TN", the layout
+//!   FP8 needs on Hopper), B = X;
+//! - matmul `Y = A B` with `B [K, N]`: `Yᵀ = Bᵀ Aᵀ`, both untransposed.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys::{
+    self, cublasComputeType_t as Compute, cublasLtEpilogue_t as Epi,
+    cublasLtMatmulDescAttributes_t as DescAttr, cudaDataType_t as Data,
+};
+use cudarc::driver::sys::CUevent_flags;
+use kpt_core::DType;
+
+use crate::gpu::Gpu;
+use crate::memory::DeviceBlock;
+use crate::NvidiaError;
+
+/// `cublasOperation_t` values (an `int32` attribute).
+const OP_N: i32 = 0;
+const OP_T: i32 = 1;
+
+/// An activation cuBLASLt applies in the GEMM epilogue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    /// None.
+    None,
+    /// `max(x, 0)`.
+    Relu,
+    /// GELU, tanh approximation.
+    GeluTanh,
+}
+
+/// Which operand layout the GEMM has (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// `Y[M, N] = X[M, K] · W[N, K]ᵀ`.
+    Linear,
+    /// `Y[M, N] = A[M, K] · B[K, N]`.
+    MatMul,
+}
+
+/// One GEMM problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GemmShape {
+    /// Rows of the output.
+    pub m: usize,
+    /// Columns of the output.
+    pub n: usize,
+    /// Reduction length.
+    pub k: usize,
+    /// Independent problems laid out back to back (both operands and the output).
+    pub batch: usize,
+    /// Operand layout.
+    pub layout: Layout,
+    /// dtype of the first operand (X or A).
+    pub a: DType,
+    /// dtype of the second operand (W or B).
+    pub b: DType,
+    /// dtype of the output (and of the bias).
+    pub out: DType,
+    /// Whether a bias `[N]` is added.
+    pub bias: bool,
+    /// The fused activation.
+    pub epilogue: Epilogue,
+}
+
+/// Device addresses of one GEMM's operands.
+#[derive(Debug, Clone, Copy)]
+pub struct GemmArgs {
+    /// X or A.
+    pub a: u64,
+    /// W or B.
+    pub b: u64,
+    /// Y.
+    pub out: u64,
+    /// Bias `[N]` (0 when the shape has none).
+    pub bias: u64,
+    /// f32 scale of `a` on the device (FP8 only, else 0).
+    pub a_scale: u64,
+    /// f32 scale of `b` on the device (FP8 only, else 0).
+    pub b_scale: u64,
+}
+
+fn data_type(d: DType) -> Result<Data, NvidiaError> {
+    Ok(match d {
+        DType::F32 => Data::CUDA_R_32F,
+        DType::F16 => Data::CUDA_R_16F,
+        DType::BF16 => Data::CUDA_R_16BF,
+        DType::F8E4M3 => Data::CUDA_R_8F_E4M3,
+        DType::F8E5M2 => Data::CUDA_R_8F_E5M2,
+        d => {
+            return Err(NvidiaError::Invalid(format!(
+                "cuBLASLt GEMM takes f32, f16, bf16, f8e4m3 or f8e5m2, not {d}"
+            )))
+        }
+    })
+}
+
+impl GemmShape {
+    /// Checks the dtype combination cuBLASLt supports.
+    fn validate(&self) -> Result<(), NvidiaError> {
+        let fp8 = |d: DType| matches!(d, DType::F8E4M3 | DType::F8E5M2);
+        let ok = if fp8(self.a) || fp8(self.b) {
+            fp8(self.a)
+                && fp8(self.b)
+                && !(self.a == DType::F8E5M2 && self.b == DType::F8E5M2)
+                && self.layout == Layout::Linear
+                && matches!(self.out, DType::BF16 | DType::F16 | DType::F32)
+        } else {
+            self.a == self.b && self.out == self.a
+        };
+        if !ok {
+            return Err(NvidiaError::Invalid(format!(
+                "unsupported GEMM dtypes {} x {} -> {} ({:?}); FP8 needs the linear layout \
+                 and at most one e5m2 operand",
+                self.a, self.b, self.out, self.layout
+            )));
+        }
+        if self.m == 0 || self.n == 0 || self.k == 0 || self.batch == 0 {
+            return Err(NvidiaError::Invalid(format!("empty GEMM {self:?}")));
+        }
+        Ok(())
+    }
+
+    /// FLOPs of the whole problem.
+    pub fn flops(&self) -> f64 {
+        2.0 * (self.m * self.n * self.k * self.batch) as f64
+    }
+}
+
+/// Frees cuBLASLt descriptors when dropped.
+struct Descriptors {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: created by cuBLASLt below and destroyed once, here.
+        unsafe {
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+fn set_desc<T>(desc: sys::cublasLtMatmulDesc_t, attr: DescAttr, v: &T) -> Result<(), NvidiaError> {
+    // SAFETY: `v` is the attribute's documented type and lives through the call.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            v as *const T as *const c_void,
+            std::mem::size_of::<T>(),
+        )
+    }
+    .map_err(|e| NvidiaError::cublas("cublasLtMatmulDescSetAttribute", e))
+}
+
+/// `rows x cols` column-major matrices with leading dimension `rows`, `batch` of them.
+fn layout(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    batch: usize,
+) -> Result<sys::cublasLtMatrixLayout_t, NvidiaError> {
+    let l = lt::create_matrix_layout(data_type(dtype)?, rows as u64, cols as u64, rows as i64)
+        .map_err(|e| NvidiaError::cublas("cublasLtMatrixLayoutCreate", e))?;
+    if batch > 1 {
+        let count = batch as i32;
+        let stride = (rows * cols) as i64;
+        let set = |attr, v: *const c_void, size| {
+            // SAFETY: `v` points at a value of the attribute's type.
+            unsafe { lt::set_matrix_layout_attribute(l, attr, v, size) }
+                .map_err(|e| NvidiaError::cublas("cublasLtMatrixLayoutSetAttribute", e))
+        };
+        set(
+            sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+            &count as *const i32 as *const c_void,
+            4,
+        )?;
+        set(
+            sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+            &stride as *const i64 as *const c_void,
+            8,
+        )?;
+    }
+    Ok(l)
+}
+
+/// cuBLASLt on one device: a handle, a workspace and the algorithm cache.
+pub struct Blas {
+    handle: sys::cublasLtHandle_t,
+    workspace: DeviceBlock,
+    allow_tf32: bool,
+    autotune: bool,
+    algos: Mutex<HashMap<GemmShape, sys::cublasLtMatmulAlgo_t>>,
+}
+
+// SAFETY: the handle is used under the device's single stream; cuBLASLt handles may be
+// shared across threads when calls on it do not overlap, which `Blas::gemm`'s callers
+// (the backend, on its stream) guarantee.
+unsafe impl Send for Blas {}
+// SAFETY: see `Send`.
+unsafe impl Sync for Blas {}
+
+impl std::fmt::Debug for Blas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Blas")
+            .field("allow_tf32", &self.allow_tf32)
+            .field("autotune", &self.autotune)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+/// Whether the cuBLASLt library can be loaded.
+pub fn cublaslt_present() -> bool {
+    // SAFETY: only tries to open the library; no symbol is called.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Workspace cuBLASLt may use: 32 MiB on Hopper, 4 MiB before (NVIDIA's advice).
+fn workspace_bytes(gpu: &Gpu) -> usize {
+    if gpu.properties().compute_capability.0 >= 9 {
+        32 << 20
+    } else {
+        4 << 20
+    }
+}
+
+impl Blas {
+    /// cuBLASLt for `gpu`. `allow_tf32` lets f32 GEMMs use TF32 tensor cores;
+    /// `autotune` times the heuristic's candidates on first use of each shape.
+    pub fn new(gpu: &Gpu, allow_tf32: bool, autotune: bool) -> Result<Self, NvidiaError> {
+        if !cublaslt_present() {
+            return Err(NvidiaError::Invalid(
+                "the cuBLASLt library (libcublasLt.so) was not found; add the CUDA toolkit's \
+                 lib64 folder to LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        gpu.bind()?;
+        let handle = lt::create_handle().map_err(|e| NvidiaError::cublas("cublasLtCreate", e))?;
+        let workspace = gpu.alloc(workspace_bytes(gpu))?;
+        Ok(Self {
+            handle,
+            workspace,
+            allow_tf32,
+            autotune,
+            algos: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn descriptors(&self, s: &GemmShape, args: &GemmArgs) -> Result<Descriptors, NvidiaError> {
+        let compute = match s.a {
+            DType::F32 if self.allow_tf32 => Compute::CUBLAS_COMPUTE_32F_FAST_TF32,
+            _ => Compute::CUBLAS_COMPUTE_32F,
+        };
+        let desc = lt::create_matmul_desc(compute, Data::CUDA_R_32F)
+            .map_err(|e| NvidiaError::cublas("cublasLtMatmulDescCreate", e))?;
+        // Column-major view: D[n x m] = op(A) · op(B), A = the second operand.
+        let (trans_a, a_rows, a_cols) = match s.layout {
+            Layout::Linear => (OP_T, s.k, s.n),
+            Layout::MatMul => (OP_N, s.n, s.k),
+        };
+        let d = Descriptors {
+            desc,
+            layouts: [
+                layout(s.b, a_rows, a_cols, s.batch)?,
+                layout(s.a, s.k, s.m, s.batch)?,
+                layout(s.out, s.n, s.m, s.batch)?,
+            ],
+        };
+        set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_TRANSA, &trans_a)?;
+        set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_TRANSB, &OP_N)?;
+        let epilogue = match (s.bias, s.epilogue) {
+            (false, Epilogue::None) => Epi::CUBLASLT_EPILOGUE_DEFAULT,
+            (false, Epilogue::Relu) => Epi::CUBLASLT_EPILOGUE_RELU,
+            (false, Epilogue::GeluTanh) => Epi::CUBLASLT_EPILOGUE_GELU,
+            (true, Epilogue::None) => Epi::CUBLASLT_EPILOGUE_BIAS,
+            (true, Epilogue::Relu) => Epi::CUBLASLT_EPILOGUE_RELU_BIAS,
+            (true, Epilogue::GeluTanh) => Epi::CUBLASLT_EPILOGUE_GELU_BIAS,
+        };
+        set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+        if s.bias {
+            let ptr = args.bias as *const c_void;
+            set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
+            set_desc(
+                desc,
+                DescAttr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                &data_type(s.out)?,
+            )?;
+        }
+        if matches!(s.a, DType::F8E4M3 | DType::F8E5M2) {
+            // cuBLASLt's A is kpt's second operand.
+            let (a, b) = (args.b_scale as *const c_void, args.a_scale as *const c_void);
+            set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)?;
+            set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b)?;
+        }
+        Ok(d)
+    }
+
+    /// Up to `count` algorithms cuBLASLt's heuristic proposes, best first.
+    fn candidates(
+        &self,
+        d: &Descriptors,
+        count: usize,
+    ) -> Result<Vec<sys::cublasLtMatmulAlgo_t>, NvidiaError> {
+        let pref = lt::create_matmul_pref()
+            .map_err(|e| NvidiaError::cublas("cublasLtMatmulPreferenceCreate", e))?;
+        let size = self.workspace.bytes();
+        // SAFETY: `pref` was just created; the value is the attribute's type (u64 bytes).
+        let set = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &size as *const usize as *const c_void,
+                std::mem::size_of::<usize>(),
+            )
+        };
+        let mut results = vec![
+            // SAFETY: a plain C struct for cuBLASLt to fill; all-zero is a valid value.
+            unsafe { std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>() };
+            count
+        ];
+        let mut found = 0i32;
+        let status = set.and_then(|_| {
+            // SAFETY: descriptors are live; `results` holds `count` entries.
+            unsafe {
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    d.desc,
+                    d.layouts[0],
+                    d.layouts[1],
+                    d.layouts[2],
+                    d.layouts[2],
+                    pref,
+                    count as i32,
+                    results.as_mut_ptr(),
+                    &mut found,
+                )
+            }
+            .result()
+        });
+        // SAFETY: created above, destroyed once.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        status.map_err(|e| NvidiaError::cublas("cublasLtMatmulAlgoGetHeuristic", e))?;
+        let algos: Vec<_> = results[..found.max(0) as usize]
+            .iter()
+            .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|r| r.algo)
+            .collect();
+        if algos.is_empty() {
+            return Err(NvidiaError::Cublas {
+                call: "cublasLtMatmulAlgoGetHeuristic",
+                status: "no algorithm for this problem".into(),
+            });
+        }
+        Ok(algos)
+    }
+
+    fn run(
+        &self,
+        gpu: &Gpu,
+        d: &Descriptors,
+        args: &GemmArgs,
+        algo: &sys::cublasLtMatmulAlgo_t,
+    ) -> Result<(), NvidiaError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the backend checked every operand buffer against the shape the
+        // descriptors encode; the workspace is ours; beta = 0 so C is not read.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                d.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                args.b as *const c_void,
+                d.layouts[0],
+                args.a as *const c_void,
+                d.layouts[1],
+                args.out as *const c_void,
+                d.layouts[2],
+                args.out as *mut c_void,
+                d.layouts[2],
+                algo,
+                self.workspace.ptr() as *mut c_void,
+                self.workspace.bytes(),
+                gpu.stream().cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| NvidiaError::cublas("cublasLtMatmul", e))
+    }
+
+    /// The algorithm for `s`: cached, else the fastest of the heuristic's candidates
+    /// (timed with events when autotuning), else its first.
+    fn algorithm(
+        &self,
+        gpu: &Gpu,
+        s: &GemmShape,
+        d: &Descriptors,
+        args: &GemmArgs,
+    ) -> Result<sys::cublasLtMatmulAlgo_t, NvidiaError> {
+        if let Some(a) = self.algos.lock().unwrap_or_else(|p| p.into_inner()).get(s) {
+            return Ok(*a);
+        }
+        let candidates = self.candidates(d, if self.autotune { 8 } else { 1 })?;
+        let mut best = (f32::INFINITY, candidates[0]);
+        if candidates.len() > 1 {
+            let ctx = gpu.stream().context();
+            let event = || {
+                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(|e| NvidiaError::driver("cuEventCreate", e))
+            };
+            let (start, end) = (event()?, event()?);
+            for algo in &candidates {
+                // One untimed run, then three timed; candidates that fail are skipped.
+                if self.run(gpu, d, args, algo).is_err() {
+                    continue;
+                }
+                start
+                    .record(gpu.stream())
+                    .map_err(|e| NvidiaError::driver("cuEventRecord", e))?;
+                for _ in 0..3 {
+                    self.run(gpu, d, args, algo)?;
+                }
+                end.record(gpu.stream())
+                    .map_err(|e| NvidiaError::driver("cuEventRecord", e))?;
+                let ms = start
+                    .elapsed_ms(&end)
+                    .map_err(|e| NvidiaError::driver("cuEventElapsedTime", e))?;
+                if ms < best.0 {
+                    best = (ms, *algo);
+                }
+            }
+            tracing::debug!(
+                ?s,
+                candidates = candidates.len(),
+                best_ms = best.0 / 3.0,
+                "cuBLASLt autotuned"
+            );
+        }
+        self.algos
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(*s, best.1);
+        Ok(best.1)
+    }
+
+    /// Queues the GEMM `s` on `gpu`'s stream.
+    pub fn gemm(&self, gpu: &Gpu, s: &GemmShape, args: &GemmArgs) -> Result<(), NvidiaError> {
+        s.validate()?;
+        gpu.bind()?;
+        let d = self.descriptors(s, args)?;
+        let algo = self.algorithm(gpu, s, &d, args)?;
+        self.run(gpu, &d, args, &algo)
+    }
+
+    /// Shapes whose algorithm is cached.
+    pub fn tuned_shapes(&self) -> usize {
+        self.algos.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}

@@ -1,0 +1,254 @@
+//! One CUDA device in use: its context, the stream all work goes to, the caching
+//! allocator and the kernels loaded from `kpt_kernels::artifacts`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
+use kpt_kernels::artifacts::{self, EntryPoint, Format};
+
+use crate::device::{self, GpuProperties};
+use crate::memory::{CachingAllocator, DeviceBlock, RawMemory};
+use crate::NvidiaError;
+
+/// Device memory straight from the driver.
+struct DriverMemory {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+impl RawMemory for DriverMemory {
+    fn alloc(&self, bytes: usize) -> Result<Option<u64>, NvidiaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| NvidiaError::driver("cuCtxSetCurrent", e))?;
+        // SAFETY: the context is current; the memory is only handed out as raw bytes.
+        match unsafe { result::malloc_sync(bytes) } {
+            Ok(ptr) => Ok(Some(ptr)),
+            Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Ok(None),
+            Err(e) => Err(NvidiaError::driver("cuMemAlloc", e)),
+        }
+    }
+
+    fn free(&self, ptr: u64) -> Result<(), NvidiaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| NvidiaError::driver("cuCtxSetCurrent", e))?;
+        // SAFETY: `ptr` came from `cuMemAlloc` of this context and is no longer in use
+        // (the pool drains the stream before releasing).
+        unsafe { result::free_sync(ptr) }.map_err(|e| NvidiaError::driver("cuMemFree", e))
+    }
+
+    fn free_bytes(&self) -> Result<u64, NvidiaError> {
+        self.ctx
+            .mem_get_info()
+            .map(|(free, _)| free as u64)
+            .map_err(|e| NvidiaError::driver("cuMemGetInfo", e))
+    }
+
+    fn drain(&self) -> Result<(), NvidiaError> {
+        self.stream
+            .synchronize()
+            .map_err(|e| NvidiaError::driver("cuStreamSynchronize", e))
+    }
+}
+
+/// A CUDA device ready for work.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    props: GpuProperties,
+    memory: CachingAllocator,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<String, (CudaFunction, EntryPoint)>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("device", &self.props.name)
+            .field("memory", &self.memory)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gpu {
+    /// Opens device `ordinal` (its primary context) and creates a stream on it.
+    pub fn new(ordinal: usize) -> Result<Self, NvidiaError> {
+        let all = device::devices()?;
+        let props = all.get(ordinal).cloned().ok_or_else(|| {
+            NvidiaError::Invalid(format!(
+                "no CUDA device {ordinal} (this machine has {})",
+                all.len()
+            ))
+        })?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| NvidiaError::driver("cuCtxCreate", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| NvidiaError::driver("cuStreamCreate", e))?;
+        let memory = CachingAllocator::new(Box::new(DriverMemory {
+            ctx: Arc::clone(&ctx),
+            stream: Arc::clone(&stream),
+        }));
+        tracing::info!(device = %props.name, arch = %props.arch(), "CUDA device opened");
+        Ok(Self {
+            ctx,
+            stream,
+            props,
+            memory,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// What the device is.
+    pub fn properties(&self) -> &GpuProperties {
+        &self.props
+    }
+
+    /// The stream every operation of this device is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The device's caching allocator.
+    pub fn memory(&self) -> &CachingAllocator {
+        &self.memory
+    }
+
+    /// Makes the context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<(), NvidiaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| NvidiaError::driver("cuCtxSetCurrent", e))
+    }
+
+    /// A block of `bytes` (contents undefined).
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBlock, NvidiaError> {
+        self.memory.allocate(bytes)
+    }
+
+    /// A block of `bytes` set to zero.
+    pub fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBlock, NvidiaError> {
+        let block = self.alloc(bytes)?;
+        self.bind()?;
+        // SAFETY: the block holds at least `bytes`.
+        unsafe { result::memset_d8_async(block.ptr(), 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| NvidiaError::driver("cuMemsetD8Async", e))?;
+        Ok(block)
+    }
+
+    /// Copies `data` to the start of `dst`.
+    pub fn write(&self, dst: &DeviceBlock, data: &[u8]) -> Result<(), NvidiaError> {
+        if data.len() > dst.bytes() {
+            return Err(NvidiaError::Invalid(format!(
+                "cannot copy {} bytes into a {}-byte device block",
+                data.len(),
+                dst.bytes()
+            )));
+        }
+        self.bind()?;
+        // SAFETY: the block holds `data.len()` bytes; the copy from pageable memory
+        // returns after the source was read, and synchronizing keeps `data` alive for it.
+        unsafe { result::memcpy_htod_async(dst.ptr(), data, self.stream.cu_stream()) }
+            .map_err(|e| NvidiaError::driver("cuMemcpyHtoDAsync", e))?;
+        self.synchronize()
+    }
+
+    /// A new block holding `data`.
+    pub fn upload(&self, data: &[u8]) -> Result<DeviceBlock, NvidiaError> {
+        let block = self.alloc(data.len())?;
+        self.write(&block, data)?;
+        Ok(block)
+    }
+
+    /// The first `len` bytes of `src`, after all queued work.
+    pub fn read(&self, src: &DeviceBlock, len: usize) -> Result<Vec<u8>, NvidiaError> {
+        if len > src.bytes() {
+            return Err(NvidiaError::Invalid(format!(
+                "cannot read {len} bytes from a {}-byte device block",
+                src.bytes()
+            )));
+        }
+        let mut out = vec![0u8; len];
+        self.bind()?;
+        // SAFETY: the block holds `len` bytes; `out` outlives the copy (synchronized).
+        unsafe { result::memcpy_dtoh_async(&mut out, src.ptr(), self.stream.cu_stream()) }
+            .map_err(|e| NvidiaError::driver("cuMemcpyDtoHAsync", e))?;
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    /// Copies `bytes` from `src` to `dst` on the stream.
+    pub fn copy(&self, src: u64, dst: u64, bytes: usize) -> Result<(), NvidiaError> {
+        self.bind()?;
+        // SAFETY: callers pass addresses of blocks holding at least `bytes`.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| NvidiaError::driver("cuMemcpyDtoDAsync", e))
+    }
+
+    /// Waits for all queued work; reports a failed kernel here.
+    pub fn synchronize(&self) -> Result<(), NvidiaError> {
+        self.stream
+            .synchronize()
+            .map_err(|e| NvidiaError::driver("cuStreamSynchronize", e))
+    }
+
+    /// Entry point `entry` of kernel source `kernel`, loaded from the artifact that fits
+    /// this device (exact cubin first, then PTX for the driver to JIT) on first use.
+    pub fn function(
+        &self,
+        kernel: &'static str,
+        entry: &str,
+    ) -> Result<(CudaFunction, EntryPoint), NvidiaError> {
+        let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = functions.get(entry) {
+            return Ok(f.clone());
+        }
+        let (major, minor) = self.props.compute_capability;
+        let artifact =
+            artifacts::select_cuda(kernel, major, minor).ok_or_else(|| NvidiaError::NoKernel {
+                kernel: kernel.into(),
+                arch: self.props.arch(),
+            })?;
+        let meta = *artifact
+            .entry_points
+            .iter()
+            .find(|e| e.name == entry)
+            .ok_or_else(|| {
+                NvidiaError::Invalid(format!("kernel {kernel} has no entry point {entry}"))
+            })?;
+        let module = {
+            let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+            match modules.get(kernel) {
+                Some(m) => Arc::clone(m),
+                None => {
+                    let image = match artifact.format {
+                        Format::Cubin => Ptx::from_binary(artifact.bytes.to_vec()),
+                        Format::Ptx => {
+                            Ptx::from_src(String::from_utf8_lossy(artifact.bytes).into_owned())
+                        }
+                    };
+                    let m = self
+                        .ctx
+                        .load_module(image)
+                        .map_err(|e| NvidiaError::driver("cuModuleLoadData", e))?;
+                    tracing::info!(
+                        kernel,
+                        target = artifact.target,
+                        format = ?artifact.format,
+                        "loaded CUDA module"
+                    );
+                    modules.insert(kernel, Arc::clone(&m));
+                    m
+                }
+            }
+        };
+        let f = module
+            .load_function(entry)
+            .map_err(|e| NvidiaError::driver("cuModuleGetFunction", e))?;
+        functions.insert(entry.to_string(), (f.clone(), meta));
+        Ok((f, meta))
+    }
+}

@@ -1,0 +1,372 @@
+//! Launchers of kpt's own CUDA kernels (`kernels/cuda/*.cu`, embedded by
+//! `kpt_kernels::artifacts`). Each takes device addresses and sizes; the backend checks
+//! buffers against shapes before it calls them.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use kpt_core::graph::Activation;
+use kpt_core::DType;
+
+use crate::gpu::Gpu;
+use crate::NvidiaError;
+
+/// Launches `entry` of kernel source `kernel` on `grid` blocks with the block size and
+/// shared memory its manifest records, passing each argument by value.
+macro_rules! launch {
+    ($gpu:expr, $kernel:expr, $entry:expr, $grid:expr; $($arg:expr),* $(,)?) => {{
+        let (f, meta) = $gpu.function($kernel, &$entry)?;
+        let cfg = LaunchConfig {
+            grid_dim: ($grid, 1, 1),
+            block_dim: (meta.block, 1, 1),
+            shared_mem_bytes: meta.shared_bytes,
+        };
+        $gpu.bind()?;
+        let mut builder = $gpu.stream().launch_builder(&f);
+        let args = ($($arg,)*);
+        launch!(@push builder, args; $($arg),*);
+        // SAFETY: the entry point's parameters match `args` in order and type (see the
+        // kernel source); the backend checked every buffer against the sizes passed.
+        unsafe { builder.launch(cfg) }.map_err(|e| NvidiaError::driver("cuLaunchKernel", e))?;
+    }};
+    (@push $b:ident, $args:ident; $a0:expr) => { $b.arg(&$args.0); };
+    (@push $b:ident, $args:ident; $a0:expr, $a1:expr) => { $b.arg(&$args.0).arg(&$args.1); };
+    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr) => {
+        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2);
+    };
+    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr) => {
+        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3);
+    };
+    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr, $a4:expr) => {
+        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3).arg(&$args.4);
+    };
+    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr, $a4:expr, $a5:expr) => {
+        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3).arg(&$args.4).arg(&$args.5);
+    };
+    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr, $a4:expr, $a5:expr, $a6:expr) => {
+        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3).arg(&$args.4).arg(&$args.5)
+            .arg(&$args.6);
+    };
+}
+
+/// The entry-point suffix of a float dtype the kernels take.
+pub(crate) fn float_name(dtype: DType) -> Result<&'static str, NvidiaError> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        DType::F16 => Ok("f16"),
+        d => Err(NvidiaError::Invalid(format!(
+            "CUDA kernels take f32, bf16 or f16, not {d}"
+        ))),
+    }
+}
+
+fn index_name(dtype: DType) -> Result<&'static str, NvidiaError> {
+    match dtype {
+        DType::I32 => Ok("i32"),
+        DType::I64 => Ok("i64"),
+        d => Err(NvidiaError::Invalid(format!(
+            "indices must be i32 or i64, not {d}"
+        ))),
+    }
+}
+
+fn quant_name(dtype: DType) -> Result<&'static str, NvidiaError> {
+    match dtype {
+        DType::F8E4M3 => Ok("e4m3"),
+        DType::F8E5M2 => Ok("e5m2"),
+        DType::I8 => Ok("i8"),
+        d => Err(NvidiaError::Invalid(format!(
+            "quantized dtypes are f8e4m3, f8e5m2 and i8, not {d}"
+        ))),
+    }
+}
+
+fn int(what: &str, v: usize) -> Result<i32, NvidiaError> {
+    i32::try_from(v).map_err(|_| NvidiaError::Invalid(format!("{what} = {v} exceeds 2^31 - 1")))
+}
+
+fn long(v: usize) -> i64 {
+    // Buffer sizes come from allocations, which are far below i64::MAX.
+    v as i64
+}
+
+fn grid(what: &str, v: usize) -> Result<u32, NvidiaError> {
+    if v == 0 {
+        return Err(NvidiaError::Invalid(format!("{what} is empty")));
+    }
+    u32::try_from(v)
+        .map_err(|_| NvidiaError::Invalid(format!("{what} = {v} exceeds 2^32 - 1 blocks")))
+}
+
+fn act_code(act: Activation) -> i32 {
+    match act {
+        Activation::Relu => 0,
+        Activation::GeluErf => 1,
+        Activation::GeluTanh => 2,
+        Activation::Silu => 3,
+    }
+}
+
+/// The element-wise binary ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Binary {
+    Add = 0,
+    Mul = 1,
+}
+
+impl Gpu {
+    /// Blocks for a grid-stride loop over `n` elements of 16-byte vectors: enough to
+    /// fill the device, never more than the work.
+    fn stride_grid(&self, n: usize, dtype_bytes: usize) -> u32 {
+        let vectors = n.div_ceil((16 / dtype_bytes).max(1));
+        let most = self.properties().sm_count.max(1) as usize * 16;
+        vectors.div_ceil(256).clamp(1, most) as u32
+    }
+
+    /// RMSNorm of `rows` rows of `dim`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rms_norm(
+        &self,
+        dtype: DType,
+        x: u64,
+        w: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_rms_norm_{}", float_name(dtype)?);
+        launch!(self, "rms_norm", entry, grid("rows", rows)?; x, w, out, int("dim", dim)?, eps);
+        Ok(())
+    }
+
+    /// `sum = x + residual`, `out = rms_norm(sum)`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn add_rms_norm(
+        &self,
+        dtype: DType,
+        x: u64,
+        residual: u64,
+        w: u64,
+        sum: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_add_rms_norm_{}", float_name(dtype)?);
+        launch!(self, "rms_norm", entry, grid("rows", rows)?;
+            x, residual, w, sum, out, int("dim", dim)?, eps);
+        Ok(())
+    }
+
+    /// LayerNorm of `rows` rows of `dim`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn layer_norm(
+        &self,
+        dtype: DType,
+        x: u64,
+        w: u64,
+        b: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_layer_norm_{}", float_name(dtype)?);
+        launch!(self, "layer_norm", entry, grid("rows", rows)?;
+            x, w, b, out, int("dim", dim)?, eps);
+        Ok(())
+    }
+
+    /// Softmax of `rows` rows of `dim`.
+    pub(crate) fn softmax(
+        &self,
+        dtype: DType,
+        x: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_softmax_{}", float_name(dtype)?);
+        launch!(self, "softmax", entry, grid("rows", rows)?; x, out, int("dim", dim)?);
+        Ok(())
+    }
+
+    /// `out = act(x)` over `n` elements.
+    pub(crate) fn activation(
+        &self,
+        dtype: DType,
+        x: u64,
+        out: u64,
+        n: usize,
+        act: Activation,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_activation_{}", float_name(dtype)?);
+        let g = self.stride_grid(n, dtype.size_in_bytes());
+        launch!(self, "elementwise", entry, g; x, out, long(n), act_code(act));
+        Ok(())
+    }
+
+    /// Gated activation: `x [rows, 2d]` -> `act(x[:, :d]) * x[:, d:]`.
+    pub(crate) fn act_and_mul(
+        &self,
+        dtype: DType,
+        x: u64,
+        out: u64,
+        rows: usize,
+        d: usize,
+        act: Activation,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_act_and_mul_{}", float_name(dtype)?);
+        let g = self.stride_grid(rows * d, dtype.size_in_bytes());
+        launch!(self, "elementwise", entry, g; x, out, long(rows), long(d), act_code(act));
+        Ok(())
+    }
+
+    /// `out[i] = a[i] op b[i % nb]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn binary(
+        &self,
+        dtype: DType,
+        a: u64,
+        b: u64,
+        out: u64,
+        n: usize,
+        nb: usize,
+        op: Binary,
+    ) -> Result<(), NvidiaError> {
+        if nb == 0 || !n.is_multiple_of(nb) {
+            return Err(NvidiaError::Invalid(format!(
+                "cannot broadcast {nb} elements over {n}"
+            )));
+        }
+        let entry = format!("kpt_binary_{}", float_name(dtype)?);
+        let g = self.stride_grid(n, dtype.size_in_bytes());
+        launch!(self, "elementwise", entry, g; a, b, out, long(n), long(nb), op as i32);
+        Ok(())
+    }
+
+    /// Float conversion of `n` elements.
+    pub(crate) fn cast(
+        &self,
+        from: DType,
+        to: DType,
+        x: u64,
+        out: u64,
+        n: usize,
+    ) -> Result<(), NvidiaError> {
+        if from == to {
+            return self.copy(x, out, n * from.size_in_bytes());
+        }
+        let entry = format!("kpt_cast_{}_{}", float_name(from)?, float_name(to)?);
+        let g = self.stride_grid(n, from.size_in_bytes());
+        launch!(self, "elementwise", entry, g; x, out, long(n));
+        Ok(())
+    }
+
+    /// Rotary embedding of `x [batch, seq, heads * head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rotary(
+        &self,
+        dtype: DType,
+        index: DType,
+        x: u64,
+        positions: u64,
+        out: u64,
+        (batch, seq, heads, head_dim): (usize, usize, usize, usize),
+        theta: f32,
+    ) -> Result<(), NvidiaError> {
+        if head_dim % 2 != 0 || head_dim > 512 {
+            return Err(NvidiaError::Invalid(format!(
+                "rotary head_dim must be even and at most 512, got {head_dim}"
+            )));
+        }
+        let entry = format!("kpt_rotary_{}_{}", float_name(dtype)?, index_name(index)?);
+        launch!(self, "rotary", entry, grid("batch * seq", batch * seq)?;
+            x, positions, out, int("seq", seq)?, int("heads", heads)?, int("head_dim", head_dim)?, theta);
+        Ok(())
+    }
+
+    /// Gathers rows of `table [vocab, dim]`; an id outside the table is an error.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn embedding(
+        &self,
+        dtype: DType,
+        index: DType,
+        ids: u64,
+        table: u64,
+        out: u64,
+        n: usize,
+        vocab: usize,
+        dim: usize,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!(
+            "kpt_embedding_{}_{}",
+            float_name(dtype)?,
+            index_name(index)?
+        );
+        let bad = self.alloc_zeroed(4)?;
+        launch!(self, "embedding", entry, grid("ids", n)?;
+            ids, table, out, long(vocab), int("dim", dim)?, bad.ptr());
+        if self.read(&bad, 4)? != [0; 4] {
+            return Err(NvidiaError::Invalid(format!(
+                "embedding: an id is outside the table of {vocab} rows"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes `max |x|` of `n` elements to the f32 at `amax` (which must hold 0).
+    pub(crate) fn amax(
+        &self,
+        dtype: DType,
+        x: u64,
+        n: usize,
+        amax: u64,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_amax_{}", float_name(dtype)?);
+        let g = self.stride_grid(n, dtype.size_in_bytes());
+        launch!(self, "quantize", entry, g; x, long(n), amax);
+        Ok(())
+    }
+
+    /// Turns the amax at `slot` into the scale that maps it to `target`'s largest value.
+    pub(crate) fn amax_to_scale(&self, slot: u64, target: DType) -> Result<(), NvidiaError> {
+        let max = target.max_finite() as f32;
+        launch!(self, "quantize", "kpt_amax_to_scale", 1; slot, max);
+        Ok(())
+    }
+
+    /// `out = quantize(x / *scale)` over `n` elements; `scale` is a device f32.
+    pub(crate) fn quantize(
+        &self,
+        from: DType,
+        to: DType,
+        x: u64,
+        out: u64,
+        n: usize,
+        scale: u64,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_quantize_{}_{}", float_name(from)?, quant_name(to)?);
+        let g = self.stride_grid(n, from.size_in_bytes());
+        launch!(self, "quantize", entry, g; x, out, long(n), scale);
+        Ok(())
+    }
+
+    /// `out = q * scale` over `n` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn dequantize(
+        &self,
+        from: DType,
+        to: DType,
+        q: u64,
+        out: u64,
+        n: usize,
+        scale: f32,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_dequantize_{}_{}", quant_name(from)?, float_name(to)?);
+        let g = self.stride_grid(n, 1);
+        launch!(self, "quantize", entry, g; q, out, long(n), scale);
+        Ok(())
+    }
+}

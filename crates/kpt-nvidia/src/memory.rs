@@ -1,0 +1,435 @@
+//! The caching device allocator.
+//!
+//! `cuMemAlloc`/`cuMemFree` are slow and synchronize the device, so blocks are kept in
+//! size-class pools and reused. Every block is used on the backend's one stream, so a
+//! freed block can serve the next allocation at once: work queued later on the stream
+//! runs after the work that used it (stream-ordered reuse). When the driver runs out of
+//! memory the cache is released (after the stream drains) and the allocation retried;
+//! if it still fails the caller gets [`NvidiaError::OutOfMemory`] with the numbers.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kpt_core::DType;
+
+use crate::NvidiaError;
+
+/// Blocks up to this size are rounded to 512 bytes; larger ones to a quarter of their
+/// power of two (at most 25 % unused).
+const SMALL_LIMIT: usize = 1 << 20;
+const SMALL_STEP: usize = 512;
+
+/// The size class (bytes actually reserved) of a request of `bytes`.
+pub fn size_class(bytes: usize) -> usize {
+    let bytes = bytes.max(1);
+    if bytes <= SMALL_LIMIT {
+        return bytes.div_ceil(SMALL_STEP) * SMALL_STEP;
+    }
+    let step = (1usize << (usize::BITS - 1 - bytes.leading_zeros())) / 4;
+    bytes.div_ceil(step) * step
+}
+
+/// Bytes a tensor of `shape` and `dtype` takes on the device, size class included.
+pub fn estimate_bytes(shape: &[usize], dtype: DType) -> Result<usize, NvidiaError> {
+    shape
+        .iter()
+        .try_fold(dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d))
+        .filter(|&b| b <= isize::MAX as usize)
+        .map(size_class)
+        .ok_or_else(|| {
+            NvidiaError::Invalid(format!("a {dtype} tensor of shape {shape:?} overflows"))
+        })
+}
+
+/// Where the pool gets memory from: the CUDA driver, or a test double.
+pub(crate) trait RawMemory: Send + Sync + 'static {
+    /// A new allocation of `bytes`, `None` when the device is out of memory.
+    fn alloc(&self, bytes: usize) -> Result<Option<u64>, NvidiaError>;
+    /// Returns an allocation to the device.
+    fn free(&self, ptr: u64) -> Result<(), NvidiaError>;
+    /// Bytes the device has free.
+    fn free_bytes(&self) -> Result<u64, NvidiaError>;
+    /// Waits until no queued work can still use a block.
+    fn drain(&self) -> Result<(), NvidiaError>;
+}
+
+/// Allocator statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStatistics {
+    /// Bytes in live blocks (size classes).
+    pub allocated_bytes: u64,
+    /// Bytes the live blocks were asked for.
+    pub requested_bytes: u64,
+    /// Bytes held from the driver (live + cached).
+    pub reserved_bytes: u64,
+    /// Highest `allocated_bytes` seen.
+    pub peak_allocated_bytes: u64,
+    /// Highest `reserved_bytes` seen.
+    pub peak_reserved_bytes: u64,
+    /// Allocations served.
+    pub allocations: u64,
+    /// Allocations served from the cache.
+    pub cache_hits: u64,
+    /// Times the cache was released to satisfy an allocation.
+    pub cache_flushes: u64,
+}
+
+impl MemoryStatistics {
+    /// Bytes held but not asked for (cached blocks and size-class rounding), as a
+    /// fraction of the reserved bytes.
+    pub fn fragmentation(&self) -> f64 {
+        if self.reserved_bytes == 0 {
+            0.0
+        } else {
+            (self.reserved_bytes - self.requested_bytes) as f64 / self.reserved_bytes as f64
+        }
+    }
+
+    /// Bytes in cached (free) blocks.
+    pub fn cached_bytes(&self) -> u64 {
+        self.reserved_bytes - self.allocated_bytes
+    }
+}
+
+struct Pool {
+    /// Size class -> cached block addresses.
+    free: BTreeMap<usize, Vec<u64>>,
+    stats: MemoryStatistics,
+}
+
+struct Shared {
+    raw: Box<dyn RawMemory>,
+    pool: Mutex<Pool>,
+}
+
+impl Shared {
+    fn pool(&self) -> MutexGuard<'_, Pool> {
+        // A panic while holding the lock cannot leave the pool inconsistent (every
+        // update is a single assignment), so a poisoned lock is still usable.
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Returns every cached block to the driver.
+    fn release_cached(&self, pool: &mut Pool) -> Result<u64, NvidiaError> {
+        self.raw.drain()?;
+        let mut released = 0u64;
+        for (class, ptrs) in std::mem::take(&mut pool.free) {
+            for ptr in ptrs {
+                self.raw.free(ptr)?;
+                released += class as u64;
+            }
+        }
+        pool.stats.reserved_bytes -= released;
+        Ok(released)
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = self.release_cached(&mut pool) {
+            tracing::warn!(error = %e, "could not release cached GPU memory");
+        }
+    }
+}
+
+/// A size-class caching allocator over one device.
+#[derive(Clone)]
+pub struct CachingAllocator {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for CachingAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachingAllocator")
+            .field("stats", &self.statistics())
+            .finish()
+    }
+}
+
+impl CachingAllocator {
+    pub(crate) fn new(raw: Box<dyn RawMemory>) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                raw,
+                pool: Mutex::new(Pool {
+                    free: BTreeMap::new(),
+                    stats: MemoryStatistics::default(),
+                }),
+            }),
+        }
+    }
+
+    /// A block of at least `bytes` (contents undefined).
+    pub fn allocate(&self, bytes: usize) -> Result<DeviceBlock, NvidiaError> {
+        let class = size_class(bytes);
+        let shared = &self.shared;
+        let mut pool = shared.pool();
+        pool.stats.allocations += 1;
+        let cached = pool.free.get_mut(&class).and_then(Vec::pop);
+        let ptr = match cached {
+            Some(ptr) => {
+                pool.stats.cache_hits += 1;
+                ptr
+            }
+            None => {
+                let ptr = match shared.raw.alloc(class)? {
+                    Some(ptr) => ptr,
+                    None => {
+                        let released = shared.release_cached(&mut pool)?;
+                        pool.stats.cache_flushes += 1;
+                        tracing::warn!(
+                            requested = class,
+                            released,
+                            "GPU allocation failed; released the cache and retrying"
+                        );
+                        match shared.raw.alloc(class)? {
+                            Some(ptr) => ptr,
+                            None => {
+                                return Err(NvidiaError::OutOfMemory {
+                                    requested: bytes as u64,
+                                    free: shared.raw.free_bytes()?,
+                                    reserved: pool.stats.reserved_bytes,
+                                })
+                            }
+                        }
+                    }
+                };
+                let s = &mut pool.stats;
+                s.reserved_bytes += class as u64;
+                s.peak_reserved_bytes = s.peak_reserved_bytes.max(s.reserved_bytes);
+                ptr
+            }
+        };
+        let s = &mut pool.stats;
+        s.allocated_bytes += class as u64;
+        s.requested_bytes += bytes as u64;
+        s.peak_allocated_bytes = s.peak_allocated_bytes.max(s.allocated_bytes);
+        Ok(DeviceBlock {
+            ptr,
+            class,
+            requested: bytes,
+            owner: Arc::clone(shared),
+        })
+    }
+
+    /// Fails with [`NvidiaError::OutOfMemory`] unless `bytes` more can be allocated
+    /// now (from the device's free memory plus the cache).
+    pub fn check_memory_available(&self, bytes: usize) -> Result<(), NvidiaError> {
+        let free = self.shared.raw.free_bytes()?;
+        let stats = self.statistics();
+        let need = size_class(bytes) as u64;
+        if need <= free + stats.cached_bytes() {
+            Ok(())
+        } else {
+            Err(NvidiaError::OutOfMemory {
+                requested: bytes as u64,
+                free,
+                reserved: stats.reserved_bytes,
+            })
+        }
+    }
+
+    /// Returns every cached block to the driver; returns the bytes released.
+    pub fn empty_cache(&self) -> Result<u64, NvidiaError> {
+        let mut pool = self.shared.pool();
+        self.shared.release_cached(&mut pool)
+    }
+
+    /// Current statistics.
+    pub fn statistics(&self) -> MemoryStatistics {
+        self.shared.pool().stats
+    }
+
+    /// Bytes the device has free (outside kpt's cache).
+    pub fn device_free_bytes(&self) -> Result<u64, NvidiaError> {
+        self.shared.raw.free_bytes()
+    }
+}
+
+/// A live device allocation; goes back to its pool when dropped.
+pub struct DeviceBlock {
+    ptr: u64,
+    class: usize,
+    requested: usize,
+    owner: Arc<Shared>,
+}
+
+impl std::fmt::Debug for DeviceBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBlock({:#x}, {} bytes)", self.ptr, self.requested)
+    }
+}
+
+impl DeviceBlock {
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes asked for (the usable size).
+    pub fn bytes(&self) -> usize {
+        self.requested
+    }
+}
+
+impl Drop for DeviceBlock {
+    fn drop(&mut self) {
+        let mut pool = self.owner.pool();
+        pool.free.entry(self.class).or_default().push(self.ptr);
+        pool.stats.allocated_bytes -= self.class as u64;
+        pool.stats.requested_bytes -= self.requested as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+
+    /// A device of `capacity` bytes that hands out fake addresses.
+    struct FakeDevice {
+        capacity: u64,
+        used: Arc<AtomicU64>,
+        next: AtomicU64,
+        sizes: Mutex<BTreeMap<u64, u64>>,
+    }
+
+    impl FakeDevice {
+        fn new(capacity: u64) -> (Self, Arc<AtomicU64>) {
+            let used = Arc::new(AtomicU64::new(0));
+            let dev = Self {
+                capacity,
+                used: Arc::clone(&used),
+                next: AtomicU64::new(0x1000),
+                sizes: Mutex::new(BTreeMap::new()),
+            };
+            (dev, used)
+        }
+    }
+
+    impl RawMemory for FakeDevice {
+        fn alloc(&self, bytes: usize) -> Result<Option<u64>, NvidiaError> {
+            let bytes = bytes as u64;
+            if self.used.load(Ordering::SeqCst) + bytes > self.capacity {
+                return Ok(None);
+            }
+            self.used.fetch_add(bytes, Ordering::SeqCst);
+            let ptr = self.next.fetch_add(bytes, Ordering::SeqCst);
+            self.sizes.lock().unwrap().insert(ptr, bytes);
+            Ok(Some(ptr))
+        }
+        fn free(&self, ptr: u64) -> Result<(), NvidiaError> {
+            let bytes = self
+                .sizes
+                .lock()
+                .unwrap()
+                .remove(&ptr)
+                .expect("double free");
+            self.used.fetch_sub(bytes, Ordering::SeqCst);
+            Ok(())
+        }
+        fn free_bytes(&self) -> Result<u64, NvidiaError> {
+            Ok(self.capacity - self.used.load(Ordering::SeqCst))
+        }
+        fn drain(&self) -> Result<(), NvidiaError> {
+            Ok(())
+        }
+    }
+
+    fn allocator(capacity: u64) -> (CachingAllocator, Arc<AtomicU64>) {
+        let (dev, used) = FakeDevice::new(capacity);
+        (CachingAllocator::new(Box::new(dev)), used)
+    }
+
+    #[test]
+    fn size_classes_round_up_with_bounded_waste() {
+        assert_eq!(size_class(0), 512);
+        assert_eq!(size_class(1), 512);
+        assert_eq!(size_class(513), 1024);
+        assert_eq!(size_class(1 << 20), 1 << 20);
+        assert_eq!(size_class((1 << 20) + 1), (1 << 20) + (1 << 18));
+        assert_eq!(size_class(128 << 20), 128 << 20);
+        for b in [1usize, 777, 65_537, 3 << 20, (5 << 20) + 3, 1 << 33] {
+            let c = size_class(b);
+            assert!(
+                c >= b && (c - b) as f64 <= 0.25 * b as f64 + 512.0,
+                "{b} -> {c}"
+            );
+        }
+    }
+
+    #[test]
+    fn estimate_bytes_rounds_and_rejects_overflow() {
+        assert_eq!(estimate_bytes(&[1024, 1024], DType::BF16).unwrap(), 2 << 20);
+        assert_eq!(estimate_bytes(&[3], DType::F32).unwrap(), 512);
+        assert!(estimate_bytes(&[usize::MAX, 2], DType::F32).is_err());
+    }
+
+    #[test]
+    fn freed_blocks_are_reused_and_counted() {
+        let (a, used) = allocator(1 << 30);
+        let b1 = a.allocate(1000).unwrap();
+        let p1 = b1.ptr();
+        drop(b1);
+        let b2 = a.allocate(900).unwrap();
+        assert_eq!(b2.ptr(), p1, "same size class reuses the cached block");
+        let s = a.statistics();
+        assert_eq!((s.allocations, s.cache_hits), (2, 1));
+        assert_eq!(s.allocated_bytes, 1024);
+        assert_eq!(s.requested_bytes, 900);
+        assert_eq!(s.reserved_bytes, 1024);
+        assert_eq!(used.load(Ordering::SeqCst), 1024);
+        let _b3 = a.allocate(5000).unwrap();
+        drop(b2);
+        let s = a.statistics();
+        assert_eq!(s.cached_bytes(), 1024);
+        assert_eq!(s.peak_allocated_bytes, 1024 + 5120);
+        assert!(s.fragmentation() > 0.0 && s.fragmentation() < 1.0);
+        assert_eq!(a.empty_cache().unwrap(), 1024);
+        assert_eq!(used.load(Ordering::SeqCst), 5120);
+    }
+
+    #[test]
+    fn out_of_memory_releases_the_cache_then_reports() {
+        let (a, used) = allocator(8 << 20);
+        let keep = a.allocate(4 << 20).unwrap();
+        drop(a.allocate(3 << 20).unwrap()); // cached, 3 MiB class
+                                            // 4 MiB more does not fit next to 4 live + 3 cached, but does once the
+                                            // cache is released.
+        let second = a.allocate(4 << 20).unwrap();
+        assert_eq!(a.statistics().cache_flushes, 1);
+        assert_eq!(used.load(Ordering::SeqCst), 8 << 20);
+        match a.allocate(1 << 20) {
+            Err(NvidiaError::OutOfMemory {
+                requested,
+                free,
+                reserved,
+            }) => {
+                assert_eq!(requested, 1 << 20);
+                assert_eq!(free, 0);
+                assert_eq!(reserved, 8 << 20);
+            }
+            other => panic!("expected OutOfMemory, got {other:?}"),
+        }
+        assert!(a.check_memory_available(1).is_err());
+        drop((keep, second));
+        assert!(a.check_memory_available(8 << 20).is_ok());
+        assert!(a.check_memory_available((8 << 20) + 1).is_err());
+    }
+
+    #[test]
+    fn dropping_the_allocator_returns_cached_memory() {
+        let (a, used) = allocator(1 << 30);
+        let b = a.allocate(1 << 20).unwrap();
+        drop(a);
+        assert_eq!(
+            used.load(Ordering::SeqCst),
+            1 << 20,
+            "live block still held"
+        );
+        drop(b);
+        assert_eq!(used.load(Ordering::SeqCst), 0);
+    }
+}

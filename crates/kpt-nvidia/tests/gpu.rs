@@ -1,0 +1,438 @@
+//! The CUDA backend on a real GPU: every kernel and dtype against the CPU f64 reference
+//! over random shapes (1, odd sizes, rows too long for the register path), the caching
+//! allocator with a deliberate over-allocation, and the error paths.
+//!
+//! Without a CUDA device every test returns after printing one `SKIPPED` line to the
+//! terminal. With `KPT_REQUIRE_GPU=1` (the GPU bundle's runner sets it) a missing device
+//! fails the tests instead, so a GPU run can never pass by skipping.
+
+use std::io::Write;
+use std::sync::OnceLock;
+
+use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
+use kpt_core::graph::{Activation, Op, TensorSpec};
+use kpt_core::optimize::KernelSelector;
+use kpt_core::rand::SplitMix64;
+use kpt_core::tensor::Tensor;
+use kpt_core::validate::{compare, reduction_len, tolerance, ReferenceOps};
+use kpt_core::DType;
+use kpt_kernels::{CpuReference, KernelRegistry};
+use kpt_nvidia::{CudaBackend, CudaOptions, NvidiaError};
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+/// The backend on device 0, or `None` (after saying so) when there is no GPU.
+fn backend() -> Option<&'static CudaBackend> {
+    static B: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    B.get_or_init(|| {
+        let required = std::env::var("KPT_REQUIRE_GPU").is_ok_and(|v| v == "1");
+        let found = kpt_nvidia::devices().map(|d| d.len()).unwrap_or(0);
+        if found == 0 {
+            assert!(!required, "KPT_REQUIRE_GPU=1 but no CUDA device is visible");
+            // Written to the terminal directly: the test harness captures `eprintln!`.
+            let _ = writeln!(
+                std::io::stderr(),
+                "kpt-nvidia GPU tests SKIPPED: no CUDA device (run them with `cargo xtask gpu-bundle` on a GPU machine)"
+            );
+            return None;
+        }
+        Some(CudaBackend::new(0, CudaOptions::default()).expect("CUDA backend on device 0"))
+    })
+    .as_ref()
+}
+
+fn registry() -> &'static KernelRegistry {
+    static R: OnceLock<KernelRegistry> = OnceLock::new();
+    R.get_or_init(KernelRegistry::with_builtin)
+}
+
+fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType, lo: f32, hi: f32) -> Tensor {
+    let n = shape.iter().product();
+    let v: Vec<f64> = rng.vec(n, lo, hi).into_iter().map(f64::from).collect();
+    Tensor::from_f64(&v, shape, dtype).unwrap()
+}
+
+fn ids(rng: &mut SplitMix64, n: usize, below: usize, dtype: DType) -> Tensor {
+    let v: Vec<f64> = (0..n)
+        .map(|_| (rng.next_u64() % below as u64) as f64)
+        .collect();
+    Tensor::from_f64(&v, &[n], dtype).unwrap()
+}
+
+fn spec(t: &Tensor) -> TensorSpec {
+    TensorSpec::new(t.shape(), t.dtype())
+}
+
+/// Runs `op` through `kernel` on the GPU and returns the outputs.
+fn run_kernel(
+    b: &CudaBackend,
+    kernel: &str,
+    op: &Op,
+    inputs: &[Tensor],
+) -> kpt_core::Result<Vec<Tensor>> {
+    let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
+    let out_specs = op.infer(&specs)?;
+    let bufs = inputs
+        .iter()
+        .map(|t| b.upload(t))
+        .collect::<kpt_core::Result<Vec<_>>>()?;
+    let mut outs = out_specs
+        .iter()
+        .map(|s| b.allocate(s.dtype, s.numel()))
+        .collect::<kpt_core::Result<Vec<DeviceBuffer>>>()?;
+    let refs: Vec<_> = bufs
+        .iter()
+        .zip(&specs)
+        .map(|(buffer, spec)| BufferRef { buffer, spec })
+        .collect();
+    let mut muts: Vec<_> = outs
+        .iter_mut()
+        .zip(&out_specs)
+        .map(|(buffer, spec)| BufferMut { buffer, spec })
+        .collect();
+    b.execute(kernel, op, &refs, &mut muts)?;
+    outs.iter()
+        .zip(&out_specs)
+        .map(|(o, s)| b.download(o, s))
+        .collect()
+}
+
+/// Runs `op` with the kernel the registry picks for the GPU (which must be a CUDA
+/// kernel) and checks every output against the f64 reference.
+fn check(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
+    let Some(b) = backend() else { return Ok(()) };
+    let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
+    let kernel = registry()
+        .select(op, &specs, b.device())
+        .map_err(|e| TestCaseError::fail(e.to_string()))?
+        .kernel;
+    prop_assert!(
+        kernel.starts_with("cuda."),
+        "{op} on {specs:?} chose {kernel}"
+    );
+    let got = run_kernel(b, &kernel, op, inputs)
+        .map_err(|e| TestCaseError::fail(format!("{kernel}: {e}")))?;
+    let want = CpuReference.eval(op, inputs).unwrap();
+    let k = reduction_len(op, &specs);
+    for (g, w) in got.iter().zip(&want) {
+        let tol = tolerance(op, g.dtype(), k);
+        let stats = compare(g, w, tol).unwrap();
+        prop_assert!(
+            stats.within,
+            "{kernel} {op} {specs:?} -> {}: {stats:?} vs {tol:?}",
+            g.dtype()
+        );
+    }
+    Ok(())
+}
+
+fn dtype() -> impl Strategy<Value = DType> {
+    prop::sample::select(FLOATS.to_vec())
+}
+
+fn act() -> impl Strategy<Value = Activation> {
+    prop::sample::select(Activation::ALL.to_vec())
+}
+
+/// Row lengths: tiny, odd, at and past the register path's limit (8192 bf16, 4096 f32).
+fn dim() -> impl Strategy<Value = usize> {
+    prop::sample::select(vec![1, 3, 7, 8, 64, 100, 255, 1024, 4096, 4100, 8192, 9000])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn norms_and_softmax(rows in 1usize..24, dim in dim(), dt in dtype(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[rows, dim], dt, -3.0, 3.0);
+        let r = random(&mut rng, &[rows, dim], dt, -3.0, 3.0);
+        let w = random(&mut rng, &[dim], dt, 0.5, 1.5);
+        let bias = random(&mut rng, &[dim], dt, -1.0, 1.0);
+        check(&Op::RmsNorm { eps: 1e-5 }, &[x.clone(), w.clone()])?;
+        check(&Op::AddRmsNorm { eps: 1e-5 }, &[x.clone(), r, w.clone()])?;
+        check(&Op::LayerNorm { eps: 1e-5 }, &[x.clone(), w, bias])?;
+        check(&Op::Softmax, &[x])?;
+    }
+
+    #[test]
+    fn elementwise(rows in 1usize..20, cols in 1usize..300, dt in dtype(), a in act(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[rows, cols], dt, -4.0, 4.0);
+        let y = random(&mut rng, &[cols], dt, -2.0, 2.0);
+        check(&Op::Activation { act: a }, std::slice::from_ref(&x))?;
+        check(&Op::Add, &[x.clone(), y.clone()])?;
+        check(&Op::Mul, &[x.clone(), y])?;
+        for to in FLOATS {
+            if to != dt {
+                check(&Op::Cast { dtype: to }, std::slice::from_ref(&x))?;
+            }
+        }
+    }
+
+    #[test]
+    fn rotary(batch in 1usize..3, seq in 1usize..24, heads in 1usize..5,
+              head_dim in prop::sample::select(vec![2usize, 6, 16, 64, 128]),
+              dt in dtype(), wide in any::<bool>(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[batch, seq, heads * head_dim], dt, -2.0, 2.0);
+        let pos = ids(&mut rng, seq, 4096, if wide { DType::I64 } else { DType::I32 });
+        check(&Op::Rotary { head_dim, theta: 10_000.0 }, &[x, pos])?;
+    }
+
+    #[test]
+    fn embedding(n in 1usize..40, vocab in 1usize..60,
+                 dim in prop::sample::select(vec![1usize, 3, 8, 64, 100]),
+                 dt in dtype(), wide in any::<bool>(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let table = random(&mut rng, &[vocab, dim], dt, -1.0, 1.0);
+        let i = ids(&mut rng, n, vocab, if wide { DType::I64 } else { DType::I32 });
+        check(&Op::Embedding, &[i, table])?;
+    }
+
+    #[test]
+    fn quantize_round_trip(n in 1usize..5000, dt in dtype(),
+                           q in prop::sample::select(vec![DType::F8E4M3, DType::F8E5M2, DType::I8]),
+                           seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[n], dt, -10.0, 10.0);
+        let amax = x.to_f64_vec().iter().fold(0f64, |m, v| m.max(v.abs())) as f32;
+        let scale = kpt_core::dtype::quant_scale(amax, q);
+        check(&Op::Quantize { dtype: q, scale }, std::slice::from_ref(&x))?;
+        let stored = random(&mut rng, &[n], q, -10.0, 10.0);
+        check(&Op::Dequantize { dtype: dt }, &[stored])?;
+    }
+
+    #[test]
+    fn gemm(m in 1usize..130, k in 1usize..200, n in 1usize..130, batch in 1usize..3,
+            dt in dtype(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let a = random(&mut rng, &[batch, m, k], dt, -1.0, 1.0);
+        let b = random(&mut rng, &[batch, k, n], dt, -1.0, 1.0);
+        check(&Op::MatMul, &[a.clone(), b])?;
+        let b2 = random(&mut rng, &[k, n], dt, -1.0, 1.0);
+        check(&Op::MatMul, &[a, b2])?;
+    }
+
+    #[test]
+    fn linear(m in 1usize..100, k in 1usize..200, n in 1usize..100, bias in any::<bool>(),
+              a in prop::option::of(act()), dt in dtype(),
+              w_dt in prop::sample::select(vec![None, Some(DType::BF16), Some(DType::F8E4M3), Some(DType::I8)]),
+              seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[m, k], dt, -1.0, 1.0);
+        let w = random(&mut rng, &[n, k], w_dt.unwrap_or(dt), -1.0, 1.0);
+        let mut inputs = vec![x, w];
+        if bias {
+            inputs.push(random(&mut rng, &[n], dt, -1.0, 1.0));
+        }
+        let op = match a {
+            Some(act) => Op::LinearAct { bias, act },
+            None => Op::Linear { bias },
+        };
+        check(&op, &inputs)?;
+    }
+
+    #[test]
+    fn gated_activation(rows in 1usize..20, d in 1usize..300, dt in dtype(), a in act(), seed: u64) {
+        let Some(b) = backend() else { return Ok(()) };
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[rows, 2 * d], dt, -3.0, 3.0);
+        let xs = spec(&x);
+        let os = TensorSpec::new(&[rows, d], dt);
+        let xb = b.upload(&x).unwrap();
+        let mut ob = b.allocate(dt, rows * d).unwrap();
+        b.act_and_mul(BufferRef { buffer: &xb, spec: &xs }, BufferMut { buffer: &mut ob, spec: &os }, a).unwrap();
+        let got = b.download(&ob, &os).unwrap().to_f64_vec();
+        let v = x.to_f64_vec();
+        let gate = Tensor::from_f64(
+            &(0..rows * d).map(|i| v[i / d * 2 * d + i % d]).collect::<Vec<_>>(), &[rows, d], DType::F64).unwrap();
+        let acted = CpuReference.eval(&Op::Activation { act: a }, &[gate]).unwrap()[0].to_f64_vec();
+        let want: Vec<f64> = (0..rows * d).map(|i| acted[i] * v[i / d * 2 * d + d + i % d]).collect();
+        let want = Tensor::from_f64(&want, &[rows, d], DType::F64).unwrap();
+        let got = Tensor::from_f64(&got, &[rows, d], DType::F64).unwrap();
+        let tol = tolerance(&Op::Mul, dt, 1);
+        let stats = compare(&got, &want, tol).unwrap();
+        prop_assert!(stats.within, "act_and_mul {a:?} {dt}: {stats:?}");
+    }
+}
+
+#[test]
+fn dynamic_quantization_finds_the_scale() {
+    let Some(b) = backend() else { return };
+    let mut rng = SplitMix64::new(7);
+    for dt in FLOATS {
+        for q in [DType::F8E4M3, DType::F8E5M2, DType::I8] {
+            let x = random(&mut rng, &[3, 1001], dt, -20.0, 20.0);
+            let xs = spec(&x);
+            let qs = TensorSpec::new(x.shape(), q);
+            let xb = b.upload(&x).unwrap();
+            let mut qb = b.allocate(q, x.numel()).unwrap();
+            let scale = b
+                .quantize_dynamic(
+                    BufferRef {
+                        buffer: &xb,
+                        spec: &xs,
+                    },
+                    BufferMut {
+                        buffer: &mut qb,
+                        spec: &qs,
+                    },
+                )
+                .unwrap();
+            let amax = x.to_f64_vec().iter().fold(0f64, |m, v| m.max(v.abs())) as f32;
+            let want = kpt_core::dtype::quant_scale(amax, q);
+            assert!(
+                (scale - want).abs() <= want * 1e-6,
+                "{dt}->{q}: {scale} vs {want}"
+            );
+            let got = b.download(&qb, &qs).unwrap();
+            let reference = CpuReference
+                .eval(&Op::Quantize { dtype: q, scale }, std::slice::from_ref(&x))
+                .unwrap();
+            let stats = compare(
+                &got,
+                &reference[0],
+                tolerance(&Op::Quantize { dtype: q, scale }, q, 1),
+            )
+            .unwrap();
+            assert!(stats.within, "{dt}->{q}: {stats:?}");
+        }
+    }
+}
+
+#[test]
+fn large_rows_and_gemms_match_the_reference() {
+    let mut rng = SplitMix64::new(11);
+    for dt in FLOATS {
+        let x = random(&mut rng, &[64, 16384], dt, -2.0, 2.0);
+        let w = random(&mut rng, &[16384], dt, 0.5, 1.5);
+        check(&Op::RmsNorm { eps: 1e-6 }, &[x, w]).unwrap();
+        let a = random(&mut rng, &[256, 1024], dt, -1.0, 1.0);
+        let wt = random(&mut rng, &[768, 1024], dt, -1.0, 1.0);
+        let bias = random(&mut rng, &[768], dt, -1.0, 1.0);
+        check(
+            &Op::LinearAct {
+                bias: true,
+                act: Activation::GeluTanh,
+            },
+            &[a, wt, bias],
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn attention_falls_back_to_the_host_reference() {
+    let Some(b) = backend() else { return };
+    let p = kpt_core::graph::AttentionParams {
+        num_heads: 2,
+        num_kv_heads: 2,
+        head_dim: 8,
+        causal: true,
+        scale: None,
+        mask: false,
+    };
+    let op = Op::Attention(p);
+    let mut rng = SplitMix64::new(3);
+    let q = random(&mut rng, &[1, 5, 16], DType::F32, -1.0, 1.0);
+    let k = random(&mut rng, &[1, 5, 16], DType::F32, -1.0, 1.0);
+    let v = random(&mut rng, &[1, 5, 16], DType::F32, -1.0, 1.0);
+    let inputs = [q, k, v];
+    let specs: Vec<_> = inputs.iter().map(spec).collect();
+    let chain = registry().fallback_chain(&op, &specs, b.device());
+    assert_eq!(
+        chain.last().map(String::as_str),
+        Some(kpt_kernels::CPU_REFERENCE)
+    );
+    let got = run_kernel(b, kpt_kernels::CPU_REFERENCE, &op, &inputs).unwrap();
+    let want = CpuReference.eval(&op, &inputs).unwrap();
+    assert!(
+        compare(&got[0], &want[0], tolerance(&op, DType::F32, 13))
+            .unwrap()
+            .within
+    );
+}
+
+#[test]
+fn over_allocation_is_a_typed_error_and_the_device_stays_usable() {
+    let Some(b) = backend() else { return };
+    let mem = b.gpu().memory();
+    let total = b.gpu().properties().memory_bytes as usize;
+    let keep = b.gpu().alloc(64 << 20).unwrap();
+    drop(b.gpu().alloc(32 << 20).unwrap()); // cached
+    match b.gpu().alloc(total * 2) {
+        Err(NvidiaError::OutOfMemory {
+            requested,
+            free,
+            reserved,
+        }) => {
+            assert_eq!(requested, (total * 2) as u64);
+            assert!(free < total as u64);
+            assert!(
+                reserved >= 64 << 20,
+                "live block still reserved: {reserved}"
+            );
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    assert!(mem.statistics().cache_flushes >= 1);
+    assert!(mem.check_memory_available(total * 2).is_err());
+    assert!(mem.check_memory_available(1 << 20).is_ok());
+    let again = b.gpu().alloc(1 << 20).unwrap();
+    b.gpu().write(&again, &[7u8; 1 << 20]).unwrap();
+    assert_eq!(b.gpu().read(&again, 16).unwrap(), vec![7u8; 16]);
+    drop((keep, again));
+    assert!(mem.statistics().peak_allocated_bytes >= 64 << 20);
+}
+
+#[test]
+fn bad_requests_are_errors() {
+    let Some(b) = backend() else { return };
+    let mut rng = SplitMix64::new(5);
+    // An id past the table.
+    let table = random(&mut rng, &[4, 8], DType::F32, -1.0, 1.0);
+    let bad = Tensor::from_f64(&[1.0, 9.0], &[2], DType::I32).unwrap();
+    let e = run_kernel(b, "cuda.embedding", &Op::Embedding, &[bad, table]).unwrap_err();
+    assert!(e.to_string().contains("outside the table"), "{e}");
+    // Outputs that do not match the op.
+    let x = random(&mut rng, &[2, 8], DType::F32, -1.0, 1.0);
+    let xb = b.upload(&x).unwrap();
+    let wrong = TensorSpec::new(&[2, 9], DType::F32);
+    let mut ob = b.allocate(DType::F32, 18).unwrap();
+    let xs = spec(&x);
+    let e = b
+        .execute(
+            "cuda.softmax",
+            &Op::Softmax,
+            &[BufferRef {
+                buffer: &xb,
+                spec: &xs,
+            }],
+            &mut [BufferMut {
+                buffer: &mut ob,
+                spec: &wrong,
+            }],
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("do not match"), "{e}");
+    // A kernel of another backend family.
+    let e = run_kernel(b, "rocm.softmax", &Op::Softmax, &[x]).unwrap_err();
+    assert!(e.to_string().contains("does not run on CUDA"), "{e}");
+}
+
+#[test]
+fn detect_reports_the_device() {
+    let Some(b) = backend() else { return };
+    let d = b.device();
+    assert!(d.name.contains("NVIDIA"), "{}", d.name);
+    assert!(d.compute_units.unwrap_or(0) > 0);
+    assert!(d.memory_bytes.unwrap_or(0) > 1 << 30);
+    assert!(
+        d.features.iter().any(|f| f == "cublaslt"),
+        "{:?}",
+        d.features
+    );
+}

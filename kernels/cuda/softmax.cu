@@ -1,0 +1,77 @@
+// Softmax over the last dimension, subtracting the row maximum first; a row of only
+// -inf gives zeros. One block per row; rows that fit the block's registers are read
+// once, others take a strided loop. Matches kpt_kernels::cpu::reference::softmax.
+//
+// kpt:launch kpt_softmax_f32 block=256 shared=0 grid=rows
+// kpt:launch kpt_softmax_bf16 block=256 shared=0 grid=rows
+// kpt:launch kpt_softmax_f16 block=256 shared=0 grid=rows
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kBlock = 256;
+constexpr int kChunks = 4;
+
+using kpt::from_float;
+using kpt::to_float;
+
+template <typename T>
+__device__ void softmax(const T* __restrict__ x, T* __restrict__ out, int dim) {
+    const long base = static_cast<long>(blockIdx.x) * dim;
+    x += base;
+    out += base;
+    using Row = kpt::RowRegs<T, kBlock, kChunks>;
+    if (Row::fits(dim)) {
+        Row row;
+        row.load(x, dim);
+        float m = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+            if (Row::at(c) < dim)
+#pragma unroll
+                for (int j = 0; j < Row::N; ++j) m = fmaxf(m, row.v[c][j]);
+        m = kpt::block_max<kBlock>(m);
+        float s = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+            if (Row::at(c) < dim)
+#pragma unroll
+                for (int j = 0; j < Row::N; ++j) {
+                    row.v[c][j] = m == -INFINITY ? 0.0f : __expf(row.v[c][j] - m);
+                    s += row.v[c][j];
+                }
+        s = kpt::block_sum<kBlock>(s);
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+            for (int j = 0; j < Row::N; ++j) row.v[c][j] *= inv;
+        row.store(out, dim);
+        return;
+    }
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < dim; i += kBlock) m = fmaxf(m, to_float(x[i]));
+    m = kpt::block_max<kBlock>(m);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += kBlock)
+        s += m == -INFINITY ? 0.0f : __expf(to_float(x[i]) - m);
+    s = kpt::block_sum<kBlock>(s);
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (int i = threadIdx.x; i < dim; i += kBlock) {
+        const float e = m == -INFINITY ? 0.0f : __expf(to_float(x[i]) - m);
+        out[i] = from_float<T>(e * inv);
+    }
+}
+
+}  // namespace
+
+#define KPT_SOFTMAX(NAME, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(kBlock)                                   \
+        kpt_softmax_##NAME(const T* x, T* out, int dim) {                                  \
+        softmax<T>(x, out, dim);                                                            \
+    }
+
+KPT_SOFTMAX(f32, float)
+KPT_SOFTMAX(bf16, __nv_bfloat16)
+KPT_SOFTMAX(f16, __half)
