@@ -30,7 +30,11 @@ constexpr int kBlock = 256;
 using kpt::from_float;
 using kpt::to_float;
 
+// f32 outputs evaluate tanh and exp in f64: the fast-math f32 versions are off by
+// more than f32's tolerance; 16-bit outputs cannot see that error.
+template <typename T>
 __device__ __forceinline__ float activate(float x, int act) {
+    constexpr bool kExact = sizeof(T) == 4;
     switch (act) {
         case 0:
             return fmaxf(x, 0.0f);
@@ -38,10 +42,12 @@ __device__ __forceinline__ float activate(float x, int act) {
             return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
         case 2: {
             const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-            return 0.5f * x * (1.0f + tanhf(u));
+            const float t = kExact ? static_cast<float>(tanh(static_cast<double>(u))) : tanhf(u);
+            return 0.5f * x * (1.0f + t);
         }
         default:
-            return x / (1.0f + __expf(-x));
+            return kExact ? static_cast<float>(x / (1.0 + exp(-static_cast<double>(x))))
+                          : x / (1.0f + __expf(-x));
     }
 }
 
@@ -60,13 +66,13 @@ __device__ void activation(const T* __restrict__ x, T* __restrict__ out, long n,
             float a[N];
             kpt::load_vec(x + v * N, a);
 #pragma unroll
-            for (int j = 0; j < N; ++j) a[j] = activate(a[j], act);
+            for (int j = 0; j < N; ++j) a[j] = activate<T>(a[j], act);
             kpt::store_vec(out + v * N, a);
         }
         return;
     }
     for (long i = first_thread(); i < n; i += all_threads())
-        out[i] = from_float<T>(activate(to_float(x[i]), act));
+        out[i] = from_float<T>(activate<T>(to_float(x[i]), act));
 }
 
 // x is [rows, 2 * d]: the gate is x[r, :d], the up projection x[r, d:];
@@ -83,14 +89,14 @@ __device__ void act_and_mul(const T* __restrict__ x, T* __restrict__ out, long r
             kpt::load_vec(x + r * 2 * d + c, g);
             kpt::load_vec(x + r * 2 * d + d + c, u);
 #pragma unroll
-            for (int j = 0; j < N; ++j) g[j] = activate(g[j], act) * u[j];
+            for (int j = 0; j < N; ++j) g[j] = activate<T>(g[j], act) * u[j];
             kpt::store_vec(out + r * d + c, g);
         }
         return;
     }
     for (long i = first_thread(); i < rows * d; i += all_threads()) {
         const long r = i / d, c = i % d;
-        out[i] = from_float<T>(activate(to_float(x[r * 2 * d + c]), act) *
+        out[i] = from_float<T>(activate<T>(to_float(x[r * 2 * d + c]), act) *
                                to_float(x[r * 2 * d + d + c]));
     }
 }

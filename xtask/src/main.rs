@@ -11,6 +11,8 @@
 //! - `bench-cpu`: installs PyTorch (pinned in `benches/requirements-cpu.txt`) into a
 //!   virtual environment under `target/`, builds `kpt-bench-cpu` in release mode and runs
 //!   kpt and PyTorch side by side, writing `docs/reports/cpu-latest.{json,md,svg}`.
+//! - `gpu-bundle`: builds the GPU tests, `kpt` and `kpt-bench-cuda` in release mode into
+//!   `.gpu/` with `run.sh`, to copy to a GPU machine (see `docs/gpu.md`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,8 +20,10 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod bundle;
 mod kernels;
 
+use bundle::gpu_bundle;
 use kernels::{build_kernels, check_kernels};
 
 #[derive(Parser)]
@@ -43,6 +47,8 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Build the GPU tests and kpt-bench-cuda into .gpu/ with run.sh, for a GPU machine.
+    GpuBundle,
 }
 
 fn main() -> Result<()> {
@@ -51,6 +57,7 @@ fn main() -> Result<()> {
         Task::CheckKernels => check_kernels(),
         Task::BuildKernels => build_kernels(),
         Task::BenchCpu { args } => bench_cpu(&args),
+        Task::GpuBundle => gpu_bundle(),
     }
 }
 

@@ -195,6 +195,36 @@ impl Gpu {
             .map_err(|e| NvidiaError::driver("cuStreamSynchronize", e))
     }
 
+    /// Seconds per call of `f` (which queues work on this device's stream), measured
+    /// with CUDA events around `calls` back-to-back calls after the queue drained.
+    pub fn time_per_call(
+        &self,
+        calls: usize,
+        mut f: impl FnMut() -> Result<(), NvidiaError>,
+    ) -> Result<f64, NvidiaError> {
+        let event = || {
+            self.ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| NvidiaError::driver("cuEventCreate", e))
+        };
+        let (start, end) = (event()?, event()?);
+        self.synchronize()?;
+        start
+            .record(&self.stream)
+            .map_err(|e| NvidiaError::driver("cuEventRecord", e))?;
+        for _ in 0..calls.max(1) {
+            f()?;
+        }
+        end.record(&self.stream)
+            .map_err(|e| NvidiaError::driver("cuEventRecord", e))?;
+        end.synchronize()
+            .map_err(|e| NvidiaError::driver("cuEventSynchronize", e))?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(|e| NvidiaError::driver("cuEventElapsedTime", e))?;
+        Ok(f64::from(ms) / 1e3 / calls.max(1) as f64)
+    }
+
     /// Entry point `entry` of kernel source `kernel`, loaded from the artifact that fits
     /// this device (exact cubin first, then PTX for the driver to JIT) on first use.
     pub fn function(

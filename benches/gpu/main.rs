@@ -1,0 +1,523 @@
+//! `kpt-bench-cuda`: kpt's CUDA backend side by side with PyTorch on the same GPU, in
+//! one run. Each case runs kpt first (output checked against the f64 reference on its
+//! first rows, then timed), then the PyTorch variants; both sides time `inner`
+//! back-to-back calls between CUDA events, warm up first and take the median of the
+//! repetitions. The report (JSON, Markdown, SVG) follows docs/reports' schema.
+
+#[path = "../compare/torch.rs"]
+mod torch;
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
+use kpt_core::graph::{Activation, Op, TensorSpec};
+use kpt_core::optimize::KernelSelector;
+use kpt_core::rand::SplitMix64;
+use kpt_core::tensor::Tensor;
+use kpt_core::validate::{compare, reduction_len, tolerance, ReferenceOps};
+use kpt_core::DType;
+use kpt_kernels::{CpuReference, KernelRegistry};
+use kpt_monitor::{median, Machine, Report, Row};
+use kpt_nvidia::{CudaBackend, CudaOptions, Epilogue, GemmArgs, GemmShape, Layout};
+use serde_json::{json, Value};
+
+use torch::TorchWorker;
+
+#[derive(Parser, Debug)]
+#[command(about = "kpt CUDA backend vs PyTorch on the same GPU, same run")]
+struct Args {
+    /// Python interpreter with torch (CUDA) installed.
+    #[arg(long, default_value = "python3")]
+    python: PathBuf,
+    /// The PyTorch worker script.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/torch_cuda.py"))]
+    script: PathBuf,
+    /// Where the report goes.
+    #[arg(long, default_value = "docs/reports")]
+    out: PathBuf,
+    /// Report name (files are NAME-latest.json etc.).
+    #[arg(long, default_value = "nvidia-h100")]
+    name: String,
+    /// Only cases whose name contains this.
+    #[arg(long)]
+    filter: Option<String>,
+    /// Timed repetitions per side.
+    #[arg(long, default_value_t = 15)]
+    reps: usize,
+    /// The command recorded in the report.
+    #[arg(long, default_value = "cargo xtask gpu-bundle (run.sh)")]
+    command: String,
+}
+
+/// Rows whose output is checked against the f64 reference.
+const CHECK_ROWS: usize = 2;
+/// Copy bandwidth of the H100 (TB/s) that the bandwidth targets are fractions of.
+const COPY_TBPS: f64 = 3.0;
+
+/// What kpt runs for a case.
+enum Work {
+    /// A graph op through `Backend::execute` with the registry's kernel.
+    Op(Op),
+    /// FP8 e4m3 x e4m3 -> bf16 linear-layout GEMM through cuBLASLt, unit scales.
+    Fp8Gemm,
+    /// SwiGLU: `silu(x[:, :d]) * x[:, d:]`.
+    SwiGlu,
+}
+
+struct Case {
+    name: String,
+    metric: &'static str,
+    /// FLOPs or bytes moved per call.
+    work: f64,
+    kpt: Work,
+    inputs: Vec<Tensor>,
+    torch: Value,
+    target_ratio: Option<f64>,
+    target: Option<f64>,
+    note: &'static str,
+}
+
+fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType, lo: f32, hi: f32) -> Tensor {
+    let n = shape.iter().product();
+    let v: Vec<f64> = rng.vec(n, lo, hi).into_iter().map(f64::from).collect();
+    Tensor::from_f64(&v, shape, dtype).expect("shape matches")
+}
+
+fn cases() -> Vec<Case> {
+    let mut rng = SplitMix64::new(0x6b70);
+    let bf = DType::BF16;
+    let mut out = Vec::new();
+    for n in [4096usize, 8192] {
+        out.push(Case {
+            name: format!("gemm_bf16_{n}"),
+            metric: "TFLOP/s",
+            work: 2.0 * (n * n * n) as f64,
+            kpt: Work::Op(Op::MatMul),
+            inputs: vec![
+                random(&mut rng, &[n, n], bf, -1.0, 1.0),
+                random(&mut rng, &[n, n], bf, -1.0, 1.0),
+            ],
+            torch: json!({"kind": "gemm", "m": n, "k": n, "n": n, "dtype": "bf16"}),
+            target_ratio: Some(1.03),
+            target: None,
+            note: "cuBLASLt, autotuned algorithm",
+        });
+    }
+    let (m, k, n) = (16384usize, 4096usize, 4096usize);
+    out.push(Case {
+        name: "linear_gelu_bf16_16384x4096x4096".into(),
+        metric: "TFLOP/s",
+        work: 2.0 * (m * k * n) as f64,
+        kpt: Work::Op(Op::LinearAct {
+            bias: true,
+            act: Activation::GeluTanh,
+        }),
+        inputs: vec![
+            random(&mut rng, &[m, k], bf, -1.0, 1.0),
+            random(&mut rng, &[n, k], bf, -0.02, 0.02),
+            random(&mut rng, &[n], bf, -1.0, 1.0),
+        ],
+        torch: json!({"kind": "linear_gelu", "m": m, "k": k, "n": n, "dtype": "bf16"}),
+        target_ratio: Some(1.1),
+        target: None,
+        note: "bias + GELU(tanh) in the cuBLASLt epilogue",
+    });
+    for n in [4096usize, 8192] {
+        out.push(Case {
+            name: format!("gemm_fp8_e4m3_{n}"),
+            metric: "TFLOP/s",
+            work: 2.0 * (n * n * n) as f64,
+            kpt: Work::Fp8Gemm,
+            inputs: vec![
+                random(&mut rng, &[n, n], DType::F8E4M3, -1.0, 1.0),
+                random(&mut rng, &[n, n], DType::F8E4M3, -1.0, 1.0),
+            ],
+            torch: json!({"kind": "fp8_gemm", "m": n, "k": n, "n": n}),
+            target_ratio: Some(1.0),
+            target: None,
+            note: "e4m3 x e4m3 -> bf16, per-tensor scales, no fast accumulation (torch's default)",
+        });
+    }
+    let (rows, dim) = (32768usize, 4096usize);
+    let bytes = (rows * dim * 2) as f64;
+    out.push(Case {
+        name: "rms_norm_bf16_32768x4096".into(),
+        metric: "TB/s",
+        work: 2.0 * bytes,
+        kpt: Work::Op(Op::RmsNorm { eps: 1e-5 }),
+        inputs: vec![
+            random(&mut rng, &[rows, dim], bf, -2.0, 2.0),
+            random(&mut rng, &[dim], bf, 0.5, 1.5),
+        ],
+        torch: json!({"kind": "rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
+        target_ratio: None,
+        target: Some(2.8),
+        note: "bytes = read x + write out",
+    });
+    out.push(Case {
+        name: "add_rms_norm_bf16_32768x4096".into(),
+        metric: "TB/s",
+        work: 4.0 * bytes,
+        kpt: Work::Op(Op::AddRmsNorm { eps: 1e-5 }),
+        inputs: vec![
+            random(&mut rng, &[rows, dim], bf, -2.0, 2.0),
+            random(&mut rng, &[rows, dim], bf, -2.0, 2.0),
+            random(&mut rng, &[dim], bf, 0.5, 1.5),
+        ],
+        torch: json!({"kind": "add_rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
+        target_ratio: Some(1.2),
+        target: None,
+        note: "bytes = read x, residual + write sum, out",
+    });
+    out.push(Case {
+        name: "softmax_bf16_32768x4096".into(),
+        metric: "TB/s",
+        work: 2.0 * bytes,
+        kpt: Work::Op(Op::Softmax),
+        inputs: vec![random(&mut rng, &[rows, dim], bf, -4.0, 4.0)],
+        torch: json!({"kind": "softmax", "rows": rows, "dim": dim, "dtype": "bf16"}),
+        target_ratio: None,
+        target: Some(0.85 * COPY_TBPS),
+        note: "",
+    });
+    let (b, s, h, d) = (4usize, 4096usize, 32usize, 128usize);
+    let positions: Vec<f64> = (0..s).map(|p| p as f64).collect();
+    out.push(Case {
+        name: "rotary_bf16_4x4096x32x128".into(),
+        metric: "TB/s",
+        work: 2.0 * (b * s * h * d * 2) as f64,
+        kpt: Work::Op(Op::Rotary {
+            head_dim: d,
+            theta: 10_000.0,
+        }),
+        inputs: vec![
+            random(&mut rng, &[b, s, h * d], bf, -2.0, 2.0),
+            Tensor::from_f64(&positions, &[s], DType::I64).expect("shape matches"),
+        ],
+        torch: json!({"kind": "rotary", "batch": b, "seq": s, "heads": h, "head_dim": d, "dtype": "bf16"}),
+        target_ratio: None,
+        target: Some(0.85 * COPY_TBPS),
+        note: "torch uses a precomputed cos/sin table; kpt computes it per row",
+    });
+    let (rows, d) = (16384usize, 11008usize);
+    out.push(Case {
+        name: "swiglu_bf16_16384x11008".into(),
+        metric: "TB/s",
+        work: (rows * 3 * d * 2) as f64,
+        kpt: Work::SwiGlu,
+        inputs: vec![random(&mut rng, &[rows, 2 * d], bf, -3.0, 3.0)],
+        torch: json!({"kind": "swiglu", "rows": rows, "d": d, "dtype": "bf16"}),
+        target_ratio: None,
+        target: Some(0.85 * COPY_TBPS),
+        note: "",
+    });
+    let n = 16384 * 4096;
+    out.push(Case {
+        name: "quantize_bf16_to_e4m3_67M".into(),
+        metric: "TB/s",
+        work: (n * 3) as f64,
+        kpt: Work::Op(Op::Quantize {
+            dtype: DType::F8E4M3,
+            scale: 10.0 / 448.0,
+        }),
+        inputs: vec![random(&mut rng, &[n], bf, -10.0, 10.0)],
+        torch: json!({"kind": "quantize", "n": n, "dtype": "bf16"}),
+        target_ratio: None,
+        target: Some(0.85 * COPY_TBPS),
+        note: "static per-tensor scale",
+    });
+    out
+}
+
+/// A case's buffers on the device and the call that runs it.
+struct Prepared<'a> {
+    backend: &'a CudaBackend,
+    kernel: String,
+    inputs: Vec<(DeviceBuffer, TensorSpec)>,
+    outputs: Vec<(DeviceBuffer, TensorSpec)>,
+    scales: Option<(kpt_nvidia::DeviceBlock, kpt_nvidia::DeviceBlock)>,
+}
+
+impl Prepared<'_> {
+    fn call(&mut self, work: &Work) -> Result<()> {
+        let refs: Vec<_> = self
+            .inputs
+            .iter()
+            .map(|(buffer, spec)| BufferRef { buffer, spec })
+            .collect();
+        let mut muts: Vec<_> = self
+            .outputs
+            .iter_mut()
+            .map(|(buffer, spec)| BufferMut { buffer, spec })
+            .collect();
+        match work {
+            Work::Op(op) => self.backend.execute(&self.kernel, op, &refs, &mut muts)?,
+            Work::SwiGlu => {
+                let out = muts.pop().context("output")?;
+                self.backend.act_and_mul(refs[0], out, Activation::Silu)?
+            }
+            Work::Fp8Gemm => {
+                let (x, w) = (refs[0].spec, refs[1].spec);
+                let shape = GemmShape {
+                    m: x.shape[0],
+                    n: w.shape[0],
+                    k: x.shape[1],
+                    batch: 1,
+                    layout: Layout::Linear,
+                    a: DType::F8E4M3,
+                    b: DType::F8E4M3,
+                    out: DType::BF16,
+                    bias: false,
+                    epilogue: Epilogue::None,
+                };
+                let ptr = |b: &DeviceBuffer| {
+                    b.inner::<kpt_nvidia::DeviceBlock>()
+                        .map(|b| b.ptr())
+                        .context("a CUDA buffer")
+                };
+                let (sa, sb) = self.scales.as_ref().context("scales")?;
+                let args = GemmArgs {
+                    a: ptr(refs[0].buffer)?,
+                    b: ptr(refs[1].buffer)?,
+                    out: ptr(muts[0].buffer)?,
+                    bias: 0,
+                    a_scale: sa.ptr(),
+                    b_scale: sb.ptr(),
+                };
+                let blas = self.backend.blas().context("cuBLASLt")?;
+                blas.gemm(self.backend.gpu(), &shape, &args)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
+    let specs: Vec<TensorSpec> = case
+        .inputs
+        .iter()
+        .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+        .collect();
+    let (kernel, out_specs) = match &case.kpt {
+        Work::Op(op) => {
+            let registry = KernelRegistry::with_builtin();
+            let kernel = registry.select(op, &specs, backend.device())?.kernel;
+            if !kernel.starts_with("cuda.") {
+                bail!("{}: the registry chose {kernel}, not a CUDA kernel", case.name);
+            }
+            (kernel, op.infer(&specs)?)
+        }
+        Work::SwiGlu => {
+            let s = &specs[0].shape;
+            (
+                "cuda.act_and_mul".into(),
+                vec![TensorSpec::new(&[s[0], s[1] / 2], specs[0].dtype)],
+            )
+        }
+        Work::Fp8Gemm => (
+            "cublaslt.fp8".into(),
+            vec![TensorSpec::new(
+                &[specs[0].shape[0], specs[1].shape[0]],
+                DType::BF16,
+            )],
+        ),
+    };
+    let inputs = case
+        .inputs
+        .iter()
+        .zip(specs)
+        .map(|(t, s)| Ok((backend.upload(t)?, s)))
+        .collect::<Result<Vec<_>>>()?;
+    let outputs = out_specs
+        .into_iter()
+        .map(|s| Ok((backend.allocate(s.dtype, s.numel())?, s)))
+        .collect::<Result<Vec<_>>>()?;
+    let scales = match case.kpt {
+        Work::Fp8Gemm => Some((
+            backend.gpu().upload(&case.inputs[0].scale().to_le_bytes())?,
+            backend.gpu().upload(&case.inputs[1].scale().to_le_bytes())?,
+        )),
+        _ => None,
+    };
+    Ok(Prepared {
+        backend,
+        kernel,
+        inputs,
+        outputs,
+        scales,
+    })
+}
+
+/// The first rows of a row-major tensor.
+fn head(t: &Tensor, rows: usize) -> Result<Tensor> {
+    Ok(t.narrow(0, 0, rows.min(t.shape()[0]))?.contiguous())
+}
+
+/// Largest error of kpt's first output rows against the f64 reference, and whether it
+/// is within the op's tolerance.
+fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
+    let first = |t: &Tensor| head(t, CHECK_ROWS);
+    let (op, inputs): (Op, Vec<Tensor>) = match &case.kpt {
+        Work::Op(op @ (Op::MatMul | Op::Linear { .. } | Op::LinearAct { .. })) => {
+            let mut v = vec![first(&case.inputs[0])?];
+            v.extend(case.inputs[1..].iter().cloned());
+            (op.clone(), v)
+        }
+        Work::Op(op @ (Op::RmsNorm { .. } | Op::Softmax | Op::Quantize { .. } | Op::Rotary { .. })) => {
+            let mut v = vec![first(&case.inputs[0])?];
+            v.extend(case.inputs[1..].iter().cloned());
+            (op.clone(), v)
+        }
+        Work::Op(op @ Op::AddRmsNorm { .. }) => (
+            op.clone(),
+            vec![first(&case.inputs[0])?, first(&case.inputs[1])?, case.inputs[2].clone()],
+        ),
+        Work::Op(op) => bail!("no accuracy check for {op}"),
+        Work::SwiGlu => {
+            let x = first(&case.inputs[0])?.to_f64_vec();
+            let d = case.inputs[0].shape()[1] / 2;
+            let rows = x.len() / (2 * d);
+            let gate: Vec<f64> = (0..rows * d).map(|i| x[i / d * 2 * d + i % d]).collect();
+            let up: Vec<f64> = (0..rows * d).map(|i| x[i / d * 2 * d + d + i % d]).collect();
+            (
+                Op::Mul,
+                vec![
+                    CpuReference
+                        .eval(
+                            &Op::Activation { act: Activation::Silu },
+                            &[Tensor::from_f64(&gate, &[rows, d], DType::F64)?],
+                        )?
+                        .remove(0),
+                    Tensor::from_f64(&up, &[rows, d], DType::F64)?,
+                ],
+            )
+        }
+        Work::Fp8Gemm => {
+            let x = first(&case.inputs[0])?;
+            let w = case.inputs[1].transpose(0, 1)?.contiguous();
+            (Op::MatMul, vec![x, w])
+        }
+    };
+    let want = CpuReference.eval(&op, &inputs)?;
+    let specs: Vec<TensorSpec> = inputs
+        .iter()
+        .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+        .collect();
+    let k = reduction_len(&op, &specs);
+    let mut worst = (0f64, true);
+    for ((buffer, full), w) in p.outputs.iter().zip(&want) {
+        let spec = TensorSpec::new(w.shape(), full.dtype);
+        let got = p.backend.download(buffer, &spec)?;
+        let stats = compare(&got, w, tolerance(&op, full.dtype, k))?;
+        worst = (worst.0.max(stats.max_abs), worst.1 && stats.within);
+    }
+    Ok(worst)
+}
+
+/// Back-to-back calls per timed repetition: enough for about 5 ms.
+fn inner_calls(seconds_per_call: f64) -> usize {
+    ((5e-3 / seconds_per_call.max(1e-7)).ceil() as usize).clamp(1, 1000)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let backend = CudaBackend::new(0, CudaOptions::default()).context("opening CUDA device 0")?;
+    let mut worker = TorchWorker::start(&args.python, &args.script, 1)?;
+    let info = worker.info.clone();
+    let text = |k: &str| info[k].as_str().unwrap_or("unknown").to_string();
+    let mut versions = std::collections::BTreeMap::new();
+    for k in ["torch", "cuda", "triton"] {
+        versions.insert(k.to_string(), text(k));
+    }
+    versions.insert("kpt".into(), env!("CARGO_PKG_VERSION").into());
+    let machine = Machine {
+        device: backend.device().name.clone(),
+        driver: Some(text("driver")),
+        cpu: kpt_core::hardware::cpu_info().model_name,
+        versions,
+    };
+    let git = std::env::var("KPT_GIT_COMMIT").unwrap_or_else(|_| "unknown".into());
+    let mut report = Report::new(&args.name, &args.command, git, machine);
+    let cases: Vec<Case> = cases()
+        .into_iter()
+        .filter(|c| args.filter.as_deref().is_none_or(|f| c.name.contains(f)))
+        .collect();
+    let bar = ProgressBar::new(cases.len() as u64).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
+    );
+    for case in &cases {
+        bar.set_message(case.name.clone());
+        let row = run_case(&backend, &mut worker, case, args.reps).unwrap_or_else(|e| {
+            Row::not_run(&case.name, case.metric, true, "torch", format!("{e:#}"))
+        });
+        println!(
+            "{:<36} kpt {:>9.1} {}  {} {:>9.1}  ratio {:.3}",
+            row.name,
+            row.kpt.unwrap_or(f64::NAN),
+            row.metric,
+            row.baseline_name,
+            row.baseline.unwrap_or(f64::NAN),
+            row.ratio.unwrap_or(f64::NAN)
+        );
+        report.rows.push(row);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    for path in report.write(&args.out)? {
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn run_case(backend: &CudaBackend, worker: &mut TorchWorker, case: &Case, reps: usize) -> Result<Row> {
+    let mut p = prepare(backend, case)?;
+    p.call(&case.kpt)?;
+    let (err, within) = check(case, &p)?;
+    let gpu = backend.gpu();
+    let warm = gpu.time_per_call(3, || p.call(&case.kpt).map_err(|e| kpt_nvidia::NvidiaError::Invalid(format!("{e:#}"))))?;
+    let inner = inner_calls(warm);
+    let mut kpt_times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        kpt_times.push(gpu.time_per_call(inner, || {
+            p.call(&case.kpt)
+                .map_err(|e| kpt_nvidia::NvidiaError::Invalid(format!("{e:#}")))
+        })?);
+    }
+    drop(p);
+    gpu.memory().empty_cache()?;
+    // TFLOP/s from FLOPs, TB/s from bytes: both are work / seconds / 1e12.
+    let rate = |t: &[f64]| median(t).map_or(f64::NAN, |t| case.work / t / 1e12);
+    let kpt_rate = rate(&kpt_times);
+    let mut request = case.torch.clone();
+    request["inner"] = json!(inner);
+    request["reps"] = json!(reps);
+    let variants = worker.time(&request)?;
+    let (best_name, best) = variants
+        .iter()
+        .map(|(n, t)| (n.clone(), rate(t)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .context("torch returned no variant")?;
+    let others: Vec<String> = variants
+        .iter()
+        .filter(|(n, _)| **n != best_name)
+        .map(|(n, t)| format!("{n} {:.1}", rate(t)))
+        .collect();
+    let mut row = Row::compared(&case.name, case.metric, true, kpt_rate, best, &best_name)
+        .with_max_abs_err(err)
+        .with_note(case.note)
+        .with_note(if others.is_empty() { String::new() } else { format!("also {}", others.join(", ")) });
+    if let Some(r) = case.target_ratio {
+        row = row.with_target_ratio(r);
+    }
+    if let Some(t) = case.target {
+        row = row.with_target(t);
+    }
+    if !within {
+        row.met = false;
+        row = row.with_note("ACCURACY CHECK FAILED on the first rows");
+    }
+    Ok(row)
+}

@@ -1,0 +1,153 @@
+"""PyTorch side of kpt's CUDA side-by-side benchmark (`kpt-bench-cuda`).
+
+Protocol: one JSON object per line on stdin, one JSON reply per line on stdout. The
+first reply (before any request) describes the environment. Each request names a case,
+its shape, and how many back-to-back calls one timed repetition holds (`inner`) and how
+many repetitions to take (`reps`); the reply holds the per-call seconds of every
+repetition of every variant. Timing is the same as on the kpt side: CUDA events around
+`inner` calls on the current stream, after warm-up calls (which also compile).
+"""
+
+import json
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def rand(shape, dtype, lo=-1.0, hi=1.0):
+    return (torch.rand(shape, device="cuda") * (hi - lo) + lo).to(dtype)
+
+
+def compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def variants(req):
+    """The PyTorch implementations of one case: a list of (name, callable)."""
+    kind = req["kind"]
+    dt = DTYPES[req.get("dtype", "bf16")]
+    if kind == "gemm":
+        m, k, n = req["m"], req["k"], req["n"]
+        a, b = rand((m, k), dt), rand((k, n), dt)
+        out = torch.empty((m, n), dtype=dt, device="cuda")
+        return [("torch.matmul", lambda: torch.matmul(a, b, out=out))]
+    if kind == "linear_gelu":
+        m, k, n = req["m"], req["k"], req["n"]
+        x, w, bias = rand((m, k), dt), rand((n, k), dt, -0.02, 0.02), rand((n,), dt)
+        f = lambda: F.gelu(F.linear(x, w, bias), approximate="tanh")
+        g = compiled(f)
+        return [("torch.compile", g), ("torch eager", f)]
+    if kind == "fp8_gemm":
+        m, k, n = req["m"], req["k"], req["n"]
+        a = rand((m, k), torch.float32).to(torch.float8_e4m3fn)
+        b = rand((n, k), torch.float32).to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        return [
+            (
+                "torch._scaled_mm",
+                lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16),
+            )
+        ]
+    if kind in ("rms_norm", "add_rms_norm"):
+        rows, dim = req["rows"], req["dim"]
+        x, r, w = rand((rows, dim), dt), rand((rows, dim), dt), rand((dim,), dt, 0.5, 1.5)
+        if kind == "rms_norm":
+            f = lambda: F.rms_norm(x, (dim,), w, 1e-5)
+            return [("torch.compile", compiled(f)), ("F.rms_norm", f)]
+
+        def add_norm():
+            s = x + r
+            return s, F.rms_norm(s, (dim,), w, 1e-5)
+
+        return [("torch.compile", compiled(add_norm)), ("torch eager", add_norm)]
+    if kind == "softmax":
+        x = rand((req["rows"], req["dim"]), dt, -4.0, 4.0)
+        f = lambda: torch.softmax(x, dim=-1)
+        return [("torch.softmax", f), ("torch.compile", compiled(f))]
+    if kind == "rotary":
+        b, s, h, d = req["batch"], req["seq"], req["heads"], req["head_dim"]
+        x = rand((b, s, h, d), dt)
+        inv = 10000.0 ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+        ang = torch.arange(s, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
+        cos = torch.cat((ang.cos(), ang.cos()), -1).to(dt)[None, :, None, :]
+        sin = torch.cat((ang.sin(), ang.sin()), -1).to(dt)[None, :, None, :]
+        f = lambda: x * cos + rotate_half(x) * sin
+        return [("torch.compile", compiled(f)), ("torch eager", f)]
+    if kind == "swiglu":
+        rows, d = req["rows"], req["d"]
+        x = rand((rows, 2 * d), dt, -3.0, 3.0)
+        f = lambda: F.silu(x[:, :d]) * x[:, d:]
+        return [("torch.compile", compiled(f)), ("torch eager", f)]
+    if kind == "quantize":
+        x = rand((req["n"],), dt, -10.0, 10.0)
+        scale = torch.tensor(10.0 / 448.0, device="cuda")
+        f = lambda: (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return [("torch.compile", compiled(f)), ("torch eager", f)]
+    if kind == "copy":
+        x = rand((req["n"],), dt)
+        y = torch.empty_like(x)
+        return [("Tensor.copy_", lambda: y.copy_(x))]
+    raise ValueError(f"unknown case kind {kind}")
+
+
+def time_calls(fn, inner, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3 / inner)
+    return out
+
+
+def driver():
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "unknown"
+
+
+def main():
+    import triton
+
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(0),
+        "driver": driver(),
+    }
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            result = {
+                name: time_calls(fn, req["inner"], req["reps"])
+                for name, fn in variants(req)
+            }
+            print(json.dumps({"variants": result}), flush=True)
+        except Exception as e:  # reported to the caller as the row's note
+            print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

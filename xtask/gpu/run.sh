@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Runs kpt's GPU tests and the side-by-side benchmark from a bundle made by
+# `cargo xtask gpu-bundle`. Needs only the NVIDIA driver, cuBLASLt and (for the
+# benchmark) a python3 with CUDA PyTorch.
+#
+#   run.sh OUT_DIR [all|tests|bench] [extra kpt-bench-cuda arguments...]
+#
+# Test logs, `kpt detect --json` and the report go to OUT_DIR; the exit status is
+# non-zero if any test or the benchmark failed.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${1:?usage: run.sh OUT_DIR [all|tests|bench]}"
+what="${2:-all}"
+shift $(( $# < 2 ? $# : 2 ))
+mkdir -p "$out"
+
+# cudarc looks for libcublasLt.so (or .so.12); CUDA 13 installs .so.13. Point a private
+# libcublasLt.so at the first one found.
+libdir="$here/lib"
+mkdir -p "$libdir"
+if [ ! -e "$libdir/libcublasLt.so" ]; then
+  found="$({
+    ldconfig -p 2>/dev/null | awk '/libcublasLt\.so/ {print $NF}'
+    ls /usr/local/cuda*/lib64/libcublasLt.so* 2>/dev/null
+    python3 - <<'PY' 2>/dev/null
+import glob, os, nvidia
+for p in nvidia.__path__:
+    for f in sorted(glob.glob(os.path.join(p, "**", "libcublasLt.so*"), recursive=True)):
+        print(f)
+PY
+  } | head -n 1)"
+  if [ -n "$found" ]; then
+    ln -sf "$found" "$libdir/libcublasLt.so"
+    echo "cuBLASLt: $found"
+  else
+    echo "cuBLASLt: not found (GEMM tests will fail)"
+  fi
+fi
+export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}"
+export KPT_REQUIRE_GPU=1
+KPT_GIT_COMMIT="$(cat "$here/GIT_COMMIT")"
+export KPT_GIT_COMMIT
+
+status=0
+if [ "$what" != bench ]; then
+  "$here/bin/kpt" detect --json > "$out/detect.json" 2> "$out/detect.log" || status=1
+  cat "$out/detect.json"
+  for t in "$here"/tests/*; do
+    name="$(basename "$t")"
+    if "$t" --test-threads=1 > "$out/$name.log" 2>&1; then
+      echo "PASS $name: $(grep -E '^test result' "$out/$name.log" | tail -n 1)"
+    else
+      status=1
+      echo "FAIL $name"
+      grep -E "panicked|FAILED|failed" "$out/$name.log" | head -n 40
+    fi
+  done
+fi
+if [ "$what" != tests ]; then
+  "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
+    --out "$out/reports" "$@" || status=1
+fi
+exit $status
