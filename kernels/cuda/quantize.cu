@@ -3,7 +3,8 @@
 //   amax_to_scale: *s = amax / max_finite (1 when amax is 0 or not finite), in place
 //   quantize:    q = round_to_nearest_even(x / scale), saturated to the finite range
 //   dequantize:  x = q * scale
-// x / scale is formed in f64 and rounded once to the 8-bit type, like the CPU kernels.
+// x / scale is a correctly rounded f32 division, then rounded to the 8-bit type (the
+// CPU kernels round once from f64; the two differ only on rare double-rounding ties).
 // Grid-stride loops. Match kpt_kernels::cpu::elementwise.
 //
 // kpt:launch kpt_amax_f32 block=256 shared=0 grid=elements
@@ -58,26 +59,26 @@ __device__ void amax(const T* __restrict__ x, long n, float* out) {
 
 struct E4m3 {
     using Q = __nv_fp8_storage_t;
-    static __device__ Q encode(double v) { return __nv_cvt_double_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
+    static __device__ Q encode(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
     static __device__ float decode(Q q) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(q, __NV_E4M3))); }
 };
 struct E5m2 {
     using Q = __nv_fp8_storage_t;
-    static __device__ Q encode(double v) { return __nv_cvt_double_to_fp8(v, __NV_SATFINITE, __NV_E5M2); }
+    static __device__ Q encode(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2); }
     static __device__ float decode(Q q) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(q, __NV_E5M2))); }
 };
 struct I8 {
     using Q = signed char;
-    static __device__ Q encode(double v) { return static_cast<Q>(min(max(__double2int_rn(v), -127), 127)); }
+    static __device__ Q encode(float v) { return static_cast<Q>(min(max(__float2int_rn(v), -127), 127)); }
     static __device__ float decode(Q q) { return static_cast<float>(q); }
 };
 
 template <typename T, typename F>
 __device__ void quantize(const T* __restrict__ x, typename F::Q* __restrict__ out, long n,
                          const float* __restrict__ scale) {
-    const double s = static_cast<double>(*scale);
+    const float s = *scale;
     for (long i = first_thread(); i < n; i += all_threads())
-        out[i] = F::encode(static_cast<double>(to_float(x[i])) / s);
+        out[i] = F::encode(__fdiv_rn(to_float(x[i]), s));
 }
 
 template <typename F, typename T>

@@ -5,19 +5,19 @@
 // registers are read once with 16-byte loads; other rows take a strided loop that reads
 // them twice. f32 accumulation for every dtype. Matches kpt_kernels::cpu::reference.
 //
-// kpt:launch kpt_rms_norm_f32 block=256 shared=0 grid=rows
-// kpt:launch kpt_rms_norm_bf16 block=256 shared=0 grid=rows
-// kpt:launch kpt_rms_norm_f16 block=256 shared=0 grid=rows
-// kpt:launch kpt_add_rms_norm_f32 block=256 shared=0 grid=rows
-// kpt:launch kpt_add_rms_norm_bf16 block=256 shared=0 grid=rows
-// kpt:launch kpt_add_rms_norm_f16 block=256 shared=0 grid=rows
+// kpt:launch kpt_rms_norm_f32 block=128 shared=0 grid=rows
+// kpt:launch kpt_rms_norm_bf16 block=128 shared=0 grid=rows
+// kpt:launch kpt_rms_norm_f16 block=128 shared=0 grid=rows
+// kpt:launch kpt_add_rms_norm_f32 block=128 shared=0 grid=rows
+// kpt:launch kpt_add_rms_norm_bf16 block=128 shared=0 grid=rows
+// kpt:launch kpt_add_rms_norm_f16 block=128 shared=0 grid=rows
 
 #include "common.cuh"
 
 namespace {
 
-constexpr int kBlock = 256;
-constexpr int kChunks = 4;
+constexpr int kBlock = 128;
+constexpr int kChunks = 8;
 
 using kpt::from_float;
 using kpt::to_float;
