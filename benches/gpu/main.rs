@@ -306,7 +306,10 @@ fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
             let registry = KernelRegistry::with_builtin();
             let kernel = registry.select(op, &specs, backend.device())?.kernel;
             if !kernel.starts_with("cuda.") {
-                bail!("{}: the registry chose {kernel}, not a CUDA kernel", case.name);
+                bail!(
+                    "{}: the registry chose {kernel}, not a CUDA kernel",
+                    case.name
+                );
             }
             (kernel, op.infer(&specs)?)
         }
@@ -337,8 +340,12 @@ fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
         .collect::<Result<Vec<_>>>()?;
     let scales = match case.kpt {
         Work::Fp8Gemm => Some((
-            backend.gpu().upload(&case.inputs[0].scale().to_le_bytes())?,
-            backend.gpu().upload(&case.inputs[1].scale().to_le_bytes())?,
+            backend
+                .gpu()
+                .upload(&case.inputs[0].scale().to_le_bytes())?,
+            backend
+                .gpu()
+                .upload(&case.inputs[1].scale().to_le_bytes())?,
         )),
         _ => None,
     };
@@ -366,14 +373,20 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
             v.extend(case.inputs[1..].iter().cloned());
             (op.clone(), v)
         }
-        Work::Op(op @ (Op::RmsNorm { .. } | Op::Softmax | Op::Quantize { .. } | Op::Rotary { .. })) => {
+        Work::Op(
+            op @ (Op::RmsNorm { .. } | Op::Softmax | Op::Quantize { .. } | Op::Rotary { .. }),
+        ) => {
             let mut v = vec![first(&case.inputs[0])?];
             v.extend(case.inputs[1..].iter().cloned());
             (op.clone(), v)
         }
         Work::Op(op @ Op::AddRmsNorm { .. }) => (
             op.clone(),
-            vec![first(&case.inputs[0])?, first(&case.inputs[1])?, case.inputs[2].clone()],
+            vec![
+                first(&case.inputs[0])?,
+                first(&case.inputs[1])?,
+                case.inputs[2].clone(),
+            ],
         ),
         Work::Op(op) => bail!("no accuracy check for {op}"),
         Work::SwiGlu => {
@@ -381,13 +394,17 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
             let d = case.inputs[0].shape()[1] / 2;
             let rows = x.len() / (2 * d);
             let gate: Vec<f64> = (0..rows * d).map(|i| x[i / d * 2 * d + i % d]).collect();
-            let up: Vec<f64> = (0..rows * d).map(|i| x[i / d * 2 * d + d + i % d]).collect();
+            let up: Vec<f64> = (0..rows * d)
+                .map(|i| x[i / d * 2 * d + d + i % d])
+                .collect();
             (
                 Op::Mul,
                 vec![
                     CpuReference
                         .eval(
-                            &Op::Activation { act: Activation::Silu },
+                            &Op::Activation {
+                                act: Activation::Silu,
+                            },
                             &[Tensor::from_f64(&gate, &[rows, d], DType::F64)?],
                         )?
                         .remove(0),
@@ -472,12 +489,20 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn run_case(backend: &CudaBackend, worker: &mut TorchWorker, case: &Case, reps: usize) -> Result<Row> {
+fn run_case(
+    backend: &CudaBackend,
+    worker: &mut TorchWorker,
+    case: &Case,
+    reps: usize,
+) -> Result<Row> {
     let mut p = prepare(backend, case)?;
     p.call(&case.kpt)?;
     let (err, within) = check(case, &p)?;
     let gpu = backend.gpu();
-    let warm = gpu.time_per_call(3, || p.call(&case.kpt).map_err(|e| kpt_nvidia::NvidiaError::Invalid(format!("{e:#}"))))?;
+    let warm = gpu.time_per_call(3, || {
+        p.call(&case.kpt)
+            .map_err(|e| kpt_nvidia::NvidiaError::Invalid(format!("{e:#}")))
+    })?;
     let inner = inner_calls(warm);
     let mut kpt_times = Vec::with_capacity(reps);
     for _ in 0..reps {
@@ -508,7 +533,11 @@ fn run_case(backend: &CudaBackend, worker: &mut TorchWorker, case: &Case, reps: 
     let mut row = Row::compared(&case.name, case.metric, true, kpt_rate, best, &best_name)
         .with_max_abs_err(err)
         .with_note(case.note)
-        .with_note(if others.is_empty() { String::new() } else { format!("also {}", others.join(", ")) });
+        .with_note(if others.is_empty() {
+            String::new()
+        } else {
+            format!("also {}", others.join(", "))
+        });
     if let Some(r) = case.target_ratio {
         row = row.with_target_ratio(r);
     }

@@ -52,7 +52,14 @@ pub fn gpu_bundle() -> Result<()> {
         std::fs::create_dir_all(dir.join(sub))?;
     }
     cargo(&["build", "--release", "-p", "kpt", "--bin", "kpt"])?;
-    cargo(&["build", "--release", "-p", "kpt-benches", "--bin", "kpt-bench-cuda"])?;
+    cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "kpt-benches",
+        "--bin",
+        "kpt-bench-cuda",
+    ])?;
     let release = root.join("target/release");
     for bin in ["kpt", "kpt-bench-cuda"] {
         install(&release.join(bin), &dir.join("bin").join(bin))?;
@@ -65,7 +72,10 @@ pub fn gpu_bundle() -> Result<()> {
             .to_string();
         install(&exe, &dir.join("tests").join(name))?;
     }
-    std::fs::copy(root.join("benches/torch_cuda.py"), dir.join("torch_cuda.py"))?;
+    std::fs::copy(
+        root.join("benches/torch_cuda.py"),
+        dir.join("torch_cuda.py"),
+    )?;
     std::fs::copy(root.join("xtask/gpu/run.sh"), dir.join("run.sh"))?;
     let commit = Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
