@@ -235,7 +235,8 @@ fn cases() -> Vec<Case> {
 /// A case's buffers on the device and the call that runs it.
 struct Prepared<'a> {
     backend: &'a CudaBackend,
-    kernel: String,
+    /// The registry's kernel, for graph ops.
+    kernel: Option<String>,
     inputs: Vec<(DeviceBuffer, TensorSpec)>,
     outputs: Vec<(DeviceBuffer, TensorSpec)>,
     scales: Option<(kpt_nvidia::DeviceBlock, kpt_nvidia::DeviceBlock)>,
@@ -254,7 +255,10 @@ impl Prepared<'_> {
             .map(|(buffer, spec)| BufferMut { buffer, spec })
             .collect();
         match work {
-            Work::Op(op) => self.backend.execute(&self.kernel, op, &refs, &mut muts)?,
+            Work::Op(op) => {
+                let kernel = self.kernel.as_deref().context("no kernel selected")?;
+                self.backend.execute(kernel, op, &refs, &mut muts)?
+            }
             Work::SwiGlu => {
                 let out = muts.pop().context("output")?;
                 self.backend.act_and_mul(refs[0], out, Activation::Silu)?
@@ -311,17 +315,17 @@ fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
                     case.name
                 );
             }
-            (kernel, op.infer(&specs)?)
+            (Some(kernel), op.infer(&specs)?)
         }
         Work::SwiGlu => {
             let s = &specs[0].shape;
             (
-                "cuda.act_and_mul".into(),
+                None,
                 vec![TensorSpec::new(&[s[0], s[1] / 2], specs[0].dtype)],
             )
         }
         Work::Fp8Gemm => (
-            "cublaslt.fp8".into(),
+            None,
             vec![TensorSpec::new(
                 &[specs[0].shape[0], specs[1].shape[0]],
                 DType::BF16,

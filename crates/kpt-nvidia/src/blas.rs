@@ -17,7 +17,6 @@ use cudarc::cublaslt::sys::{
     self, cublasComputeType_t as Compute, cublasLtEpilogue_t as Epi,
     cublasLtMatmulDescAttributes_t as DescAttr, cudaDataType_t as Data,
 };
-use cudarc::driver::sys::CUevent_flags;
 use kpt_core::DType;
 
 use crate::gpu::Gpu;
@@ -423,38 +422,22 @@ impl Blas {
             return Ok(*a);
         }
         let candidates = self.candidates(d, if self.autotune { 8 } else { 1 })?;
-        let mut best = (f32::INFINITY, candidates[0]);
+        let mut best = (f64::INFINITY, candidates[0]);
         if candidates.len() > 1 {
-            let ctx = gpu.stream().context();
-            let event = || {
-                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(|e| NvidiaError::driver("cuEventCreate", e))
-            };
-            let (start, end) = (event()?, event()?);
             for algo in &candidates {
                 // One untimed run, then three timed; candidates that fail are skipped.
                 if self.run(gpu, d, args, algo).is_err() {
                     continue;
                 }
-                start
-                    .record(gpu.stream())
-                    .map_err(|e| NvidiaError::driver("cuEventRecord", e))?;
-                for _ in 0..3 {
-                    self.run(gpu, d, args, algo)?;
-                }
-                end.record(gpu.stream())
-                    .map_err(|e| NvidiaError::driver("cuEventRecord", e))?;
-                let ms = start
-                    .elapsed_ms(&end)
-                    .map_err(|e| NvidiaError::driver("cuEventElapsedTime", e))?;
-                if ms < best.0 {
-                    best = (ms, *algo);
+                let t = gpu.time_per_call(3, || self.run(gpu, d, args, algo))?;
+                if t < best.0 {
+                    best = (t, *algo);
                 }
             }
             tracing::debug!(
                 ?s,
                 candidates = candidates.len(),
-                best_ms = best.0 / 3.0,
+                best_s = best.0,
                 "cuBLASLt autotuned"
             );
         }
