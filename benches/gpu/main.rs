@@ -1,12 +1,14 @@
 //! `kpt-bench-cuda`: kpt's CUDA backend side by side with PyTorch on the same GPU, in
-//! one run. Each case runs kpt first (output checked against the f64 reference on its
-//! first rows, then timed), then the PyTorch variants; both sides time `inner`
-//! back-to-back calls between CUDA events, warm up first and take the median of the
-//! repetitions. The report (JSON, Markdown, SVG) follows docs/reports' schema.
+//! one run. For each case every device kernel the registry accepts is checked against
+//! the f64 reference on its first rows; then repetitions alternate between kpt (the
+//! registry's choice, then its other kernels) and the PyTorch variants, each timing
+//! `inner` back-to-back calls between CUDA events, and the medians are compared. The
+//! report (JSON, Markdown, SVG) follows docs/reports' schema.
 
 #[path = "../compare/torch.rs"]
 mod torch;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -14,7 +16,6 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
 use kpt_core::graph::{Activation, Op, TensorSpec};
-use kpt_core::optimize::KernelSelector;
 use kpt_core::rand::SplitMix64;
 use kpt_core::tensor::Tensor;
 use kpt_core::validate::{compare, reduction_len, tolerance, ReferenceOps};
@@ -237,6 +238,8 @@ struct Prepared<'a> {
     backend: &'a CudaBackend,
     /// The registry's kernel, for graph ops.
     kernel: Option<String>,
+    /// The other device kernels the registry accepts for the op, in its order.
+    alternatives: Vec<String>,
     inputs: Vec<(DeviceBuffer, TensorSpec)>,
     outputs: Vec<(DeviceBuffer, TensorSpec)>,
     scales: Option<(kpt_nvidia::DeviceBlock, kpt_nvidia::DeviceBlock)>,
@@ -305,27 +308,25 @@ fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
         .iter()
         .map(|t| TensorSpec::new(t.shape(), t.dtype()))
         .collect();
-    let (kernel, out_specs) = match &case.kpt {
+    let (kernels, out_specs) = match &case.kpt {
         Work::Op(op) => {
             let registry = KernelRegistry::with_builtin();
-            let kernel = registry.select(op, &specs, backend.device())?.kernel;
-            if !kernel.starts_with("cuda.") {
-                bail!(
-                    "{}: the registry chose {kernel}, not a CUDA kernel",
-                    case.name
-                );
+            let chain = registry.fallback_chain(op, &specs, backend.device());
+            let device: Vec<String> = chain.into_iter().take_while(|k| on_device(k)).collect();
+            if device.is_empty() {
+                bail!("{}: the registry chose no device kernel", case.name);
             }
-            (Some(kernel), op.infer(&specs)?)
+            (device, op.infer(&specs)?)
         }
         Work::SwiGlu => {
             let s = &specs[0].shape;
             (
-                None,
+                Vec::new(),
                 vec![TensorSpec::new(&[s[0], s[1] / 2], specs[0].dtype)],
             )
         }
         Work::Fp8Gemm => (
-            None,
+            Vec::new(),
             vec![TensorSpec::new(
                 &[specs[0].shape[0], specs[1].shape[0]],
                 DType::BF16,
@@ -355,11 +356,17 @@ fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
     };
     Ok(Prepared {
         backend,
-        kernel,
+        kernel: kernels.first().cloned(),
+        alternatives: kernels.into_iter().skip(1).collect(),
         inputs,
         outputs,
         scales,
     })
+}
+
+/// Whether a kernel runs on the GPU (rather than on host copies).
+fn on_device(kernel: &str) -> bool {
+    kernel.starts_with("cuda.") || kernel.starts_with("triton.")
 }
 
 /// The first rows of a row-major tensor.
@@ -500,30 +507,50 @@ fn run_case(
     reps: usize,
 ) -> Result<Row> {
     let mut p = prepare(backend, case)?;
-    p.call(&case.kpt)?;
-    let (err, within) = check(case, &p)?;
-    let gpu = backend.gpu();
-    let warm = gpu.time_per_call(3, || {
-        p.call(&case.kpt)
-            .map_err(|e| kpt_nvidia::NvidiaError::Invalid(format!("{e:#}")))
-    })?;
-    let inner = inner_calls(warm);
-    let mut kpt_times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        kpt_times.push(gpu.time_per_call(inner, || {
-            p.call(&case.kpt)
-                .map_err(|e| kpt_nvidia::NvidiaError::Invalid(format!("{e:#}")))
-        })?);
+    // Every device kernel the registry accepts (its choice first), each checked first.
+    let kernels: Vec<Option<String>> = std::iter::once(p.kernel.clone())
+        .chain(std::mem::take(&mut p.alternatives).into_iter().map(Some))
+        .collect();
+    let mut checks = Vec::with_capacity(kernels.len());
+    for kernel in &kernels {
+        p.kernel = kernel.clone();
+        p.call(&case.kpt)?;
+        checks.push(check(case, &p)?);
     }
-    drop(p);
-    gpu.memory().empty_cache()?;
-    // TFLOP/s from FLOPs, TB/s from bytes: both are work / seconds / 1e12.
-    let rate = |t: &[f64]| median(t).map_or(f64::NAN, |t| case.work / t / 1e12);
-    let kpt_rate = rate(&kpt_times);
+    p.kernel = kernels[0].clone();
+    let inner = inner_calls(timed(&mut p, case, 3)?);
     let mut request = case.torch.clone();
     request["inner"] = json!(inner);
-    request["reps"] = json!(reps);
-    let variants = worker.time(&request)?;
+    request["reps"] = json!(1);
+    // Repetitions interleave kpt and torch, so that clock and temperature drift during
+    // the case weigh on both sides alike.
+    let mut kpt_times = vec![Vec::with_capacity(reps); kernels.len()];
+    let mut variants: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for _ in 0..reps {
+        for (kernel, times) in kernels.iter().zip(&mut kpt_times) {
+            p.kernel = kernel.clone();
+            times.push(timed(&mut p, case, inner)?);
+        }
+        for (name, t) in worker.time(&request)? {
+            variants.entry(name).or_default().extend(t);
+        }
+    }
+    drop(p);
+    backend.gpu().memory().empty_cache()?;
+    // TFLOP/s from FLOPs, TB/s from bytes: both are work / seconds / 1e12.
+    let rate = |t: &[f64]| median(t).map_or(f64::NAN, |t| case.work / t / 1e12);
+    let kpt_rate = rate(&kpt_times[0]);
+    let (err, within) = checks[0];
+    let chosen = kernels[0].clone();
+    let alternatives: Vec<String> = kernels[1..]
+        .iter()
+        .zip(&kpt_times[1..])
+        .zip(&checks[1..])
+        .map(|((k, t), (_, ok))| {
+            let failed = if *ok { "" } else { " (ACCURACY CHECK FAILED)" };
+            format!("kpt {} {:.3}{failed}", k.as_deref().unwrap_or("?"), rate(t))
+        })
+        .collect();
     let (best_name, best) = variants
         .iter()
         .map(|(n, t)| (n.clone(), rate(t)))
@@ -537,6 +564,12 @@ fn run_case(
     let mut row = Row::compared(&case.name, case.metric, true, kpt_rate, best, &best_name)
         .with_max_abs_err(err)
         .with_note(case.note)
+        .with_note(chosen.map_or(String::new(), |k| format!("kernel {k}")))
+        .with_note(if alternatives.is_empty() {
+            String::new()
+        } else {
+            format!("other kernels: {}", alternatives.join(", "))
+        })
         .with_note(if others.is_empty() {
             String::new()
         } else {
@@ -553,4 +586,13 @@ fn run_case(
         row = row.with_note("ACCURACY CHECK FAILED on the first rows");
     }
     Ok(row)
+}
+
+/// Seconds per call of the prepared work, over `calls` back-to-back calls.
+fn timed(p: &mut Prepared<'_>, case: &Case, calls: usize) -> Result<f64> {
+    let gpu = p.backend.gpu();
+    Ok(gpu.time_per_call(calls, || {
+        p.call(&case.kpt)
+            .map_err(|e| kpt_nvidia::NvidiaError::Invalid(format!("{e:#}")))
+    })?)
 }

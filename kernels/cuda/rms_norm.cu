@@ -47,6 +47,8 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ residual
                     row.v[c][j] = to_float(from_float<T>(row.v[c][j] + other.v[c][j]));
             row.store(sum, dim);
         }
+        // The weight's loads overlap the reduction.
+        other.load(w, dim);
         float ss = 0.0f;
 #pragma unroll
         for (int c = 0; c < kChunks; ++c)
@@ -54,7 +56,6 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ residual
 #pragma unroll
                 for (int j = 0; j < Row::N; ++j) ss += row.v[c][j] * row.v[c][j];
         const float inv = rsqrtf(kpt::block_sum<kBlock>(ss) / static_cast<float>(dim) + eps);
-        other.load(w, dim);
 #pragma unroll
         for (int c = 0; c < kChunks; ++c)
 #pragma unroll

@@ -5,7 +5,8 @@
 #
 #   run.sh OUT_DIR [all|tests|bench] [extra kpt-bench-cuda arguments...]
 #
-# Test logs, `kpt detect --json` and the report go to OUT_DIR; the exit status is
+# Test logs, `kpt detect --json`, the logs of `kpt --device cuda validate|demo|bench`
+# and the report go to OUT_DIR; the exit status is
 # non-zero if any test or the benchmark failed.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -45,6 +46,19 @@ status=0
 if [ "$what" != bench ]; then
   "$here/bin/kpt" detect --json > "$out/detect.json" 2> "$out/detect.log" || status=1
   cat "$out/detect.json"
+  # The CLI end to end on the GPU: validate every op of the demo model against the f64
+  # reference, generate with the demo model, time single ops.
+  for cmd in "validate" "demo --tokens 16" "bench --quick"; do
+    log="$out/kpt-${cmd%% *}.log"
+    if "$here/bin/kpt" --device cuda $cmd > "$log" 2>&1; then
+      echo "PASS kpt --device cuda $cmd"
+      tail -n 25 "$log"
+    else
+      status=1
+      echo "FAIL kpt --device cuda $cmd"
+      tail -n 40 "$log"
+    fi
+  done
   for t in "$here"/tests/*; do
     name="$(basename "$t")"
     if "$t" --test-threads=1 > "$out/$name.log" 2>&1; then

@@ -1,6 +1,7 @@
-//! `build-kernels` (compile `kernels/cuda/*.cu` with a pinned nvcc into committed
-//! artifacts and their manifest) and `check-kernels` (the committed artifacts match
-//! their sources and hashes; needs no toolchain, runs in CI).
+//! `build-kernels` (compile `kernels/cuda/*.cu` with a pinned nvcc and
+//! `kernels/triton/*.py` with a pinned Triton into committed artifacts and their
+//! manifest) and `check-kernels` (the committed artifacts match their sources and
+//! hashes; needs no toolchain, runs in CI).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -149,10 +150,14 @@ fn launch_lines(source: &str, path: &str) -> Result<Vec<EntryPoint>> {
     Ok(out)
 }
 
-/// The pinned nvcc from `kernels/requirements-cuda.txt` and its version.
-fn nvcc() -> Result<(PathBuf, String)> {
-    let python = python_env("kernels-venv", "kernels/requirements-cuda.txt")?;
-    let out = Command::new(&python)
+/// The kernel toolchains' virtual environment (`kernels/requirements.txt`).
+fn toolchain_python() -> Result<PathBuf> {
+    python_env("kernels-venv", "kernels/requirements.txt")
+}
+
+/// The pinned nvcc and its version.
+fn nvcc(python: &Path) -> Result<(PathBuf, String)> {
+    let out = Command::new(python)
         .args([
             "-c",
             "import sysconfig; print(sysconfig.get_paths()['purelib'])",
@@ -174,9 +179,43 @@ fn nvcc() -> Result<(PathBuf, String)> {
     Ok((nvcc, v))
 }
 
-/// Compiles every `kernels/cuda/*.cu` for [`CUDA_TARGETS`] and rewrites the manifest.
-pub fn build_kernels() -> Result<()> {
-    let (nvcc, version) = nvcc()?;
+/// Checks that `file` holds the symbol `name` and returns its manifest entry.
+fn artifact(
+    file: &Path,
+    target: &str,
+    format: &str,
+    entries: &[EntryPoint],
+) -> Result<ArtifactEntry> {
+    let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    for ep in entries {
+        if !bytes
+            .windows(ep.name.len())
+            .any(|w| w == ep.name.as_bytes())
+        {
+            bail!("{}: entry point {} not found", rel(file), ep.name);
+        }
+    }
+    eprintln!("built {} ({} bytes)", rel(file), bytes.len());
+    let name = file
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("artifact name")?;
+    let folder = file
+        .parent()
+        .and_then(Path::file_name)
+        .and_then(|n| n.to_str())
+        .context("artifact folder")?;
+    Ok(ArtifactEntry {
+        path: format!("{folder}/{name}"),
+        target: target.into(),
+        format: format.into(),
+        sha256: hex_digest(&bytes),
+    })
+}
+
+/// Compiles every `kernels/cuda/*.cu` for [`CUDA_TARGETS`] into `manifest`.
+fn build_cuda(python: &Path, manifest: &mut Manifest) -> Result<()> {
+    let (nvcc, version) = nvcc(python)?;
     let include = nvcc
         .parent()
         .and_then(Path::parent)
@@ -184,8 +223,7 @@ pub fn build_kernels() -> Result<()> {
         .context("nvcc has no include folder")?;
     let out_dir = artifacts_dir().join("cuda");
     std::fs::create_dir_all(&out_dir)?;
-    let mut manifest = Manifest::default();
-    manifest.toolchains.insert("nvcc".into(), version.clone());
+    manifest.toolchains.insert("nvcc".into(), version);
     for src in list_sources(&root().join("kernels/cuda"))? {
         if src.extension().and_then(|e| e.to_str()) != Some("cu") {
             continue;
@@ -199,8 +237,7 @@ pub fn build_kernels() -> Result<()> {
         let entry_points = launch_lines(&text, &rel(&src))?;
         let mut artifacts = Vec::new();
         for (target, format, flags) in CUDA_TARGETS {
-            let file = format!("{name}.{target}.{format}");
-            let out = out_dir.join(&file);
+            let out = out_dir.join(format!("{name}.{target}.{format}"));
             let include_flag = format!("-I{}", include.display());
             let status = Command::new(&nvcc)
                 .args(flags)
@@ -212,22 +249,7 @@ pub fn build_kernels() -> Result<()> {
             if !status.success() {
                 bail!("nvcc failed on {} for {target}", rel(&src));
             }
-            let bytes = std::fs::read(&out)?;
-            for ep in &entry_points {
-                if !bytes
-                    .windows(ep.name.len())
-                    .any(|w| w == ep.name.as_bytes())
-                {
-                    bail!("{file}: entry point {} not found", ep.name);
-                }
-            }
-            eprintln!("built {file} ({} bytes)", bytes.len());
-            artifacts.push(ArtifactEntry {
-                path: format!("cuda/{file}"),
-                target: target.into(),
-                format: format.into(),
-                sha256: sha256_hex(&out)?,
-            });
+            artifacts.push(artifact(&out, target, format, &entry_points)?);
         }
         manifest.kernels.push(KernelEntry {
             name,
@@ -237,11 +259,97 @@ pub fn build_kernels() -> Result<()> {
             artifacts,
         });
     }
+    Ok(())
+}
+
+/// What `xtask/triton/aot.py` reports about one source.
+#[derive(serde::Deserialize)]
+struct TritonBuild {
+    triton: String,
+    kernels: Vec<TritonKernel>,
+}
+
+/// One compiled Triton specialization.
+#[derive(serde::Deserialize)]
+struct TritonKernel {
+    kernel: String,
+    entry: String,
+    block: u32,
+    shared: u32,
+    grid: String,
+    artifacts: Vec<TritonArtifact>,
+}
+
+#[derive(serde::Deserialize)]
+struct TritonArtifact {
+    target: String,
+    format: String,
+    file: String,
+}
+
+/// Compiles every specialization that `kernels/triton/*.py` lists into `manifest` (one
+/// kernel entry per specialization, each with its cubins and PTX).
+fn build_triton(python: &Path, manifest: &mut Manifest) -> Result<()> {
+    let out_dir = artifacts_dir().join("triton");
+    std::fs::create_dir_all(&out_dir)?;
+    let driver = root().join("xtask/triton/aot.py");
+    for src in list_sources(&root().join("kernels/triton"))? {
+        eprintln!("triton: compiling {}", rel(&src));
+        let out = Command::new(python)
+            .arg(&driver)
+            .arg(&src)
+            .arg(&out_dir)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("running {}", driver.display()))?;
+        if !out.status.success() {
+            bail!("Triton failed on {}", rel(&src));
+        }
+        let build: TritonBuild = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("reading what {} reported", rel(&driver)))?;
+        manifest.toolchains.insert("triton".into(), build.triton);
+        let source_sha256 = source_sha256(&src)?;
+        for k in build.kernels {
+            let entry_points = vec![EntryPoint {
+                name: k.entry,
+                block: k.block,
+                shared_bytes: k.shared,
+                grid: k.grid,
+            }];
+            let artifacts = k
+                .artifacts
+                .iter()
+                .map(|a| artifact(&out_dir.join(&a.file), &a.target, &a.format, &entry_points))
+                .collect::<Result<_>>()?;
+            manifest.kernels.push(KernelEntry {
+                name: k.kernel,
+                source: rel(&src),
+                source_sha256: source_sha256.clone(),
+                entry_points,
+                artifacts,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Compiles every CUDA and Triton kernel and rewrites the manifest.
+pub fn build_kernels() -> Result<()> {
+    let python = toolchain_python()?;
+    let mut manifest = Manifest::default();
+    build_cuda(&python, &mut manifest)?;
+    build_triton(&python, &mut manifest)?;
     let json = serde_json::to_string_pretty(&manifest)? + "\n";
     std::fs::write(manifest_path(), json)?;
     eprintln!(
-        "build-kernels: {} kernel(s) with nvcc {version}; wrote {}",
+        "build-kernels: {} kernel(s) with {}; wrote {}",
         manifest.kernels.len(),
+        manifest
+            .toolchains
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", "),
         rel(&manifest_path())
     );
     check_kernels()
@@ -260,14 +368,23 @@ pub fn check_kernels() -> Result<()> {
         if src.extension().and_then(|e| e.to_str()) == Some("cuh") {
             continue;
         }
-        match manifest.kernels.iter().find(|e| e.source == path) {
-            None => problems.push(format!(
+        // A Triton source has one entry per specialization.
+        let entries: Vec<_> = manifest
+            .kernels
+            .iter()
+            .filter(|e| e.source == path)
+            .collect();
+        let current = source_sha256(src)?;
+        if entries.is_empty() {
+            problems.push(format!(
                 "{path}: not in the manifest (run `cargo xtask build-kernels`)"
-            )),
-            Some(e) if e.source_sha256 != source_sha256(src)? => problems.push(format!(
+            ));
+        } else if entries.iter().any(|e| e.source_sha256 != current) {
+            problems.push(format!(
                 "{path}: changed since its artifacts were built (run `cargo xtask build-kernels`)"
-            )),
-            Some(e) => {
+            ));
+        } else {
+            for e in entries {
                 for a in &e.artifacts {
                     let file = artifacts_dir().join(&a.path);
                     if !file.exists() {

@@ -5,7 +5,7 @@
 //! - `check-kernels`: fails when a kernel source under `kernels/` changed and the
 //!   committed artifact manifest (`crates/kpt-kernels/artifacts/manifest.json`) does
 //!   not record its current hash, or an artifact does not match its recorded hash.
-//! - `build-kernels`: installs the pinned CUDA toolchain (`kernels/requirements-cuda.txt`)
+//! - `build-kernels`: installs the pinned CUDA toolchain (`kernels/requirements.txt`)
 //!   into `target/kernels-venv`, compiles `kernels/cuda/*.cu` to cubin (sm_80, sm_90a)
 //!   and PTX (compute_80) and rewrites the manifest.
 //! - `bench-cpu`: installs PyTorch (pinned in `benches/requirements-cpu.txt`) into a

@@ -7,7 +7,7 @@ use kpt_core::graph::OpKind;
 use kpt_core::hardware::DeviceKind;
 use kpt_core::DType;
 
-use crate::registry::{KernelDef, KernelRegistry};
+use crate::registry::{KernelDef, KernelRegistry, ShapeLimits};
 
 /// Name of the f64 reference kernel, the last fallback of every op on the CPU.
 pub const CPU_REFERENCE: &str = "cpu.reference";
@@ -230,8 +230,37 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             CUDA_FLOATS,
             "element-wise float conversion",
         ),
+        k(
+            "triton.rms_norm",
+            RmsNorm,
+            CUDA_FLOATS,
+            "Triton, one program per row, row in registers (block = next power of two)",
+        )
+        .with_priority(TRITON_NORM_PRIORITY)
+        .limits(TRITON_ROWS),
+        k(
+            "triton.add_rms_norm",
+            AddRmsNorm,
+            CUDA_FLOATS,
+            "Triton, residual add and RMS norm in one pass, row in registers",
+        )
+        .with_priority(TRITON_NORM_PRIORITY)
+        .limits(TRITON_ROWS),
     ]
 }
+
+/// Above the CUDA norms (100): faster on the H100 (docs/reports/nvidia-h100-latest.md).
+const TRITON_NORM_PRIORITY: i32 = 110;
+
+/// Rows the Triton norm specializations take: compiled for row blocks up to 8192, with
+/// the row length hinted divisible by 16 (aligned 16-byte loads of every row).
+const TRITON_ROWS: ShapeLimits = ShapeLimits {
+    max_head_dim: None,
+    head_dim_multiple: None,
+    max_k: None,
+    max_row: Some(8192),
+    row_multiple: Some(16),
+};
 
 /// The f64 reference declared for every op: correct for every float dtype, slow.
 pub fn reference_kernels() -> Vec<KernelDef> {

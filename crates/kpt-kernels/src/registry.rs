@@ -18,6 +18,10 @@ pub struct ShapeLimits {
     pub head_dim_multiple: Option<usize>,
     /// Largest reduction (K) dimension of a GEMM.
     pub max_k: Option<usize>,
+    /// Largest last dimension of a row-wise op (norms, softmax).
+    pub max_row: Option<usize>,
+    /// The last dimension of a row-wise op must be a multiple of this.
+    pub row_multiple: Option<usize>,
 }
 
 /// What a kernel is and what it needs.
@@ -99,6 +103,12 @@ impl KernelDef {
         self
     }
 
+    /// Sets the priority (higher is tried first among unmeasured kernels).
+    pub fn with_priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
+    }
+
     /// Sets shape limits.
     pub fn limits(mut self, limits: ShapeLimits) -> Self {
         self.limits = limits;
@@ -171,6 +181,18 @@ impl KernelDef {
                 .filter(|&m| p.head_dim % m != 0)
             {
                 return Some(format!("head_dim {} not a multiple of {m}", p.head_dim));
+            }
+        }
+        if matches!(
+            op,
+            Op::RmsNorm { .. } | Op::AddRmsNorm { .. } | Op::LayerNorm { .. } | Op::Softmax
+        ) {
+            let row = first.shape.last().copied().unwrap_or(1);
+            if let Some(max) = self.limits.max_row.filter(|&m| row > m) {
+                return Some(format!("row length {row} > {max}"));
+            }
+            if let Some(m) = self.limits.row_multiple.filter(|&m| row % m != 0) {
+                return Some(format!("row length {row} not a multiple of {m}"));
             }
         }
         if let (Some(max), Op::Linear { .. } | Op::LinearAct { .. } | Op::MatMul) =

@@ -630,3 +630,39 @@ fn the_reference_covers_low_precision_activations() {
         );
     }
 }
+
+#[test]
+fn triton_norms_take_rows_they_were_compiled_for_and_cuda_the_rest() {
+    let registry = KernelRegistry::with_builtin();
+    let gpu = fake_device(DeviceKind::Cuda, "sm_90a");
+    let op = Op::RmsNorm { eps: 1e-5 };
+    let chosen = |dim: usize| {
+        let inputs = [
+            TensorSpec::new(&[8, dim], DType::BF16),
+            TensorSpec::new(&[dim], DType::BF16),
+        ];
+        registry
+            .select(&op, &inputs, &gpu)
+            .unwrap_or_else(|e| panic!("dim {dim}: {e}"))
+            .kernel
+    };
+    assert_eq!(chosen(4096), "triton.rms_norm");
+    assert_eq!(chosen(16), "triton.rms_norm");
+    assert_eq!(chosen(4100), "cuda.rms_norm", "not a multiple of 16");
+    assert_eq!(
+        chosen(8192 + 16),
+        "cuda.rms_norm",
+        "beyond the largest block"
+    );
+    let inputs = [
+        TensorSpec::new(&[8, 4100], DType::BF16),
+        TensorSpec::new(&[4100], DType::BF16),
+    ];
+    let why = registry
+        .explain(&op, &inputs, &gpu)
+        .into_iter()
+        .find(|c| c.kernel == "triton.rms_norm")
+        .map(|c| c.reason)
+        .unwrap_or_default();
+    assert!(why.contains("not a multiple of 16"), "{why}");
+}

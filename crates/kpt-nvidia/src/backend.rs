@@ -14,7 +14,7 @@ use kpt_kernels::CpuBackend;
 
 use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
 use crate::gpu::Gpu;
-use crate::kernels::Binary;
+use crate::kernels::{Binary, QuantScale};
 use crate::memory::DeviceBlock;
 use crate::NvidiaError;
 
@@ -161,7 +161,7 @@ impl CudaBackend {
             ptr(&x)?,
             out_ptr(&out)?,
             n,
-            slot.ptr(),
+            QuantScale::OnDevice(slot.ptr()),
         )?;
         let scale = f32::from_le_bytes(
             self.gpu.read(&slot, 4)?[..4]
@@ -170,11 +170,6 @@ impl CudaBackend {
         );
         out.buffer.scale = scale;
         Ok(scale)
-    }
-
-    /// A device f32 holding `v`.
-    fn scalar(&self, v: f32) -> Result<DeviceBlock> {
-        Ok(self.gpu.upload(&v.to_le_bytes())?)
     }
 
     fn gemm(&self, op: &Op, inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>) -> Result<()> {
@@ -370,14 +365,13 @@ impl CudaBackend {
                         "quantize scale must be positive and finite, got {scale}"
                     )));
                 }
-                let s = self.scalar(*scale)?;
                 g.quantize(
                     dt,
                     *dtype,
                     ptr(&inputs[0])?,
                     out_ptr(out0)?,
                     x.numel(),
-                    s.ptr(),
+                    QuantScale::Value(*scale),
                 )?;
                 out0.buffer.scale = *scale;
             }
@@ -400,6 +394,41 @@ impl CudaBackend {
                     "no CUDA kernel for {op} yet; the registry falls back to the CPU reference"
                 )))
             }
+        }
+        Ok(())
+    }
+
+    /// Runs a `triton.*` kernel.
+    fn run_triton(
+        &self,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        let x = inputs[0].spec;
+        let (rows, dim) = rows_dim(&x.shape);
+        match (op, outputs) {
+            (Op::RmsNorm { eps }, [out]) => self.gpu.triton_rms_norm(
+                x.dtype,
+                ptr(&inputs[0])?,
+                ptr(&inputs[1])?,
+                out_ptr(out)?,
+                rows,
+                dim,
+                *eps,
+            )?,
+            (Op::AddRmsNorm { eps }, [sum, out]) => self.gpu.triton_add_rms_norm(
+                x.dtype,
+                ptr(&inputs[0])?,
+                ptr(&inputs[1])?,
+                ptr(&inputs[2])?,
+                out_ptr(sum)?,
+                out_ptr(out)?,
+                rows,
+                dim,
+                *eps,
+            )?,
+            (op, _) => return Err(err(format!("no Triton kernel for {op}"))),
         }
         Ok(())
     }
@@ -514,6 +543,8 @@ impl Backend for CudaBackend {
         }
         if kernel.starts_with("cuda.") {
             self.run_device(op, inputs, outputs)
+        } else if kernel.starts_with("triton.") {
+            self.run_triton(op, inputs, outputs)
         } else if kernel.starts_with("cpu.") {
             self.run_on_host(kernel, op, inputs, outputs)
         } else {

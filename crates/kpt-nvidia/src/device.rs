@@ -1,17 +1,43 @@
 //! CUDA device discovery: what `kpt detect` shows and what kernel selection needs.
 
 use std::collections::BTreeMap;
+use std::fmt;
 
 use cudarc::driver::result;
 use cudarc::driver::sys::CUdevice_attribute as Attr;
 use kpt_core::hardware::{DeviceInfo, DeviceKind, HardwareDetector};
 
+use crate::nvml::{self, GpuTelemetry};
 use crate::NvidiaError;
 
 /// Whether the CUDA driver library can be loaded on this machine.
 pub fn driver_present() -> bool {
     // SAFETY: only tries to open the library by its usual names; no symbol is called.
     unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Where a GPU sits on the PCI bus (function 0 of `domain:bus:device`): the key that
+/// matches a CUDA ordinal to the same GPU in NVML, `nvidia-smi` and sysfs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PciAddress {
+    /// PCI domain (segment), 0 to 0xffff.
+    pub domain: u32,
+    /// Bus number, 0 to 0xff.
+    pub bus: u32,
+    /// Device number on the bus, 0 to 31.
+    pub device: u32,
+}
+
+impl fmt::Display for PciAddress {
+    /// `domain:bus:device.0` in hexadecimal, e.g. `0000:65:00.0` (the sysfs form,
+    /// which NVML also accepts).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:04x}:{:02x}:{:02x}.0",
+            self.domain, self.bus, self.device
+        )
+    }
 }
 
 /// The properties of one CUDA device.
@@ -31,6 +57,12 @@ pub struct GpuProperties {
     pub l2_bytes: u64,
     /// Driver version as CUDA encodes it (e.g. 13000 for 13.0).
     pub driver_version: i32,
+    /// Position on the PCI bus.
+    pub pci: PciAddress,
+    /// Clocks, temperature and power from NVML; `None` where NVML is absent or knows
+    /// nothing of the device, and always from [`devices`] (see
+    /// [`devices_with_telemetry`]).
+    pub telemetry: Option<GpuTelemetry>,
 }
 
 impl GpuProperties {
@@ -50,7 +82,9 @@ impl GpuProperties {
         self.compute_capability >= (8, 9)
     }
 
-    /// The device as `kpt detect` and the kernel registry see it.
+    /// The device as `kpt detect` and the kernel registry see it. Properties:
+    /// `compute_capability`, `l2` (bytes), `driver`, `pci_bus_id`, and the
+    /// [`GpuTelemetry::properties`] that were read.
     pub fn device_info(&self) -> DeviceInfo {
         let mut features = vec!["fp32".to_string(), "fp16".to_string()];
         if self.has_bf16() {
@@ -71,6 +105,10 @@ impl GpuProperties {
                 self.driver_version % 1000 / 10
             ),
         );
+        properties.insert("pci_bus_id".into(), self.pci.to_string());
+        for (key, value) in self.telemetry.iter().flat_map(GpuTelemetry::properties) {
+            properties.insert(key.into(), value);
+        }
         DeviceInfo {
             kind: DeviceKind::Cuda,
             index: self.index,
@@ -84,13 +122,22 @@ impl GpuProperties {
     }
 }
 
-/// Every CUDA device: empty when the driver sees none, [`NvidiaError::NoDriver`]
-/// when there is no driver.
+/// Every CUDA device, without telemetry: empty when the driver sees none,
+/// [`NvidiaError::NoDriver`] when there is no driver.
 pub fn devices() -> Result<Vec<GpuProperties>, NvidiaError> {
     if !driver_present() {
         return Err(NvidiaError::NoDriver);
     }
-    result::init().map_err(|e| NvidiaError::driver("cuInit", e))?;
+    match result::init() {
+        Ok(()) => {}
+        // The driver is there but sees no device (none installed, or all hidden by
+        // `CUDA_VISIBLE_DEVICES`): an empty list, as for `cuDeviceGetCount` = 0.
+        Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => {
+            tracing::debug!("the CUDA driver sees no device");
+            return Ok(Vec::new());
+        }
+        Err(e) => return Err(NvidiaError::driver("cuInit", e)),
+    }
     let mut version = 0;
     // SAFETY: the driver is loaded and initialized; the pointer is to a local.
     unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
@@ -123,13 +170,32 @@ pub fn devices() -> Result<Vec<GpuProperties>, NvidiaError> {
                 as u64,
             l2_bytes: u64::from(attr(Attr::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?),
             driver_version: version,
+            pci: PciAddress {
+                domain: attr(Attr::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+                bus: attr(Attr::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+                device: attr(Attr::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
+            },
+            telemetry: None,
         });
     }
     tracing::debug!(count = out.len(), "CUDA devices found");
     Ok(out)
 }
 
-/// Finds CUDA devices for `kpt detect`; none (not an error) without a driver.
+/// [`devices`] with [`GpuProperties::telemetry`] read from NVML, matched to each CUDA
+/// ordinal by PCI address. A missing NVML leaves the telemetry `None`; it is never an
+/// error. Loading NVML takes tens of milliseconds, so only `kpt detect` asks for it.
+pub fn devices_with_telemetry() -> Result<Vec<GpuProperties>, NvidiaError> {
+    let mut found = devices()?;
+    let addresses: Vec<PciAddress> = found.iter().map(|d| d.pci).collect();
+    for (device, telemetry) in found.iter_mut().zip(nvml::telemetry(&addresses)) {
+        device.telemetry = telemetry;
+    }
+    Ok(found)
+}
+
+/// Finds CUDA devices for `kpt detect`, with NVML telemetry where NVML is present;
+/// none (not an error) without a driver.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CudaDetector;
 
@@ -139,7 +205,7 @@ impl HardwareDetector for CudaDetector {
     }
 
     fn detect(&self) -> kpt_core::Result<Vec<DeviceInfo>> {
-        match devices() {
+        match devices_with_telemetry() {
             Ok(d) => Ok(d.iter().map(GpuProperties::device_info).collect()),
             Err(NvidiaError::NoDriver) => Ok(Vec::new()),
             Err(e) => Err(e.into()),
@@ -160,6 +226,12 @@ mod tests {
             memory_bytes: 85_031_714_816,
             l2_bytes: 52_428_800,
             driver_version: 13000,
+            pci: PciAddress {
+                domain: 0,
+                bus: 0x65,
+                device: 0,
+            },
+            telemetry: None,
         }
     }
 
@@ -182,5 +254,66 @@ mod tests {
             ..h100()
         };
         assert!(!t4.device_info().has_feature("bf16"));
+    }
+
+    #[test]
+    fn pci_address_prints_in_sysfs_form() {
+        assert_eq!(h100().pci.to_string(), "0000:65:00.0");
+        let far = PciAddress {
+            domain: 0x1a2b,
+            bus: 0xff,
+            device: 0x1f,
+        };
+        assert_eq!(far.to_string(), "1a2b:ff:1f.0");
+        assert_eq!(
+            h100().device_info().properties["pci_bus_id"],
+            "0000:65:00.0"
+        );
+    }
+
+    #[test]
+    fn telemetry_shows_in_device_info_only_when_read() {
+        let plain = h100().device_info();
+        assert!(!plain.properties.contains_key("temperature_c"));
+        assert!(!plain.properties.contains_key("sm_clock_mhz"));
+        let read = GpuProperties {
+            telemetry: Some(GpuTelemetry {
+                sm_clock_mhz: Some(1980),
+                sm_clock_max_mhz: Some(1980),
+                temperature_c: Some(61),
+                power_draw_mw: Some(512_300),
+                power_limit_mw: Some(700_000),
+                ..GpuTelemetry::default()
+            }),
+            ..h100()
+        };
+        let p = read.device_info().properties;
+        assert_eq!(p["sm_clock_mhz"], "1980");
+        assert_eq!(p["sm_clock_max_mhz"], "1980");
+        assert_eq!(p["temperature_c"], "61");
+        assert_eq!(p["power_draw_w"], "512.3");
+        assert_eq!(p["power_limit_w"], "700.0");
+        // A reading NVML did not give is left out, not shown as zero.
+        assert!(!p.contains_key("memory_clock_mhz"));
+    }
+
+    /// Without a driver there is no device and no error; with one, every device has a
+    /// PCI address and NVML (when present) matched by it.
+    #[test]
+    fn detector_never_fails_for_lack_of_a_driver() {
+        let found = CudaDetector.detect();
+        if driver_present() {
+            if let Ok(found) = found {
+                for d in found {
+                    assert!(d.properties.contains_key("pci_bus_id"), "{d:?}");
+                }
+            }
+        } else {
+            assert_eq!(found.ok(), Some(Vec::new()));
+            assert!(matches!(
+                devices_with_telemetry(),
+                Err(NvidiaError::NoDriver)
+            ));
+        }
     }
 }

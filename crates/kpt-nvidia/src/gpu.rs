@@ -54,6 +54,9 @@ impl RawMemory for DriverMemory {
     }
 }
 
+/// The loaded functions of one kernel, with their launch metadata, by entry point.
+type EntryPoints = HashMap<String, (CudaFunction, EntryPoint)>;
+
 /// A CUDA device ready for work.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -61,7 +64,9 @@ pub struct Gpu {
     props: GpuProperties,
     memory: CachingAllocator,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<String, (CudaFunction, EntryPoint)>>,
+    /// Loaded functions by kernel, then entry point (Triton specializations of one
+    /// kernel source share their entry point's name).
+    functions: Mutex<HashMap<&'static str, EntryPoints>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -229,11 +234,11 @@ impl Gpu {
     /// this device (exact cubin first, then PTX for the driver to JIT) on first use.
     pub fn function(
         &self,
-        kernel: &'static str,
+        kernel: &str,
         entry: &str,
     ) -> Result<(CudaFunction, EntryPoint), NvidiaError> {
         let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(f) = functions.get(entry) {
+        if let Some(f) = functions.get(kernel).and_then(|k| k.get(entry)) {
             return Ok(f.clone());
         }
         let (major, minor) = self.props.compute_capability;
@@ -251,7 +256,7 @@ impl Gpu {
             })?;
         let module = {
             let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
-            match modules.get(kernel) {
+            match modules.get(artifact.kernel) {
                 Some(m) => Arc::clone(m),
                 None => {
                     let image = match artifact.format {
@@ -270,7 +275,7 @@ impl Gpu {
                         format = ?artifact.format,
                         "loaded CUDA module"
                     );
-                    modules.insert(kernel, Arc::clone(&m));
+                    modules.insert(artifact.kernel, Arc::clone(&m));
                     m
                 }
             }
@@ -278,7 +283,10 @@ impl Gpu {
         let f = module
             .load_function(entry)
             .map_err(|e| NvidiaError::driver("cuModuleGetFunction", e))?;
-        functions.insert(entry.to_string(), (f.clone(), meta));
+        functions
+            .entry(artifact.kernel)
+            .or_default()
+            .insert(entry.to_string(), (f.clone(), meta));
         Ok((f, meta))
     }
 }

@@ -45,6 +45,22 @@ macro_rules! launch {
         $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3).arg(&$args.4).arg(&$args.5)
             .arg(&$args.6);
     };
+    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr, $a4:expr, $a5:expr, $a6:expr, $a7:expr, $a8:expr) => {
+        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3).arg(&$args.4).arg(&$args.5)
+            .arg(&$args.6).arg(&$args.7).arg(&$args.8);
+    };
+}
+
+/// Row blocks of the Triton norm specializations (`kernels/triton/rms_norm.py`).
+const TRITON_ROW_BLOCKS: [usize; 4] = [1024, 2048, 4096, 8192];
+
+/// Where a quantization kernel finds its per-tensor scale.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum QuantScale {
+    /// An f32 in device memory (computed there, e.g. from the amax).
+    OnDevice(u64),
+    /// A value known on the host, passed as a kernel argument.
+    Value(f32),
 }
 
 /// The entry-point suffix of a float dtype the kernels take.
@@ -120,6 +136,72 @@ impl Gpu {
         let vectors = n.div_ceil((16 / dtype_bytes).max(1));
         let most = self.properties().sm_count.max(1) as usize * 16;
         vectors.div_ceil(256).clamp(1, most) as u32
+    }
+
+    /// The Triton norm specialization of `name` for `dtype` and rows of `dim`, after
+    /// checking the assumptions it was compiled with (see `kernels/triton/rms_norm.py`).
+    fn triton_norm(
+        &self,
+        name: &str,
+        dtype: DType,
+        dim: usize,
+        pointers: &[u64],
+    ) -> Result<String, NvidiaError> {
+        let block = TRITON_ROW_BLOCKS
+            .into_iter()
+            .find(|&b| b >= dim)
+            .ok_or_else(|| {
+                NvidiaError::Invalid(format!(
+                    "Triton {name}: rows of {dim} exceed {}",
+                    TRITON_ROW_BLOCKS[TRITON_ROW_BLOCKS.len() - 1]
+                ))
+            })?;
+        if !dim.is_multiple_of(16) || pointers.iter().any(|p| !p.is_multiple_of(16)) {
+            return Err(NvidiaError::Invalid(format!(
+                "Triton {name} needs rows of a multiple of 16 elements and 16-byte aligned \
+                 buffers (row of {dim})"
+            )));
+        }
+        Ok(format!("triton_{name}_{}_{block}", float_name(dtype)?))
+    }
+
+    /// RMSNorm of `rows` rows of `dim` with the Triton kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn triton_rms_norm(
+        &self,
+        dtype: DType,
+        x: u64,
+        w: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<(), NvidiaError> {
+        let kernel = self.triton_norm("rms_norm", dtype, dim, &[x, w, out])?;
+        // Triton kernels take two trailing scratch pointers (unused here: null).
+        launch!(self, &kernel, "kpt_rms_norm", grid("rows", rows)?;
+            x, w, out, int("dim", dim)?, eps, 0u64, 0u64);
+        Ok(())
+    }
+
+    /// `sum = x + residual; out = rms_norm(sum)` with the Triton kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn triton_add_rms_norm(
+        &self,
+        dtype: DType,
+        x: u64,
+        residual: u64,
+        w: u64,
+        sum: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<(), NvidiaError> {
+        let kernel = self.triton_norm("add_rms_norm", dtype, dim, &[x, residual, w, sum, out])?;
+        launch!(self, &kernel, "kpt_add_rms_norm", grid("rows", rows)?;
+            x, residual, w, sum, out, int("dim", dim)?, eps, 0u64, 0u64);
+        Ok(())
     }
 
     /// RMSNorm of `rows` rows of `dim`.
@@ -337,7 +419,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// `out = quantize(x / *scale)` over `n` elements; `scale` is a device f32.
+    /// `out = quantize(x / scale)` over `n` elements.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn quantize(
         &self,
         from: DType,
@@ -345,11 +428,15 @@ impl Gpu {
         x: u64,
         out: u64,
         n: usize,
-        scale: u64,
+        scale: QuantScale,
     ) -> Result<(), NvidiaError> {
         let entry = format!("kpt_quantize_{}_{}", float_name(from)?, quant_name(to)?);
         let g = self.stride_grid(n, from.size_in_bytes());
-        launch!(self, "quantize", entry, g; x, out, long(n), scale);
+        let (scale_ptr, scale) = match scale {
+            QuantScale::OnDevice(p) => (p, 0.0f32),
+            QuantScale::Value(v) => (0u64, v),
+        };
+        launch!(self, "quantize", entry, g; x, out, long(n), scale_ptr, scale);
         Ok(())
     }
 

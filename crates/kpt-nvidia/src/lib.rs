@@ -4,7 +4,9 @@
 //! without the driver every entry point returns [`NvidiaError::NoDriver`] instead of
 //! failing to start.
 //!
-//! - [`devices`], [`CudaDetector`]: discovery for `kpt detect`.
+//! - [`devices`], [`CudaDetector`]: discovery for `kpt detect`; [`GpuTelemetry`]:
+//!   clocks, temperature and power from NVML (`libnvidia-ml`, also loaded at run time
+//!   and optional), matched to CUDA ordinals by [`PciAddress`].
 //! - [`Gpu`]: a device in use: context, stream, [`CachingAllocator`], kernel modules
 //!   loaded from `kpt_kernels::artifacts` (cubin for the device, else PTX).
 //! - [`Blas`]: cuBLASLt GEMMs with fused bias/activation epilogues and FP8.
@@ -17,10 +19,14 @@ mod error;
 mod gpu;
 mod kernels;
 mod memory;
+mod nvml;
 
 pub use backend::{CudaBackend, CudaOptions};
 pub use blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
-pub use device::{devices, driver_present, CudaDetector, GpuProperties};
+pub use device::{
+    devices, devices_with_telemetry, driver_present, CudaDetector, GpuProperties, PciAddress,
+};
 pub use error::NvidiaError;
 pub use gpu::Gpu;
 pub use memory::{estimate_bytes, size_class, CachingAllocator, DeviceBlock, MemoryStatistics};
+pub use nvml::{telemetry, GpuTelemetry};

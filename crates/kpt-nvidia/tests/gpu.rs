@@ -11,7 +11,6 @@ use std::sync::OnceLock;
 
 use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
 use kpt_core::graph::{Activation, Op, TensorSpec};
-use kpt_core::optimize::KernelSelector;
 use kpt_core::rand::SplitMix64;
 use kpt_core::tensor::Tensor;
 use kpt_core::validate::{compare, reduction_len, tolerance, ReferenceOps};
@@ -99,31 +98,32 @@ fn run_kernel(
         .collect()
 }
 
-/// Runs `op` with the kernel the registry picks for the GPU (which must be a CUDA
-/// kernel) and checks every output against the f64 reference.
+/// Runs `op` with every device kernel (`cuda.*`, `triton.*`) the registry accepts for
+/// the GPU, checking each output against the f64 reference; the registry's first
+/// choice must be one of them.
 fn check(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
     let Some(b) = backend() else { return Ok(()) };
     let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
-    let kernel = registry()
-        .select(op, &specs, b.device())
-        .map_err(|e| TestCaseError::fail(e.to_string()))?
-        .kernel;
+    let on_device = |k: &str| k.starts_with("cuda.") || k.starts_with("triton.");
+    let chain = registry().fallback_chain(op, &specs, b.device());
     prop_assert!(
-        kernel.starts_with("cuda."),
-        "{op} on {specs:?} chose {kernel}"
+        chain.first().is_some_and(|k| on_device(k)),
+        "{op} on {specs:?} chose {chain:?}"
     );
-    let got = run_kernel(b, &kernel, op, inputs)
-        .map_err(|e| TestCaseError::fail(format!("{kernel}: {e}")))?;
     let want = CpuReference.eval(op, inputs).unwrap();
     let k = reduction_len(op, &specs);
-    for (g, w) in got.iter().zip(&want) {
-        let tol = tolerance(op, g.dtype(), k);
-        let stats = compare(g, w, tol).unwrap();
-        prop_assert!(
-            stats.within,
-            "{kernel} {op} {specs:?} -> {}: {stats:?} vs {tol:?}",
-            g.dtype()
-        );
+    for kernel in chain.iter().filter(|k| on_device(k)) {
+        let got = run_kernel(b, kernel, op, inputs)
+            .map_err(|e| TestCaseError::fail(format!("{kernel}: {e}")))?;
+        for (g, w) in got.iter().zip(&want) {
+            let tol = tolerance(op, g.dtype(), k);
+            let stats = compare(g, w, tol).unwrap();
+            prop_assert!(
+                stats.within,
+                "{kernel} {op} {specs:?} -> {}: {stats:?} vs {tol:?}",
+                g.dtype()
+            );
+        }
     }
     Ok(())
 }
@@ -136,9 +136,12 @@ fn act() -> impl Strategy<Value = Activation> {
     prop::sample::select(Activation::ALL.to_vec())
 }
 
-/// Row lengths: tiny, odd, at and past the register path's limit (8192 bf16, 4096 f32).
+/// Row lengths: tiny, odd, at and past the CUDA register path's limit (8192 bf16, 4096
+/// f32), and multiples of 16 at and between the Triton row blocks (1024..8192).
 fn dim() -> impl Strategy<Value = usize> {
-    prop::sample::select(vec![1, 3, 7, 8, 64, 100, 255, 1024, 4096, 4100, 8192, 9000])
+    prop::sample::select(vec![
+        1, 3, 7, 8, 16, 64, 100, 255, 1024, 1040, 2048, 3008, 4096, 4100, 8192, 9000,
+    ])
 }
 
 proptest! {

@@ -52,37 +52,61 @@ pub fn detectors() -> Vec<Box<dyn HardwareDetector>> {
     ]
 }
 
-/// A CUDA backend for every device the config allows; none without a driver. A device
-/// that fails to open is logged and skipped (the CPU still runs).
+/// A CUDA backend for every device the config allows, or why there is none (no driver,
+/// disabled, no device, below `nvidia.min_compute_capability`, failed to open). A device
+/// that fails to open while others open is logged and skipped.
 #[cfg(feature = "cuda")]
-fn cuda_backends(config: &KptConfig) -> Vec<Arc<dyn Backend>> {
+fn cuda_backends(config: &KptConfig) -> std::result::Result<Vec<Arc<dyn Backend>>, String> {
     let nv = &config.nvidia;
-    if !nv.enabled || !kpt_nvidia::driver_present() {
-        return Vec::new();
+    if !nv.enabled {
+        return Err(
+            "the CUDA backend is disabled in the configuration (nvidia.enabled = false)".into(),
+        );
     }
-    let found = match kpt_nvidia::devices() {
-        Ok(found) => found,
-        Err(e) => {
-            tracing::warn!(error = %e, "CUDA devices could not be listed");
-            return Vec::new();
-        }
-    };
+    if !kpt_nvidia::driver_present() {
+        return Err(
+            "no NVIDIA driver: libcuda could not be loaded (install the NVIDIA driver, or run on a machine with an NVIDIA GPU)"
+                .into(),
+        );
+    }
+    let found = kpt_nvidia::devices().map_err(|e| {
+        tracing::warn!(error = %e, "CUDA devices could not be listed");
+        format!("CUDA devices could not be listed: {e}")
+    })?;
+    if found.is_empty() {
+        return Err(
+            "the NVIDIA driver is loaded but sees no CUDA device (check `nvidia-smi` and CUDA_VISIBLE_DEVICES)"
+                .into(),
+        );
+    }
     let min = nv.compute_capability().unwrap_or((0, 0));
     let options = kpt_nvidia::CudaOptions {
         allow_tf32: nv.allow_tf32,
         ..Default::default()
     };
-    found
-        .iter()
-        .filter(|d| d.compute_capability >= min)
-        .filter_map(|d| match kpt_nvidia::CudaBackend::new(d.index, options) {
-            Ok(b) => Some(Arc::new(b) as Arc<dyn Backend>),
+    let mut opened = Vec::new();
+    let mut skipped = Vec::new();
+    for d in &found {
+        if d.compute_capability < min {
+            let (major, minor) = d.compute_capability;
+            skipped.push(format!(
+                "cuda:{} ({}) has compute capability {major}.{minor}, below nvidia.min_compute_capability = {}",
+                d.index, d.name, nv.min_compute_capability
+            ));
+            continue;
+        }
+        match kpt_nvidia::CudaBackend::new(d.index, options) {
+            Ok(b) => opened.push(Arc::new(b) as Arc<dyn Backend>),
             Err(e) => {
                 tracing::warn!(device = d.index, error = %e, "CUDA device skipped");
-                None
+                skipped.push(format!("cuda:{} ({}) failed to open: {e}", d.index, d.name));
             }
-        })
-        .collect()
+        }
+    }
+    if opened.is_empty() {
+        return Err(format!("no CUDA device is usable: {}", skipped.join("; ")));
+    }
+    Ok(opened)
 }
 
 /// Backends, kernels and configuration of one process.
@@ -91,6 +115,8 @@ pub struct Runtime {
     config: KptConfig,
     backends: BackendRegistry,
     kernels: KernelRegistry,
+    /// Why no backend of a kind was registered, for the error of [`Runtime::backend`].
+    missing: Vec<(DeviceKind, String)>,
 }
 
 impl Runtime {
@@ -109,10 +135,31 @@ impl Runtime {
             block_kv: config.kernel.attention_block_kv,
         };
         backends.register(Arc::new(CpuBackend::with_tuning(tuning)?));
+        let mut missing = vec![
+            (
+                DeviceKind::Rocm,
+                "kpt has no ROCm backend yet (kpt-amd is planned)".to_string(),
+            ),
+            (
+                DeviceKind::Tpu,
+                "kpt has no TPU backend yet (kpt-tpu is planned)".to_string(),
+            ),
+        ];
         #[cfg(feature = "cuda")]
-        for backend in cuda_backends(&config) {
-            backends.register(backend);
+        match cuda_backends(&config) {
+            Ok(found) => {
+                for backend in found {
+                    backends.register(backend);
+                }
+            }
+            Err(why) => missing.push((DeviceKind::Cuda, why)),
         }
+        #[cfg(not(feature = "cuda"))]
+        missing.push((
+            DeviceKind::Cuda,
+            "this kpt binary was built without the `cuda` cargo feature (rebuild with `cargo build --release -p kpt --features cuda`)"
+                .to_string(),
+        ));
         let mut kernels = KernelRegistry::with_builtin();
         kernels.set_disabled(&config.kernel.disable);
         kernels.set_preferred(&config.kernel.prefer);
@@ -120,6 +167,7 @@ impl Runtime {
             config,
             backends,
             kernels,
+            missing,
         })
     }
 
@@ -139,13 +187,50 @@ impl Runtime {
     }
 
     /// The backend the config asks for (`auto` = the best one present).
+    ///
+    /// A kind that is not present is a [`KptError::Backend`] that says why (no driver,
+    /// the binary built without its feature, disabled in the config, ...) and which
+    /// devices are present instead.
     pub fn backend(&self) -> Result<Arc<dyn Backend>> {
-        match self.config.hardware.backend {
-            BackendChoice::Auto => self.backends.best(),
-            BackendChoice::Cpu => self.backends.by_kind(DeviceKind::Cpu),
-            BackendChoice::Cuda => self.backends.by_kind(DeviceKind::Cuda),
-            BackendChoice::Rocm => self.backends.by_kind(DeviceKind::Rocm),
-            BackendChoice::Tpu => self.backends.by_kind(DeviceKind::Tpu),
+        let kind = match self.config.hardware.backend {
+            BackendChoice::Auto => return self.backends.best(),
+            BackendChoice::Cpu => DeviceKind::Cpu,
+            BackendChoice::Cuda => DeviceKind::Cuda,
+            BackendChoice::Rocm => DeviceKind::Rocm,
+            BackendChoice::Tpu => DeviceKind::Tpu,
+        };
+        self.backends
+            .by_kind(kind)
+            .map_err(|_| self.missing_backend(kind))
+    }
+
+    /// The error for a device kind that has no registered backend.
+    fn missing_backend(&self, kind: DeviceKind) -> KptError {
+        let why = self
+            .missing
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or("no backend of this kind was registered", |(_, why)| {
+                why.as_str()
+            });
+        let present: Vec<String> = self
+            .backends
+            .all()
+            .iter()
+            .map(|b| format!("{} ({})", b.name(), b.device().name))
+            .collect();
+        let present = if present.is_empty() {
+            "none".to_string()
+        } else {
+            present.join(", ")
+        };
+        KptError::Backend {
+            backend: kind.to_string(),
+            message: format!(
+                "no {kind} device available: {why}. Devices present: {present}. \
+                 Run `kpt detect` to see the hardware, and choose one of them (or auto) \
+                 with --device, KPT_BACKEND or hardware.backend"
+            ),
         }
     }
 
@@ -164,5 +249,73 @@ impl Runtime {
     /// An executor for `plan` on the configured backend.
     pub fn executor(&self, plan: Plan) -> Result<Executor> {
         Executor::new(plan, self.backend()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runtime(backend: BackendChoice) -> Runtime {
+        let mut config = KptConfig::default();
+        config.hardware.backend = backend;
+        Runtime::new(config).expect("the default configuration is valid")
+    }
+
+    /// The message of the error for a backend that is not present.
+    fn missing(rt: &Runtime, kind: &str) -> String {
+        match rt.backend() {
+            Err(KptError::Backend { backend, message }) => {
+                assert_eq!(backend, kind);
+                message
+            }
+            Err(e) => panic!("expected a backend error, got {e}"),
+            Ok(b) => panic!("expected no {kind} backend, got {}", b.name()),
+        }
+    }
+
+    #[test]
+    fn cpu_and_auto_always_resolve() {
+        assert_eq!(runtime(BackendChoice::Cpu).backend().unwrap().name(), "cpu");
+        assert!(runtime(BackendChoice::Auto).backend().is_ok());
+    }
+
+    #[test]
+    fn a_missing_backend_says_why_and_what_is_present() {
+        for (choice, why) in [
+            (BackendChoice::Rocm, "no ROCm backend yet"),
+            (BackendChoice::Tpu, "no TPU backend yet"),
+        ] {
+            let m = missing(&runtime(choice), choice.name());
+            assert!(m.contains(why), "{m}");
+            assert!(m.contains("Devices present: cpu ("), "{m}");
+            assert!(m.contains("--device") && m.contains("kpt detect"), "{m}");
+        }
+    }
+
+    #[test]
+    fn a_missing_cuda_device_names_the_cause() {
+        // (`backend = cuda` with CUDA disabled is a configuration error, so ask directly.)
+        let mut config = KptConfig::default();
+        config.nvidia.enabled = false;
+        let rt = Runtime::new(config).expect("valid configuration");
+        assert!(rt.backends().by_kind(DeviceKind::Cuda).is_err());
+        let m = rt.missing_backend(DeviceKind::Cuda).to_string();
+        if cfg!(feature = "cuda") {
+            assert!(m.contains("nvidia.enabled = false"), "{m}");
+        } else {
+            assert!(m.contains("without the `cuda` cargo feature"), "{m}");
+        }
+        assert!(m.contains("Devices present: cpu ("), "{m}");
+        // With CUDA enabled, a machine without a GPU says why there is none.
+        let rt = runtime(BackendChoice::Cuda);
+        if rt.backends().by_kind(DeviceKind::Cuda).is_err() {
+            let m = missing(&rt, "cuda");
+            assert!(
+                m.contains("driver") || m.contains("feature") || m.contains("CUDA device"),
+                "{m}"
+            );
+            assert!(m.contains("Devices present: cpu ("), "{m}");
+        }
     }
 }

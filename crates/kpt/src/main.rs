@@ -3,9 +3,11 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kpt::bench::{default_cases, run_case};
+use kpt::core::config::BackendChoice;
 use kpt::core::graph::{AttentionParams, Op, OpKind, TensorSpec};
 use kpt::core::validate::validate_plan;
 use kpt::core::{DType, KptConfig, OptLevel};
@@ -25,6 +27,16 @@ struct Cli {
     /// Configuration file (TOML or JSON); KPT_* environment variables override it.
     #[arg(long, global = true, env = "KPT_CONFIG")]
     config: Option<PathBuf>,
+    /// Device to run on; overrides hardware.backend of the configuration file and
+    /// KPT_BACKEND.
+    #[arg(
+        long,
+        global = true,
+        value_name = "DEVICE",
+        ignore_case = true,
+        value_parser = device_parser()
+    )]
+    device: Option<BackendChoice>,
     #[command(subcommand)]
     command: Command,
 }
@@ -91,7 +103,7 @@ enum ConfigAction {
         #[arg(long)]
         force: bool,
     },
-    /// Print the effective configuration (defaults, file, environment).
+    /// Print the effective configuration (defaults, file, environment, --device).
     Show {
         /// Print JSON instead of TOML.
         #[arg(long)]
@@ -122,8 +134,45 @@ fn main() -> ExitCode {
     }
 }
 
-fn load_config(path: Option<&Path>) -> anyhow::Result<KptConfig> {
-    Ok(KptConfig::load_layered(path)?)
+/// The values of `--device`: every [`BackendChoice`], with the aliases its `FromStr`
+/// accepts.
+fn device_parser() -> impl TypedValueParser<Value = BackendChoice> {
+    let values = BackendChoice::ALL.map(|choice| {
+        let (help, aliases): (&str, &[&str]) = match choice {
+            BackendChoice::Auto => ("the best device present: CUDA, then ROCm, TPU, CPU", &[]),
+            BackendChoice::Cpu => ("the host CPU", &[]),
+            BackendChoice::Cuda => (
+                "an NVIDIA GPU (needs the `cuda` feature and the NVIDIA driver)",
+                &["nvidia"],
+            ),
+            BackendChoice::Rocm => ("an AMD GPU (no backend yet)", &["hip", "amd"]),
+            BackendChoice::Tpu => ("a Google TPU (no backend yet)", &["xla"]),
+        };
+        PossibleValue::new(choice.name())
+            .help(help)
+            .aliases(aliases.iter().copied())
+    });
+    PossibleValuesParser::new(values).try_map(|name| name.parse::<BackendChoice>())
+}
+
+/// Defaults, then the file, then the `KPT_*` environment, then `--device`.
+fn load_config(path: Option<&Path>, device: Option<BackendChoice>) -> anyhow::Result<KptConfig> {
+    Ok(with_device(KptConfig::load_layered(path)?, device))
+}
+
+/// `cfg` with `hardware.backend` set from `--device`, when it was given.
+fn with_device(mut cfg: KptConfig, device: Option<BackendChoice>) -> KptConfig {
+    if let Some(device) = device {
+        cfg.hardware.backend = device;
+    }
+    cfg
+}
+
+/// A runtime whose configured backend is present, checked before any work starts.
+fn runtime(cfg: KptConfig) -> anyhow::Result<Runtime> {
+    let rt = Runtime::new(cfg)?;
+    rt.backend()?;
+    Ok(rt)
 }
 
 fn spinner(len: u64) -> ProgressBar {
@@ -137,17 +186,21 @@ fn spinner(len: u64) -> ProgressBar {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let config_path = cli.config.as_deref();
+    let device = cli.device;
     match cli.command {
         Command::Detect { json } => detect(json),
-        Command::Config { action } => config(action, config_path),
+        Command::Config { action } => config(action, config_path, device),
         Command::Kernels { op, explain } => {
-            kernels(load_config(config_path)?, op.as_deref(), explain)
+            kernels(load_config(config_path, device)?, op.as_deref(), explain)
         }
-        Command::Validate { level } => validate(load_config(config_path)?, level),
-        Command::Bench { quick, iters, json } => {
-            bench(load_config(config_path)?, quick, iters, json.as_deref())
-        }
-        Command::Demo { tokens, json } => demo(load_config(config_path)?, tokens, json),
+        Command::Validate { level } => validate(load_config(config_path, device)?, level),
+        Command::Bench { quick, iters, json } => bench(
+            load_config(config_path, device)?,
+            quick,
+            iters,
+            json.as_deref(),
+        ),
+        Command::Demo { tokens, json } => demo(load_config(config_path, device)?, tokens, json),
     }
 }
 
@@ -194,7 +247,11 @@ fn detect(json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn config(action: ConfigAction, config_path: Option<&Path>) -> anyhow::Result<()> {
+fn config(
+    action: ConfigAction,
+    config_path: Option<&Path>,
+    device: Option<BackendChoice>,
+) -> anyhow::Result<()> {
     match action {
         ConfigAction::Init { path, force } => {
             if path.exists() && !force {
@@ -204,7 +261,7 @@ fn config(action: ConfigAction, config_path: Option<&Path>) -> anyhow::Result<()
             println!("wrote {}", path.display());
         }
         ConfigAction::Show { json } => {
-            let cfg = load_config(config_path)?;
+            let cfg = load_config(config_path, device)?;
             if json {
                 println!("{}", cfg.to_json_string()?);
             } else {
@@ -212,7 +269,7 @@ fn config(action: ConfigAction, config_path: Option<&Path>) -> anyhow::Result<()
             }
         }
         ConfigAction::Validate { path } => {
-            let cfg = load_config(path.as_deref().or(config_path))?;
+            let cfg = load_config(path.as_deref().or(config_path), device)?;
             cfg.validate()?;
             println!("configuration is valid");
         }
@@ -359,7 +416,7 @@ fn kernels(cfg: KptConfig, op: Option<&str>, explain: bool) -> anyhow::Result<()
 fn validate(cfg: KptConfig, level: Option<OptLevel>) -> anyhow::Result<()> {
     let level = level.unwrap_or(cfg.precision.level);
     let scale = cfg.precision.tolerance_scale;
-    let rt = Runtime::new(cfg)?;
+    let rt = runtime(cfg)?;
     let model = kpt::demo_model::DemoConfig::default();
     let graph = build_graph(&model, Phase::Prefill, 16)?;
     let mut exec = rt.executor(rt.optimize(&graph, level)?)?;
@@ -411,7 +468,7 @@ fn validate(cfg: KptConfig, level: Option<OptLevel>) -> anyhow::Result<()> {
 }
 
 fn bench(cfg: KptConfig, quick: bool, iters: usize, json: Option<&Path>) -> anyhow::Result<()> {
-    let rt = Runtime::new(cfg)?;
+    let rt = runtime(cfg)?;
     let cases = default_cases(quick)?;
     let pb = spinner(cases.len() as u64);
     let mut results = Vec::new();
@@ -440,7 +497,7 @@ fn bench(cfg: KptConfig, quick: bool, iters: usize, json: Option<&Path>) -> anyh
 }
 
 fn demo(cfg: KptConfig, tokens: usize, json: bool) -> anyhow::Result<()> {
-    let rt = Runtime::new(cfg)?;
+    let rt = runtime(cfg)?;
     let opts = DemoOptions {
         new_tokens: tokens.max(1),
         ..DemoOptions::default()
@@ -508,4 +565,70 @@ fn demo(cfg: KptConfig, tokens: usize, json: bool) -> anyhow::Result<()> {
         anyhow::bail!("level {} failed validation", bad.level);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("kpt").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn device_is_global_and_takes_every_backend() {
+        for choice in BackendChoice::ALL {
+            for args in [
+                ["--device", choice.name(), "demo"],
+                ["demo", "--device", choice.name()],
+                ["validate", "--device", choice.name()],
+                ["bench", "--device", choice.name()],
+            ] {
+                let cli = parse(&args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+                assert_eq!(cli.device, Some(choice), "{args:?}");
+            }
+        }
+        let cli = parse(&["kernels", "--explain"]).expect("parses");
+        assert_eq!(cli.device, None);
+        let cli = parse(&["bench", "--quick", "--device=CUDA"]).expect("case is ignored");
+        assert_eq!(cli.device, Some(BackendChoice::Cuda));
+        let cli = parse(&["demo", "--device", "nvidia"]).expect("alias");
+        assert_eq!(cli.device, Some(BackendChoice::Cuda));
+    }
+
+    #[test]
+    fn an_unknown_device_is_a_usage_error_listing_the_choices() {
+        let e = match parse(&["demo", "--device", "gpu"]) {
+            Err(e) => e,
+            Ok(_) => panic!("`--device gpu` parsed"),
+        };
+        assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue);
+        let text = e.to_string();
+        for name in ["auto", "cpu", "cuda", "rocm", "tpu"] {
+            assert!(text.contains(name), "{name} missing: {text}");
+        }
+    }
+
+    #[test]
+    fn device_wins_over_environment_and_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("kpt.toml");
+        std::fs::write(&path, "[hardware]\nbackend = \"tpu\"\n").expect("write config");
+        let env = [("KPT_BACKEND", "rocm"), ("KPT_HARDWARE__BACKEND", "cuda")];
+        let layered = KptConfig::load_layered_from(Some(&path), env).expect("loads");
+        assert_eq!(layered.hardware.backend, BackendChoice::Cuda);
+        let cfg = with_device(layered.clone(), Some(BackendChoice::Cpu));
+        assert_eq!(cfg.hardware.backend, BackendChoice::Cpu);
+        // Without the flag the layered value stays.
+        assert_eq!(
+            with_device(layered, None).hardware.backend,
+            BackendChoice::Cuda
+        );
+    }
 }

@@ -77,7 +77,12 @@ fn detect_json_has_one_cpu() {
     let out = ok(&mut kpt(&["detect", "--json"]));
     let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     let devices = v.as_array().expect("a JSON array of devices");
-    assert_eq!(devices.len(), 1, "{out}");
+    // The CPU comes first; a GPU machine lists its accelerators after it.
+    assert_eq!(
+        devices.iter().filter(|d| d["kind"] == "cpu").count(),
+        1,
+        "{out}"
+    );
     assert_eq!(devices[0]["kind"], "cpu", "{out}");
     assert_eq!(devices[0]["index"], 0, "{out}");
     assert!(
@@ -107,12 +112,19 @@ fn kernels_lists_the_catalog() {
 
 #[test]
 fn kernels_explain_shows_the_selection() {
-    let out = ok(&mut kpt(&["kernels", "--op", "attention", "--explain"]));
+    let out = ok(&mut kpt(&[
+        "kernels",
+        "--op",
+        "attention",
+        "--explain",
+        "--device",
+        "cpu",
+    ]));
     assert!(out.contains("selected"), "{out}");
     assert!(out.contains("cpu.attention.flash"), "{out}");
     assert!(out.contains("fallback #1"), "{out}");
     // Explaining every op works too.
-    let out = ok(&mut kpt(&["kernels", "--explain"]));
+    let out = ok(&mut kpt(&["kernels", "--explain", "--device", "cpu"]));
     assert_eq!(
         out.matches("selected").count(),
         17,
@@ -272,6 +284,8 @@ fn bench_quick_writes_json() {
         "--quick",
         "--iters",
         "2",
+        "--device",
+        "cpu",
         "--json",
         path_str(&path),
     ]));
@@ -293,4 +307,107 @@ fn bench_quick_writes_json() {
         assert!(r["median_us"].as_f64().is_some_and(|t| t > 0.0), "{r}");
     }
     assert!(elapsed.as_secs() < 60, "bench --quick took {elapsed:?}");
+}
+
+/// Whether `kpt detect` sees a CUDA device on this machine.
+fn cuda_present() -> bool {
+    let out = ok(&mut kpt(&["detect", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    v.as_array()
+        .expect("a JSON array of devices")
+        .iter()
+        .any(|d| d["kind"] == "cuda")
+}
+
+#[test]
+fn device_cpu_runs_on_the_cpu_whatever_the_environment_says() {
+    let out = ok(
+        kpt(&["bench", "--quick", "--iters", "1", "--device", "cpu"])
+            .env("KPT_BACKEND", "cuda")
+            .env("KPT_HARDWARE__BACKEND", "tpu"),
+    );
+    assert!(out.contains("cpu.attention.flash"), "{out}");
+    let out = ok(kpt(&["--device", "cpu", "validate"]).env("KPT_BACKEND", "rocm"));
+    assert!(out.contains("within tolerance"), "{out}");
+}
+
+#[test]
+fn device_wins_over_the_file_and_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kpt.toml");
+    std::fs::write(&path, "[hardware]\nbackend = \"tpu\"\n").unwrap();
+    let show = |extra: &[&str]| {
+        let mut args = vec!["--config", path_str(&path), "config", "show", "--json"];
+        args.extend_from_slice(extra);
+        let out = ok(kpt(&args).env("KPT_BACKEND", "rocm"));
+        let v: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+        v["hardware"]["backend"].as_str().map(String::from)
+    };
+    assert_eq!(
+        show(&[]).as_deref(),
+        Some("rocm"),
+        "the environment wins over the file"
+    );
+    assert_eq!(show(&["--device", "cpu"]).as_deref(), Some("cpu"));
+    assert_eq!(show(&["--device", "CUDA"]).as_deref(), Some("cuda"));
+}
+
+/// `--device cuda` on a machine without a usable GPU: every command that runs work
+/// fails at once, with the typed backend error that says why and what is present.
+#[test]
+fn device_cuda_without_a_gpu_fails_with_a_clear_error() {
+    if cuda_present() {
+        eprintln!("SKIPPED: a CUDA device is present, so --device cuda is not an error here");
+        return;
+    }
+    for args in [
+        &["demo", "--device", "cuda"][..],
+        &["--device", "cuda", "validate"],
+        &["bench", "--quick", "--iters", "1", "--device", "cuda"],
+        &[
+            "kernels",
+            "--op",
+            "softmax",
+            "--explain",
+            "--device",
+            "cuda",
+        ],
+    ] {
+        let o = run(&mut kpt(args));
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}\n{err}", o.status);
+        assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
+        assert!(
+            err.contains("error: backend cuda: no cuda device available"),
+            "{args:?}:\n{err}"
+        );
+        assert!(
+            err.contains("driver") || err.contains("`cuda` cargo feature"),
+            "{args:?} does not name the cause:\n{err}"
+        );
+        assert!(err.contains("Devices present: cpu ("), "{args:?}:\n{err}");
+        assert!(err.contains("kpt detect"), "{args:?}:\n{err}");
+        assert!(stdout(&o).is_empty(), "{args:?} printed:\n{}", stdout(&o));
+    }
+}
+
+#[test]
+fn device_without_a_backend_yet_says_so() {
+    let err = fails(&mut kpt(&["bench", "--quick", "--device", "rocm"]));
+    assert!(err.contains("no ROCm backend yet"), "{err}");
+    assert!(err.contains("Devices present: cpu ("), "{err}");
+    let err = fails(&mut kpt(&["--device", "tpu", "validate"]));
+    assert!(err.contains("no TPU backend yet"), "{err}");
+}
+
+#[test]
+fn an_unknown_device_is_a_usage_error() {
+    let o = run(&mut kpt(&["demo", "--device", "gpu"]));
+    assert_eq!(o.status.code(), Some(2), "{}", o.status);
+    let err = stderr(&o);
+    assert!(err.contains("'gpu'"), "{err}");
+    for name in ["auto", "cpu", "cuda", "rocm", "tpu"] {
+        assert!(err.contains(name), "{name} missing: {err}");
+    }
 }

@@ -1,0 +1,85 @@
+"""Ahead-of-time compilation of kpt's Triton kernels (run by `cargo xtask build-kernels`).
+
+Usage: aot.py SOURCE OUT_DIR
+
+Imports SOURCE (a file under kernels/triton/), compiles every specialization its
+`kpt_entry_points()` lists for each target below, writes the binaries into OUT_DIR
+and prints one JSON document describing them on stdout. Needs no GPU.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+
+# (manifest target, format, compute capability): cubins for Ampere and Hopper (Triton
+# compiles 90 as sm_90a), PTX for Ampere and newer (taken from the sm_80 compile).
+TARGETS = [("sm_80", "cubin", 80), ("sm_90a", "cubin", 90), ("compute_80", "ptx", 80)]
+
+
+def parse_signature(fn, signature):
+    """`["*bf16:16", "i32", ...]` -> (types by name, attrs with divisibility hints)."""
+    types, attrs = {}, {}
+    for i, (name, sig) in enumerate(zip(fn.arg_names, signature)):
+        ty, _, hint = sig.partition(":")
+        types[name] = ty
+        if hint:
+            if hint != "16":
+                raise ValueError(f"{fn.__name__}: only the hint :16 is supported, got {sig}")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return types, attrs
+
+
+def compile_entry(entry, out_dir):
+    fn = entry["fn"]
+    types, attrs = parse_signature(fn, entry["signature"])
+    for name in entry["constexprs"]:
+        types[name] = "constexpr"
+    missing = [a for a in fn.arg_names if a not in types]
+    if missing:
+        raise ValueError(f"{entry['kernel']}: no type for {missing}")
+    src = ASTSource(fn=fn, signature=types, constexprs=entry["constexprs"], attrs=attrs)
+    artifacts, shared, name = [], 0, None
+    compiled = {}
+    for target, fmt, cc in TARGETS:
+        if cc not in compiled:
+            gpu = GPUTarget("cuda", cc, 32)
+            options = make_backend(gpu).parse_options(
+                {"num_warps": entry["num_warps"], "num_stages": entry.get("num_stages", 3)})
+            compiled[cc] = triton.compile(src, target=gpu, options=options.__dict__)
+        k = compiled[cc]
+        meta = k.metadata
+        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+            raise RuntimeError(f"{entry['kernel']}: kernels needing scratch memory are not supported")
+        shared = max(shared, meta.shared)
+        name = meta.name
+        data = k.asm[fmt]
+        file = out_dir / f"{entry['kernel']}.{target}.{fmt}"
+        file.write_bytes(data if isinstance(data, bytes) else data.encode())
+        artifacts.append({"target": target, "format": fmt, "file": file.name})
+    return {
+        "kernel": entry["kernel"],
+        "entry": name,
+        "block": 32 * entry["num_warps"],
+        "shared": shared,
+        "grid": entry["grid"],
+        "artifacts": artifacts,
+    }
+
+
+def main():
+    source, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = importlib.util.spec_from_file_location(source.stem, source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernels = [compile_entry(e, out_dir) for e in module.kpt_entry_points()]
+    json.dump({"triton": triton.__version__, "kernels": kernels}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
