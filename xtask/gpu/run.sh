@@ -48,7 +48,7 @@ if [ "$what" != bench ]; then
   cat "$out/detect.json"
   # The CLI end to end on the GPU: validate every op of the demo model against the f64
   # reference, generate with the demo model, time single ops.
-  for cmd in "validate" "demo --tokens 16" "bench --quick"; do
+  for cmd in "validate" "demo --tokens 16 --profile" "bench --quick --profile"; do
     log="$out/kpt-${cmd%% *}.log"
     if "$here/bin/kpt" --device cuda $cmd > "$log" 2>&1; then
       echo "PASS kpt --device cuda $cmd"

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use crate::error::{KptError, Result};
 use crate::graph::{Op, TensorSpec};
 use crate::hardware::{DeviceInfo, DeviceKind};
+use crate::profile::KernelProfile;
 use crate::tensor::Tensor;
 use crate::DType;
 
@@ -140,6 +141,18 @@ pub trait Backend: Send + Sync {
 
     /// Current memory statistics.
     fn memory_stats(&self) -> MemoryStats;
+
+    /// Starts (`true`, clearing earlier records) or stops recording the time of every
+    /// kernel [`Backend::execute`] runs. Returns whether this backend can profile.
+    fn set_profiling(&self, _on: bool) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Per-kernel totals recorded since profiling started, the most time first (waits
+    /// for queued work). Empty when profiling never started.
+    fn profile(&self) -> Result<Vec<KernelProfile>> {
+        Ok(Vec::new())
+    }
 }
 
 /// The backends available in this process, chosen at run time.

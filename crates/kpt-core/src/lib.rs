@@ -27,6 +27,7 @@ pub mod exec;
 pub mod graph;
 pub mod hardware;
 pub mod optimize;
+pub mod profile;
 pub mod rand;
 pub mod tensor;
 pub mod validate;

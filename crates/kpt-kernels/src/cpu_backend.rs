@@ -1,12 +1,14 @@
 //! The CPU backend: host memory and the CPU kernels behind the `Backend` trait.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use half::{bf16, f16};
 use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
 use kpt_core::graph::{Op, TensorSpec};
 use kpt_core::hardware::{CpuDetector, DeviceInfo, DeviceKind, HardwareDetector};
+use kpt_core::profile::{KernelProfile, ProfileTotals};
 use kpt_core::tensor::Element;
 use kpt_core::validate::ReferenceOps;
 use kpt_core::{DType, KptError, Result, Storage, Tensor};
@@ -40,6 +42,10 @@ pub struct CpuBackend {
     tuning: CpuTuning,
     live: Arc<AtomicU64>,
     peak: AtomicU64,
+    /// Whether `execute` records into `profile`.
+    profiling: AtomicBool,
+    /// Per-kernel wall-clock totals since profiling started.
+    profile: Mutex<ProfileTotals>,
 }
 
 impl CpuBackend {
@@ -68,6 +74,8 @@ impl CpuBackend {
             tuning,
             live: Arc::new(AtomicU64::new(0)),
             peak: AtomicU64::new(0),
+            profiling: AtomicBool::new(false),
+            profile: Mutex::new(ProfileTotals::default()),
         })
     }
 
@@ -570,20 +578,49 @@ impl Backend for CpuBackend {
                 inputs.len()
             )));
         }
+        let start = Instant::now();
         if kernel == crate::catalog::CPU_REFERENCE {
-            self.run_reference(op, inputs, outputs)
+            self.run_reference(op, inputs, outputs)?;
         } else if kernel.starts_with("cpu.") {
-            self.run_fast(kernel, op, inputs, outputs)
+            self.run_fast(kernel, op, inputs, outputs)?;
         } else {
-            Err(KptError::Backend {
+            return Err(KptError::Backend {
                 backend: "cpu".into(),
                 message: format!("kernel {kernel} is not a CPU kernel"),
-            })
+            });
         }
+        if self.profiling.load(Ordering::Relaxed) {
+            let ins: Vec<TensorSpec> = inputs.iter().map(|r| r.spec.clone()).collect();
+            let outs: Vec<TensorSpec> = outputs.iter().map(|m| m.spec.clone()).collect();
+            self.profile.lock().unwrap_or_else(|p| p.into_inner()).add(
+                kernel,
+                op,
+                &ins,
+                &outs,
+                start.elapsed().as_secs_f64(),
+            );
+        }
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<()> {
         Ok(())
+    }
+
+    fn set_profiling(&self, on: bool) -> Result<bool> {
+        if on {
+            *self.profile.lock().unwrap_or_else(|p| p.into_inner()) = ProfileTotals::default();
+        }
+        self.profiling.store(on, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    fn profile(&self) -> Result<Vec<KernelProfile>> {
+        Ok(self
+            .profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .report())
     }
 
     fn memory_stats(&self) -> MemoryStats {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
 use kpt_core::graph::{Activation, Op, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
+use kpt_core::profile::KernelProfile;
 use kpt_core::tensor::Tensor;
 use kpt_core::{DType, KptError, Result};
 use kpt_kernels::CpuBackend;
@@ -16,6 +17,7 @@ use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout}
 use crate::gpu::Gpu;
 use crate::kernels::{Binary, QuantScale};
 use crate::memory::DeviceBlock;
+use crate::profiler::Profiler;
 use crate::NvidiaError;
 
 /// Options of the CUDA backend (from `KptConfig`'s `nvidia` section).
@@ -43,6 +45,7 @@ pub struct CudaBackend {
     info: DeviceInfo,
     name: String,
     host: CpuBackend,
+    profiler: Profiler,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -110,6 +113,7 @@ impl CudaBackend {
             blas,
             info,
             host: CpuBackend::new().map_err(|e| NvidiaError::Invalid(e.to_string()))?,
+            profiler: Profiler::default(),
         })
     }
 
@@ -541,15 +545,34 @@ impl Backend for CudaBackend {
                 expected.iter().map(ToString::to_string).collect::<Vec<_>>()
             )));
         }
+        let start = match self.profiler.is_on() {
+            true => Some(self.gpu.record_event()?),
+            false => None,
+        };
         if kernel.starts_with("cuda.") {
-            self.run_device(op, inputs, outputs)
+            self.run_device(op, inputs, outputs)?;
         } else if kernel.starts_with("triton.") {
-            self.run_triton(op, inputs, outputs)
+            self.run_triton(op, inputs, outputs)?;
         } else if kernel.starts_with("cpu.") {
-            self.run_on_host(kernel, op, inputs, outputs)
+            self.run_on_host(kernel, op, inputs, outputs)?;
         } else {
-            Err(err(format!("kernel {kernel} does not run on CUDA")))
+            return Err(err(format!("kernel {kernel} does not run on CUDA")));
         }
+        if let Some(start) = start {
+            let end = self.gpu.record_event()?;
+            self.profiler
+                .record(kernel, op, specs, expected, (start, end))?;
+        }
+        Ok(())
+    }
+
+    fn set_profiling(&self, on: bool) -> Result<bool> {
+        self.profiler.set(on);
+        Ok(true)
+    }
+
+    fn profile(&self) -> Result<Vec<KernelProfile>> {
+        Ok(self.profiler.report()?)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 use kpt_kernels::artifacts::{self, EntryPoint, Format};
 
@@ -207,27 +207,31 @@ impl Gpu {
         calls: usize,
         mut f: impl FnMut() -> Result<(), NvidiaError>,
     ) -> Result<f64, NvidiaError> {
-        let event = || {
-            self.ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| NvidiaError::driver("cuEventCreate", e))
-        };
-        let (start, end) = (event()?, event()?);
         self.synchronize()?;
-        start
-            .record(&self.stream)
-            .map_err(|e| NvidiaError::driver("cuEventRecord", e))?;
+        let start = self.record_event()?;
         for _ in 0..calls.max(1) {
             f()?;
         }
-        end.record(&self.stream)
-            .map_err(|e| NvidiaError::driver("cuEventRecord", e))?;
+        let end = self.record_event()?;
         end.synchronize()
             .map_err(|e| NvidiaError::driver("cuEventSynchronize", e))?;
         let ms = start
             .elapsed_ms(&end)
             .map_err(|e| NvidiaError::driver("cuEventElapsedTime", e))?;
         Ok(f64::from(ms) / 1e3 / calls.max(1) as f64)
+    }
+
+    /// A timing event recorded on the stream now (it completes when the work queued
+    /// before it has run).
+    pub fn record_event(&self) -> Result<CudaEvent, NvidiaError> {
+        let event = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| NvidiaError::driver("cuEventCreate", e))?;
+        event
+            .record(&self.stream)
+            .map_err(|e| NvidiaError::driver("cuEventRecord", e))?;
+        Ok(event)
     }
 
     /// Entry point `entry` of kernel source `kernel`, loaded from the artifact that fits

@@ -20,6 +20,7 @@ mod gpu;
 mod kernels;
 mod memory;
 mod nvml;
+mod profiler;
 
 pub use backend::{CudaBackend, CudaOptions};
 pub use blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};

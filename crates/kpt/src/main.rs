@@ -80,6 +80,9 @@ enum Command {
         /// Write the results as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Also print each kernel's measured time, bandwidth and FLOP rate.
+        #[arg(long)]
+        profile: bool,
     },
     /// Build a small transformer, optimize it at every level, validate and time it.
     Demo {
@@ -89,6 +92,9 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Also print each kernel's measured time, bandwidth and FLOP rate.
+        #[arg(long)]
+        profile: bool,
     },
 }
 
@@ -194,13 +200,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             kernels(load_config(config_path, device)?, op.as_deref(), explain)
         }
         Command::Validate { level } => validate(load_config(config_path, device)?, level),
-        Command::Bench { quick, iters, json } => bench(
+        Command::Bench {
+            quick,
+            iters,
+            json,
+            profile,
+        } => bench(
             load_config(config_path, device)?,
             quick,
             iters,
             json.as_deref(),
+            profile,
         ),
-        Command::Demo { tokens, json } => demo(load_config(config_path, device)?, tokens, json),
+        Command::Demo {
+            tokens,
+            json,
+            profile,
+        } => demo(load_config(config_path, device)?, tokens, json, profile),
     }
 }
 
@@ -467,8 +483,15 @@ fn validate(cfg: KptConfig, level: Option<OptLevel>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn bench(cfg: KptConfig, quick: bool, iters: usize, json: Option<&Path>) -> anyhow::Result<()> {
+fn bench(
+    cfg: KptConfig,
+    quick: bool,
+    iters: usize,
+    json: Option<&Path>,
+    profile: bool,
+) -> anyhow::Result<()> {
     let rt = runtime(cfg)?;
+    let profiling = start_profile(&rt, profile)?;
     let cases = default_cases(quick)?;
     let pb = spinner(cases.len() as u64);
     let mut results = Vec::new();
@@ -489,6 +512,9 @@ fn bench(cfg: KptConfig, quick: bool, iters: usize, json: Option<&Path>) -> anyh
         ]);
     }
     println!("{t}");
+    if profiling {
+        print_profile(&rt)?;
+    }
     if let Some(path) = json {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
         println!("wrote {}", path.display());
@@ -496,8 +522,49 @@ fn bench(cfg: KptConfig, quick: bool, iters: usize, json: Option<&Path>) -> anyh
     Ok(())
 }
 
-fn demo(cfg: KptConfig, tokens: usize, json: bool) -> anyhow::Result<()> {
+/// Turns the backend's profiler on when asked; false (with a note) when the backend
+/// has none.
+fn start_profile(rt: &Runtime, asked: bool) -> anyhow::Result<bool> {
+    if !asked {
+        return Ok(false);
+    }
+    let backend = rt.backend()?;
+    let on = backend.set_profiling(true)?;
+    if !on {
+        eprintln!("note: backend {} has no profiler", backend.name());
+    }
+    Ok(on)
+}
+
+/// Prints the backend's per-kernel profile as an aligned table.
+fn print_profile(rt: &Runtime) -> anyhow::Result<()> {
+    let backend = rt.backend()?;
+    let rows = backend.profile()?;
+    println!(
+        "kernel profile on {} (time measured per call on the device):",
+        backend.name()
+    );
+    let mut t = Table::new([
+        "kernel", "op", "calls", "total ms", "mean µs", "GB/s", "GFLOP/s",
+    ]);
+    for p in &rows {
+        t.row([
+            p.kernel.clone(),
+            p.op.clone(),
+            p.calls.to_string(),
+            format!("{:.3}", p.seconds * 1e3),
+            format!("{:.1}", p.mean_seconds() * 1e6),
+            format!("{:.1}", p.bytes_per_second() / 1e9),
+            format!("{:.1}", p.flops_per_second() / 1e9),
+        ]);
+    }
+    println!("{t}");
+    Ok(())
+}
+
+fn demo(cfg: KptConfig, tokens: usize, json: bool, profile: bool) -> anyhow::Result<()> {
     let rt = runtime(cfg)?;
+    let profiling = start_profile(&rt, profile)?;
     let opts = DemoOptions {
         new_tokens: tokens.max(1),
         ..DemoOptions::default()
@@ -560,6 +627,9 @@ fn demo(cfg: KptConfig, tokens: usize, json: bool) -> anyhow::Result<()> {
             ]);
         }
         println!("{t}");
+    }
+    if profiling {
+        print_profile(&rt)?;
     }
     if let Some(bad) = rows.iter().find(|r| !r.passed) {
         anyhow::bail!("level {} failed validation", bad.level);

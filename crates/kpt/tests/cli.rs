@@ -411,3 +411,28 @@ fn an_unknown_device_is_a_usage_error() {
         assert!(err.contains(name), "{name} missing: {err}");
     }
 }
+
+#[test]
+fn bench_profile_lists_every_kernel_that_ran() {
+    let out = ok(&mut kpt(&[
+        "--device",
+        "cpu",
+        "bench",
+        "--quick",
+        "--iters",
+        "2",
+        "--profile",
+    ]));
+    let profile = out
+        .split("kernel profile on cpu")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no profile in:\n{out}"));
+    for kernel in ["cpu.attention.flash", "cpu.rms_norm", "cpu.softmax"] {
+        let line = profile
+            .lines()
+            .find(|l| l.starts_with(kernel))
+            .unwrap_or_else(|| panic!("{kernel} missing from:\n{profile}"));
+        let calls: u64 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+        assert!(calls >= 2, "{line}");
+    }
+}
