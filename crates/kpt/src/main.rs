@@ -541,7 +541,7 @@ fn print_profile(rt: &Runtime) -> anyhow::Result<()> {
     let backend = rt.backend()?;
     let rows = backend.profile()?;
     println!(
-        "kernel profile on {} (time measured per call on the device):",
+        "kernel profile on {} (CUDA events on a GPU, wall clock on the CPU):",
         backend.name()
     );
     let mut t = Table::new([
