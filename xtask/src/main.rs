@@ -5,14 +5,15 @@
 //! - `check-kernels`: fails when a kernel source under `kernels/` changed and the
 //!   committed artifact manifest (`crates/kpt-kernels/artifacts/manifest.json`) does
 //!   not record its current hash, or an artifact does not match its recorded hash.
-//! - `build-kernels`: installs the pinned CUDA toolchain (`kernels/requirements.txt`)
-//!   into `target/kernels-venv`, compiles `kernels/cuda/*.cu` to cubin (sm_80, sm_90a)
-//!   and PTX (compute_80) and rewrites the manifest.
+//! - `build-kernels`: installs the pinned nvcc and Triton (`kernels/requirements.txt`)
+//!   into `target/kernels-venv`, compiles `kernels/cuda/*.cu` and the specializations
+//!   of `kernels/triton/*.py` to cubin (sm_80, sm_90a) and PTX (compute_80) and
+//!   rewrites the manifest.
 //! - `bench-cpu`: installs PyTorch (pinned in `benches/requirements-cpu.txt`) into a
 //!   virtual environment under `target/`, builds `kpt-bench-cpu` in release mode and runs
 //!   kpt and PyTorch side by side, writing `docs/reports/cpu-latest.{json,md,svg}`.
 //! - `gpu-bundle`: builds the GPU tests, `kpt` and `kpt-bench-cuda` in release mode into
-//!   `.gpu/` with `run.sh`, to copy to a GPU machine (see `docs/gpu.md`).
+//!   `.gpu/` with `run.sh` (usage in `xtask/gpu/run.sh`), to copy to a GPU machine.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -39,7 +40,7 @@ enum Task {
     Test,
     /// Verify that committed kernel artifacts match their sources.
     CheckKernels,
-    /// Compile kernels/cuda/*.cu with the pinned nvcc into crates/kpt-kernels/artifacts.
+    /// Compile kernels/cuda/*.cu and kernels/triton/*.py into crates/kpt-kernels/artifacts.
     BuildKernels,
     /// kpt's CPU kernels vs PyTorch on this machine, same run; writes docs/reports/cpu-*.
     BenchCpu {
