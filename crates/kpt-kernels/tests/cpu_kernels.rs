@@ -480,6 +480,29 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(8))]
+
+    /// Shapes past one register tile, one k block and one column block of the f32 GEMM,
+    /// large enough to split over threads: partial edge tiles, accumulation over k
+    /// blocks and the fused epilogue of a linear layer (transposed weights).
+    #[test]
+    fn large_f32_gemm_matches_reference(
+        m in 1usize..=300, k in 200usize..=700, n in 1usize..=700,
+        seed in any::<u64>(), act in 0usize..5,
+    ) {
+        let mut rng = Rng::new(seed);
+        let a = rng.vec(m * k, -1.0, 1.0);
+        let b = rng.vec(k * n, -1.0, 1.0);
+        let mut want = vec![0f64; m * n];
+        r::matmul(&f64s(&a), &f64s(&b), &mut want, m, k, n).map_err(fail)?;
+        let mut got = vec![f32::NAN; m * n];
+        cpu::matmul_f32(&a, &b, &mut got, m, k, n).map_err(fail)?;
+        check_close("matmul_f32", &f64s(&got), &want, tolerance(DType::F32, k))?;
+        check_linear(seed, m.max(cpu::linear::GEMV_MAX_M + 1), k, n, true, act_of(act))?;
+    }
+}
+
 #[test]
 fn linear_large_all_dtypes() {
     for (m, k, n, act) in [

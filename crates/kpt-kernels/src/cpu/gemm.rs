@@ -1,6 +1,7 @@
-//! Dense matrix products `out[m,n] = a[m,k] · b[k,n]` (row-major) through the `gemm` crate.
+//! Dense matrix products `out[m,n] = a[m,k] · b[k,n]` (row-major).
 //!
-//! f32 calls `gemm` directly (its AVX-512 kernels where the CPU has them). bf16 runs on
+//! f32 runs on kpt's own packed GEMM (`sgemm`) where the CPU has AVX2 + FMA or AVX-512,
+//! and on the `gemm` crate elsewhere (or with `KPT_CPU_GEMM=crate`). bf16 runs on
 //! AMX tiles where the CPU and OS offer them (see `amx`). Otherwise bf16 and f16 inputs
 //! are widened to f32 (exact), multiplied
 //! with the f32 kernel (f32 accumulation) and the result is rounded once to the output
@@ -11,6 +12,8 @@ use gemm::Parallelism;
 use half::{bf16, f16};
 use kpt_core::Result;
 
+use super::par::for_each_row;
+use super::sgemm::{self, Epilogue};
 use super::{amx, check_len, checked_product, elementwise};
 
 /// Below this many multiply-adds, `gemm` runs on the calling thread.
@@ -42,9 +45,18 @@ impl Strided<'_> {
     }
 }
 
+/// Whether `KPT_CPU_GEMM=crate` asks for the `gemm` crate's f32 kernels instead of
+/// kpt's own (read once).
+fn crate_gemm_forced() -> bool {
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("KPT_CPU_GEMM").is_ok_and(|v| v == "crate"))
+}
+
 /// `dst[m, n] (row stride dst_rs, column stride 1) = lhs[m, k] · rhs[k, n]` in f32, with
-/// every view bounds-checked first. Returns false (and does nothing) if a view does not
-/// fit, which callers rule out by validating shapes.
+/// every view bounds-checked first, then `epi` on every row segment of the result.
+/// Returns false (and does nothing) if a view does not fit, which callers rule out by
+/// validating shapes.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_f32_raw(
     m: usize,
     n: usize,
@@ -53,6 +65,7 @@ pub(crate) fn gemm_f32_raw(
     dst_rs: usize,
     lhs: Strided<'_>,
     rhs: Strided<'_>,
+    epi: Option<Epilogue<'_>>,
 ) -> bool {
     let dst_view = Strided {
         data: dst,
@@ -67,9 +80,24 @@ pub(crate) fn gemm_f32_raw(
     }
     if k == 0 {
         for i in 0..m {
-            dst[i * dst_rs..i * dst_rs + n].fill(0.0);
+            let row = &mut dst[i * dst_rs..i * dst_rs + n];
+            row.fill(0.0);
+            if let Some(f) = epi {
+                f(row, 0);
+            }
         }
         return true;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if !crate_gemm_forced() {
+        if let Some(mk) = sgemm::Avx512::detect() {
+            sgemm::sgemm(mk, m, n, k, dst, dst_rs, lhs, rhs, epi);
+            return true;
+        }
+        if let Some(mk) = sgemm::Avx2::detect() {
+            sgemm::sgemm(mk, m, n, k, dst, dst_rs, lhs, rhs, epi);
+            return true;
+        }
     }
     let work = m.saturating_mul(n).saturating_mul(k);
     let par = if work >= GEMM_PAR_THRESHOLD && rayon::current_num_threads() > 1 {
@@ -104,6 +132,10 @@ pub(crate) fn gemm_f32_raw(
             false,
             par,
         );
+    }
+    if let Some(f) = epi {
+        let rows = &mut dst[..(m - 1) * dst_rs + n];
+        for_each_row(rows, dst_rs, n * 16, |_, row| f(&mut row[..n], 0));
     }
     true
 }
@@ -146,7 +178,7 @@ pub fn matmul_f32(
         rs: n,
         cs: 1,
     };
-    if gemm_f32_raw(m, n, k, out, n, lhs, rhs) {
+    if gemm_f32_raw(m, n, k, out, n, lhs, rhs, None) {
         Ok(())
     } else {
         Err(internal(OP))

@@ -173,7 +173,8 @@ pub fn linear(
     }
     let ok = match w {
         WeightsRef::F32(w) => {
-            let done = gemm_f32_raw(
+            let epi = |seg: &mut [f32], c0: usize| finish_cols(seg, c0, bias, act);
+            gemm_f32_raw(
                 m,
                 n,
                 k,
@@ -189,9 +190,8 @@ pub fn linear(
                     rs: 1,
                     cs: k,
                 },
-            );
-            epilogue_cols(out, n, 0, n, bias, act);
-            done
+                (bias.is_some() || act.is_some()).then_some(&epi),
+            )
         }
         WeightsRef::BF16(w) => tiled(&p, w, out),
         WeightsRef::F16(w) => tiled(&p, w, out),
@@ -365,22 +365,9 @@ fn epilogue<const FMA: bool>(row: &mut [f32], bias: Option<&[f32]>, act: Option<
 
 simd::dispatch!(fn epilogue_d(row: &mut [f32], bias: Option<&[f32]>, act: Option<Act>) => epilogue);
 
-/// Bias + activation on columns `j0..j1` of every row of `out [_, n]`, rows in parallel.
-fn epilogue_cols(
-    out: &mut [f32],
-    n: usize,
-    j0: usize,
-    j1: usize,
-    bias: Option<&[f32]>,
-    act: Option<Act>,
-) {
-    if bias.is_none() && act.is_none() {
-        return;
-    }
-    let cost = (j1 - j0) * if act.is_some() { 16 } else { 1 };
-    for_each_row(out, n, cost, |_, row| {
-        epilogue_d(&mut row[j0..j1], bias.map(|b| &b[j0..j1]), act)
-    });
+/// Bias + activation on `seg`, the output columns starting at `c0` of one row.
+fn finish_cols(seg: &mut [f32], c0: usize, bias: Option<&[f32]>, act: Option<Act>) {
+    epilogue_d(seg, bias.map(|b| &b[c0..c0 + seg.len()]), act);
 }
 
 #[inline(always)]
@@ -419,6 +406,7 @@ fn tiled<T: Decode>(p: &Problem<'_>, w: &[T], out: &mut [f32]) -> bool {
         for_each_row(buf, k.max(1), 2 * k, |r, dst| {
             decode_rows_d(&src[r * k..][..dst.len()], p.scale, dst)
         });
+        let epi = |seg: &mut [f32], c0: usize| finish_cols(seg, j0 + c0, p.bias, p.act);
         let rhs = Strided {
             data: &tile[..nt * k],
             rs: 1,
@@ -436,10 +424,10 @@ fn tiled<T: Decode>(p: &Problem<'_>, w: &[T], out: &mut [f32]) -> bool {
                 cs: 1,
             },
             rhs,
+            (p.bias.is_some() || p.act.is_some()).then_some(&epi),
         ) {
             return false;
         }
-        epilogue_cols(out, n, j0, j0 + nt, p.bias, p.act);
         j0 += nt;
     }
     true

@@ -26,6 +26,7 @@ pub mod special;
 
 mod par;
 mod scratch;
+mod sgemm;
 mod simd;
 
 use kpt_core::DType;
