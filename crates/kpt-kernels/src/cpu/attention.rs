@@ -11,8 +11,8 @@
 //! as a GEMM packs its operands: K as `[seq_kv / 16][head_dim][16]` (16 keys side by side
 //! for each dimension) and V as `[head_dim / 16][seq_kv][16]` (16 dimensions for each
 //! key), zero-padded (keys and head_dim to multiples of 16). Each micro-kernel
-//! (`Q·Kᵀ`: QR queries × 16 keys, `P·V`: QR queries × 16 dims; QR = 4 on AVX2, 8 on
-//! AVX-512, so 8 independent FMA accumulators either way) then streams one contiguous
+//! (`Q·Kᵀ`: QR queries × 16 keys, `P·V`: QR queries × 16 dims; QR = 6 on AVX2 (12 ymm
+//! accumulators), 8 on AVX-512 (8 zmm), 4 portable) then streams one contiguous
 //! panel, with Q packed QR-wide (`[d][QR]`). (A plain `Kᵀ [head_dim, seq_kv]`
 //! layout strides by `seq_kv` floats, a power of two for usual lengths, and thrashes
 //! the L1 sets: attention ran at half the speed.)
@@ -23,7 +23,7 @@ use kpt_core::{DType, KptError, Result};
 use super::par::for_each_row;
 use super::scratch::Scratch;
 use super::shapes::AttentionShape;
-use super::simd::{dispatch, exp_f32, fmadd, hsum, Decode, Encode};
+use super::simd::{dispatch, exp_f32, hsum, Decode, Encode};
 use super::softmax::max16;
 use super::{amx, attention_amx};
 
@@ -91,14 +91,14 @@ impl<Q, P> Ctx<'_, Q, P> {
 /// Scores of `QR` query rows (`qg`, packed `[d][QR]`) against the 16 keys of one K
 /// panel (`kp`, `[d][16]`).
 #[inline(always)]
-fn qk_tile<const FMA: bool, const QR: usize>(qg: &[f32], kp: &[f32]) -> [[f32; KC]; QR] {
+fn qk_tile<const QR: usize>(qg: &[f32], kp: &[f32]) -> [[f32; KC]; QR] {
     let mut acc = [[0f32; KC]; QR];
     let (qs, _) = qg.as_chunks::<QR>();
     let (ks, _) = kp.as_chunks::<KC>();
     for (qv, kr) in qs.iter().zip(ks) {
         for r in 0..QR {
             for j in 0..KC {
-                acc[r][j] = fmadd::<FMA>(qv[r], kr[j], acc[r][j]);
+                acc[r][j] += qv[r] * kr[j];
             }
         }
     }
@@ -109,14 +109,7 @@ fn qk_tile<const FMA: bool, const QR: usize>(qg: &[f32], kp: &[f32]) -> [[f32; K
 /// rows are `ps` apart, `o` rows `dp` apart; `vp` is a V panel from the block's first
 /// key).
 #[inline(always)]
-fn pv_tile<const FMA: bool, const QR: usize>(
-    p: &[f32],
-    ps: usize,
-    vp: &[f32],
-    nk: usize,
-    dp: usize,
-    o: &mut [f32],
-) {
+fn pv_tile<const QR: usize>(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
     let mut acc = [[0f32; KC]; QR];
     for (r, a) in acc.iter_mut().enumerate() {
         a.copy_from_slice(&o[r * dp..r * dp + KC]);
@@ -126,7 +119,7 @@ fn pv_tile<const FMA: bool, const QR: usize>(
     for (c, vr) in vs.iter().enumerate() {
         for r in 0..QR {
             for j in 0..KC {
-                acc[r][j] = fmadd::<FMA>(prow[r][c], vr[j], acc[r][j]);
+                acc[r][j] += prow[r][c] * vr[j];
             }
         }
     }
@@ -146,41 +139,42 @@ trait Tile {
     fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]);
 }
 
-/// 4 rows: 4 × 16 f32 accumulators (8 ymm registers on AVX2; portable without `FMA`).
-struct Rows4<const FMA: bool>;
+/// 4 rows of 16 f32 accumulators in portable code (CPUs without AVX2 + FMA).
+struct Rows4;
 
-impl<const FMA: bool> Tile for Rows4<FMA> {
+impl Tile for Rows4 {
     const QR: usize = 4;
 
     #[inline(always)]
     fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
-        for (r, a) in qk_tile::<FMA, 4>(qg, kp).iter().enumerate() {
+        for (r, a) in qk_tile::<4>(qg, kp).iter().enumerate() {
             st[r * ss..r * ss + KC].copy_from_slice(a);
         }
     }
 
     #[inline(always)]
     fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
-        pv_tile::<FMA, 4>(p, ps, vp, nk, dp, o);
+        pv_tile::<4>(p, ps, vp, nk, dp, o);
     }
 }
 
-/// 8 rows: 8 zmm accumulators with explicit AVX-512 (LLVM's auto-vectorizer spreads the
-/// generic 8-row loops across rows instead and runs 10x slower).
+/// `QR` rows in explicit AVX-512 intrinsics: one zmm accumulator per row (LLVM's
+/// auto-vectorizer spreads generic many-row loops across rows instead and ran 10x
+/// slower). Portable code where the CPU lacks AVX-512.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-struct Rows8Avx512;
+struct RowsZmm<const QR: usize>;
 
-impl Tile for Rows8Avx512 {
-    const QR: usize = 8;
+impl<const QR: usize> Tile for RowsZmm<QR> {
+    const QR: usize = QR;
 
     #[inline(always)]
     fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
         #[cfg(target_arch = "x86_64")]
         if super::simd::has_avx512() {
             // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { zmm::qk_8x16(qg, kp, st, ss) };
+            return unsafe { zmm::qk::<QR>(qg, kp, st, ss) };
         }
-        for (r, a) in qk_tile::<false, 8>(qg, kp).iter().enumerate() {
+        for (r, a) in qk_tile::<QR>(qg, kp).iter().enumerate() {
             st[r * ss..r * ss + KC].copy_from_slice(a);
         }
     }
@@ -190,73 +184,149 @@ impl Tile for Rows8Avx512 {
         #[cfg(target_arch = "x86_64")]
         if super::simd::has_avx512() {
             // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { zmm::pv_8x16(p, ps, vp, nk, dp, o) };
+            return unsafe { zmm::pv::<QR>(p, ps, vp, nk, dp, o) };
         }
-        pv_tile::<false, 8>(p, ps, vp, nk, dp, o);
+        pv_tile::<QR>(p, ps, vp, nk, dp, o);
     }
 }
 
-/// The 8-row micro-kernels in AVX-512 intrinsics (same contracts as [`qk_tile`] /
-/// [`pv_tile`] with `QR = 8`).
+/// `QR` rows in explicit AVX2 + FMA intrinsics: two ymm accumulators per row. Portable
+/// code where the CPU lacks them.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct RowsYmm<const QR: usize>;
+
+impl<const QR: usize> Tile for RowsYmm<QR> {
+    const QR: usize = QR;
+
+    #[inline(always)]
+    fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if super::simd::has_avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            return unsafe { ymm::qk::<QR>(qg, kp, st, ss) };
+        }
+        for (r, a) in qk_tile::<QR>(qg, kp).iter().enumerate() {
+            st[r * ss..r * ss + KC].copy_from_slice(a);
+        }
+    }
+
+    #[inline(always)]
+    fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if super::simd::has_avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            return unsafe { ymm::pv::<QR>(p, ps, vp, nk, dp, o) };
+        }
+        pv_tile::<QR>(p, ps, vp, nk, dp, o);
+    }
+}
+
+/// Generates the `qk` / `pv` micro-kernels (contracts of [`qk_tile`] / [`pv_tile`]) in
+/// one instruction set: `$v` vector type holding `$lanes` f32, `$n = 16 / $lanes`
+/// vectors per row.
+#[cfg(target_arch = "x86_64")]
+macro_rules! simd_tiles {
+    ($feature:literal, $v:ty, $lanes:literal, $n:literal,
+     $zero:ident, $load:ident, $store:ident, $set1:ident, $fma:ident) => {
+        use std::arch::x86_64::*;
+
+        use super::KC;
+
+        /// Loads the `$n` vectors of 16 f32 at the start of `x` (panics if shorter).
+        #[inline]
+        #[target_feature(enable = $feature)]
+        fn load(x: &[f32]) -> [$v; $n] {
+            let x = &x[..KC];
+            // SAFETY: `x` holds 16 f32; unaligned loads.
+            std::array::from_fn(|i| unsafe { $load(x[i * $lanes..].as_ptr()) })
+        }
+
+        /// Stores 16 f32 at the start of `x` (panics if shorter).
+        #[inline]
+        #[target_feature(enable = $feature)]
+        fn store(x: &mut [f32], v: [$v; $n]) {
+            let x = &mut x[..KC];
+            for (i, v) in v.into_iter().enumerate() {
+                // SAFETY: `x` holds 16 f32; unaligned stores.
+                unsafe { $store(x[i * $lanes..].as_mut_ptr(), v) }
+            }
+        }
+
+        #[target_feature(enable = $feature)]
+        pub(super) fn qk<const QR: usize>(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
+            let mut acc = [[$zero(); $n]; QR];
+            let (qs, _) = qg.as_chunks::<QR>();
+            for (qv, kr) in qs.iter().zip(kp.chunks_exact(KC)) {
+                let k = load(kr);
+                for (a, &q) in acc.iter_mut().zip(qv) {
+                    let x = $set1(q);
+                    for i in 0..$n {
+                        a[i] = $fma(x, k[i], a[i]);
+                    }
+                }
+            }
+            for (r, &a) in acc.iter().enumerate() {
+                store(&mut st[r * ss..], a);
+            }
+        }
+
+        #[target_feature(enable = $feature)]
+        pub(super) fn pv<const QR: usize>(
+            p: &[f32],
+            ps: usize,
+            vp: &[f32],
+            nk: usize,
+            dp: usize,
+            o: &mut [f32],
+        ) {
+            let mut acc: [[$v; $n]; QR] = std::array::from_fn(|r| load(&o[r * dp..]));
+            let prow: [&[f32]; QR] = std::array::from_fn(|r| &p[r * ps..r * ps + nk]);
+            for (c, vr) in vp[..nk * KC].chunks_exact(KC).enumerate() {
+                let v = load(vr);
+                for (a, row) in acc.iter_mut().zip(&prow) {
+                    let x = $set1(row[c]);
+                    for i in 0..$n {
+                        a[i] = $fma(x, v[i], a[i]);
+                    }
+                }
+            }
+            for (r, &a) in acc.iter().enumerate() {
+                store(&mut o[r * dp..], a);
+            }
+        }
+    };
+}
+
+/// The AVX-512 micro-kernels.
 #[cfg(target_arch = "x86_64")]
 mod zmm {
-    use std::arch::x86_64::{__m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps};
-    use std::arch::x86_64::{_mm512_setzero_ps, _mm512_storeu_ps};
+    simd_tiles!(
+        "avx512f",
+        __m512,
+        16,
+        1,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps
+    );
+}
 
-    use super::KC;
-
-    /// Loads 16 f32.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn load(x: &[f32; KC]) -> __m512 {
-        // SAFETY: `x` holds 16 f32; the load is unaligned.
-        unsafe { _mm512_loadu_ps(x.as_ptr()) }
-    }
-
-    /// Stores 16 f32 at the start of `x` (panics if `x` is shorter).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn store(x: &mut [f32], v: __m512) {
-        let x = &mut x[..KC];
-        // SAFETY: `x` holds 16 f32; the store is unaligned.
-        unsafe { _mm512_storeu_ps(x.as_mut_ptr(), v) }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn qk_8x16(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
-        let mut acc = [_mm512_setzero_ps(); 8];
-        let (qs, _) = qg.as_chunks::<8>();
-        let (ks, _) = kp.as_chunks::<KC>();
-        for (qv, kr) in qs.iter().zip(ks) {
-            let k = load(kr);
-            for r in 0..8 {
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qv[r]), k, acc[r]);
-            }
-        }
-        for (r, &a) in acc.iter().enumerate() {
-            store(&mut st[r * ss..], a);
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn pv_8x16(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
-        let mut acc = [_mm512_setzero_ps(); 8];
-        for (r, a) in acc.iter_mut().enumerate() {
-            let (row, _) = o[r * dp..r * dp + KC].as_chunks::<KC>();
-            *a = load(&row[0]);
-        }
-        let prow: [&[f32]; 8] = std::array::from_fn(|r| &p[r * ps..r * ps + nk]);
-        let (vs, _) = vp[..nk * KC].as_chunks::<KC>();
-        for (c, vr) in vs.iter().enumerate() {
-            let v = load(vr);
-            for r in 0..8 {
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(prow[r][c]), v, acc[r]);
-            }
-        }
-        for (r, &a) in acc.iter().enumerate() {
-            store(&mut o[r * dp..], a);
-        }
-    }
+/// The AVX2 + FMA micro-kernels.
+#[cfg(target_arch = "x86_64")]
+mod ymm {
+    simd_tiles!(
+        "avx2,fma",
+        __m256,
+        8,
+        2,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps
+    );
 }
 
 /// `x = exp(x - shift)` in place, returning the sum.
@@ -427,8 +497,9 @@ fn task<M: Tile>(c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) {
 }
 
 dispatch!(
-    /// [`task`] with 8-row micro-kernels on AVX-512 and 4-row ones otherwise.
-    fn task_d(c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) => task [Rows8Avx512, Rows4<true>, Rows4<false>]
+    /// [`task`] with 8-row micro-kernels on AVX-512, 6-row ones on AVX2 and 4-row
+    /// portable ones otherwise.
+    fn task_d(c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) => task [RowsZmm<8>, RowsYmm<6>, Rows4]
 );
 
 /// Blocked ("flash") attention (see the module docs); `block_q` queries per task, keys in
@@ -641,14 +712,14 @@ mod tests {
     use crate::cpu::reference;
     use kpt_core::rand::SplitMix64;
 
-    /// Every micro-kernel variant matches the reference on this CPU (`Rows8Avx512` runs
-    /// its intrinsics where the CPU has AVX-512, its portable fallback elsewhere).
+    /// Every micro-kernel variant matches the reference on this CPU (the intrinsic tiles
+    /// run their portable fallback where the CPU lacks their instruction set).
     #[test]
     fn every_tile_matches_reference() {
         let tasks: [(&str, TaskFn); 3] = [
-            ("rows4 portable", task::<Rows4<false>>),
-            ("rows4 fma", task::<Rows4<true>>),
-            ("rows8 avx512", task::<Rows8Avx512>),
+            ("rows4 portable", task::<Rows4>),
+            ("rows6 ymm", task::<RowsYmm<6>>),
+            ("rows8 zmm", task::<RowsZmm<8>>),
         ];
         let mut rng = SplitMix64::new(3);
         let shapes = [
