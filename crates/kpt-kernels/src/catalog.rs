@@ -231,6 +231,22 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             "element-wise float conversion",
         ),
         k(
+            "cuda.attention",
+            Attention,
+            CUDA_FLOATS,
+            "one warp per query row, online softmax, P·V in registers (f32 math)",
+        )
+        .limits(ShapeLimits {
+            max_head_dim: Some(256),
+            ..ShapeLimits::default()
+        }),
+        k(
+            "cuda.concat",
+            Concat,
+            &[DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64],
+            "one strided 2D device copy per input",
+        ),
+        k(
             "triton.rms_norm",
             RmsNorm,
             CUDA_FLOATS,

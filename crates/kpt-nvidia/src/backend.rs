@@ -15,7 +15,7 @@ use kpt_kernels::CpuBackend;
 
 use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
 use crate::gpu::Gpu;
-use crate::kernels::{Binary, QuantScale};
+use crate::kernels::{AttentionDims, Binary, QuantScale};
 use crate::memory::DeviceBlock;
 use crate::profiler::Profiler;
 use crate::NvidiaError;
@@ -393,10 +393,51 @@ impl CudaBackend {
             Op::Cast { dtype } => {
                 g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
             }
-            Op::Attention(_) | Op::Concat { .. } => {
-                return Err(err(format!(
-                    "no CUDA kernel for {op} yet; the registry falls back to the CPU reference"
-                )))
+            Op::Attention(p) => {
+                let (qs, ks) = (&x.shape, &inputs[1].spec.shape);
+                let dims = AttentionDims::new(
+                    qs[0],
+                    qs[1],
+                    ks[1],
+                    p.num_heads,
+                    p.num_kv_heads,
+                    p.head_dim,
+                    p.causal,
+                    p.effective_scale(),
+                )?;
+                let mask = if p.mask {
+                    let m = &inputs[3];
+                    if m.spec.dtype != DType::F32 {
+                        return Err(KptError::dtype("cuda.attention mask", "f32", m.spec.dtype));
+                    }
+                    ptr(m)?
+                } else {
+                    0
+                };
+                g.attention(
+                    dt,
+                    ptr(&inputs[0])?,
+                    ptr(&inputs[1])?,
+                    ptr(&inputs[2])?,
+                    mask,
+                    out_ptr(out0)?,
+                    dims,
+                )?;
+            }
+            Op::Concat { axis } => {
+                // Each input is `outer` rows of its slab; the output interleaves them.
+                let outer: usize = x.shape[..*axis].iter().product();
+                let slab = |r: &BufferRef<'_>| -> usize {
+                    r.spec.shape[*axis..].iter().product::<usize>() * dt.size_in_bytes()
+                };
+                let row: usize = inputs.iter().map(slab).sum();
+                let dst = out_ptr(out0)?;
+                let mut offset = 0;
+                for input in inputs {
+                    let w = slab(input);
+                    g.copy_2d((ptr(input)?, w), (dst + offset as u64, row), w, outer)?;
+                    offset += w;
+                }
             }
         }
         Ok(())

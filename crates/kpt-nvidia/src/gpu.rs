@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 use kpt_kernels::artifacts::{self, EntryPoint, Format};
 
@@ -191,6 +191,44 @@ impl Gpu {
         // SAFETY: callers pass addresses of blocks holding at least `bytes`.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(|e| NvidiaError::driver("cuMemcpyDtoDAsync", e))
+    }
+
+    /// Copies `height` rows of `width` bytes from `src` (rows `src_pitch` bytes apart) to
+    /// `dst` (rows `dst_pitch` apart) on the stream.
+    pub fn copy_2d(
+        &self,
+        (src, src_pitch): (u64, usize),
+        (dst, dst_pitch): (u64, usize),
+        width: usize,
+        height: usize,
+    ) -> Result<(), NvidiaError> {
+        if width == 0 || height == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch,
+            WidthInBytes: width,
+            Height: height,
+        };
+        // SAFETY: callers pass blocks holding `height` rows of `width` bytes at the given
+        // pitches; the descriptor lives across the call (the driver copies it).
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| NvidiaError::driver("cuMemcpy2DAsync", e))
     }
 
     /// Waits for all queued work; reports a failed kernel here.

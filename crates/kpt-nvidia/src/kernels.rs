@@ -129,6 +129,76 @@ pub(crate) enum Binary {
     Mul = 1,
 }
 
+/// The sizes of one attention call, passed to `kpt_attention_*` by value (the layout of
+/// `Dims` in `kernels/cuda/attention.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionDims {
+    batch: i32,
+    seq_q: i32,
+    seq_kv: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    causal: i32,
+    scale: f32,
+}
+
+// SAFETY: a `repr(C)` struct of 32-bit integers and a float, laid out like the kernel's
+// `Dims`; any bit pattern is a valid value.
+unsafe impl cudarc::driver::DeviceRepr for AttentionDims {}
+
+/// Rows (warps) per block of the attention kernel.
+const ATTENTION_ROWS_PER_BLOCK: usize = 4;
+/// Largest head dimension of the attention kernel.
+pub(crate) const ATTENTION_MAX_HEAD_DIM: usize = 256;
+
+impl AttentionDims {
+    /// Checked sizes: heads divisible by kv heads, head_dim in 1..=256, all within i32.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        batch: usize,
+        seq_q: usize,
+        seq_kv: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        causal: bool,
+        scale: f32,
+    ) -> Result<Self, NvidiaError> {
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(NvidiaError::Invalid(format!(
+                "attention: {heads} query heads do not group over {kv_heads} kv heads"
+            )));
+        }
+        if head_dim == 0 || head_dim > ATTENTION_MAX_HEAD_DIM {
+            return Err(NvidiaError::Invalid(format!(
+                "attention: head_dim {head_dim} is outside 1..={ATTENTION_MAX_HEAD_DIM}"
+            )));
+        }
+        // Element offsets inside the kernel are 64-bit; the row count must fit a grid.
+        let rows = batch
+            .checked_mul(seq_q)
+            .and_then(|r| r.checked_mul(heads))
+            .ok_or_else(|| NvidiaError::Invalid("attention: too many rows".into()))?;
+        int("attention rows", rows)?;
+        Ok(Self {
+            batch: int("batch", batch)?,
+            seq_q: int("seq_q", seq_q)?,
+            seq_kv: int("seq_kv", seq_kv)?,
+            heads: int("heads", heads)?,
+            kv_heads: int("kv_heads", kv_heads)?,
+            head_dim: int("head_dim", head_dim)?,
+            causal: i32::from(causal),
+            scale,
+        })
+    }
+
+    fn rows(&self) -> usize {
+        self.batch as usize * self.seq_q as usize * self.heads as usize
+    }
+}
+
 impl Gpu {
     /// Blocks for a grid-stride loop over `n` elements of 16-byte vectors: enough to
     /// fill the device, never more than the work.
@@ -271,6 +341,29 @@ impl Gpu {
     ) -> Result<(), NvidiaError> {
         let entry = format!("kpt_softmax_{}", float_name(dtype)?);
         launch!(self, "softmax", entry, grid("rows", rows)?; x, out, int("dim", dim)?);
+        Ok(())
+    }
+
+    /// Attention over `q [batch, seq_q, heads * d]`, `k`, `v [batch, seq_kv, kv_heads * d]`
+    /// into `out` (like `q`), with an additive f32 `[seq_q, seq_kv]` mask at `mask` (0:
+    /// none).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention(
+        &self,
+        dtype: DType,
+        q: u64,
+        k: u64,
+        v: u64,
+        mask: u64,
+        out: u64,
+        dims: AttentionDims,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_attention_{}", float_name(dtype)?);
+        let blocks = grid(
+            "attention rows",
+            dims.rows().div_ceil(ATTENTION_ROWS_PER_BLOCK),
+        )?;
+        launch!(self, "attention", entry, blocks; q, k, v, mask, out, dims);
         Ok(())
     }
 

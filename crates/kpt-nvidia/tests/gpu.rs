@@ -186,6 +186,52 @@ proptest! {
     }
 
     #[test]
+    fn attention(batch in 1usize..3, seq_q in 1usize..40, seq_kv in 1usize..70,
+                 kv_heads in 1usize..3, group in 1usize..4,
+                 head_dim in prop::sample::select(vec![1usize, 8, 33, 64, 128, 256]),
+                 causal in any::<bool>(), with_mask in any::<bool>(), dt in dtype(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let heads = kv_heads * group;
+        let p = kpt_core::graph::AttentionParams {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            causal,
+            scale: None,
+            mask: with_mask,
+        };
+        let mut inputs = vec![
+            random(&mut rng, &[batch, seq_q, heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &[batch, seq_kv, kv_heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &[batch, seq_kv, kv_heads * head_dim], dt, -2.0, 2.0),
+        ];
+        if with_mask {
+            // Additive, with whole masked-out keys (-inf) now and then.
+            let m: Vec<f64> = (0..seq_q * seq_kv)
+                .map(|_| {
+                    let u = rng.next_f64();
+                    if u < 0.1 { f64::NEG_INFINITY } else { -2.0 * u }
+                })
+                .collect();
+            inputs.push(Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap());
+        }
+        check(&Op::Attention(p), &inputs)?;
+    }
+
+    #[test]
+    fn concat(a0 in 1usize..4, a in 1usize..30, b in 1usize..30, inner in 1usize..40,
+              axis in 0usize..3, dt in dtype(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let mut sa = [a0, inner, 3];
+        let mut sb = sa;
+        sa[axis] = a;
+        sb[axis] = b;
+        let x = random(&mut rng, &sa, dt, -1.0, 1.0);
+        let y = random(&mut rng, &sb, dt, -1.0, 1.0);
+        check(&Op::Concat { axis }, &[x, y])?;
+    }
+
+    #[test]
     fn embedding(n in 1usize..40, vocab in 1usize..60,
                  dim in prop::sample::select(vec![1usize, 3, 8, 64, 100]),
                  dt in dtype(), wide in any::<bool>(), seed: u64) {

@@ -158,68 +158,55 @@ impl Tile for Rows4 {
     }
 }
 
-/// `QR` rows in explicit AVX-512 intrinsics: one zmm accumulator per row (LLVM's
-/// auto-vectorizer spreads generic many-row loops across rows instead and ran 10x
-/// slower). Portable code where the CPU lacks AVX-512.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-struct RowsZmm<const QR: usize>;
+/// Defines the tile type `$name<QR>` that runs the explicit-SIMD micro-kernels of module
+/// `$module` where `$has()` says the CPU can, portable code otherwise.
+macro_rules! simd_rows {
+    ($(#[$doc:meta])* $name:ident, $has:ident, $module:ident) => {
+        $(#[$doc])*
+        #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+        struct $name<const QR: usize>;
 
-impl<const QR: usize> Tile for RowsZmm<QR> {
-    const QR: usize = QR;
+        impl<const QR: usize> Tile for $name<QR> {
+            const QR: usize = QR;
 
-    #[inline(always)]
-    fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
-        #[cfg(target_arch = "x86_64")]
-        if super::simd::has_avx512() {
-            // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { zmm::qk::<QR>(qg, kp, st, ss) };
-        }
-        for (r, a) in qk_tile::<QR>(qg, kp).iter().enumerate() {
-            st[r * ss..r * ss + KC].copy_from_slice(a);
-        }
-    }
+            #[inline(always)]
+            fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
+                #[cfg(target_arch = "x86_64")]
+                if super::simd::$has() {
+                    // SAFETY: the CPU has the module's instruction set (checked above).
+                    return unsafe { $module::qk::<QR>(qg, kp, st, ss) };
+                }
+                for (r, a) in qk_tile::<QR>(qg, kp).iter().enumerate() {
+                    st[r * ss..r * ss + KC].copy_from_slice(a);
+                }
+            }
 
-    #[inline(always)]
-    fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if super::simd::has_avx512() {
-            // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { zmm::pv::<QR>(p, ps, vp, nk, dp, o) };
+            #[inline(always)]
+            fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
+                #[cfg(target_arch = "x86_64")]
+                if super::simd::$has() {
+                    // SAFETY: the CPU has the module's instruction set (checked above).
+                    return unsafe { $module::pv::<QR>(p, ps, vp, nk, dp, o) };
+                }
+                pv_tile::<QR>(p, ps, vp, nk, dp, o);
+            }
         }
-        pv_tile::<QR>(p, ps, vp, nk, dp, o);
-    }
+    };
 }
 
-/// `QR` rows in explicit AVX2 + FMA intrinsics: two ymm accumulators per row. Portable
-/// code where the CPU lacks them.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-struct RowsYmm<const QR: usize>;
-
-impl<const QR: usize> Tile for RowsYmm<QR> {
-    const QR: usize = QR;
-
-    #[inline(always)]
-    fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
-        #[cfg(target_arch = "x86_64")]
-        if super::simd::has_avx2_fma() {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { ymm::qk::<QR>(qg, kp, st, ss) };
-        }
-        for (r, a) in qk_tile::<QR>(qg, kp).iter().enumerate() {
-            st[r * ss..r * ss + KC].copy_from_slice(a);
-        }
-    }
-
-    #[inline(always)]
-    fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if super::simd::has_avx2_fma() {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { ymm::pv::<QR>(p, ps, vp, nk, dp, o) };
-        }
-        pv_tile::<QR>(p, ps, vp, nk, dp, o);
-    }
-}
+simd_rows!(
+    /// `QR` rows in explicit AVX-512 intrinsics, one zmm accumulator per row (LLVM's
+    /// auto-vectorizer spreads generic many-row loops across rows and ran 10x slower).
+    RowsZmm,
+    has_avx512,
+    zmm
+);
+simd_rows!(
+    /// `QR` rows in explicit AVX2 + FMA intrinsics, two ymm accumulators per row.
+    RowsYmm,
+    has_avx2_fma,
+    ymm
+);
 
 /// Generates the `qk` / `pv` micro-kernels (contracts of [`qk_tile`] / [`pv_tile`]) in
 /// one instruction set: `$v` vector type holding `$lanes` f32, `$n = 16 / $lanes`
