@@ -8,7 +8,6 @@
 //!   FP8 needs on Hopper), B = X;
 //! - matmul `Y = A B` with `B [K, N]`: `Yᵀ = Bᵀ Aᵀ`, both untransposed.
 
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Mutex;
@@ -199,20 +198,13 @@ fn layout(
     Ok(l)
 }
 
-/// The descriptors and the chosen algorithm of one GEMM shape, kept across calls (only
-/// the operand pointers change from call to call).
-struct Plan {
-    d: Descriptors,
-    algo: sys::cublasLtMatmulAlgo_t,
-}
-
-/// cuBLASLt on one device: a handle, a workspace and a plan per GEMM shape.
+/// cuBLASLt on one device: a handle, a workspace and the algorithm cache.
 pub struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: DeviceBlock,
     allow_tf32: bool,
     autotune: bool,
-    plans: Mutex<HashMap<GemmShape, Plan>>,
+    algos: Mutex<HashMap<GemmShape, sys::cublasLtMatmulAlgo_t>>,
 }
 
 // SAFETY: the handle is used under the device's single stream; cuBLASLt handles may be
@@ -277,12 +269,11 @@ impl Blas {
             workspace,
             allow_tf32,
             autotune,
-            plans: Mutex::new(HashMap::new()),
+            algos: Mutex::new(HashMap::new()),
         })
     }
 
-    /// The descriptors of `s` (everything but the operand pointers).
-    fn descriptors(&self, s: &GemmShape) -> Result<Descriptors, NvidiaError> {
+    fn descriptors(&self, s: &GemmShape, args: &GemmArgs) -> Result<Descriptors, NvidiaError> {
         let compute = match s.a {
             DType::F32 if self.allow_tf32 => Compute::CUBLAS_COMPUTE_32F_FAST_TF32,
             _ => Compute::CUBLAS_COMPUTE_32F,
@@ -314,28 +305,21 @@ impl Blas {
         };
         set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
         if s.bias {
+            let ptr = args.bias as *const c_void;
+            set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
             set_desc(
                 desc,
                 DescAttr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                 &data_type(s.out)?,
             )?;
         }
-        Ok(d)
-    }
-
-    /// Points the descriptors of `s` at this call's bias and FP8 scales.
-    fn set_pointers(d: &Descriptors, s: &GemmShape, args: &GemmArgs) -> Result<(), NvidiaError> {
-        if s.bias {
-            let ptr = args.bias as *const c_void;
-            set_desc(d.desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
-        }
         if matches!(s.a, DType::F8E4M3 | DType::F8E5M2) {
             // cuBLASLt's A is kpt's second operand.
             let (a, b) = (args.b_scale as *const c_void, args.a_scale as *const c_void);
-            set_desc(d.desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)?;
-            set_desc(d.desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b)?;
+            set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)?;
+            set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b)?;
         }
-        Ok(())
+        Ok(d)
     }
 
     /// Up to `count` algorithms cuBLASLt's heuristic proposes, best first.
@@ -430,8 +414,8 @@ impl Blas {
         .map_err(|e| NvidiaError::cublas("cublasLtMatmul", e))
     }
 
-    /// The algorithm for `s`: the fastest of the heuristic's candidates (timed with
-    /// events when autotuning), else its first.
+    /// The algorithm for `s`: cached, else the fastest of the heuristic's candidates
+    /// (timed with events when autotuning), else its first.
     fn algorithm(
         &self,
         gpu: &Gpu,
@@ -439,6 +423,9 @@ impl Blas {
         d: &Descriptors,
         args: &GemmArgs,
     ) -> Result<sys::cublasLtMatmulAlgo_t, NvidiaError> {
+        if let Some(a) = self.algos.lock().unwrap_or_else(|p| p.into_inner()).get(s) {
+            return Ok(*a);
+        }
         let candidates = self.candidates(
             d,
             if self.autotune {
@@ -478,6 +465,10 @@ impl Blas {
                 "cuBLASLt autotuned"
             );
         }
+        self.algos
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(*s, best.1);
         Ok(best.1)
     }
 
@@ -485,23 +476,13 @@ impl Blas {
     pub fn gemm(&self, gpu: &Gpu, s: &GemmShape, args: &GemmArgs) -> Result<(), NvidiaError> {
         s.validate()?;
         gpu.bind()?;
-        // Held through the launch: a plan's descriptors carry this call's pointers.
-        let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
-        let plan = match plans.entry(*s) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => {
-                let d = self.descriptors(s)?;
-                Self::set_pointers(&d, s, args)?;
-                let algo = self.algorithm(gpu, s, &d, args)?;
-                e.insert(Plan { d, algo })
-            }
-        };
-        Self::set_pointers(&plan.d, s, args)?;
-        self.run(gpu, &plan.d, args, &plan.algo)
+        let d = self.descriptors(s, args)?;
+        let algo = self.algorithm(gpu, s, &d, args)?;
+        self.run(gpu, &d, args, &algo)
     }
 
-    /// Shapes with a plan (descriptors and a chosen algorithm).
+    /// Shapes whose algorithm is cached.
     pub fn tuned_shapes(&self) -> usize {
-        self.plans.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.algos.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 }
