@@ -23,7 +23,7 @@ use kpt_core::{DType, KptError, Result};
 use super::par::for_each_row;
 use super::scratch::Scratch;
 use super::shapes::AttentionShape;
-use super::simd::{dispatch, exp_f32, hsum, Decode, Encode};
+use super::simd::{dispatch, exp_f32_fma, hsum, Decode, Encode};
 use super::softmax::max16;
 use super::{amx, attention_amx};
 
@@ -137,6 +137,10 @@ trait Tile {
     fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize);
     /// See [`pv_tile`].
     fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]);
+    /// `x = exp(x - shift)`, returning the sum ([`exp_inplace_sum`]).
+    fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
+        exp_inplace_sum::<false>(x, shift)
+    }
 }
 
 /// 4 rows of 16 f32 accumulators in portable code (CPUs without AVX2 + FMA).
@@ -189,6 +193,12 @@ macro_rules! simd_rows {
                     return unsafe { $module::pv::<QR>(p, ps, vp, nk, dp, o) };
                 }
                 pv_tile::<QR>(p, ps, vp, nk, dp, o);
+            }
+
+            /// Only dispatched where the CPU has FMA, so `mul_add` is one instruction.
+            #[inline(always)]
+            fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
+                exp_inplace_sum::<true>(x, shift)
             }
         }
     };
@@ -316,20 +326,20 @@ mod ymm {
     );
 }
 
-/// `x = exp(x - shift)` in place, returning the sum.
+/// `x = exp(x - shift)` in place, returning the sum (exp in FMAs when `FMA`).
 #[inline(always)]
-fn exp_inplace_sum(x: &mut [f32], shift: f32) -> f32 {
+fn exp_inplace_sum<const FMA: bool>(x: &mut [f32], shift: f32) -> f32 {
     let mut acc = [0f32; 16];
     let mut chunks = x.chunks_exact_mut(16);
     for c in &mut chunks {
         for j in 0..16 {
-            c[j] = exp_f32(c[j] - shift);
+            c[j] = exp_f32_fma::<FMA>(c[j] - shift);
             acc[j] += c[j];
         }
     }
     let mut t = 0f32;
     for v in chunks.into_remainder() {
-        *v = exp_f32(*v - shift);
+        *v = exp_f32_fma::<FMA>(*v - shift);
         t += *v;
     }
     hsum(acc) + t
@@ -377,7 +387,7 @@ pub(super) fn online_softmax(
             srow.fill(0.0);
             continue;
         }
-        let alpha = exp_f32(m_run[r] - m_new);
+        let alpha = exp_f32_fma::<false>(m_run[r] - m_new);
         let sum = exp_sum(r, srow, m_new);
         l_run[r] = l_run[r] * alpha + sum;
         m_run[r] = m_new;
@@ -467,7 +477,7 @@ fn task<M: Tile>(c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) {
             run,
             &mut o,
             dp,
-            |_, row, m| exp_inplace_sum(row, m),
+            |_, row, m| M::exp_sum(row, m),
         );
         // O += P·V.
         for r0 in (0..rows_pad).step_by(qr) {

@@ -117,6 +117,13 @@ fn pow2i(e: i32) -> f32 {
 /// that results from the subnormal range up to overflow come out right.
 #[inline(always)]
 pub(crate) fn exp_f32(x: f32) -> f32 {
+    exp_f32_fma::<false>(x)
+}
+
+/// [`exp_f32`] with its polynomial and reduction fused into FMAs when `FMA` (only
+/// instantiate `true` where the FMA feature is enabled; see [`fmadd`]).
+#[inline(always)]
+pub(crate) fn exp_f32_fma<const FMA: bool>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4; // 0.693359375, exact in 9 bits: n * LN2_HI is exact.
     const LN2_LO: f32 = -2.121_944_4e-4;
@@ -128,15 +135,19 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     let t = xc * LOG2E + MAGIC;
     let n_f = t - MAGIC;
     let n = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
-    let r = (xc - n_f * LN2_HI) - n_f * LN2_LO;
+    let r = fmadd::<FMA>(-n_f, LN2_LO, fmadd::<FMA>(-n_f, LN2_HI, xc));
     let mut p = 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = fmadd::<FMA>(p, r, c);
+    }
     let n1 = n >> 1;
     p * pow2i(n1) * pow2i(n - n1)
 }
@@ -337,11 +348,12 @@ mod tests {
         let mut x = -103.0f32;
         while x < 88.7 {
             let want = (x as f64).exp();
-            let got = exp_f32(x) as f64;
-            if want > f32::MIN_POSITIVE as f64 {
-                worst = worst.max((got - want).abs() / want);
-            } else {
-                assert!((got - want).abs() <= 2.0 * 1.5e-45, "exp({x})");
+            for got in [exp_f32(x) as f64, exp_f32_fma::<true>(x) as f64] {
+                if want > f32::MIN_POSITIVE as f64 {
+                    worst = worst.max((got - want).abs() / want);
+                } else {
+                    assert!((got - want).abs() <= 2.0 * 1.5e-45, "exp({x})");
+                }
             }
             x += 0.0137;
         }

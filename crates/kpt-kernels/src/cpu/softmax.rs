@@ -3,7 +3,7 @@
 use kpt_core::Result;
 
 use super::par::for_each_row;
-use super::simd::{dispatch, exp_f32, hsum};
+use super::simd::{dispatch, exp_f32_fma, hsum};
 use super::{check_len, checked_product};
 
 /// Maximum of `x` (`-inf` for an empty slice), 16 lanes.
@@ -26,20 +26,20 @@ pub(crate) fn max16(x: &[f32]) -> f32 {
 
 /// `out = exp(x - shift)`, returning the sum of `out` (16 partial sums).
 #[inline(always)]
-pub(crate) fn exp_shift_sum(x: &[f32], shift: f32, out: &mut [f32]) -> f32 {
+pub(crate) fn exp_shift_sum<const FMA: bool>(x: &[f32], shift: f32, out: &mut [f32]) -> f32 {
     let mut acc = [0f32; 16];
     let mut xc = x.chunks_exact(16);
     let mut oc = out.chunks_exact_mut(16);
     for (c, o) in (&mut xc).zip(&mut oc) {
         for j in 0..16 {
-            let e = exp_f32(c[j] - shift);
+            let e = exp_f32_fma::<FMA>(c[j] - shift);
             o[j] = e;
             acc[j] += e;
         }
     }
     let mut t = 0f32;
     for (&v, o) in xc.remainder().iter().zip(oc.into_remainder()) {
-        *o = exp_f32(v - shift);
+        *o = exp_f32_fma::<FMA>(v - shift);
         t += *o;
     }
     hsum(acc) + t
@@ -52,7 +52,7 @@ fn softmax_row<const FMA: bool>(x: &[f32], out: &mut [f32]) {
         out.fill(0.0);
         return;
     }
-    let sum = exp_shift_sum(x, max, out);
+    let sum = exp_shift_sum::<FMA>(x, max, out);
     let inv = 1.0 / sum;
     for o in out.iter_mut() {
         *o *= inv;
