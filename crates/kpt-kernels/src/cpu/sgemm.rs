@@ -257,142 +257,130 @@ pub(crate) use x86::{Avx2, Avx512};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use std::arch::x86_64::{
-        __m256, __m512, _mm256_add_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps,
-        _mm256_setzero_ps, _mm256_storeu_ps, _mm512_add_ps, _mm512_fmadd_ps, _mm512_loadu_ps,
-        _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_T0,
-    };
+    use std::arch::x86_64::*;
 
     use super::Micro;
     use crate::cpu::simd;
 
-    /// The AVX-512 micro-kernel (12 × 32); only constructed where the CPU has AVX-512.
-    #[derive(Clone, Copy)]
-    pub(crate) struct Avx512(());
+    /// Defines the micro-kernel type `$name` (constructed only where `simd::$has()`):
+    /// an `$mr × ($lanes · $nv)` register tile of `$v` vectors in the instruction set
+    /// `$feature`, with C prefetched first.
+    macro_rules! micro_kernel {
+        ($(#[$doc:meta])* $name:ident, $has:ident, $feature:literal, $v:ty, $lanes:literal,
+         mr = $mr:literal, nv = $nv:literal, kc = $kc:literal, nc = $nc:literal,
+         $zero:ident, $load:ident, $store:ident, $set1:ident, $fma:ident, $add:ident) => {
+            $(#[$doc])*
+            #[derive(Clone, Copy)]
+            pub(crate) struct $name(());
 
-    impl Avx512 {
-        /// The kernel, if this CPU has AVX-512.
-        pub(crate) fn detect() -> Option<Self> {
-            simd::has_avx512().then_some(Self(()))
-        }
-    }
-
-    impl Micro for Avx512 {
-        const MR: usize = 12;
-        const NR: usize = 32;
-        const KC: usize = 256;
-        const NC: usize = 512;
-
-        unsafe fn tile(self, a: &[f32], b: &[f32], c: *mut f32, ldc: usize, accumulate: bool) {
-            // SAFETY: an `Avx512` exists only where the CPU has AVX-512; the caller
-            // upholds the pointer contract.
-            unsafe { tile_zmm::<12, 32, 2>(a, b, c, ldc, accumulate) }
-        }
-    }
-
-    /// The AVX-512 register tile `MR × NR` (`NR = 16 * NV`) with C prefetched first.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn tile_zmm<const MR: usize, const NR: usize, const NV: usize>(
-        a: &[f32],
-        b: &[f32],
-        c: *mut f32,
-        ldc: usize,
-        accumulate: bool,
-    ) {
-        debug_assert_eq!(NR, 16 * NV);
-        for r in 0..MR {
-            for v in 0..NR.div_ceil(16) {
-                // SAFETY: a prefetch never faults; the address is inside the tile.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16 * v) as *const i8) };
-            }
-        }
-        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
-        let (a, _) = a.as_chunks::<MR>();
-        let (b, _) = b.as_chunks::<NR>();
-        for (av, bv) in a.iter().zip(b) {
-            // SAFETY: `bv` holds NR = 16 * NV f32; unaligned loads.
-            let bw: [__m512; NV] =
-                std::array::from_fn(|v| unsafe { _mm512_loadu_ps(bv[16 * v..].as_ptr()) });
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let x = _mm512_set1_ps(av[r]);
-                for v in 0..NV {
-                    acc[v] = _mm512_fmadd_ps(x, bw[v], acc[v]);
+            impl $name {
+                /// The kernel, if this CPU has its instruction set.
+                pub(crate) fn detect() -> Option<Self> {
+                    simd::$has().then_some(Self(()))
                 }
             }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            for (v, &x) in acc.iter().enumerate() {
-                // SAFETY: row r of the tile: NR writable f32 at c + r * ldc (caller).
-                unsafe {
-                    let p = c.add(r * ldc + 16 * v);
-                    let y = if accumulate {
-                        _mm512_add_ps(x, _mm512_loadu_ps(p))
-                    } else {
-                        x
-                    };
-                    _mm512_storeu_ps(p, y);
+
+            impl Micro for $name {
+                const MR: usize = $mr;
+                const NR: usize = $lanes * $nv;
+                const KC: usize = $kc;
+                const NC: usize = $nc;
+
+                unsafe fn tile(
+                    self,
+                    a: &[f32],
+                    b: &[f32],
+                    c: *mut f32,
+                    ldc: usize,
+                    accumulate: bool,
+                ) {
+                    #[target_feature(enable = $feature)]
+                    unsafe fn kernel(
+                        a: &[f32],
+                        b: &[f32],
+                        c: *mut f32,
+                        ldc: usize,
+                        accumulate: bool,
+                    ) {
+                        for r in 0..$mr {
+                            for v in 0..($lanes * $nv as usize).div_ceil(16) {
+                                // SAFETY: a prefetch never faults; the address is in the tile.
+                                unsafe {
+                                    _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16 * v) as *const i8)
+                                };
+                            }
+                        }
+                        let mut acc: [[$v; $nv]; $mr] = [[$zero(); $nv]; $mr];
+                        let (a, _) = a.as_chunks::<$mr>();
+                        let (b, _) = b.as_chunks::<{ $lanes * $nv }>();
+                        for (av, bv) in a.iter().zip(b) {
+                            // SAFETY: `bv` holds $lanes · $nv f32; unaligned loads.
+                            let bw: [$v; $nv] = std::array::from_fn(|i| unsafe {
+                                $load(bv[$lanes * i..].as_ptr())
+                            });
+                            for (acc, &x) in acc.iter_mut().zip(av) {
+                                let x = $set1(x);
+                                for i in 0..$nv {
+                                    acc[i] = $fma(x, bw[i], acc[i]);
+                                }
+                            }
+                        }
+                        for (r, acc) in acc.iter().enumerate() {
+                            for (i, &x) in acc.iter().enumerate() {
+                                // SAFETY: row r of the tile: NR writable f32 at c + r·ldc.
+                                unsafe {
+                                    let p = c.add(r * ldc + $lanes * i);
+                                    let y = if accumulate { $add(x, $load(p)) } else { x };
+                                    $store(p, y);
+                                }
+                            }
+                        }
+                    }
+                    // SAFETY: this type exists only where the CPU has `$feature`; the
+                    // caller upholds the slice and pointer contract.
+                    unsafe { kernel(a, b, c, ldc, accumulate) }
                 }
             }
-        }
+        };
     }
 
-    /// The AVX2 + FMA micro-kernel (6 × 16); only constructed where the CPU has both.
-    #[derive(Clone, Copy)]
-    pub(crate) struct Avx2(());
+    micro_kernel!(
+        /// The AVX-512 micro-kernel: 12 × 32 in 24 zmm accumulators.
+        Avx512,
+        has_avx512,
+        "avx512f",
+        __m512,
+        16,
+        mr = 12,
+        nv = 2,
+        kc = 256,
+        nc = 512,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_add_ps
+    );
 
-    impl Avx2 {
-        /// The kernel, if this CPU has AVX2 and FMA.
-        pub(crate) fn detect() -> Option<Self> {
-            simd::has_avx2_fma().then_some(Self(()))
-        }
-    }
-
-    impl Micro for Avx2 {
-        const MR: usize = 6;
-        const NR: usize = 16;
-        const KC: usize = 256;
-        const NC: usize = 256;
-
-        unsafe fn tile(self, a: &[f32], b: &[f32], c: *mut f32, ldc: usize, accumulate: bool) {
-            // SAFETY: an `Avx2` exists only where the CPU has AVX2 and FMA; the caller
-            // upholds the pointer contract.
-            unsafe { tile_6x16(a, b, c, ldc, accumulate) }
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile_6x16(a: &[f32], b: &[f32], c: *mut f32, ldc: usize, accumulate: bool) {
-        let mut acc: [[__m256; 2]; 6] = [[_mm256_setzero_ps(); 2]; 6];
-        let (a, _) = a.as_chunks::<6>();
-        let (b, _) = b.as_chunks::<16>();
-        for (av, bv) in a.iter().zip(b) {
-            // SAFETY: `bv` holds 16 f32; unaligned loads.
-            let (b0, b1) = unsafe {
-                (
-                    _mm256_loadu_ps(bv.as_ptr()),
-                    _mm256_loadu_ps(bv[8..].as_ptr()),
-                )
-            };
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let x = _mm256_set1_ps(av[r]);
-                acc[0] = _mm256_fmadd_ps(x, b0, acc[0]);
-                acc[1] = _mm256_fmadd_ps(x, b1, acc[1]);
-            }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            // SAFETY: row r of the tile: 16 writable f32 at c + r * ldc (caller).
-            unsafe {
-                let row = c.add(r * ldc);
-                let (mut v0, mut v1) = (acc[0], acc[1]);
-                if accumulate {
-                    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(row));
-                    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(row.add(8)));
-                }
-                _mm256_storeu_ps(row, v0);
-                _mm256_storeu_ps(row.add(8), v1);
-            }
-        }
-    }
+    micro_kernel!(
+        /// The AVX2 + FMA micro-kernel: 6 × 16 in 12 ymm accumulators.
+        Avx2,
+        has_avx2_fma,
+        "avx2,fma",
+        __m256,
+        8,
+        mr = 6,
+        nv = 2,
+        kc = 256,
+        nc = 256,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_add_ps
+    );
 }
 
 #[cfg(test)]
