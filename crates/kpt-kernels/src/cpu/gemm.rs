@@ -1,7 +1,7 @@
 //! Dense matrix products `out[m,n] = a[m,k] · b[k,n]` (row-major).
 //!
-//! f32 runs on kpt's own packed GEMM (`sgemm`) where the CPU has AVX2 + FMA or AVX-512,
-//! and on the `gemm` crate elsewhere (or with `KPT_CPU_GEMM=crate`). bf16 runs on
+//! f32 runs on kpt's own packed GEMM (`sgemm`) where the CPU has AVX-512, and on the
+//! `gemm` crate elsewhere; `KPT_CPU_GEMM=crate` or `own` forces one. bf16 runs on
 //! AMX tiles where the CPU and OS offer them (see `amx`). Otherwise bf16 and f16 inputs
 //! are widened to f32 (exact), multiplied
 //! with the f32 kernel (f32 accumulation) and the result is rounded once to the output
@@ -45,11 +45,22 @@ impl Strided<'_> {
     }
 }
 
-/// Whether `KPT_CPU_GEMM=crate` asks for the `gemm` crate's f32 kernels instead of
-/// kpt's own (read once).
-fn crate_gemm_forced() -> bool {
-    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var("KPT_CPU_GEMM").is_ok_and(|v| v == "crate"))
+/// Which f32 GEMM runs: `KPT_CPU_GEMM=crate` or `own` forces one, otherwise kpt's own
+/// where the CPU has AVX-512 (read once).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GemmChoice {
+    Auto,
+    Crate,
+    Own,
+}
+
+fn gemm_choice() -> GemmChoice {
+    static CHOICE: std::sync::OnceLock<GemmChoice> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("KPT_CPU_GEMM").as_deref() {
+        Ok("crate") => GemmChoice::Crate,
+        Ok("own") => GemmChoice::Own,
+        _ => GemmChoice::Auto,
+    })
 }
 
 /// `dst[m, n] (row stride dst_rs, column stride 1) = lhs[m, k] · rhs[k, n]` in f32, with
@@ -89,12 +100,13 @@ pub(crate) fn gemm_f32_raw(
         return true;
     }
     #[cfg(target_arch = "x86_64")]
-    if !crate_gemm_forced() {
+    if gemm_choice() != GemmChoice::Crate {
         if let Some(mk) = sgemm::Avx512::detect() {
             sgemm::sgemm(mk, m, n, k, dst, dst_rs, lhs, rhs, epi);
             return true;
         }
-        if let Some(mk) = sgemm::Avx2::detect() {
+        // On AVX2 the `gemm` crate measured faster at large sizes (see docs/decisions.md).
+        if let (GemmChoice::Own, Some(mk)) = (gemm_choice(), sgemm::Avx2::detect()) {
             sgemm::sgemm(mk, m, n, k, dst, dst_rs, lhs, rhs, epi);
             return true;
         }

@@ -1,5 +1,6 @@
-//! kpt's own f32 GEMM for x86-64 with AVX2 + FMA or AVX-512 (the `gemm` crate serves
-//! other CPUs): the structure of BLIS and of the kernels in MKL / oneDNN.
+//! kpt's own f32 GEMM for x86-64, the structure of BLIS and of the kernels in MKL /
+//! oneDNN. The default on AVX-512 CPUs; its AVX2 kernel runs with `KPT_CPU_GEMM=own`
+//! (the `gemm` crate measured faster on AVX2) and in this module's tests.
 //!
 //! - The output is split into one rectangle of micro-tiles per rayon thread (see
 //!   [`split`]). Each task packs the operand blocks it needs itself, right before use,
@@ -396,6 +397,85 @@ mod tests {
         // A single row of panels: split the columns only, and the other way round.
         assert_eq!(split(1, 64, 12, 32, 8), (1, 8));
         assert_eq!(split(64, 1, 12, 32, 8), (8, 1));
+    }
+
+    /// The driver (packing, task split, edge tiles, k blocks, epilogue) with every
+    /// micro-kernel this CPU has, against a plain f64 product.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn sgemm_matches_a_plain_product() {
+        fn check<M: Micro>(mk: M) {
+            for (m, k, n, transposed) in [
+                (1, 1, 1, false),
+                (7, 300, 45, true),
+                (37, 513, 70, false),
+                (130, 260, 600, true),
+            ] {
+                let a: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
+                    .collect();
+                let b: Vec<f32> = (0..k * n)
+                    .map(|i| ((i * 5 % 11) as f32 - 5.0) / 8.0)
+                    .collect();
+                // B as given, or stored transposed ([n, k]) like a linear layer's weights.
+                let (bt, rhs) = if transposed {
+                    let mut t = vec![0f32; n * k];
+                    for p in 0..k {
+                        for j in 0..n {
+                            t[j * k + p] = b[p * n + j];
+                        }
+                    }
+                    (t, (1, k))
+                } else {
+                    (b.clone(), (n, 1))
+                };
+                let ldc = n + 3;
+                let mut c = vec![f32::NAN; (m - 1) * ldc + n];
+                let epi = |seg: &mut [f32], c0: usize| {
+                    seg.iter_mut()
+                        .enumerate()
+                        .for_each(|(j, x)| *x += (c0 + j) as f32)
+                };
+                sgemm(
+                    mk,
+                    m,
+                    n,
+                    k,
+                    &mut c,
+                    ldc,
+                    Strided {
+                        data: &a,
+                        rs: k,
+                        cs: 1,
+                    },
+                    Strided {
+                        data: &bt,
+                        rs: rhs.0,
+                        cs: rhs.1,
+                    },
+                    Some(&epi),
+                );
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|p| f64::from(a[i * k + p]) * f64::from(b[p * n + j]))
+                            .sum::<f64>()
+                            + j as f64;
+                        let got = f64::from(c[i * ldc + j]);
+                        assert!(
+                            (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                            "{m}x{k}x{n} [{i},{j}]: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+        if let Some(mk) = Avx2::detect() {
+            check(mk);
+        }
+        if let Some(mk) = Avx512::detect() {
+            check(mk);
+        }
     }
 
     #[test]
