@@ -395,6 +395,12 @@ impl CudaBackend {
             }
             Op::Attention(p) => {
                 let (qs, ks) = (&x.shape, &inputs[1].spec.shape);
+                if qs.len() != 3 || ks.len() != 3 {
+                    return Err(err(format!(
+                        "attention takes q [batch, seq_q, heads * d] and k, v \
+                         [batch, seq_kv, kv_heads * d], not {qs:?} and {ks:?}"
+                    )));
+                }
                 let dims = AttentionDims::new(
                     qs[0],
                     qs[1],
@@ -425,6 +431,9 @@ impl CudaBackend {
                 )?;
             }
             Op::Concat { axis } => {
+                if inputs.iter().any(|r| r.spec.shape.len() <= *axis) {
+                    return Err(err(format!("concat axis {axis} is past an input's rank")));
+                }
                 // Each input is `outer` rows of its slab; the output interleaves them.
                 let outer: usize = x.shape[..*axis].iter().product();
                 let slab = |r: &BufferRef<'_>| -> usize {
