@@ -2,20 +2,23 @@
 //! oneDNN. The default on AVX-512 CPUs; its AVX2 kernel runs with `KPT_CPU_GEMM=own`
 //! (the `gemm` crate measured faster on AVX2) and in this module's tests.
 //!
-//! - The output is split into one rectangle of micro-tiles per rayon thread (see
-//!   [`split`]). Each task packs the operand blocks it needs itself, right before use,
-//!   into its thread's scratch buffers, so packed data never leaves the core's caches:
-//!   blocks of `NC` columns, then k blocks of `KC`; the B block (`KC × NC`, `NR`-column
-//!   micro-panels stored k-major, in L2), then per `MR` rows an A micro-panel
-//!   (`KC × MR`, in L1) that meets every B micro-panel of the block. Panels are
-//!   zero-padded at the edges; any row / column strides are accepted, so transposed
-//!   operands (the weights of a linear layer, `[n, k]`) cost nothing extra.
+//! - Both operands are packed once, in parallel, into zero-padded micro-panels that
+//!   hold every k step: `MR` rows of A (`K × MR`) and `NR` columns of B (`K × NR`),
+//!   k-major. Any row / column strides are accepted, so transposed operands (the
+//!   weights of a linear layer, `[n, k]`) cost nothing extra. Operands larger than
+//!   [`PACK_LIMIT`] are packed and multiplied a chunk of rows or columns at a time.
+//! - The output is then cut into [`TASKS_PER_THREAD`] small rectangles per thread (see
+//!   [`task_shape`]) that rayon's threads take as they go, so a thread on a slower
+//!   or busier core takes fewer of them: on a 16-core VM the same static share ran
+//!   from 9.5 to 20 ms on different threads of one call. A task walks k blocks of `KC`;
+//!   per block its A micro-panel (`KC × MR`, in L1) meets each of its B micro-panels
+//!   (`KC × NR`, all of them in L2).
 //! - The micro-kernel keeps an `MR × NR` tile of f32 accumulators in registers
 //!   (AVX-512: 12 × 32 in 24 zmm; AVX2: 6 × 16 in 12 ymm), broadcasts one A value per
 //!   row and k step and issues two FMAs per row; it adds to the output after the first
 //!   k block. Edge tiles run the same kernel on a local tile.
-//! - An optional epilogue (bias, activation) runs on each finished row segment while it
-//!   is still in cache.
+//! - An optional epilogue (bias, activation) runs on each finished row segment of a
+//!   task while it is still in cache.
 
 use rayon::prelude::*;
 
@@ -30,8 +33,6 @@ pub(crate) trait Micro: Copy + Send + Sync {
     const NR: usize;
     /// k steps per block (the A micro-panel, `MR × KC`, stays in L1).
     const KC: usize;
-    /// Columns per block of B kept in L2 (a multiple of `NR`).
-    const NC: usize;
 
     /// `c[MR × NR] = (accumulate ? c : 0) + Σ_p a[p][..] ⊗ b[p][..]` over
     /// `kc = a.len() / MR` steps.
@@ -59,6 +60,14 @@ unsafe impl Sync for OutPtr {}
 /// Below this many multiply-adds the product runs on the calling thread.
 const PAR_THRESHOLD: usize = 1 << 17;
 
+/// Largest packed operand chunk, in f32 (32 MiB): bigger operands are packed and
+/// multiplied a chunk of rows (A) or columns (B) at a time.
+const PACK_LIMIT: usize = 8 << 20;
+
+/// Tasks per thread the output is cut into, so that threads that run slower (a busy
+/// core, a shared one) take fewer tasks instead of holding up the call.
+const TASKS_PER_THREAD: usize = 6;
+
 /// `dst[m, n] (row stride dst_rs) = lhs[m, k] · rhs[k, n]`, then `epi` on every output
 /// row segment. The caller has checked that every view fits its slice and that
 /// `m`, `n`, `k` are non-zero.
@@ -74,15 +83,31 @@ pub(crate) fn sgemm<M: Micro>(
     rhs: Strided<'_>,
     epi: Option<Epilogue<'_>>,
 ) {
-    let (mp, np) = (m.div_ceil(M::MR), n.div_ceil(M::NR));
+    sgemm_chunked(mk, (m, n, k), dst, dst_rs, (lhs, rhs), epi, PACK_LIMIT);
+}
+
+/// [`sgemm`] with operands packed at most `pack_limit` f32 at a time.
+fn sgemm_chunked<M: Micro>(
+    mk: M,
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    (lhs, rhs): (Strided<'_>, Strided<'_>),
+    epi: Option<Epilogue<'_>>,
+    pack_limit: usize,
+) {
+    let (mr, nr) = (M::MR, M::NR);
+    let (mp, np) = (m.div_ceil(mr), n.div_ceil(nr));
     let work = m.saturating_mul(n).saturating_mul(k);
     let threads = if work >= PAR_THRESHOLD {
         rayon::current_num_threads()
     } else {
         1
     };
-    let (pm, pn) = split(mp, np, M::MR, M::NR, threads);
-    let (rows_per, cols_per) = (mp.div_ceil(pm), np.div_ceil(pn));
+    let a_chunk = (pack_limit / (k * mr)).clamp(1, mp);
+    let b_chunk = (pack_limit / (k * nr)).clamp(1, np);
+    let mut ap = Scratch::<f32>::new(a_chunk * mr * k);
+    let mut bp = Scratch::<f32>::new(b_chunk * nr * k);
     debug_assert!(dst.len() > (m - 1) * dst_rs + n - 1);
     let out = OutPtr(dst.as_mut_ptr());
     let d = Dims {
@@ -91,19 +116,195 @@ pub(crate) fn sgemm<M: Micro>(
         k,
         ldc: dst_rs,
     };
-    let task = |t: usize| {
-        let (ti, tj) = (t / pn, t % pn);
-        let ip = ti * rows_per..((ti + 1) * rows_per).min(mp);
-        let jp = tj * cols_per..((tj + 1) * cols_per).min(np);
-        // SAFETY: the rectangles of different `t` are disjoint (rows `ip` × columns
-        // `jp` of a pm × pn grid), `out` covers every output element (checked by the
-        // caller), and `dst` stays borrowed until all tasks are done.
-        unsafe { rectangle(mk, lhs, rhs, out, d, ip, jp, epi) };
+    let a_op = Operand {
+        data: lhs.data,
+        lines: m,
+        ls: lhs.rs,
+        ps: lhs.cs,
     };
-    if pm * pn == 1 {
-        task(0);
+    let b_op = Operand {
+        data: rhs.data,
+        lines: n,
+        ls: rhs.cs,
+        ps: rhs.rs,
+    };
+    for i0 in (0..mp).step_by(a_chunk) {
+        let i1 = (i0 + a_chunk).min(mp);
+        let ap = &mut ap[..(i1 - i0) * mr * k];
+        for j0 in (0..np).step_by(b_chunk) {
+            let j1 = (j0 + b_chunk).min(np);
+            let bp = &mut bp[..(j1 - j0) * nr * k];
+            let pack_b = |bp: &mut [f32]| b_op.pack_panels(bp, nr, k, j0, threads > 1);
+            if j0 == 0 {
+                let pack_a = |ap: &mut [f32]| a_op.pack_panels(ap, mr, k, i0, threads > 1);
+                if threads > 1 {
+                    rayon::join(|| pack_a(ap), || pack_b(bp));
+                } else {
+                    pack_a(ap);
+                    pack_b(bp);
+                }
+            } else {
+                pack_b(bp);
+            }
+            let (ap, bp) = (&*ap, &*bp);
+            let (mb, nb) = task_shape(i1 - i0, j1 - j0, mr, nr, threads);
+            let (tm, tn) = ((i1 - i0).div_ceil(mb), (j1 - j0).div_ceil(nb));
+            let task = |t: usize| {
+                let (ti, tj) = (t / tn, t % tn);
+                let ip = i0 + ti * mb..(i0 + (ti + 1) * mb).min(i1);
+                let jp = j0 + tj * nb..(j0 + (tj + 1) * nb).min(j1);
+                // SAFETY: the rectangles of different `t` are disjoint (rows `ip` ×
+                // columns `jp` of a tm × tn grid), `out` covers every output element
+                // (checked by the caller), and `dst` stays borrowed until all tasks are
+                // done.
+                unsafe { packed_rectangle(mk, ap, bp, (i0, j0), out, d, ip, jp, epi) };
+            };
+            if threads > 1 {
+                (0..tm * tn).into_par_iter().for_each(task);
+            } else {
+                (0..tm * tn).for_each(task);
+            }
+        }
+    }
+}
+
+/// An operand as lines (rows of A, columns of B) of k steps: element `(l, p)` at
+/// `data[l * ls + p * ps]`.
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a [f32],
+    lines: usize,
+    ls: usize,
+    ps: usize,
+}
+
+impl Operand<'_> {
+    /// Packs consecutive panels of `width` lines, from panel `first`, each over all
+    /// `k` steps, into `out` (`k · width` f32 per panel).
+    fn pack_panels(&self, out: &mut [f32], width: usize, k: usize, first: usize, par: bool) {
+        let one = |(p, panel): (usize, &mut [f32])| {
+            pack(
+                panel,
+                width,
+                (first + p) * width,
+                self.lines,
+                0,
+                self.data,
+                self.ls,
+                self.ps,
+            )
+        };
+        if par {
+            out.par_chunks_mut(width * k).enumerate().for_each(one);
+        } else {
+            out.chunks_mut(width * k).enumerate().for_each(one);
+        }
+    }
+}
+
+/// Task rectangle `(row panels, column panels)` for `mp × np` micro-tiles of `mr × nr`
+/// on `threads`: from 192 × 256 outputs (operand traffic per multiply-add low, the
+/// B block in L2), halving the longer side until there are `TASKS_PER_THREAD` tasks
+/// per thread or the rectangle is one tile.
+fn task_shape(mp: usize, np: usize, mr: usize, nr: usize, threads: usize) -> (usize, usize) {
+    let (mut mb, mut nb) = ((192 / mr).clamp(1, mp), (256 / nr).clamp(1, np));
+    let want = if threads > 1 {
+        threads * TASKS_PER_THREAD
     } else {
-        (0..pm * pn).into_par_iter().for_each(task);
+        1
+    };
+    while mp.div_ceil(mb) * np.div_ceil(nb) < want && (mb > 1 || nb > 1) {
+        if nb > 1 && nb * nr >= mb * mr {
+            nb = nb.div_ceil(2);
+        } else {
+            mb = mb.div_ceil(2);
+        }
+    }
+    (mb, nb)
+}
+
+/// Computes the output rectangle of row panels `ip` × column panels `jp` from packed
+/// panels (`ap` from row panel `base.0`, `bp` from column panel `base.1`).
+///
+/// # Safety
+/// `out` points at the output (`m` rows, `ldc` apart, `n` columns each) and no other
+/// thread accesses this rectangle during the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn packed_rectangle<M: Micro>(
+    mk: M,
+    ap: &[f32],
+    bp: &[f32],
+    base: (usize, usize),
+    out: OutPtr,
+    d: Dims,
+    ip: std::ops::Range<usize>,
+    jp: std::ops::Range<usize>,
+    epi: Option<Epilogue<'_>>,
+) {
+    let (mr, nr, k) = (M::MR, M::NR, d.k);
+    let mut kb = 0;
+    while kb < k {
+        let kc = M::KC.min(k - kb);
+        for i in ip.clone() {
+            let a = &ap[(i - base.0) * mr * k + kb * mr..][..kc * mr];
+            for j in jp.clone() {
+                let b = &bp[(j - base.1) * nr * k + kb * nr..][..kc * nr];
+                // SAFETY: tile (i, j) is in this task's rectangle (caller).
+                unsafe { tile(mk, a, b, out, d, i, j, kb > 0) };
+            }
+        }
+        kb += kc;
+    }
+    if let Some(f) = epi {
+        let c0 = jp.start * nr;
+        let width = (jp.end * nr).min(d.n) - c0;
+        for r in ip.start * mr..(ip.end * mr).min(d.m) {
+            // SAFETY: a finished row segment of this task's rectangle.
+            let seg = unsafe { std::slice::from_raw_parts_mut(out.0.add(r * d.ldc + c0), width) };
+            f(seg, c0);
+        }
+    }
+}
+
+/// Runs the micro-kernel on output tile `(i, j)`; edge tiles go through a local buffer.
+///
+/// # Safety
+/// Tile `(i, j)` lies inside the output `out` points at and no other thread accesses
+/// it during the call; `a`, `b` hold the same number of k steps.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn tile<M: Micro>(
+    mk: M,
+    a: &[f32],
+    b: &[f32],
+    out: OutPtr,
+    d: Dims,
+    i: usize,
+    j: usize,
+    accumulate: bool,
+) {
+    let (mr, nr) = (M::MR, M::NR);
+    let (rows, cols) = (mr.min(d.m - i * mr), nr.min(d.n - j * nr));
+    // SAFETY: tile (i, j) lies inside the output (caller).
+    let c = unsafe { out.0.add(i * mr * d.ldc + j * nr) };
+    if rows == mr && cols == nr {
+        // SAFETY: a full tile: MR rows × NR columns of the output; a, b hold kc steps.
+        unsafe { mk.tile(a, b, c, d.ldc, accumulate) };
+        return;
+    }
+    let mut edge = [0f32; MAX_TILE];
+    let t = &mut edge[..mr * nr];
+    for r in 0..rows {
+        // SAFETY: row r < rows, columns < cols: inside the tile.
+        let src = unsafe { std::slice::from_raw_parts(c.add(r * d.ldc), cols) };
+        t[r * nr..r * nr + cols].copy_from_slice(src);
+    }
+    // SAFETY: `t` holds MR × NR f32 (ldc = NR); a, b hold kc steps.
+    unsafe { mk.tile(a, b, t.as_mut_ptr(), nr, accumulate) };
+    for r in 0..rows {
+        // SAFETY: as for the copy in.
+        let dst = unsafe { std::slice::from_raw_parts_mut(c.add(r * d.ldc), cols) };
+        dst.copy_from_slice(&t[r * nr..r * nr + cols]);
     }
 }
 
@@ -114,23 +315,6 @@ struct Dims {
     n: usize,
     k: usize,
     ldc: usize,
-}
-
-/// The task grid `(row groups, column groups)` for `mp × np` micro-tiles of
-/// `mr × nr` on `threads`, minimizing the largest task's estimated time: its
-/// multiply-adds (32 per cycle) plus half of its operand traffic per k step
-/// (`rows + columns` f32 at about 16 bytes per cycle), which favours square tasks.
-fn split(mp: usize, np: usize, mr: usize, nr: usize, threads: usize) -> (usize, usize) {
-    let mut best = (usize::MAX, 1, 1);
-    for pm in 1..=threads.min(mp) {
-        let pn = (threads / pm).clamp(1, np);
-        let (r, c) = (mp.div_ceil(pm), np.div_ceil(pn));
-        let cost = r * c * mr * nr * 4 + (r * mr + c * nr) * 16;
-        if cost < best.0 {
-            best = (cost, mp.div_ceil(r), np.div_ceil(c));
-        }
-    }
-    (best.1, best.2)
 }
 
 /// Packs lines `first..first + width` (rows of A or columns of B; `lines` in all) over
@@ -175,84 +359,6 @@ fn pack(
     }
 }
 
-/// Computes the output rectangle of row panels `ip` × column panels `jp`.
-///
-/// # Safety
-/// `out` points at the output (`m` rows, `ldc` apart, `n` columns each) and no other
-/// thread accesses this rectangle during the call.
-#[allow(clippy::too_many_arguments)]
-unsafe fn rectangle<M: Micro>(
-    mk: M,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    out: OutPtr,
-    d: Dims,
-    ip: std::ops::Range<usize>,
-    jp: std::ops::Range<usize>,
-    epi: Option<Epilogue<'_>>,
-) {
-    let (mr, nr, k) = (M::MR, M::NR, d.k);
-    assert!(mr * nr <= MAX_TILE, "register tile larger than MAX_TILE");
-    let block = (M::NC / nr).max(1);
-    let mut ap = Scratch::<f32>::new(M::KC * mr);
-    let mut bp = Scratch::<f32>::new(M::KC * nr * block.min(jp.len()));
-    let mut edge = [0f32; MAX_TILE];
-    let mut tile = |a: &[f32], b: &[f32], i: usize, j: usize, accumulate: bool| {
-        let (rows, cols) = (mr.min(d.m - i * mr), nr.min(d.n - j * nr));
-        // SAFETY: tile (i, j) lies in this task's rectangle (caller), inside the output.
-        let c = unsafe { out.0.add(i * mr * d.ldc + j * nr) };
-        if rows == mr && cols == nr {
-            // SAFETY: a full tile: MR rows × NR columns of the output; a, b hold kc steps.
-            unsafe { mk.tile(a, b, c, d.ldc, accumulate) };
-            return;
-        }
-        let t = &mut edge[..mr * nr];
-        for r in 0..rows {
-            // SAFETY: row r < rows, columns < cols: inside the tile.
-            let src = unsafe { std::slice::from_raw_parts(c.add(r * d.ldc), cols) };
-            t[r * nr..r * nr + cols].copy_from_slice(src);
-        }
-        // SAFETY: `t` holds MR × NR f32 (ldc = NR); a, b hold kc steps.
-        unsafe { mk.tile(a, b, t.as_mut_ptr(), nr, accumulate) };
-        for r in 0..rows {
-            // SAFETY: as for the copy in.
-            let dst = unsafe { std::slice::from_raw_parts_mut(c.add(r * d.ldc), cols) };
-            dst.copy_from_slice(&t[r * nr..r * nr + cols]);
-        }
-    };
-    let mut jc = jp.start;
-    while jc < jp.end {
-        let jc_end = (jc + block).min(jp.end);
-        let mut kb = 0;
-        while kb < k {
-            let kc = M::KC.min(k - kb);
-            let bblock = &mut bp[..(jc_end - jc) * kc * nr];
-            for (j, panel) in (jc..).zip(bblock.chunks_exact_mut(kc * nr)) {
-                pack(panel, nr, j * nr, d.n, kb, rhs.data, rhs.cs, rhs.rs);
-            }
-            for i in ip.clone() {
-                let a = &mut ap[..kc * mr];
-                pack(a, mr, i * mr, d.m, kb, lhs.data, lhs.rs, lhs.cs);
-                for (j, b) in (jc..).zip(bblock.chunks_exact(kc * nr)) {
-                    tile(a, b, i, j, kb > 0);
-                }
-            }
-            kb += kc;
-        }
-        if let Some(f) = epi {
-            let c0 = jc * nr;
-            let width = (jc_end * nr).min(d.n) - c0;
-            for r in ip.start * mr..(ip.end * mr).min(d.m) {
-                // SAFETY: a finished row segment of this task's rectangle.
-                let seg =
-                    unsafe { std::slice::from_raw_parts_mut(out.0.add(r * d.ldc + c0), width) };
-                f(seg, c0);
-            }
-        }
-        jc = jc_end;
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{Avx2, Avx512};
 
@@ -268,7 +374,7 @@ mod x86 {
     /// `$feature`, with C prefetched first.
     macro_rules! micro_kernel {
         ($(#[$doc:meta])* $name:ident, $has:ident, $feature:literal, $v:ty, $lanes:literal,
-         mr = $mr:literal, nv = $nv:literal, kc = $kc:literal, nc = $nc:literal,
+         mr = $mr:literal, nv = $nv:literal, kc = $kc:literal,
          $zero:ident, $load:ident, $store:ident, $set1:ident, $fma:ident, $add:ident) => {
             $(#[$doc])*
             #[derive(Clone, Copy)]
@@ -285,7 +391,6 @@ mod x86 {
                 const MR: usize = $mr;
                 const NR: usize = $lanes * $nv;
                 const KC: usize = $kc;
-                const NC: usize = $nc;
 
                 unsafe fn tile(
                     self,
@@ -355,7 +460,6 @@ mod x86 {
         mr = 12,
         nv = 2,
         kc = 256,
-        nc = 512,
         _mm512_setzero_ps,
         _mm512_loadu_ps,
         _mm512_storeu_ps,
@@ -374,7 +478,6 @@ mod x86 {
         mr = 6,
         nv = 2,
         kc = 256,
-        nc = 256,
         _mm256_setzero_ps,
         _mm256_loadu_ps,
         _mm256_storeu_ps,
@@ -389,14 +492,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn split_balances_tiles() {
-        assert_eq!(split(1, 1, 12, 32, 16), (1, 1));
-        // 43 × 16 tiles on 16 threads: 4 × 4 tasks of at most 11 × 4, not 16 column
-        // bands of 43 × 1 (one fewer tile, but every task reads all of A).
-        assert_eq!(split(43, 16, 12, 32, 16), (4, 4));
-        // A single row of panels: split the columns only, and the other way round.
-        assert_eq!(split(1, 64, 12, 32, 8), (1, 8));
-        assert_eq!(split(64, 1, 12, 32, 8), (8, 1));
+    fn task_shape_gives_each_thread_several_tasks() {
+        // One thread: one task of at most 192 × 256 outputs.
+        assert_eq!(task_shape(1, 1, 12, 32, 1), (1, 1));
+        assert_eq!(task_shape(171, 64, 12, 32, 1), (16, 8));
+        // 2048² on 16 threads: the longer side (256 columns) halves once: 11 × 16
+        // tasks of 192 × 128.
+        assert_eq!(task_shape(171, 64, 12, 32, 16), (16, 4));
+        // 512² on 16 threads: down to 48 × 32 outputs, 11 × 16 = 176 tasks.
+        assert_eq!(task_shape(43, 16, 12, 32, 16), (4, 1));
+        // Fewer tiles than tasks wanted: one tile per task.
+        assert_eq!(task_shape(3, 2, 12, 32, 16), (1, 1));
     }
 
     /// The driver (packing, task split, edge tiles, k blocks, epilogue) with every
@@ -410,6 +516,7 @@ mod tests {
                 (7, 300, 45, true),
                 (37, 513, 70, false),
                 (130, 260, 600, true),
+                (300, 70, 200, false),
             ] {
                 let a: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
@@ -436,36 +543,32 @@ mod tests {
                         .enumerate()
                         .for_each(|(j, x)| *x += (c0 + j) as f32)
                 };
-                sgemm(
-                    mk,
-                    m,
-                    n,
-                    k,
-                    &mut c,
-                    ldc,
-                    Strided {
-                        data: &a,
-                        rs: k,
-                        cs: 1,
-                    },
-                    Strided {
-                        data: &bt,
-                        rs: rhs.0,
-                        cs: rhs.1,
-                    },
-                    Some(&epi),
-                );
-                for i in 0..m {
-                    for j in 0..n {
-                        let want: f64 = (0..k)
-                            .map(|p| f64::from(a[i * k + p]) * f64::from(b[p * n + j]))
-                            .sum::<f64>()
-                            + j as f64;
-                        let got = f64::from(c[i * ldc + j]);
-                        assert!(
-                            (got - want).abs() < 1e-4 * (1.0 + want.abs()),
-                            "{m}x{k}x{n} [{i},{j}]: {got} vs {want}"
-                        );
+                let lhs = Strided {
+                    data: &a,
+                    rs: k,
+                    cs: 1,
+                };
+                let rhs = Strided {
+                    data: &bt,
+                    rs: rhs.0,
+                    cs: rhs.1,
+                };
+                // The default chunking, and operands packed a few panels at a time.
+                for limit in [PACK_LIMIT, 3 * k * 32] {
+                    c.fill(f32::NAN);
+                    sgemm_chunked(mk, (m, n, k), &mut c, ldc, (lhs, rhs), Some(&epi), limit);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let want: f64 = (0..k)
+                                .map(|p| f64::from(a[i * k + p]) * f64::from(b[p * n + j]))
+                                .sum::<f64>()
+                                + j as f64;
+                            let got = f64::from(c[i * ldc + j]);
+                            assert!(
+                                (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                                "{m}x{k}x{n} limit {limit} [{i},{j}]: {got} vs {want}"
+                            );
+                        }
                     }
                 }
             }
