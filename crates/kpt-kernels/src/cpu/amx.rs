@@ -29,7 +29,7 @@ const MB: usize = 32;
 const KB: usize = 32;
 /// bf16 elements in one 1 KiB tile.
 pub(crate) const TILE: usize = 512;
-/// Output rows / columns per rayon task.
+/// Output rows / columns per rayon task (halved for small products, see `task_size`).
 const TASK: usize = 128;
 
 /// Whether AMX-BF16 can run in this process: the CPU has it, the OS saves its state and
@@ -67,8 +67,10 @@ pub(crate) fn matmul_bf16<T: Encode>(
     );
     let mut ap = Scratch::new(mt * kt * TILE);
     let mut bp = Scratch::new(nt * kt * TILE);
-    pack_a(a, m, k, kt, &mut ap);
-    pack_b(b, k, n, kt, &mut bp);
+    rayon::join(
+        || pack_a(a, m, k, kt, &mut ap),
+        || pack_b(b, k, n, kt, &mut bp),
+    );
     imp::run(&ap, &bp, out, m, n, kt);
     true
 }
@@ -113,10 +115,20 @@ fn pack_b_tiles<'a>(
     if cols == 0 {
         return;
     }
-    for kk in 0..k {
-        let base = (kk / KB) * TILE + ((kk % KB) / 2) * 32 + kk % 2;
-        for (c, x) in row(kk, c0, cols).iter().enumerate() {
-            dst[base + c * 2] = x.to_bits();
+    // Two k rows at a time, interleaved: (k, k + 1) of each column side by side.
+    for kk in (0..k).step_by(2) {
+        let base = (kk / KB) * TILE + ((kk % KB) / 2) * 32;
+        let pairs = dst[base..][..2 * cols].chunks_exact_mut(2);
+        let lo = row(kk, c0, cols);
+        if kk + 1 < k {
+            for ((pair, l), h) in pairs.zip(lo).zip(row(kk + 1, c0, cols)) {
+                pair[0] = l.to_bits();
+                pair[1] = h.to_bits();
+            }
+        } else {
+            for (pair, l) in pairs.zip(lo) {
+                pair[0] = l.to_bits();
+            }
         }
     }
 }
@@ -246,7 +258,7 @@ mod imp {
 
     use rayon::prelude::*;
 
-    use super::{Encode, MB, TASK, TILE};
+    use super::{Encode, Scratch, MB, TASK, TILE};
 
     /// `arch_prctl` request for extra xstate components, and the tile data component.
     const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;
@@ -304,13 +316,15 @@ mod imp {
     unsafe impl<T: Send> Sync for OutPtr<T> {}
 
     impl<T> OutPtr<T> {
-        /// Writes element `i`.
+        /// The `len` elements from element `i`.
         ///
         /// # Safety
-        /// `i` is in bounds of the output and no other thread accesses it meanwhile.
-        unsafe fn write(&self, i: usize, v: T) {
+        /// They are in bounds of the output and no other thread accesses them while the
+        /// slice lives.
+        #[allow(clippy::mut_from_ref)]
+        unsafe fn row(&self, i: usize, len: usize) -> &mut [T] {
             // SAFETY: per the function contract.
-            unsafe { self.0.add(i).write(v) }
+            unsafe { std::slice::from_raw_parts_mut(self.0.add(i), len) }
         }
     }
 
@@ -481,13 +495,14 @@ mod imp {
         let (mb, nb) = (m.next_multiple_of(MB), n.next_multiple_of(MB));
         assert!(ap.len() >= mb / 16 * kt * TILE && bp.len() >= nb / 16 * kt * TILE);
         assert!(out.len() >= m * n && kt >= 1);
-        let (tr, tc) = (mb.div_ceil(TASK), nb.div_ceil(TASK));
+        let task = task_size(mb, nb, rayon::current_num_threads());
+        let (tr, tc) = (mb.div_ceil(task), nb.div_ceil(task));
         let dst = OutPtr(out.as_mut_ptr());
         (0..tr * tc).into_par_iter().for_each(|t| {
-            let (r0, c0) = ((t / tc) * TASK, (t % tc) * TASK);
-            let (rows, cols) = (TASK.min(mb - r0), TASK.min(nb - c0));
-            // The task's f32 accumulators, [rows][TASK].
-            let mut acc = vec![0f32; rows * TASK];
+            let (r0, c0) = ((t / tc) * task, (t % tc) * task);
+            let (rows, cols) = (task.min(mb - r0), task.min(nb - c0));
+            // The task's f32 accumulators, [rows][task].
+            let mut acc = Scratch::<f32>::new(rows * task);
             // `matmul_bf16` checked `available()`, so the configuration loads.
             assert!(load(), "AMX tile configuration failed to load");
             for k0 in (0..kt).step_by(KSTEPS) {
@@ -504,8 +519,8 @@ mod imp {
                                 bp.as_ptr().add(((c0 + j) / 16 * kt + k0) * TILE),
                                 kt,
                                 steps,
-                                acc.as_mut_ptr().add(i * TASK + j),
-                                TASK * 4,
+                                acc.as_mut_ptr().add(i * task + j),
+                                task * 4,
                                 k0 == 0,
                             );
                         }
@@ -513,15 +528,27 @@ mod imp {
                 }
             }
             release();
+            let width = cols.min(n - c0);
             for r in 0..rows.min(m - r0) {
-                let src = &acc[r * TASK..][..cols.min(n - c0)];
-                for (x, &v) in src.iter().enumerate() {
-                    // SAFETY: (r0 + r, c0 + x) < (m, n) lies in `out`, and no other
-                    // task writes it: tasks own disjoint rectangles.
-                    unsafe { dst.write((r0 + r) * n + c0 + x, T::encode(v)) };
+                // SAFETY: row r0 + r, columns c0..c0 + width lie in `out` ((r0 + r, c0 +
+                // width - 1) < (m, n)), and no other task accesses them: tasks own
+                // disjoint rectangles.
+                let row = unsafe { dst.row((r0 + r) * n + c0, width) };
+                for (o, &v) in row.iter_mut().zip(&acc[r * task..][..width]) {
+                    *o = T::encode(v);
                 }
             }
         });
+    }
+
+    /// Output rows / columns per task: 128, or 64 when that leaves fewer than four
+    /// tasks per thread.
+    fn task_size(mb: usize, nb: usize, threads: usize) -> usize {
+        if mb.div_ceil(TASK) * nb.div_ceil(TASK) >= 4 * threads {
+            TASK
+        } else {
+            TASK / 2
+        }
     }
 }
 
