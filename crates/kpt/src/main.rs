@@ -95,6 +95,9 @@ enum Command {
         /// Also print each kernel's measured time, bandwidth and FLOP rate.
         #[arg(long)]
         profile: bool,
+        /// Only these levels (repeatable; default: all three).
+        #[arg(long = "level", value_enum)]
+        levels: Vec<OptLevel>,
     },
 }
 
@@ -216,7 +219,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             tokens,
             json,
             profile,
-        } => demo(load_config(config_path, device)?, tokens, json, profile),
+            levels,
+        } => demo(
+            load_config(config_path, device)?,
+            tokens,
+            json,
+            profile,
+            levels,
+        ),
     }
 }
 
@@ -562,13 +572,22 @@ fn print_profile(rt: &Runtime) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn demo(cfg: KptConfig, tokens: usize, json: bool, profile: bool) -> anyhow::Result<()> {
+fn demo(
+    cfg: KptConfig,
+    tokens: usize,
+    json: bool,
+    profile: bool,
+    levels: Vec<OptLevel>,
+) -> anyhow::Result<()> {
     let rt = runtime(cfg)?;
     let profiling = start_profile(&rt, profile)?;
-    let opts = DemoOptions {
+    let mut opts = DemoOptions {
         new_tokens: tokens.max(1),
         ..DemoOptions::default()
     };
+    if !levels.is_empty() {
+        opts.levels = levels;
+    }
     let m = &opts.model;
     if !json {
         println!(

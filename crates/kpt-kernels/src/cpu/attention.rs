@@ -7,23 +7,29 @@
 //! by `exp(m_old - m_new)`), so only a `block_q × block_kv` score tile ever exists. Key
 //! blocks that causality masks for every query of the task are never visited.
 //!
-//! Before the tasks start, K and V are repacked per (batch, kv head) into 16-wide panels,
-//! as a GEMM packs its operands: K as `[seq_kv / 16][head_dim][16]` (16 keys side by side
-//! for each dimension) and V as `[head_dim / 16][seq_kv][16]` (16 dimensions for each
-//! key), zero-padded (keys and head_dim to multiples of 16). Each micro-kernel
-//! (`Q·Kᵀ`: QR queries × 16 keys, `P·V`: QR queries × 16 dims; QR = 6 on AVX2 (12 ymm
-//! accumulators), 8 on AVX-512 (8 zmm), 4 portable) then streams one contiguous
-//! panel, with Q packed QR-wide (`[d][QR]`). (A plain `Kᵀ [head_dim, seq_kv]`
-//! layout strides by `seq_kv` floats, a power of two for usual lengths, and thrashes
-//! the L1 sets: attention ran at half the speed.)
+//! Both products run on the f32 GEMM's register-tile micro-kernels (`MR × NR`: 12 × 32
+//! on AVX-512, 6 × 16 on AVX2, 4 × 16 portable; see `sgemm`), computed transposed so
+//! that every operand is already in the layout a micro-kernel streams:
+//! - `Sᵀ = K·Qᵀ`: keys are the tile rows, queries the columns. K is packed once per
+//!   (batch, kv head) into `MR`-key panels `[head_dim][MR]`; each task packs its scaled
+//!   queries into `NR`-query panels `[head_dim][NR]`. The scores land as
+//!   `[key][NR queries]` per query panel.
+//! - The softmax then runs down the columns: per key row, `NR` queries side by side,
+//!   so the running max / sum of every query are vectors.
+//! - `Oᵀ += Vᵀ·Pᵀ`: head dims are the tile rows, queries the columns. V is packed once
+//!   into `MR`-dim panels `[key][MR]`; `Pᵀ` is the probability block exactly as the
+//!   softmax left it. `Oᵀ` (`[head_dim][block_q]`) is transposed once at the end.
+//!
+//! Keys, queries and head dims are zero-padded to whole panels, so every tile is full.
 
 use half::bf16;
 use kpt_core::{DType, KptError, Result};
 
 use super::par::for_each_row;
 use super::scratch::Scratch;
+use super::sgemm::{Micro, Portable};
 use super::shapes::AttentionShape;
-use super::simd::{dispatch, exp_f32_fma, hsum, Decode, Encode};
+use super::simd::{dispatch, exp_f32_fma, Decode, Encode};
 use super::softmax::max16;
 use super::{amx, attention_amx};
 
@@ -32,8 +38,8 @@ pub const DEFAULT_BLOCK_Q: usize = 64;
 /// A good default key block (rounded up to a multiple of 16 internally).
 pub const DEFAULT_BLOCK_KV: usize = 256;
 
-/// Keys per `Q·Kᵀ` micro-kernel call (and key padding).
-const KC: usize = 16;
+/// Widest query panel (`NR`) of any micro-kernel.
+const MAX_NR: usize = 32;
 
 /// Read-only state shared by the tasks of one call: queries of type `Q`, K and V
 /// packed as `P` (f32 panels here, bf16 tiles in the AMX path).
@@ -86,263 +92,6 @@ impl<Q, P> Ctx<'_, Q, P> {
             rows: self.bq.min(s.seq_q - i0),
         })
     }
-}
-
-/// Scores of `QR` query rows (`qg`, packed `[d][QR]`) against the 16 keys of one K
-/// panel (`kp`, `[d][16]`).
-#[inline(always)]
-fn qk_tile<const QR: usize>(qg: &[f32], kp: &[f32]) -> [[f32; KC]; QR] {
-    let mut acc = [[0f32; KC]; QR];
-    let (qs, _) = qg.as_chunks::<QR>();
-    let (ks, _) = kp.as_chunks::<KC>();
-    for (qv, kr) in qs.iter().zip(ks) {
-        for r in 0..QR {
-            for j in 0..KC {
-                acc[r][j] += qv[r] * kr[j];
-            }
-        }
-    }
-    acc
-}
-
-/// `o[r, 0..16] += Σ_c p[r, c] · vp[c, 0..16]` for `QR` rows `r` over `nk` keys (`p`
-/// rows are `ps` apart, `o` rows `dp` apart; `vp` is a V panel from the block's first
-/// key).
-#[inline(always)]
-fn pv_tile<const QR: usize>(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
-    let mut acc = [[0f32; KC]; QR];
-    for (r, a) in acc.iter_mut().enumerate() {
-        a.copy_from_slice(&o[r * dp..r * dp + KC]);
-    }
-    let prow: [&[f32]; QR] = std::array::from_fn(|r| &p[r * ps..r * ps + nk]);
-    let (vs, _) = vp[..nk * KC].as_chunks::<KC>();
-    for (c, vr) in vs.iter().enumerate() {
-        for r in 0..QR {
-            for j in 0..KC {
-                acc[r][j] += prow[r][c] * vr[j];
-            }
-        }
-    }
-    for (r, a) in acc.iter().enumerate() {
-        o[r * dp..r * dp + KC].copy_from_slice(a);
-    }
-}
-
-/// The two micro-kernels of a task, `QR` query rows per call.
-trait Tile {
-    /// Query rows per call (and query-tile padding).
-    const QR: usize;
-    /// `st[r * ss..][..16] = Σ_p qg[p * QR + r] · kp[p * 16..][..16]` for each row `r`
-    /// (see [`qk_tile`]).
-    fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize);
-    /// See [`pv_tile`].
-    fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]);
-    /// `x = exp(x - shift)`, returning the sum ([`exp_inplace_sum`]).
-    fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
-        exp_inplace_sum::<false>(x, shift)
-    }
-}
-
-/// 4 rows of 16 f32 accumulators in portable code (CPUs without AVX2 + FMA).
-struct Rows4;
-
-impl Tile for Rows4 {
-    const QR: usize = 4;
-
-    #[inline(always)]
-    fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
-        for (r, a) in qk_tile::<4>(qg, kp).iter().enumerate() {
-            st[r * ss..r * ss + KC].copy_from_slice(a);
-        }
-    }
-
-    #[inline(always)]
-    fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
-        pv_tile::<4>(p, ps, vp, nk, dp, o);
-    }
-}
-
-/// Defines the tile type `$name<QR>` that runs the explicit-SIMD micro-kernels of module
-/// `$module` where `$has()` says the CPU can, portable code otherwise.
-macro_rules! simd_rows {
-    ($(#[$doc:meta])* $name:ident, $has:ident, $module:ident) => {
-        $(#[$doc])*
-        #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-        struct $name<const QR: usize>;
-
-        impl<const QR: usize> Tile for $name<QR> {
-            const QR: usize = QR;
-
-            #[inline(always)]
-            fn qk(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
-                #[cfg(target_arch = "x86_64")]
-                if super::simd::$has() {
-                    // SAFETY: the CPU has the module's instruction set (checked above).
-                    return unsafe { $module::qk::<QR>(qg, kp, st, ss) };
-                }
-                for (r, a) in qk_tile::<QR>(qg, kp).iter().enumerate() {
-                    st[r * ss..r * ss + KC].copy_from_slice(a);
-                }
-            }
-
-            #[inline(always)]
-            fn pv(p: &[f32], ps: usize, vp: &[f32], nk: usize, dp: usize, o: &mut [f32]) {
-                #[cfg(target_arch = "x86_64")]
-                if super::simd::$has() {
-                    // SAFETY: the CPU has the module's instruction set (checked above).
-                    return unsafe { $module::pv::<QR>(p, ps, vp, nk, dp, o) };
-                }
-                pv_tile::<QR>(p, ps, vp, nk, dp, o);
-            }
-
-            /// Only dispatched where the CPU has FMA, so `mul_add` is one instruction.
-            #[inline(always)]
-            fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
-                exp_inplace_sum::<true>(x, shift)
-            }
-        }
-    };
-}
-
-simd_rows!(
-    /// `QR` rows in explicit AVX-512 intrinsics, one zmm accumulator per row (LLVM's
-    /// auto-vectorizer spreads generic many-row loops across rows and ran 10x slower).
-    RowsZmm,
-    has_avx512,
-    zmm
-);
-simd_rows!(
-    /// `QR` rows in explicit AVX2 + FMA intrinsics, two ymm accumulators per row.
-    RowsYmm,
-    has_avx2_fma,
-    ymm
-);
-
-/// Generates the `qk` / `pv` micro-kernels (contracts of [`qk_tile`] / [`pv_tile`]) in
-/// one instruction set: `$v` vector type holding `$lanes` f32, `$n = 16 / $lanes`
-/// vectors per row.
-#[cfg(target_arch = "x86_64")]
-macro_rules! simd_tiles {
-    ($feature:literal, $v:ty, $lanes:literal, $n:literal,
-     $zero:ident, $load:ident, $store:ident, $set1:ident, $fma:ident) => {
-        use std::arch::x86_64::*;
-
-        use super::KC;
-
-        /// Loads the `$n` vectors of 16 f32 at the start of `x` (panics if shorter).
-        #[inline]
-        #[target_feature(enable = $feature)]
-        fn load(x: &[f32]) -> [$v; $n] {
-            let x = &x[..KC];
-            // SAFETY: `x` holds 16 f32; unaligned loads.
-            std::array::from_fn(|i| unsafe { $load(x[i * $lanes..].as_ptr()) })
-        }
-
-        /// Stores 16 f32 at the start of `x` (panics if shorter).
-        #[inline]
-        #[target_feature(enable = $feature)]
-        fn store(x: &mut [f32], v: [$v; $n]) {
-            let x = &mut x[..KC];
-            for (i, v) in v.into_iter().enumerate() {
-                // SAFETY: `x` holds 16 f32; unaligned stores.
-                unsafe { $store(x[i * $lanes..].as_mut_ptr(), v) }
-            }
-        }
-
-        #[target_feature(enable = $feature)]
-        pub(super) fn qk<const QR: usize>(qg: &[f32], kp: &[f32], st: &mut [f32], ss: usize) {
-            let mut acc = [[$zero(); $n]; QR];
-            let (qs, _) = qg.as_chunks::<QR>();
-            for (qv, kr) in qs.iter().zip(kp.chunks_exact(KC)) {
-                let k = load(kr);
-                for (a, &q) in acc.iter_mut().zip(qv) {
-                    let x = $set1(q);
-                    for i in 0..$n {
-                        a[i] = $fma(x, k[i], a[i]);
-                    }
-                }
-            }
-            for (r, &a) in acc.iter().enumerate() {
-                store(&mut st[r * ss..], a);
-            }
-        }
-
-        #[target_feature(enable = $feature)]
-        pub(super) fn pv<const QR: usize>(
-            p: &[f32],
-            ps: usize,
-            vp: &[f32],
-            nk: usize,
-            dp: usize,
-            o: &mut [f32],
-        ) {
-            let mut acc: [[$v; $n]; QR] = std::array::from_fn(|r| load(&o[r * dp..]));
-            let prow: [&[f32]; QR] = std::array::from_fn(|r| &p[r * ps..r * ps + nk]);
-            for (c, vr) in vp[..nk * KC].chunks_exact(KC).enumerate() {
-                let v = load(vr);
-                for (a, row) in acc.iter_mut().zip(&prow) {
-                    let x = $set1(row[c]);
-                    for i in 0..$n {
-                        a[i] = $fma(x, v[i], a[i]);
-                    }
-                }
-            }
-            for (r, &a) in acc.iter().enumerate() {
-                store(&mut o[r * dp..], a);
-            }
-        }
-    };
-}
-
-/// The AVX-512 micro-kernels.
-#[cfg(target_arch = "x86_64")]
-mod zmm {
-    simd_tiles!(
-        "avx512f",
-        __m512,
-        16,
-        1,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        _mm512_storeu_ps,
-        _mm512_set1_ps,
-        _mm512_fmadd_ps
-    );
-}
-
-/// The AVX2 + FMA micro-kernels.
-#[cfg(target_arch = "x86_64")]
-mod ymm {
-    simd_tiles!(
-        "avx2,fma",
-        __m256,
-        8,
-        2,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        _mm256_storeu_ps,
-        _mm256_set1_ps,
-        _mm256_fmadd_ps
-    );
-}
-
-/// `x = exp(x - shift)` in place, returning the sum (exp in FMAs when `FMA`).
-#[inline(always)]
-fn exp_inplace_sum<const FMA: bool>(x: &mut [f32], shift: f32) -> f32 {
-    let mut acc = [0f32; 16];
-    let mut chunks = x.chunks_exact_mut(16);
-    for c in &mut chunks {
-        for j in 0..16 {
-            c[j] = exp_f32_fma::<FMA>(c[j] - shift);
-            acc[j] += c[j];
-        }
-    }
-    let mut t = 0f32;
-    for v in chunks.into_remainder() {
-        *v = exp_f32_fma::<FMA>(*v - shift);
-        t += *v;
-    }
-    hsum(acc) + t
 }
 
 /// One key block of the online softmax on the score tile `st` (rows `bkv` apart):
@@ -413,90 +162,193 @@ pub(super) fn normalize(out: &mut [f32], o: &[f32], dp: usize, d: usize, l_run: 
     }
 }
 
-/// One task ([`Ctx::task_rows`]); writes `[rows, head_dim]` at the start of `out`.
-#[inline(always)]
-fn task<M: Tile>(c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) {
-    let qr = M::QR;
+/// One task ([`Ctx::task_rows`]) on micro-kernel `mk`; writes `[rows, head_dim]` at the
+/// start of `out`. `c.bq` is a multiple of `NR`, `c.bkv`, `c.skv_pad` and `c.d_pad`
+/// of `MR`.
+fn task<M: Micro>(mk: M, c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) {
+    let (mr, nr) = (M::MR, M::NR);
     let s = &c.s;
-    let d = s.head_dim;
-    let dp = c.d_pad;
-    let bkv = c.bkv;
+    let (d, dp, bq, bkv) = (s.head_dim, c.d_pad, c.bq, c.bkv);
     let Some(TaskRows { b, h, g, i0, rows }) = c.task_rows(t) else {
         return;
     };
-    let rows_pad = rows.next_multiple_of(qr);
-
-    // Scaled query tile, zero-padded to a multiple of qr rows, packed per qr-row group
-    // as [d][qr].
-    let mut qt = vec![0f32; rows_pad * d];
+    let panels = rows.div_ceil(nr);
+    // Per query panel: scaled queries [d][NR], scores / probabilities [bkv][NR], key
+    // limits, running max and sum.
+    let mut qt = Scratch::<f32>::new(panels * d * nr);
+    qt.fill(0.0);
     for r in 0..rows {
         let src = &c.q[(b * s.seq_q + i0 + r) * s.q_row() + h * d..][..d];
-        let group = &mut qt[(r / qr) * qr * d..][..qr * d];
-        for (p, &v) in src.iter().enumerate() {
-            group[p * qr + r % qr] = v * c.scale;
+        let panel = &mut qt[(r / nr) * d * nr..][..d * nr];
+        for (p, &x) in src.iter().enumerate() {
+            panel[p * nr + r % nr] = x * c.scale;
         }
     }
-    let mut o = vec![0f32; rows_pad * dp];
-    let mut st = vec![0f32; rows_pad * bkv];
-    let mut m_run = vec![f32::NEG_INFINITY; rows];
-    let mut l_run = vec![0f32; rows];
+    let mut st = Scratch::<f32>::new(panels * bkv * nr);
+    let mut ot = Scratch::<f32>::new(dp * bq);
+    ot.fill(0.0);
+    let lim: Vec<u32> = (0..panels * nr)
+        .map(|r| {
+            if r < rows {
+                s.key_limit(i0 + r) as u32
+            } else {
+                0
+            }
+        })
+        .collect();
+    let mut m_run = vec![f32::NEG_INFINITY; panels * nr];
+    let mut l_run = vec![0f32; panels * nr];
 
     let bg = b * s.num_kv_heads + g;
-    let kp = &c.kp[bg * d * c.skv_pad..(bg + 1) * d * c.skv_pad];
-    let vp = &c.vp[bg * c.skv_pad * dp..(bg + 1) * c.skv_pad * dp];
-    // Keys visible to the last (most permissive) query of the task.
-    let kv_end = s
-        .key_limit(i0 + rows - 1)
-        .next_multiple_of(KC)
-        .min(c.skv_pad);
-
+    let kp = &c.kp[bg * d * c.skv_pad..][..d * c.skv_pad];
+    let vp = &c.vp[bg * c.skv_pad * dp..][..c.skv_pad * dp];
     let mut j0 = 0;
-    while j0 < kv_end {
-        let nk = bkv.min(kv_end - j0);
-        // S = Q·Kᵀ for the tile.
-        for r0 in (0..rows_pad).step_by(qr) {
-            for c0 in (0..nk).step_by(KC) {
-                let panel = &kp[(j0 + c0) * d..(j0 + c0 + KC) * d];
-                M::qk(
-                    &qt[r0 * d..(r0 + qr) * d],
-                    panel,
-                    &mut st[r0 * bkv + c0..],
-                    bkv,
-                );
+    loop {
+        let mut more = false;
+        for qp in 0..panels {
+            // Keys of this block that some query of the panel sees, in whole panels.
+            let panel_end = lim[qp * nr..][..nr].iter().max().copied().unwrap_or(0) as usize;
+            let nk = panel_end
+                .next_multiple_of(mr)
+                .min(c.skv_pad)
+                .saturating_sub(j0)
+                .min(bkv);
+            if nk == 0 {
+                continue;
+            }
+            more |= j0 + nk < panel_end;
+            let sp = &mut st[qp * bkv * nr..][..nk * nr];
+            let qpan = &qt[qp * d * nr..][..d * nr];
+            for jj in (0..nk).step_by(mr) {
+                let kpan = &kp[(j0 + jj) * d..][..mr * d];
+                // SAFETY: the tile is rows jj..jj + MR (< nk) of `sp`, NR f32 each with
+                // row stride NR; both panels hold `d` k steps.
+                unsafe { mk.tile(kpan, qpan, sp[jj * nr..].as_mut_ptr(), nr, false) };
+            }
+            let cols = qp * nr..(qp + 1) * nr;
+            let alpha = column_softmax_d(
+                s,
+                c.mask,
+                sp,
+                (i0 + qp * nr, rows.saturating_sub(qp * nr).min(nr)),
+                j0,
+                &lim[cols.clone()],
+                &mut m_run[cols.clone()],
+                &mut l_run[cols.clone()],
+            );
+            let alpha = &alpha[..nr];
+            if alpha.iter().any(|&a| a != 1.0) {
+                for row in ot.chunks_exact_mut(bq) {
+                    row[cols.clone()]
+                        .iter_mut()
+                        .zip(alpha)
+                        .for_each(|(o, &a)| *o *= a);
+                }
+            }
+            for dd in (0..dp).step_by(mr) {
+                let vpan = &vp[dd * c.skv_pad + j0 * mr..][..nk * mr];
+                // SAFETY: rows dd..dd + MR (< dp) of `ot`, columns of query panel qp:
+                // inside `ot` (row stride bq); both panels hold `nk` k steps.
+                unsafe { mk.tile(vpan, sp, ot[dd * bq + qp * nr..].as_mut_ptr(), bq, true) };
             }
         }
-        // Mask, online softmax, rescale the accumulator.
-        let run = (&mut m_run[..], &mut l_run[..]);
-        online_softmax(
-            s,
-            c.mask,
-            &mut st,
-            bkv,
-            (i0, rows, rows_pad),
-            (j0, nk),
-            run,
-            &mut o,
-            dp,
-            |_, row, m| M::exp_sum(row, m),
-        );
-        // O += P·V.
-        for r0 in (0..rows_pad).step_by(qr) {
-            let p = &st[r0 * bkv..];
-            let orows = &mut o[r0 * dp..(r0 + qr) * dp];
-            for d0 in (0..dp).step_by(KC) {
-                let panel = &vp[(d0 * c.skv_pad + j0 * KC)..];
-                M::pv(p, bkv, panel, nk, dp, &mut orows[d0..]);
-            }
+        j0 += bkv;
+        if !more {
+            break;
         }
-        j0 += nk;
     }
-    normalize(out, &o, dp, d, &l_run);
+    for (r, dst) in out.chunks_exact_mut(d).take(rows).enumerate() {
+        let l = l_run[r];
+        if l > 0.0 {
+            let inv = 1.0 / l;
+            for (p, x) in dst.iter_mut().enumerate() {
+                *x = ot[p * bq + r] * inv;
+            }
+        } else {
+            dst.fill(0.0);
+        }
+    }
+}
+
+/// Online softmax of one key block down the columns of `sp` (`[keys][NR]`, first key
+/// `j0`) for the `NR` queries of a panel (`queries` = (first query, real ones)):
+/// adds the mask, sets keys at or past each query's limit `lim` to `-inf`, updates the
+/// running max `m` and sum `l`, leaves `exp(s - m)` in `sp` and returns each column's
+/// factor for rescaling its accumulator.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn column_softmax<const FMA: bool>(
+    s: &AttentionShape,
+    mask: Option<&[f32]>,
+    sp: &mut [f32],
+    (q0, real): (usize, usize),
+    j0: usize,
+    lim: &[u32],
+    m_run: &mut [f32],
+    l_run: &mut [f32],
+) -> [f32; MAX_NR] {
+    let nr = lim.len();
+    assert!(nr <= MAX_NR, "query panel wider than MAX_NR");
+    let keys = sp.len() / nr;
+    if let Some(mask) = mask {
+        for (jj, row) in sp.chunks_exact_mut(nr).enumerate() {
+            for (r, x) in row[..real].iter_mut().enumerate() {
+                let j = j0 + jj;
+                if j < lim[r] as usize {
+                    *x += mask[(q0 + r) * s.seq_kv + j];
+                }
+            }
+        }
+    }
+    let mut bmax = [f32::NEG_INFINITY; MAX_NR];
+    for (jj, row) in sp.chunks_exact_mut(nr).enumerate() {
+        let j = (j0 + jj) as u32;
+        for ((x, m), &l) in row.iter_mut().zip(&mut bmax).zip(lim) {
+            let v = if j < l { *x } else { f32::NEG_INFINITY };
+            *x = v;
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    // A column with no visible key yet keeps m = -inf; it subtracts 0 instead so that
+    // its probabilities are exp(-inf) = 0 rather than NaN.
+    let mut alpha = [1f32; MAX_NR];
+    let mut shift = [0f32; MAX_NR];
+    for r in 0..nr {
+        let m_new = m_run[r].max(bmax[r]);
+        shift[r] = if m_new == f32::NEG_INFINITY {
+            0.0
+        } else {
+            m_new
+        };
+        alpha[r] = exp_f32_fma::<FMA>(m_run[r] - shift[r]);
+        m_run[r] = m_new;
+    }
+    let mut sum = [0f32; MAX_NR];
+    for row in sp.chunks_exact_mut(nr).take(keys) {
+        for ((x, a), &sh) in row.iter_mut().zip(&mut sum).zip(&shift) {
+            *x = exp_f32_fma::<FMA>(*x - sh);
+            *a += *x;
+        }
+    }
+    for r in 0..nr {
+        l_run[r] = l_run[r] * alpha[r] + sum[r];
+    }
+    alpha
 }
 
 dispatch!(
-    /// [`task`] with 8-row micro-kernels on AVX-512, 6-row ones on AVX2 and 4-row
-    /// portable ones otherwise.
-    fn task_d(c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) => task [RowsZmm<8>, RowsYmm<6>, Rows4]
+    /// [`column_softmax`] with FMA where the CPU has it.
+    #[allow(clippy::too_many_arguments)]
+    fn column_softmax_d(
+        s: &AttentionShape,
+        mask: Option<&[f32]>,
+        sp: &mut [f32],
+        queries: (usize, usize),
+        j0: usize,
+        lim: &[u32],
+        m_run: &mut [f32],
+        l_run: &mut [f32],
+    ) -> [f32; MAX_NR] => column_softmax
 );
 
 /// Blocked ("flash") attention (see the module docs); `block_q` queries per task, keys in
@@ -514,7 +366,7 @@ pub fn attention(
     block_q: usize,
     block_kv: usize,
 ) -> Result<()> {
-    attention_impl(q, k, v, mask, out, shape, block_q, block_kv, task_d)
+    attention_impl(q, k, v, mask, out, shape, block_q, block_kv)
 }
 
 /// [`attention`] on bf16 `q`, `k`, `v` and `out` (the mask stays f32). On CPUs with AMX
@@ -538,7 +390,7 @@ pub fn attention_bf16(
         attention_amx::attention(q, k, v, mask, out, shape, block_q, block_kv);
         return Ok(());
     }
-    attention_impl(q, k, v, mask, out, shape, block_q, block_kv, task_d)
+    attention_impl(q, k, v, mask, out, shape, block_q, block_kv)
 }
 
 /// The error bound `(abs, rel)` of [`attention_bf16`] on this CPU against the f64
@@ -563,9 +415,8 @@ pub fn attention_bf16_tolerance(
     (abs + extra, rel)
 }
 
-/// One task of [`attention_impl`] (see [`task`]).
-type TaskFn = fn(&Ctx<'_, f32, f32>, usize, &mut [f32]);
-
+/// Validates the operands, then runs [`attention_with`] on the best micro-kernel of
+/// this CPU.
 #[allow(clippy::too_many_arguments)]
 fn attention_impl<T: Decode + Encode>(
     q: &[T],
@@ -576,16 +427,45 @@ fn attention_impl<T: Decode + Encode>(
     shape: &AttentionShape,
     block_q: usize,
     block_kv: usize,
-    task: TaskFn,
 ) -> Result<()> {
     check(q, k, v, mask, out, shape, block_q, block_kv)?;
+    let args = (q, k, v, mask);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::sgemm::{Avx2, Avx512};
+        if let Some(mk) = Avx512::detect() {
+            attention_with(mk, args, out, shape, block_q, block_kv);
+            return Ok(());
+        }
+        if let Some(mk) = Avx2::detect() {
+            attention_with(mk, args, out, shape, block_q, block_kv);
+            return Ok(());
+        }
+    }
+    attention_with(Portable, args, out, shape, block_q, block_kv);
+    Ok(())
+}
+
+/// Validated operands `(q, k, v, mask)` of one call.
+type Operands<'a, T> = (&'a [T], &'a [T], &'a [T], Option<&'a [f32]>);
+
+/// Attention on micro-kernel `mk` (see the module docs) of validated operands.
+fn attention_with<M: Micro, T: Decode + Encode>(
+    mk: M,
+    (q, k, v, mask): Operands<'_, T>,
+    out: &mut [T],
+    shape: &AttentionShape,
+    block_q: usize,
+    block_kv: usize,
+) {
+    let (mr, nr) = (M::MR, M::NR);
     let s = *shape;
     let d = s.head_dim;
     if out.is_empty() {
-        return Ok(());
+        return;
     }
-    let skv_pad = s.seq_kv.next_multiple_of(KC);
-    let d_pad = d.next_multiple_of(KC);
+    let skv_pad = s.seq_kv.next_multiple_of(mr);
+    let d_pad = d.next_multiple_of(mr);
     let groups = s.batch * s.num_kv_heads;
     let kv_row = s.kv_row();
 
@@ -605,7 +485,8 @@ fn attention_impl<T: Decode + Encode>(
         }
     };
 
-    // Pack K and V into 16-wide panels per (batch, kv head), widened to f32.
+    // Per (batch, kv head): K as MR-key panels [d][MR], V as MR-dim panels [key][MR],
+    // widened to f32 and zero-padded.
     let mut kp = Scratch::new(groups * d * skv_pad);
     let mut vp = Scratch::new(groups * skv_pad * d_pad);
     let cost = s.seq_kv * d;
@@ -614,9 +495,9 @@ fn attention_impl<T: Decode + Encode>(
         let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
         for j in 0..s.seq_kv {
             let src = &k[(b * s.seq_kv + j) * kv_row + g * d..][..d];
-            let panel = &mut dst[(j / KC) * KC * d..][..KC * d];
+            let panel = &mut dst[(j / mr) * mr * d..][..mr * d];
             for (p, &x) in src.iter().enumerate() {
-                panel[p * KC + j % KC] = x.decode();
+                panel[p * mr + j % mr] = x.decode();
             }
         }
     });
@@ -626,12 +507,12 @@ fn attention_impl<T: Decode + Encode>(
         for j in 0..s.seq_kv {
             let src = &v[(b * s.seq_kv + j) * kv_row + g * d..][..d];
             for (p, &x) in src.iter().enumerate() {
-                dst[((p / KC) * skv_pad + j) * KC + p % KC] = x.decode();
+                dst[(p / mr) * mr * skv_pad + j * mr + p % mr] = x.decode();
             }
         }
     });
 
-    let bq = block_q.min(s.seq_q.max(1));
+    let bq = block_q.min(s.seq_q.max(1)).next_multiple_of(nr);
     let nqb = s.seq_q.div_ceil(bq);
     let ctx = Ctx {
         s,
@@ -641,7 +522,7 @@ fn attention_impl<T: Decode + Encode>(
         mask,
         scale: s.scale as f32,
         bq,
-        bkv: block_kv.next_multiple_of(KC),
+        bkv: block_kv.next_multiple_of(mr),
         nqb,
         skv_pad,
         d_pad,
@@ -653,10 +534,9 @@ fn attention_impl<T: Decode + Encode>(
         .saturating_mul(s.seq_kv.max(1))
         .saturating_mul(d)
         .saturating_mul(4);
-    for_each_row(&mut out_t, bq * d, task_cost, |t, o| task(&ctx, t, o));
+    for_each_row(&mut out_t, bq * d, task_cost, |t, o| task(mk, &ctx, t, o));
 
     scatter(&out_t, out, &s, bq);
-    Ok(())
 }
 
 /// Validates the operands of an attention call.
@@ -709,15 +589,9 @@ mod tests {
     use crate::cpu::reference;
     use kpt_core::rand::SplitMix64;
 
-    /// Every micro-kernel variant matches the reference on this CPU (the intrinsic tiles
-    /// run their portable fallback where the CPU lacks their instruction set).
+    /// Every micro-kernel this CPU has matches the reference.
     #[test]
-    fn every_tile_matches_reference() {
-        let tasks: [(&str, TaskFn); 3] = [
-            ("rows4 portable", task::<Rows4>),
-            ("rows6 ymm", task::<RowsYmm<6>>),
-            ("rows8 zmm", task::<RowsZmm<8>>),
-        ];
+    fn every_micro_kernel_matches_reference() {
         let mut rng = SplitMix64::new(3);
         let shapes = [
             AttentionShape::new(1, 1, 1, 1, 1, 1, false),
@@ -732,14 +606,29 @@ mod tests {
             let f64s = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<_>>();
             let mut want = vec![0f64; shape.q_len()];
             reference::attention(&f64s(&q), &f64s(&k), &f64s(&v), None, &mut want, &shape).unwrap();
-            for (name, task) in tasks {
-                let mut got = vec![f32::NAN; shape.q_len()];
-                attention_impl(&q, &k, &v, None, &mut got, &shape, 16, 32, task).unwrap();
+            let check = |name: &str, got: &[f32]| {
                 for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (f64::from(g) - w).abs() < 1e-5,
                         "{name} {shape:?} [{i}]: {g} vs {w}"
                     );
+                }
+            };
+            let mut got = vec![f32::NAN; shape.q_len()];
+            attention_with(Portable, (&q, &k, &v, None), &mut got, &shape, 16, 32);
+            check("portable", &got);
+            #[cfg(target_arch = "x86_64")]
+            {
+                use crate::cpu::sgemm::{Avx2, Avx512};
+                if let Some(mk) = Avx2::detect() {
+                    got.fill(f32::NAN);
+                    attention_with(mk, (&q, &k, &v, None), &mut got, &shape, 16, 32);
+                    check("avx2", &got);
+                }
+                if let Some(mk) = Avx512::detect() {
+                    got.fill(f32::NAN);
+                    attention_with(mk, (&q, &k, &v, None), &mut got, &shape, 16, 32);
+                    check("avx512", &got);
                 }
             }
         }
