@@ -300,11 +300,24 @@ fn column_softmax<const FMA: bool>(
             }
         }
     }
+    // Keys below every real query's limit need no masking (padded columns are never
+    // read back, whatever they hold).
+    let all_see = lim[..real].iter().min().map_or(0, |&l| l as usize);
     let mut bmax = [f32::NEG_INFINITY; MAX_NR];
     for (jj, row) in sp.chunks_exact_mut(nr).enumerate() {
-        let j = (j0 + jj) as u32;
+        let j = j0 + jj;
+        if j < all_see {
+            for (&x, m) in row.iter().zip(&mut bmax) {
+                *m = if x > *m { x } else { *m };
+            }
+            continue;
+        }
         for ((x, m), &l) in row.iter_mut().zip(&mut bmax).zip(lim) {
-            let v = if j < l { *x } else { f32::NEG_INFINITY };
+            let v = if (j as u32) < l {
+                *x
+            } else {
+                f32::NEG_INFINITY
+            };
             *x = v;
             *m = if v > *m { v } else { *m };
         }
