@@ -29,7 +29,7 @@ use super::par::for_each_row;
 use super::scratch::Scratch;
 use super::sgemm::{Micro, Portable};
 use super::shapes::AttentionShape;
-use super::simd::{dispatch, exp_f32_fma, Decode, Encode};
+use super::simd::{self, dispatch, dot_decode, exp_f32_fma, fmadd, Decode, Encode};
 use super::softmax::max16;
 use super::{amx, attention_amx};
 
@@ -398,7 +398,7 @@ pub fn attention_bf16(
     block_q: usize,
     block_kv: usize,
 ) -> Result<()> {
-    if amx::available() {
+    if amx::available() && shape.seq_q > DIRECT_MAX_Q {
         check(q, k, v, mask, out, shape, block_q, block_kv)?;
         attention_amx::attention(q, k, v, mask, out, shape, block_q, block_kv);
         return Ok(());
@@ -443,6 +443,10 @@ fn attention_impl<T: Decode + Encode>(
 ) -> Result<()> {
     check(q, k, v, mask, out, shape, block_q, block_kv)?;
     let args = (q, k, v, mask);
+    if shape.seq_q <= DIRECT_MAX_Q {
+        attention_direct(args, out, shape);
+        return Ok(());
+    }
     #[cfg(target_arch = "x86_64")]
     {
         use super::sgemm::{Avx2, Avx512};
@@ -461,6 +465,99 @@ fn attention_impl<T: Decode + Encode>(
 
 /// Validated operands `(q, k, v, mask)` of one call.
 type Operands<'a, T> = (&'a [T], &'a [T], &'a [T], Option<&'a [f32]>);
+
+/// Queries per head up to which attention runs one query row at a time on K and V as
+/// they are (decode): the block path would pad every query panel to `NR` columns (or
+/// 32 rows on AMX) and repack the whole key/value cache on every call.
+const DIRECT_MAX_Q: usize = 4;
+
+/// Attention row by row (see [`DIRECT_MAX_Q`]), parallel over (batch, query, head).
+fn attention_direct<T: Decode + Encode>(ops: Operands<'_, T>, out: &mut [T], s: &AttentionShape) {
+    let d = s.head_dim;
+    if out.is_empty() || d == 0 {
+        return;
+    }
+    let cost = s.seq_kv.max(1) * d * 2;
+    for_each_row(out, d, cost, |t, row| direct_row_d(s, ops, t, row));
+}
+
+/// [`direct_row`] with AVX2 + FMA when the CPU has them.
+fn direct_row_d<T: Decode + Encode>(
+    s: &AttentionShape,
+    ops: Operands<'_, T>,
+    t: usize,
+    row: &mut [T],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2<T: Decode + Encode>(
+            s: &AttentionShape,
+            ops: Operands<'_, T>,
+            t: usize,
+            row: &mut [T],
+        ) {
+            direct_row::<true, T>(s, ops, t, row);
+        }
+        if simd::has_avx2_fma() {
+            // SAFETY: avx2 and fma were detected on this CPU.
+            unsafe { avx2(s, ops, t, row) };
+            return;
+        }
+    }
+    direct_row::<false, T>(s, ops, t, row);
+}
+
+/// Output row `t` = (batch, query, head) of [`attention_direct`]: scores against every
+/// visible key, softmax, then the probability-weighted sum of the value rows.
+#[inline(always)]
+fn direct_row<const FMA: bool, T: Decode + Encode>(
+    s: &AttentionShape,
+    (q, k, v, mask): Operands<'_, T>,
+    t: usize,
+    row: &mut [T],
+) {
+    let d = s.head_dim;
+    let (bi, h) = (t / s.num_heads, t % s.num_heads);
+    let (b, i) = (bi / s.seq_q, bi % s.seq_q);
+    let g = h / s.group_size();
+    let scale = s.scale as f32;
+    let qrow: Vec<f32> = q[bi * s.q_row() + h * d..][..d]
+        .iter()
+        .map(|x| x.decode() * scale)
+        .collect();
+    let at = |j: usize| (b * s.seq_kv + j) * s.kv_row() + g * d;
+    let lim = s.key_limit(i);
+    let mut p: Vec<f32> = (0..lim)
+        .map(|j| dot_decode::<FMA, T>(&qrow, &k[at(j)..][..d]))
+        .collect();
+    if let Some(mask) = mask {
+        for (x, &a) in p.iter_mut().zip(&mask[i * s.seq_kv..]) {
+            *x += a;
+        }
+    }
+    let m = p.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+    if m == f32::NEG_INFINITY {
+        // No visible key (or all masked): zeros, like the reference.
+        row.fill(T::encode(0.0));
+        return;
+    }
+    let mut l = 0f32;
+    for x in &mut p {
+        *x = exp_f32_fma::<FMA>(*x - m);
+        l += *x;
+    }
+    let mut o = vec![0f32; d];
+    for (j, &pj) in p.iter().enumerate() {
+        for (a, x) in o.iter_mut().zip(&v[at(j)..][..d]) {
+            *a = fmadd::<FMA>(pj, x.decode(), *a);
+        }
+    }
+    let inv = 1.0 / l;
+    for (dst, &a) in row.iter_mut().zip(&o) {
+        *dst = T::encode(a * inv);
+    }
+}
 
 /// Attention on micro-kernel `mk` (see the module docs) of validated operands.
 fn attention_with<M: Micro, T: Decode + Encode>(
@@ -601,6 +698,44 @@ mod tests {
     use super::*;
     use crate::cpu::reference;
     use kpt_core::rand::SplitMix64;
+
+    /// The row-by-row path (few queries) matches the reference: GQA, causal with fewer
+    /// queries than keys, a mask, and a row that sees no key.
+    #[test]
+    fn direct_path_matches_reference() {
+        let mut rng = SplitMix64::new(5);
+        for (shape, masked) in [
+            (AttentionShape::new(2, 1, 9, 8, 2, 24, true), false),
+            (AttentionShape::new(1, 4, 70, 4, 4, 40, true), true),
+            (AttentionShape::new(1, 3, 2, 2, 1, 8, true), false),
+        ] {
+            let q = rng.vec(shape.q_len(), -1.0, 1.0);
+            let k = rng.vec(shape.kv_len(), -1.0, 1.0);
+            let v = rng.vec(shape.kv_len(), -1.0, 1.0);
+            let mask = rng.vec(shape.mask_len(), -2.0, 0.0);
+            let mask = masked.then_some(&mask[..]);
+            let f64s = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<_>>();
+            let mut want = vec![0f64; shape.q_len()];
+            let mask64 = mask.map(f64s);
+            reference::attention(
+                &f64s(&q),
+                &f64s(&k),
+                &f64s(&v),
+                mask64.as_deref(),
+                &mut want,
+                &shape,
+            )
+            .unwrap();
+            let mut got = vec![f32::NAN; shape.q_len()];
+            attention_direct((&q, &k, &v, mask), &mut got, &shape);
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (f64::from(g) - w).abs() < 1e-5,
+                    "{shape:?} [{i}]: {g} vs {w}"
+                );
+            }
+        }
+    }
 
     /// Every micro-kernel this CPU has matches the reference.
     #[test]
