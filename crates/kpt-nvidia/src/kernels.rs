@@ -21,33 +21,20 @@ macro_rules! launch {
         };
         $gpu.bind()?;
         let mut builder = $gpu.stream().launch_builder(&f);
-        let args = ($($arg,)*);
-        launch!(@push builder, args; $($arg),*);
-        // SAFETY: the entry point's parameters match `args` in order and type (see the
-        // kernel source); the backend checked every buffer against the sizes passed.
-        unsafe { builder.launch(cfg) }.map_err(|e| NvidiaError::driver("cuLaunchKernel", e))?;
+        launch!(@push builder, cfg; $($arg),*)
     }};
-    (@push $b:ident, $args:ident; $a0:expr) => { $b.arg(&$args.0); };
-    (@push $b:ident, $args:ident; $a0:expr, $a1:expr) => { $b.arg(&$args.0).arg(&$args.1); };
-    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr) => {
-        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2);
-    };
-    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr) => {
-        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3);
-    };
-    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr, $a4:expr) => {
-        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3).arg(&$args.4);
-    };
-    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr, $a4:expr, $a5:expr) => {
-        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3).arg(&$args.4).arg(&$args.5);
-    };
-    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr, $a4:expr, $a5:expr, $a6:expr) => {
-        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3).arg(&$args.4).arg(&$args.5)
-            .arg(&$args.6);
-    };
-    (@push $b:ident, $args:ident; $a0:expr, $a1:expr, $a2:expr, $a3:expr, $a4:expr, $a5:expr, $a6:expr, $a7:expr, $a8:expr) => {
-        $b.arg(&$args.0).arg(&$args.1).arg(&$args.2).arg(&$args.3).arg(&$args.4).arg(&$args.5)
-            .arg(&$args.6).arg(&$args.7).arg(&$args.8);
+    // Binds each argument to a local that outlives the launch, pushes a reference to it,
+    // then launches once all are pushed.
+    (@push $b:ident, $cfg:ident; $a:expr $(, $rest:expr)*) => {{
+        let arg = $a;
+        $b.arg(&arg);
+        launch!(@push $b, $cfg; $($rest),*)
+    }};
+    (@push $b:ident, $cfg:ident;) => {
+        // SAFETY: the entry point's parameters match the arguments in order and type
+        // (see the kernel source); the backend checked every buffer against the sizes
+        // passed.
+        unsafe { $b.launch($cfg) }.map_err(|e| NvidiaError::driver("cuLaunchKernel", e))?
     };
 }
 
