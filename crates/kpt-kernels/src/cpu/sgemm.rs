@@ -157,7 +157,7 @@ fn sgemm_chunked<M: Micro>(
                 // columns `jp` of a tm × tn grid), `out` covers every output element
                 // (checked by the caller), and `dst` stays borrowed until all tasks are
                 // done.
-                unsafe { packed_rectangle(mk, ap, bp, (i0, j0), out, d, ip, jp, epi) };
+                unsafe { rectangle(mk, ap, bp, (i0, j0), out, d, ip, jp, epi) };
             };
             if threads > 1 {
                 (0..tm * tn).into_par_iter().for_each(task);
@@ -188,7 +188,6 @@ impl Operand<'_> {
                 width,
                 (first + p) * width,
                 self.lines,
-                0,
                 self.data,
                 self.ls,
                 self.ps,
@@ -230,7 +229,7 @@ fn task_shape(mp: usize, np: usize, mr: usize, nr: usize, threads: usize) -> (us
 /// `out` points at the output (`m` rows, `ldc` apart, `n` columns each) and no other
 /// thread accesses this rectangle during the call.
 #[allow(clippy::too_many_arguments)]
-unsafe fn packed_rectangle<M: Micro>(
+unsafe fn rectangle<M: Micro>(
     mk: M,
     ap: &[f32],
     bp: &[f32],
@@ -318,16 +317,14 @@ struct Dims {
 }
 
 /// Packs lines `first..first + width` (rows of A or columns of B; `lines` in all) over
-/// k steps `k0..k0 + kc` into `panel`, k-major:
-/// `panel[p * width + l] = data[(first + l) * ls + (k0 + p) * ps]`, zero past the last
+/// k steps `0..kc` (`kc = panel.len() / width`) into `panel`, k-major:
+/// `panel[p * width + l] = data[(first + l) * ls + p * ps]`, zero past the last
 /// line.
-#[allow(clippy::too_many_arguments)]
 fn pack(
     panel: &mut [f32],
     width: usize,
     first: usize,
     lines: usize,
-    k0: usize,
     data: &[f32],
     ls: usize,
     ps: usize,
@@ -339,13 +336,13 @@ fn pack(
     if ls == 1 {
         // Lines adjacent in memory: one contiguous copy per k step.
         for (p, dst) in panel.chunks_exact_mut(width).enumerate() {
-            dst[..live].copy_from_slice(&data[first + (k0 + p) * ps..][..live]);
+            dst[..live].copy_from_slice(&data[first + p * ps..][..live]);
         }
     } else if ps == 1 {
         // Each line contiguous along k: read lines, write strided.
         let kc = panel.len() / width;
         for l in 0..live {
-            let src = &data[(first + l) * ls + k0..][..kc];
+            let src = &data[(first + l) * ls..][..kc];
             for (dst, &v) in panel.chunks_exact_mut(width).zip(src) {
                 dst[l] = v;
             }
@@ -353,7 +350,7 @@ fn pack(
     } else {
         for (p, dst) in panel.chunks_exact_mut(width).enumerate() {
             for (l, d) in dst[..live].iter_mut().enumerate() {
-                *d = data[(first + l) * ls + (k0 + p) * ps];
+                *d = data[(first + l) * ls + p * ps];
             }
         }
     }
@@ -620,21 +617,21 @@ mod tests {
         // A 3 × 2 row-major matrix packed as rows in panels of 2: lines 0, 1 | 2, pad.
         let a = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         let mut p = [9.0; 4];
-        pack(&mut p, 2, 0, 3, 0, &a, 2, 1);
+        pack(&mut p, 2, 0, 3, &a, 2, 1);
         assert_eq!(p, [1.0, 3.0, 2.0, 4.0]);
-        pack(&mut p, 2, 2, 3, 0, &a, 2, 1);
+        pack(&mut p, 2, 2, 3, &a, 2, 1);
         assert_eq!(p, [5.0, 0.0, 6.0, 0.0]);
-        // Its second k step only.
+        // Its first k step only.
         let mut q = [9.0; 2];
-        pack(&mut q, 2, 0, 3, 1, &a, 2, 1);
-        assert_eq!(q, [2.0, 4.0]);
+        pack(&mut q, 2, 0, 3, &a, 2, 1);
+        assert_eq!(q, [1.0, 3.0]);
         // The same matrix as columns (line stride 1, k stride 2): a copy per k step.
         let mut r = [9.0; 6];
-        pack(&mut r, 2, 0, 2, 0, &a, 1, 2);
+        pack(&mut r, 2, 0, 2, &a, 1, 2);
         assert_eq!(r, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         // Neither stride 1.
         let mut t = [9.0; 4];
-        pack(&mut t, 2, 0, 2, 0, &a, 2, 3);
+        pack(&mut t, 2, 0, 2, &a, 2, 3);
         assert_eq!(t, [1.0, 3.0, 4.0, 6.0]);
     }
 }
