@@ -29,7 +29,9 @@ use super::par::for_each_row;
 use super::scratch::Scratch;
 use super::sgemm::{Micro, Portable};
 use super::shapes::AttentionShape;
-use super::simd::{self, dispatch, dot_decode, exp_f32_fma, fmadd, Decode, Encode};
+use super::simd::{
+    self, dispatch, dot_decode, exp_f32_fma, exp_softmax_f32_fma, fmadd, Decode, Encode,
+};
 use super::softmax::max16;
 use super::{amx, attention_amx};
 
@@ -40,6 +42,16 @@ pub const DEFAULT_BLOCK_KV: usize = 256;
 
 /// Widest query panel (`NR`) of any micro-kernel.
 const MAX_NR: usize = 32;
+
+/// Columns the softmax handles at a time; every micro-kernel's `NR` is a multiple.
+const COLUMN_CHUNK: usize = 16;
+const _: () = assert!(Portable::NR % COLUMN_CHUNK == 0 && Portable::NR <= MAX_NR);
+#[cfg(target_arch = "x86_64")]
+const _: () = {
+    use super::sgemm::{Avx2, Avx512};
+    assert!(Avx2::NR % COLUMN_CHUNK == 0 && Avx2::NR <= MAX_NR);
+    assert!(Avx512::NR % COLUMN_CHUNK == 0 && Avx512::NR <= MAX_NR);
+};
 
 /// Read-only state shared by the tasks of one call: queries of type `Q`, K and V
 /// packed as `P` (f32 panels here, bf16 tiles in the AMX path).
@@ -289,7 +301,6 @@ fn column_softmax<const FMA: bool>(
 ) -> [f32; MAX_NR] {
     let nr = lim.len();
     assert!(nr <= MAX_NR, "query panel wider than MAX_NR");
-    let keys = sp.len() / nr;
     if let Some(mask) = mask {
         for (jj, row) in sp.chunks_exact_mut(nr).enumerate() {
             for (r, x) in row[..real].iter_mut().enumerate() {
@@ -300,28 +311,38 @@ fn column_softmax<const FMA: bool>(
             }
         }
     }
+    // Each key row is handled in fixed chunks of `L` columns so that every inner loop
+    // has a constant trip count and compiles to straight vector code.
+    const L: usize = COLUMN_CHUNK;
     // Keys below every real query's limit need no masking (padded columns are never
     // read back, whatever they hold).
     let all_see = lim[..real].iter().min().map_or(0, |&l| l as usize);
-    let mut bmax = [f32::NEG_INFINITY; MAX_NR];
+    let mut bmax = [[f32::NEG_INFINITY; L]; MAX_NR / L];
+    let (lims, _) = lim.as_chunks::<L>();
     for (jj, row) in sp.chunks_exact_mut(nr).enumerate() {
         let j = j0 + jj;
+        let (chs, _) = row.as_chunks_mut::<L>();
         if j < all_see {
-            for (&x, m) in row.iter().zip(&mut bmax) {
-                *m = if x > *m { x } else { *m };
+            for (ch, m) in chs.iter().zip(&mut bmax) {
+                for i in 0..L {
+                    m[i] = if ch[i] > m[i] { ch[i] } else { m[i] };
+                }
             }
             continue;
         }
-        for ((x, m), &l) in row.iter_mut().zip(&mut bmax).zip(lim) {
-            let v = if (j as u32) < l {
-                *x
-            } else {
-                f32::NEG_INFINITY
-            };
-            *x = v;
-            *m = if v > *m { v } else { *m };
+        for ((ch, m), lc) in chs.iter_mut().zip(&mut bmax).zip(lims) {
+            for i in 0..L {
+                let v = if (j as u32) < lc[i] {
+                    ch[i]
+                } else {
+                    f32::NEG_INFINITY
+                };
+                ch[i] = v;
+                m[i] = if v > m[i] { v } else { m[i] };
+            }
         }
     }
+    let bmax = bmax.as_flattened();
     // A column with no visible key yet keeps m = -inf; it subtracts 0 instead so that
     // its probabilities are exp(-inf) = 0 rather than NaN.
     let mut alpha = [1f32; MAX_NR];
@@ -336,13 +357,23 @@ fn column_softmax<const FMA: bool>(
         alpha[r] = exp_f32_fma::<FMA>(m_run[r] - shift[r]);
         m_run[r] = m_new;
     }
-    let mut sum = [0f32; MAX_NR];
-    for row in sp.chunks_exact_mut(nr).take(keys) {
-        for ((x, a), &sh) in row.iter_mut().zip(&mut sum).zip(&shift) {
-            *x = exp_f32_fma::<FMA>(*x - sh);
-            *a += *x;
+    let mut sum = [[0f32; L]; MAX_NR / L];
+    let (shifts, _) = shift.as_chunks::<L>();
+    for row in sp.chunks_exact_mut(nr) {
+        for ((ch, a), sh) in row
+            .as_chunks_mut::<L>()
+            .0
+            .iter_mut()
+            .zip(&mut sum)
+            .zip(shifts)
+        {
+            for i in 0..L {
+                ch[i] = exp_softmax_f32_fma::<FMA>(ch[i] - sh[i]);
+                a[i] += ch[i];
+            }
         }
     }
+    let sum = sum.as_flattened();
     for r in 0..nr {
         l_run[r] = l_run[r] * alpha[r] + sum[r];
     }

@@ -124,14 +124,38 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
 /// instantiate `true` where the FMA feature is enabled; see [`fmadd`]).
 #[inline(always)]
 pub(crate) fn exp_f32_fma<const FMA: bool>(x: f32) -> f32 {
+    // Clamp (NaN passes through `clamp`): below -104 the result underflows to 0,
+    // above 88.73 it overflows to +inf.
+    let (p, n) = exp_parts::<FMA>(x.clamp(-104.0, 88.73));
+    let n1 = n >> 1;
+    p * pow2i(n1) * pow2i(n - n1)
+}
+
+/// `e^x` for `x <= 88.7` where results below 2⁻¹²⁶ may be 0: a softmax after
+/// subtracting the row maximum (an input below -87.3 gives 0, next to the maximum's
+/// 1). One exponent factor instead of [`exp_f32_fma`]'s two; same accuracy above
+/// -87.3; `-inf -> 0`, NaN stays NaN.
+#[inline(always)]
+pub(crate) fn exp_softmax_f32_fma<const FMA: bool>(x: f32) -> f32 {
+    const LOW: f32 = -87.3;
+    // `x < LOW` is false for NaN, which then flows through the polynomial.
+    let (p, n) = exp_parts::<FMA>(if x < LOW { LOW } else { x });
+    if x < LOW {
+        0.0
+    } else {
+        p * pow2i(n)
+    }
+}
+
+/// `(e^r, n)` with `x = n·ln 2 + r`, `|r| <= ln2/2` (Cody–Waite, degree-7 Taylor), for
+/// `-104 <= x <= 88.73` (or NaN).
+#[inline(always)]
+fn exp_parts<const FMA: bool>(xc: f32) -> (f32, i32) {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4; // 0.693359375, exact in 9 bits: n * LN2_HI is exact.
     const LN2_LO: f32 = -2.121_944_4e-4;
     // 1.5 * 2^23: adding it rounds to an integer.
     const MAGIC: f32 = 12_582_912.0;
-    // Clamp (NaN passes through `clamp`): below -104 the result underflows to 0,
-    // above 88.73 it overflows to +inf.
-    let xc = x.clamp(-104.0, 88.73);
     let t = xc * LOG2E + MAGIC;
     let n_f = t - MAGIC;
     let n = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
@@ -148,8 +172,7 @@ pub(crate) fn exp_f32_fma<const FMA: bool>(x: f32) -> f32 {
     ] {
         p = fmadd::<FMA>(p, r, c);
     }
-    let n1 = n >> 1;
-    p * pow2i(n1) * pow2i(n - n1)
+    (p, n)
 }
 
 /// 2¹²⁰: rescales an FP8 E4M3 magnitude placed in f32's exponent/mantissa bits.
@@ -365,6 +388,23 @@ mod tests {
         assert_eq!(exp_f32(f32::INFINITY), f32::INFINITY);
         assert!(exp_f32(f32::NAN).is_nan());
         assert!(exp_f32(88.72).is_finite());
+    }
+
+    #[test]
+    fn softmax_exp_matches_exp_above_its_cutoff() {
+        let mut x = -90.0f32;
+        while x < 1.0 {
+            let got = exp_softmax_f32_fma::<true>(x);
+            if x < -87.3 {
+                assert_eq!(got, 0.0, "exp({x})");
+            } else {
+                assert_eq!(got, exp_f32_fma::<true>(x), "exp({x})");
+            }
+            x += 0.0071;
+        }
+        assert_eq!(exp_softmax_f32_fma::<false>(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_softmax_f32_fma::<false>(0.0), 1.0);
+        assert!(exp_softmax_f32_fma::<false>(f32::NAN).is_nan());
     }
 
     #[test]
