@@ -300,7 +300,6 @@ fn column_softmax<const FMA: bool>(
     l_run: &mut [f32],
 ) -> [f32; MAX_NR] {
     let nr = lim.len();
-    assert!(nr <= MAX_NR, "query panel wider than MAX_NR");
     if let Some(mask) = mask {
         for (jj, row) in sp.chunks_exact_mut(nr).enumerate() {
             for (r, x) in row[..real].iter_mut().enumerate() {
