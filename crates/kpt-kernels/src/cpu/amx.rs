@@ -10,8 +10,8 @@
 //! f32 output block in four accumulator tiles (`tmm0..3`), loads two A tiles
 //! (`tmm4..5`) and two B tiles (`tmm6..7`) per 32-wide k step and issues four
 //! `TDPBF16PS` (f32 accumulation of bf16 products, like the portable path).
-//! Rayon tasks own a 128 × 128 output rectangle each, accumulated in f32 over passes of
-//! 512 k: within a pass one 32-row A block (32 KiB) stays in L1 while it meets the
+//! Rayon tasks own a 128 × 128 output rectangle each (64 × 64 when that leaves fewer than
+//! four tasks per thread), accumulated in f32 over passes of 512 k: within a pass one 32-row A block (32 KiB) stays in L1 while it meets the
 //! task's four B blocks (128 KiB, in L2). Packed operands live in [`Scratch`] buffers.
 //!
 //! The tile instructions are written as inline assembly: Rust's AMX intrinsics are not

@@ -37,7 +37,7 @@ use super::{amx, attention_amx};
 
 /// A good default query block (rows per task).
 pub const DEFAULT_BLOCK_Q: usize = 64;
-/// A good default key block (rounded up to a multiple of 16 internally).
+/// A good default key block (rounded up to whole key panels internally).
 pub const DEFAULT_BLOCK_KV: usize = 256;
 
 /// Widest query panel (`NR`) of any micro-kernel.
@@ -394,9 +394,10 @@ dispatch!(
     ) -> [f32; MAX_NR] => column_softmax
 );
 
-/// Blocked ("flash") attention (see the module docs); `block_q` queries per task, keys in
-/// blocks of `block_kv` (rounded up to 16). Same results as the reference up to f32
-/// rounding. Errors on any length mismatch, a head count that does not group, or a
+/// Blocked ("flash") attention (see the module docs); `block_q` queries per task and keys
+/// in blocks of `block_kv`, rounded up to the micro-kernel's query and key panels; with at
+/// most 4 queries per head (decode) row by row instead. Same results as the reference up
+/// to f32 rounding. Errors on any length mismatch, a head count that does not group, or a
 /// zero block size.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
@@ -414,9 +415,9 @@ pub fn attention(
 
 /// [`attention`] on bf16 `q`, `k`, `v` and `out` (the mask stays f32). On CPUs with AMX
 /// both products run on bf16 tiles with f32 accumulation (the scaled queries and the
-/// softmax probabilities are rounded to bf16 first, as FlashAttention does); elsewhere
-/// the operands are widened to f32 while they are repacked and everything is computed
-/// in f32. Each output is rounded once (to nearest even) to bf16.
+/// softmax probabilities are rounded to bf16 first, as FlashAttention does); elsewhere,
+/// and for decode-sized calls (at most 4 queries per head) on any CPU, the operands are
+/// widened to f32 as they are read and everything is computed in f32. Each output is rounded once (to nearest even) to bf16.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bf16(
     q: &[bf16],

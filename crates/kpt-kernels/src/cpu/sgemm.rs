@@ -1,6 +1,6 @@
 //! kpt's own f32 GEMM for x86-64, the structure of BLIS and of the kernels in MKL /
 //! oneDNN. The default on AVX-512 CPUs; its AVX2 kernel runs with `KPT_CPU_GEMM=own`
-//! (the `gemm` crate measured faster on AVX2) and in this module's tests.
+//! (it measured no faster than the `gemm` crate there) and in this module's tests.
 //!
 //! - Both operands are packed once, in parallel, into zero-padded micro-panels that
 //!   hold every k step: `MR` rows of A (`K × MR`) and `NR` columns of B (`K × NR`),
