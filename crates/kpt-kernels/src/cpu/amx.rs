@@ -9,10 +9,12 @@
 //! so the inner loop streams both operands linearly. The micro-kernel keeps a 32 × 32
 //! f32 output block in four accumulator tiles (`tmm0..3`), loads two A tiles
 //! (`tmm4..5`) and two B tiles (`tmm6..7`) per 32-wide k step and issues four
-//! `TDPBF16PS` (f32 accumulation of bf16 products, like the portable path).
+//! `TDPBF16PS` (f32 accumulation of bf16 products, like the portable path), each as
+//! soon as its two operand tiles are loaded.
 //! Rayon tasks own a 128 × 128 output rectangle each (64 × 64 when that leaves fewer than
 //! four tasks per thread), accumulated in f32 over passes of 512 k: within a pass one 32-row A block (32 KiB) stays in L1 while it meets the
-//! task's four B blocks (128 KiB, in L2). Packed operands live in [`Scratch`] buffers.
+//! task's four B blocks (128 KiB, in L2). Each task packs the 16-row / 16-column panels
+//! it needs that no other task packed yet ([`LazyPanels`]), into [`Scratch`] buffers.
 //!
 //! The tile instructions are written as inline assembly: Rust's AMX intrinsics are not
 //! stable. Linux only grants the tile state to a process that asks for it
@@ -20,6 +22,7 @@
 
 use half::bf16;
 
+use super::panels::LazyPanels;
 use super::scratch::Scratch;
 use super::simd::Encode;
 
@@ -67,38 +70,40 @@ pub(crate) fn matmul_bf16<T: Encode>(
     );
     let mut ap = Scratch::new(mt * kt * TILE);
     let mut bp = Scratch::new(nt * kt * TILE);
-    rayon::join(
-        || pack_a(a, m, k, kt, &mut ap),
-        || pack_b(b, k, n, kt, &mut bp),
+    imp::run(
+        &LazyPanels::new(&mut ap, kt * TILE),
+        &LazyPanels::new(&mut bp, kt * TILE),
+        |t, dst| pack_a_panel(a, m, k, t, dst),
+        |t, dst| pack_b_panel(b, k, n, t, dst),
+        out,
+        m,
+        n,
+        kt,
     );
-    imp::run(&ap, &bp, out, m, n, kt);
     true
 }
 
-/// Packs A into `ap` (`[m / 16][kt]` tiles) as tiles of 16 rows × 32 columns (bf16
-/// bits), zero-padded.
-fn pack_a(a: &[bf16], m: usize, k: usize, kt: usize, ap: &mut [u16]) {
-    super::par::for_each_row(ap, kt * TILE, 16 * k, |t, dst| {
-        dst.fill(0);
-        for r in 0..16.min(m.saturating_sub(t * 16)) {
-            let row = &a[(t * 16 + r) * k..][..k];
-            for (s, chunk) in row.chunks(KB).enumerate() {
-                let d = &mut dst[s * TILE + r * KB..][..chunk.len()];
-                for (o, x) in d.iter_mut().zip(chunk) {
-                    *o = x.to_bits();
-                }
+/// Packs rows `16t..16t + 16` of A (`m × k`) into `dst` (`k.div_ceil(32)` tiles) as
+/// tiles of 16 rows × 32 columns (bf16 bits), zero-padded.
+fn pack_a_panel(a: &[bf16], m: usize, k: usize, t: usize, dst: &mut [u16]) {
+    dst.fill(0);
+    for r in 0..16.min(m.saturating_sub(t * 16)) {
+        let row = &a[(t * 16 + r) * k..][..k];
+        for (s, chunk) in row.chunks(KB).enumerate() {
+            let d = &mut dst[s * TILE + r * KB..][..chunk.len()];
+            for (o, x) in d.iter_mut().zip(chunk) {
+                *o = x.to_bits();
             }
         }
-    });
+    }
 }
 
-/// Packs B into `bp` (`[n / 16][kt]` tiles) as tiles of 16 k-pairs × 16 columns × 2 (bf16 bits),
-/// zero-padded: element `(p, c)` of column `c` at k = 2p + s sits at `p * 32 + c * 2 + s`.
-fn pack_b(b: &[bf16], k: usize, n: usize, kt: usize, bp: &mut [u16]) {
-    super::par::for_each_row(bp, kt * TILE, 16 * k, |t, dst| {
-        dst.fill(0);
-        pack_b_tiles(dst, t, k, n, |kk, c0, cols| &b[kk * n + c0..][..cols]);
-    });
+/// Packs columns `16t..16t + 16` of B (`k × n`) into `dst` (`k.div_ceil(32)` tiles) as
+/// tiles of 16 k-pairs × 16 columns × 2 (bf16 bits), zero-padded: element `(p, c)` of
+/// column `c` at k = 2p + s sits at `p * 32 + c * 2 + s`.
+fn pack_b_panel(b: &[bf16], k: usize, n: usize, t: usize, dst: &mut [u16]) {
+    dst.fill(0);
+    pack_b_tiles(dst, t, k, n, |kk, c0, cols| &b[kk * n + c0..][..cols]);
 }
 
 /// Packs the `kt` tiles of tile column `t` (columns `16t..`) into `dst` (zeroed):
@@ -134,7 +139,7 @@ fn pack_b_tiles<'a>(
 }
 
 /// Packs the `k × n` matrix B with B[kk, j] = `b[kk * ldb + j]` into `dst`
-/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b`] does.
+/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b_panel`] does.
 pub(crate) fn pack_b_strided(b: &[bf16], ldb: usize, k: usize, n: usize, dst: &mut [u16]) {
     let kt = k.div_ceil(KB);
     for (t, tiles) in dst.chunks_exact_mut(kt * TILE).enumerate() {
@@ -143,7 +148,7 @@ pub(crate) fn pack_b_strided(b: &[bf16], ldb: usize, k: usize, n: usize, dst: &m
 }
 
 /// Packs B = Tᵀ, given T (`n × k`) with T[j, kk] = `t[j * ldt + kk]`, into `dst`
-/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b`] does.
+/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b_panel`] does.
 pub(crate) fn pack_bt_strided(t: &[bf16], ldt: usize, k: usize, n: usize, dst: &mut [u16]) {
     let kt = k.div_ceil(KB);
     for (nt, tiles) in dst.chunks_exact_mut(kt * TILE).enumerate() {
@@ -258,7 +263,7 @@ mod imp {
 
     use rayon::prelude::*;
 
-    use super::{Encode, Scratch, MB, TASK, TILE};
+    use super::{Encode, LazyPanels, Scratch, MB, TASK, TILE};
 
     /// `arch_prctl` request for extra xstate components, and the tile data component.
     const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;
@@ -366,10 +371,10 @@ mod imp {
                 "2:",
                 "tileloadd tmm4, [{a0} + {s}*1]",
                 "tileloadd tmm6, [{b0} + {s}*1]",
-                "tileloadd tmm5, [{a1} + {s}*1]",
-                "tileloadd tmm7, [{b1} + {s}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{b1} + {s}*1]",
                 "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a1} + {s}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
                 "add {a0}, 1024",
@@ -448,10 +453,10 @@ mod imp {
                 "2:",
                 "tileloadd tmm4, [{a0} + {lda}*1]",
                 "tileloadd tmm6, [{b0} + {s}*1]",
-                "tileloadd tmm5, [{a1} + {lda}*1]",
-                "tileloadd tmm7, [{b1} + {s}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{b1} + {s}*1]",
                 "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a1} + {lda}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
                 "add {a0}, 64",
@@ -484,16 +489,21 @@ mod imp {
     /// then stays in L1 while it meets the task's B blocks (in L2).
     const KSTEPS: usize = 16;
 
+    /// Runs the product on packed panels of 16 rows of A (`ap`) and 16 columns of B
+    /// (`bp`), `kt` tiles each, that the tasks pack on first use with `pack_a` /
+    /// `pack_b`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn run<T: Encode>(
-        ap: &[u16],
-        bp: &[u16],
+        ap: &LazyPanels<'_, u16>,
+        bp: &LazyPanels<'_, u16>,
+        pack_a: impl Fn(usize, &mut [u16]) + Sync,
+        pack_b: impl Fn(usize, &mut [u16]) + Sync,
         out: &mut [T],
         m: usize,
         n: usize,
         kt: usize,
     ) {
         let (mb, nb) = (m.next_multiple_of(MB), n.next_multiple_of(MB));
-        assert!(ap.len() >= mb / 16 * kt * TILE && bp.len() >= nb / 16 * kt * TILE);
         assert!(out.len() >= m * n && kt >= 1);
         let task = task_size(mb, nb, rayon::current_num_threads());
         let (tr, tc) = (mb.div_ceil(task), nb.div_ceil(task));
@@ -501,6 +511,10 @@ mod imp {
         (0..tr * tc).into_par_iter().for_each(|t| {
             let (r0, c0) = ((t / tc) * task, (t % tc) * task);
             let (rows, cols) = (task.min(mb - r0), task.min(nb - c0));
+            // This task's panels: rows r0.. of A, columns c0.. of B (`get` checks that
+            // they exist), kt tiles each.
+            let a = ap.get(r0 / 16..(r0 + rows) / 16, &pack_a);
+            let b = bp.get(c0 / 16..(c0 + cols) / 16, &pack_b);
             // The task's f32 accumulators, [rows][task].
             let mut acc = Scratch::<f32>::new(rows * task);
             // `matmul_bf16` checked `available()`, so the configuration loads.
@@ -509,14 +523,14 @@ mod imp {
                 let steps = KSTEPS.min(kt - k0);
                 for i in (0..rows).step_by(MB) {
                     for j in (0..cols).step_by(MB) {
-                        // SAFETY: A tiles (r0+i)/16 and +1, B tiles (c0+j)/16 and +1
-                        // exist with kt k tiles each (asserted above; r0+i < mb and
-                        // c0+j < nb are multiples of 32), k0 + steps <= kt; the block
-                        // (i.., j..) of 32 × 32 lies in `acc`; the config is loaded.
+                        // SAFETY: panels i/16 and +1 of `a`, j/16 and +1 of `b` exist
+                        // with kt k tiles each (i < rows, j < cols are multiples of
+                        // 32), k0 + steps <= kt; the block (i.., j..) of 32 × 32 lies
+                        // in `acc`; the config is loaded.
                         unsafe {
                             block(
-                                ap.as_ptr().add(((r0 + i) / 16 * kt + k0) * TILE),
-                                bp.as_ptr().add(((c0 + j) / 16 * kt + k0) * TILE),
+                                a.as_ptr().add((i / 16 * kt + k0) * TILE),
+                                b.as_ptr().add((j / 16 * kt + k0) * TILE),
                                 kt,
                                 steps,
                                 acc.as_mut_ptr().add(i * task + j),
@@ -554,7 +568,7 @@ mod imp {
 
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
 mod imp {
-    use super::Encode;
+    use super::{Encode, LazyPanels};
 
     pub(super) fn available() -> bool {
         false
@@ -580,7 +594,17 @@ mod imp {
         unreachable!("AMX is never available on this target")
     }
 
-    pub(super) fn run<T: Encode>(_: &[u16], _: &[u16], _: &mut [T], _: usize, _: usize, _: usize) {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run<T: Encode>(
+        _: &LazyPanels<'_, u16>,
+        _: &LazyPanels<'_, u16>,
+        _: impl Fn(usize, &mut [u16]) + Sync,
+        _: impl Fn(usize, &mut [u16]) + Sync,
+        _: &mut [T],
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
         unreachable!("AMX is never available on this target")
     }
 }
@@ -640,8 +664,12 @@ mod tests {
                 n.next_multiple_of(MB) / 16,
             );
             let (mut ap, mut bp) = (vec![1; mt * kt * TILE], vec![1; nt * kt * TILE]);
-            pack_a(&a, m, k, kt, &mut ap);
-            pack_b(&b, k, n, kt, &mut bp);
+            for (t, dst) in ap.chunks_mut(kt * TILE).enumerate() {
+                pack_a_panel(&a, m, k, t, dst);
+            }
+            for (t, dst) in bp.chunks_mut(kt * TILE).enumerate() {
+                pack_b_panel(&b, k, n, t, dst);
+            }
             let f = |h: u16| bf16::from_bits(h).to_f32();
             let mut got = vec![0f32; m * n];
             for i in 0..m {

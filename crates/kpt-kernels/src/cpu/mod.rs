@@ -24,6 +24,7 @@ pub mod shapes;
 pub mod softmax;
 pub mod special;
 
+mod panels;
 mod par;
 mod scratch;
 mod sgemm;

@@ -2,12 +2,15 @@
 //! oneDNN. The default on AVX-512 CPUs; its AVX2 kernel runs with `KPT_CPU_GEMM=own`
 //! (it measured no faster than the `gemm` crate there) and in this module's tests.
 //!
-//! - Both operands are packed once, in parallel, into zero-padded micro-panels that
-//!   hold every k step: `MR` rows of A (`K × MR`) and `NR` columns of B (`K × NR`),
-//!   k-major. Any row / column strides are accepted, so transposed operands (the
-//!   weights of a linear layer, `[n, k]`) cost nothing extra. Operands larger than
-//!   [`PACK_LIMIT`] are packed and multiplied a chunk of rows or columns at a time.
-//! - The output is then cut into [`TASKS_PER_THREAD`] small rectangles per thread (see
+//! - Both operands are packed once into zero-padded micro-panels that hold every k
+//!   step: `MR` rows of A (`K × MR`) and `NR` columns of B (`K × NR`), k-major. Any row
+//!   / column strides are accepted, so transposed operands (the weights of a linear
+//!   layer, `[n, k]`) cost nothing extra; k-contiguous lines are transposed in 4 × 8
+//!   AVX blocks. The tasks below pack the panels they need on first use
+//!   ([`LazyPanels`]): one parallel region per call, no separate packing phase.
+//!   Operands larger than [`PACK_LIMIT`] are packed and multiplied a chunk of rows or
+//!   columns at a time.
+//! - The output is cut into [`TASKS_PER_THREAD`] small rectangles per thread (see
 //!   [`task_shape`]) that rayon's threads take as they go, so a thread on a slower
 //!   or busier core takes fewer of them: on a 16-core VM the same static share ran
 //!   from 9.5 to 20 ms on different threads of one call. A task walks k blocks of `KC`;
@@ -23,6 +26,7 @@
 use rayon::prelude::*;
 
 use super::gemm::Strided;
+use super::panels::LazyPanels;
 use super::scratch::Scratch;
 
 /// A register-blocked micro-kernel and the blocking that suits it.
@@ -130,34 +134,24 @@ fn sgemm_chunked<M: Micro>(
     };
     for i0 in (0..mp).step_by(a_chunk) {
         let i1 = (i0 + a_chunk).min(mp);
-        let ap = &mut ap[..(i1 - i0) * mr * k];
+        let a_panels = LazyPanels::new(&mut ap[..(i1 - i0) * mr * k], mr * k);
         for j0 in (0..np).step_by(b_chunk) {
             let j1 = (j0 + b_chunk).min(np);
-            let bp = &mut bp[..(j1 - j0) * nr * k];
-            let pack_b = |bp: &mut [f32]| b_op.pack_panels(bp, nr, k, j0, threads > 1);
-            if j0 == 0 {
-                let pack_a = |ap: &mut [f32]| a_op.pack_panels(ap, mr, k, i0, threads > 1);
-                if threads > 1 {
-                    rayon::join(|| pack_a(ap), || pack_b(bp));
-                } else {
-                    pack_a(ap);
-                    pack_b(bp);
-                }
-            } else {
-                pack_b(bp);
-            }
-            let (ap, bp) = (&*ap, &*bp);
+            let b_panels = LazyPanels::new(&mut bp[..(j1 - j0) * nr * k], nr * k);
             let (mb, nb) = task_shape(i1 - i0, j1 - j0, mr, nr, threads);
             let (tm, tn) = ((i1 - i0).div_ceil(mb), (j1 - j0).div_ceil(nb));
             let task = |t: usize| {
                 let (ti, tj) = (t / tn, t % tn);
-                let ip = i0 + ti * mb..(i0 + (ti + 1) * mb).min(i1);
-                let jp = j0 + tj * nb..(j0 + (tj + 1) * nb).min(j1);
+                let ip = ti * mb..((ti + 1) * mb).min(i1 - i0);
+                let jp = tj * nb..((tj + 1) * nb).min(j1 - j0);
+                let a = a_panels.get(ip.clone(), |p, dst| a_op.pack(dst, mr, i0 + p));
+                let b = b_panels.get(jp.clone(), |p, dst| b_op.pack(dst, nr, j0 + p));
+                let (ip, jp) = (i0 + ip.start..i0 + ip.end, j0 + jp.start..j0 + jp.end);
                 // SAFETY: the rectangles of different `t` are disjoint (rows `ip` ×
                 // columns `jp` of a tm × tn grid), `out` covers every output element
                 // (checked by the caller), and `dst` stays borrowed until all tasks are
                 // done.
-                unsafe { rectangle(mk, ap, bp, (i0, j0), out, d, ip, jp, epi) };
+                unsafe { rectangle(mk, a, b, out, d, ip, jp, epi) };
             };
             if threads > 1 {
                 (0..tm * tn).into_par_iter().for_each(task);
@@ -179,25 +173,18 @@ struct Operand<'a> {
 }
 
 impl Operand<'_> {
-    /// Packs consecutive panels of `width` lines, from panel `first`, each over all
-    /// `k` steps, into `out` (`k · width` f32 per panel).
-    fn pack_panels(&self, out: &mut [f32], width: usize, k: usize, first: usize, par: bool) {
-        let one = |(p, panel): (usize, &mut [f32])| {
-            pack(
-                panel,
-                width,
-                (first + p) * width,
-                self.lines,
-                self.data,
-                self.ls,
-                self.ps,
-            )
-        };
-        if par {
-            out.par_chunks_mut(width * k).enumerate().for_each(one);
-        } else {
-            out.chunks_mut(width * k).enumerate().for_each(one);
-        }
+    /// Packs the panel of `width` lines from line `panel * width` over all k steps into
+    /// `out` (`k · width` f32).
+    fn pack(&self, out: &mut [f32], width: usize, panel: usize) {
+        pack(
+            out,
+            width,
+            panel * width,
+            self.lines,
+            self.data,
+            self.ls,
+            self.ps,
+        );
     }
 }
 
@@ -222,8 +209,8 @@ fn task_shape(mp: usize, np: usize, mr: usize, nr: usize, threads: usize) -> (us
     (mb, nb)
 }
 
-/// Computes the output rectangle of row panels `ip` × column panels `jp` from packed
-/// panels (`ap` from row panel `base.0`, `bp` from column panel `base.1`).
+/// Computes the output rectangle of row panels `ip` × column panels `jp` from their
+/// packed panels (`ap`: those of `ip`, `bp`: those of `jp`).
 ///
 /// # Safety
 /// `out` points at the output (`m` rows, `ldc` apart, `n` columns each) and no other
@@ -233,7 +220,6 @@ unsafe fn rectangle<M: Micro>(
     mk: M,
     ap: &[f32],
     bp: &[f32],
-    base: (usize, usize),
     out: OutPtr,
     d: Dims,
     ip: std::ops::Range<usize>,
@@ -245,9 +231,9 @@ unsafe fn rectangle<M: Micro>(
     while kb < k {
         let kc = M::KC.min(k - kb);
         for i in ip.clone() {
-            let a = &ap[(i - base.0) * mr * k + kb * mr..][..kc * mr];
+            let a = &ap[(i - ip.start) * mr * k + kb * mr..][..kc * mr];
             for j in jp.clone() {
-                let b = &bp[(j - base.1) * nr * k + kb * nr..][..kc * nr];
+                let b = &bp[(j - jp.start) * nr * k + kb * nr..][..kc * nr];
                 // SAFETY: tile (i, j) is in this task's rectangle (caller).
                 unsafe { tile(mk, a, b, out, d, i, j, kb > 0) };
             }
@@ -330,6 +316,20 @@ fn pack(
     ps: usize,
 ) {
     let live = width.min(lines - first);
+    if live == width {
+        let avx = cfg!(target_arch = "x86_64") && super::simd::has_avx2_fma();
+        let packed = match width {
+            4 => pack_full::<4>(panel, first, data, ls, ps, avx),
+            6 => pack_full::<6>(panel, first, data, ls, ps, avx),
+            12 => pack_full::<12>(panel, first, data, ls, ps, avx),
+            16 => pack_full::<16>(panel, first, data, ls, ps, avx),
+            32 => pack_full::<32>(panel, first, data, ls, ps, avx),
+            _ => false,
+        };
+        if packed {
+            return;
+        }
+    }
     if live < width {
         panel.fill(0.0);
     }
@@ -352,6 +352,94 @@ fn pack(
             for (l, d) in dst[..live].iter_mut().enumerate() {
                 *d = data[(first + l) * ls + p * ps];
             }
+        }
+    }
+}
+
+/// [`pack`] of a full panel of `W` lines in fixed-size pieces the compiler keeps in
+/// vector registers: one `W`-wide copy per k step when lines are adjacent (`ls == 1`),
+/// or an `8 × W` transpose per 8 k steps when each line is contiguous (`ps == 1`), in
+/// 4 × 8 AVX blocks when `avx` (the CPU has AVX). Returns false (nothing written) for
+/// other layouts.
+fn pack_full<const W: usize>(
+    panel: &mut [f32],
+    first: usize,
+    data: &[f32],
+    ls: usize,
+    ps: usize,
+    avx: bool,
+) -> bool {
+    const KB: usize = 8;
+    let (steps, _) = panel.as_chunks_mut::<W>();
+    if ls == 1 {
+        for (p, dst) in steps.iter_mut().enumerate() {
+            dst.copy_from_slice(&data[first + p * ps..][..W]);
+        }
+        true
+    } else if ps == 1 {
+        let kc = steps.len();
+        let rows: [&[f32]; W] = std::array::from_fn(|l| &data[(first + l) * ls..][..kc]);
+        let (blocks, tail) = steps.as_chunks_mut::<KB>();
+        let avx = avx && W >= 4;
+        for (b, block) in blocks.iter_mut().enumerate() {
+            if avx {
+                // Blocks of 4 lines; the last one overlaps the one before when W is not
+                // a multiple of 4 (it rewrites the same values).
+                #[cfg(target_arch = "x86_64")]
+                for l0 in (0..W).step_by(4).map(|l| l.min(W - 4)) {
+                    let src = std::array::from_fn(|r| &rows[l0 + r][b * KB..][..KB]);
+                    // SAFETY: AVX is present (AVX2 implies it); `src` holds 4 rows of 8
+                    // and `block` 8 steps of W >= l0 + 4 values.
+                    unsafe { transpose_4x8(src, block.as_mut_ptr().cast::<f32>().add(l0), W) };
+                }
+            } else {
+                for (l, row) in rows.iter().enumerate() {
+                    let src: &[f32; KB] = row[b * KB..][..KB].try_into().expect("KB long");
+                    for (dst, &v) in block.iter_mut().zip(src) {
+                        dst[l] = v;
+                    }
+                }
+            }
+        }
+        let p0 = blocks.len() * KB;
+        for (j, dst) in tail.iter_mut().enumerate() {
+            for (d, row) in dst.iter_mut().zip(&rows) {
+                *d = row[p0 + j];
+            }
+        }
+        true
+    } else {
+        false
+    }
+}
+
+/// Writes the 4 × 8 block `src` (4 lines of 8 k steps) transposed: step `j` of line
+/// `r` to `dst[j * w + r]`.
+///
+/// # Safety
+/// The CPU has AVX; `dst[j * w + r]` is writable for `j < 8`, `r < 4`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn transpose_4x8(src: [&[f32]; 4], dst: *mut f32, w: usize) {
+    use std::arch::x86_64::*;
+    assert!(src.iter().all(|r| r.len() >= 8));
+    // SAFETY: each row has 8 readable f32 (asserted); the stores write dst[j * w..][..4]
+    // for j < 8 (caller).
+    unsafe {
+        let [r0, r1, r2, r3] = src.map(|r| _mm256_loadu_ps(r.as_ptr()));
+        // (a, b, c, d) = rows 0..3: t0 = a0 b0 a1 b1 | a4 b4 a5 b5, t1 = a2 b2 a3 b3 | ...
+        let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
+        let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
+        // u[j] = step j in the low half, step j + 4 in the high half.
+        let u = [
+            _mm256_shuffle_ps::<0x44>(t0, t2),
+            _mm256_shuffle_ps::<0xEE>(t0, t2),
+            _mm256_shuffle_ps::<0x44>(t1, t3),
+            _mm256_shuffle_ps::<0xEE>(t1, t3),
+        ];
+        for (j, v) in u.into_iter().enumerate() {
+            _mm_storeu_ps(dst.add(j * w), _mm256_castps256_ps128(v));
+            _mm_storeu_ps(dst.add((j + 4) * w), _mm256_extractf128_ps::<1>(v));
         }
     }
 }
@@ -633,5 +721,36 @@ mod tests {
         let mut t = [9.0; 4];
         pack(&mut t, 2, 0, 2, &a, 2, 3);
         assert_eq!(t, [1.0, 3.0, 4.0, 6.0]);
+    }
+
+    /// The full-panel fast paths (copy, transpose in scalar code and in AVX blocks)
+    /// write what the general loop writes.
+    #[test]
+    fn full_panels_pack_like_the_general_loop() {
+        fn check<const W: usize>(kc: usize) {
+            let lines = W + 3;
+            let data: Vec<f32> = (0..lines * kc).map(|i| i as f32).collect();
+            for (ls, ps) in [(kc, 1), (1, lines)] {
+                let mut want = vec![0f32; W * kc];
+                for (p, step) in want.chunks_exact_mut(W).enumerate() {
+                    for (l, x) in step.iter_mut().enumerate() {
+                        *x = data[(2 + l) * ls + p * ps];
+                    }
+                }
+                let avx = cfg!(target_arch = "x86_64") && crate::cpu::simd::has_avx2_fma();
+                for simd in [false, avx] {
+                    let mut got = vec![f32::NAN; W * kc];
+                    assert!(pack_full::<W>(&mut got, 2, &data, ls, ps, simd));
+                    assert_eq!(got, want, "W {W} kc {kc} ls {ls} simd {simd}");
+                }
+            }
+        }
+        for kc in [1, 7, 8, 19, 64] {
+            check::<4>(kc);
+            check::<6>(kc);
+            check::<12>(kc);
+            check::<16>(kc);
+            check::<32>(kc);
+        }
     }
 }
