@@ -136,6 +136,15 @@ pub trait Backend: Send + Sync {
         outputs: &mut [BufferMut<'_>],
     ) -> Result<()>;
 
+    /// Runs `work`, the kernel launches of one plan run, where this backend launches
+    /// best. The CPU backend runs it on one of its worker threads, so that each kernel's
+    /// parallel loop starts from a worker (which joins in) instead of handing the loop
+    /// to the pool and sleeping until it is done. The default runs it on the calling
+    /// thread.
+    fn run_launches(&self, work: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+        work()
+    }
+
     /// Waits until all queued work is done.
     fn synchronize(&self) -> Result<()>;
 

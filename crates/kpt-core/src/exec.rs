@@ -119,71 +119,80 @@ impl Executor {
                 }
             }
         }
-        for (node, choice) in graph.nodes().iter().zip(&plan.kernels) {
-            let _span = tracing::trace_span!("launch", node = %node.name, kernel = %choice.kernel)
-                .entered();
-            let mut outs = node
-                .outputs
-                .iter()
-                .map(|o| {
-                    slot_of[o.0].and_then(|s| slots[s].take()).ok_or_else(|| {
-                        KptError::Graph(format!(
-                            "value `{}` has no free buffer",
-                            graph.value(*o).name
-                        ))
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let result = {
-                let lookup = |v: ValueId| -> Result<&DeviceBuffer> {
-                    match &graph.value(v).source {
-                        ValueSource::Input => {
-                            let pos = graph.inputs().iter().position(|&i| i == v);
-                            pos.map(|p| &input_bufs[p])
-                        }
-                        ValueSource::Param(_) => params[v.0].as_ref(),
-                        ValueSource::Node { .. } => slot_of[v.0].and_then(|s| slots[s].as_ref()),
-                    }
-                    .ok_or_else(|| {
-                        KptError::Graph(format!("value `{}` has no buffer", graph.value(v).name))
-                    })
-                };
-                let in_refs = node
-                    .inputs
+        backend.run_launches(&mut || {
+            for (node, choice) in graph.nodes().iter().zip(&plan.kernels) {
+                let _span =
+                    tracing::trace_span!("launch", node = %node.name, kernel = %choice.kernel)
+                        .entered();
+                let mut outs = node
+                    .outputs
                     .iter()
-                    .map(|&v| {
-                        lookup(v).map(|buffer| BufferRef {
-                            buffer,
-                            spec: &specs[v.0],
+                    .map(|o| {
+                        slot_of[o.0].and_then(|s| slots[s].take()).ok_or_else(|| {
+                            KptError::Graph(format!(
+                                "value `{}` has no free buffer",
+                                graph.value(*o).name
+                            ))
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let mut out_refs: Vec<BufferMut<'_>> = outs
-                    .iter_mut()
-                    .zip(&node.outputs)
-                    .map(|(buffer, o)| BufferMut {
-                        buffer,
-                        spec: &specs[o.0],
-                    })
-                    .collect();
-                backend.execute(&choice.kernel, &node.op, &in_refs, &mut out_refs)
-            };
-            for (o, buf) in node.outputs.iter().zip(outs) {
-                if trace {
-                    traced[o.0] = Some(backend.download(&buf, &specs[o.0])?);
+                let result = {
+                    let lookup = |v: ValueId| -> Result<&DeviceBuffer> {
+                        match &graph.value(v).source {
+                            ValueSource::Input => {
+                                let pos = graph.inputs().iter().position(|&i| i == v);
+                                pos.map(|p| &input_bufs[p])
+                            }
+                            ValueSource::Param(_) => params[v.0].as_ref(),
+                            ValueSource::Node { .. } => {
+                                slot_of[v.0].and_then(|s| slots[s].as_ref())
+                            }
+                        }
+                        .ok_or_else(|| {
+                            KptError::Graph(format!(
+                                "value `{}` has no buffer",
+                                graph.value(v).name
+                            ))
+                        })
+                    };
+                    let in_refs = node
+                        .inputs
+                        .iter()
+                        .map(|&v| {
+                            lookup(v).map(|buffer| BufferRef {
+                                buffer,
+                                spec: &specs[v.0],
+                            })
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    let mut out_refs: Vec<BufferMut<'_>> = outs
+                        .iter_mut()
+                        .zip(&node.outputs)
+                        .map(|(buffer, o)| BufferMut {
+                            buffer,
+                            spec: &specs[o.0],
+                        })
+                        .collect();
+                    backend.execute(&choice.kernel, &node.op, &in_refs, &mut out_refs)
+                };
+                for (o, buf) in node.outputs.iter().zip(outs) {
+                    if trace {
+                        traced[o.0] = Some(backend.download(&buf, &specs[o.0])?);
+                    }
+                    if let Some(s) = slot_of[o.0] {
+                        slots[s] = Some(buf);
+                    }
                 }
-                if let Some(s) = slot_of[o.0] {
-                    slots[s] = Some(buf);
-                }
+                result.map_err(|e| match e {
+                    KptError::Backend { backend, message } => KptError::Backend {
+                        backend,
+                        message: format!("node `{}` ({}): {message}", node.name, choice.kernel),
+                    },
+                    other => other,
+                })?;
             }
-            result.map_err(|e| match e {
-                KptError::Backend { backend, message } => KptError::Backend {
-                    backend,
-                    message: format!("node `{}` ({}): {message}", node.name, choice.kernel),
-                },
-                other => other,
-            })?;
-        }
+            Ok(())
+        })?;
         let outputs = graph
             .outputs()
             .iter()

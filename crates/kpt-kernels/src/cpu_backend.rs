@@ -603,6 +603,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn run_launches(&self, work: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+        // From a thread outside the pool this runs `work` on a worker (the caller waits
+        // once per run instead of once per kernel); on a worker it runs in place.
+        rayon::scope(|_| work())
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }

@@ -854,3 +854,21 @@ fn tensor(rng: &mut Rng, shape: &[usize], lo: f32, hi: f32) -> Tensor {
     let v = rng.vec(shape.iter().product(), lo, hi);
     Tensor::from_vec(v, shape).unwrap()
 }
+
+/// A plan's launches run on one of the pool's workers (so each kernel's parallel loop
+/// starts from a worker), and errors from the launches come back.
+#[test]
+fn launches_run_on_a_pool_worker() {
+    let b = backend();
+    let mut on_worker = None;
+    b.run_launches(&mut || {
+        on_worker = Some(rayon::current_thread_index().is_some());
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(on_worker, Some(true));
+    let err = b
+        .run_launches(&mut || Err(KptError::InvalidArgument("stop".into())))
+        .unwrap_err();
+    assert!(err.to_string().contains("stop"), "{err}");
+}
