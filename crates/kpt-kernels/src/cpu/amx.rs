@@ -2,19 +2,24 @@
 //! behind [`matmul_bf16`](super::matmul_bf16), and [`Tiles`], the bounds-checked tile
 //! products that the AMX attention builds on. Used when the CPU and the OS offer AMX.
 //!
-//! Both operands are packed once into 1 KiB tiles, zero-padded to multiples of 32:
-//! A as `[m / 16][k / 32]` tiles of 16 rows × 32 bf16, B as `[n / 16][k / 32]` tiles in
-//! the pair-interleaved ("VNNI") layout `TDPBF16PS` reads: 16 rows of k-pairs, each
-//! holding 16 columns × 2 consecutive k. A tile's k-step successor is the next 1 KiB,
-//! so the inner loop streams both operands linearly. The micro-kernel keeps a 32 × 32
-//! f32 output block in four accumulator tiles (`tmm0..3`), loads two A tiles
-//! (`tmm4..5`) and two B tiles (`tmm6..7`) per 32-wide k step and issues four
-//! `TDPBF16PS` (f32 accumulation of bf16 products, like the portable path), each as
-//! soon as its two operand tiles are loaded.
+//! The tile loads read A in place, row-major: each 16-row tile is 16 rows of 32 bf16 at
+//! A's row stride. Only blocks that cannot be read that way are copied, zero-padded
+//! (rows not a multiple of 32 elements, the last partial 32-row block, and row strides
+//! that would pile a block's rows into a few L1 sets, see [`spreads_in_l1`]). B is packed
+//! into 1 KiB tiles in the pair-interleaved ("VNNI") layout `TDPBF16PS` reads: 16 rows of
+//! k-pairs, each holding 16 columns × 2 consecutive k, a column panel's k tiles one after
+//! the other. The micro-kernel keeps a 32 × 32 f32 output block in four accumulator tiles
+//! (`tmm0..3`); per 32-wide k step it loads two A tiles (`tmm4..5`) and two B tiles
+//! (`tmm6..7`) back to back, so that their latencies overlap, then issues the four
+//! `TDPBF16PS` (f32 accumulation of bf16 products, like the portable path). On a
+//! Sapphire Rapids VM that order ran the kernel 1.5-2x faster than loads interleaved with
+//! the products; the tile loads, not the products, bound it (products alone ran 2-3x
+//! faster still).
 //! Rayon tasks own a 128 × 128 output rectangle each (64 × 64 when that leaves fewer than
-//! four tasks per thread), accumulated in f32 over passes of 512 k: within a pass one 32-row A block (32 KiB) stays in L1 while it meets the
-//! task's four B blocks (128 KiB, in L2). Each task packs the 16-row / 16-column panels
-//! it needs that no other task packed yet ([`LazyPanels`]), into [`Scratch`] buffers.
+//! four tasks per thread), accumulated in f32 over passes of 512 k: within a pass one
+//! 32-row A block (32 KiB) stays in L1 while it meets the task's B blocks (in L2). Each
+//! task packs the B panels (and copies the A blocks) it needs that no other task did yet
+//! ([`LazyPanels`]), into [`Scratch`] buffers.
 //!
 //! The tile instructions are written as inline assembly: Rust's AMX intrinsics are not
 //! stable. Linux only grants the tile state to a process that asks for it
@@ -24,7 +29,7 @@ use half::bf16;
 
 use super::panels::LazyPanels;
 use super::scratch::Scratch;
-use super::simd::Encode;
+use super::simd::{dispatch, Encode};
 
 /// Rows / columns of one output micro-block (two tiles each way).
 const MB: usize = 32;
@@ -34,6 +39,9 @@ const KB: usize = 32;
 pub(crate) const TILE: usize = 512;
 /// Output rows / columns per rayon task (halved for small products, see `task_size`).
 const TASK: usize = 128;
+/// k tiles per pass over a task's blocks: one A block (32 × 512 bf16, 32 KiB) then stays
+/// in L1 while it meets the task's B blocks (in L2).
+const KSTEPS: usize = 16;
 
 /// Whether AMX-BF16 can run in this process: the CPU has it, the OS saves its state and
 /// granted this process the tile data permission, and `KPT_CPU_AMX` is not `off` (or
@@ -63,92 +71,164 @@ pub(crate) fn matmul_bf16<T: Encode>(
         out[..m * n].fill(T::encode(0.0));
         return true;
     }
-    let (mt, kt, nt) = (
-        m.next_multiple_of(MB) / 16,
-        k.div_ceil(KB),
-        n.next_multiple_of(MB) / 16,
-    );
-    let mut ap = Scratch::new(mt * kt * TILE);
-    let mut bp = Scratch::new(nt * kt * TILE);
-    imp::run(
-        &LazyPanels::new(&mut ap, kt * TILE),
-        &LazyPanels::new(&mut bp, kt * TILE),
-        |t, dst| pack_a_panel(a, m, k, t, dst),
-        |t, dst| pack_b_panel(b, k, n, t, dst),
-        out,
+    let kt = k.div_ceil(KB);
+    let in_place = if k.is_multiple_of(KB) && spreads_in_l1(k, kt) {
+        m / MB
+    } else {
+        0
+    };
+    // A few lines past the padded length spread (see the tests); else take the padded one.
+    let lda = (kt * KB..)
+        .step_by(KB)
+        .take(4)
+        .find(|&l| spreads_in_l1(l, kt))
+        .unwrap_or(kt * KB);
+    let mut ap = Scratch::new((m.div_ceil(MB) - in_place) * MB * lda);
+    let mut bp = Scratch::new(n.next_multiple_of(MB) / 16 * kt * TILE);
+    let a = ABlocks {
+        a: bytemuck::cast_slice(a),
         m,
+        k,
+        in_place,
+        lda,
+        packed: LazyPanels::new(&mut ap, MB * lda),
+    };
+    let b = BPanels {
+        b,
+        k,
         n,
-        kt,
-    );
+        packed: LazyPanels::new(&mut bp, kt * TILE),
+    };
+    imp::run(&a, &b, out, m, n, kt);
     true
 }
 
-/// Packs rows `16t..16t + 16` of A (`m × k`) into `dst` (`k.div_ceil(32)` tiles) as
-/// tiles of 16 rows × 32 columns (bf16 bits), zero-padded.
-fn pack_a_panel(a: &[bf16], m: usize, k: usize, t: usize, dst: &mut [u16]) {
-    dst.fill(0);
-    for r in 0..16.min(m.saturating_sub(t * 16)) {
-        let row = &a[(t * 16 + r) * k..][..k];
-        for (s, chunk) in row.chunks(KB).enumerate() {
-            let d = &mut dst[s * TILE + r * KB..][..chunk.len()];
-            for (o, x) in d.iter_mut().zip(chunk) {
-                *o = x.to_bits();
-            }
+/// Whether the 32 rows of an A block, `lda` elements apart, spread over the L1 data
+/// cache (64 sets of 12 64-byte lines, as on Sapphire Rapids): a pass reads up to
+/// `KSTEPS` of the `kt` k tiles, a line each, of every row, and no set may hold more than
+/// 10 of them (two ways stay for B and C). Row strides that are multiples of 2 KiB pile
+/// the rows into a few sets, which evict each other on every pass.
+fn spreads_in_l1(lda: usize, kt: usize) -> bool {
+    let mut per_set = [0u8; 64];
+    for r in 0..MB {
+        for line in 0..kt.min(KSTEPS) {
+            per_set[(r * lda * 2 / 64 + line) % 64] += 1;
         }
+    }
+    per_set.iter().all(|&c| c <= 10)
+}
+
+/// A's 32-row blocks as the tile loads read them, row-major with rows a multiple of 32
+/// elements long: blocks `..in_place` in place (when `k` is a multiple of 32 and the
+/// rows [spread in L1](spreads_in_l1), the full blocks), the others as zero-padded
+/// copies with rows `lda` apart that the tasks make on first use.
+struct ABlocks<'a> {
+    /// A (`m × k`) as bf16 bits.
+    a: &'a [u16],
+    m: usize,
+    k: usize,
+    in_place: usize,
+    lda: usize,
+    packed: LazyPanels<'a, u16>,
+}
+
+impl ABlocks<'_> {
+    /// Block `i` (rows `32i..32i + 32`) and its row length in elements; `k.div_ceil(32)`
+    /// tiles of 32 elements are readable in each of its 32 rows.
+    fn block(&self, i: usize) -> (&[u16], usize) {
+        if i < self.in_place {
+            return (&self.a[i * MB * self.k..][..MB * self.k], self.k);
+        }
+        let p = i - self.in_place;
+        let block = self.packed.get(p..p + 1, |_, dst| {
+            dst.fill(0);
+            for (r, row) in dst.chunks_exact_mut(self.lda).enumerate() {
+                let src = i * MB + r;
+                if src < self.m {
+                    row[..self.k].copy_from_slice(&self.a[src * self.k..][..self.k]);
+                }
+            }
+        });
+        (block, self.lda)
     }
 }
 
-/// Packs columns `16t..16t + 16` of B (`k × n`) into `dst` (`k.div_ceil(32)` tiles) as
-/// tiles of 16 k-pairs × 16 columns × 2 (bf16 bits), zero-padded: element `(p, c)` of
-/// column `c` at k = 2p + s sits at `p * 32 + c * 2 + s`.
-fn pack_b_panel(b: &[bf16], k: usize, n: usize, t: usize, dst: &mut [u16]) {
-    dst.fill(0);
-    pack_b_tiles(dst, t, k, n, |kk, c0, cols| &b[kk * n + c0..][..cols]);
-}
-
-/// Packs the `kt` tiles of tile column `t` (columns `16t..`) into `dst` (zeroed):
-/// `row(kk, c0, cols)` gives B's row `kk` from column `c0`, `cols` long.
-fn pack_b_tiles<'a>(
-    dst: &mut [u16],
-    t: usize,
+/// B's 16-column panels in the tile layout `TDPBF16PS` reads, packed by the tasks on
+/// first use ([`pack_b_tiles`]).
+struct BPanels<'a> {
+    b: &'a [bf16],
     k: usize,
     n: usize,
-    row: impl Fn(usize, usize, usize) -> &'a [bf16],
+    packed: LazyPanels<'a, u16>,
+}
+
+impl BPanels<'_> {
+    /// Panels `range` (columns `16 * range.start..16 * range.end`), `k.div_ceil(32)`
+    /// tiles each.
+    fn panels(&self, range: std::ops::Range<usize>) -> &[u16] {
+        self.packed.get(range, |t, dst| {
+            pack_b_tiles(dst, t, self.b, self.n, self.k, self.n)
+        })
+    }
+}
+
+dispatch!(
+    /// Packs columns `16t..16t + 16` of B (`k × n`, row `kk` at `b[kk * ldb..]`) into the
+    /// `k.div_ceil(32)` tiles of `dst` as 16 k-pairs × 16 columns × 2 (bf16 bits),
+    /// zero-padded: element `(p, c)` of column `c` at k = 2p + s sits at
+    /// `p * 32 + c * 2 + s` (the pair-interleaved "VNNI" layout). Writes all of `dst`.
+    fn pack_b_tiles(dst: &mut [u16], t: usize, b: &[bf16], ldb: usize, k: usize, n: usize)
+        => pack_b_tiles_body
+);
+
+#[inline(always)]
+fn pack_b_tiles_body<const SIMD: bool>(
+    dst: &mut [u16],
+    t: usize,
+    b: &[bf16],
+    ldb: usize,
+    k: usize,
+    n: usize,
 ) {
     let c0 = t * 16;
     let cols = n.saturating_sub(c0).min(16);
-    if cols == 0 {
-        return;
-    }
-    // Two k rows at a time, interleaved: (k, k + 1) of each column side by side.
-    for kk in (0..k).step_by(2) {
-        let base = (kk / KB) * TILE + ((kk % KB) / 2) * 32;
-        let pairs = dst[base..][..2 * cols].chunks_exact_mut(2);
-        let lo = row(kk, c0, cols);
-        if kk + 1 < k {
-            for ((pair, l), h) in pairs.zip(lo).zip(row(kk + 1, c0, cols)) {
-                pair[0] = l.to_bits();
-                pair[1] = h.to_bits();
-            }
-        } else {
-            for (pair, l) in pairs.zip(lo) {
-                pair[0] = l.to_bits();
-            }
+    let dst = &mut dst[..k.div_ceil(KB) * TILE];
+    // Pairs of whole rows: 16 columns of rows 2p and 2p + 1, interleaved.
+    let whole = if cols == 16 { k / 2 } else { 0 };
+    for (p, pair) in dst[..whole * 32].chunks_exact_mut(32).enumerate() {
+        let lo: &[bf16; 16] = b[2 * p * ldb + c0..][..16].try_into().unwrap();
+        let hi: &[bf16; 16] = b[(2 * p + 1) * ldb + c0..][..16].try_into().unwrap();
+        let pair: &mut [u16; 32] = pair.try_into().unwrap();
+        for c in 0..16 {
+            pair[2 * c] = lo[c].to_bits();
+            pair[2 * c + 1] = hi[c].to_bits();
         }
+    }
+    // The rest (a last odd row, columns past n, padding rows) element by element.
+    for (i, x) in dst[whole * 32..].iter_mut().enumerate() {
+        let (p, c, s) = (whole + i / 32, (i % 32) / 2, i % 2);
+        let kk = 2 * p + s;
+        *x = if kk < k && c < cols {
+            b[kk * ldb + c0 + c].to_bits()
+        } else {
+            0
+        };
     }
 }
 
 /// Packs the `k × n` matrix B with B[kk, j] = `b[kk * ldb + j]` into `dst`
-/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b_panel`] does.
+/// (`n.div_ceil(16) * k.div_ceil(32)` tiles or more; extra panels come out zero) as
+/// [`pack_b_tiles`] does.
 pub(crate) fn pack_b_strided(b: &[bf16], ldb: usize, k: usize, n: usize, dst: &mut [u16]) {
     let kt = k.div_ceil(KB);
     for (t, tiles) in dst.chunks_exact_mut(kt * TILE).enumerate() {
-        pack_b_tiles(tiles, t, k, n, |kk, c0, cols| &b[kk * ldb + c0..][..cols]);
+        pack_b_tiles(tiles, t, b, ldb, k, n);
     }
 }
 
 /// Packs B = Tᵀ, given T (`n × k`) with T[j, kk] = `t[j * ldt + kk]`, into `dst`
-/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b_panel`] does.
+/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b_tiles`]
+/// does.
 pub(crate) fn pack_bt_strided(t: &[bf16], ldt: usize, k: usize, n: usize, dst: &mut [u16]) {
     let kt = k.div_ceil(KB);
     for (nt, tiles) in dst.chunks_exact_mut(kt * TILE).enumerate() {
@@ -232,7 +312,7 @@ impl Tiles {
         // SAFETY: the configuration is loaded on this thread (`self` is not `Send`), and
         // the asserts above keep every load and store inside the three slices.
         unsafe {
-            imp::block_rm(
+            imp::block(
                 a.as_ptr(),
                 lda * 2,
                 b.as_ptr(),
@@ -263,7 +343,7 @@ mod imp {
 
     use rayon::prelude::*;
 
-    use super::{Encode, LazyPanels, Scratch, MB, TASK, TILE};
+    use super::{ABlocks, BPanels, Encode, Scratch, KB, KSTEPS, MB, TASK, TILE};
 
     /// `arch_prctl` request for extra xstate components, and the tile data component.
     const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;
@@ -333,75 +413,6 @@ mod imp {
         }
     }
 
-    /// `C += Σ_s A(a0, a1)[s] · B(b0, b1)[s]` over `steps` k tiles for one 32 × 32 f32
-    /// block `C` at `c` (rows `cs` bytes apart), or `C =` when `first`. `a0` / `b0`
-    /// point at the first k tile of the upper / left tile row; the second tile row
-    /// starts `stride` tiles later.
-    ///
-    /// # Safety
-    /// The tile configuration of [`TileConfig::new`] is loaded on this thread, AMX is
-    /// [`available`], `steps >= 1`, `a0` and `b0` have `stride + steps` readable tiles,
-    /// and `c` has 32 rows of 32 f32, `cs` bytes apart, readable and writable.
-    #[inline(always)]
-    unsafe fn block(
-        a0: *const u16,
-        b0: *const u16,
-        stride: usize,
-        steps: usize,
-        c: *mut f32,
-        cs: usize,
-        first: bool,
-    ) {
-        // SAFETY: per the function contract; each tile load reads 16 rows of 64 bytes,
-        // C loads / stores touch the 32 × 32 block at `c`.
-        unsafe {
-            asm!(
-                "test {first}, {first}",
-                "jz 3f",
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                "jmp 2f",
-                "3:",
-                "tileloadd tmm0, [{c} + {cs}*1]",
-                "tileloadd tmm1, [{c} + {cs}*1 + 64]",
-                "tileloadd tmm2, [{c1} + {cs}*1]",
-                "tileloadd tmm3, [{c1} + {cs}*1 + 64]",
-                "2:",
-                "tileloadd tmm4, [{a0} + {s}*1]",
-                "tileloadd tmm6, [{b0} + {s}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tileloadd tmm7, [{b1} + {s}*1]",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm5, [{a1} + {s}*1]",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                "add {a0}, 1024",
-                "add {a1}, 1024",
-                "add {b0}, 1024",
-                "add {b1}, 1024",
-                "dec {n}",
-                "jnz 2b",
-                "tilestored [{c} + {cs}*1], tmm0",
-                "tilestored [{c} + {cs}*1 + 64], tmm1",
-                "tilestored [{c1} + {cs}*1], tmm2",
-                "tilestored [{c1} + {cs}*1 + 64], tmm3",
-                first = in(reg) usize::from(first),
-                a0 = inout(reg) a0 => _,
-                a1 = inout(reg) a0.add(stride * TILE) => _,
-                b0 = inout(reg) b0 => _,
-                b1 = inout(reg) b0.add(stride * TILE) => _,
-                n = inout(reg) steps => _,
-                s = in(reg) 64usize,
-                c = in(reg) c,
-                c1 = in(reg) c.byte_add(16 * cs),
-                cs = in(reg) cs,
-                options(nostack),
-            );
-        }
-    }
-
     pub(super) fn load() -> bool {
         if !available() {
             return false;
@@ -417,15 +428,17 @@ mod imp {
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
 
-    /// As [`block`], but A is row-major: 32 rows `lda` bytes apart, each step 64 bytes
-    /// further; the right B tile column starts `b_next` elements after `b0`.
+    /// `C += A · B` over `steps` k tiles for one 32 × 32 f32 block `C` at `c` (rows `cs`
+    /// bytes apart), or `C =` unless `accumulate`. A is row-major bf16: 32 rows `lda`
+    /// bytes apart from `a0`, each k tile 64 bytes further; B is packed tiles, 1 KiB per
+    /// k step, the right tile column `b_next` elements after the left one at `b0`.
     ///
     /// # Safety
     /// The configuration is loaded on this thread, `steps >= 1`, and all rows of A, the
     /// `steps` tiles at `b0` and `b0 + b_next`, and the 32 × 32 f32 at `c` (rows `cs`
     /// bytes apart) are in bounds.
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn block_rm(
+    pub(super) unsafe fn block(
         a0: *const u16,
         lda: usize,
         b0: *const u16,
@@ -453,10 +466,10 @@ mod imp {
                 "2:",
                 "tileloadd tmm4, [{a0} + {lda}*1]",
                 "tileloadd tmm6, [{b0} + {s}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
                 "tileloadd tmm7, [{b1} + {s}*1]",
-                "tdpbf16ps tmm1, tmm4, tmm7",
                 "tileloadd tmm5, [{a1} + {lda}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
                 "add {a0}, 64",
@@ -485,19 +498,11 @@ mod imp {
         }
     }
 
-    /// k tiles per pass over a task's blocks: one A block row (32 × 512 bf16, 32 KiB)
-    /// then stays in L1 while it meets the task's B blocks (in L2).
-    const KSTEPS: usize = 16;
-
-    /// Runs the product on packed panels of 16 rows of A (`ap`) and 16 columns of B
-    /// (`bp`), `kt` tiles each, that the tasks pack on first use with `pack_a` /
-    /// `pack_b`.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs the product: each task computes one rectangle of `out` from A's row blocks
+    /// and B's column panels (`kt` k tiles each), packing those it needs on first use.
     pub(super) fn run<T: Encode>(
-        ap: &LazyPanels<'_, u16>,
-        bp: &LazyPanels<'_, u16>,
-        pack_a: impl Fn(usize, &mut [u16]) + Sync,
-        pack_b: impl Fn(usize, &mut [u16]) + Sync,
+        a: &ABlocks<'_>,
+        b: &BPanels<'_>,
         out: &mut [T],
         m: usize,
         n: usize,
@@ -511,31 +516,33 @@ mod imp {
         (0..tr * tc).into_par_iter().for_each(|t| {
             let (r0, c0) = ((t / tc) * task, (t % tc) * task);
             let (rows, cols) = (task.min(mb - r0), task.min(nb - c0));
-            // This task's panels: rows r0.. of A, columns c0.. of B (`get` checks that
-            // they exist), kt tiles each.
-            let a = ap.get(r0 / 16..(r0 + rows) / 16, &pack_a);
-            let b = bp.get(c0 / 16..(c0 + cols) / 16, &pack_b);
+            let blocks: Vec<(&[u16], usize)> =
+                (r0 / MB..(r0 + rows) / MB).map(|i| a.block(i)).collect();
+            // The task's column panels (`panels` checks that they exist), kt tiles each.
+            let bt = b.panels(c0 / 16..(c0 + cols) / 16);
             // The task's f32 accumulators, [rows][task].
             let mut acc = Scratch::<f32>::new(rows * task);
             // `matmul_bf16` checked `available()`, so the configuration loads.
             assert!(load(), "AMX tile configuration failed to load");
             for k0 in (0..kt).step_by(KSTEPS) {
                 let steps = KSTEPS.min(kt - k0);
-                for i in (0..rows).step_by(MB) {
+                for (bi, &(ablk, lda)) in blocks.iter().enumerate() {
+                    assert!(ablk.len() >= (MB - 1) * lda + kt * KB);
                     for j in (0..cols).step_by(MB) {
-                        // SAFETY: panels i/16 and +1 of `a`, j/16 and +1 of `b` exist
-                        // with kt k tiles each (i < rows, j < cols are multiples of
-                        // 32), k0 + steps <= kt; the block (i.., j..) of 32 × 32 lies
-                        // in `acc`; the config is loaded.
+                        // SAFETY: the A block has 32 rows of lda >= 32 kt elements, the
+                        // task's panels j / 16 and + 1 exist with kt k tiles each (j <
+                        // cols is a multiple of 32), k0 + steps <= kt; the block (32 bi,
+                        // j) of 32 × 32 lies in `acc`; the config is loaded.
                         unsafe {
                             block(
-                                a.as_ptr().add((i / 16 * kt + k0) * TILE),
-                                b.as_ptr().add((j / 16 * kt + k0) * TILE),
-                                kt,
+                                ablk.as_ptr().add(k0 * KB),
+                                lda * 2,
+                                bt.as_ptr().add((j / 16 * kt + k0) * TILE),
+                                kt * TILE,
                                 steps,
-                                acc.as_mut_ptr().add(i * task + j),
+                                acc.as_mut_ptr().add(bi * MB * task + j),
                                 task * 4,
-                                k0 == 0,
+                                k0 > 0,
                             );
                         }
                     }
@@ -548,9 +555,7 @@ mod imp {
                 // width - 1) < (m, n)), and no other task accesses them: tasks own
                 // disjoint rectangles.
                 let row = unsafe { dst.row((r0 + r) * n + c0, width) };
-                for (o, &v) in row.iter_mut().zip(&acc[r * task..][..width]) {
-                    *o = T::encode(v);
-                }
+                T::encode_slice(&acc[r * task..][..width], row);
             }
         });
     }
@@ -568,7 +573,7 @@ mod imp {
 
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
 mod imp {
-    use super::{Encode, LazyPanels};
+    use super::{ABlocks, BPanels, Encode};
 
     pub(super) fn available() -> bool {
         false
@@ -581,7 +586,7 @@ mod imp {
     pub(super) fn release() {}
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn block_rm(
+    pub(super) unsafe fn block(
         _: *const u16,
         _: usize,
         _: *const u16,
@@ -594,12 +599,9 @@ mod imp {
         unreachable!("AMX is never available on this target")
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn run<T: Encode>(
-        _: &LazyPanels<'_, u16>,
-        _: &LazyPanels<'_, u16>,
-        _: impl Fn(usize, &mut [u16]) + Sync,
-        _: impl Fn(usize, &mut [u16]) + Sync,
+        _: &ABlocks<'_>,
+        _: &BPanels<'_>,
         _: &mut [T],
         _: usize,
         _: usize,
@@ -642,52 +644,98 @@ mod tests {
         }
     }
 
-    const SHAPES: [(usize, usize, usize); 5] = [
+    const SHAPES: [(usize, usize, usize); 7] = [
         (1, 1, 1),
         (17, 33, 45),
         (40, 70, 31),
         (130, 100, 150),
         (257, 64, 33),
+        (64, 96, 64),
+        (96, 64, 300),
     ];
 
-    /// The packed layouts, multiplied the way `TDPBF16PS` pairs them, give `a · b`:
-    /// checks the packing on any CPU.
+    /// Packed B, multiplied by A the way `TDPBF16PS` pairs them, gives `a · b`: checks
+    /// the packing on any CPU.
     #[test]
     fn packed_tiles_multiply_to_the_product() {
         let mut rng = SplitMix64::new(7);
         for (m, k, n) in SHAPES {
             let a = random_bf16(&mut rng, m * k);
             let b = random_bf16(&mut rng, k * n);
-            let (mt, kt, nt) = (
-                m.next_multiple_of(MB) / 16,
-                k.div_ceil(KB),
-                n.next_multiple_of(MB) / 16,
-            );
-            let (mut ap, mut bp) = (vec![1; mt * kt * TILE], vec![1; nt * kt * TILE]);
-            for (t, dst) in ap.chunks_mut(kt * TILE).enumerate() {
-                pack_a_panel(&a, m, k, t, dst);
-            }
-            for (t, dst) in bp.chunks_mut(kt * TILE).enumerate() {
-                pack_b_panel(&b, k, n, t, dst);
-            }
+            let (kt, nt) = (k.div_ceil(KB), n.next_multiple_of(MB) / 16);
+            let mut bp = vec![1; nt * kt * TILE];
+            pack_b_strided(&b, n, k, n, &mut bp);
+            assert!(bp[(n.div_ceil(16) * kt) * TILE..].iter().all(|&x| x == 0));
             let f = |h: u16| bf16::from_bits(h).to_f32();
             let mut got = vec![0f32; m * n];
             for i in 0..m {
                 for j in 0..n {
                     let mut acc = 0f32;
                     for s in 0..kt {
-                        let at = &ap[((i / 16) * kt + s) * TILE + (i % 16) * KB..][..KB];
                         let bt = &bp[((j / 16) * kt + s) * TILE..][..TILE];
-                        for p in 0..16 {
-                            for sub in 0..2 {
-                                acc += f(at[2 * p + sub]) * f(bt[p * 32 + (j % 16) * 2 + sub]);
-                            }
+                        for e in 0..KB.min(k - s * KB) {
+                            let x = a[i * k + s * KB + e].to_f32();
+                            acc += x * f(bt[(e / 2) * 32 + (j % 16) * 2 + e % 2]);
+                        }
+                        for e in k.min((s + 1) * KB) - s * KB..KB {
+                            assert_eq!(bt[(e / 2) * 32 + (j % 16) * 2 + e % 2], 0);
                         }
                     }
                     got[i * n + j] = acc;
                 }
             }
             assert_close(&got, &reference(&a, &b, m, k, n), k);
+        }
+    }
+
+    /// A's blocks are A's own rows where they can be read in place, else zero-padded
+    /// copies with the same values.
+    #[test]
+    fn a_blocks_hold_the_rows_of_a() {
+        let cases: [(usize, usize, usize, usize); 3] =
+            [(70, 512, 2, 512), (40, 70, 0, 96), (64, 1024, 0, 1056)];
+        for (m, k, in_place, lda) in cases {
+            let a: Vec<u16> = (0..m * k).map(|i| (i % 60_000) as u16 + 1).collect();
+            let mut buf = vec![7; (m.div_ceil(MB) - in_place) * MB * lda];
+            let blocks = ABlocks {
+                a: &a,
+                m,
+                k,
+                in_place,
+                lda,
+                packed: LazyPanels::new(&mut buf, MB * lda),
+            };
+            for i in 0..m.div_ceil(MB) {
+                let (blk, ld) = blocks.block(i);
+                assert_eq!(ld, if i < in_place { k } else { lda });
+                assert_eq!(i < in_place, blk.as_ptr() == a[i * MB * k..].as_ptr());
+                for r in 0..MB {
+                    for c in 0..ld {
+                        let want = if i * MB + r < m && c < k {
+                            a[(i * MB + r) * k + c]
+                        } else {
+                            0
+                        };
+                        assert_eq!(blk[r * ld + c], want, "block {i} row {r} col {c}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Row strides that are multiples of 2 KiB pile into a few L1 sets; the packed
+    /// stride is found a few lines further.
+    #[test]
+    fn row_strides_that_alias_in_l1_are_padded() {
+        let spreads = |k: usize| spreads_in_l1(k, k.div_ceil(KB));
+        assert!(spreads(512) && spreads(1536) && spreads(5632) && spreads(96) && spreads(1056));
+        assert!(!spreads(1024) && !spreads(2048) && !spreads(3072) && !spreads(4096));
+        for kt in 1..300 {
+            let lda = (kt * KB..)
+                .step_by(KB)
+                .take(4)
+                .find(|&l| spreads_in_l1(l, kt));
+            assert!(lda.is_some(), "k tiles {kt}");
         }
     }
 

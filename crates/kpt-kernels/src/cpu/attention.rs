@@ -717,9 +717,7 @@ pub(super) fn scatter<T: Encode>(out_t: &[f32], out: &mut [T], s: &AttentionShap
         let (b, i) = (bi / s.seq_q, bi % s.seq_q);
         for h in 0..s.num_heads {
             let src = &out_t[((b * s.num_heads + h) * nqb * bq + i) * d..][..d];
-            for (o, &x) in row[h * d..(h + 1) * d].iter_mut().zip(src) {
-                *o = T::encode(x);
-            }
+            T::encode_slice(src, &mut row[h * d..(h + 1) * d]);
         }
     });
 }

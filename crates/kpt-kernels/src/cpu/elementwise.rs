@@ -211,21 +211,12 @@ pub fn dequantize_i8(data: &[i8], scale: f32, out: &mut [f32]) -> Result<()> {
     dequantize_with("dequantize_i8", data, scale, out)
 }
 
-#[inline(always)]
-fn to_bf16_chunk<const FMA: bool>(x: &[f32], out: &mut [u16]) {
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o = simd::f32_to_bf16_bits(v);
-    }
-}
-
-dispatch!(fn to_bf16_chunk_d(x: &[f32], out: &mut [u16]) => to_bf16_chunk);
-
 /// f32 to bf16, round to nearest even (NaN stays NaN).
 pub fn cast_f32_to_bf16(x: &[f32], out: &mut [bf16]) -> Result<()> {
     check_len("cast_f32_to_bf16", "out", out.len(), x.len())?;
     let out: &mut [u16] = out.reinterpret_cast_mut();
     for_each_row(out, CHUNK, CHUNK, |c, o| {
-        to_bf16_chunk_d(&x[c * CHUNK..][..o.len()], o)
+        simd::f32_to_bf16_slice(&x[c * CHUNK..][..o.len()], o)
     });
     Ok(())
 }

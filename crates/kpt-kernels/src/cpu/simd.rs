@@ -282,12 +282,20 @@ impl Decode for i8 {
 pub(crate) trait Encode: Copy + Send + Sync {
     /// `x` rounded to the type.
     fn encode(x: f32) -> Self;
+
+    /// `out[i] = encode(x[i])` over the shorter of the two, vectorized.
+    fn encode_slice(x: &[f32], out: &mut [Self]);
 }
 
 impl Encode for f32 {
     #[inline(always)]
     fn encode(x: f32) -> Self {
         x
+    }
+
+    fn encode_slice(x: &[f32], out: &mut [Self]) {
+        let n = x.len().min(out.len());
+        out[..n].copy_from_slice(&x[..n]);
     }
 }
 
@@ -296,7 +304,23 @@ impl Encode for half::bf16 {
     fn encode(x: f32) -> Self {
         half::bf16::from_bits(f32_to_bf16_bits(x))
     }
+
+    fn encode_slice(x: &[f32], out: &mut [Self]) {
+        f32_to_bf16_slice(x, bytemuck::cast_slice_mut(out));
+    }
 }
+
+#[inline(always)]
+fn f32_to_bf16_body<const SIMD: bool>(x: &[f32], out: &mut [u16]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = f32_to_bf16_bits(v);
+    }
+}
+
+dispatch!(
+    /// `out[i] = f32_to_bf16_bits(x[i])` over the shorter of the two.
+    pub(crate) fn f32_to_bf16_slice(x: &[f32], out: &mut [u16]) => f32_to_bf16_body
+);
 
 /// FP8 E4M3 bits (`bytemuck::cast_slice` turns `&[u8]` into `&[E4M3]`).
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
