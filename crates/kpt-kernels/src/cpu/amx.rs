@@ -177,7 +177,7 @@ dispatch!(
     /// `k.div_ceil(32)` tiles of `dst` as 16 k-pairs × 16 columns × 2 (bf16 bits),
     /// zero-padded: element `(p, c)` of column `c` at k = 2p + s sits at
     /// `p * 32 + c * 2 + s` (the pair-interleaved "VNNI" layout). Writes all of `dst`.
-    fn pack_b_tiles(dst: &mut [u16], t: usize, b: &[bf16], ldb: usize, k: usize, n: usize)
+    pub(crate) fn pack_b_tiles(dst: &mut [u16], t: usize, b: &[bf16], ldb: usize, k: usize, n: usize)
         => pack_b_tiles_body
 );
 
@@ -216,27 +216,31 @@ fn pack_b_tiles_body<const SIMD: bool>(
     }
 }
 
-/// Packs the `k × n` matrix B with B[kk, j] = `b[kk * ldb + j]` into `dst`
-/// (`n.div_ceil(16) * k.div_ceil(32)` tiles or more; extra panels come out zero) as
-/// [`pack_b_tiles`] does.
-pub(crate) fn pack_b_strided(b: &[bf16], ldb: usize, k: usize, n: usize, dst: &mut [u16]) {
-    let kt = k.div_ceil(KB);
-    for (t, tiles) in dst.chunks_exact_mut(kt * TILE).enumerate() {
-        pack_b_tiles(tiles, t, b, ldb, k, n);
-    }
-}
-
-/// Packs B = Tᵀ, given T (`n × k`) with T[j, kk] = `t[j * ldt + kk]`, into `dst`
-/// (`n.div_ceil(16) * k.div_ceil(32)` tiles, zeroed by the caller) as [`pack_b_tiles`]
-/// does.
-pub(crate) fn pack_bt_strided(t: &[bf16], ldt: usize, k: usize, n: usize, dst: &mut [u16]) {
-    let kt = k.div_ceil(KB);
-    for (nt, tiles) in dst.chunks_exact_mut(kt * TILE).enumerate() {
-        for c in 0..16.min(n.saturating_sub(nt * 16)) {
-            let src = &t[(nt * 16 + c) * ldt..][..k];
-            for (kk, x) in src.iter().enumerate() {
-                tiles[(kk / KB) * TILE + ((kk % KB) / 2) * 32 + c * 2 + kk % 2] = x.to_bits();
-            }
+/// Packs columns `16t..16t + 16` of B = Tᵀ, given T (`n × k`) with T[j, kk] =
+/// `t[j * ldt + kk]`, into the `k.div_ceil(32)` tiles of `dst` as [`pack_b_tiles`] does
+/// (a k-pair of a column is two neighbours in a row of T). Writes all of those tiles.
+pub(crate) fn pack_bt_tiles(
+    dst: &mut [u16],
+    t: usize,
+    src: &[bf16],
+    ldt: usize,
+    k: usize,
+    n: usize,
+) {
+    let dst = &mut dst[..k.div_ceil(KB) * TILE];
+    dst.fill(0);
+    for c in 0..16.min(n.saturating_sub(t * 16)) {
+        let row = &src[(t * 16 + c) * ldt..][..k];
+        let pairs = row.chunks_exact(2);
+        let last = pairs.remainder().first();
+        let mut p = 0;
+        for pair in pairs {
+            dst[p * 32 + 2 * c] = pair[0].to_bits();
+            dst[p * 32 + 2 * c + 1] = pair[1].to_bits();
+            p += 1;
+        }
+        if let Some(x) = last {
+            dst[p * 32 + 2 * c] = x.to_bits();
         }
     }
 }
@@ -664,8 +668,17 @@ mod tests {
             let b = random_bf16(&mut rng, k * n);
             let (kt, nt) = (k.div_ceil(KB), n.next_multiple_of(MB) / 16);
             let mut bp = vec![1; nt * kt * TILE];
-            pack_b_strided(&b, n, k, n, &mut bp);
+            for (t, dst) in bp.chunks_exact_mut(kt * TILE).enumerate() {
+                pack_b_tiles(dst, t, &b, n, k, n);
+            }
             assert!(bp[(n.div_ceil(16) * kt) * TILE..].iter().all(|&x| x == 0));
+            // Tᵀ packed from T = Bᵀ gives the same tiles.
+            let bt: Vec<bf16> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+            let mut bp_t = vec![1; nt * kt * TILE];
+            for (t, dst) in bp_t.chunks_exact_mut(kt * TILE).enumerate() {
+                pack_bt_tiles(dst, t, &bt, k, k, n);
+            }
+            assert_eq!(bp, bp_t);
             let f = |h: u16| bf16::from_bits(h).to_f32();
             let mut got = vec![0f32; m * n];
             for i in 0..m {

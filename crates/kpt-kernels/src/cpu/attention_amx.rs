@@ -68,18 +68,16 @@ fn attention_with(
     let v_tiles = (d_pad / 16) * (skv_pad / T) * TILE;
     let mut kp = Scratch::new(s.batch * s.num_kv_heads * k_tiles);
     let mut vp = Scratch::new(s.batch * s.num_kv_heads * v_tiles);
-    let cost = s.seq_kv * d;
-    for_each_row(&mut kp, k_tiles, cost, |bg, dst| {
-        dst.fill(0);
-        let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
-        let src = &k[b * s.seq_kv * kv_row + g * d..];
-        amx::pack_bt_strided(src, kv_row, d, s.seq_kv, dst);
+    // One rayon row per 16-key (K) / 16-column (V) panel of a (batch, kv head).
+    let (k_panels, v_panels) = (skv_pad / 16, d_pad / 16);
+    let kv_base = |bg: usize| (bg / s.num_kv_heads) * s.seq_kv * kv_row + (bg % s.num_kv_heads) * d;
+    for_each_row(&mut kp, k_tiles / k_panels, 16 * d, |i, dst| {
+        let src = &k[kv_base(i / k_panels)..];
+        amx::pack_bt_tiles(dst, i % k_panels, src, kv_row, d, s.seq_kv);
     });
-    for_each_row(&mut vp, v_tiles, cost, |bg, dst| {
-        dst.fill(0);
-        let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
-        let src = &v[b * s.seq_kv * kv_row + g * d..];
-        amx::pack_b_strided(src, kv_row, s.seq_kv, d, dst);
+    for_each_row(&mut vp, v_tiles / v_panels, 16 * s.seq_kv, |i, dst| {
+        let src = &v[kv_base(i / v_panels)..];
+        amx::pack_b_tiles(dst, i % v_panels, src, kv_row, s.seq_kv, d);
     });
 
     let bq = block_q.next_multiple_of(T).min(s.seq_q.next_multiple_of(T));
