@@ -523,8 +523,11 @@ mod imp {
         let task = task_size(mb, nb, rayon::current_num_threads());
         let (tr, tc) = (mb.div_ceil(task), nb.div_ceil(task));
         let dst = OutPtr(out.as_mut_ptr());
+        // Column-major task order: rayon hands each thread a run of consecutive tasks,
+        // which then share their B panels (packed once, kept in that core's L2) and read
+        // different rows of A in place.
         (0..tr * tc).into_par_iter().for_each(|t| {
-            let (r0, c0) = ((t / tc) * task, (t % tc) * task);
+            let (r0, c0) = ((t % tr) * task, (t / tr) * task);
             let (rows, cols) = (task.min(mb - r0), task.min(nb - c0));
             let blocks: Vec<(&[u16], usize)> =
                 (r0 / MB..(r0 + rows) / MB).map(|i| a.block(i)).collect();
