@@ -283,6 +283,9 @@ mod zmm {
 mod tests {
     use super::*;
 
+    use crate::cpu::reference;
+    use kpt_core::rand::SplitMix64;
+
     #[test]
     fn query_blocks_shrink_until_each_thread_has_enough_tasks() {
         let shape = |h, seq| AttentionShape::new(1, seq, seq, h, h, 64, true);
@@ -295,8 +298,6 @@ mod tests {
         assert_eq!(balanced_block_q(&shape(64, 100), 500, 1), 128);
         assert_eq!(balanced_block_q(&shape(64, 4096), 100, 2), 128);
     }
-    use crate::cpu::reference;
-    use kpt_core::rand::SplitMix64;
 
     /// Probabilities in bf16 and their sum, for masked (-inf), tiny and ordinary scores,
     /// full 16-lane chunks and a tail.
