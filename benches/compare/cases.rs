@@ -288,7 +288,7 @@ impl Case {
 }
 
 /// The kpt side of a case: inputs and output buffers, ready to run.
-pub trait Workload {
+pub trait Workload: Send {
     /// One call of the kernel.
     fn run(&mut self) -> Result<()>;
     /// Compares the output of the last run with the f64 reference.

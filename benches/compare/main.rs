@@ -90,10 +90,17 @@ impl Timing {
                            "slow_call_budgets": SLOW_CALL_BUDGETS})
     }
 
-    /// The same loop as `time_calls` in torch_cpu.py. A first call longer than
-    /// [`SLOW_CALL_BUDGETS`] budgets is itself the measurement (such a call dwarfs any
-    /// warm-up effect, and repeating it would take minutes).
+    /// The same loop as `time_calls` in torch_cpu.py, run on a worker of rayon's pool
+    /// as kpt's executor launches kernels (see docs/decisions.md, "Plan launches on a
+    /// pool worker"), the way PyTorch's calls start on the thread that leads its OpenMP
+    /// team. A first call longer than [`SLOW_CALL_BUDGETS`] budgets is itself the
+    /// measurement (such a call dwarfs any warm-up effect, and repeating it would take
+    /// minutes).
     fn time(&self, w: &mut dyn Workload) -> Result<Vec<f64>> {
+        rayon::scope(|_| self.time_here(w))
+    }
+
+    fn time_here(&self, w: &mut dyn Workload) -> Result<Vec<f64>> {
         for i in 0..self.warmup {
             let t0 = Instant::now();
             w.run()?;

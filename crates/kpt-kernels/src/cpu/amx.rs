@@ -105,6 +105,13 @@ pub(crate) fn matmul_bf16<T: Encode>(
     true
 }
 
+/// Row block of the `r`-th task of column `c` (`tr` row blocks, about `per` tasks per
+/// thread): rotated by `c mod per`, so the threads that start in different columns
+/// start at different rows while there are at least as many row blocks as threads.
+fn start_row(r: usize, c: usize, tr: usize, per: usize) -> usize {
+    (r + c % per.max(1)) % tr
+}
+
 /// Whether the 32 rows of an A block, `lda` elements apart, spread over the L1 data
 /// cache (64 sets of 12 64-byte lines, as on Sapphire Rapids): a pass reads up to
 /// `KSTEPS` of the `kt` k tiles, a line each, of every row, and no set may hold more than
@@ -349,7 +356,7 @@ mod imp {
 
     use rayon::prelude::*;
 
-    use super::{ABlocks, BPanels, Encode, Scratch, KB, KSTEPS, MB, TASK, TILE};
+    use super::{start_row, ABlocks, BPanels, Encode, Scratch, KB, KSTEPS, MB, TASK, TILE};
 
     /// `arch_prctl` request for extra xstate components, and the tile data component.
     const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;
@@ -520,14 +527,18 @@ mod imp {
     ) {
         let (mb, nb) = (m.next_multiple_of(MB), n.next_multiple_of(MB));
         assert!(out.len() >= m * n && kt >= 1);
-        let task = task_size(mb, nb, rayon::current_num_threads());
+        let threads = rayon::current_num_threads();
+        let task = task_size(mb, nb, threads);
         let (tr, tc) = (mb.div_ceil(task), nb.div_ceil(task));
         let dst = OutPtr(out.as_mut_ptr());
-        // Column-major task order: rayon hands each thread a run of consecutive tasks,
-        // which then share their B panels (packed once, kept in that core's L2) and read
-        // different rows of A in place.
+        // Column-major task order: rayon hands each thread a run of about `per`
+        // consecutive tasks, which then share their B panels (packed once, kept in that
+        // core's L2). Each column starts at another row block (`start_row`), so that
+        // threads starting in different columns read different A blocks, and copy them
+        // side by side instead of waiting for one thread to copy the first.
+        let per = (tr * tc).div_ceil(threads);
         (0..tr * tc).into_par_iter().for_each(|t| {
-            let (r0, c0) = ((t % tr) * task, (t / tr) * task);
+            let (r0, c0) = (start_row(t % tr, t / tr, tr, per) * task, (t / tr) * task);
             let (rows, cols) = (task.min(mb - r0), task.min(nb - c0));
             let blocks: Vec<(&[u16], usize)> =
                 (r0 / MB..(r0 + rows) / MB).map(|i| a.block(i)).collect();
@@ -629,6 +640,23 @@ mod imp {
 mod tests {
     use super::*;
     use kpt_core::rand::SplitMix64;
+
+    #[test]
+    fn columns_start_at_different_row_blocks() {
+        // 1024² in 64² tasks on 16 threads: thread i starts task 16 i (column i).
+        let (tr, tc, threads) = (16, 16, 16);
+        let per = (tr * tc) / threads;
+        let starts: std::collections::BTreeSet<usize> = (0..threads)
+            .map(|i| start_row((i * per) % tr, i * per / tr, tr, per))
+            .collect();
+        assert_eq!(starts.len(), threads);
+        // Every column still visits every row block once.
+        for c in 0..tc {
+            let rows: std::collections::BTreeSet<usize> =
+                (0..tr).map(|r| start_row(r, c, tr, per)).collect();
+            assert_eq!(rows, (0..tr).collect());
+        }
+    }
 
     fn random_bf16(rng: &mut SplitMix64, len: usize) -> Vec<bf16> {
         (0..len)

@@ -13,7 +13,8 @@
 //! - The output is cut into [`TASKS_PER_THREAD`] small rectangles per thread (see
 //!   [`task_shape`]) that rayon's threads take as they go, so a thread on a slower
 //!   or busier core takes fewer of them: on a 16-core VM the same static share ran
-//!   from 9.5 to 20 ms on different threads of one call. A task walks k blocks of `KC`;
+//!   from 9.5 to 20 ms on different threads of one call (12 tasks per thread and
+//!   `KC` = 512 ran 5-10% faster there than 6 and 256). A task walks k blocks of `KC`;
 //!   per block its A micro-panel (`KC × MR`, in L1) meets each of its B micro-panels
 //!   (`KC × NR`, all of them in L2).
 //! - The micro-kernel keeps an `MR × NR` tile of f32 accumulators in registers
@@ -70,7 +71,7 @@ const PACK_LIMIT: usize = 8 << 20;
 
 /// Tasks per thread the output is cut into, so that threads that run slower (a busy
 /// core, a shared one) take fewer tasks instead of holding up the call.
-const TASKS_PER_THREAD: usize = 6;
+const TASKS_PER_THREAD: usize = 12;
 
 /// `dst[m, n] (row stride dst_rs) = lhs[m, k] · rhs[k, n]`, then `epi` on every output
 /// row segment. The caller has checked that every view fits its slice and that
@@ -138,7 +139,7 @@ fn sgemm_chunked<M: Micro>(
         for j0 in (0..np).step_by(b_chunk) {
             let j1 = (j0 + b_chunk).min(np);
             let b_panels = LazyPanels::new(&mut bp[..(j1 - j0) * nr * k], nr * k);
-            let (mb, nb) = task_shape(i1 - i0, j1 - j0, mr, nr, threads);
+            let (mb, nb) = task_shape((i1 - i0, j1 - j0), (mr, nr), k, threads);
             let (tm, tn) = ((i1 - i0).div_ceil(mb), (j1 - j0).div_ceil(nb));
             let task = |t: usize| {
                 let (ti, tj) = (t / tn, t % tn);
@@ -188,18 +189,31 @@ impl Operand<'_> {
     }
 }
 
+/// Smallest task, in multiply-adds, that [`task_shape`] halves (512K: ~5 µs on one
+/// AVX-512 core, against a few tenths of a µs of task overhead).
+const MIN_TASK_MACS: usize = 1 << 19;
+
 /// Task rectangle `(row panels, column panels)` for `mp × np` micro-tiles of `mr × nr`
-/// on `threads`: from 192 × 256 outputs (operand traffic per multiply-add low, the
-/// B block in L2), halving the longer side until there are `TASKS_PER_THREAD` tasks
-/// per thread or the rectangle is one tile.
-fn task_shape(mp: usize, np: usize, mr: usize, nr: usize, threads: usize) -> (usize, usize) {
+/// over `k` on `threads`: from 192 × 256 outputs (operand traffic per multiply-add
+/// low, the B block in L2), halving the longer side until there are
+/// `TASKS_PER_THREAD` tasks per thread, the rectangle is one tile, or a half would
+/// have fewer than [`MIN_TASK_MACS`] multiply-adds.
+fn task_shape(
+    (mp, np): (usize, usize),
+    (mr, nr): (usize, usize),
+    k: usize,
+    threads: usize,
+) -> (usize, usize) {
     let (mut mb, mut nb) = ((192 / mr).clamp(1, mp), (256 / nr).clamp(1, np));
     let want = if threads > 1 {
         threads * TASKS_PER_THREAD
     } else {
         1
     };
-    while mp.div_ceil(mb) * np.div_ceil(nb) < want && (mb > 1 || nb > 1) {
+    while mp.div_ceil(mb) * np.div_ceil(nb) < want
+        && (mb > 1 || nb > 1)
+        && mb * mr * nb * nr * k >= 2 * MIN_TASK_MACS
+    {
         if nb > 1 && nb * nr >= mb * mr {
             nb = nb.div_ceil(2);
         } else {
@@ -575,7 +589,7 @@ mod x86 {
         16,
         mr = 12,
         nv = 2,
-        kc = 256,
+        kc = 512,
         _mm512_setzero_ps,
         _mm512_loadu_ps,
         _mm512_storeu_ps,
@@ -610,15 +624,18 @@ mod tests {
     #[test]
     fn task_shape_gives_each_thread_several_tasks() {
         // One thread: one task of at most 192 × 256 outputs.
-        assert_eq!(task_shape(1, 1, 12, 32, 1), (1, 1));
-        assert_eq!(task_shape(171, 64, 12, 32, 1), (16, 8));
-        // 2048² on 16 threads: the longer side (256 columns) halves once: 11 × 16
-        // tasks of 192 × 128.
-        assert_eq!(task_shape(171, 64, 12, 32, 16), (16, 4));
-        // 512² on 16 threads: down to 48 × 32 outputs, 11 × 16 = 176 tasks.
-        assert_eq!(task_shape(43, 16, 12, 32, 16), (4, 1));
+        assert_eq!(task_shape((1, 1), (12, 32), 1, 1), (1, 1));
+        assert_eq!(task_shape((171, 64), (12, 32), 2048, 1), (16, 8));
+        // 2048² on 16 threads: 256 columns, then 192 rows halve once: 22 × 16 tasks
+        // of 96 × 128.
+        assert_eq!(task_shape((171, 64), (12, 32), 2048, 16), (8, 4));
+        // 1024²: 22 × 16 tasks of 48 × 64.
+        assert_eq!(task_shape((86, 32), (12, 32), 1024, 16), (4, 2));
+        // 512²: down to 48 × 32 outputs (786K multiply-adds, a half would be too
+        // small), 11 × 16 = 176 tasks.
+        assert_eq!(task_shape((43, 16), (12, 32), 512, 16), (4, 1));
         // Fewer tiles than tasks wanted: one tile per task.
-        assert_eq!(task_shape(3, 2, 12, 32, 16), (1, 1));
+        assert_eq!(task_shape((3, 2), (12, 32), 4096, 16), (1, 1));
     }
 
     /// The driver (packing, task split, edge tiles, k blocks, epilogue) with every
