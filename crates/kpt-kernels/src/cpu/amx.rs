@@ -237,21 +237,69 @@ pub(crate) fn pack_bt_tiles(
     n: usize,
 ) {
     let dst = &mut dst[..k.div_ceil(KB) * TILE];
-    dst.fill(0);
-    for c in 0..16.min(n.saturating_sub(t * 16)) {
+    let cols = 16.min(n.saturating_sub(t * 16));
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if cols == 16 && super::simd::has_avx512() {
+        let rows = &src[t * 16 * ldt..][..15 * ldt + k];
+        // SAFETY: AVX-512F is present; `rows` holds the 16 rows of k elements.
+        done = unsafe { gather_pairs(dst, rows, ldt, k) };
+    }
+    dst[done * 32..].fill(0);
+    for c in 0..cols {
         let row = &src[(t * 16 + c) * ldt..][..k];
-        let pairs = row.chunks_exact(2);
-        let last = pairs.remainder().first();
-        let mut p = 0;
-        for pair in pairs {
+        for (p, pair) in row.chunks(2).enumerate().skip(done) {
             dst[p * 32 + 2 * c] = pair[0].to_bits();
-            dst[p * 32 + 2 * c + 1] = pair[1].to_bits();
-            p += 1;
-        }
-        if let Some(x) = last {
-            dst[p * 32 + 2 * c] = x.to_bits();
+            if let Some(x) = pair.get(1) {
+                dst[p * 32 + 2 * c + 1] = x.to_bits();
+            }
         }
     }
+}
+
+/// The whole k-pairs of [`pack_bt_tiles`] for 16 rows (`rows[c * ldt..][..k]`): tile
+/// row `p` is the `p`-th pair of each row, one 16-lane gather. Returns the pairs
+/// written (`k / 2`).
+///
+/// # Safety
+/// The CPU has AVX-512F; `rows.len() >= 15 * ldt + k`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gather_pairs(dst: &mut [u16], rows: &[bf16], ldt: usize, k: usize) -> usize {
+    use std::arch::x86_64::*;
+    let pairs = k / 2;
+    assert!(rows.len() >= 15 * ldt + k && dst.len() >= pairs * 32);
+    assert!(15 * ldt + k <= i32::MAX as usize);
+    // Element offsets of the rows' first pairs (the gather scales them by 2 bytes).
+    let mut idx = _mm512_setr_epi32(
+        0,
+        ldt as i32,
+        2 * ldt as i32,
+        3 * ldt as i32,
+        4 * ldt as i32,
+        5 * ldt as i32,
+        6 * ldt as i32,
+        7 * ldt as i32,
+        8 * ldt as i32,
+        9 * ldt as i32,
+        10 * ldt as i32,
+        11 * ldt as i32,
+        12 * ldt as i32,
+        13 * ldt as i32,
+        14 * ldt as i32,
+        15 * ldt as i32,
+    );
+    let two = _mm512_set1_epi32(2);
+    for p in 0..pairs {
+        // SAFETY: lane c reads elements c·ldt + 2p and + 1 < 15·ldt + k (asserted); the
+        // store writes dst[32p..32p + 32] (asserted).
+        unsafe {
+            let v = _mm512_i32gather_epi32::<2>(idx, rows.as_ptr().cast());
+            _mm512_storeu_si512(dst.as_mut_ptr().add(p * 32).cast(), v);
+        }
+        idx = _mm512_add_epi32(idx, two);
+    }
+    pairs
 }
 
 /// This thread's AMX tile configuration, loaded while the value lives (released on
@@ -335,6 +383,56 @@ impl Tiles {
                 ldc * 4,
                 accumulate,
             );
+        }
+    }
+}
+
+impl Tiles {
+    /// `C = A · B` for a 32-row f32 block `C[r, j] = c[r * ldc + j]` of `16 * panels`
+    /// columns, where A is 32 rows of 64 bf16 (two k tiles; row `r` at `a[r * lda..]`)
+    /// and B is `panels` packed column panels of two k tiles each (panel `p` at
+    /// `b[2 * p * TILE..]`). A's four tiles stay loaded while B streams past them: one
+    /// tile load per two products instead of one per product as in [`Tiles::block`].
+    pub(crate) fn block_k64(
+        &self,
+        a: &[u16],
+        lda: usize,
+        b: &[u16],
+        panels: usize,
+        c: &mut [f32],
+        ldc: usize,
+    ) {
+        assert!(panels >= 1 && lda >= 2 * KB && ldc >= 16 * panels);
+        assert!(a.len() >= 31 * lda + 2 * KB);
+        assert!(b.len() >= 2 * panels * TILE);
+        assert!(c.len() >= 31 * ldc + 16 * panels);
+        #[cfg(test)]
+        if self.emulate {
+            let f = |h: u16| bf16::from_bits(h).to_f32();
+            for r in 0..32 {
+                for j in 0..16 * panels {
+                    let bt = &b[(j / 16) * 2 * TILE + (j % 16) * 2..];
+                    let mut acc = 0.0;
+                    for e in 0..2 * KB {
+                        let bv = bt[(e / KB) * TILE + ((e % KB) / 2) * 32 + e % 2];
+                        acc += f(a[r * lda + e]) * f(bv);
+                    }
+                    c[r * ldc + j] = acc;
+                }
+            }
+            return;
+        }
+        // SAFETY: the configuration is loaded on this thread (`self` is not `Send`), and
+        // the asserts above keep every load and store inside the three slices.
+        unsafe {
+            imp::block_k64(
+                a.as_ptr(),
+                lda * 2,
+                b.as_ptr(),
+                panels,
+                c.as_mut_ptr(),
+                ldc * 4,
+            )
         }
     }
 }
@@ -515,6 +613,58 @@ mod imp {
         }
     }
 
+    /// `C = A · B` for a 32-row block of `16 · panels` f32 columns at `c` (rows `cs`
+    /// bytes apart): A's 32 rows of two k tiles (`lda` bytes apart from `a0`) held in
+    /// tmm4-7, B's column panels of two 1 KiB tiles each, 2 KiB apart from `b0`.
+    ///
+    /// # Safety
+    /// The configuration is loaded on this thread, `panels >= 1`, and A's 32 rows of 128
+    /// bytes, the `2 · panels` tiles at `b0` and the block at `c` are in bounds.
+    pub(super) unsafe fn block_k64(
+        a0: *const u16,
+        lda: usize,
+        b0: *const u16,
+        panels: usize,
+        c: *mut f32,
+        cs: usize,
+    ) {
+        // SAFETY: per the function contract.
+        unsafe {
+            asm!(
+                "tileloadd tmm4, [{a0} + {lda}*1]",
+                "tileloadd tmm5, [{a0} + {lda}*1 + 64]",
+                "tileloadd tmm6, [{a1} + {lda}*1]",
+                "tileloadd tmm7, [{a1} + {lda}*1 + 64]",
+                "2:",
+                "tileloadd tmm2, [{b} + {s}*1]",
+                "tileloadd tmm3, [{b} + {s}*1 + 1024]",
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tdpbf16ps tmm0, tmm4, tmm2",
+                "tdpbf16ps tmm1, tmm6, tmm2",
+                "tdpbf16ps tmm0, tmm5, tmm3",
+                "tdpbf16ps tmm1, tmm7, tmm3",
+                "tilestored [{c} + {cs}*1], tmm0",
+                "tilestored [{c1} + {cs}*1], tmm1",
+                "add {b}, 2048",
+                "add {c}, 64",
+                "add {c1}, 64",
+                "dec {n}",
+                "jnz 2b",
+                a0 = in(reg) a0,
+                a1 = in(reg) a0.byte_add(16 * lda),
+                lda = in(reg) lda,
+                b = inout(reg) b0 => _,
+                n = inout(reg) panels => _,
+                s = in(reg) 64usize,
+                c = inout(reg) c => _,
+                c1 = inout(reg) c.byte_add(16 * cs) => _,
+                cs = in(reg) cs,
+                options(nostack),
+            );
+        }
+    }
+
     /// Runs the product: each task computes one rectangle of `out` from A's row blocks
     /// and B's column panels (`kt` k tiles each), packing those it needs on first use.
     pub(super) fn run<T: Encode>(
@@ -620,6 +770,17 @@ mod imp {
         _: *mut f32,
         _: usize,
         _: bool,
+    ) {
+        unreachable!("AMX is never available on this target")
+    }
+
+    pub(super) unsafe fn block_k64(
+        _: *const u16,
+        _: usize,
+        _: *const u16,
+        _: usize,
+        _: *mut f32,
+        _: usize,
     ) {
         unreachable!("AMX is never available on this target")
     }
