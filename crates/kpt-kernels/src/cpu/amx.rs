@@ -30,6 +30,7 @@
 use half::bf16;
 
 use super::panels::LazyPanels;
+use super::par::for_each_row;
 use super::scratch::Scratch;
 use super::simd::{dispatch, Encode};
 
@@ -86,15 +87,8 @@ pub(crate) fn matmul_bf16<T: Encode>(
         .find(|&l| spreads_in_l1(l, kt))
         .unwrap_or(kt * KB);
     let mut ap = Scratch::new((m.div_ceil(MB) - in_place) * MB * lda);
+    let a = ABlocks::new(bytemuck::cast_slice(a), (m, k), in_place, lda, &mut ap);
     let mut bp = Scratch::new(n.next_multiple_of(MB) / 16 * kt * TILE);
-    let a = ABlocks {
-        a: bytemuck::cast_slice(a),
-        m,
-        k,
-        in_place,
-        lda,
-        packed: LazyPanels::new(&mut ap, MB * lda),
-    };
     let b = BPanels {
         b,
         k,
@@ -103,13 +97,6 @@ pub(crate) fn matmul_bf16<T: Encode>(
     };
     imp::run(&a, &b, out, m, n, kt);
     true
-}
-
-/// Row block of the `r`-th task of column `c` (`tr` row blocks, about `per` tasks per
-/// thread): rotated by `c mod per`, so the threads that start in different columns
-/// start at different rows while there are at least as many row blocks as threads.
-fn start_row(r: usize, c: usize, tr: usize, per: usize) -> usize {
-    (r + c % per.max(1)) % tr
 }
 
 /// Whether the 32 rows of an A block, `lda` elements apart, spread over the L1 data
@@ -129,36 +116,59 @@ fn spreads_in_l1(lda: usize, kt: usize) -> bool {
 
 /// A's 32-row blocks as the tile loads read them, row-major with rows a multiple of 32
 /// elements long: blocks `..in_place` in place (when `k` is a multiple of 32 and the
-/// rows [spread in L1](spreads_in_l1), the full blocks), the others as zero-padded
-/// copies with rows `lda` apart that the tasks make on first use.
+/// rows [spread in L1](spreads_in_l1), the full blocks), the others zero-padded copies
+/// with rows `lda` apart.
 struct ABlocks<'a> {
     /// A (`m × k`) as bf16 bits.
     a: &'a [u16],
-    m: usize,
     k: usize,
     in_place: usize,
     lda: usize,
-    packed: LazyPanels<'a, u16>,
+    /// Blocks `in_place..`, `32 × lda` elements each.
+    copied: &'a [u16],
 }
 
-impl ABlocks<'_> {
+impl<'a> ABlocks<'a> {
+    /// The blocks of `a` (`m × k`), those from `in_place` on copied into `buf` (`32 ×
+    /// lda` elements per block) by all threads. The copies get a parallel phase of
+    /// their own: copied on first use by the tasks, every task after the first queued
+    /// behind the one thread copying a block (1024² on 16 threads: a quarter of the
+    /// threads' time went to those waits).
+    fn new(
+        a: &'a [u16],
+        (m, k): (usize, usize),
+        in_place: usize,
+        lda: usize,
+        buf: &'a mut [u16],
+    ) -> Self {
+        for_each_row(buf, MB * lda, MB * k, |p, dst| {
+            for (r, row) in dst.chunks_exact_mut(lda).enumerate() {
+                let src = (in_place + p) * MB + r;
+                if src < m {
+                    row[..k].copy_from_slice(&a[src * k..][..k]);
+                    row[k..].fill(0);
+                } else {
+                    row.fill(0);
+                }
+            }
+        });
+        ABlocks {
+            a,
+            k,
+            in_place,
+            lda,
+            copied: buf,
+        }
+    }
+
     /// Block `i` (rows `32i..32i + 32`) and its row length in elements; `k.div_ceil(32)`
     /// tiles of 32 elements are readable in each of its 32 rows.
     fn block(&self, i: usize) -> (&[u16], usize) {
         if i < self.in_place {
             return (&self.a[i * MB * self.k..][..MB * self.k], self.k);
         }
-        let p = i - self.in_place;
-        let block = self.packed.get(p..p + 1, |_, dst| {
-            dst.fill(0);
-            for (r, row) in dst.chunks_exact_mut(self.lda).enumerate() {
-                let src = i * MB + r;
-                if src < self.m {
-                    row[..self.k].copy_from_slice(&self.a[src * self.k..][..self.k]);
-                }
-            }
-        });
-        (block, self.lda)
+        let len = MB * self.lda;
+        (&self.copied[(i - self.in_place) * len..][..len], self.lda)
     }
 }
 
@@ -454,7 +464,7 @@ mod imp {
 
     use rayon::prelude::*;
 
-    use super::{start_row, ABlocks, BPanels, Encode, Scratch, KB, KSTEPS, MB, TASK, TILE};
+    use super::{ABlocks, BPanels, Encode, Scratch, KB, KSTEPS, MB, TASK, TILE};
 
     /// `arch_prctl` request for extra xstate components, and the tile data component.
     const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;
@@ -677,18 +687,13 @@ mod imp {
     ) {
         let (mb, nb) = (m.next_multiple_of(MB), n.next_multiple_of(MB));
         assert!(out.len() >= m * n && kt >= 1);
-        let threads = rayon::current_num_threads();
-        let task = task_size(mb, nb, threads);
+        let task = task_size(mb, nb, rayon::current_num_threads());
         let (tr, tc) = (mb.div_ceil(task), nb.div_ceil(task));
         let dst = OutPtr(out.as_mut_ptr());
-        // Column-major task order: rayon hands each thread a run of about `per`
-        // consecutive tasks, which then share their B panels (packed once, kept in that
-        // core's L2). Each column starts at another row block (`start_row`), so that
-        // threads starting in different columns read different A blocks, and copy them
-        // side by side instead of waiting for one thread to copy the first.
-        let per = (tr * tc).div_ceil(threads);
+        // Column-major task order: rayon hands each thread a run of consecutive tasks,
+        // which then share their B panels (packed once, kept in that core's L2).
         (0..tr * tc).into_par_iter().for_each(|t| {
-            let (r0, c0) = (start_row(t % tr, t / tr, tr, per) * task, (t / tr) * task);
+            let (r0, c0) = ((t % tr) * task, (t / tr) * task);
             let (rows, cols) = (task.min(mb - r0), task.min(nb - c0));
             let blocks: Vec<(&[u16], usize)> =
                 (r0 / MB..(r0 + rows) / MB).map(|i| a.block(i)).collect();
@@ -802,23 +807,6 @@ mod tests {
     use super::*;
     use kpt_core::rand::SplitMix64;
 
-    #[test]
-    fn columns_start_at_different_row_blocks() {
-        // 1024² in 64² tasks on 16 threads: thread i starts task 16 i (column i).
-        let (tr, tc, threads) = (16, 16, 16);
-        let per = (tr * tc) / threads;
-        let starts: std::collections::BTreeSet<usize> = (0..threads)
-            .map(|i| start_row((i * per) % tr, i * per / tr, tr, per))
-            .collect();
-        assert_eq!(starts.len(), threads);
-        // Every column still visits every row block once.
-        for c in 0..tc {
-            let rows: std::collections::BTreeSet<usize> =
-                (0..tr).map(|r| start_row(r, c, tr, per)).collect();
-            assert_eq!(rows, (0..tr).collect());
-        }
-    }
-
     fn random_bf16(rng: &mut SplitMix64, len: usize) -> Vec<bf16> {
         (0..len)
             .map(|_| bf16::from_f32(rng.uniform(-1.0, 1.0)))
@@ -909,14 +897,7 @@ mod tests {
         for (m, k, in_place, lda) in cases {
             let a: Vec<u16> = (0..m * k).map(|i| (i % 60_000) as u16 + 1).collect();
             let mut buf = vec![7; (m.div_ceil(MB) - in_place) * MB * lda];
-            let blocks = ABlocks {
-                a: &a,
-                m,
-                k,
-                in_place,
-                lda,
-                packed: LazyPanels::new(&mut buf, MB * lda),
-            };
+            let blocks = ABlocks::new(&a, (m, k), in_place, lda, &mut buf);
             for i in 0..m.div_ceil(MB) {
                 let (blk, ld) = blocks.block(i);
                 assert_eq!(ld, if i < in_place { k } else { lda });
