@@ -281,24 +281,8 @@ unsafe fn gather_pairs(dst: &mut [u16], rows: &[bf16], ldt: usize, k: usize) -> 
     assert!(rows.len() >= 15 * ldt + k && dst.len() >= pairs * 32);
     assert!(15 * ldt + k <= i32::MAX as usize);
     // Element offsets of the rows' first pairs (the gather scales them by 2 bytes).
-    let mut idx = _mm512_setr_epi32(
-        0,
-        ldt as i32,
-        2 * ldt as i32,
-        3 * ldt as i32,
-        4 * ldt as i32,
-        5 * ldt as i32,
-        6 * ldt as i32,
-        7 * ldt as i32,
-        8 * ldt as i32,
-        9 * ldt as i32,
-        10 * ldt as i32,
-        11 * ldt as i32,
-        12 * ldt as i32,
-        13 * ldt as i32,
-        14 * ldt as i32,
-        15 * ldt as i32,
-    );
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mut idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(ldt as i32));
     let two = _mm512_set1_epi32(2);
     for p in 0..pairs {
         // SAFETY: lane c reads elements c·ldt + 2p and + 1 < 15·ldt + k (asserted); the
@@ -395,9 +379,7 @@ impl Tiles {
             );
         }
     }
-}
 
-impl Tiles {
     /// `C = A · B` for a 32-row f32 block `C[r, j] = c[r * ldc + j]` of `16 * panels`
     /// columns, where A is 32 rows of 64 bf16 (two k tiles; row `r` at `a[r * lda..]`)
     /// and B is `panels` packed column panels of two k tiles each (panel `p` at
@@ -676,7 +658,8 @@ mod imp {
     }
 
     /// Runs the product: each task computes one rectangle of `out` from A's row blocks
-    /// and B's column panels (`kt` k tiles each), packing those it needs on first use.
+    /// and B's column panels (`kt` k tiles each), packing the panels it needs on first
+    /// use.
     pub(super) fn run<T: Encode>(
         a: &ABlocks<'_>,
         b: &BPanels<'_>,

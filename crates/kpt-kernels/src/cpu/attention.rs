@@ -148,7 +148,12 @@ pub(super) fn online_softmax(
             srow.fill(0.0);
             continue;
         }
-        let alpha = exp_f32_fma::<false>(m_run[r] - m_new);
+        // Once a row's maximum stops growing (most key blocks) the factor is exactly 1.
+        let alpha = if m_new == m_run[r] {
+            1.0
+        } else {
+            exp_f32_fma::<false>(m_run[r] - m_new)
+        };
         let sum = exp_sum(r, srow, m_new);
         l_run[r] = l_run[r] * alpha + sum;
         m_run[r] = m_new;
