@@ -348,20 +348,7 @@ impl Tiles {
         assert!(c.len() >= 31 * ldc + 32);
         #[cfg(test)]
         if self.emulate {
-            let f = |h: u16| bf16::from_bits(h).to_f32();
-            for r in 0..32 {
-                for j in 0..32 {
-                    let bt = &b[(j / 16) * b_next + (j % 16) * 2..];
-                    let mut acc = if accumulate { c[r * ldc + j] } else { 0.0 };
-                    for s in 0..steps {
-                        for e in 0..KB {
-                            let bv = bt[s * TILE + (e / 2) * 32 + e % 2];
-                            acc += f(a[r * lda + s * KB + e]) * f(bv);
-                        }
-                    }
-                    c[r * ldc + j] = acc;
-                }
-            }
+            emulate(a, lda, b, b_next, steps, 32, c, ldc, accumulate);
             return;
         }
         // SAFETY: the configuration is loaded on this thread (`self` is not `Send`), and
@@ -400,18 +387,7 @@ impl Tiles {
         assert!(c.len() >= 31 * ldc + 16 * panels);
         #[cfg(test)]
         if self.emulate {
-            let f = |h: u16| bf16::from_bits(h).to_f32();
-            for r in 0..32 {
-                for j in 0..16 * panels {
-                    let bt = &b[(j / 16) * 2 * TILE + (j % 16) * 2..];
-                    let mut acc = 0.0;
-                    for e in 0..2 * KB {
-                        let bv = bt[(e / KB) * TILE + ((e % KB) / 2) * 32 + e % 2];
-                        acc += f(a[r * lda + e]) * f(bv);
-                    }
-                    c[r * ldc + j] = acc;
-                }
-            }
+            emulate(a, lda, b, 2 * TILE, 2, 16 * panels, c, ldc, false);
             return;
         }
         // SAFETY: the configuration is loaded on this thread (`self` is not `Send`), and
@@ -425,6 +401,38 @@ impl Tiles {
                 c.as_mut_ptr(),
                 ldc * 4,
             )
+        }
+    }
+}
+
+/// The tile products of [`Tiles::block`] and [`Tiles::block_k64`] in scalar code: `C (=|+=)
+/// A · B` for 32 rows and `cols` columns over `steps` k tiles, column `j`'s tile for k
+/// step `s` at `b[(j / 16) * panel_stride + s * TILE..]`.
+#[cfg(test)]
+#[allow(clippy::too_many_arguments)]
+fn emulate(
+    a: &[u16],
+    lda: usize,
+    b: &[u16],
+    panel_stride: usize,
+    steps: usize,
+    cols: usize,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    let f = |h: u16| bf16::from_bits(h).to_f32();
+    for r in 0..32 {
+        for j in 0..cols {
+            let bt = &b[(j / 16) * panel_stride + (j % 16) * 2..];
+            let mut acc = if accumulate { c[r * ldc + j] } else { 0.0 };
+            for s in 0..steps {
+                for e in 0..KB {
+                    let bv = bt[s * TILE + (e / 2) * 32 + e % 2];
+                    acc += f(a[r * lda + s * KB + e]) * f(bv);
+                }
+            }
+            c[r * ldc + j] = acc;
         }
     }
 }
