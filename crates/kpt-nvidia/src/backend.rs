@@ -15,7 +15,7 @@ use kpt_kernels::CpuBackend;
 
 use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
 use crate::gpu::Gpu;
-use crate::kernels::{AttentionDims, Binary, QuantScale};
+use crate::kernels::{AttentionDims, Binary, Impl, QuantScale};
 use crate::memory::DeviceBlock;
 use crate::profiler::Profiler;
 use crate::NvidiaError;
@@ -263,8 +263,8 @@ impl CudaBackend {
         inputs: &[BufferRef<'_>],
         outputs: &mut [BufferMut<'_>],
     ) -> Result<()> {
-        let (out0, rest) = outputs
-            .split_first_mut()
+        let out0 = outputs
+            .first_mut()
             .ok_or_else(|| err(format!("{op}: no output")))?;
         let x = inputs[0].spec;
         let dt = x.dtype;
@@ -273,34 +273,8 @@ impl CudaBackend {
             Op::MatMul | Op::Linear { .. } | Op::LinearAct { .. } => {
                 return self.gemm(op, inputs, out0)
             }
-            Op::RmsNorm { eps } => {
-                let (rows, dim) = rows_dim(&x.shape);
-                g.rms_norm(
-                    dt,
-                    ptr(&inputs[0])?,
-                    ptr(&inputs[1])?,
-                    out_ptr(out0)?,
-                    rows,
-                    dim,
-                    *eps,
-                )?;
-            }
-            Op::AddRmsNorm { eps } => {
-                let (rows, dim) = rows_dim(&x.shape);
-                let out1 = rest
-                    .first_mut()
-                    .ok_or_else(|| err("add_rms_norm needs two outputs"))?;
-                g.add_rms_norm(
-                    dt,
-                    ptr(&inputs[0])?,
-                    ptr(&inputs[1])?,
-                    ptr(&inputs[2])?,
-                    out_ptr(out0)?,
-                    out_ptr(out1)?,
-                    rows,
-                    dim,
-                    *eps,
-                )?;
+            Op::RmsNorm { .. } | Op::AddRmsNorm { .. } => {
+                return self.run_norm(Impl::Cuda, op, inputs, outputs)
             }
             Op::LayerNorm { eps } => {
                 let (rows, dim) = rows_dim(&x.shape);
@@ -452,9 +426,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Runs a `triton.*` kernel.
-    fn run_triton(
+    /// Runs an RMS norm (plain or with the residual add) on the kernel built by `imp`.
+    fn run_norm(
         &self,
+        imp: Impl,
         op: &Op,
         inputs: &[BufferRef<'_>],
         outputs: &mut [BufferMut<'_>],
@@ -462,7 +437,8 @@ impl CudaBackend {
         let x = inputs[0].spec;
         let (rows, dim) = rows_dim(&x.shape);
         match (op, outputs) {
-            (Op::RmsNorm { eps }, [out]) => self.gpu.triton_rms_norm(
+            (Op::RmsNorm { eps }, [out]) => self.gpu.rms_norm(
+                imp,
                 x.dtype,
                 ptr(&inputs[0])?,
                 ptr(&inputs[1])?,
@@ -471,7 +447,8 @@ impl CudaBackend {
                 dim,
                 *eps,
             )?,
-            (Op::AddRmsNorm { eps }, [sum, out]) => self.gpu.triton_add_rms_norm(
+            (Op::AddRmsNorm { eps }, [sum, out]) => self.gpu.add_rms_norm(
+                imp,
                 x.dtype,
                 ptr(&inputs[0])?,
                 ptr(&inputs[1])?,
@@ -482,7 +459,7 @@ impl CudaBackend {
                 dim,
                 *eps,
             )?,
-            (op, _) => return Err(err(format!("no Triton kernel for {op}"))),
+            (op, _) => return Err(err(format!("no {imp:?} norm kernel for {op}"))),
         }
         Ok(())
     }
@@ -602,7 +579,7 @@ impl Backend for CudaBackend {
         if kernel.starts_with("cuda.") {
             self.run_device(op, inputs, outputs)?;
         } else if kernel.starts_with("triton.") {
-            self.run_triton(op, inputs, outputs)?;
+            self.run_norm(Impl::Triton, op, inputs, outputs)?;
         } else if kernel.starts_with("cpu.") {
             self.run_on_host(kernel, op, inputs, outputs)?;
         } else {

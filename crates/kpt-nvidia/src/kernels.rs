@@ -41,6 +41,15 @@ macro_rules! launch {
 /// Row blocks of the Triton norm specializations (`kernels/triton/rms_norm.py`).
 const TRITON_ROW_BLOCKS: [usize; 4] = [1024, 2048, 4096, 8192];
 
+/// Which build of a kernel runs: CUDA C++ (`kernels/cuda`) or Triton (`kernels/triton`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Impl {
+    /// The CUDA C++ kernel.
+    Cuda,
+    /// The Triton kernel.
+    Triton,
+}
+
 /// Where a quantization kernel finds its per-tensor scale.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum QuantScale {
@@ -222,49 +231,11 @@ impl Gpu {
         Ok(format!("triton_{name}_{}_{block}", float_name(dtype)?))
     }
 
-    /// RMSNorm of `rows` rows of `dim` with the Triton kernel.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn triton_rms_norm(
-        &self,
-        dtype: DType,
-        x: u64,
-        w: u64,
-        out: u64,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<(), NvidiaError> {
-        let kernel = self.triton_norm("rms_norm", dtype, dim, &[x, w, out])?;
-        // Triton kernels take two trailing scratch pointers (unused here: null).
-        launch!(self, &kernel, "kpt_rms_norm", grid("rows", rows)?;
-            x, w, out, int("dim", dim)?, eps, 0u64, 0u64);
-        Ok(())
-    }
-
-    /// `sum = x + residual; out = rms_norm(sum)` with the Triton kernel.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn triton_add_rms_norm(
-        &self,
-        dtype: DType,
-        x: u64,
-        residual: u64,
-        w: u64,
-        sum: u64,
-        out: u64,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<(), NvidiaError> {
-        let kernel = self.triton_norm("add_rms_norm", dtype, dim, &[x, residual, w, sum, out])?;
-        launch!(self, &kernel, "kpt_add_rms_norm", grid("rows", rows)?;
-            x, residual, w, sum, out, int("dim", dim)?, eps, 0u64, 0u64);
-        Ok(())
-    }
-
-    /// RMSNorm of `rows` rows of `dim`.
+    /// RMSNorm of `rows` rows of `dim` with the kernel built by `imp`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn rms_norm(
         &self,
+        imp: Impl,
         dtype: DType,
         x: u64,
         w: u64,
@@ -273,15 +244,27 @@ impl Gpu {
         dim: usize,
         eps: f32,
     ) -> Result<(), NvidiaError> {
-        let entry = format!("kpt_rms_norm_{}", float_name(dtype)?);
-        launch!(self, "rms_norm", entry, grid("rows", rows)?; x, w, out, int("dim", dim)?, eps);
+        let grid = grid("rows", rows)?;
+        let dim_arg = int("dim", dim)?;
+        match imp {
+            Impl::Cuda => {
+                let entry = format!("kpt_rms_norm_{}", float_name(dtype)?);
+                launch!(self, "rms_norm", entry, grid; x, w, out, dim_arg, eps);
+            }
+            Impl::Triton => {
+                let kernel = self.triton_norm("rms_norm", dtype, dim, &[x, w, out])?;
+                // Triton kernels take two trailing scratch pointers (unused here: null).
+                launch!(self, &kernel, "kpt_rms_norm", grid; x, w, out, dim_arg, eps, 0u64, 0u64);
+            }
+        }
         Ok(())
     }
 
-    /// `sum = x + residual`, `out = rms_norm(sum)`.
+    /// `sum = x + residual`, `out = rms_norm(sum)` with the kernel built by `imp`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn add_rms_norm(
         &self,
+        imp: Impl,
         dtype: DType,
         x: u64,
         residual: u64,
@@ -292,9 +275,21 @@ impl Gpu {
         dim: usize,
         eps: f32,
     ) -> Result<(), NvidiaError> {
-        let entry = format!("kpt_add_rms_norm_{}", float_name(dtype)?);
-        launch!(self, "rms_norm", entry, grid("rows", rows)?;
-            x, residual, w, sum, out, int("dim", dim)?, eps);
+        let grid = grid("rows", rows)?;
+        let dim_arg = int("dim", dim)?;
+        match imp {
+            Impl::Cuda => {
+                let entry = format!("kpt_add_rms_norm_{}", float_name(dtype)?);
+                launch!(self, "rms_norm", entry, grid;
+                    x, residual, w, sum, out, dim_arg, eps);
+            }
+            Impl::Triton => {
+                let ptrs = [x, residual, w, sum, out];
+                let kernel = self.triton_norm("add_rms_norm", dtype, dim, &ptrs)?;
+                launch!(self, &kernel, "kpt_add_rms_norm", grid;
+                    x, residual, w, sum, out, dim_arg, eps, 0u64, 0u64);
+            }
+        }
         Ok(())
     }
 
