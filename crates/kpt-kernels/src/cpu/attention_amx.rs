@@ -12,7 +12,7 @@
 use half::bf16;
 
 use super::amx::{self, Tiles, TILE};
-use super::attention::{normalize, online_softmax, scatter, Ctx, TaskRows};
+use super::attention::{balanced_block_q, normalize, online_softmax, scatter, Ctx, TaskRows};
 use super::par::for_each_row;
 use super::scratch::Scratch;
 use super::shapes::AttentionShape;
@@ -87,7 +87,7 @@ fn attention_with(
         },
     );
 
-    let bq = balanced_block_q(s, block_q, rayon::current_num_threads());
+    let bq = balanced_block_q(s, block_q, rayon::current_num_threads(), T);
     let nqb = s.seq_q.div_ceil(bq);
     let ctx = AmxCtx {
         c: Ctx {
@@ -110,23 +110,6 @@ fn attention_with(
     let task_cost = bq.saturating_mul(s.seq_kv.max(1)).saturating_mul(d);
     for_each_row(&mut out_t, bq * d, task_cost, |t, o| task_d(&ctx, t, o));
     scatter(&out_t, out, s, bq);
-}
-
-/// Tasks per thread below which [`balanced_block_q`] halves the query block.
-const TASKS_PER_THREAD: usize = 16;
-
-/// The query block: `block_q` rounded up to 32 (and at most the padded queries), halved
-/// down to 32 while that leaves fewer than [`TASKS_PER_THREAD`] tasks per thread. Tasks
-/// differ in cost (causal rows see more keys the later they are), and with few per thread
-/// the slowest thread sets the time: at B1 H8 S1024 D64 on 16 threads, 32-row blocks
-/// (256 tasks) ran causal attention 17% and full attention 5% faster than 64-row ones.
-fn balanced_block_q(s: &AttentionShape, block_q: usize, threads: usize) -> usize {
-    let mut bq = block_q.next_multiple_of(T).min(s.seq_q.next_multiple_of(T));
-    let heads = s.batch * s.num_heads;
-    while bq > T && heads * s.seq_q.div_ceil(bq) < TASKS_PER_THREAD * threads {
-        bq = (bq / 2).next_multiple_of(T);
-    }
-    bq
 }
 
 /// One task ([`Ctx::task_rows`]); writes `[rows, head_dim]` at the start of `out`. `_W`
@@ -303,19 +286,6 @@ mod tests {
 
     use crate::cpu::reference;
     use kpt_core::rand::SplitMix64;
-
-    #[test]
-    fn query_blocks_shrink_until_each_thread_has_enough_tasks() {
-        let shape = |h, seq| AttentionShape::new(1, seq, seq, h, h, 64, true);
-        // 8 heads × 1024 queries on 16 threads: 64-row blocks give 128 tasks, 32 give 256.
-        assert_eq!(balanced_block_q(&shape(8, 1024), 64, 16), 32);
-        // 16 heads × 2048 queries: 512 tasks of 64 rows are enough.
-        assert_eq!(balanced_block_q(&shape(16, 2048), 64, 16), 64);
-        // Never below 32 rows, never above the padded queries, a multiple of 32.
-        assert_eq!(balanced_block_q(&shape(1, 40), 64, 64), 32);
-        assert_eq!(balanced_block_q(&shape(64, 100), 500, 1), 128);
-        assert_eq!(balanced_block_q(&shape(64, 4096), 100, 2), 128);
-    }
 
     /// Probabilities in bf16 and their sum, for masked (-inf), tiny and ordinary scores,
     /// full 16-lane chunks and a tail.
