@@ -8,6 +8,7 @@
 //!   FP8 needs on Hopper), B = X;
 //! - matmul `Y = A B` with `B [K, N]`: `Yᵀ = Bᵀ Aᵀ`, both untransposed.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Mutex;
@@ -205,6 +206,9 @@ pub struct Blas {
     allow_tf32: bool,
     autotune: bool,
     algos: Mutex<HashMap<GemmShape, sys::cublasLtMatmulAlgo_t>>,
+    /// Descriptors per shape, made once: creating them took longer than enqueueing a
+    /// small GEMM. The lock is held from setting a call's pointers to its enqueue.
+    descs: Mutex<HashMap<GemmShape, Descriptors>>,
 }
 
 // SAFETY: the handle is used under the device's single stream; cuBLASLt handles may be
@@ -270,10 +274,12 @@ impl Blas {
             allow_tf32,
             autotune,
             algos: Mutex::new(HashMap::new()),
+            descs: Mutex::new(HashMap::new()),
         })
     }
 
-    fn descriptors(&self, s: &GemmShape, args: &GemmArgs) -> Result<Descriptors, NvidiaError> {
+    /// The descriptors of shape `s` (everything but the per-call pointers).
+    fn descriptors(&self, s: &GemmShape) -> Result<Descriptors, NvidiaError> {
         let compute = match s.a {
             DType::F32 if self.allow_tf32 => Compute::CUBLAS_COMPUTE_32F_FAST_TF32,
             _ => Compute::CUBLAS_COMPUTE_32F,
@@ -305,21 +311,28 @@ impl Blas {
         };
         set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
         if s.bias {
-            let ptr = args.bias as *const c_void;
-            set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
             set_desc(
                 desc,
                 DescAttr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                 &data_type(s.out)?,
             )?;
         }
+        Ok(d)
+    }
+
+    /// Points `d` at this call's bias and FP8 scales.
+    fn set_pointers(d: &Descriptors, s: &GemmShape, args: &GemmArgs) -> Result<(), NvidiaError> {
+        if s.bias {
+            let ptr = args.bias as *const c_void;
+            set_desc(d.desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
+        }
         if matches!(s.a, DType::F8E4M3 | DType::F8E5M2) {
             // cuBLASLt's A is kpt's second operand.
             let (a, b) = (args.b_scale as *const c_void, args.a_scale as *const c_void);
-            set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)?;
-            set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b)?;
+            set_desc(d.desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)?;
+            set_desc(d.desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b)?;
         }
-        Ok(d)
+        Ok(())
     }
 
     /// Up to `count` algorithms cuBLASLt's heuristic proposes, best first.
@@ -476,9 +489,14 @@ impl Blas {
     pub fn gemm(&self, gpu: &Gpu, s: &GemmShape, args: &GemmArgs) -> Result<(), NvidiaError> {
         s.validate()?;
         gpu.bind()?;
-        let d = self.descriptors(s, args)?;
-        let algo = self.algorithm(gpu, s, &d, args)?;
-        self.run(gpu, &d, args, &algo)
+        let mut descs = self.descs.lock().unwrap_or_else(|p| p.into_inner());
+        let d = match descs.entry(*s) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(self.descriptors(s)?),
+        };
+        Self::set_pointers(d, s, args)?;
+        let algo = self.algorithm(gpu, s, d, args)?;
+        self.run(gpu, d, args, &algo)
     }
 
     /// Shapes whose algorithm is cached.
