@@ -205,10 +205,9 @@ pub struct Blas {
     workspace: DeviceBlock,
     allow_tf32: bool,
     autotune: bool,
-    algos: Mutex<HashMap<GemmShape, sys::cublasLtMatmulAlgo_t>>,
-    /// Descriptors per shape, made once: creating them took longer than enqueueing a
-    /// small GEMM. The lock is held from setting a call's pointers to its enqueue.
-    descs: Mutex<HashMap<GemmShape, Descriptors>>,
+    /// Per shape, made on first use: the descriptors and the chosen algorithm. The lock
+    /// is held from setting a call's pointers to its enqueue.
+    shapes: Mutex<HashMap<GemmShape, (Descriptors, sys::cublasLtMatmulAlgo_t)>>,
 }
 
 // SAFETY: the handle is used under the device's single stream; cuBLASLt handles may be
@@ -273,8 +272,7 @@ impl Blas {
             workspace,
             allow_tf32,
             autotune,
-            algos: Mutex::new(HashMap::new()),
-            descs: Mutex::new(HashMap::new()),
+            shapes: Mutex::new(HashMap::new()),
         })
     }
 
@@ -427,8 +425,8 @@ impl Blas {
         .map_err(|e| NvidiaError::cublas("cublasLtMatmul", e))
     }
 
-    /// The algorithm for `s`: cached, else the fastest of the heuristic's candidates
-    /// (timed with events when autotuning), else its first.
+    /// The algorithm for `s`: the fastest of the heuristic's candidates (timed with
+    /// events when autotuning), else its first.
     fn algorithm(
         &self,
         gpu: &Gpu,
@@ -436,9 +434,6 @@ impl Blas {
         d: &Descriptors,
         args: &GemmArgs,
     ) -> Result<sys::cublasLtMatmulAlgo_t, NvidiaError> {
-        if let Some(a) = self.algos.lock().unwrap_or_else(|p| p.into_inner()).get(s) {
-            return Ok(*a);
-        }
         let candidates = self.candidates(
             d,
             if self.autotune {
@@ -478,10 +473,6 @@ impl Blas {
                 "cuBLASLt autotuned"
             );
         }
-        self.algos
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(*s, best.1);
         Ok(best.1)
     }
 
@@ -489,18 +480,27 @@ impl Blas {
     pub fn gemm(&self, gpu: &Gpu, s: &GemmShape, args: &GemmArgs) -> Result<(), NvidiaError> {
         s.validate()?;
         gpu.bind()?;
-        let mut descs = self.descs.lock().unwrap_or_else(|p| p.into_inner());
-        let d = match descs.entry(*s) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => e.insert(self.descriptors(s)?),
+        let mut shapes = self.shapes.lock().unwrap_or_else(|p| p.into_inner());
+        let (d, algo) = match shapes.entry(*s) {
+            Entry::Occupied(e) => {
+                let (d, algo) = e.into_mut();
+                Self::set_pointers(d, s, args)?;
+                (&*d, *algo)
+            }
+            Entry::Vacant(e) => {
+                // Autotuning runs the GEMM, so the pointers are set first.
+                let d = self.descriptors(s)?;
+                Self::set_pointers(&d, s, args)?;
+                let algo = self.algorithm(gpu, s, &d, args)?;
+                let (d, _) = e.insert((d, algo));
+                (&*d, algo)
+            }
         };
-        Self::set_pointers(d, s, args)?;
-        let algo = self.algorithm(gpu, s, d, args)?;
         self.run(gpu, d, args, &algo)
     }
 
     /// Shapes whose algorithm is cached.
     pub fn tuned_shapes(&self) -> usize {
-        self.algos.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.shapes.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 }
