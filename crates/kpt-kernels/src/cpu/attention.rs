@@ -27,7 +27,7 @@ use kpt_core::{DType, KptError, Result};
 
 use super::par::for_each_row;
 use super::scratch::Scratch;
-use super::sgemm::{Micro, Portable};
+use super::sgemm::{self, Micro, Portable};
 use super::shapes::AttentionShape;
 use super::simd::{
     self, dispatch, dot_decode, exp_f32_fma, exp_softmax_f32_fma, fmadd, Decode, Encode,
@@ -179,10 +179,11 @@ pub(super) fn normalize(out: &mut [f32], o: &[f32], dp: usize, d: usize, l_run: 
     }
 }
 
-/// One task ([`Ctx::task_rows`]) on micro-kernel `mk`; writes `[rows, head_dim]` at the
-/// start of `out`. `c.bq` is a multiple of `NR`, `c.bkv`, `c.skv_pad` and `c.d_pad`
-/// of `MR`.
-fn task<M: Micro>(mk: M, c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) {
+/// One task ([`Ctx::task_rows`]) on micro-kernels `mk` (`Sᵀ = K·Qᵀ`) and `mv`
+/// (`Oᵀ += Vᵀ·Pᵀ`, same `NR`); writes `[rows, head_dim]` at the start of `out`.
+/// `c.bq` is a multiple of `NR`, `c.bkv` and `c.skv_pad` of `mk`'s `MR`, `c.d_pad` of
+/// `mv`'s.
+fn task<M: Micro, V: Micro>(mk: M, mv: V, c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) {
     let (mr, nr) = (M::MR, M::NR);
     let s = &c.s;
     let (d, dp, bq, bkv) = (s.head_dim, c.d_pad, c.bq, c.bkv);
@@ -262,11 +263,11 @@ fn task<M: Micro>(mk: M, c: &Ctx<'_, f32, f32>, t: usize, out: &mut [f32]) {
                         .for_each(|(o, &a)| *o *= a);
                 }
             }
-            for dd in (0..dp).step_by(mr) {
-                let vpan = &vp[dd * c.skv_pad + j0 * mr..][..nk * mr];
+            for dd in (0..dp).step_by(V::MR) {
+                let vpan = &vp[dd * c.skv_pad + j0 * V::MR..][..nk * V::MR];
                 // SAFETY: rows dd..dd + MR (< dp) of `ot`, columns of query panel qp:
                 // inside `ot` (row stride bq); both panels hold `nk` k steps.
-                unsafe { mk.tile(vpan, sp, ot[dd * bq + qp * nr..].as_mut_ptr(), bq, true) };
+                unsafe { mv.tile(vpan, sp, ot[dd * bq + qp * nr..].as_mut_ptr(), bq, true) };
             }
         }
         j0 += bkv;
@@ -485,17 +486,23 @@ fn attention_impl<T: Decode + Encode>(
     }
     #[cfg(target_arch = "x86_64")]
     {
-        use super::sgemm::{Avx2, Avx512};
-        if let Some(mk) = Avx512::detect() {
-            attention_with(mk, args, out, shape, block_q, block_kv);
+        use super::sgemm::{Avx2, Avx512, Avx512x8};
+        if let (Some(mk), Some(mv)) = (Avx512::detect(), Avx512x8::detect()) {
+            // Head dims that are a multiple of 8 but not of 12 (64, 128) would pad V's
+            // panels for the 12-row tile: P·V runs on the 8-row one instead.
+            if shape.head_dim.next_multiple_of(8) < shape.head_dim.next_multiple_of(12) {
+                attention_with((mk, mv), args, out, shape, block_q, block_kv);
+            } else {
+                attention_with((mk, mk), args, out, shape, block_q, block_kv);
+            }
             return Ok(());
         }
         if let Some(mk) = Avx2::detect() {
-            attention_with(mk, args, out, shape, block_q, block_kv);
+            attention_with((mk, mk), args, out, shape, block_q, block_kv);
             return Ok(());
         }
     }
-    attention_with(Portable, args, out, shape, block_q, block_kv);
+    attention_with((Portable, Portable), args, out, shape, block_q, block_kv);
     Ok(())
 }
 
@@ -595,9 +602,10 @@ fn direct_row<const FMA: bool, T: Decode + Encode>(
     }
 }
 
-/// Attention on micro-kernel `mk` (see the module docs) of validated operands.
-fn attention_with<M: Micro, T: Decode + Encode>(
-    mk: M,
+/// Attention on micro-kernels `(mk, mv)` (see [`task`] and the module docs) of
+/// validated operands.
+fn attention_with<M: Micro, V: Micro, T: Decode + Encode>(
+    (mk, mv): (M, V),
     (q, k, v, mask): Operands<'_, T>,
     out: &mut [T],
     shape: &AttentionShape,
@@ -605,13 +613,14 @@ fn attention_with<M: Micro, T: Decode + Encode>(
     block_kv: usize,
 ) {
     let (mr, nr) = (M::MR, M::NR);
+    assert_eq!(V::NR, nr, "both products run on query panels of one width");
     let s = *shape;
     let d = s.head_dim;
     if out.is_empty() {
         return;
     }
     let skv_pad = s.seq_kv.next_multiple_of(mr);
-    let d_pad = d.next_multiple_of(mr);
+    let d_pad = d.next_multiple_of(V::MR);
     let groups = s.batch * s.num_kv_heads;
     let kv_row = s.kv_row();
 
@@ -637,24 +646,39 @@ fn attention_with<M: Micro, T: Decode + Encode>(
     let mut vp = Scratch::new(groups * skv_pad * d_pad);
     let cost = s.seq_kv * d;
     for_each_row(&mut kp, d * skv_pad, cost, |bg, dst| {
-        dst.fill(0.0);
         let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
-        for j in 0..s.seq_kv {
-            let src = &k[(b * s.seq_kv + j) * kv_row + g * d..][..d];
-            let panel = &mut dst[(j / mr) * mr * d..][..mr * d];
-            for (p, &x) in src.iter().enumerate() {
-                panel[p * mr + j % mr] = x.decode();
-            }
+        let keys = &k[b * s.seq_kv * kv_row + g * d..];
+        let mut rows = Vec::new();
+        for (j0, panel) in (0..s.seq_kv).step_by(mr).zip(dst.chunks_exact_mut(mr * d)) {
+            // The panel's keys as f32 rows (borrowed when K already is f32), then
+            // transposed into [d][MR].
+            let live = mr.min(s.seq_kv - j0);
+            let (src, ls) = match T::as_f32(keys) {
+                Some(k32) => (&k32[j0 * kv_row..], kv_row),
+                None => {
+                    rows.clear();
+                    for j in j0..j0 + live {
+                        rows.extend(keys[j * kv_row..][..d].iter().map(|x| x.decode()));
+                    }
+                    (&rows[..], d)
+                }
+            };
+            sgemm::pack(panel, mr, 0, live, src, ls, 1);
         }
+        dst[s.seq_kv.next_multiple_of(mr) * d..].fill(0.0);
     });
     for_each_row(&mut vp, skv_pad * d_pad, cost, |bg, dst| {
-        dst.fill(0.0);
         let (b, g) = (bg / s.num_kv_heads, bg % s.num_kv_heads);
-        for j in 0..s.seq_kv {
-            let src = &v[(b * s.seq_kv + j) * kv_row + g * d..][..d];
-            for (p, &x) in src.iter().enumerate() {
-                dst[(p / mr) * mr * skv_pad + j * mr + p % mr] = x.decode();
+        let vr = V::MR;
+        for (pi, panel) in dst.chunks_exact_mut(skv_pad * vr).enumerate() {
+            // Dims pi·MR.. of every key, MR side by side (zero past the last dim).
+            let (p0, w) = (pi * vr, vr.min(d - pi * vr));
+            for (j, dst) in panel.chunks_exact_mut(vr).take(s.seq_kv).enumerate() {
+                let src = &v[(b * s.seq_kv + j) * kv_row + g * d + p0..][..w];
+                dst.iter_mut().zip(src).for_each(|(o, x)| *o = x.decode());
+                dst[w..].fill(0.0);
             }
+            panel[s.seq_kv * vr..].fill(0.0);
         }
     });
 
@@ -680,7 +704,9 @@ fn attention_with<M: Micro, T: Decode + Encode>(
         .saturating_mul(s.seq_kv.max(1))
         .saturating_mul(d)
         .saturating_mul(4);
-    for_each_row(&mut out_t, bq * d, task_cost, |t, o| task(mk, &ctx, t, o));
+    for_each_row(&mut out_t, bq * d, task_cost, |t, o| {
+        task(mk, mv, &ctx, t, o)
+    });
 
     scatter(&out_t, out, &s, bq);
 }
@@ -837,20 +863,24 @@ mod tests {
                 }
             };
             let mut got = vec![f32::NAN; shape.q_len()];
-            attention_with(Portable, (&q, &k, &v, None), &mut got, &shape, 16, 32);
+            let ops = (&q[..], &k[..], &v[..], None);
+            attention_with((Portable, Portable), ops, &mut got, &shape, 16, 32);
             check("portable", &got);
             #[cfg(target_arch = "x86_64")]
             {
-                use crate::cpu::sgemm::{Avx2, Avx512};
+                use crate::cpu::sgemm::{Avx2, Avx512, Avx512x8};
                 if let Some(mk) = Avx2::detect() {
                     got.fill(f32::NAN);
-                    attention_with(mk, (&q, &k, &v, None), &mut got, &shape, 16, 32);
+                    attention_with((mk, mk), ops, &mut got, &shape, 16, 32);
                     check("avx2", &got);
                 }
-                if let Some(mk) = Avx512::detect() {
+                if let (Some(mk), Some(mv)) = (Avx512::detect(), Avx512x8::detect()) {
                     got.fill(f32::NAN);
-                    attention_with(mk, (&q, &k, &v, None), &mut got, &shape, 16, 32);
+                    attention_with((mk, mk), ops, &mut got, &shape, 16, 32);
                     check("avx512", &got);
+                    got.fill(f32::NAN);
+                    attention_with((mk, mv), ops, &mut got, &shape, 16, 32);
+                    check("avx512 + 8-row P·V", &got);
                 }
             }
         }

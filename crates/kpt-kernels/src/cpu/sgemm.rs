@@ -320,7 +320,7 @@ struct Dims {
 /// k steps `0..kc` (`kc = panel.len() / width`) into `panel`, k-major:
 /// `panel[p * width + l] = data[(first + l) * ls + p * ps]`, zero past the last
 /// line.
-fn pack(
+pub(super) fn pack(
     panel: &mut [f32],
     width: usize,
     first: usize,
@@ -490,7 +490,7 @@ impl Micro for Portable {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::{Avx2, Avx512};
+pub(crate) use x86::{Avx2, Avx512, Avx512x8};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -588,6 +588,25 @@ mod x86 {
         __m512,
         16,
         mr = 12,
+        nv = 2,
+        kc = 512,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_add_ps
+    );
+
+    micro_kernel!(
+        /// An AVX-512 8 × 32 tile in 16 zmm accumulators, for row counts that are a
+        /// multiple of 8 but not of 12 (attention's P·V over 64 or 128 head dims).
+        Avx512x8,
+        has_avx512,
+        "avx512f",
+        __m512,
+        16,
+        mr = 8,
         nv = 2,
         kc = 512,
         _mm512_setzero_ps,
