@@ -17,6 +17,7 @@ use kpt_core::{DType, KptError, Result};
 use super::gemm::{gemm_f32_raw, Strided};
 use super::par::for_each_row;
 use super::simd::{self, Decode, E4M3, E5M2};
+use super::wide::{self, Widen};
 use super::{check_linear, Act};
 
 /// Largest `m` handled by the GEMV kernel; above it the `gemm` paths are faster (measured
@@ -277,60 +278,68 @@ fn gemv_block<const FMA: bool, T: Decode>(
     }
 }
 
-/// Runs `gemv_block` with AVX2+FMA when available.
+/// The `m = 1` GEMV of a block of output columns on AVX-512: four weight rows per
+/// [`wide::dot4`] (the last step repeats the block's last row as filler).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-fn gemv_block_d<T: Decode>(
+unsafe fn gemv_row_avx512<T: Widen>(
     x: &[f32],
     w: &[T],
     bias: &[f32],
-    out_t: &mut [f32],
+    out: &mut [f32],
     scale: f32,
     act: Option<Act>,
-    m: usize,
     k: usize,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn avx2<T: Decode>(
-            x: &[f32],
-            w: &[T],
-            bias: &[f32],
-            out_t: &mut [f32],
-            scale: f32,
-            act: Option<Act>,
-            m: usize,
-            k: usize,
-        ) {
-            gemv_block::<true, T>(x, w, bias, out_t, scale, act, m, k);
-        }
-        if simd::has_avx2_fma() {
-            // SAFETY: avx2 and fma were detected on this CPU.
-            unsafe { avx2(x, w, bias, out_t, scale, act, m, k) };
-            return;
+    let cols = out.len();
+    for (c0, o) in (0..).step_by(wide::ROWS).zip(out.chunks_mut(wide::ROWS)) {
+        let row = |r: usize| {
+            let c = (c0 + r).min(cols - 1);
+            &w[c * k..(c + 1) * k]
+        };
+        // SAFETY: the caller guarantees the target features.
+        let dots = unsafe { wide::dot4(&x[..k], [row(0), row(1), row(2), row(3)]) };
+        for (r, (o, dot)) in o.iter_mut().zip(dots).enumerate() {
+            *o = finish(dot, scale, bias.get(c0 + r).copied().unwrap_or(0.0), act);
         }
     }
-    gemv_block::<false, T>(x, w, bias, out_t, scale, act, m, k);
 }
 
+simd::dispatch!(
+    /// [`gemv_block`] vectorized for the CPU.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_block_d<T: Decode>(
+        x: &[f32],
+        w: &[T],
+        bias: &[f32],
+        out_t: &mut [f32],
+        scale: f32,
+        act: Option<Act>,
+        m: usize,
+        k: usize,
+    ) => gemv_block [true, T] [true, T] [false, T]
+);
+
 /// The small-`m` path: parallel over blocks of output columns.
-fn gemv<T: Decode>(p: &Problem<'_>, w: &[T], out: &mut [f32]) {
+fn gemv<T: Widen>(p: &Problem<'_>, w: &[T], out: &mut [f32]) {
     let (m, k, n) = (p.m, p.k, p.n);
+    let wide = m == 1 && simd::has_avx512();
     let task = |c: usize, o: &mut [f32]| {
         let j0 = c * GEMV_COLS;
         let cols = o.len() / m;
         let bias = p.bias.map_or(&[][..], |b| &b[j0..j0 + cols]);
-        gemv_block_d(
-            p.x,
-            &w[j0 * k..(j0 + cols) * k],
-            bias,
-            o,
-            p.scale,
-            p.act,
-            m,
-            k,
-        );
+        let w = &w[j0 * k..(j0 + cols) * k];
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            // SAFETY: AVX-512 was detected on this CPU.
+            unsafe { gemv_row_avx512(p.x, w, bias, o, p.scale, p.act, k) };
+            return;
+        }
+        gemv_block_d(p.x, w, bias, o, p.scale, p.act, m, k);
     };
     let cost = GEMV_COLS * k.max(1) * m;
     if m == 1 {
@@ -375,22 +384,11 @@ fn decode_rows<const FMA: bool, T: Decode>(src: &[T], scale: f32, dst: &mut [f32
     simd::decode_scaled(src, scale, dst);
 }
 
-/// Widens `src` to f32 times `scale`, with AVX2 when available.
-fn decode_rows_d<T: Decode>(src: &[T], scale: f32, dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2<T: Decode>(src: &[T], scale: f32, dst: &mut [f32]) {
-            decode_rows::<true, T>(src, scale, dst);
-        }
-        if simd::has_avx2_fma() {
-            // SAFETY: avx2 and fma were detected on this CPU.
-            unsafe { avx2(src, scale, dst) };
-            return;
-        }
-    }
-    decode_rows::<false, T>(src, scale, dst);
-}
+simd::dispatch!(
+    /// Widens `src` to f32 times `scale`, vectorized for the CPU.
+    fn decode_rows_d<T: Decode>(src: &[T], scale: f32, dst: &mut [f32])
+        => decode_rows [true, T] [true, T] [false, T]
+);
 
 /// The large-`m` path for non-f32 weights: widen `TILE_N` weight rows at a time, `gemm`
 /// them into the output columns, then bias + activation on those columns.

@@ -29,6 +29,7 @@ mod par;
 mod scratch;
 mod sgemm;
 mod simd;
+mod wide;
 
 use kpt_core::DType;
 

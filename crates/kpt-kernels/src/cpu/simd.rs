@@ -42,13 +42,15 @@ pub(crate) fn has_avx2_fma() -> bool {
 /// AVX-512 (F/BW/VL/DQ) or else `avx2,fma` when the CPU has them, and
 /// `$body::<false>(args)` otherwise. With `=> $body [W, A, P]` the body's generic
 /// arguments are `W` in the AVX-512 copy, `A` in the AVX2 copy and `P` in the portable
-/// one (e.g. micro-kernel types sized for 32 zmm or 16 ymm registers).
+/// one (e.g. micro-kernel types sized for 32 zmm or 16 ymm registers). A generic
+/// `fn $name<T: Bound>` spells out the body's generic arguments per copy:
+/// `=> $body [true, T] [true, T] [false, T]`.
 macro_rules! dispatch {
     (
         $(#[$meta:meta])*
         $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:ident
     ) => {
-        $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name($($arg: $ty),*)
+        $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name[]($($arg: $ty),*)
             $(-> $ret)? => $body [true] [true] [false]);
     };
     (
@@ -56,19 +58,28 @@ macro_rules! dispatch {
         $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)?
             => $body:ident [$wide:ty, $avx2:ty, $portable:ty]
     ) => {
-        $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name($($arg: $ty),*)
+        $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name[]($($arg: $ty),*)
             $(-> $ret)? => $body [$wide] [$avx2] [$portable]);
     };
     (
-        @gen [$($meta:tt)*] $vis:vis fn $name:ident($($arg:ident : $ty:ty),*) $(-> $ret:ty)?
+        $(#[$meta:meta])*
+        $vis:vis fn $name:ident<$($gp:ident: $gb:path),+>($($arg:ident : $ty:ty),* $(,)?)
+            $(-> $ret:ty)? => $body:ident [$($g512:tt)*] [$($g256:tt)*] [$($gport:tt)*]
+    ) => {
+        $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name[$($gp: $gb),+](
+            $($arg: $ty),*) $(-> $ret)? => $body [$($g512)*] [$($g256)*] [$($gport)*]);
+    };
+    (
+        @gen [$($meta:tt)*] $vis:vis fn $name:ident[$($gp:ident: $gb:path),*](
+            $($arg:ident : $ty:ty),*) $(-> $ret:ty)?
             => $body:ident [$($g512:tt)*] [$($g256:tt)*] [$($gport:tt)*]
     ) => {
         $($meta)*
-        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+        $vis fn $name<$($gp: $gb),*>($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                unsafe fn avx512<$($gp: $gb),*>($($arg: $ty),*) $(-> $ret)? {
                     $body::<$($g512)*>($($arg),*)
                 }
                 if $crate::cpu::simd::has_avx512() {
@@ -77,7 +88,7 @@ macro_rules! dispatch {
                     return unsafe { avx512($($arg),*) };
                 }
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2_fma($($arg: $ty),*) $(-> $ret)? {
+                unsafe fn avx2_fma<$($gp: $gb),*>($($arg: $ty),*) $(-> $ret)? {
                     $body::<$($g256)*>($($arg),*)
                 }
                 if $crate::cpu::simd::has_avx2_fma() {
