@@ -19,6 +19,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kpt::demo::{run_demo, DemoOptions};
 use kpt::Runtime;
 use kpt_core::hardware::cpu_info;
+use kpt_core::config::BackendChoice;
 use kpt_core::{KptConfig, OptLevel};
 use kpt_monitor::{median, Machine, Report, Row};
 
@@ -219,7 +220,10 @@ fn run_case(
 fn demo_row(pb: &ProgressBar) -> Result<Row> {
     const NAME: &str = "demo_decode_speedup_balanced_vs_conservative";
     const METRIC: &str = "x (ms/token ratio)";
-    let rt = Runtime::new(KptConfig::default())?;
+    // The CPU, whatever else the machine has (`auto` would pick a GPU).
+    let mut config = KptConfig::default();
+    config.hardware.backend = BackendChoice::Cpu;
+    let rt = Runtime::new(config)?;
     let opts = DemoOptions {
         levels: vec![OptLevel::Conservative, OptLevel::Balanced],
         ..DemoOptions::default()
