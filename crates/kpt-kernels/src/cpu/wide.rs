@@ -81,6 +81,11 @@ impl Widen for E5M2 {}
 /// Weight rows per step.
 pub(crate) const ROWS: usize = 4;
 
+/// Steps ahead whose weight lines are prefetched: weights streamed from DRAM on a
+/// 2-core Zen 4 ran at 12 vs 8.4 GB/s per core (f32, one thread) with 2 steps, no
+/// faster with 4; cache-resident weights are unaffected.
+const AHEAD: usize = 2;
+
 /// `[Σ_i x_i · w[r]_i]` for four weight rows, each at least `x.len()` long.
 ///
 /// # Safety
@@ -99,6 +104,12 @@ pub(crate) unsafe fn dot4<T: Widen>(x: &[f32], w: [&[T]; ROWS]) -> [f32; ROWS] {
     while p + 32 <= k {
         let (x0, x1) = unsafe { (_mm512_loadu_ps(xp.add(p)), _mm512_loadu_ps(xp.add(p + 16))) };
         for r in 0..ROWS {
+            // The same columns AHEAD·ROWS rows further on, the caller's step after next
+            // when rows are consecutive (a prefetch never faults, even past the end).
+            let ahead = wp[r].wrapping_add(AHEAD * ROWS * k + p).cast::<i8>();
+            for line in (0..32 * size_of::<T>()).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+            }
             let (w0, w1) = unsafe { (T::load16(wp[r].add(p)), T::load16(wp[r].add(p + 16))) };
             lo[r] = _mm512_fmadd_ps(x0, w0, lo[r]);
             hi[r] = _mm512_fmadd_ps(x1, w1, hi[r]);
