@@ -2,7 +2,9 @@
 //!
 //! f32 runs on kpt's own packed GEMM (`sgemm`) where the CPU has AVX-512, and on the
 //! `gemm` crate elsewhere; `KPT_CPU_GEMM=crate` or `own` forces one. bf16 runs on
-//! AMX tiles where the CPU and OS offer them (see `amx`). Otherwise bf16 and f16 inputs
+//! AMX tiles where the CPU and OS offer them, else on AVX-512-BF16 dot-product
+//! instructions with the same driver and operand layouts (see `amx`; `KPT_CPU_AMX=off`
+//! and `KPT_CPU_BF16DP=off` turn them off). Otherwise bf16 and f16 inputs
 //! are widened to f32 (exact), multiplied
 //! with the f32 kernel (f32 accumulation) and the result is rounded once to the output
 //! dtype: on AVX2 machines `gemm`'s own f16 path does the same conversions internally
