@@ -18,8 +18,8 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kpt::demo::{run_demo, DemoOptions};
 use kpt::Runtime;
-use kpt_core::hardware::cpu_info;
 use kpt_core::config::BackendChoice;
+use kpt_core::hardware::cpu_info;
 use kpt_core::{KptConfig, OptLevel};
 use kpt_monitor::{median, Machine, Report, Row};
 
