@@ -17,7 +17,7 @@ use kpt_core::{DType, KptError, Result};
 use super::gemm::{gemm_f32_raw, Strided};
 use super::par::for_each_row;
 use super::simd::{self, Decode, E4M3, E5M2};
-use super::wide::{self, Widen};
+use super::wide::Widen;
 use super::{check_linear, Act};
 
 /// Largest `m` handled by the GEMV kernel; above it the `gemm` paths are faster (measured
@@ -279,7 +279,7 @@ fn gemv_block<const FMA: bool, T: Decode>(
 }
 
 /// The `m = 1` GEMV of a block of output columns on AVX-512: four weight rows per
-/// [`wide::dot4`] (the last step repeats the block's last row as filler).
+/// [`dot4`](super::wide::dot4) (the last step repeats the block's last row as filler).
 ///
 /// # Safety
 /// The CPU has AVX-512 F/BW/VL/DQ and FMA.
@@ -295,14 +295,15 @@ unsafe fn gemv_row_avx512<T: Widen>(
     act: Option<Act>,
     k: usize,
 ) {
+    use super::wide::{dot4, ROWS};
     let cols = out.len();
-    for (c0, o) in (0..).step_by(wide::ROWS).zip(out.chunks_mut(wide::ROWS)) {
+    for (c0, o) in (0..).step_by(ROWS).zip(out.chunks_mut(ROWS)) {
         let row = |r: usize| {
             let c = (c0 + r).min(cols - 1);
             &w[c * k..(c + 1) * k]
         };
         // SAFETY: the caller guarantees the target features.
-        let dots = unsafe { wide::dot4(&x[..k], [row(0), row(1), row(2), row(3)]) };
+        let dots = unsafe { dot4(&x[..k], [row(0), row(1), row(2), row(3)]) };
         for (r, (o, dot)) in o.iter_mut().zip(dots).enumerate() {
             *o = finish(dot, scale, bias.get(c0 + r).copied().unwrap_or(0.0), act);
         }
@@ -327,14 +328,13 @@ simd::dispatch!(
 /// The small-`m` path: parallel over blocks of output columns.
 fn gemv<T: Widen>(p: &Problem<'_>, w: &[T], out: &mut [f32]) {
     let (m, k, n) = (p.m, p.k, p.n);
-    let wide = m == 1 && simd::has_avx512();
     let task = |c: usize, o: &mut [f32]| {
         let j0 = c * GEMV_COLS;
         let cols = o.len() / m;
         let bias = p.bias.map_or(&[][..], |b| &b[j0..j0 + cols]);
         let w = &w[j0 * k..(j0 + cols) * k];
         #[cfg(target_arch = "x86_64")]
-        if wide {
+        if m == 1 && simd::has_avx512() {
             // SAFETY: AVX-512 was detected on this CPU.
             unsafe { gemv_row_avx512(p.x, w, bias, o, p.scale, p.act, k) };
             return;

@@ -79,11 +79,13 @@ impl Widen for E4M3 {}
 impl Widen for E5M2 {}
 
 /// Weight rows per step.
+#[cfg(target_arch = "x86_64")]
 pub(crate) const ROWS: usize = 4;
 
 /// Steps ahead whose weight lines are prefetched: weights streamed from DRAM on a
 /// 2-core Zen 4 ran at 12 vs 8.4 GB/s per core (f32, one thread) with 2 steps, no
 /// faster with 4; cache-resident weights are unaffected.
+#[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 2;
 
 /// `[Σ_i x_i · w[r]_i]` for four weight rows, each at least `x.len()` long.
