@@ -33,6 +33,7 @@ use super::simd::{
     self, dispatch, dot_decode, exp_f32_fma, exp_softmax_f32_fma, fmadd, Decode, Encode,
 };
 use super::softmax::max16;
+use super::wide::Widen;
 use super::{amx, attention_amx};
 
 /// A good default query block (rows per task).
@@ -468,7 +469,7 @@ pub fn attention_bf16_tolerance(
 /// Validates the operands, then runs [`attention_with`] on the best micro-kernel of
 /// this CPU.
 #[allow(clippy::too_many_arguments)]
-fn attention_impl<T: Decode + Encode>(
+fn attention_impl<T: Widen + Encode>(
     q: &[T],
     k: &[T],
     v: &[T],
@@ -515,7 +516,7 @@ type Operands<'a, T> = (&'a [T], &'a [T], &'a [T], Option<&'a [f32]>);
 const DIRECT_MAX_Q: usize = 4;
 
 /// Attention row by row (see [`DIRECT_MAX_Q`]), parallel over (batch, query, head).
-fn attention_direct<T: Decode + Encode>(ops: Operands<'_, T>, out: &mut [T], s: &AttentionShape) {
+fn attention_direct<T: Widen + Encode>(ops: Operands<'_, T>, out: &mut [T], s: &AttentionShape) {
     let d = s.head_dim;
     if out.is_empty() || d == 0 {
         return;
@@ -525,7 +526,7 @@ fn attention_direct<T: Decode + Encode>(ops: Operands<'_, T>, out: &mut [T], s: 
 }
 
 /// [`direct_row`] with AVX2 + FMA when the CPU has them.
-fn direct_row_d<T: Decode + Encode>(
+fn direct_row_d<T: Widen + Encode>(
     s: &AttentionShape,
     ops: Operands<'_, T>,
     t: usize,
@@ -534,7 +535,7 @@ fn direct_row_d<T: Decode + Encode>(
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2<T: Decode + Encode>(
+        unsafe fn avx2<T: Widen + Encode>(
             s: &AttentionShape,
             ops: Operands<'_, T>,
             t: usize,
@@ -554,7 +555,7 @@ fn direct_row_d<T: Decode + Encode>(
 /// Output row `t` = (batch, query, head) of [`attention_direct`]: scores against every
 /// visible key, softmax, then the probability-weighted sum of the value rows.
 #[inline(always)]
-fn direct_row<const FMA: bool, T: Decode + Encode>(
+fn direct_row<const FMA: bool, T: Widen + Encode>(
     s: &AttentionShape,
     (q, k, v, mask): Operands<'_, T>,
     t: usize,
@@ -571,9 +572,27 @@ fn direct_row<const FMA: bool, T: Decode + Encode>(
         .collect();
     let at = |j: usize| (b * s.seq_kv + j) * s.kv_row() + g * d;
     let lim = s.key_limit(i);
-    let mut p: Vec<f32> = (0..lim)
-        .map(|j| dot_decode::<FMA, T>(&qrow, &k[at(j)..][..d]))
-        .collect();
+    let key = |j: usize| &k[at(j)..][..d];
+    let mut p = vec![0f32; lim];
+    #[cfg(target_arch = "x86_64")]
+    let done = if simd::has_avx512() {
+        // Four keys per step (the last step repeats the last key as filler).
+        use super::wide::{dot4, ROWS};
+        for (j0, dst) in (0..).step_by(ROWS).zip(p.chunks_mut(ROWS)) {
+            let at = |r: usize| key((j0 + r).min(lim - 1));
+            // SAFETY: AVX-512 was detected on this CPU.
+            let dots = unsafe { dot4(&qrow, [at(0), at(1), at(2), at(3)]) };
+            dst.copy_from_slice(&dots[..dst.len()]);
+        }
+        lim
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    for (j, x) in p.iter_mut().enumerate().skip(done) {
+        *x = dot_decode::<FMA, T>(&qrow, key(j));
+    }
     if let Some(mask) = mask {
         for (x, &a) in p.iter_mut().zip(&mask[i * s.seq_kv..]) {
             *x += a;
