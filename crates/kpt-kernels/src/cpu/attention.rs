@@ -525,32 +525,15 @@ fn attention_direct<T: Widen + Encode>(ops: Operands<'_, T>, out: &mut [T], s: &
     for_each_row(out, d, cost, |t, row| direct_row_d(s, ops, t, row));
 }
 
-/// [`direct_row`] with AVX2 + FMA when the CPU has them.
-fn direct_row_d<T: Widen + Encode>(
-    s: &AttentionShape,
-    ops: Operands<'_, T>,
-    t: usize,
-    row: &mut [T],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2<T: Widen + Encode>(
-            s: &AttentionShape,
-            ops: Operands<'_, T>,
-            t: usize,
-            row: &mut [T],
-        ) {
-            direct_row::<true, T>(s, ops, t, row);
-        }
-        if simd::has_avx2_fma() {
-            // SAFETY: avx2 and fma were detected on this CPU.
-            unsafe { avx2(s, ops, t, row) };
-            return;
-        }
-    }
-    direct_row::<false, T>(s, ops, t, row);
-}
+dispatch!(
+    /// [`direct_row`] vectorized for the CPU.
+    fn direct_row_d<T: Widen + Encode>(
+        s: &AttentionShape,
+        ops: Operands<'_, T>,
+        t: usize,
+        row: &mut [T],
+    ) => direct_row [true, T] [true, T] [false, T]
+);
 
 /// Output row `t` = (batch, query, head) of [`attention_direct`]: scores against every
 /// visible key, softmax, then the probability-weighted sum of the value rows.

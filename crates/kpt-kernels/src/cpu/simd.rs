@@ -63,23 +63,24 @@ macro_rules! dispatch {
     };
     (
         $(#[$meta:meta])*
-        $vis:vis fn $name:ident<$($gp:ident: $gb:path),+>($($arg:ident : $ty:ty),* $(,)?)
+        $vis:vis fn $name:ident<$($gp:ident: $gb:ident $(+ $gbs:ident)*),+>(
+            $($arg:ident : $ty:ty),* $(,)?)
             $(-> $ret:ty)? => $body:ident [$($g512:tt)*] [$($g256:tt)*] [$($gport:tt)*]
     ) => {
-        $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name[$($gp: $gb),+](
+        $crate::cpu::simd::dispatch!(@gen [$(#[$meta])*] $vis fn $name[$($gp: $gb $(+ $gbs)*),+](
             $($arg: $ty),*) $(-> $ret)? => $body [$($g512)*] [$($g256)*] [$($gport)*]);
     };
     (
-        @gen [$($meta:tt)*] $vis:vis fn $name:ident[$($gp:ident: $gb:path),*](
+        @gen [$($meta:tt)*] $vis:vis fn $name:ident[$($gp:ident: $gb:ident $(+ $gbs:ident)*),*](
             $($arg:ident : $ty:ty),*) $(-> $ret:ty)?
             => $body:ident [$($g512:tt)*] [$($g256:tt)*] [$($gport:tt)*]
     ) => {
         $($meta)*
-        $vis fn $name<$($gp: $gb),*>($($arg: $ty),*) $(-> $ret)? {
+        $vis fn $name<$($gp: $gb $(+ $gbs)*),*>($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-                unsafe fn avx512<$($gp: $gb),*>($($arg: $ty),*) $(-> $ret)? {
+                unsafe fn avx512<$($gp: $gb $(+ $gbs)*),*>($($arg: $ty),*) $(-> $ret)? {
                     $body::<$($g512)*>($($arg),*)
                 }
                 if $crate::cpu::simd::has_avx512() {
@@ -88,7 +89,7 @@ macro_rules! dispatch {
                     return unsafe { avx512($($arg),*) };
                 }
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2_fma<$($gp: $gb),*>($($arg: $ty),*) $(-> $ret)? {
+                unsafe fn avx2_fma<$($gp: $gb $(+ $gbs)*),*>($($arg: $ty),*) $(-> $ret)? {
                     $body::<$($g256)*>($($arg),*)
                 }
                 if $crate::cpu::simd::has_avx2_fma() {
