@@ -18,7 +18,9 @@
 //!   so the running max / sum of every query are vectors.
 //! - `Oᵀ += Vᵀ·Pᵀ`: head dims are the tile rows, queries the columns. V is packed once
 //!   into `MR`-dim panels `[key][MR]`; `Pᵀ` is the probability block exactly as the
-//!   softmax left it. `Oᵀ` (`[head_dim][block_q]`) is transposed once at the end.
+//!   softmax left it. `Oᵀ` (`[head_dim][block_q]`) is transposed once at the end. On
+//!   AVX-512 this product runs on an 8 × 32 tile when the head dim pads less for 8 rows
+//!   than for 12 (64, 128).
 //!
 //! Keys, queries and head dims are zero-padded to whole panels, so every tile is full.
 
