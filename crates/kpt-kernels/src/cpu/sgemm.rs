@@ -499,11 +499,17 @@ mod x86 {
     use super::Micro;
     use crate::cpu::simd;
 
-    /// Defines the micro-kernel type `$name` (constructed only where `simd::$has()`):
-    /// an `$mr × ($lanes · $nv)` register tile of `$v` vectors in the instruction set
-    /// `$feature`, with C prefetched first.
+    /// Defines the micro-kernel types `$name` (constructed only where `simd::$has()`):
+    /// `$mr × ($lanes · $nv)` register tiles of `$v` vectors in the instruction set
+    /// `$feature`, with C prefetched first; one type per `[name, mr]`.
     macro_rules! micro_kernel {
-        ($(#[$doc:meta])* $name:ident, $has:ident, $feature:literal, $v:ty, $lanes:literal,
+        ($([$(#[$doc:meta])* $name:ident, mr = $mr:literal]),+ ; $has:ident, $feature:literal,
+         $v:ty, $lanes:literal, nv = $nv:literal, kc = $kc:literal,
+         $zero:ident, $load:ident, $store:ident, $set1:ident, $fma:ident, $add:ident) => {
+            $(micro_kernel!(@one $(#[$doc])* $name, $has, $feature, $v, $lanes,
+                mr = $mr, nv = $nv, kc = $kc, $zero, $load, $store, $set1, $fma, $add);)+
+        };
+        (@one $(#[$doc:meta])* $name:ident, $has:ident, $feature:literal, $v:ty, $lanes:literal,
          mr = $mr:literal, nv = $nv:literal, kc = $kc:literal,
          $zero:ident, $load:ident, $store:ident, $set1:ident, $fma:ident, $add:ident) => {
             $(#[$doc])*
@@ -581,13 +587,19 @@ mod x86 {
     }
 
     micro_kernel!(
-        /// The AVX-512 micro-kernel: 12 × 32 in 24 zmm accumulators.
-        Avx512,
+        [
+            /// The AVX-512 micro-kernel: 12 × 32 in 24 zmm accumulators.
+            Avx512, mr = 12
+        ],
+        [
+            /// An AVX-512 8 × 32 tile in 16 zmm accumulators, for row counts that are a
+            /// multiple of 8 but not of 12 (attention's P·V over 64 or 128 head dims).
+            Avx512x8, mr = 8
+        ];
         has_avx512,
         "avx512f",
         __m512,
         16,
-        mr = 12,
         nv = 2,
         kc = 512,
         _mm512_setzero_ps,
@@ -599,32 +611,14 @@ mod x86 {
     );
 
     micro_kernel!(
-        /// An AVX-512 8 × 32 tile in 16 zmm accumulators, for row counts that are a
-        /// multiple of 8 but not of 12 (attention's P·V over 64 or 128 head dims).
-        Avx512x8,
-        has_avx512,
-        "avx512f",
-        __m512,
-        16,
-        mr = 8,
-        nv = 2,
-        kc = 512,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        _mm512_storeu_ps,
-        _mm512_set1_ps,
-        _mm512_fmadd_ps,
-        _mm512_add_ps
-    );
-
-    micro_kernel!(
-        /// The AVX2 + FMA micro-kernel: 6 × 16 in 12 ymm accumulators.
-        Avx2,
+        [
+            /// The AVX2 + FMA micro-kernel: 6 × 16 in 12 ymm accumulators.
+            Avx2, mr = 6
+        ];
         has_avx2_fma,
         "avx2,fma",
         __m256,
         8,
-        mr = 6,
         nv = 2,
         kc = 256,
         _mm256_setzero_ps,
