@@ -561,14 +561,8 @@ fn direct_row<const FMA: bool, T: Widen + Encode>(
     let mut p = vec![0f32; lim];
     #[cfg(target_arch = "x86_64")]
     let done = if simd::has_avx512() {
-        // Four keys per step (the last step repeats the last key as filler).
-        use super::wide::{dot4, ROWS};
-        for (j0, dst) in (0..).step_by(ROWS).zip(p.chunks_mut(ROWS)) {
-            let at = |r: usize| key((j0 + r).min(lim - 1));
-            // SAFETY: AVX-512 was detected on this CPU.
-            let dots = unsafe { dot4(&qrow, [at(0), at(1), at(2), at(3)]) };
-            dst.copy_from_slice(&dots[..dst.len()]);
-        }
+        // SAFETY: AVX-512 was detected on this CPU.
+        unsafe { super::wide::dots(&qrow, key, &mut p) };
         lim
     } else {
         0

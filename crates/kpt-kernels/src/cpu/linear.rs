@@ -278,8 +278,8 @@ fn gemv_block<const FMA: bool, T: Decode>(
     }
 }
 
-/// The `m = 1` GEMV of a block of output columns on AVX-512: four weight rows per
-/// [`dot4`](super::wide::dot4) (the last step repeats the block's last row as filler).
+/// The `m = 1` GEMV of a block of output columns on AVX-512 ([`dots`](super::wide::dots),
+/// four weight rows per step), then scale, bias and activation.
 ///
 /// # Safety
 /// The CPU has AVX-512 F/BW/VL/DQ and FMA.
@@ -295,18 +295,10 @@ unsafe fn gemv_row_avx512<T: Widen>(
     act: Option<Act>,
     k: usize,
 ) {
-    use super::wide::{dot4, ROWS};
-    let cols = out.len();
-    for (c0, o) in (0..).step_by(ROWS).zip(out.chunks_mut(ROWS)) {
-        let row = |r: usize| {
-            let c = (c0 + r).min(cols - 1);
-            &w[c * k..(c + 1) * k]
-        };
-        // SAFETY: the caller guarantees the target features.
-        let dots = unsafe { dot4(&x[..k], [row(0), row(1), row(2), row(3)]) };
-        for (r, (o, dot)) in o.iter_mut().zip(dots).enumerate() {
-            *o = finish(dot, scale, bias.get(c0 + r).copied().unwrap_or(0.0), act);
-        }
+    // SAFETY: the caller guarantees the target features.
+    unsafe { super::wide::dots(&x[..k], |c| &w[c * k..(c + 1) * k], out) };
+    for (c, o) in out.iter_mut().enumerate() {
+        *o = finish(*o, scale, bias.get(c).copied().unwrap_or(0.0), act);
     }
 }
 

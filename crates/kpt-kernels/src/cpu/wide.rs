@@ -80,13 +80,34 @@ impl Widen for E5M2 {}
 
 /// Weight rows per step.
 #[cfg(target_arch = "x86_64")]
-pub(crate) const ROWS: usize = 4;
+const ROWS: usize = 4;
 
 /// Steps ahead whose weight lines are prefetched: weights streamed from DRAM on a
 /// 2-core Zen 4 ran at 12 vs 8.4 GB/s per core (f32, one thread) with 2 steps, no
 /// faster with 4; cache-resident weights are unaffected.
 #[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 2;
+
+/// `out[j] = Σ_i x_i · row(j)_i` for `j < out.len()`, four rows per [`dot4`] (the last
+/// step repeats the last row as filler). Each row is at least `x.len()` long.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ and FMA ([`super::simd::has_avx512`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+pub(crate) unsafe fn dots<'a, T: Widen + 'a>(
+    x: &[f32],
+    row: impl Fn(usize) -> &'a [T],
+    out: &mut [f32],
+) {
+    let last = out.len().saturating_sub(1);
+    for (j0, dst) in (0..).step_by(ROWS).zip(out.chunks_mut(ROWS)) {
+        let at = |r: usize| row((j0 + r).min(last));
+        // SAFETY: the caller guarantees the target features.
+        let d = unsafe { dot4(x, [at(0), at(1), at(2), at(3)]) };
+        dst.copy_from_slice(&d[..dst.len()]);
+    }
+}
 
 /// `[Σ_i x_i · w[r]_i]` for four weight rows, each at least `x.len()` long.
 ///
