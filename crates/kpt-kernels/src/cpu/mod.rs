@@ -29,6 +29,7 @@ mod par;
 mod scratch;
 mod sgemm;
 mod simd;
+mod team;
 mod wide;
 
 use kpt_core::DType;

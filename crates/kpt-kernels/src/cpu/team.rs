@@ -1,0 +1,315 @@
+//! A team of spinning helper threads for short parallel loops (decode-sized kernels).
+//!
+//! A kernel that runs for tens of microseconds pays for every idle worker it wakes:
+//! rayon's workers sleep soon after their queues empty, and waking a sleeping thread
+//! (on a virtual machine, a halted vCPU) costs microseconds each. The team's helpers
+//! instead spin for a while after each job, as OpenMP runtimes do, so back-to-back
+//! kernels start at the cost of one cache-line write. Parts are handed out by a
+//! static schedule: part `i` of every job runs on helper `i`, so a kernel that
+//! splits the same weights the same way on every call finds its slice in that core's
+//! private cache.
+//!
+//! `KPT_CPU_TEAM=off` (or `0`) turns the team off (rayon runs every loop);
+//! `KPT_CPU_SPIN_US` sets how long helpers spin before parking (default 1000).
+
+use std::cell::{Cell, UnsafeCell};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A job: calls part `i` for `i` in `0..parts`.
+type Job = dyn Fn(usize) + Sync;
+
+/// State shared by the caller and the helpers.
+struct Shared {
+    /// Bumped once per job; helpers run a job when they see it change.
+    epoch: AtomicUsize,
+    /// The current job and its part count. Written by the caller holding the team's
+    /// lock before `epoch` is bumped (release), read by helpers after (acquire).
+    job: UnsafeCell<(*const Job, usize)>,
+    /// Helpers that have not finished the current job.
+    remaining: AtomicUsize,
+    /// Set when a part panicked.
+    panicked: AtomicBool,
+    /// Set (before a last epoch bump) when the team is dropped: helpers exit.
+    stop: AtomicBool,
+    /// Per helper: whether it is parked (or about to park).
+    parked: Vec<AtomicBool>,
+    /// How long a helper spins for the next job before parking.
+    spin: Duration,
+}
+
+// SAFETY: `job` is written only by the lock holder while every helper is idle (the
+// previous job's `remaining` reached zero) and read by helpers only between the epoch
+// bump and their decrement of `remaining`; the pointee is `Sync`.
+unsafe impl Sync for Shared {}
+// SAFETY: as above; the raw pointer is only dereferenced while its job runs.
+unsafe impl Send for Shared {}
+
+/// The helpers and the lock that gives one caller at a time the team.
+pub(crate) struct Team {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    lock: Mutex<()>,
+}
+
+thread_local! {
+    /// Whether this thread is running a part of a team job (nested loops run in place).
+    static IN_JOB: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is inside a team job.
+pub(crate) fn in_job() -> bool {
+    IN_JOB.with(Cell::get)
+}
+
+/// The process-wide team, sized to rayon's pool at first use; `None` when turned off
+/// or when there is nothing to share (one thread).
+pub(crate) fn global() -> Option<&'static Team> {
+    static TEAM: OnceLock<Option<Team>> = OnceLock::new();
+    TEAM.get_or_init(|| {
+        let off = std::env::var("KPT_CPU_TEAM").is_ok_and(|v| v == "off" || v == "0");
+        let size = rayon::current_num_threads();
+        if off || size < 2 {
+            return None;
+        }
+        let spin_us = std::env::var("KPT_CPU_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1000);
+        Team::new(size - 1, Duration::from_micros(spin_us))
+    })
+    .as_ref()
+}
+
+impl Team {
+    /// Starts `helpers` threads; `None` if the OS refuses a thread.
+    fn new(helpers: usize, spin: Duration) -> Option<Self> {
+        let shared = Arc::new(Shared {
+            epoch: AtomicUsize::new(0),
+            job: UnsafeCell::new((std::ptr::null::<fn(usize)>() as *const Job, 0)),
+            remaining: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            parked: (0..helpers).map(|_| AtomicBool::new(false)).collect(),
+            spin,
+        });
+        let mut team = Self {
+            shared,
+            threads: Vec::with_capacity(helpers),
+            lock: Mutex::new(()),
+        };
+        for h in 0..helpers {
+            let s = Arc::clone(&team.shared);
+            // On failure, dropping `team` stops the helpers already started.
+            let handle = std::thread::Builder::new()
+                .name(format!("kpt-team-{}", h + 1))
+                .spawn(move || helper_loop(&s, h))
+                .ok()?;
+            team.threads.push(handle);
+        }
+        Some(team)
+    }
+
+    /// Threads a job can use: the helpers and the caller.
+    pub(crate) fn size(&self) -> usize {
+        self.threads.len() + 1
+    }
+
+    /// Runs `f(i)` for `i` in `0..parts` (at most [`Team::size`]): part 0 on the
+    /// caller, part `i` on helper `i`. Returns `false` without running anything when
+    /// another thread holds the team. A panicking part is re-raised here after every
+    /// part has finished.
+    pub(crate) fn run(&self, parts: usize, f: &(dyn Fn(usize) + Sync + '_)) -> bool {
+        assert!(
+            parts <= self.size(),
+            "{parts} parts for a team of {}",
+            self.size()
+        );
+        let Ok(guard) = self.lock.try_lock() else {
+            return false;
+        };
+        let s = &*self.shared;
+        // SAFETY: the helpers are idle (the previous job's `remaining` reached zero
+        // before its caller released the lock), and they dereference the pointer only
+        // until they decrement `remaining`, which this function waits for below, so
+        // `f` outlives every use.
+        unsafe {
+            // Erases the lifetime only.
+            let f = std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const Job>(f);
+            *s.job.get() = (f, parts);
+        }
+        s.remaining.store(self.threads.len(), Ordering::Relaxed);
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        for (t, parked) in self.threads.iter().zip(&s.parked) {
+            if parked.load(Ordering::SeqCst) {
+                t.thread().unpark();
+            }
+        }
+        let own = run_part(f, 0);
+        while s.remaining.load(Ordering::Acquire) != 0 {
+            std::hint::spin_loop();
+        }
+        let helper_panicked = s.panicked.swap(false, Ordering::Relaxed);
+        // Released before a panic is raised, so that the lock is not poisoned.
+        drop(guard);
+        if let Err(payload) = own {
+            resume_unwind(payload);
+        }
+        if helper_panicked {
+            panic!("a kernel task panicked on a kpt team thread");
+        }
+        true
+    }
+}
+
+impl Drop for Team {
+    fn drop(&mut self) {
+        let s = &*self.shared;
+        s.stop.store(true, Ordering::Release);
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        for t in &self.threads {
+            t.thread().unpark();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Runs one part with the nested-loop flag set.
+fn run_part(f: &(dyn Fn(usize) + Sync + '_), part: usize) -> std::thread::Result<()> {
+    IN_JOB.with(|c| c.set(true));
+    let r = catch_unwind(AssertUnwindSafe(|| f(part)));
+    IN_JOB.with(|c| c.set(false));
+    r
+}
+
+/// A helper: waits for each new epoch (spinning, then parked), runs its part.
+fn helper_loop(s: &Shared, h: usize) {
+    // The epoch the team was made with, not a load here: the first job may bump it
+    // before this thread starts.
+    let mut seen = 0;
+    loop {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while s.epoch.load(Ordering::Acquire) == seen {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(256) && start.elapsed() >= s.spin {
+                s.parked[h].store(true, Ordering::SeqCst);
+                if s.epoch.load(Ordering::SeqCst) == seen {
+                    std::thread::park();
+                }
+                s.parked[h].store(false, Ordering::SeqCst);
+                break;
+            }
+        }
+        let now = s.epoch.load(Ordering::Acquire);
+        if now == seen {
+            continue; // woke from park without a job: spin again
+        }
+        seen = now;
+        if s.stop.load(Ordering::Acquire) {
+            return;
+        }
+        // SAFETY: read after the acquire load of the bumped epoch; the caller keeps
+        // the job alive until `remaining` reaches zero.
+        let (job, parts) = unsafe { *s.job.get() };
+        if h + 1 < parts {
+            // SAFETY: as above.
+            if run_part(unsafe { &*job }, h + 1).is_err() {
+                s.panicked.store(true, Ordering::Relaxed);
+            }
+        }
+        s.remaining.fetch_sub(1, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_part_runs_once_on_its_helper() {
+        let team = Team::new(3, Duration::from_micros(50)).unwrap();
+        for round in 0..200 {
+            let parts = 1 + round % team.size();
+            let hits: Vec<AtomicUsize> = (0..team.size()).map(|_| AtomicUsize::new(0)).collect();
+            let names: Vec<Mutex<String>> = (0..team.size()).map(|_| Mutex::default()).collect();
+            assert!(team.run(parts, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+                *names[i].lock().unwrap() = std::thread::current().name().unwrap_or("").into();
+            }));
+            for (i, h) in hits.iter().enumerate() {
+                assert_eq!(
+                    h.load(Ordering::Relaxed),
+                    usize::from(i < parts),
+                    "part {i}"
+                );
+            }
+            for (i, n) in names.iter().enumerate().take(parts).skip(1) {
+                assert_eq!(*n.lock().unwrap(), format!("kpt-team-{i}"));
+            }
+            if round % 50 == 0 {
+                // Long enough for the helpers to park: the next job must wake them.
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+
+    #[test]
+    fn a_job_started_before_the_helpers_run_is_seen() {
+        // Helpers that read the epoch when they start would miss a job posted first
+        // and leave the caller waiting: run on a fresh team at once, many times.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for _ in 0..100 {
+                let team = Team::new(2, Duration::from_micros(50)).unwrap();
+                let n = AtomicUsize::new(0);
+                assert!(team.run(3, &|_| {
+                    n.fetch_add(1, Ordering::Relaxed);
+                }));
+                tx.send(n.load(Ordering::Relaxed)).unwrap();
+            }
+        });
+        for _ in 0..100 {
+            let n = rx
+                .recv_timeout(Duration::from_secs(10))
+                .expect("a job on a fresh team never finished");
+            assert_eq!(n, 3);
+        }
+    }
+
+    #[test]
+    fn a_panicking_part_is_raised_after_all_parts_finish() {
+        let team = Team::new(2, Duration::from_micros(50)).unwrap();
+        let done = AtomicUsize::new(0);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            team.run(3, &|i| {
+                if i == 1 {
+                    panic!("part 1");
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+            })
+        }));
+        assert!(r.is_err());
+        assert_eq!(done.load(Ordering::Relaxed), 2);
+        // The team still works afterwards.
+        let n = AtomicUsize::new(0);
+        assert!(team.run(3, &|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        }));
+        assert_eq!(n.load(Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn a_busy_team_refuses() {
+        let team = Team::new(1, Duration::from_micros(50)).unwrap();
+        let inner = AtomicBool::new(true);
+        assert!(team.run(1, &|_| inner.store(team.run(1, &|_| {}), Ordering::Relaxed)));
+        assert!(!inner.load(Ordering::Relaxed));
+    }
+}
