@@ -807,6 +807,7 @@ mod imp {
         let dst = OutPtr(out.as_mut_ptr());
         // Column-major task order: rayon hands each thread a run of consecutive tasks,
         // which then share their B panels (packed once, kept in that core's L2).
+        crate::cpu::team::rest();
         (0..tr * tc).into_par_iter().for_each(|t| {
             let (r0, c0) = ((t % tr) * task, (t / tr) * task);
             let (rows, cols) = (task.min(mb - r0), task.min(nb - c0));

@@ -115,6 +115,7 @@ pub(crate) fn gemm_f32_raw(
     }
     let work = m.saturating_mul(n).saturating_mul(k);
     let par = if work >= GEMM_PAR_THRESHOLD && rayon::current_num_threads() > 1 {
+        super::team::rest();
         Parallelism::Rayon(rayon::current_num_threads())
     } else {
         Parallelism::None

@@ -48,6 +48,7 @@ fn run_rows(rows: usize, cost: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
             }
         }
     }
+    team::rest();
     (0..rows)
         .into_par_iter()
         .with_min_len(min_rows(cost))

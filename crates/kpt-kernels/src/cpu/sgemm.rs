@@ -155,6 +155,7 @@ fn sgemm_chunked<M: Micro>(
                 unsafe { rectangle(mk, a, b, out, d, ip, jp, epi) };
             };
             if threads > 1 {
+                super::team::rest();
                 (0..tm * tn).into_par_iter().for_each(task);
             } else {
                 (0..tm * tn).for_each(task);

@@ -29,21 +29,32 @@ struct Shared {
     /// The current job and its part count. Written by the caller holding the team's
     /// lock before `epoch` is bumped (release), read by helpers after (acquire).
     job: UnsafeCell<(*const Job, usize)>,
-    /// Helpers that have not finished the current job.
-    remaining: AtomicUsize,
+    /// Per helper: its progress and sleep state, each on its own cache line.
+    slots: Vec<Slot>,
     /// Set when a part panicked.
     panicked: AtomicBool,
+    /// Set by [`rest`] when a loop starts on rayon's pool: spinning helpers park at
+    /// once instead of taking cores from rayon's threads. Cleared by the next job.
+    rest: AtomicBool,
     /// Set (before a last epoch bump) when the team is dropped: helpers exit.
     stop: AtomicBool,
-    /// Per helper: whether it is parked (or about to park).
-    parked: Vec<AtomicBool>,
     /// How long a helper spins for the next job before parking.
     spin: Duration,
 }
 
-// SAFETY: `job` is written only by the lock holder while every helper is idle (the
-// previous job's `remaining` reached zero) and read by helpers only between the epoch
-// bump and their decrement of `remaining`; the pointee is `Sync`.
+/// One helper's state. Finishing a job writes only this line, so the caller's wait
+/// costs no contended read-modify-write on a shared counter.
+#[repr(align(128))]
+struct Slot {
+    /// The last epoch this helper finished.
+    done: AtomicUsize,
+    /// Whether the helper is parked (or about to park).
+    parked: AtomicBool,
+}
+
+// SAFETY: `job` is written only by the lock holder while every helper is idle (each
+// slot's `done` reached the previous epoch) and read by helpers only between the epoch
+// bump and their store to `done`; the pointee is `Sync`.
 unsafe impl Sync for Shared {}
 // SAFETY: as above; the raw pointer is only dereferenced while its job runs.
 unsafe impl Send for Shared {}
@@ -65,10 +76,20 @@ pub(crate) fn in_job() -> bool {
     IN_JOB.with(Cell::get)
 }
 
+/// The process-wide team (see [`global`]).
+static TEAM: OnceLock<Option<Team>> = OnceLock::new();
+
+/// Tells spinning helpers to park now: called before a loop starts on rayon's pool,
+/// whose threads need every core. Costs one load when the helpers already rest.
+pub(crate) fn rest() {
+    if let Some(Some(team)) = TEAM.get() {
+        team.rest();
+    }
+}
+
 /// The process-wide team, sized to rayon's pool at first use; `None` when turned off
 /// or when there is nothing to share (one thread).
 pub(crate) fn global() -> Option<&'static Team> {
-    static TEAM: OnceLock<Option<Team>> = OnceLock::new();
     TEAM.get_or_init(|| {
         let off = std::env::var("KPT_CPU_TEAM").is_ok_and(|v| v == "off" || v == "0");
         let size = rayon::current_num_threads();
@@ -90,10 +111,15 @@ impl Team {
         let shared = Arc::new(Shared {
             epoch: AtomicUsize::new(0),
             job: UnsafeCell::new((std::ptr::null::<fn(usize)>() as *const Job, 0)),
-            remaining: AtomicUsize::new(0),
+            slots: (0..helpers)
+                .map(|_| Slot {
+                    done: AtomicUsize::new(0),
+                    parked: AtomicBool::new(false),
+                })
+                .collect(),
             panicked: AtomicBool::new(false),
+            rest: AtomicBool::new(false),
             stop: AtomicBool::new(false),
-            parked: (0..helpers).map(|_| AtomicBool::new(false)).collect(),
             spin,
         });
         let mut team = Self {
@@ -111,6 +137,14 @@ impl Team {
             team.threads.push(handle);
         }
         Some(team)
+    }
+
+    /// Makes spinning helpers park (see [`rest`]).
+    fn rest(&self) {
+        let rest = &self.shared.rest;
+        if !rest.load(Ordering::Relaxed) {
+            rest.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Threads a job can use: the helpers and the caller.
@@ -132,25 +166,29 @@ impl Team {
             return false;
         };
         let s = &*self.shared;
-        // SAFETY: the helpers are idle (the previous job's `remaining` reached zero
-        // before its caller released the lock), and they dereference the pointer only
-        // until they decrement `remaining`, which this function waits for below, so
+        // SAFETY: the helpers are idle (each finished the previous job before its
+        // caller released the lock), and they dereference the pointer only until they
+        // store the new epoch to their `done`, which this function waits for below, so
         // `f` outlives every use.
         unsafe {
             // Erases the lifetime only.
             let f = std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const Job>(f);
             *s.job.get() = (f, parts);
         }
-        s.remaining.store(self.threads.len(), Ordering::Relaxed);
-        s.epoch.fetch_add(1, Ordering::SeqCst);
-        for (t, parked) in self.threads.iter().zip(&s.parked) {
-            if parked.load(Ordering::SeqCst) {
+        if s.rest.load(Ordering::Relaxed) {
+            s.rest.store(false, Ordering::Relaxed);
+        }
+        let epoch = s.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        for (t, slot) in self.threads.iter().zip(&s.slots) {
+            if slot.parked.load(Ordering::SeqCst) {
                 t.thread().unpark();
             }
         }
         let own = run_part(f, 0);
-        while s.remaining.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+        for slot in &s.slots {
+            while slot.done.load(Ordering::Acquire) != epoch {
+                std::hint::spin_loop();
+            }
         }
         let helper_panicked = s.panicked.swap(false, Ordering::Relaxed);
         // Released before a panic is raised, so that the lock is not poisoned.
@@ -192,18 +230,21 @@ fn helper_loop(s: &Shared, h: usize) {
     // The epoch the team was made with, not a load here: the first job may bump it
     // before this thread starts.
     let mut seen = 0;
+    let slot = &s.slots[h];
     loop {
         let start = Instant::now();
         let mut spins = 0u32;
         while s.epoch.load(Ordering::Acquire) == seen {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(256) && start.elapsed() >= s.spin {
-                s.parked[h].store(true, Ordering::SeqCst);
+            if spins.is_multiple_of(256)
+                && (s.rest.load(Ordering::Relaxed) || start.elapsed() >= s.spin)
+            {
+                slot.parked.store(true, Ordering::SeqCst);
                 if s.epoch.load(Ordering::SeqCst) == seen {
                     std::thread::park();
                 }
-                s.parked[h].store(false, Ordering::SeqCst);
+                slot.parked.store(false, Ordering::SeqCst);
                 break;
             }
         }
@@ -216,7 +257,7 @@ fn helper_loop(s: &Shared, h: usize) {
             return;
         }
         // SAFETY: read after the acquire load of the bumped epoch; the caller keeps
-        // the job alive until `remaining` reaches zero.
+        // the job alive until this helper stores the epoch to `done`.
         let (job, parts) = unsafe { *s.job.get() };
         if h + 1 < parts {
             // SAFETY: as above.
@@ -224,7 +265,7 @@ fn helper_loop(s: &Shared, h: usize) {
                 s.panicked.store(true, Ordering::Relaxed);
             }
         }
-        s.remaining.fetch_sub(1, Ordering::Release);
+        slot.done.store(seen, Ordering::Release);
     }
 }
 
@@ -303,6 +344,36 @@ mod tests {
             n.fetch_add(1, Ordering::Relaxed);
         }));
         assert_eq!(n.load(Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn resting_helpers_park_and_wake_for_the_next_job() {
+        let team = Team::new(3, Duration::from_secs(60)).unwrap();
+        let parked = |team: &Team| {
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(10) {
+                if team
+                    .shared
+                    .slots
+                    .iter()
+                    .all(|s| s.parked.load(Ordering::SeqCst))
+                {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            false
+        };
+        for _ in 0..20 {
+            let n = AtomicUsize::new(0);
+            assert!(team.run(4, &|_| {
+                n.fetch_add(1, Ordering::Relaxed);
+            }));
+            assert_eq!(n.load(Ordering::Relaxed), 4);
+            // Spinning for a minute unless told to rest.
+            team.rest();
+            assert!(parked(&team), "helpers still spin after rest()");
+        }
     }
 
     #[test]
