@@ -36,19 +36,18 @@ fn run_rows(rows: usize, cost: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
         f(0..rows);
         return;
     }
-    if rows.saturating_mul(cost.max(1)) < TEAM_MAX_WORK {
-        if let Some(team) = team::global() {
-            let parts = rows.min(team.size()).min(rayon::current_num_threads());
-            if parts < 2 {
-                f(0..rows);
-                return;
-            }
-            if team.run(parts, &|p| f(rows * p / parts..rows * (p + 1) / parts)) {
-                return;
-            }
+    if rows.saturating_mul(cost.max(1)) >= TEAM_MAX_WORK {
+        team::rest();
+    } else if let Some(team) = team::global().filter(|t| t.awake()) {
+        let parts = rows.min(team.size()).min(rayon::current_num_threads());
+        if parts < 2 {
+            f(0..rows);
+            return;
+        }
+        if team.run(parts, &|p| f(rows * p / parts..rows * (p + 1) / parts)) {
+            return;
         }
     }
-    team::rest();
     (0..rows)
         .into_par_iter()
         .with_min_len(min_rows(cost))

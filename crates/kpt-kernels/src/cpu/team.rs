@@ -19,6 +19,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Small loops in a row after which a resting team wakes (see [`Team::awake`]).
+const WAKE_AFTER: usize = 8;
+
 /// A job: calls part `i` for `i` in `0..parts`.
 type Job = dyn Fn(usize) + Sync;
 
@@ -36,6 +39,8 @@ struct Shared {
     /// Set by [`rest`] when a loop starts on rayon's pool: spinning helpers park at
     /// once instead of taking cores from rayon's threads. Cleared by the next job.
     rest: AtomicBool,
+    /// Small loops asked for since the team last rested (see [`Team::awake`]).
+    streak: AtomicUsize,
     /// Set (before a last epoch bump) when the team is dropped: helpers exit.
     stop: AtomicBool,
     /// How long a helper spins for the next job before parking.
@@ -118,7 +123,8 @@ impl Team {
                 })
                 .collect(),
             panicked: AtomicBool::new(false),
-            rest: AtomicBool::new(false),
+            rest: AtomicBool::new(true),
+            streak: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
             spin,
         });
@@ -141,10 +147,25 @@ impl Team {
 
     /// Makes spinning helpers park (see [`rest`]).
     fn rest(&self) {
-        let rest = &self.shared.rest;
-        if !rest.load(Ordering::Relaxed) {
-            rest.store(true, Ordering::Relaxed);
+        let s = &*self.shared;
+        if !s.rest.load(Ordering::Relaxed) {
+            s.rest.store(true, Ordering::Relaxed);
         }
+        if s.streak.load(Ordering::Relaxed) != 0 {
+            s.streak.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a small loop should run on the team. Yes while the helpers spin; while
+    /// they rest, only after [`WAKE_AFTER`] small loops in a row. Waking parked
+    /// helpers costs a wake-up per helper (tens of microseconds each for an idle
+    /// virtual CPU), and a job waits for all of them, so a resting team stays out of
+    /// the way of calls that run one small loop next to large ones (a GEMM's packing
+    /// phase), and takes over runs of small loops (a decode step).
+    pub(crate) fn awake(&self) -> bool {
+        let s = &*self.shared;
+        !s.rest.load(Ordering::Relaxed)
+            || s.streak.fetch_add(1, Ordering::Relaxed) + 1 >= WAKE_AFTER
     }
 
     /// Threads a job can use: the helpers and the caller.
@@ -373,6 +394,20 @@ mod tests {
             // Spinning for a minute unless told to rest.
             team.rest();
             assert!(parked(&team), "helpers still spin after rest()");
+        }
+    }
+
+    #[test]
+    fn a_resting_team_wakes_after_a_run_of_small_loops() {
+        let team = Team::new(1, Duration::from_secs(60)).unwrap();
+        for _ in 0..3 {
+            for _ in 1..WAKE_AFTER {
+                assert!(!team.awake());
+            }
+            assert!(team.awake());
+            assert!(team.run(2, &|_| {}));
+            assert!(team.awake(), "a team that just ran a job is awake");
+            team.rest();
         }
     }
 
