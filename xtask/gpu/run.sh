@@ -59,15 +59,20 @@ if [ "$what" != bench ]; then
       tail -n 40 "$log"
     fi
   done
-  for t in "$here"/tests/*; do
-    name="$(basename "$t")"
-    if "$t" --test-threads=1 > "$out/$name.log" 2>&1; then
-      echo "PASS $name: $(grep -E '^test result' "$out/$name.log" | tail -n 1)"
-    else
-      status=1
-      echo "FAIL $name"
-      grep -E "panicked|FAILED|failed" "$out/$name.log" | head -n 40
-    fi
+  # Every test twice: with the cubins, and with KPT_CUDA_JIT=1 on the PTX alone (the
+  # path of a GPU newer than every cubin, and of drivers that refuse a cubin).
+  for jit in 0 1; do
+    for t in "$here"/tests/*; do
+      name="$(basename "$t")"
+      [ "$jit" = 1 ] && name="$name-jit"
+      if KPT_CUDA_JIT=$jit "$t" --test-threads=1 > "$out/$name.log" 2>&1; then
+        echo "PASS $name: $(grep -E '^test result' "$out/$name.log" | tail -n 1)"
+      else
+        status=1
+        echo "FAIL $name"
+        grep -E "panicked|FAILED|failed" "$out/$name.log" | head -n 40
+      fi
+    done
   done
 fi
 if [ "$what" != tests ]; then

@@ -32,6 +32,10 @@ const CUDA_TARGETS: [(&str, &str, &[&str]); 3] = [
     ("compute_80", "ptx", &["-ptx", "-arch=compute_80"]),
 ];
 
+/// The PTX ISA of every PTX artifact: 8.0, which every CUDA 12.x and 13.x driver
+/// JIT-compiles (nvcc 13.0 writes 9.0, which only CUDA 13 drivers accept).
+const PTX_ISA: &str = "8.0";
+
 fn artifacts_dir() -> PathBuf {
     root().join("crates/kpt-kernels/artifacts")
 }
@@ -155,8 +159,8 @@ fn toolchain_python() -> Result<PathBuf> {
     python_env("kernels-venv", "kernels/requirements.txt")
 }
 
-/// The pinned nvcc and its version.
-fn nvcc(python: &Path) -> Result<(PathBuf, String)> {
+/// The kernels venv's site-packages folder.
+fn site_packages(python: &Path) -> Result<PathBuf> {
     let out = Command::new(python)
         .args([
             "-c",
@@ -164,8 +168,12 @@ fn nvcc(python: &Path) -> Result<(PathBuf, String)> {
         ])
         .output()
         .context("asking the kernels venv for its site-packages")?;
-    let site = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    let nvcc = site.join("nvidia/cu13/bin/nvcc");
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// The pinned nvcc and its version.
+fn nvcc(python: &Path) -> Result<(PathBuf, String)> {
+    let nvcc = site_packages(python)?.join("nvidia/cu13/bin/nvcc");
     let version = Command::new(&nvcc)
         .arg("--version")
         .output()
@@ -177,6 +185,42 @@ fn nvcc(python: &Path) -> Result<(PathBuf, String)> {
         .with_context(|| format!("no version in `nvcc --version`: {text}"))?
         .to_string();
     Ok((nvcc, v))
+}
+
+/// Sets the `.version` of the PTX in `file` to [`PTX_ISA`] and has the CUDA 12.0
+/// assembler (`ptxas`, from the kernels venv) compile it for `sm_80`, so that a PTX
+/// using anything newer than that ISA fails the build instead of a user's JIT.
+fn lower_ptx(python: &Path, file: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(file)?;
+    let mut lowered = String::with_capacity(text.len());
+    let mut found = false;
+    for line in text.lines() {
+        if !found && line.trim_start().starts_with(".version ") {
+            lowered.push_str(&format!(".version {PTX_ISA}"));
+            found = true;
+        } else {
+            lowered.push_str(line);
+        }
+        lowered.push('\n');
+    }
+    if !found {
+        bail!("{}: no .version directive", rel(file));
+    }
+    std::fs::write(file, lowered)?;
+    let ptxas = site_packages(python)?.join("nvidia/cuda_nvcc/bin/ptxas");
+    let out = Command::new(&ptxas)
+        .args(["-arch=sm_80", "-o", "/dev/null"])
+        .arg(file)
+        .output()
+        .with_context(|| format!("running {}", ptxas.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{}: the CUDA 12.0 assembler rejects it at PTX ISA {PTX_ISA}:\n{}",
+            rel(file),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
 }
 
 /// Checks that `file` holds the symbol `name` and returns its manifest entry.
@@ -224,6 +268,10 @@ fn build_cuda(python: &Path, manifest: &mut Manifest) -> Result<()> {
     let out_dir = artifacts_dir().join("cuda");
     std::fs::create_dir_all(&out_dir)?;
     manifest.toolchains.insert("nvcc".into(), version);
+    manifest.toolchains.insert(
+        "ptx_isa".into(),
+        format!("{PTX_ISA} (checked by ptxas 12.0)"),
+    );
     for src in list_sources(&root().join("kernels/cuda"))? {
         if src.extension().and_then(|e| e.to_str()) != Some("cu") {
             continue;
@@ -248,6 +296,9 @@ fn build_cuda(python: &Path, manifest: &mut Manifest) -> Result<()> {
                 .with_context(|| format!("running {}", nvcc.display()))?;
             if !status.success() {
                 bail!("nvcc failed on {} for {target}", rel(&src));
+            }
+            if format == "ptx" {
+                lower_ptx(python, &out)?;
             }
             artifacts.push(artifact(&out, target, format, &entry_points)?);
         }
@@ -319,7 +370,13 @@ fn build_triton(python: &Path, manifest: &mut Manifest) -> Result<()> {
             let artifacts = k
                 .artifacts
                 .iter()
-                .map(|a| artifact(&out_dir.join(&a.file), &a.target, &a.format, &entry_points))
+                .map(|a| {
+                    let file = out_dir.join(&a.file);
+                    if a.format == "ptx" {
+                        lower_ptx(python, &file)?;
+                    }
+                    artifact(&file, &a.target, &a.format, &entry_points)
+                })
                 .collect::<Result<_>>()?;
             manifest.kernels.push(KernelEntry {
                 name: k.kernel,

@@ -48,8 +48,12 @@ def compile_entry(entry, out_dir):
     for target, fmt, cc in TARGETS:
         if cc not in compiled:
             gpu = GPUTarget("cuda", cc, 32)
-            options = make_backend(gpu).parse_options(
-                {"num_warps": entry["num_warps"], "num_stages": entry.get("num_stages", 3)})
+            opts = {"num_warps": entry["num_warps"], "num_stages": entry.get("num_stages", 3)}
+            if cc == 80:
+                # The sm_80 build also gives the PTX fallback: write it at the ISA that
+                # CUDA 12.0 drivers JIT (see PTX_ISA in xtask/src/kernels.rs).
+                opts["ptx_version"] = 80
+            options = make_backend(gpu).parse_options(opts)
             compiled[cc] = triton.compile(src, target=gpu, options=options.__dict__)
         k = compiled[cc]
         meta = k.metadata

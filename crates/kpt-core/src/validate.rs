@@ -46,7 +46,11 @@ pub fn reduction_len(op: &Op, inputs: &[TensorSpec]) -> usize {
             .get(1)
             .map_or(1, |b| b.shape[b.shape.len().saturating_sub(2)]),
         Op::Attention(p) => p.head_dim + inputs.get(1).map_or(1, |k| k.shape[1]),
-        Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddRmsNorm { .. } | Op::Softmax => last(0),
+        Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::AddRmsNorm { .. }
+        | Op::AddLayerNorm { .. }
+        | Op::Softmax => last(0),
         _ => 1,
     }
     .max(1)

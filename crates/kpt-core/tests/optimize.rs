@@ -3,8 +3,8 @@
 use kpt_core::graph::{Activation, Graph, Op, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
 use kpt_core::optimize::{
-    auto_optimize, fuse_add_rms_norm, fuse_linear_activation, plan_memory, KernelChoice,
-    KernelSelector, PrecisionPolicy,
+    auto_optimize, fuse_add_layer_norm, fuse_add_rms_norm, fuse_linear_activation, plan_memory,
+    KernelChoice, KernelSelector, PrecisionPolicy,
 };
 use kpt_core::{DType, KptError, OptLevel, Result, Tensor};
 
@@ -125,6 +125,122 @@ fn residual_add_and_norm_fuse_keeping_the_sum() {
     assert_eq!(g.outputs(), &[fused.outputs[1], fused.outputs[0]]);
 }
 
+/// The ops of `g`, in order.
+fn ops(g: &Graph) -> Vec<Op> {
+    g.nodes().iter().map(|n| n.op.clone()).collect()
+}
+
+/// x + r -> layer_norm, with the sum also read by a `Mul` and returned.
+fn layer_norm_block() -> Graph {
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[3, 8]);
+    let r = g.input("r", DType::F32, &[3, 8]);
+    let nw = g.param(
+        "norm.weight",
+        Tensor::from_vec(vec![1f32; 8], &[8]).unwrap(),
+    );
+    let nb = g.param("norm.bias", Tensor::from_vec(vec![0f32; 8], &[8]).unwrap());
+    let s = g.op("residual", Op::Add, &[x, r]).unwrap();
+    let y = g
+        .op("norm", Op::LayerNorm { eps: 1e-5 }, &[s, nw, nb])
+        .unwrap();
+    let z = g.op("gate", Op::Mul, &[s, y]).unwrap();
+    g.output(z).unwrap();
+    g.output(s).unwrap();
+    g
+}
+
+#[test]
+fn residual_add_and_layer_norm_fuse_keeping_the_sum() {
+    let (g, report) = fuse_add_layer_norm(&layer_norm_block()).unwrap();
+    assert_eq!(
+        report.pass, "fuse_add_layer_norm",
+        "the pass names itself in its report"
+    );
+    assert_eq!(
+        report.changes,
+        vec!["residual + norm -> add_layer_norm".to_string()]
+    );
+    assert_eq!(g.nodes().len(), 2);
+    let fused = &g.nodes()[0];
+    assert_eq!(fused.op, Op::AddLayerNorm { eps: 1e-5 });
+    assert_eq!(fused.inputs.len(), 4);
+    assert_eq!(fused.outputs.len(), 2);
+    // The sum (output 0) still feeds the other consumer and stays a graph output.
+    let gate = &g.nodes()[1];
+    assert_eq!(gate.inputs, [fused.outputs[0], fused.outputs[1]]);
+    assert_eq!(g.outputs(), &[gate.outputs[0], fused.outputs[0]]);
+
+    // Each residual pass leaves the other norm alone.
+    let (same, report) = fuse_add_rms_norm(&layer_norm_block()).unwrap();
+    assert!(report.changes.is_empty());
+    assert_eq!(ops(&same), ops(&layer_norm_block()));
+    let (same, report) = fuse_add_layer_norm(&block()).unwrap();
+    assert!(report.changes.is_empty());
+    assert_eq!(ops(&same), ops(&block()));
+}
+
+#[test]
+fn add_layer_norm_needs_param_weights_and_same_shapes() {
+    // A bias computed by an op could be defined after the add: no fusion.
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[2, 4]);
+    let r = g.input("r", DType::F32, &[2, 4]);
+    let nw = g.param("w", Tensor::from_vec(vec![1f32; 4], &[4]).unwrap());
+    let s = g.op("residual", Op::Add, &[x, r]).unwrap();
+    let nb = g
+        .op(
+            "bias",
+            Op::Activation {
+                act: Activation::Relu,
+            },
+            &[nw],
+        )
+        .unwrap();
+    let y = g
+        .op("norm", Op::LayerNorm { eps: 1e-5 }, &[s, nw, nb])
+        .unwrap();
+    g.output(y).unwrap();
+    let (same, report) = fuse_add_layer_norm(&g).unwrap();
+    assert!(report.changes.is_empty());
+    assert_eq!(ops(&same), ops(&g));
+
+    // A broadcasting add is not a residual add.
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[2, 4]);
+    let nw = g.param("w", Tensor::from_vec(vec![1f32; 4], &[4]).unwrap());
+    let nb = g.param("b", Tensor::from_vec(vec![0f32; 4], &[4]).unwrap());
+    let s = g.op("shift", Op::Add, &[x, nb]).unwrap();
+    let y = g
+        .op("norm", Op::LayerNorm { eps: 1e-5 }, &[s, nw, nb])
+        .unwrap();
+    g.output(y).unwrap();
+    let (same, report) = fuse_add_layer_norm(&g).unwrap();
+    assert!(report.changes.is_empty());
+    assert_eq!(ops(&same), ops(&g));
+}
+
+#[test]
+fn auto_optimize_fuses_add_layer_norm() {
+    let sel = Selector { reject: vec![] };
+    let plan = auto_optimize(
+        &layer_norm_block(),
+        OptLevel::Balanced,
+        &PrecisionPolicy::default(),
+        &sel,
+        &device(),
+    )
+    .unwrap();
+    let report = plan
+        .reports
+        .iter()
+        .find(|r| r.pass == "fuse_add_layer_norm")
+        .unwrap();
+    assert_eq!(report.changes.len(), 1);
+    assert_eq!(plan.graph.nodes()[0].op, Op::AddLayerNorm { eps: 1e-5 });
+    assert_eq!(plan.kernels[0].kernel, "test.add_layer_norm");
+}
+
 #[test]
 fn levels_pick_weight_dtypes_and_fall_back_without_kernels() {
     let sel = Selector { reject: vec![] };
@@ -202,6 +318,7 @@ fn optimization_is_deterministic_and_reports_every_pass() {
         [
             "fuse_linear_activation",
             "fuse_add_rms_norm",
+            "fuse_add_layer_norm",
             "precision",
             "kernel_selection",
             "memory_plan"

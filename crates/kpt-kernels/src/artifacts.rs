@@ -82,20 +82,36 @@ pub fn embedded() -> &'static [Artifact] {
     EMBEDDED
 }
 
-/// The artifact of `kernel` for a device of compute capability `major.minor`: the
-/// cubin of the newest fitting architecture, else the newest fitting PTX, else `None`
-/// (the caller falls back to the next kernel of the chain).
+/// The artifacts of `kernel` that can run on a device of compute capability
+/// `major.minor`, in the order to try them: cubins of the newest fitting architecture
+/// first, then PTX (newest first) for the driver to JIT; cubins are left out when
+/// `KPT_CUDA_JIT=1` (to exercise the path a GPU newer than every cubin takes). The
+/// loader moves down the list when the driver refuses an image.
+pub fn cuda_candidates(kernel: &str, major: u32, minor: u32) -> Vec<&'static Artifact> {
+    let jit_only = std::env::var("KPT_CUDA_JIT").is_ok_and(|v| v == "1");
+    let mut fits: Vec<&'static Artifact> = EMBEDDED
+        .iter()
+        .filter(|a| a.kernel == kernel && a.runs_on(major, minor))
+        .filter(|a| !(jit_only && a.format == Format::Cubin))
+        .collect();
+    fits.sort_by_key(|a| {
+        (
+            a.format == Format::Ptx,
+            std::cmp::Reverse(parse_target(a.target)),
+        )
+    });
+    if fits.is_empty() {
+        tracing::debug!(kernel, major, minor, "no CUDA artifact fits this device");
+    }
+    fits
+}
+
+/// The first of [`cuda_candidates`], or `None` (the caller falls back to the next
+/// kernel of the chain).
 pub fn select_cuda(kernel: &str, major: u32, minor: u32) -> Option<&'static Artifact> {
-    let fits = |f: Format| {
-        EMBEDDED
-            .iter()
-            .filter(move |a| a.kernel == kernel && a.format == f && a.runs_on(major, minor))
-            .max_by_key(|a| parse_target(a.target))
-    };
-    let chosen = fits(Format::Cubin).or_else(|| fits(Format::Ptx));
-    match chosen {
-        Some(a) => tracing::debug!(kernel, target = a.target, "selected CUDA artifact"),
-        None => tracing::debug!(kernel, major, minor, "no CUDA artifact fits this device"),
+    let chosen = cuda_candidates(kernel, major, minor).into_iter().next();
+    if let Some(a) = chosen {
+        tracing::debug!(kernel, target = a.target, "selected CUDA artifact");
     }
     chosen
 }

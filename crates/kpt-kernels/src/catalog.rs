@@ -78,6 +78,12 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             "residual add and RMS norm in one pass over the row",
         ),
         k(
+            "cpu.add_layer_norm",
+            AddLayerNorm,
+            F32,
+            "residual add and layer norm in one pass over the row",
+        ),
+        k(
             "cpu.rotary",
             Rotary,
             F32,
@@ -179,6 +185,12 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             LayerNorm,
             CUDA_FLOATS,
             "one block per row, two-pass statistics from registers",
+        ),
+        k(
+            "cuda.add_layer_norm",
+            AddLayerNorm,
+            CUDA_FLOATS,
+            "residual add and layer norm in one pass, row in registers",
         ),
         k(
             "cuda.softmax",

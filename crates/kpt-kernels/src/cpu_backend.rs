@@ -394,6 +394,23 @@ impl CpuBackend {
                     *eps,
                 )
             }
+            Op::AddLayerNorm { eps } => {
+                let (rows, dim) = rows_dim(&inputs[0].spec.shape);
+                let out1 = rest
+                    .first_mut()
+                    .ok_or_else(|| KptError::Graph("add_layer_norm needs two outputs".into()))?;
+                cpu::norm::add_layer_norm(
+                    input(&inputs[0])?,
+                    input(&inputs[1])?,
+                    input(&inputs[2])?,
+                    input(&inputs[3])?,
+                    output(out0)?,
+                    output(out1)?,
+                    rows,
+                    dim,
+                    *eps,
+                )
+            }
             Op::Rotary { head_dim, theta } => {
                 let s = &inputs[0].spec.shape;
                 cpu::rotary::rotary(

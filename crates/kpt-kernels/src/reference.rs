@@ -131,6 +131,21 @@ impl ReferenceOps for CpuReference {
                     *eps as f64,
                 )?
             }
+            Op::AddLayerNorm { eps } => {
+                let (rows, dim) = rows_dim(first.shape());
+                let (sum, norm) = outs.split_at_mut(1);
+                r::add_layer_norm(
+                    &x[0],
+                    &x[1],
+                    &x[2],
+                    &x[3],
+                    &mut sum[0],
+                    &mut norm[0],
+                    rows,
+                    dim,
+                    *eps as f64,
+                )?
+            }
             Op::Rotary { head_dim, theta } => {
                 let s = first.shape();
                 r::rotary(

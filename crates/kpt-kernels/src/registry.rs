@@ -185,7 +185,11 @@ impl KernelDef {
         }
         if matches!(
             op,
-            Op::RmsNorm { .. } | Op::AddRmsNorm { .. } | Op::LayerNorm { .. } | Op::Softmax
+            Op::RmsNorm { .. }
+                | Op::AddRmsNorm { .. }
+                | Op::LayerNorm { .. }
+                | Op::AddLayerNorm { .. }
+                | Op::Softmax
         ) {
             let row = first.shape.last().copied().unwrap_or(1);
             if let Some(max) = self.limits.max_row.filter(|&m| row > m) {

@@ -3,7 +3,7 @@
 //! rules.
 
 use kpt_kernels::artifacts::manifest::Manifest;
-use kpt_kernels::artifacts::{embedded, select_cuda, Format};
+use kpt_kernels::artifacts::{cuda_candidates, embedded, select_cuda, Format};
 use sha2::Digest;
 
 fn manifest() -> Manifest {
@@ -83,4 +83,36 @@ fn selection_prefers_exact_cubins_then_ptx() {
     assert_eq!(pick(12, 0), Some("compute_80"));
     assert_eq!(pick(7, 5), None); // Turing: nothing fits, fall back
     assert_eq!(select_cuda("no_such_kernel", 9, 0).map(|a| a.target), None);
+}
+
+#[test]
+fn candidates_go_from_cubins_to_ptx() {
+    let targets = |major, minor| -> Vec<_> {
+        cuda_candidates("rms_norm", major, minor)
+            .iter()
+            .map(|a| a.target)
+            .collect()
+    };
+    assert_eq!(targets(9, 0), ["sm_90a", "compute_80"]);
+    assert_eq!(targets(8, 6), ["sm_80", "compute_80"]);
+    assert!(targets(7, 5).is_empty());
+}
+
+#[test]
+fn ptx_is_at_an_isa_cuda_12_drivers_jit() {
+    // PTX ISA 8.0 is what CUDA 12.0 drivers accept; build-kernels lowers nvcc 13's 9.0
+    // and checks the result with the CUDA 12.0 assembler.
+    let ptx: Vec<_> = embedded()
+        .iter()
+        .filter(|a| a.format == Format::Ptx)
+        .collect();
+    assert!(!ptx.is_empty());
+    for a in ptx {
+        let text = std::str::from_utf8(a.bytes).unwrap();
+        let version = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(".version "))
+            .unwrap_or_else(|| panic!("{} {}: no .version", a.kernel, a.target));
+        assert_eq!(version.trim(), "8.0", "{} {}", a.kernel, a.target);
+    }
 }

@@ -212,6 +212,97 @@ fn residual_add_rms_norm_fuses_and_both_outputs_are_right() {
     }
 }
 
+/// `x + r -> layer_norm` with the sum also an output, in `dtype`.
+fn add_layer_norm_graph(rng: &mut Rng, dtype: DType, rows: usize, dim: usize) -> Graph {
+    let mut g = Graph::new();
+    let x = g.input("x", dtype, &[rows, dim]);
+    let r = g.input("residual", dtype, &[rows, dim]);
+    let param = |rng: &mut Rng, lo, hi| tensor(rng, &[dim], lo, hi).to_dtype(dtype).unwrap();
+    let nw = g.param("norm.weight", param(rng, 0.5, 1.5));
+    let nb = g.param("norm.bias", param(rng, -1.0, 1.0));
+    let s = g.op("residual_add", Op::Add, &[x, r]).unwrap();
+    let y = g
+        .op("norm", Op::LayerNorm { eps: 1e-5 }, &[s, nw, nb])
+        .unwrap();
+    g.output(y).unwrap();
+    g.output(s).unwrap();
+    g
+}
+
+#[test]
+fn residual_add_layer_norm_fuses_and_both_outputs_are_right() {
+    let mut rng = Rng::new(3);
+    let g = add_layer_norm_graph(&mut rng, DType::F32, 4, 33);
+    let xt = tensor(&mut rng, &[4, 33], -3.0, 3.0);
+    let rt = tensor(&mut rng, &[4, 33], -3.0, 3.0);
+    let inputs = [xt.clone(), rt.clone()];
+    let plans = check_all_levels(&g, &inputs);
+    let sum: Vec<f32> = xt
+        .as_slice::<f32>()
+        .unwrap()
+        .iter()
+        .zip(rt.as_slice::<f32>().unwrap())
+        .map(|(a, b)| a + b)
+        .collect();
+    let want = run_reference(&g, &CpuReference, &inputs).unwrap();
+    let backend = backend();
+    for plan in plans {
+        let fusion = plan
+            .reports
+            .iter()
+            .find(|r| r.pass == "fuse_add_layer_norm")
+            .expect("fusion report");
+        assert_eq!(
+            fusion.changes,
+            ["residual_add + norm -> add_layer_norm"],
+            "{}",
+            plan.level
+        );
+        assert_eq!(plan.graph.nodes().len(), 1);
+        assert_eq!(plan.graph.nodes()[0].op, Op::AddLayerNorm { eps: 1e-5 });
+        assert_eq!(kernels(&plan), ["cpu.add_layer_norm"]);
+
+        let level = plan.level;
+        let mut exec = Executor::new(plan, backend.clone()).unwrap();
+        let out = exec.run(&inputs).unwrap();
+        assert_eq!(out.len(), 2);
+        // Output 0: the normalized sum; output 1: the sum itself, exactly as f32 adds it.
+        assert!(
+            rel_err(&out[0], &want[0]) < 1e-5,
+            "{level}: norm {:e}",
+            rel_err(&out[0], &want[0])
+        );
+        assert_eq!(
+            out[1].as_slice::<f32>().unwrap(),
+            sum.as_slice(),
+            "{level}: sum"
+        );
+    }
+}
+
+#[test]
+fn add_layer_norm_validates_in_low_precision() {
+    for (dtype, seed) in [(DType::BF16, 4), (DType::F16, 5)] {
+        let mut rng = Rng::new(seed);
+        for (rows, dim) in [(1, 1), (3, 7), (2, 1024)] {
+            let g = add_layer_norm_graph(&mut rng, dtype, rows, dim);
+            let inputs: Vec<Tensor> = (0..2)
+                .map(|_| {
+                    tensor(&mut rng, &[rows, dim], -3.0, 3.0)
+                        .to_dtype(dtype)
+                        .unwrap()
+                })
+                .collect();
+            let backend = backend();
+            let plan = optimize(&g, OptLevel::Conservative, &backend);
+            assert_eq!(plan.graph.nodes()[0].op, Op::AddLayerNorm { eps: 1e-5 });
+            let mut exec = Executor::new(plan, backend).unwrap();
+            let report = validate_plan(&mut exec, &g, &CpuReference, &inputs, 1.0).unwrap();
+            assert!(report.passed(), "{dtype} [{rows}, {dim}]: {report:#?}");
+        }
+    }
+}
+
 fn attention_graph(rng: &mut Rng) -> Graph {
     let p = AttentionParams {
         num_heads: 4,

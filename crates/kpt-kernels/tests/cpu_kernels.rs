@@ -347,6 +347,14 @@ proptest! {
         cpu::add_rms_norm(&x, &res, &w, &mut got_sum, &mut got, rows, dim, 1e-5).map_err(fail)?;
         check_close("add_rms_norm.sum", &f64s(&got_sum), &want_sum, tolerance(DType::F32, 1))?;
         check_close("add_rms_norm.norm", &f64s(&got), &want, tol)?;
+
+        let b64 = f64s(&b);
+        r::add_layer_norm(&x64, &res64, &w64, &b64, &mut want_sum, &mut want, rows, dim, 1e-5)
+            .map_err(fail)?;
+        cpu::add_layer_norm(&x, &res, &w, &b, &mut got_sum, &mut got, rows, dim, 1e-5)
+            .map_err(fail)?;
+        check_close("add_layer_norm.sum", &f64s(&got_sum), &want_sum, tolerance(DType::F32, 1))?;
+        check_close("add_layer_norm.norm", &f64s(&got), &want, tol)?;
     }
 
     #[test]
@@ -557,6 +565,38 @@ fn large_elementwise_and_norms_run_in_parallel() {
     r::rms_norm(&f64s(&x), &f64s(&w), &mut want, rows, dim, 1e-6).expect("reference");
     check_close(
         "rms_norm large",
+        &f64s(&got),
+        &want,
+        tolerance(DType::F32, dim),
+    )
+    .expect("close");
+    let res = rng.vec(rows * dim, -4.0, 4.0);
+    let b = rng.vec(dim, -1.0, 1.0);
+    let mut got_sum = vec![0f32; x.len()];
+    let mut want_sum = vec![0f64; x.len()];
+    cpu::add_layer_norm(&x, &res, &w, &b, &mut got_sum, &mut got, rows, dim, 1e-6)
+        .expect("add_layer_norm");
+    r::add_layer_norm(
+        &f64s(&x),
+        &f64s(&res),
+        &f64s(&w),
+        &f64s(&b),
+        &mut want_sum,
+        &mut want,
+        rows,
+        dim,
+        1e-6,
+    )
+    .expect("reference");
+    check_close(
+        "add_layer_norm.sum large",
+        &f64s(&got_sum),
+        &want_sum,
+        tolerance(DType::F32, 1),
+    )
+    .expect("close");
+    check_close(
+        "add_layer_norm.norm large",
         &f64s(&got),
         &want,
         tolerance(DType::F32, dim),
@@ -811,6 +851,48 @@ fn bad_inputs_are_typed_errors() {
             &[0.0; 3],
             &mut [0.0; 6],
             &mut [0.0; 5],
+            2,
+            3,
+            1e-5,
+        ),
+        "norm_out",
+    );
+    assert_shape_err(
+        cpu::add_layer_norm(
+            &[0.0; 6],
+            &[0.0; 6],
+            &[0.0; 3],
+            &[0.0; 2],
+            &mut [0.0; 6],
+            &mut [0.0; 6],
+            2,
+            3,
+            1e-5,
+        ),
+        "b [dim] has 2 elements, expected 3",
+    );
+    assert_shape_err(
+        cpu::add_layer_norm(
+            &[0.0; 6],
+            &[0.0; 5],
+            &[0.0; 3],
+            &[0.0; 3],
+            &mut [0.0; 6],
+            &mut [0.0; 6],
+            2,
+            3,
+            1e-5,
+        ),
+        "residual",
+    );
+    assert_shape_err(
+        r::add_layer_norm(
+            &[0.0; 6],
+            &[0.0; 6],
+            &[0.0; 3],
+            &[0.0; 3],
+            &mut [0.0; 6],
+            &mut [0.0; 4],
             2,
             3,
             1e-5,

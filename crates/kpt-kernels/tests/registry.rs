@@ -88,6 +88,10 @@ fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
             Op::AddRmsNorm { eps: 1e-5 },
             vec![f32s(&[4, 8]), f32s(&[4, 8]), f32s(&[8])],
         ),
+        OpKind::AddLayerNorm => (
+            Op::AddLayerNorm { eps: 1e-5 },
+            vec![f32s(&[4, 8]), f32s(&[4, 8]), f32s(&[8]), f32s(&[8])],
+        ),
         OpKind::Rotary => (
             Op::Rotary {
                 head_dim: 8,
@@ -628,6 +632,27 @@ fn the_reference_covers_low_precision_activations() {
             Some(CPU_REFERENCE),
             "{dtype}: {chain:?}"
         );
+    }
+}
+
+#[test]
+fn add_layer_norm_runs_on_cuda_for_every_float_and_on_the_cpu_in_f32() {
+    let registry = KernelRegistry::with_builtin();
+    let gpu = fake_device(DeviceKind::Cuda, "sm_80");
+    let op = Op::AddLayerNorm { eps: 1e-5 };
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let x = TensorSpec::new(&[8, 4100], dtype);
+        let p = TensorSpec::new(&[4100], dtype);
+        let inputs = [x.clone(), x, p.clone(), p];
+        let choice = registry.select(&op, &inputs, &gpu).unwrap();
+        assert_eq!(choice.kernel, "cuda.add_layer_norm", "{dtype}");
+        let chain = registry.fallback_chain(&op, &inputs, &cpu());
+        let want: &[&str] = if dtype == DType::F32 {
+            &["cpu.add_layer_norm", CPU_REFERENCE]
+        } else {
+            &[CPU_REFERENCE]
+        };
+        assert_eq!(chain, strings(want), "{dtype}");
     }
 }
 

@@ -289,6 +289,25 @@ impl CudaBackend {
                     *eps,
                 )?;
             }
+            Op::AddLayerNorm { eps } => {
+                let (rows, dim) = rows_dim(&x.shape);
+                let [sum, out] = outputs else {
+                    return Err(err(format!("{op}: needs two outputs")));
+                };
+                g.add_layer_norm(
+                    dt,
+                    [
+                        ptr(&inputs[0])?,
+                        ptr(&inputs[1])?,
+                        ptr(&inputs[2])?,
+                        ptr(&inputs[3])?,
+                    ],
+                    [out_ptr(sum)?, out_ptr(out)?],
+                    rows,
+                    dim,
+                    *eps,
+                )?;
+            }
             Op::Softmax => {
                 let (rows, dim) = rows_dim(&x.shape);
                 g.softmax(dt, ptr(&inputs[0])?, out_ptr(out0)?, rows, dim)?;

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
-use kpt_kernels::artifacts::{self, EntryPoint, Format};
+use kpt_kernels::artifacts::{self, Artifact, EntryPoint, Format};
 
 use crate::device::{self, GpuProperties};
 use crate::memory::{CachingAllocator, DeviceBlock, RawMemory};
@@ -63,7 +63,7 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     props: GpuProperties,
     memory: CachingAllocator,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    modules: Mutex<HashMap<&'static str, (&'static Artifact, Arc<CudaModule>)>>,
     /// Loaded functions by kernel, then entry point (Triton specializations of one
     /// kernel source share their entry point's name).
     functions: Mutex<HashMap<&'static str, EntryPoints>>,
@@ -284,11 +284,8 @@ impl Gpu {
             return Ok(f.clone());
         }
         let (major, minor) = self.props.compute_capability;
-        let artifact =
-            artifacts::select_cuda(kernel, major, minor).ok_or_else(|| NvidiaError::NoKernel {
-                kernel: kernel.into(),
-                arch: self.props.arch(),
-            })?;
+        let candidates = artifacts::cuda_candidates(kernel, major, minor);
+        let (artifact, module) = self.module(kernel, &candidates)?;
         let meta = *artifact
             .entry_points
             .iter()
@@ -296,32 +293,6 @@ impl Gpu {
             .ok_or_else(|| {
                 NvidiaError::Invalid(format!("kernel {kernel} has no entry point {entry}"))
             })?;
-        let module = {
-            let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
-            match modules.get(artifact.kernel) {
-                Some(m) => Arc::clone(m),
-                None => {
-                    let image = match artifact.format {
-                        Format::Cubin => Ptx::from_binary(artifact.bytes.to_vec()),
-                        Format::Ptx => {
-                            Ptx::from_src(String::from_utf8_lossy(artifact.bytes).into_owned())
-                        }
-                    };
-                    let m = self
-                        .ctx
-                        .load_module(image)
-                        .map_err(|e| NvidiaError::driver("cuModuleLoadData", e))?;
-                    tracing::info!(
-                        kernel,
-                        target = artifact.target,
-                        format = ?artifact.format,
-                        "loaded CUDA module"
-                    );
-                    modules.insert(artifact.kernel, Arc::clone(&m));
-                    m
-                }
-            }
-        };
         let f = module
             .load_function(entry)
             .map_err(|e| NvidiaError::driver("cuModuleGetFunction", e))?;
@@ -330,5 +301,53 @@ impl Gpu {
             .or_default()
             .insert(entry.to_string(), (f.clone(), meta));
         Ok((f, meta))
+    }
+
+    /// The loaded module of `kernel`: cached, else the first of `candidates` that the
+    /// driver accepts (a refused cubin or PTX is logged and the next one tried).
+    fn module(
+        &self,
+        kernel: &str,
+        candidates: &[&'static Artifact],
+    ) -> Result<(&'static Artifact, Arc<CudaModule>), NvidiaError> {
+        let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((a, m)) = modules.get(kernel) {
+            return Ok((a, Arc::clone(m)));
+        }
+        let mut last = None;
+        for &artifact in candidates {
+            let image = match artifact.format {
+                Format::Cubin => Ptx::from_binary(artifact.bytes.to_vec()),
+                Format::Ptx => Ptx::from_src(String::from_utf8_lossy(artifact.bytes).into_owned()),
+            };
+            match self.ctx.load_module(image) {
+                Ok(m) => {
+                    tracing::info!(
+                        kernel,
+                        target = artifact.target,
+                        format = ?artifact.format,
+                        "loaded CUDA module"
+                    );
+                    modules.insert(artifact.kernel, (artifact, Arc::clone(&m)));
+                    return Ok((artifact, m));
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        kernel,
+                        target = artifact.target,
+                        error = %e,
+                        "the driver refused this CUDA image; trying the next"
+                    );
+                    last = Some(e);
+                }
+            }
+        }
+        Err(match last {
+            Some(e) => NvidiaError::driver("cuModuleLoadData", e),
+            None => NvidiaError::NoKernel {
+                kernel: kernel.into(),
+                arch: self.props.arch(),
+            },
+        })
     }
 }

@@ -312,6 +312,23 @@ impl Gpu {
         Ok(())
     }
 
+    /// `sum = x + residual`, `out = layer_norm(sum)` of `rows` rows of `dim`, from the
+    /// inputs `[x, residual, w, b]` into the outputs `[sum, out]`.
+    pub(crate) fn add_layer_norm(
+        &self,
+        dtype: DType,
+        [x, residual, w, b]: [u64; 4],
+        [sum, out]: [u64; 2],
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_add_layer_norm_{}", float_name(dtype)?);
+        launch!(self, "layer_norm", entry, grid("rows", rows)?;
+            x, residual, w, b, sum, out, int("dim", dim)?, eps);
+        Ok(())
+    }
+
     /// Softmax of `rows` rows of `dim`.
     pub(crate) fn softmax(
         &self,

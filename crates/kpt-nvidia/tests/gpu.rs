@@ -155,8 +155,9 @@ proptest! {
         let w = random(&mut rng, &[dim], dt, 0.5, 1.5);
         let bias = random(&mut rng, &[dim], dt, -1.0, 1.0);
         check(&Op::RmsNorm { eps: 1e-5 }, &[x.clone(), w.clone()])?;
-        check(&Op::AddRmsNorm { eps: 1e-5 }, &[x.clone(), r, w.clone()])?;
-        check(&Op::LayerNorm { eps: 1e-5 }, &[x.clone(), w, bias])?;
+        check(&Op::AddRmsNorm { eps: 1e-5 }, &[x.clone(), r.clone(), w.clone()])?;
+        check(&Op::LayerNorm { eps: 1e-5 }, &[x.clone(), w.clone(), bias.clone()])?;
+        check(&Op::AddLayerNorm { eps: 1e-5 }, &[x.clone(), r, w, bias])?;
         check(&Op::Softmax, &[x])?;
     }
 

@@ -339,6 +339,10 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
             Op::AddRmsNorm { eps: 1e-5 },
             vec![f(&[16, 4096]), f(&[16, 4096]), f(&[4096])],
         ),
+        OpKind::AddLayerNorm => (
+            Op::AddLayerNorm { eps: 1e-5 },
+            vec![f(&[16, 4096]), f(&[16, 4096]), f(&[4096]), f(&[4096])],
+        ),
         OpKind::Rotary => (
             Op::Rotary {
                 head_dim: 128,

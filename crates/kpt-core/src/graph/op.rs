@@ -114,6 +114,12 @@ pub enum Op {
         /// Added to the mean square.
         eps: f32,
     },
+    /// Fused residual add + layer norm: x, residual, weight, bias ->
+    /// (x + residual, layer_norm(x + residual)).
+    AddLayerNorm {
+        /// Added to the variance.
+        eps: f32,
+    },
     /// Rotary position embedding (NeoX / LLaMA "rotate half" layout).
     Rotary {
         /// Size of one head (even).
@@ -173,6 +179,8 @@ pub enum OpKind {
     LayerNorm,
     /// See [`Op::AddRmsNorm`].
     AddRmsNorm,
+    /// See [`Op::AddLayerNorm`].
+    AddLayerNorm,
     /// See [`Op::Rotary`].
     Rotary,
     /// See [`Op::Softmax`].
@@ -195,7 +203,7 @@ pub enum OpKind {
 
 impl OpKind {
     /// Every op kind, in catalog order.
-    pub const ALL: [OpKind; 17] = [
+    pub const ALL: [OpKind; 18] = [
         OpKind::Embedding,
         OpKind::MatMul,
         OpKind::Linear,
@@ -204,6 +212,7 @@ impl OpKind {
         OpKind::RmsNorm,
         OpKind::LayerNorm,
         OpKind::AddRmsNorm,
+        OpKind::AddLayerNorm,
         OpKind::Rotary,
         OpKind::Softmax,
         OpKind::Attention,
@@ -226,6 +235,7 @@ impl OpKind {
             OpKind::RmsNorm => "rms_norm",
             OpKind::LayerNorm => "layer_norm",
             OpKind::AddRmsNorm => "add_rms_norm",
+            OpKind::AddLayerNorm => "add_layer_norm",
             OpKind::Rotary => "rotary",
             OpKind::Softmax => "softmax",
             OpKind::Attention => "attention",
@@ -309,6 +319,7 @@ impl Op {
             Op::RmsNorm { .. } => OpKind::RmsNorm,
             Op::LayerNorm { .. } => OpKind::LayerNorm,
             Op::AddRmsNorm { .. } => OpKind::AddRmsNorm,
+            Op::AddLayerNorm { .. } => OpKind::AddLayerNorm,
             Op::Rotary { .. } => OpKind::Rotary,
             Op::Softmax => OpKind::Softmax,
             Op::Attention(_) => OpKind::Attention,
@@ -333,6 +344,7 @@ impl Op {
             Op::Add | Op::Mul | Op::Concat { .. } => 2,
             Op::Linear { bias } | Op::LinearAct { bias, .. } => 2 + usize::from(*bias),
             Op::LayerNorm { .. } | Op::AddRmsNorm { .. } => 3,
+            Op::AddLayerNorm { .. } => 4,
             Op::Attention(p) => 3 + usize::from(p.mask),
         }
     }
@@ -489,25 +501,26 @@ impl Op {
                 }
                 Ok(vec![x.clone()])
             }
-            Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::AddRmsNorm { .. } => {
+            Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::AddRmsNorm { .. }
+            | Op::AddLayerNorm { .. } => {
                 want_compute(x)?;
                 rank_at_least(x, 1, "x")?;
                 let dim = x.shape[x.shape.len() - 1];
-                let params: &[TensorSpec] = match self {
-                    Op::RmsNorm { .. } => &inputs[1..2],
-                    Op::LayerNorm { .. } => &inputs[1..3],
-                    _ => {
-                        let r = &inputs[1];
-                        same_dtype(x, r)?;
-                        if r.shape != x.shape {
-                            return Err(shape_err(format!(
-                                "residual {:?} must match x {:?}",
-                                r.shape, x.shape
-                            )));
-                        }
-                        &inputs[2..3]
+                let fused = matches!(self, Op::AddRmsNorm { .. } | Op::AddLayerNorm { .. });
+                if fused {
+                    let r = &inputs[1];
+                    same_dtype(x, r)?;
+                    if r.shape != x.shape {
+                        return Err(shape_err(format!(
+                            "residual {:?} must match x {:?}",
+                            r.shape, x.shape
+                        )));
                     }
-                };
+                }
+                // Weight (and bias) follow x, and the residual when there is one.
+                let params = &inputs[1 + usize::from(fused)..];
                 for p in params {
                     same_dtype(x, p)?;
                     if p.shape != [dim] {
@@ -517,7 +530,7 @@ impl Op {
                         )));
                     }
                 }
-                if matches!(self, Op::AddRmsNorm { .. }) {
+                if fused {
                     Ok(vec![x.clone(), x.clone()])
                 } else {
                     Ok(vec![x.clone()])
@@ -755,6 +768,29 @@ mod tests {
             s(&[3, 5], DType::F32),
         ]);
         assert!(matches!(bad, Err(KptError::Shape { .. })));
+    }
+
+    #[test]
+    fn add_layer_norm_infers_two_outputs_and_rejects() {
+        let op = Op::AddLayerNorm { eps: 1e-5 };
+        let x = s(&[2, 3, 8], DType::BF16);
+        let p = s(&[8], DType::BF16);
+        let out = op.infer(&[x.clone(), x.clone(), p.clone(), p.clone()]);
+        assert_eq!(out.unwrap(), vec![x.clone(), x.clone()]);
+        let err = op
+            .infer(&[x.clone(), s(&[2, 8], DType::BF16), p.clone(), p.clone()])
+            .unwrap_err();
+        assert!(err.to_string().contains("residual"), "{err}");
+        let err = op
+            .infer(&[x.clone(), x.clone(), p.clone(), s(&[7], DType::BF16)])
+            .unwrap_err();
+        assert!(matches!(err, KptError::Shape { .. }), "{err}");
+        let err = op
+            .infer(&[x.clone(), x.clone(), p.clone(), s(&[8], DType::F32)])
+            .unwrap_err();
+        assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
+        let err = op.infer(&[x.clone(), x, p]).unwrap_err();
+        assert!(matches!(err, KptError::Graph(_)), "{err}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ mod memory;
 mod precision;
 mod rewrite;
 
-pub use fusion::{fuse_add_rms_norm, fuse_linear_activation};
+pub use fusion::{fuse_add_layer_norm, fuse_add_rms_norm, fuse_linear_activation};
 pub use memory::{plan_memory, MemoryPlan};
 pub use precision::apply_precision;
 
@@ -151,6 +151,8 @@ pub fn auto_optimize(
     let (g, r) = fuse_linear_activation(graph)?;
     reports.push(r);
     let (g, r) = fuse_add_rms_norm(&g)?;
+    reports.push(r);
+    let (g, r) = fuse_add_layer_norm(&g)?;
     reports.push(r);
     let (g, r) = apply_precision(&g, level, policy, selector, device)?;
     reports.push(r);

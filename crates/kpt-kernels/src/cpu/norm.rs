@@ -1,4 +1,4 @@
-//! Row normalizations in f32: RMS norm, layer norm, fused residual add + RMS norm.
+//! Row normalizations in f32: RMS norm, layer norm, and each fused with a residual add.
 //!
 //! Sums are accumulated in f32 with 16 independent partial sums (vectorized, and the
 //! pairwise-like split keeps the error around `√(dim/16)` roundoffs instead of `dim`).
@@ -96,6 +96,34 @@ fn layer_row<const FMA: bool>(x: &[f32], w: &[f32], b: &[f32], out: &mut [f32], 
 
 dispatch!(fn layer_row_d(x: &[f32], w: &[f32], b: &[f32], out: &mut [f32], eps: f32) => layer_row);
 
+#[inline(always)]
+fn add_layer_row<const FMA: bool>(
+    x: &[f32],
+    r: &[f32],
+    w: &[f32],
+    b: &[f32],
+    sum: &mut [f32],
+    out: &mut [f32],
+    eps: f32,
+) {
+    for ((s, &a), &c) in sum.iter_mut().zip(x).zip(r) {
+        *s = a + c;
+    }
+    layer_row::<FMA>(sum, w, b, out, eps);
+}
+
+dispatch!(
+    fn add_layer_row_d(
+        x: &[f32],
+        r: &[f32],
+        w: &[f32],
+        b: &[f32],
+        sum: &mut [f32],
+        out: &mut [f32],
+        eps: f32,
+    ) => add_layer_row
+);
+
 /// RMS norm over the last axis of `x [rows, dim]`: `y = x / sqrt(mean(x²) + eps) * w`.
 pub fn rms_norm(
     x: &[f32],
@@ -171,6 +199,39 @@ pub fn add_rms_norm(
     super::par::for_each_row2(sum_out, dim, norm_out, dim, 4 * dim, |r, s, o| {
         let range = r * dim..(r + 1) * dim;
         add_rms_row_d(&x[range.clone()], &residual[range], w, s, o, eps);
+    });
+    Ok(())
+}
+
+/// Fused residual add and layer norm: `sum_out = x + residual` (rounded to f32), then
+/// `norm_out = layer_norm(sum_out, w, b)`, in one pass over each row.
+#[allow(clippy::too_many_arguments)]
+pub fn add_layer_norm(
+    x: &[f32],
+    residual: &[f32],
+    w: &[f32],
+    b: &[f32],
+    sum_out: &mut [f32],
+    norm_out: &mut [f32],
+    rows: usize,
+    dim: usize,
+    eps: f32,
+) -> Result<()> {
+    check_rows(
+        "add_layer_norm",
+        &[
+            ("x [rows, dim]", x.len()),
+            ("residual [rows, dim]", residual.len()),
+            ("sum_out [rows, dim]", sum_out.len()),
+            ("norm_out [rows, dim]", norm_out.len()),
+        ],
+        &[("w [dim]", w.len()), ("b [dim]", b.len())],
+        rows,
+        dim,
+    )?;
+    super::par::for_each_row2(sum_out, dim, norm_out, dim, 5 * dim, |r, s, o| {
+        let range = r * dim..(r + 1) * dim;
+        add_layer_row_d(&x[range.clone()], &residual[range], w, b, s, o, eps);
     });
     Ok(())
 }

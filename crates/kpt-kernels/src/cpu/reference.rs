@@ -193,6 +193,37 @@ pub fn add_rms_norm(
     rms_norm(sum_out, w, norm_out, rows, dim, eps)
 }
 
+/// `sum_out = x + residual`, `norm_out = layer_norm(sum_out)`.
+#[allow(clippy::too_many_arguments)]
+pub fn add_layer_norm(
+    x: &[f64],
+    residual: &[f64],
+    w: &[f64],
+    b: &[f64],
+    sum_out: &mut [f64],
+    norm_out: &mut [f64],
+    rows: usize,
+    dim: usize,
+    eps: f64,
+) -> Result<()> {
+    check_rows(
+        "add_layer_norm",
+        &[
+            ("x [rows, dim]", x.len()),
+            ("residual [rows, dim]", residual.len()),
+            ("sum_out [rows, dim]", sum_out.len()),
+            ("norm_out [rows, dim]", norm_out.len()),
+        ],
+        &[("w [dim]", w.len()), ("b [dim]", b.len())],
+        rows,
+        dim,
+    )?;
+    for (s, (a, r)) in sum_out.iter_mut().zip(x.iter().zip(residual)) {
+        *s = a + r;
+    }
+    layer_norm(sum_out, w, b, norm_out, rows, dim, eps)
+}
+
 /// Checks the arguments of rotary embeddings (shared with the fast kernel).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_rotary(
