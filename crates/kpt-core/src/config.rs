@@ -191,16 +191,8 @@ pub struct NvidiaConfig {
     pub enabled: bool,
     /// Lowest compute capability to use, as `"major.minor"` (e.g. `"8.0"`).
     pub min_compute_capability: String,
-    /// Use cuBLASLt for matmuls (epilogue fusion, fp8).
-    pub use_cublaslt: bool,
-    /// Use FP8 tensor cores on GPUs that have them (sm_89 and newer).
-    pub use_fp8: bool,
     /// Allow TF32 tensor-core math for f32 matmuls.
     pub allow_tf32: bool,
-    /// Capture decode steps into CUDA graphs.
-    pub cuda_graphs: bool,
-    /// Directory with precompiled kernels (cubin / PTX); `None` uses the built-in ones.
-    pub kernel_dir: Option<PathBuf>,
 }
 
 impl Default for NvidiaConfig {
@@ -208,11 +200,7 @@ impl Default for NvidiaConfig {
         Self {
             enabled: true,
             min_compute_capability: "7.0".to_string(),
-            use_cublaslt: true,
-            use_fp8: true,
             allow_tf32: false,
-            cuda_graphs: true,
-            kernel_dir: None,
         }
     }
 }
@@ -685,7 +673,6 @@ impl KptConfig {
                 "write it like \"8.0\" (A100) or \"9.0\" (H100)",
             ));
         }
-        check_path(out, "nvidia.kernel_dir", nv.kernel_dir.as_deref());
     }
 
     fn tpu_issues(&self, out: &mut Vec<ConfigIssue>) {
@@ -1254,9 +1241,6 @@ mod tests {
             ("nvidia.min_compute_capability", |c| {
                 c.nvidia.min_compute_capability = "sm80".into()
             }),
-            ("nvidia.kernel_dir", |c| {
-                c.nvidia.kernel_dir = Some(PathBuf::new())
-            }),
             ("tpu.topology", |c| c.tpu.topology = Some("2by2".into())),
             ("tpu.version", |c| c.tpu.version = Some("v3".into())),
             ("tpu.plugin_path", |c| {
@@ -1412,7 +1396,7 @@ mod tests {
             ("KPT_HARDWARE__NUM_THREADS", "4"),
             ("KPT_PRECISION__LEVEL", "aggressive"),
             ("KPT_KERNEL__DISABLE", "a, b,,c"),
-            ("KPT_NVIDIA__USE_FP8", "off"),
+            ("KPT_NVIDIA__ALLOW_TF32", "on"),
             ("KPT_HARDWARE__MEMORY_FRACTION", "0.5"),
             ("KPT_PRECISION__WEIGHT_DTYPE", "BF16"),
             ("KPT_TPU__TOPOLOGY", "2x2x1"),
@@ -1424,7 +1408,7 @@ mod tests {
         assert_eq!(c.hardware.num_threads, Some(4));
         assert_eq!(c.precision.level, OptLevel::Aggressive);
         assert_eq!(c.kernel.disable, vec!["a", "b", "c"]);
-        assert!(!c.nvidia.use_fp8);
+        assert!(c.nvidia.allow_tf32);
         assert_eq!(c.hardware.memory_fraction, 0.5);
         assert_eq!(c.precision.weight_dtype, Some(DType::BF16));
         assert_eq!(c.tpu.topology.as_deref(), Some("2x2x1"));

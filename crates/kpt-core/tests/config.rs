@@ -16,8 +16,7 @@ fn non_default() -> KptConfig {
     c.hardware.num_threads = Some(12);
     c.hardware.memory_fraction = 0.75;
     c.nvidia.min_compute_capability = "9.0".into();
-    c.nvidia.kernel_dir = Some(PathBuf::from("/opt/kpt/cubin"));
-    c.nvidia.cuda_graphs = false;
+    c.nvidia.allow_tf32 = true;
     c.tpu.topology = Some("2x2x1".into());
     c.tpu.version = Some("v5p".into());
     c.tpu.plugin_path = Some(PathBuf::from("/usr/lib/libtpu.so"));
@@ -209,17 +208,11 @@ fn hardware() -> impl Strategy<Value = HardwareConfig> {
 }
 
 fn nvidia() -> impl Strategy<Value = NvidiaConfig> {
-    (1u32..=12, 0u32..=9, any::<[bool; 5]>(), opt(path())).prop_map(
-        |(major, minor, b, kernel_dir)| NvidiaConfig {
-            enabled: b[0],
-            min_compute_capability: format!("{major}.{minor}"),
-            use_cublaslt: b[1],
-            use_fp8: b[2],
-            allow_tf32: b[3],
-            cuda_graphs: b[4],
-            kernel_dir,
-        },
-    )
+    (1u32..=12, 0u32..=9, any::<[bool; 2]>()).prop_map(|(major, minor, b)| NvidiaConfig {
+        enabled: b[0],
+        min_compute_capability: format!("{major}.{minor}"),
+        allow_tf32: b[1],
+    })
 }
 
 fn tpu() -> impl Strategy<Value = TpuConfig> {
