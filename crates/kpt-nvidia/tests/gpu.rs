@@ -353,6 +353,67 @@ fn dynamic_quantization_finds_the_scale() {
     }
 }
 
+/// `y = act(sx·sw · x·wᵀ + bias)` in f64 from the dequantized operands.
+fn fp8_linear_reference(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, relu: bool) -> Tensor {
+    let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+    let (xv, wv) = (x.to_f64_vec(), w.to_f64_vec());
+    let bv = bias.map(Tensor::to_f64_vec);
+    let mut y = vec![0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let dot: f64 = (0..k).map(|l| xv[i * k + l] * wv[j * k + l]).sum();
+            let v = dot + bv.as_ref().map_or(0.0, |b| b[j]);
+            y[i * n + j] = if relu { v.max(0.0) } else { v };
+        }
+    }
+    Tensor::from_f64(&y, &[m, n], DType::F64).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// cuBLASLt's FP8 GEMM (e4m3 x e4m3 / e5m2, per-tensor scales, bias, ReLU) against
+    /// the f64 product of the dequantized operands.
+    #[test]
+    fn fp8_gemm(m in 1usize..70, k in prop::sample::select(vec![16usize, 32, 48, 112, 256]),
+                n in prop::sample::select(vec![16usize, 32, 80, 144]),
+                w_dt in prop::sample::select(vec![DType::F8E4M3, DType::F8E5M2]),
+                out in prop::sample::select(vec![DType::BF16, DType::F16, DType::F32]),
+                bias in any::<bool>(), relu in any::<bool>(), seed: u64) {
+        use kpt_nvidia::{DeviceBlock, Epilogue, GemmArgs, GemmShape, Layout};
+        let Some(b) = backend() else { return Ok(()) };
+        let Some(blas) = b.blas() else { return Ok(()) };
+        if !b.gpu().properties().has_fp8() {
+            return Ok(());
+        }
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[m, k], DType::F8E4M3, -3.0, 3.0);
+        let w = random(&mut rng, &[n, k], w_dt, -0.5, 0.5);
+        let bias_t = bias.then(|| random(&mut rng, &[n], out, -1.0, 1.0));
+        let shape = GemmShape {
+            m, n, k, batch: 1, layout: Layout::Linear, a: DType::F8E4M3, b: w_dt, out,
+            bias, epilogue: if relu { Epilogue::Relu } else { Epilogue::None },
+        };
+        let up = |t: &Tensor| b.upload(t).unwrap();
+        let scale = |t: &Tensor| up(&Tensor::from_f64(&[f64::from(t.scale())], &[1], DType::F32).unwrap());
+        let (xb, wb, sx, sw) = (up(&x), up(&w), scale(&x), scale(&w));
+        let bb = bias_t.as_ref().map(up);
+        let y = b.allocate(out, m * n).unwrap();
+        let ptr = |d: &DeviceBuffer| d.inner::<DeviceBlock>().unwrap().ptr();
+        let args = GemmArgs {
+            a: ptr(&xb), b: ptr(&wb), out: ptr(&y), bias: bb.as_ref().map_or(0, ptr),
+            a_scale: ptr(&sx), b_scale: ptr(&sw),
+        };
+        blas.gemm(b.gpu(), &shape, &args).map_err(|e| TestCaseError::fail(format!("{shape:?}: {e}")))?;
+        let got = b.download(&y, &TensorSpec::new(&[m, n], out)).unwrap();
+        let want = fp8_linear_reference(&x, &w, bias_t.as_ref(), relu);
+        let op = Op::Linear { bias };
+        let tol = tolerance(&op, out, k);
+        let stats = compare(&got, &want, tol).unwrap();
+        prop_assert!(stats.within, "{shape:?}: {stats:?} vs {tol:?}");
+    }
+}
+
 #[test]
 fn large_rows_and_gemms_match_the_reference() {
     let mut rng = SplitMix64::new(11);
