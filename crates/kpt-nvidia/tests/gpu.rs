@@ -407,8 +407,11 @@ proptest! {
         blas.gemm(b.gpu(), &shape, &args).map_err(|e| TestCaseError::fail(format!("{shape:?}: {e}")))?;
         let got = b.download(&y, &TensorSpec::new(&[m, n], out)).unwrap();
         let want = fp8_linear_reference(&x, &w, bias_t.as_ref(), relu);
+        // Hopper's FP8 tensor cores accumulate with about 14 mantissa bits, not a full
+        // f32 accumulator (seen: 8.7e-5 relative at k = 16), so an f32 output is held to
+        // bf16's tolerance.
         let op = Op::Linear { bias };
-        let tol = tolerance(&op, out, k);
+        let tol = tolerance(&op, if out == DType::F32 { DType::BF16 } else { out }, k);
         let stats = compare(&got, &want, tol).unwrap();
         prop_assert!(stats.within, "{shape:?}: {stats:?} vs {tol:?}");
     }
