@@ -125,6 +125,15 @@ impl GemmShape {
                 self.a, self.b, self.out, self.layout
             )));
         }
+        if fp8(self.a) && self.out == DType::F32 && self.bias {
+            // cuBLASLt's FP8 kernels with an f32 output want a bf16 bias, not the
+            // output's dtype that `GemmArgs::bias` holds.
+            return Err(NvidiaError::Invalid(
+                "an FP8 GEMM with an f32 output takes no bias in cuBLASLt; use a bf16 or \
+                 f16 output, or add the bias afterwards"
+                    .into(),
+            ));
+        }
         if self.m == 0 || self.n == 0 || self.k == 0 || self.batch == 0 {
             return Err(NvidiaError::Invalid(format!("empty GEMM {self:?}")));
         }
