@@ -398,6 +398,16 @@ fn tune_key(kernel: &str, op: &Op, inputs: &[TensorSpec]) -> String {
 impl KernelSelector for KernelRegistry {
     fn select(&self, op: &Op, inputs: &[TensorSpec], device: &DeviceInfo) -> Result<KernelChoice> {
         let candidates = self.explain(op, inputs, device);
+        for c in &candidates {
+            tracing::debug!(
+                op = %op,
+                device = %device.name,
+                kernel = %c.kernel,
+                rank = ?c.rank,
+                reason = %c.reason,
+                "kernel selection"
+            );
+        }
         match candidates.iter().find(|c| c.rank == Some(0)) {
             Some(best) => Ok(KernelChoice {
                 kernel: best.kernel.clone(),
