@@ -179,6 +179,29 @@ pub(crate) fn check_rows(
     Ok(())
 }
 
+/// Checks a fused residual add + norm: `x`, `residual`, `sum_out` and `norm_out` (their
+/// lengths, in that order) are `[rows, dim]`, each of `params` is `[dim]`.
+pub(crate) fn check_add_norm(
+    op: &str,
+    [x, residual, sum_out, norm_out]: [usize; 4],
+    params: &[(&str, usize)],
+    rows: usize,
+    dim: usize,
+) -> kpt_core::Result<()> {
+    check_rows(
+        op,
+        &[
+            ("x [rows, dim]", x),
+            ("residual [rows, dim]", residual),
+            ("sum_out [rows, dim]", sum_out),
+            ("norm_out [rows, dim]", norm_out),
+        ],
+        params,
+        rows,
+        dim,
+    )
+}
+
 /// Checks the slices of a linear layer: x `[m, k]`, w `[n, k]`, bias `[n]`, out `[m, n]`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_linear(

@@ -7,9 +7,9 @@
 
 use kpt_core::Result;
 
-use super::check_rows;
 use super::par::for_each_row;
 use super::simd::{dispatch, fmadd, hsum};
+use super::{check_add_norm, check_rows};
 
 /// `Σ f(x_i)` with 16 partial sums.
 #[inline(always)]
@@ -184,14 +184,9 @@ pub fn add_rms_norm(
     dim: usize,
     eps: f32,
 ) -> Result<()> {
-    check_rows(
+    check_add_norm(
         "add_rms_norm",
-        &[
-            ("x [rows, dim]", x.len()),
-            ("residual [rows, dim]", residual.len()),
-            ("sum_out [rows, dim]", sum_out.len()),
-            ("norm_out [rows, dim]", norm_out.len()),
-        ],
+        [x.len(), residual.len(), sum_out.len(), norm_out.len()],
         &[("w [dim]", w.len())],
         rows,
         dim,
@@ -217,14 +212,9 @@ pub fn add_layer_norm(
     dim: usize,
     eps: f32,
 ) -> Result<()> {
-    check_rows(
+    check_add_norm(
         "add_layer_norm",
-        &[
-            ("x [rows, dim]", x.len()),
-            ("residual [rows, dim]", residual.len()),
-            ("sum_out [rows, dim]", sum_out.len()),
-            ("norm_out [rows, dim]", norm_out.len()),
-        ],
+        [x.len(), residual.len(), sum_out.len(), norm_out.len()],
         &[("w [dim]", w.len()), ("b [dim]", b.len())],
         rows,
         dim,

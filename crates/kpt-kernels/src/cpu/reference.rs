@@ -9,7 +9,7 @@
 use kpt_core::{DType, KptError, Result};
 
 use super::shapes::AttentionShape;
-use super::{check_len, check_linear, check_rows, checked_product, Act};
+use super::{check_add_norm, check_len, check_linear, check_rows, checked_product, Act};
 
 /// `out[m,n] = a[m,k] · b[k,n]`.
 pub fn matmul(a: &[f64], b: &[f64], out: &mut [f64], m: usize, k: usize, n: usize) -> Result<()> {
@@ -170,22 +170,12 @@ pub fn add_rms_norm(
     dim: usize,
     eps: f64,
 ) -> Result<()> {
-    check_rows(
+    check_add_norm(
         "add_rms_norm",
-        &[
-            ("x [rows, dim]", x.len()),
-            ("residual [rows, dim]", residual.len()),
-            ("sum_out [rows, dim]", sum_out.len()),
-        ],
+        [x.len(), residual.len(), sum_out.len(), norm_out.len()],
         &[("w [dim]", w.len())],
         rows,
         dim,
-    )?;
-    check_len(
-        "add_rms_norm",
-        "norm_out [rows, dim]",
-        norm_out.len(),
-        x.len(),
     )?;
     for (s, (a, r)) in sum_out.iter_mut().zip(x.iter().zip(residual)) {
         *s = a + r;
@@ -206,14 +196,9 @@ pub fn add_layer_norm(
     dim: usize,
     eps: f64,
 ) -> Result<()> {
-    check_rows(
+    check_add_norm(
         "add_layer_norm",
-        &[
-            ("x [rows, dim]", x.len()),
-            ("residual [rows, dim]", residual.len()),
-            ("sum_out [rows, dim]", sum_out.len()),
-            ("norm_out [rows, dim]", norm_out.len()),
-        ],
+        [x.len(), residual.len(), sum_out.len(), norm_out.len()],
         &[("w [dim]", w.len()), ("b [dim]", b.len())],
         rows,
         dim,
