@@ -16,6 +16,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -94,6 +95,27 @@ def variants(req):
         scale = torch.tensor(10.0 / 448.0, device="cuda")
         f = lambda: (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         return [("torch.compile", compiled(f)), ("torch eager", f)]
+    if kind == "attention_decode":
+        b, hq, hkv, d, s = req["batch"], req["heads"], req["kv_heads"], req["head_dim"], req["seq_kv"]
+        q = rand((b, hq, 1, d), dt, -2.0, 2.0)
+        k, v = rand((b, hkv, s, d), dt, -2.0, 2.0), rand((b, hkv, s, d), dt, -2.0, 2.0)
+        out = []
+        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+            backend = getattr(SDPBackend, name)
+
+            def f(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+            try:
+                f()
+            except RuntimeError:
+                continue  # this backend does not take the case
+            out.append((f"SDPA {name.split('_')[0].lower()}", f))
+        # What a user without GQA support in a backend runs: K/V expanded to every head.
+        ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        out.append(("SDPA (expanded K/V)", lambda: F.scaled_dot_product_attention(q, ke, ve)))
+        return out
     if kind == "copy":
         x = rand((req["n"],), dt)
         y = torch.empty_like(x)

@@ -45,12 +45,23 @@ struct Args {
     /// Only cases whose name contains this.
     #[arg(long)]
     filter: Option<String>,
+    /// Which cases: the backend's kernels (`core`, the nvidia-h100 report) or attention
+    /// (`attention`, the attention-h100 report).
+    #[arg(long, value_enum, default_value = "core")]
+    suite: Suite,
     /// Timed repetitions per side.
     #[arg(long, default_value_t = 15)]
     reps: usize,
     /// The command recorded in the report.
     #[arg(long, default_value = "cargo xtask gpu-bundle (run.sh)")]
     command: String,
+}
+
+/// The case lists `kpt-bench-cuda` can run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Suite {
+    Core,
+    Attention,
 }
 
 /// Rows whose output is checked against the f64 reference.
@@ -85,6 +96,39 @@ fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType, lo: f32, hi: f32)
     let n = shape.iter().product();
     let v: Vec<f64> = rng.vec(n, lo, hi).into_iter().map(f64::from).collect();
     Tensor::from_f64(&v, shape, dtype).expect("shape matches")
+}
+
+/// Decode attention against long KV caches (the FlashAttention issue's decode targets):
+/// one query per sequence, 32 query heads over 8 kv heads, head dim 128, bf16.
+fn attention_cases() -> Vec<Case> {
+    let mut rng = SplitMix64::new(0x6b71);
+    let (b, hq, hkv, d) = (8usize, 32usize, 8usize, 128usize);
+    [8192usize, 32768]
+        .into_iter()
+        .map(|s| Case {
+            name: format!("attention_decode_bf16_b{b}_h{hq}kv{hkv}_d{d}_kv{s}"),
+            metric: "TB/s",
+            work: (2 * b * s * hkv * d * 2) as f64,
+            kpt: Work::Op(Op::Attention(kpt_core::graph::AttentionParams {
+                num_heads: hq,
+                num_kv_heads: hkv,
+                head_dim: d,
+                causal: false,
+                scale: None,
+                mask: false,
+            })),
+            inputs: vec![
+                random(&mut rng, &[b, 1, hq * d], DType::BF16, -2.0, 2.0),
+                random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+                random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+            ],
+            torch: json!({"kind": "attention_decode", "batch": b, "heads": hq,
+                          "kv_heads": hkv, "head_dim": d, "seq_kv": s, "dtype": "bf16"}),
+            target_ratio: None,
+            target: Some(0.8 * COPY_TBPS),
+            note: "bytes = K and V read once; split-KV kernel",
+        })
+        .collect()
 }
 
 fn cases() -> Vec<Case> {
@@ -399,6 +443,10 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
                 case.inputs[2].clone(),
             ],
         ),
+        Work::Op(op @ Op::Attention(_)) => (
+            op.clone(),
+            case.inputs.iter().map(first).collect::<Result<_>>()?,
+        ),
         Work::Op(op) => bail!("no accuracy check for {op}"),
         Work::SwiGlu => {
             let x = first(&case.inputs[0])?.to_f64_vec();
@@ -469,7 +517,11 @@ fn main() -> Result<()> {
     };
     let git = std::env::var("KPT_GIT_COMMIT").unwrap_or_else(|_| "unknown".into());
     let mut report = Report::new(&args.name, &args.command, git, machine);
-    let cases: Vec<Case> = cases()
+    let all = match args.suite {
+        Suite::Core => cases(),
+        Suite::Attention => attention_cases(),
+    };
+    let cases: Vec<Case> = all
         .into_iter()
         .filter(|c| args.filter.as_deref().is_none_or(|f| c.name.contains(f)))
         .collect();

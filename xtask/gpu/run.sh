@@ -78,5 +78,7 @@ fi
 if [ "$what" != tests ]; then
   "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
     --out "$out/reports" "$@" || status=1
+  "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
+    --suite attention --name attention-h100 --out "$out/reports" "$@" || status=1
 fi
 exit $status

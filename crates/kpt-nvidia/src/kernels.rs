@@ -193,7 +193,45 @@ impl AttentionDims {
     fn rows(&self) -> usize {
         self.batch as usize * self.seq_q as usize * self.heads as usize
     }
+
+    /// The split-KV plan for these sizes (`kernels/cuda/attention_split.cu`), or `None`
+    /// when the general kernel should run: the kv group's queries must fit the split
+    /// kernel's shared memory, rows must be whole 16-byte vectors, and the cache must
+    /// span at least two tiles.
+    fn split(&self, dtype: DType) -> Option<SplitDims> {
+        let (d, size) = (self.head_dim as usize, dtype.size_in_bytes());
+        let group = (self.heads / self.kv_heads) as usize;
+        if self.seq_q as usize * group * d > SPLIT_Q_FLOATS || !(d * size).is_multiple_of(16) {
+            return None;
+        }
+        let words = d * size / 4 + 1;
+        let tile = (SPLIT_KV_WORDS / (2 * words)).min(SPLIT_MAX_TILE);
+        let tiles = (self.seq_kv as usize).div_ceil(tile);
+        (tiles >= 2).then_some(SplitDims {
+            dims: *self,
+            tile: tile as i32,
+            tiles: tiles as i32,
+        })
+    }
 }
+
+/// Shared-memory budgets of `attention_split.cu` (its kQFloats, kKvWords, kMaxTile).
+const SPLIT_Q_FLOATS: usize = 4096;
+const SPLIT_KV_WORDS: usize = 8192;
+const SPLIT_MAX_TILE: usize = 64;
+
+/// Sizes of one split-KV attention call (the kernel's `SplitDims`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct SplitDims {
+    dims: AttentionDims,
+    tile: i32,
+    tiles: i32,
+}
+
+// SAFETY: `repr(C)` of an `AttentionDims` and two i32, laid out like the kernel's
+// `SplitDims`; any bit pattern is a valid value.
+unsafe impl cudarc::driver::DeviceRepr for SplitDims {}
 
 impl Gpu {
     /// Blocks for a grid-stride loop over `n` elements of 16-byte vectors: enough to
@@ -357,12 +395,25 @@ impl Gpu {
         out: u64,
         dims: AttentionDims,
     ) -> Result<(), NvidiaError> {
-        let entry = format!("kpt_attention_{}", float_name(dtype)?);
+        let name = float_name(dtype)?;
         let blocks = grid(
             "attention rows",
             dims.rows().div_ceil(ATTENTION_ROWS_PER_BLOCK),
         )?;
-        launch!(self, "attention", entry, blocks; q, k, v, mask, out, dims);
+        let Some(split) = dims.split(dtype) else {
+            let entry = format!("kpt_attention_{name}");
+            launch!(self, "attention", entry, blocks; q, k, v, mask, out, dims);
+            return Ok(());
+        };
+        // Per (row, tile): max, sum, P·V of head_dim floats.
+        let tiles = split.tiles as usize;
+        let part = self.alloc(dims.rows() * tiles * (dims.head_dim as usize + 2) * 4)?;
+        let groups = dims.batch as usize * dims.kv_heads as usize;
+        let split_blocks = grid("attention tiles", groups * tiles)?;
+        let entry = format!("kpt_attention_split_{name}");
+        launch!(self, "attention_split", entry, split_blocks; q, k, v, mask, part.ptr(), split);
+        let entry = format!("kpt_attention_combine_{name}");
+        launch!(self, "attention_split", entry, blocks; part.ptr(), out, split);
         Ok(())
     }
 

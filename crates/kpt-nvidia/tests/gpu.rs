@@ -128,6 +128,59 @@ fn check(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Attention `[batch, seq_q, seq_kv, kv_heads, group, head_dim]` (optionally causal and
+/// with an additive mask) on every device kernel against the f64 reference.
+fn check_attention(
+    [batch, seq_q, seq_kv, kv_heads, group, head_dim]: [usize; 6],
+    causal: bool,
+    with_mask: bool,
+    dt: DType,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let mut rng = SplitMix64::new(seed);
+    let heads = kv_heads * group;
+    let p = kpt_core::graph::AttentionParams {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        causal,
+        scale: None,
+        mask: with_mask,
+    };
+    let mut inputs = vec![
+        random(&mut rng, &[batch, seq_q, heads * head_dim], dt, -2.0, 2.0),
+        random(
+            &mut rng,
+            &[batch, seq_kv, kv_heads * head_dim],
+            dt,
+            -2.0,
+            2.0,
+        ),
+        random(
+            &mut rng,
+            &[batch, seq_kv, kv_heads * head_dim],
+            dt,
+            -2.0,
+            2.0,
+        ),
+    ];
+    if with_mask {
+        // Additive, with whole masked-out keys (-inf) now and then.
+        let m: Vec<f64> = (0..seq_q * seq_kv)
+            .map(|_| {
+                let u = rng.next_f64();
+                if u < 0.1 {
+                    f64::NEG_INFINITY
+                } else {
+                    -2.0 * u
+                }
+            })
+            .collect();
+        inputs.push(Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap());
+    }
+    check(&Op::Attention(p), &inputs)
+}
+
 fn dtype() -> impl Strategy<Value = DType> {
     prop::sample::select(FLOATS.to_vec())
 }
@@ -191,32 +244,17 @@ proptest! {
                  kv_heads in 1usize..3, group in 1usize..4,
                  head_dim in prop::sample::select(vec![1usize, 8, 33, 64, 128, 256]),
                  causal in any::<bool>(), with_mask in any::<bool>(), dt in dtype(), seed: u64) {
-        let mut rng = SplitMix64::new(seed);
-        let heads = kv_heads * group;
-        let p = kpt_core::graph::AttentionParams {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim,
-            causal,
-            scale: None,
-            mask: with_mask,
-        };
-        let mut inputs = vec![
-            random(&mut rng, &[batch, seq_q, heads * head_dim], dt, -2.0, 2.0),
-            random(&mut rng, &[batch, seq_kv, kv_heads * head_dim], dt, -2.0, 2.0),
-            random(&mut rng, &[batch, seq_kv, kv_heads * head_dim], dt, -2.0, 2.0),
-        ];
-        if with_mask {
-            // Additive, with whole masked-out keys (-inf) now and then.
-            let m: Vec<f64> = (0..seq_q * seq_kv)
-                .map(|_| {
-                    let u = rng.next_f64();
-                    if u < 0.1 { f64::NEG_INFINITY } else { -2.0 * u }
-                })
-                .collect();
-            inputs.push(Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap());
-        }
-        check(&Op::Attention(p), &inputs)?;
+        check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], causal, with_mask, dt, seed)?;
+    }
+
+    /// Decode-shaped calls against caches of several tiles: the split-KV kernels.
+    #[test]
+    fn attention_long_cache(batch in 1usize..3, seq_q in 1usize..=16, seq_kv in 65usize..1500,
+                            kv_heads in 1usize..3, group in 1usize..=4,
+                            head_dim in prop::sample::select(vec![8usize, 64, 80, 128, 256]),
+                            causal in any::<bool>(), with_mask in any::<bool>(), dt in dtype(),
+                            seed: u64) {
+        check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], causal, with_mask, dt, seed)?;
     }
 
     #[test]
