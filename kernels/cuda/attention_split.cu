@@ -19,6 +19,8 @@
 // kpt:launch kpt_attention_combine_bf16 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_combine_f16 block=128 shared=0 grid=rows
 
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace {
@@ -27,12 +29,12 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxDim = 256;
 constexpr int kPerLane = kMaxDim / 32;
-// Scaled query rows of one kv group, f32 (16 KiB).
-constexpr int kQFloats = 4096;
-// One tile's K and V, 32-bit words (32 KiB); rows padded by one word (see below).
-constexpr int kKvWords = 8192;
-// Keys per tile at most (two per lane).
-constexpr int kMaxTile = 64;
+// Scaled query rows of one kv group, f32 (8 KiB), and one tile's K and V as 32-bit
+// words (16 KiB; rows padded by one word, see tile_at): 24 KiB a block, so that nine
+// blocks share an SM's shared memory and keep its loads in flight.
+constexpr int kQFloats = 2048;
+constexpr int kKvWords = 4096;
+// A tile holds at most 64 keys, two per lane (kpt-nvidia's SPLIT_MAX_TILE).
 
 using kpt::from_float;
 using kpt::to_float;
@@ -54,6 +56,30 @@ template <typename T>
 __device__ __forceinline__ float tile_at(const unsigned* s, int words, int j, int c) {
     const T* row = reinterpret_cast<const T*>(s + j * words);
     return to_float(row[c]);
+}
+
+// The dot product of a scaled query row with key row `krow` (d elements of T stored
+// as 32-bit words), one word at a time.
+template <typename T>
+__device__ __forceinline__ float dot_row(const float* qr, const unsigned* krow, int d) {
+    float acc = 0.0f;
+    if constexpr (sizeof(T) == 4) {
+        for (int c = 0; c < d; ++c) acc = fmaf(qr[c], __uint_as_float(krow[c]), acc);
+    } else {
+        for (int w = 0; w < d / 2; ++w) {
+            const unsigned x = krow[w];
+            float lo, hi;
+            if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+                lo = __uint_as_float(x << 16);
+                hi = __uint_as_float(x & 0xffff0000u);
+            } else {
+                lo = __half2float(__ushort_as_half(static_cast<unsigned short>(x & 0xffffu)));
+                hi = __half2float(__ushort_as_half(static_cast<unsigned short>(x >> 16)));
+            }
+            acc = fmaf(qr[2 * w], lo, fmaf(qr[2 * w + 1], hi, acc));
+        }
+    }
+    return acc;
 }
 
 template <typename T>
@@ -113,9 +139,7 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
             const int j = lane + 32 * u;
             s[u] = -INFINITY;
             if (j < limit) {
-                float acc = 0.0f;
-                for (int c = 0; c < d; ++c) acc = fmaf(qr[c], tile_at<T>(ks, words, j, c), acc);
-                s[u] = acc + (mrow ? mrow[j] : 0.0f);
+                s[u] = dot_row<T>(qr, ks + j * words, d) + (mrow ? mrow[j] : 0.0f);
             }
             m = fmaxf(m, s[u]);
         }

@@ -215,9 +215,10 @@ impl AttentionDims {
     }
 }
 
-/// Shared-memory budgets of `attention_split.cu` (its kQFloats, kKvWords, kMaxTile).
-const SPLIT_Q_FLOATS: usize = 4096;
-const SPLIT_KV_WORDS: usize = 8192;
+/// Shared-memory budgets of `attention_split.cu` (its kQFloats and kKvWords) and its
+/// largest tile (two keys per lane).
+const SPLIT_Q_FLOATS: usize = 2048;
+const SPLIT_KV_WORDS: usize = 4096;
 const SPLIT_MAX_TILE: usize = 64;
 
 /// Sizes of one split-KV attention call (the kernel's `SplitDims`).
