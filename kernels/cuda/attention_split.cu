@@ -2,19 +2,20 @@
 // same contract as attention.cu (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right
 // causal; q and out [batch, seq_q, heads * d], k and v [batch, seq_kv, kv_heads * d]).
 //
-// kpt_attention_split_*: one block per (batch, kv head, tile of keys). The block copies
-// the tile's K and V into shared memory once (16-byte global loads) and scores them
-// against every query row of that kv head's group (seq_q x heads / kv_heads rows, kept
-// scaled in shared memory), so the cache is read once per kv head instead of once per
-// query head. Each (row, tile) leaves its max, its sum of exponentials and its
-// unnormalized P.V in a f32 workspace. kpt_attention_combine_* merges the tiles of each
-// row (one warp per row) and writes the output. The host takes this path when the
+// kpt_attention_split_*: one block per (batch, kv head, run of key tiles). For each tile
+// the block copies K and V into shared memory once (16-byte global loads) and scores
+// them against every query row of that kv head's group (seq_q x heads / kv_heads rows,
+// kept scaled in shared memory), so the cache is read once per kv head instead of once
+// per query head; each warp keeps an online softmax for its rows across the run. Each
+// (row, run) leaves its max, its sum of exponentials and its unnormalized P.V in a f32
+// workspace. kpt_attention_combine_* merges the runs of each row (one warp per row) and
+// writes the output. The host takes this path when the
 // group's queries fit kQFloats, d * sizeof(T) is a multiple of 16 and the cache spans
 // at least two tiles; see kpt-nvidia's `Gpu::attention`.
 //
-// kpt:launch kpt_attention_split_f32 block=128 shared=0 grid=tiles
-// kpt:launch kpt_attention_split_bf16 block=128 shared=0 grid=tiles
-// kpt:launch kpt_attention_split_f16 block=128 shared=0 grid=tiles
+// kpt:launch kpt_attention_split_f32 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_bf16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_f16 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_combine_f32 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_combine_bf16 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_combine_f16 block=128 shared=0 grid=rows
@@ -35,6 +36,8 @@ constexpr int kPerLane = kMaxDim / 32;
 constexpr int kQFloats = 2048;
 constexpr int kKvWords = 4096;
 // A tile holds at most 64 keys, two per lane (kpt-nvidia's SPLIT_MAX_TILE).
+// Query rows of a kv group a warp keeps running sums for (kpt-nvidia's SPLIT_MAX_ROWS / 4).
+constexpr int kRowsPerWarp = 8;
 
 using kpt::from_float;
 using kpt::to_float;
@@ -46,7 +49,7 @@ struct Dims {
 };
 struct SplitDims {
     Dims p;
-    int tile, tiles;
+    int tile, tiles, splits;
 };
 
 // Element c of row j of a tile stored with `words` 32-bit words per row. The extra word
@@ -90,11 +93,12 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
     __shared__ unsigned kv[kKvWords];
     const Dims& p = sd.p;
     const int d = p.head_dim, group = p.heads / p.kv_heads, rows = p.seq_q * group;
-    const int t = static_cast<int>(blockIdx.x % sd.tiles);
-    const long bg = blockIdx.x / sd.tiles;  // b * kv_heads + g
+    const int split = static_cast<int>(blockIdx.x % sd.splits);
+    const long bg = blockIdx.x / sd.splits;  // b * kv_heads + g
     const int g = static_cast<int>(bg % p.kv_heads);
     const long b = bg / p.kv_heads;
-    const int j0 = t * sd.tile, nk = min(sd.tile, p.seq_kv - j0);
+    const int per = (sd.tiles + sd.splits - 1) / sd.splits;
+    const int t0 = split * per, t1 = min(sd.tiles, t0 + per);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     // Query rows r = i * group + hh (query i, head g * group + hh), scaled.
@@ -103,59 +107,69 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
         const long qo = ((b * p.seq_q + i) * p.heads + g * group + hh) * static_cast<long>(d) + c;
         qs[x] = to_float(q[qo]) * p.scale;
     }
-    // The tile's K then V rows, 16 bytes at a time (d * sizeof(T) is a multiple of 16).
+    // Running max, sum and P.V of this warp's rows r = warp + kWarps * ri.
+    float m[kRowsPerWarp], l[kRowsPerWarp], o[kRowsPerWarp][kPerLane];
+#pragma unroll
+    for (int ri = 0; ri < kRowsPerWarp; ++ri) {
+        m[ri] = -INFINITY;
+        l[ri] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kPerLane; ++c) o[ri][c] = 0.0f;
+    }
     const int words = d * static_cast<int>(sizeof(T)) / 4 + 1;
     const int chunks = d * static_cast<int>(sizeof(T)) / 16;
     const long kv_row = static_cast<long>(p.kv_heads) * d;
-    const long base = (b * p.seq_kv + j0) * kv_row + static_cast<long>(g) * d;
     unsigned* ks = kv;
     unsigned* vs = kv + sd.tile * words;
-    for (int x = threadIdx.x; x < 2 * nk * chunks; x += kThreads) {
-        const int which = x / (nk * chunks), y = x % (nk * chunks);
-        const int j = y / chunks, ch = y % chunks;
-        const T* src = (which == 0 ? k : v) + base + j * kv_row;
-        const uint4 w = reinterpret_cast<const uint4*>(src)[ch];
-        unsigned* dst = (which == 0 ? ks : vs) + j * words + ch * 4;
-        dst[0] = w.x;
-        dst[1] = w.y;
-        dst[2] = w.z;
-        dst[3] = w.w;
-    }
-    __syncthreads();
-
-    const int stride = d + 2;
-    for (int r = warp; r < rows; r += kWarps) {
-        const int i = r / group, h = g * group + r % group;
-        int limit = nk;
-        if (p.causal) {
-            const long l = static_cast<long>(i) + 1 + p.seq_kv - p.seq_q - j0;
-            limit = l < 0 ? 0 : (l > nk ? nk : static_cast<int>(l));
+    for (int t = t0; t < t1; ++t) {
+        const int j0 = t * sd.tile, nk = min(sd.tile, p.seq_kv - j0);
+        const long base = (b * p.seq_kv + j0) * kv_row + static_cast<long>(g) * d;
+        __syncthreads();  // the previous tile is consumed
+        // K and V rows, 16 bytes at a time (d * sizeof(T) is a multiple of 16).
+        for (int x = threadIdx.x; x < nk * chunks; x += kThreads) {
+            const int j = x / chunks, ch = x % chunks;
+            const long off = base + j * kv_row;
+            const uint4 wk = reinterpret_cast<const uint4*>(k + off)[ch];
+            const uint4 wv = reinterpret_cast<const uint4*>(v + off)[ch];
+            unsigned* dk = ks + j * words + ch * 4;
+            unsigned* dv = vs + j * words + ch * 4;
+            dk[0] = wk.x, dk[1] = wk.y, dk[2] = wk.z, dk[3] = wk.w;
+            dv[0] = wv.x, dv[1] = wv.y, dv[2] = wv.z, dv[3] = wv.w;
         }
-        const float* mrow = mask ? mask + static_cast<long>(i) * p.seq_kv + j0 : nullptr;
-        const float* qr = qs + r * d;
-        float s[2], m = -INFINITY;
+        __syncthreads();
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int j = lane + 32 * u;
-            s[u] = -INFINITY;
-            if (j < limit) {
-                s[u] = dot_row<T>(qr, ks + j * words, d) + (mrow ? mrow[j] : 0.0f);
+        for (int ri = 0; ri < kRowsPerWarp; ++ri) {
+            const int r = warp + kWarps * ri;
+            if (r >= rows) break;
+            const int i = r / group;
+            int limit = nk;
+            if (p.causal) {
+                const long vis = static_cast<long>(i) + 1 + p.seq_kv - p.seq_q - j0;
+                limit = vis < 0 ? 0 : (vis > nk ? nk : static_cast<int>(vis));
             }
-            m = fmaxf(m, s[u]);
-        }
-        m = kpt::warp_max(m);
-        float l = 0.0f;
-        float o[kPerLane];
-#pragma unroll
-        for (int c = 0; c < kPerLane; ++c) o[c] = 0.0f;
-        if (m != -INFINITY) {
-            float pj[2];
+            const float* mrow = mask ? mask + static_cast<long>(i) * p.seq_kv + j0 : nullptr;
+            const float* qr = qs + r * d;
+            float s[2], mt = -INFINITY;
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
-                pj[u] = s[u] == -INFINITY ? 0.0f : __expf(s[u] - m);
-                l += pj[u];
+                const int j = lane + 32 * u;
+                s[u] = j < limit ? dot_row<T>(qr, ks + j * words, d) + (mrow ? mrow[j] : 0.0f)
+                                 : -INFINITY;
+                mt = fmaxf(mt, s[u]);
             }
-            l = kpt::warp_sum(l);
+            const float m_new = fmaxf(m[ri], kpt::warp_max(mt));
+            if (m_new == -INFINITY) continue;  // nothing visible yet (uniform over the warp)
+            const float alpha = m[ri] == -INFINITY ? 0.0f : __expf(m[ri] - m_new);
+            float pj[2], sum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                pj[u] = s[u] == -INFINITY ? 0.0f : __expf(s[u] - m_new);
+                sum += pj[u];
+            }
+            l[ri] = l[ri] * alpha + kpt::warp_sum(sum);
+            m[ri] = m_new;
+#pragma unroll
+            for (int c = 0; c < kPerLane; ++c) o[ri][c] *= alpha;
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
                 const int n = min(32, limit - 32 * u);
@@ -164,21 +178,27 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
                     for (int c = 0; c < kPerLane; ++c) {
                         const int dim = lane + 32 * c;
-                        if (dim < d) o[c] = fmaf(pt, tile_at<T>(vs, words, 32 * u + jj, dim), o[c]);
+                        if (dim < d) o[ri][c] = fmaf(pt, tile_at<T>(vs, words, 32 * u + jj, dim), o[ri][c]);
                     }
                 }
             }
         }
-        const long row = (b * p.seq_q + i) * p.heads + h;
-        float* out = part + (row * sd.tiles + t) * stride;
+    }
+    const int stride = d + 2;
+#pragma unroll
+    for (int ri = 0; ri < kRowsPerWarp; ++ri) {
+        const int r = warp + kWarps * ri;
+        if (r >= rows) break;
+        const long row = (b * p.seq_q + r / group) * p.heads + g * group + r % group;
+        float* out = part + (row * sd.splits + split) * stride;
         if (lane == 0) {
-            out[0] = m;
-            out[1] = l;
+            out[0] = m[ri];
+            out[1] = l[ri];
         }
 #pragma unroll
         for (int c = 0; c < kPerLane; ++c) {
             const int dim = lane + 32 * c;
-            if (dim < d) out[2 + dim] = o[c];
+            if (dim < d) out[2 + dim] = o[ri][c];
         }
     }
 }
@@ -190,16 +210,16 @@ __device__ void combine(const float* __restrict__ part, T* __restrict__ out, con
     const long row = static_cast<long>(blockIdx.x) * kWarps + warp;
     if (row >= static_cast<long>(p.batch) * p.seq_q * p.heads) return;
     const int stride = d + 2;
-    const float* pr = part + row * sd.tiles * stride;
+    const float* pr = part + row * sd.splits * stride;
     float m = -INFINITY;
-    for (int t = lane; t < sd.tiles; t += 32) m = fmaxf(m, pr[t * stride]);
+    for (int t = lane; t < sd.splits; t += 32) m = fmaxf(m, pr[t * stride]);
     m = kpt::warp_max(m);
     float l = 0.0f;
     float o[kPerLane];
 #pragma unroll
     for (int c = 0; c < kPerLane; ++c) o[c] = 0.0f;
     if (m != -INFINITY) {
-        for (int t = 0; t < sd.tiles; ++t) {
+        for (int t = 0; t < sd.splits; ++t) {
             const float mt = pr[t * stride];
             if (mt == -INFINITY) continue;
             const float w = __expf(mt - m);

@@ -195,22 +195,26 @@ impl AttentionDims {
     }
 
     /// The split-KV plan for these sizes (`kernels/cuda/attention_split.cu`), or `None`
-    /// when the general kernel should run: the kv group's queries must fit the split
-    /// kernel's shared memory, rows must be whole 16-byte vectors, and the cache must
-    /// span at least two tiles.
+    /// when the general kernel should run: the kv group's query rows must fit the split
+    /// kernel's shared memory and registers, rows must be whole 16-byte vectors, and the
+    /// cache must span at least two tiles. Tiles are dealt out in runs so that about
+    /// [`SPLIT_TARGET_BLOCKS`] blocks share the work.
     fn split(&self, dtype: DType) -> Option<SplitDims> {
         let (d, size) = (self.head_dim as usize, dtype.size_in_bytes());
-        let group = (self.heads / self.kv_heads) as usize;
-        if self.seq_q as usize * group * d > SPLIT_Q_FLOATS || !(d * size).is_multiple_of(16) {
+        let rows = self.seq_q as usize * (self.heads / self.kv_heads) as usize;
+        if rows > SPLIT_MAX_ROWS || rows * d > SPLIT_Q_FLOATS || !(d * size).is_multiple_of(16) {
             return None;
         }
         let words = d * size / 4 + 1;
         let tile = (SPLIT_KV_WORDS / (2 * words)).min(SPLIT_MAX_TILE);
         let tiles = (self.seq_kv as usize).div_ceil(tile);
+        let groups = self.batch as usize * self.kv_heads as usize;
+        let per = tiles.div_ceil(SPLIT_TARGET_BLOCKS.div_ceil(groups).clamp(1, tiles));
         (tiles >= 2).then_some(SplitDims {
             dims: *self,
             tile: tile as i32,
             tiles: tiles as i32,
+            splits: tiles.div_ceil(per) as i32,
         })
     }
 }
@@ -220,6 +224,10 @@ impl AttentionDims {
 const SPLIT_Q_FLOATS: usize = 2048;
 const SPLIT_KV_WORDS: usize = 4096;
 const SPLIT_MAX_TILE: usize = 64;
+/// Query rows of one kv group the split kernel takes (4 warps x kRowsPerWarp).
+const SPLIT_MAX_ROWS: usize = 32;
+/// Blocks the split kernel aims for (about nine per SM on an H100).
+const SPLIT_TARGET_BLOCKS: usize = 1024;
 
 /// Sizes of one split-KV attention call (the kernel's `SplitDims`).
 #[repr(C)]
@@ -228,9 +236,10 @@ struct SplitDims {
     dims: AttentionDims,
     tile: i32,
     tiles: i32,
+    splits: i32,
 }
 
-// SAFETY: `repr(C)` of an `AttentionDims` and two i32, laid out like the kernel's
+// SAFETY: `repr(C)` of an `AttentionDims` and three i32, laid out like the kernel's
 // `SplitDims`; any bit pattern is a valid value.
 unsafe impl cudarc::driver::DeviceRepr for SplitDims {}
 
@@ -406,11 +415,11 @@ impl Gpu {
             launch!(self, "attention", entry, blocks; q, k, v, mask, out, dims);
             return Ok(());
         };
-        // Per (row, tile): max, sum, P·V of head_dim floats.
-        let tiles = split.tiles as usize;
-        let part = self.alloc(dims.rows() * tiles * (dims.head_dim as usize + 2) * 4)?;
+        // Per (row, run of tiles): max, sum, P·V of head_dim floats.
+        let splits = split.splits as usize;
+        let part = self.alloc(dims.rows() * splits * (dims.head_dim as usize + 2) * 4)?;
         let groups = dims.batch as usize * dims.kv_heads as usize;
-        let split_blocks = grid("attention tiles", groups * tiles)?;
+        let split_blocks = grid("attention splits", groups * splits)?;
         let entry = format!("kpt_attention_split_{name}");
         launch!(self, "attention_split", entry, split_blocks; q, k, v, mask, part.ptr(), split);
         let entry = format!("kpt_attention_combine_{name}");
