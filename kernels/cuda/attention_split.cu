@@ -62,13 +62,16 @@ __device__ __forceinline__ float tile_at(const unsigned* s, int words, int j, in
 }
 
 // The dot product of a scaled query row with key row `krow` (d elements of T stored
-// as 32-bit words), one word at a time.
+// as 32-bit words), one word at a time into four independent sums (the chain of one
+// sum would bound the loop by FMA latency).
 template <typename T>
 __device__ __forceinline__ float dot_row(const float* qr, const unsigned* krow, int d) {
-    float acc = 0.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if constexpr (sizeof(T) == 4) {
-        for (int c = 0; c < d; ++c) acc = fmaf(qr[c], __uint_as_float(krow[c]), acc);
+#pragma unroll 4
+        for (int c = 0; c < d; ++c) acc[c & 3] = fmaf(qr[c], __uint_as_float(krow[c]), acc[c & 3]);
     } else {
+#pragma unroll 4
         for (int w = 0; w < d / 2; ++w) {
             const unsigned x = krow[w];
             float lo, hi;
@@ -79,10 +82,10 @@ __device__ __forceinline__ float dot_row(const float* qr, const unsigned* krow, 
                 lo = __half2float(__ushort_as_half(static_cast<unsigned short>(x & 0xffffu)));
                 hi = __half2float(__ushort_as_half(static_cast<unsigned short>(x >> 16)));
             }
-            acc = fmaf(qr[2 * w], lo, fmaf(qr[2 * w + 1], hi, acc));
+            acc[w & 3] = fmaf(qr[2 * w], lo, fmaf(qr[2 * w + 1], hi, acc[w & 3]));
         }
     }
-    return acc;
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
 template <typename T>
@@ -173,6 +176,7 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
                 const int n = min(32, limit - 32 * u);
+#pragma unroll 4
                 for (int jj = 0; jj < n; ++jj) {
                     const float pt = __shfl_sync(0xffffffffu, pj[u], jj);
 #pragma unroll
