@@ -209,8 +209,11 @@ impl AttentionDims {
         let tile = (SPLIT_KV_WORDS / (2 * words)).min(SPLIT_MAX_TILE);
         let tiles = (self.seq_kv as usize).div_ceil(tile);
         let groups = self.batch as usize * self.kv_heads as usize;
+        if tiles < 2 || groups == 0 {
+            return None;
+        }
         let per = tiles.div_ceil(SPLIT_TARGET_BLOCKS.div_ceil(groups).clamp(1, tiles));
-        (tiles >= 2).then_some(SplitDims {
+        Some(SplitDims {
             dims: *self,
             tile: tile as i32,
             tiles: tiles as i32,
