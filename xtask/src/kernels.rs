@@ -187,10 +187,15 @@ fn nvcc(python: &Path) -> Result<(PathBuf, String)> {
     Ok((nvcc, v))
 }
 
+/// The CUDA 12.0 assembler of the kernels venv (`nvidia-cuda-nvcc-cu12`).
+fn ptxas12(python: &Path) -> Result<PathBuf> {
+    Ok(site_packages(python)?.join("nvidia/cuda_nvcc/bin/ptxas"))
+}
+
 /// Sets the `.version` of the PTX in `file` to [`PTX_ISA`] and has the CUDA 12.0
-/// assembler (`ptxas`, from the kernels venv) compile it for `sm_80`, so that a PTX
-/// using anything newer than that ISA fails the build instead of a user's JIT.
-fn lower_ptx(python: &Path, file: &Path) -> Result<()> {
+/// assembler `ptxas` compile it for `sm_80`, so that a PTX using anything newer than
+/// that ISA fails the build instead of a user's JIT.
+fn lower_ptx(ptxas: &Path, file: &Path) -> Result<()> {
     let text = std::fs::read_to_string(file)?;
     let mut lowered = String::with_capacity(text.len());
     let mut found = false;
@@ -207,8 +212,7 @@ fn lower_ptx(python: &Path, file: &Path) -> Result<()> {
         bail!("{}: no .version directive", rel(file));
     }
     std::fs::write(file, lowered)?;
-    let ptxas = site_packages(python)?.join("nvidia/cuda_nvcc/bin/ptxas");
-    let out = Command::new(&ptxas)
+    let out = Command::new(ptxas)
         .args(["-arch=sm_80", "-o", "/dev/null"])
         .arg(file)
         .output()
@@ -258,7 +262,7 @@ fn artifact(
 }
 
 /// Compiles every `kernels/cuda/*.cu` for [`CUDA_TARGETS`] into `manifest`.
-fn build_cuda(python: &Path, manifest: &mut Manifest) -> Result<()> {
+fn build_cuda(python: &Path, ptxas: &Path, manifest: &mut Manifest) -> Result<()> {
     let (nvcc, version) = nvcc(python)?;
     let include = nvcc
         .parent()
@@ -298,7 +302,7 @@ fn build_cuda(python: &Path, manifest: &mut Manifest) -> Result<()> {
                 bail!("nvcc failed on {} for {target}", rel(&src));
             }
             if format == "ptx" {
-                lower_ptx(python, &out)?;
+                lower_ptx(ptxas, &out)?;
             }
             artifacts.push(artifact(&out, target, format, &entry_points)?);
         }
@@ -340,7 +344,7 @@ struct TritonArtifact {
 
 /// Compiles every specialization that `kernels/triton/*.py` lists into `manifest` (one
 /// kernel entry per specialization, each with its cubins and PTX).
-fn build_triton(python: &Path, manifest: &mut Manifest) -> Result<()> {
+fn build_triton(python: &Path, ptxas: &Path, manifest: &mut Manifest) -> Result<()> {
     let out_dir = artifacts_dir().join("triton");
     std::fs::create_dir_all(&out_dir)?;
     let driver = root().join("xtask/triton/aot.py");
@@ -373,7 +377,7 @@ fn build_triton(python: &Path, manifest: &mut Manifest) -> Result<()> {
                 .map(|a| {
                     let file = out_dir.join(&a.file);
                     if a.format == "ptx" {
-                        lower_ptx(python, &file)?;
+                        lower_ptx(ptxas, &file)?;
                     }
                     artifact(&file, &a.target, &a.format, &entry_points)
                 })
@@ -394,8 +398,9 @@ fn build_triton(python: &Path, manifest: &mut Manifest) -> Result<()> {
 pub fn build_kernels() -> Result<()> {
     let python = toolchain_python()?;
     let mut manifest = Manifest::default();
-    build_cuda(&python, &mut manifest)?;
-    build_triton(&python, &mut manifest)?;
+    let ptxas = ptxas12(&python)?;
+    build_cuda(&python, &ptxas, &mut manifest)?;
+    build_triton(&python, &ptxas, &mut manifest)?;
     let json = serde_json::to_string_pretty(&manifest)? + "\n";
     std::fs::write(manifest_path(), json)?;
     eprintln!(
