@@ -71,13 +71,16 @@ pub fn tolerance(op: &Op, dtype: DType, k: usize) -> Tolerance {
         | Op::Dequantize { .. }
         | Op::Cast { .. }
         | Op::Concat { .. }
+        | Op::Split { .. }
         | Op::Embedding => 2.0,
         _ => 16.0,
     };
     // Activations are evaluated in f32 with fast exp / tanh (kpt's kernels and
     // cuBLASLt's GELU epilogue alike): up to ~70 f32 ulps on top of the rounding.
     let act = match op {
-        Op::Activation { .. } | Op::LinearAct { .. } => 128.0 * DType::F32.epsilon(),
+        Op::Activation { .. } | Op::LinearAct { .. } | Op::ActAndMul { .. } => {
+            128.0 * DType::F32.epsilon()
+        }
         _ => 0.0,
     };
     let t = c * eps * (k as f64).sqrt().max(1.0) + act;

@@ -3,8 +3,8 @@
 use kpt_core::graph::{Activation, Graph, Op, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
 use kpt_core::optimize::{
-    auto_optimize, fuse_add_layer_norm, fuse_add_rms_norm, fuse_linear_activation, plan_memory,
-    KernelChoice, KernelSelector, PrecisionPolicy,
+    auto_optimize, fuse_add_layer_norm, fuse_add_rms_norm, fuse_gated_mlp, fuse_linear_activation,
+    fuse_sibling_linears, plan_memory, KernelChoice, KernelSelector, PrecisionPolicy,
 };
 use kpt_core::{DType, KptError, OptLevel, Result, Tensor};
 
@@ -316,7 +316,9 @@ fn optimization_is_deterministic_and_reports_every_pass() {
     assert_eq!(
         passes,
         [
+            "fuse_gated_mlp",
             "fuse_linear_activation",
+            "fuse_sibling_linears",
             "fuse_add_rms_norm",
             "fuse_add_layer_norm",
             "precision",
@@ -399,4 +401,145 @@ fn memory_plan_reuses_dead_buffers_but_never_outputs() {
     let p = plan_memory(&later);
     assert_ne!(p.slot_of[a.0], p.slot_of[c.0]);
     assert_ne!(p.slot_of[a.0], p.slot_of[b.0]);
+}
+
+/// Attention projections: q, k, v with biases read `x`; `o` reads `y`, and `extra`
+/// reads `x` without a bias.
+fn projections() -> Graph {
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[3, 8]);
+    let y = g.input("y", DType::F32, &[3, 8]);
+    let bias = |n: usize| Tensor::from_vec((0..n).map(|i| i as f32).collect(), &[n]).unwrap();
+    let mut outs = Vec::new();
+    for (name, n) in [("q", 8), ("k", 4), ("v", 4)] {
+        let w = g.param(format!("attn.w{name}"), weight(n, 8));
+        let b = g.param(format!("attn.b{name}"), bias(n));
+        outs.push(
+            g.op(
+                format!("attn.{name}"),
+                Op::Linear { bias: true },
+                &[x, w, b],
+            )
+            .unwrap(),
+        );
+    }
+    let wo = g.param("attn.wo", weight(8, 8));
+    outs.push(
+        g.op("attn.o", Op::Linear { bias: false }, &[y, wo])
+            .unwrap(),
+    );
+    let we = g.param("extra.w", weight(2, 8));
+    outs.push(g.op("extra", Op::Linear { bias: false }, &[x, we]).unwrap());
+    for o in outs {
+        g.output(o).unwrap();
+    }
+    g
+}
+
+#[test]
+fn sibling_linears_merge_into_one_linear_and_a_split() {
+    let (g, report) = fuse_sibling_linears(&projections()).unwrap();
+    assert_eq!(
+        report.changes,
+        vec!["attn.q+k+v -> linear + split".to_string()]
+    );
+    let kinds: Vec<String> = g.nodes().iter().map(|n| n.op.kind().to_string()).collect();
+    assert_eq!(kinds, ["linear", "split", "linear", "linear"]);
+    let merged = &g.nodes()[0];
+    assert_eq!(merged.name, "attn.q+k+v");
+    let (w, b) = (merged.inputs[1], merged.inputs[2]);
+    assert_eq!(g.value(w).name, "attn.wq+wk+wv");
+    assert_eq!(g.spec(w).unwrap().shape, [16, 8]);
+    let bias: Vec<f64> = g.param_tensor(b).unwrap().to_f64_vec();
+    let want: Vec<f64> = [0..8, 0..4, 0..4]
+        .into_iter()
+        .flatten()
+        .map(f64::from)
+        .collect();
+    assert_eq!(bias, want);
+    // Rows 8..12 of the merged weight are k's weight.
+    let wm = g.param_tensor(w).unwrap().to_f64_vec();
+    assert_eq!(wm[8 * 8..12 * 8], weight(4, 8).to_f64_vec()[..]);
+    assert_eq!(
+        g.nodes()[1].op,
+        Op::Split {
+            axis: 1,
+            sizes: vec![8, 4, 4]
+        }
+    );
+    // The graph outputs are the split's parts, in the original order.
+    assert_eq!(&g.outputs()[..3], &g.nodes()[1].outputs[..]);
+    // Nothing left to merge: the pass is idempotent.
+    let (again, report) = fuse_sibling_linears(&g).unwrap();
+    assert!(report.changes.is_empty());
+    assert_eq!(again, g);
+}
+
+/// LLaMA's MLP: down(silu(gate(x)) * up(x)); `leak` also returns the gate.
+fn gated_mlp(leak: bool) -> Graph {
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[3, 8]);
+    let wg = g.param("mlp.gate.w", weight(16, 8));
+    let wu = g.param("mlp.up.w", weight(16, 8));
+    let wd = g.param("mlp.down.w", weight(8, 16));
+    let gate = g
+        .op("mlp.gate", Op::Linear { bias: false }, &[x, wg])
+        .unwrap();
+    let act = Op::Activation {
+        act: Activation::Silu,
+    };
+    let a = g.op("mlp.act", act, &[gate]).unwrap();
+    let up = g
+        .op("mlp.up", Op::Linear { bias: false }, &[x, wu])
+        .unwrap();
+    // The product with the operands swapped: the pass must see both orders.
+    let m = g.op("mlp.mul", Op::Mul, &[up, a]).unwrap();
+    let y = g
+        .op("mlp.down", Op::Linear { bias: false }, &[m, wd])
+        .unwrap();
+    g.output(y).unwrap();
+    if leak {
+        g.output(gate).unwrap();
+    }
+    g
+}
+
+#[test]
+fn gated_mlp_becomes_one_linear_and_act_and_mul() {
+    let (g, report) = fuse_gated_mlp(&gated_mlp(false)).unwrap();
+    assert_eq!(
+        report.changes,
+        vec!["mlp.gate+up + mlp.act + mlp.mul -> linear + act_and_mul(silu)".to_string()]
+    );
+    let kinds: Vec<String> = g.nodes().iter().map(|n| n.op.to_string()).collect();
+    assert_eq!(kinds, ["linear", "act_and_mul(silu)", "linear"]);
+    let w = g.nodes()[0].inputs[1];
+    assert_eq!(g.spec(w).unwrap().shape, [32, 8]);
+    assert_eq!(g.spec(g.nodes()[1].outputs[0]).unwrap().shape, [3, 16]);
+    // The gate is a graph output: nothing may be fused.
+    let leaky = gated_mlp(true);
+    let (g, report) = fuse_gated_mlp(&leaky).unwrap();
+    assert!(report.changes.is_empty());
+    assert_eq!(ops(&g), ops(&leaky));
+}
+
+#[test]
+fn auto_optimize_merges_projections_at_every_level() {
+    for level in OptLevel::ALL {
+        let plan = auto_optimize(
+            &gated_mlp(false),
+            level,
+            &PrecisionPolicy::default(),
+            &Selector { reject: vec![] },
+            &device(),
+        )
+        .unwrap();
+        let hist = plan.graph.op_histogram();
+        assert_eq!(
+            hist.get(&kpt_core::graph::OpKind::ActAndMul),
+            Some(&1),
+            "{level:?}"
+        );
+        assert_eq!(hist.get(&kpt_core::graph::OpKind::Mul), None, "{level:?}");
+    }
 }

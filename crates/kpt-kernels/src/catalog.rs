@@ -135,6 +135,25 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             ],
             "block copies",
         ),
+        k(
+            "cpu.split",
+            Split,
+            &[
+                DType::F64,
+                DType::F32,
+                DType::F16,
+                DType::BF16,
+                DType::I32,
+                DType::I64,
+            ],
+            "block copies",
+        ),
+        k(
+            "cpu.act_and_mul",
+            ActAndMul,
+            F32,
+            "SIMD gated activation (SwiGLU/GeGLU), rows in parallel",
+        ),
     ]
 }
 
@@ -259,6 +278,18 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             "one strided 2D device copy per input",
         ),
         k(
+            "cuda.split",
+            Split,
+            &[DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64],
+            "one strided 2D device copy per output",
+        ),
+        k(
+            "cuda.act_and_mul",
+            ActAndMul,
+            CUDA_FLOATS,
+            "vectorized gated activation (SwiGLU/GeGLU)",
+        ),
+        k(
             "triton.rms_norm",
             RmsNorm,
             CUDA_FLOATS,
@@ -295,7 +326,7 @@ pub fn reference_kernels() -> Vec<KernelDef> {
     OpKind::ALL
         .into_iter()
         .map(|op| {
-            let dtypes = if op == OpKind::Concat {
+            let dtypes = if matches!(op, OpKind::Concat | OpKind::Split) {
                 &[
                     DType::F64,
                     DType::F32,

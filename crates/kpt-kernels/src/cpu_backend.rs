@@ -489,6 +489,11 @@ impl CpuBackend {
                 _ => self.run_reference(op, inputs, outputs),
             },
             Op::Concat { axis } => concat(inputs, out0, *axis),
+            Op::Split { axis, .. } => split(op, &inputs[0], outputs, *axis),
+            Op::ActAndMul { act: a } => {
+                let n = out0.spec.shape.last().copied().unwrap_or(0);
+                cpu::elementwise::act_and_mul(input(&inputs[0])?, output(out0)?, n, act(*a))
+            }
         }
     }
 }
@@ -539,6 +544,56 @@ fn concat(inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>, axis: usize) -> Res
         DType::I64 => run!(i64),
         d => Err(KptError::dtype(
             "cpu.concat",
+            "f64, f32, f16, bf16, i32 or i64",
+            d,
+        )),
+    }
+}
+
+/// Split along `axis` into `outputs` (which must have the specs `op` infers), as
+/// contiguous block copies.
+fn split(op: &Op, x: &BufferRef<'_>, outputs: &mut [BufferMut<'_>], axis: usize) -> Result<()> {
+    let expected = op.infer(std::slice::from_ref(x.spec))?;
+    if expected.len() != outputs.len()
+        || expected
+            .iter()
+            .zip(outputs.iter())
+            .any(|(e, o)| e != o.spec)
+    {
+        return Err(KptError::Graph(format!(
+            "{op}: {} outputs do not match the {} inferred ones",
+            outputs.len(),
+            expected.len()
+        )));
+    }
+    let shape = &x.spec.shape;
+    let outer: usize = shape[..axis].iter().product();
+    let inner: usize = shape[axis + 1..].iter().product();
+    let row = shape[axis] * inner;
+    macro_rules! run {
+        ($t:ty) => {{
+            let x = input::<$t>(x)?;
+            let mut start = 0;
+            for out in outputs.iter_mut() {
+                let n = out.spec.shape[axis] * inner;
+                let o = output::<$t>(out)?;
+                for i in 0..outer {
+                    o[i * n..(i + 1) * n].copy_from_slice(&x[i * row + start..][..n]);
+                }
+                start += n;
+            }
+            Ok(())
+        }};
+    }
+    match x.spec.dtype {
+        DType::F32 => run!(f32),
+        DType::BF16 => run!(bf16),
+        DType::F16 => run!(f16),
+        DType::F64 => run!(f64),
+        DType::I32 => run!(i32),
+        DType::I64 => run!(i64),
+        d => Err(KptError::dtype(
+            "cpu.split",
             "f64, f32, f16, bf16, i32 or i64",
             d,
         )),

@@ -188,6 +188,27 @@ impl ReferenceOps for CpuReference {
                     row[na..].copy_from_slice(&x[1][o * nb..(o + 1) * nb]);
                 }
             }
+            Op::Split { axis, sizes } => {
+                let s = first.shape();
+                let inner: usize = s[axis + 1..].iter().product();
+                let row = s[*axis] * inner;
+                let mut start = 0;
+                for (out, &size) in outs.iter_mut().zip(sizes) {
+                    let n = size * inner;
+                    if n == 0 {
+                        continue;
+                    }
+                    // n > 0, so row >= n > 0.
+                    for (o, chunk) in out.chunks_exact_mut(n).zip(x[0].chunks(row)) {
+                        o.copy_from_slice(&chunk[start..start + n]);
+                    }
+                    start += n;
+                }
+            }
+            Op::ActAndMul { act: a } => {
+                let n = first.shape().last().copied().unwrap_or(0) / 2;
+                r::act_and_mul(&x[0], &mut outs[0], n, act(*a))?
+            }
         }
         outs.into_iter()
             .zip(out_specs)

@@ -151,6 +151,105 @@ fn linear_bias_gelu_fuses_and_validates_at_every_level() {
     }
 }
 
+/// LLaMA's projections: q/k/v of one input, o, and the gated (SwiGLU) MLP.
+fn projections_graph(rng: &mut Rng) -> Graph {
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[1, 5, 16]);
+    let mut w = |g: &mut Graph, name: &str, n: usize, k: usize| {
+        g.param(name, tensor(rng, &[n, k], -0.4, 0.4))
+    };
+    let (wq, wk, wv) = (
+        w(&mut g, "wq", 16, 16),
+        w(&mut g, "wk", 8, 16),
+        w(&mut g, "wv", 8, 16),
+    );
+    let (wg, wu, wd) = (
+        w(&mut g, "wg", 24, 16),
+        w(&mut g, "wu", 24, 16),
+        w(&mut g, "wd", 16, 24),
+    );
+    let lin = Op::Linear { bias: false };
+    let q = g.op("q", lin.clone(), &[x, wq]).unwrap();
+    let k = g.op("k", lin.clone(), &[x, wk]).unwrap();
+    let v = g.op("v", lin.clone(), &[x, wv]).unwrap();
+    let gate = g.op("gate", lin.clone(), &[q, wg]).unwrap();
+    let silu = Op::Activation {
+        act: Activation::Silu,
+    };
+    let gate = g.op("act", silu, &[gate]).unwrap();
+    let up = g.op("up", lin.clone(), &[q, wu]).unwrap();
+    let m = g.op("mul", Op::Mul, &[gate, up]).unwrap();
+    let y = g.op("down", lin, &[m, wd]).unwrap();
+    for out in [y, k, v] {
+        g.output(out).unwrap();
+    }
+    g
+}
+
+#[test]
+fn merged_projections_validate_at_every_level() {
+    let mut rng = Rng::new(21);
+    let g = projections_graph(&mut rng);
+    let x = tensor(&mut rng, &[1, 5, 16], -2.0, 2.0);
+    for plan in check_all_levels(&g, &[x]) {
+        assert_eq!(
+            kernels(&plan),
+            [
+                "cpu.linear.fused",
+                "cpu.split",
+                "cpu.linear.fused",
+                "cpu.act_and_mul",
+                "cpu.linear.fused"
+            ],
+            "{}",
+            plan.level
+        );
+    }
+}
+
+#[test]
+fn split_along_every_axis_and_dtype() {
+    let mut rng = Rng::new(22);
+    for (axis, dtype) in [
+        (0, DType::F32),
+        (1, DType::BF16),
+        (2, DType::I64),
+        (2, DType::F16),
+    ] {
+        let shape = [4, 5, 6];
+        let sizes = vec![1, shape[axis] - 3, 2];
+        let mut g = Graph::new();
+        let x = g.input("x", dtype, &shape);
+        let parts = g
+            .op_multi(
+                "split",
+                Op::Split {
+                    axis,
+                    sizes: sizes.clone(),
+                },
+                &[x],
+            )
+            .unwrap();
+        for p in &parts {
+            g.output(*p).unwrap();
+        }
+        let xt = tensor(&mut rng, &shape, -9.0, 9.0).to_dtype(dtype).unwrap();
+        let backend = backend();
+        let plan = optimize(&g, OptLevel::Conservative, &backend);
+        assert_eq!(kernels(&plan), ["cpu.split"], "{dtype}");
+        let mut exec = Executor::new(plan, backend).unwrap();
+        let out = exec.run(std::slice::from_ref(&xt)).unwrap();
+        // Each part equals the input narrowed to its range along `axis`.
+        let mut start = 0;
+        for (o, &n) in out.iter().zip(&sizes) {
+            let want = xt.narrow(axis, start, n).unwrap();
+            assert_eq!(o.shape(), want.shape(), "{dtype} axis {axis}");
+            assert_eq!(o.to_f64_vec(), want.to_f64_vec(), "{dtype} axis {axis}");
+            start += n;
+        }
+    }
+}
+
 #[test]
 fn residual_add_rms_norm_fuses_and_both_outputs_are_right() {
     let mut rng = Rng::new(2);

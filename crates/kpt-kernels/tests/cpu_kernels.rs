@@ -408,6 +408,17 @@ proptest! {
         cpu::mul(&a, &b, &mut got).map_err(fail)?;
         check_close("mul", &f64s(&got), &want, tol)?;
 
+        // Gated activation over [rows, 2 cols] -> [rows, cols].
+        let gu = rng.vec(rows * 2 * cols, -8.0, 8.0);
+        let mut want = vec![0f64; rows * cols];
+        let mut got = vec![0f32; rows * cols];
+        for act in Act::ALL {
+            r::act_and_mul(&f64s(&gu), &mut want, cols, act).map_err(fail)?;
+            cpu::act_and_mul(&gu, &mut got, cols, act).map_err(fail)?;
+            check_close(&format!("act_and_mul {act:?}"), &f64s(&got), &want, tol)?;
+        }
+        prop_assert!(cpu::act_and_mul(&gu[1..], &mut got, cols, Act::Silu).is_err());
+
         // Embedding: `a` as a [rows, cols] table.
         let ids: Vec<i64> = (0..rng.below(12) + 1).map(|_| rng.below(rows) as i64).collect();
         let mut want = vec![0f64; ids.len() * cols];
@@ -614,6 +625,18 @@ fn large_elementwise_and_norms_run_in_parallel() {
     cpu::mul(&x, &w, &mut got).expect("mul");
     r::mul(&f64s(&x), &f64s(&w), &mut want).expect("reference");
     check_close("mul large", &f64s(&got), &want, tolerance(DType::F32, 1)).expect("close");
+    // SwiGLU over [rows, 2 * dim / 2] rows.
+    let half = dim / 2;
+    let (got, want) = (&mut got[..rows * half], &mut want[..rows * half]);
+    cpu::act_and_mul(&x, got, half, Act::Silu).expect("act_and_mul");
+    r::act_and_mul(&f64s(&x), want, half, Act::Silu).expect("reference");
+    check_close(
+        "act_and_mul large",
+        &f64s(got),
+        want,
+        tolerance(DType::F32, 1),
+    )
+    .expect("close");
 }
 
 #[test]

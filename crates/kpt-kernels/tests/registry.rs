@@ -119,6 +119,19 @@ fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
             Op::Concat { axis: 1 },
             vec![f32s(&[1, 4, 8]), f32s(&[1, 1, 8])],
         ),
+        OpKind::Split => (
+            Op::Split {
+                axis: 1,
+                sizes: vec![3, 1],
+            },
+            vec![f32s(&[1, 4, 8])],
+        ),
+        OpKind::ActAndMul => (
+            Op::ActAndMul {
+                act: Activation::Silu,
+            },
+            vec![f32s(&[4, 8])],
+        ),
     }
 }
 

@@ -441,6 +441,25 @@ impl CudaBackend {
                     offset += w;
                 }
             }
+            Op::Split { axis, .. } => {
+                // The input is `outer` rows of `row` bytes; each output takes its slab
+                // of every row.
+                let outer: usize = x.shape[..*axis].iter().product();
+                let slab = |spec: &TensorSpec| -> usize {
+                    spec.shape[*axis..].iter().product::<usize>() * dt.size_in_bytes()
+                };
+                let (src, row) = (ptr(&inputs[0])?, slab(x));
+                let mut offset = 0;
+                for out in outputs.iter_mut() {
+                    let w = slab(out.spec);
+                    g.copy_2d((src + offset as u64, row), (out_ptr(out)?, w), w, outer)?;
+                    offset += w;
+                }
+            }
+            Op::ActAndMul { act } => {
+                let (rows, d) = rows_dim(&out0.spec.shape);
+                g.act_and_mul(dt, ptr(&inputs[0])?, out_ptr(out0)?, rows, d, *act)?;
+            }
         }
         Ok(())
     }

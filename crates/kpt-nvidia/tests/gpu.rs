@@ -325,25 +325,19 @@ proptest! {
 
     #[test]
     fn gated_activation(rows in 1usize..20, d in 1usize..300, dt in dtype(), a in act(), seed: u64) {
-        let Some(b) = backend() else { return Ok(()) };
         let mut rng = SplitMix64::new(seed);
         let x = random(&mut rng, &[rows, 2 * d], dt, -3.0, 3.0);
-        let xs = spec(&x);
-        let os = TensorSpec::new(&[rows, d], dt);
-        let xb = b.upload(&x).unwrap();
-        let mut ob = b.allocate(dt, rows * d).unwrap();
-        b.act_and_mul(BufferRef { buffer: &xb, spec: &xs }, BufferMut { buffer: &mut ob, spec: &os }, a).unwrap();
-        let got = b.download(&ob, &os).unwrap().to_f64_vec();
-        let v = x.to_f64_vec();
-        let gate = Tensor::from_f64(
-            &(0..rows * d).map(|i| v[i / d * 2 * d + i % d]).collect::<Vec<_>>(), &[rows, d], DType::F64).unwrap();
-        let acted = CpuReference.eval(&Op::Activation { act: a }, &[gate]).unwrap()[0].to_f64_vec();
-        let want: Vec<f64> = (0..rows * d).map(|i| acted[i] * v[i / d * 2 * d + d + i % d]).collect();
-        let want = Tensor::from_f64(&want, &[rows, d], DType::F64).unwrap();
-        let got = Tensor::from_f64(&got, &[rows, d], DType::F64).unwrap();
-        let tol = tolerance(&Op::Mul, dt, 1);
-        let stats = compare(&got, &want, tol).unwrap();
-        prop_assert!(stats.within, "act_and_mul {a:?} {dt}: {stats:?}");
+        check(&Op::ActAndMul { act: a }, &[x])?;
+    }
+
+    #[test]
+    fn split(outer in 1usize..4, parts in prop::collection::vec(1usize..40, 1..4), inner in 1usize..9,
+             axis in 0usize..3, dt in dtype(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let mut shape = [outer, 3, inner];
+        shape[axis] = parts.iter().sum();
+        let x = random(&mut rng, &shape, dt, -1.0, 1.0);
+        check(&Op::Split { axis, sizes: parts }, &[x])?;
     }
 }
 

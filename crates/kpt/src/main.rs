@@ -380,6 +380,19 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
             Op::Concat { axis: 1 },
             vec![f(&[1, 16, 1024]), f(&[1, 1, 1024])],
         ),
+        OpKind::Split => (
+            Op::Split {
+                axis: 2,
+                sizes: vec![4096, 1024, 1024],
+            },
+            vec![f(&[1, 16, 6144])],
+        ),
+        OpKind::ActAndMul => (
+            Op::ActAndMul {
+                act: kpt::core::graph::Activation::Silu,
+            },
+            vec![f(&[16, 22016])],
+        ),
     }
 }
 

@@ -157,6 +157,20 @@ pub enum Op {
         /// The axis to join along.
         axis: usize,
     },
+    /// Splits one tensor along `axis` into parts of `sizes` (which sum to that dim); one
+    /// output per part (e.g. q, k and v out of a fused QKV projection).
+    Split {
+        /// The axis to cut.
+        axis: usize,
+        /// Length of each part along `axis`.
+        sizes: Vec<usize>,
+    },
+    /// Gated activation: x `[.., 2N]` -> `act(x[.., :N]) * x[.., N:]` `[.., N]` (SwiGLU
+    /// with SiLU, GeGLU with GELU) after a fused gate/up projection.
+    ActAndMul {
+        /// Applied to the first half.
+        act: Activation,
+    },
 }
 
 /// The kind of an op without its parameters: the key of the op catalog.
@@ -199,11 +213,15 @@ pub enum OpKind {
     Cast,
     /// See [`Op::Concat`].
     Concat,
+    /// See [`Op::Split`].
+    Split,
+    /// See [`Op::ActAndMul`].
+    ActAndMul,
 }
 
 impl OpKind {
     /// Every op kind, in catalog order.
-    pub const ALL: [OpKind; 18] = [
+    pub const ALL: [OpKind; 20] = [
         OpKind::Embedding,
         OpKind::MatMul,
         OpKind::Linear,
@@ -222,6 +240,8 @@ impl OpKind {
         OpKind::Dequantize,
         OpKind::Cast,
         OpKind::Concat,
+        OpKind::Split,
+        OpKind::ActAndMul,
     ];
 
     /// snake_case name, as accepted by [`FromStr`].
@@ -245,6 +265,8 @@ impl OpKind {
             OpKind::Dequantize => "dequantize",
             OpKind::Cast => "cast",
             OpKind::Concat => "concat",
+            OpKind::Split => "split",
+            OpKind::ActAndMul => "act_and_mul",
         }
     }
 }
@@ -329,6 +351,8 @@ impl Op {
             Op::Dequantize { .. } => OpKind::Dequantize,
             Op::Cast { .. } => OpKind::Cast,
             Op::Concat { .. } => OpKind::Concat,
+            Op::Split { .. } => OpKind::Split,
+            Op::ActAndMul { .. } => OpKind::ActAndMul,
         }
     }
 
@@ -339,7 +363,9 @@ impl Op {
             | Op::Softmax
             | Op::Quantize { .. }
             | Op::Dequantize { .. }
-            | Op::Cast { .. } => 1,
+            | Op::Cast { .. }
+            | Op::Split { .. }
+            | Op::ActAndMul { .. } => 1,
             Op::Embedding | Op::MatMul | Op::RmsNorm { .. } | Op::Rotary { .. } => 2,
             Op::Add | Op::Mul | Op::Concat { .. } => 2,
             Op::Linear { bias } | Op::LinearAct { bias, .. } => 2 + usize::from(*bias),
@@ -680,6 +706,43 @@ impl Op {
                 shape[*axis] += b.shape[*axis];
                 Ok(vec![TensorSpec::new(&shape, x.dtype)])
             }
+            Op::Split { axis, sizes } => {
+                let rank = x.shape.len();
+                if *axis >= rank {
+                    return Err(shape_err(format!(
+                        "axis {axis} invalid for shape {:?}",
+                        x.shape
+                    )));
+                }
+                if sizes.is_empty() || sizes.iter().sum::<usize>() != x.shape[*axis] {
+                    return Err(shape_err(format!(
+                        "sizes {sizes:?} must be non-empty and sum to dim {axis} of {:?}",
+                        x.shape
+                    )));
+                }
+                Ok(sizes
+                    .iter()
+                    .map(|&n| {
+                        let mut shape = x.shape.clone();
+                        shape[*axis] = n;
+                        TensorSpec::new(&shape, x.dtype)
+                    })
+                    .collect())
+            }
+            Op::ActAndMul { .. } => {
+                want_compute(x)?;
+                rank_at_least(x, 1, "x")?;
+                let mut shape = x.shape.clone();
+                let last = shape.len() - 1;
+                if !shape[last].is_multiple_of(2) {
+                    return Err(shape_err(format!(
+                        "the last dim of {:?} must be even (gate and up halves)",
+                        x.shape
+                    )));
+                }
+                shape[last] /= 2;
+                Ok(vec![TensorSpec::new(&shape, x.dtype)])
+            }
         }
     }
 }
@@ -689,6 +752,7 @@ impl fmt::Display for Op {
         match self {
             Op::Activation { act } => write!(f, "activation({})", act.name()),
             Op::LinearAct { act, .. } => write!(f, "linear_act({})", act.name()),
+            Op::ActAndMul { act } => write!(f, "act_and_mul({})", act.name()),
             Op::Quantize { dtype, .. } => write!(f, "quantize({dtype})"),
             Op::Dequantize { dtype } | Op::Cast { dtype } => write!(f, "{}({dtype})", self.kind()),
             Op::Attention(p) if p.causal => f.write_str("attention(causal)"),
@@ -816,5 +880,44 @@ mod tests {
         assert!(Op::Add
             .infer(&[s(&[2, 8], DType::F32), s(&[2], DType::F32)])
             .is_err());
+    }
+
+    #[test]
+    fn split_and_act_and_mul_infer() {
+        let x = s(&[1, 3, 12], DType::BF16);
+        let out = Op::Split {
+            axis: 2,
+            sizes: vec![8, 2, 2],
+        }
+        .infer(std::slice::from_ref(&x))
+        .unwrap();
+        let shapes: Vec<_> = out.iter().map(|o| o.shape.clone()).collect();
+        assert_eq!(shapes, vec![vec![1, 3, 8], vec![1, 3, 2], vec![1, 3, 2]]);
+        assert!(out.iter().all(|o| o.dtype == DType::BF16));
+        for bad in [
+            Op::Split {
+                axis: 2,
+                sizes: vec![8, 2],
+            },
+            Op::Split {
+                axis: 3,
+                sizes: vec![12],
+            },
+            Op::Split {
+                axis: 2,
+                sizes: vec![],
+            },
+        ] {
+            let err = bad.infer(std::slice::from_ref(&x)).unwrap_err();
+            assert!(matches!(err, KptError::Shape { .. }), "{err}");
+        }
+        let op = Op::ActAndMul {
+            act: Activation::Silu,
+        };
+        assert_eq!(op.infer(&[x]).unwrap(), vec![s(&[1, 3, 6], DType::BF16)]);
+        let err = op.infer(&[s(&[4, 7], DType::F32)]).unwrap_err();
+        assert!(err.to_string().contains("even"), "{err}");
+        let err = op.infer(&[s(&[4, 8], DType::I8)]).unwrap_err();
+        assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
     }
 }

@@ -12,11 +12,13 @@
 
 mod fusion;
 mod memory;
+mod merge;
 mod precision;
 mod rewrite;
 
 pub use fusion::{fuse_add_layer_norm, fuse_add_rms_norm, fuse_linear_activation};
 pub use memory::{plan_memory, MemoryPlan};
+pub use merge::{fuse_gated_mlp, fuse_sibling_linears};
 pub use precision::apply_precision;
 
 use serde::{Deserialize, Serialize};
@@ -148,7 +150,11 @@ pub fn auto_optimize(
 ) -> Result<Plan> {
     let _span = tracing::info_span!("auto_optimize", level = level.name()).entered();
     let mut reports = Vec::new();
-    let (g, r) = fuse_linear_activation(graph)?;
+    let (g, r) = fuse_gated_mlp(graph)?;
+    reports.push(r);
+    let (g, r) = fuse_linear_activation(&g)?;
+    reports.push(r);
+    let (g, r) = fuse_sibling_linears(&g)?;
     reports.push(r);
     let (g, r) = fuse_add_rms_norm(&g)?;
     reports.push(r);

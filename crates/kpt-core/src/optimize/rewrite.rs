@@ -4,6 +4,7 @@ use std::collections::HashMap;
 
 use crate::error::Result;
 use crate::graph::{Graph, Op, ValueId, ValueSource};
+use crate::tensor::Tensor;
 
 /// Copies values from a source graph into a new graph on demand, keeping a map of ids.
 pub(crate) struct Rewriter<'a> {
@@ -49,7 +50,24 @@ impl<'a> Rewriter<'a> {
         outputs: &[ValueId],
     ) -> Result<Vec<ValueId>> {
         let ins: Vec<ValueId> = inputs.iter().map(|&v| self.get(v)).collect();
-        let outs = self.dst.op_multi(name, op, &ins)?;
+        self.emit_new(name, op, &ins, outputs)
+    }
+
+    /// Adds a parameter that the source graph does not have; returns its new id.
+    pub fn param(&mut self, name: String, tensor: Tensor) -> ValueId {
+        self.dst.param(name, tensor)
+    }
+
+    /// Like [`Rewriter::emit`], with inputs that are already new-graph ids; outputs
+    /// beyond `outputs` are new values that no source value maps to.
+    pub fn emit_new(
+        &mut self,
+        name: &str,
+        op: Op,
+        ins: &[ValueId],
+        outputs: &[ValueId],
+    ) -> Result<Vec<ValueId>> {
+        let outs = self.dst.op_multi(name, op, ins)?;
         for (&o, &n) in outputs.iter().zip(&outs) {
             self.map.insert(o, n);
         }

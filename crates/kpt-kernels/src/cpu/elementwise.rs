@@ -50,6 +50,35 @@ pub fn activation(x: &[f32], out: &mut [f32], act: Act) -> Result<()> {
 }
 
 #[inline(always)]
+fn gated_row<const FMA: bool>(gate: &[f32], up: &[f32], out: &mut [f32], act: Act) {
+    act_chunk::<FMA>(gate, out, act);
+    out.iter_mut().zip(up).for_each(|(o, &u)| *o *= u);
+}
+
+dispatch!(fn gated_row_d(gate: &[f32], up: &[f32], out: &mut [f32], act: Act) => gated_row);
+
+/// Gated activation over rows of `2 * n` (a fused gate/up projection):
+/// `out[r, c] = act(x[r, c]) * x[r, n + c]`, `out` `[rows, n]`.
+pub fn act_and_mul(x: &[f32], out: &mut [f32], n: usize, act: Act) -> Result<()> {
+    let rows = out.len().checked_div(n).unwrap_or(0);
+    check_len("act_and_mul", "out [rows, n]", out.len(), rows * n)?;
+    check_len("act_and_mul", "x [rows, 2n]", x.len(), rows * 2 * n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    // Tasks of whole rows, at least about CHUNK outputs each.
+    let per = CHUNK.div_ceil(n);
+    for_each_row(out, per * n, 8 * per * n, |c, o| {
+        let x = &x[c * per * 2 * n..];
+        for (r, o) in o.chunks_exact_mut(n).enumerate() {
+            let (gate, up) = x[r * 2 * n..(r + 1) * 2 * n].split_at(n);
+            gated_row_d(gate, up, o, act);
+        }
+    });
+    Ok(())
+}
+
+#[inline(always)]
 fn binary_rows<const FMA: bool>(a: &[f32], b: &[f32], out: &mut [f32], is_mul: bool) {
     // `a` and `out` hold whole repetitions of `b`.
     for (oa, aa) in out.chunks_exact_mut(b.len()).zip(a.chunks_exact(b.len())) {

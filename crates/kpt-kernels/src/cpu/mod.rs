@@ -38,9 +38,9 @@ pub use attention::{
     attention, attention_bf16, attention_bf16_tolerance, DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q,
 };
 pub use elementwise::{
-    activation, add, cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16,
-    dequantize_f8e4m3, dequantize_f8e5m2, dequantize_i8, embedding, mul, quantize_f8e4m3,
-    quantize_f8e5m2, quantize_i8,
+    act_and_mul, activation, add, cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16,
+    cast_f32_to_f16, dequantize_f8e4m3, dequantize_f8e5m2, dequantize_i8, embedding, mul,
+    quantize_f8e4m3, quantize_f8e5m2, quantize_i8,
 };
 pub use gemm::{matmul_bf16, matmul_f16, matmul_f32};
 pub use linear::{linear, WeightsRef};

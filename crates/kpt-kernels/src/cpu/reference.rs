@@ -101,6 +101,20 @@ pub fn activation(x: &[f64], out: &mut [f64], act: Act) -> Result<()> {
     Ok(())
 }
 
+/// Gated activation over rows of `2 * n`: `out[r, c] = act(x[r, c]) * x[r, n + c]`.
+pub fn act_and_mul(x: &[f64], out: &mut [f64], n: usize, act: Act) -> Result<()> {
+    let rows = out.len().checked_div(n).unwrap_or(0);
+    check_len("act_and_mul", "out [rows, n]", out.len(), rows * n)?;
+    check_len("act_and_mul", "x [rows, 2n]", x.len(), rows * 2 * n)?;
+    for (o, row) in out.chunks_exact_mut(n).zip(x.chunks_exact(2 * n)) {
+        let (gate, up) = row.split_at(n);
+        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+            *o = act.apply_f64(g) * u;
+        }
+    }
+    Ok(())
+}
+
 /// RMS norm over the last axis: `y = x / sqrt(mean(x²) + eps) * w`.
 pub fn rms_norm(
     x: &[f64],
