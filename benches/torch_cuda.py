@@ -95,6 +95,23 @@ def variants(req):
         scale = torch.tensor(10.0 / 448.0, device="cuda")
         f = lambda: (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         return [("torch.compile", compiled(f)), ("torch eager", f)]
+    if kind == "attention_prefill":
+        b, h, d, s, causal = req["batch"], req["heads"], req["head_dim"], req["seq"], req["causal"]
+        q, k, v = (rand((b, h, s, d), dt, -2.0, 2.0) for _ in range(3))
+        out = []
+        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+            backend = getattr(SDPBackend, name)
+
+            def f(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            try:
+                f()
+            except RuntimeError:
+                continue  # this backend does not take the case
+            out.append((f"SDPA {name.split('_')[0].lower()}", f))
+        return out
     if kind == "attention_decode":
         b, hq, hkv, d, s = req["batch"], req["heads"], req["kv_heads"], req["head_dim"], req["seq_kv"]
         q = rand((b, hq, 1, d), dt, -2.0, 2.0)

@@ -2,16 +2,37 @@
 // same contract as attention.cu (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right
 // causal; q and out [batch, seq_q, heads * d], k and v [batch, seq_kv, kv_heads * d]).
 //
-// kpt_attention_split_*: one block per (batch, kv head, run of key tiles). For each tile
-// the block copies K and V into shared memory once (16-byte global loads) and scores
-// them against every query row of that kv head's group (seq_q x heads / kv_heads rows,
-// kept scaled in shared memory), so the cache is read once per kv head instead of once
-// per query head; each warp keeps an online softmax for its rows across the run. Each
-// (row, run) leaves its max, its sum of exponentials and its unnormalized P.V in a f32
-// workspace. kpt_attention_combine_* merges the runs of each row (one warp per row) and
-// writes the output. The host takes this path when the
-// group's queries fit kQFloats, d * sizeof(T) is a multiple of 16 and the cache spans
-// at least two tiles; see kpt-nvidia's `Gpu::attention`.
+// kpt_attention_split_*: one block per (batch, kv head, run of key tiles), scoring every
+// query row of the kv head's group (rows = seq_q x heads / kv_heads, r = i * group + hh)
+// against each tile, so the cache is read once per kv head. Each (row, run) leaves its
+// max, its sum of exponentials and its unnormalized P.V in a f32 workspace (d + 2 floats);
+// kpt_attention_combine_* merges the runs of each row (one warp per row, 32 runs at a
+// time, eight runs' loads in flight) and writes the output.
+//
+// bf16 / f16 (tc::split): both products on tensor cores (mma.sync m16n8k16, f32
+// accumulators; sm_80+). A tile is 4096 / D keys for the head-dim class D = 64, 128 or 256
+// (d <= D, d % 16 == 0): 8 KiB of K and 8 KiB of V per stage, copied by 16-byte cp.async
+// (zero-filled past the cache's end) into two stages, so tile t + 1 is in flight while
+// tile t is computed. Rows of 16-byte chunks are XOR-swizzled (chunk c of row r at c ^ (r
+// % 8)), so every ldmatrix phase hits 32 distinct banks. Keys go on the M side, query rows
+// on N: S^T[key, row] = K Q^T (A = K by ldmatrix, B = Q from shared memory), then
+// O^T[dim, row] += V^T P^T (A = V^T by ldmatrix.trans; B = P^T is the score accumulator
+// rounded to T with its 8x8 halves transposed across the warp by movmatrix). The rows form
+// up to four n-tiles of 8, and the 4 warps split n-tiles x dims (1 n-tile: every warp
+// scores the whole tile and accumulates a quarter of the dims; 2: halves; 3-4: one n-tile
+// each, all dims), so softmax state never crosses warps: a lane keeps the max and its part
+// of the sum for two rows, the max over a tile's keys (which lie on lane / 4) takes 3
+// shuffles, and the sums are reduced once at the end. Scores are scaled in f32. 48 KiB of
+// static shared memory (2 stages + 32 x 256 query elements) and <= 128 registers: four
+// blocks an SM, and the host plans at most one wave of them.
+//
+// f32 (split): scalar. For each tile the block copies K and V into shared memory (16-byte
+// loads) and every warp keeps an online softmax for its rows (kept scaled in shared
+// memory) across the run.
+//
+// The host takes the split path when the group's rows fit (<= 32; f32: and kQFloats) and
+// the cache spans at least two tiles; bf16 / f16 need d % 16 == 0, f32 rows of whole
+// 16-byte vectors. See kpt-nvidia's `AttentionDims::split`.
 //
 // kpt:launch kpt_attention_split_f32 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_split_bf16 block=128 shared=0 grid=splits
@@ -30,9 +51,9 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxDim = 256;
 constexpr int kPerLane = kMaxDim / 32;
-// Scaled query rows of one kv group, f32 (8 KiB), and one tile's K and V as 32-bit
-// words (16 KiB; rows padded by one word, see tile_at): 24 KiB a block, so that nine
-// blocks share an SM's shared memory and keep its loads in flight.
+// f32 kernel: scaled query rows of one kv group, f32 (8 KiB), and one tile's K and V as
+// 32-bit words (16 KiB; rows padded by one word, see tile_at). kpt-nvidia's
+// SPLIT_Q_FLOATS and SPLIT_KV_WORDS.
 constexpr int kQFloats = 2048;
 constexpr int kKvWords = 4096;
 // A tile holds at most 64 keys, two per lane (kpt-nvidia's SPLIT_MAX_TILE).
@@ -207,6 +228,301 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
     }
 }
 
+
+namespace tc {
+
+// K (and V) elements of one pipeline stage: a tile of kStageElems / D keys for the
+// head-dim class D (kpt-nvidia's SPLIT_STAGE_ELEMS).
+constexpr int kStageElems = 4096;
+constexpr int kStages = 2;
+// Query rows of a kv group: up to four n-tiles of 8 (kpt-nvidia's SPLIT_MAX_ROWS).
+constexpr int kMaxRows = 32;
+constexpr int kStageBytes = 2 * kStageElems * 2;  // K, then V
+constexpr int kSmemBytes = kStages * kStageBytes + kMaxRows * kMaxDim * 2;  // 48 KiB
+constexpr int kMinBlocks = 4;  // an SM's shared memory holds four blocks
+
+// Byte offset of 16-byte chunk c of row r in a tile of `chunks` chunks a row (a multiple
+// of 8): the chunk index is XORed with r % 8, so the 8 rows an ldmatrix phase reads at
+// one column, or the chunks of one row, fall into distinct groups of four banks.
+__device__ __forceinline__ unsigned swz(int r, int c, int chunks) {
+    return static_cast<unsigned>((r * chunks + (c ^ (r & 7))) * 16);
+}
+
+// 16 bytes global -> shared, bypassing L1; `bytes` = 0 fills zeros (reads nothing).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Four 8x8 matrices of 16-bit elements; lanes 8i..8i+7 address the rows of matrix i.
+// Plain: lane l gets row l / 4, columns 2 (l % 4) + {0, 1}; .trans: the transpose.
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// Transposes an 8x8 matrix of 16-bit elements held as ldmatrix leaves it (lane l: row
+// l / 4, columns 2 (l % 4) + {0, 1}).
+__device__ __forceinline__ unsigned transpose8(unsigned x) {
+    unsigned y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// Two floats as a pair of T, lo in the low half.
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// c += a b on a 16x8x16 tile (A row-major, B column-major, f32 accumulators). Lane l, with
+// g = l / 4 and u = l % 4: a = {A[g][2u..], A[g+8][2u..], A[g][2u+8..], A[g+8][2u+8..]},
+// b = {B[2u..][g], B[2u+8..][g]}, c = {C[g][2u], C[g][2u+1], C[g+8][2u], C[g+8][2u+1]}.
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                    unsigned b1) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// One block of the split kernel for head dims d <= D (d % 16 == 0); `smem` is the shared
+// address of kSmemBytes: stage s's K at s * kStageBytes, its V kStageElems * 2 further,
+// the query rows after the stages. Every tile row and query row has D / 8 chunks.
+template <typename T, int D>
+__device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict__ k,
+                                    const T* __restrict__ v, const float* __restrict__ mask,
+                                    float* __restrict__ part, const SplitDims& sd,
+                                    const unsigned smem) {
+    constexpr int kTile = kStageElems / D;  // keys a stage holds: 64, 32, 16
+    constexpr int kKeyTiles = kTile / 16;   // m-tiles of keys of S^T
+    constexpr int kSteps = D / 16;          // k-steps of S^T, m-tiles of dims of O^T
+    constexpr int kChunks = D / 8;
+    const Dims& p = sd.p;
+    const int d = p.head_dim, steps = d / 16, chunks = d / 8;
+    const int group = p.heads / p.kv_heads, rows = p.seq_q * group;
+    const int split = static_cast<int>(blockIdx.x % sd.splits);
+    const long bg = blockIdx.x / sd.splits;  // b * kv_heads + g
+    const int g = static_cast<int>(bg % p.kv_heads);
+    const long b = bg / p.kv_heads;
+    const int per = (sd.tiles + sd.splits - 1) / sd.splits;
+    const int t0 = split * per, t1 = min(sd.tiles, t0 + per);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int gid = lane / 4, tig = lane % 4;
+    const long kv_row = static_cast<long>(p.kv_heads) * d;
+    const unsigned qs = smem + kStages * kStageBytes;
+
+    // The group's query rows, zero rows padding the last n-tile (first cp.async group,
+    // with tile t0).
+    const int ntiles = (rows + 7) / 8;
+    for (int x = threadIdx.x; x < ntiles * 8 * kChunks; x += kThreads) {
+        const int r = x / kChunks, c = x % kChunks;
+        if (c >= chunks) continue;
+        const bool ok = r < rows;
+        const long i = ok ? r / group : 0, hh = ok ? r % group : 0;
+        const long off = ((b * p.seq_q + i) * p.heads + g * group + hh) * d + c * 8;
+        cp_async16(qs + swz(r, c, kChunks), q + (ok ? off : 0), ok ? 16 : 0);
+    }
+    // Keys j0.. of tile t into `stage`; rows past the cache's end are zeros, so that the
+    // zero probabilities of those keys never meet garbage in V.
+    auto load = [&](int t, int stage) {
+        const int j0 = t * sd.tile, nk = min(sd.tile, p.seq_kv - j0);
+        const long base = (b * p.seq_kv + j0) * kv_row + static_cast<long>(g) * d;
+        const unsigned ks = smem + stage * kStageBytes, vs = ks + kStageElems * 2;
+#pragma unroll
+        for (int x = threadIdx.x; x < kTile * kChunks; x += kThreads) {
+            const int j = x / kChunks, c = x % kChunks;
+            if (c >= chunks) continue;
+            const bool ok = j < nk;
+            const long off = base + (ok ? j * kv_row + c * 8 : 0);
+            cp_async16(ks + swz(j, c, kChunks), k + off, ok ? 16 : 0);
+            cp_async16(vs + swz(j, c, kChunks), v + off, ok ? 16 : 0);
+        }
+    };
+
+    // Warps per n-tile, this warp's n-tile and its share of the dims: dim tiles dp, dp +
+    // nw, ... Warps past the last n-tile only load.
+    const int nw = ntiles == 1 ? 4 : (ntiles == 2 ? 2 : 1);
+    const int nt = warp / nw, dp = warp % nw;
+    const bool active = nt < ntiles;
+    // The lane's two rows nt * 8 + 2 tig + {0, 1} (padding rows borrow the last row's
+    // query): their query index and last visible key under the causal mask.
+    int qi[2], lim[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        qi[c] = min(nt * 8 + 2 * tig + c, rows - 1) / group;
+        lim[c] = qi[c] + p.seq_kv - p.seq_q;
+    }
+    // O^T tiles (16 dims x 8 rows), running max and this lane's part of the row sums.
+    float o[kSteps][4];
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+    load(t0, 0);
+    cp_async_commit();
+    for (int t = t0; t < t1; ++t) {
+        const int stage = (t - t0) & 1;
+        cp_async_wait_all();
+        __syncthreads();  // tile t is in; every warp is done with the other stage
+        if (t + 1 < t1) load(t + 1, stage ^ 1);
+        cp_async_commit();
+        if (!active) continue;
+        const unsigned ks = smem + stage * kStageBytes, vs = ks + kStageElems * 2;
+        const int j0 = t * sd.tile, nk = min(sd.tile, p.seq_kv - j0);
+
+        // S^T = K Q^T. Q's ldmatrix covers two k-steps: matrices of dims 16 kp + 8 i.
+        float s[kKeyTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kKeyTiles; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+#pragma unroll
+        for (int kp = 0; kp < kSteps; kp += 2) {
+            if (kp >= steps) break;
+            unsigned qf[4];
+            ldsm_x4(qf, qs + swz(nt * 8 + (lane & 7), 2 * kp + lane / 8, kChunks));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (kp + h >= steps) break;
+#pragma unroll
+                for (int mt = 0; mt < kKeyTiles; ++mt) {
+                    // A = K[16 mt.., 16 (kp + h)..]: matrices (keys +0, +8) x (dims +0, +8).
+                    unsigned a[4];
+                    ldsm_x4(a, ks + swz(16 * mt + (lane & 15), 2 * (kp + h) + lane / 16, kChunks));
+                    mma<T>(s[mt], a, qf[2 * h], qf[2 * h + 1]);
+                }
+            }
+        }
+
+        // Scaled scores plus mask; invisible keys and keys past the cache's end are -inf.
+        // s[mt][e] is key 16 mt + gid + 8 (e / 2) of row 2 tig + e % 2.
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int mt = 0; mt < kKeyTiles; ++mt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = 16 * mt + gid + 8 * (e / 2), c = e % 2, j = j0 + key;
+                float x = -INFINITY;
+                if (key < nk && (!p.causal || j <= lim[c])) {
+                    x = s[mt][e] * p.scale;
+                    if (mask) x += mask[static_cast<long>(qi[c]) * p.seq_kv + j];
+                }
+                s[mt][e] = x;
+                mx[c] = fmaxf(mx[c], x);
+            }
+        }
+        // Keys lie on gid: the max over the 8 lanes of each tig.
+        float ref[2], alpha[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+#pragma unroll
+            for (int off = 4; off < 32; off *= 2)
+                mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], off));
+            const float mn = fmaxf(m[c], mx[c]);
+            ref[c] = mn == -INFINITY ? 0.0f : mn;  // nothing visible yet: p = 0, not NaN
+            alpha[c] = __expf(m[c] - ref[c]);
+            m[c] = mn;
+            l[c] *= alpha[c];
+        }
+        // P^T as the B operand of O^T += V^T P^T: the accumulator's 8x8 halves (keys +0
+        // and +8 on gid, rows on tig) rounded to T and transposed (keys on tig, rows on gid).
+        unsigned pb[kKeyTiles][2];
+#pragma unroll
+        for (int mt = 0; mt < kKeyTiles; ++mt) {
+            float e4[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                e4[e] = __expf(s[mt][e] - ref[e % 2]);
+                l[e % 2] += e4[e];
+            }
+            pb[mt][0] = transpose8(pack2<T>(e4[0], e4[1]));
+            pb[mt][1] = transpose8(pack2<T>(e4[2], e4[3]));
+        }
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+            const int dt = dp + nw * i;
+            if (dt >= steps) break;
+            o[i][0] *= alpha[0];
+            o[i][1] *= alpha[1];
+            o[i][2] *= alpha[0];
+            o[i][3] *= alpha[1];
+#pragma unroll
+            for (int mt = 0; mt < kKeyTiles; ++mt) {
+                // A = V^T[16 dt.., 16 mt..]: matrices (dims +0, +8) x (keys +0, +8), each
+                // the transpose of V's 8 keys x 8 dims.
+                unsigned a[4];
+                ldsm_x4_t(a, vs + swz(16 * mt + (lane & 7) + 8 * (lane / 16),
+                                      2 * dt + (lane / 8) % 2, kChunks));
+                mma<T>(o[i], a, pb[mt][0], pb[mt][1]);
+            }
+        }
+    }
+    if (!active) return;
+    const int stride = d + 2;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+        for (int off = 4; off < 32; off *= 2) l[c] += __shfl_xor_sync(0xffffffffu, l[c], off);
+        const int r = nt * 8 + 2 * tig + c;
+        if (r >= rows) continue;
+        const long row = (b * p.seq_q + r / group) * p.heads + g * group + r % group;
+        float* out = part + (row * sd.splits + split) * stride;
+        if (dp == 0 && gid == 0) {
+            out[0] = m[c];
+            out[1] = l[c];
+        }
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+            const int dt = dp + nw * i;
+            if (dt >= steps) break;
+            out[2 + 16 * dt + gid] = o[i][c];
+            out[2 + 16 * dt + 8 + gid] = o[i][2 + c];
+        }
+    }
+}
+
+template <typename T>
+__device__ void split(const T* __restrict__ q, const T* __restrict__ k,
+                      const T* __restrict__ v, const float* __restrict__ mask,
+                      float* __restrict__ part, const SplitDims sd) {
+    __shared__ __align__(128) unsigned char smem[kSmemBytes];
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int d = sd.p.head_dim;
+    if (d <= 64) {
+        run<T, 64>(q, k, v, mask, part, sd, s);
+    } else if (d <= 128) {
+        run<T, 128>(q, k, v, mask, part, sd, s);
+    } else {
+        run<T, 256>(q, k, v, mask, part, sd, s);
+    }
+}
+
+}  // namespace tc
+
 template <typename T>
 __device__ void combine(const float* __restrict__ part, T* __restrict__ out, const SplitDims sd) {
     const Dims& p = sd.p;
@@ -215,23 +531,42 @@ __device__ void combine(const float* __restrict__ part, T* __restrict__ out, con
     if (row >= static_cast<long>(p.batch) * p.seq_q * p.heads) return;
     const int stride = d + 2;
     const float* pr = part + row * sd.splits * stride;
-    float m = -INFINITY;
-    for (int t = lane; t < sd.splits; t += 32) m = fmaxf(m, pr[t * stride]);
-    m = kpt::warp_max(m);
-    float l = 0.0f;
+    // 32 runs at a time, merged online: lane u holds run t0 + u's max and sum, the warp
+    // sums the runs' P.V with each run's weight broadcast, so no load waits for another.
+    // A run with nothing visible (m = -inf, l = 0, P.V = 0) weighs 0.
+    float m = -INFINITY, l = 0.0f;
     float o[kPerLane];
 #pragma unroll
     for (int c = 0; c < kPerLane; ++c) o[c] = 0.0f;
-    if (m != -INFINITY) {
-        for (int t = 0; t < sd.splits; ++t) {
-            const float mt = pr[t * stride];
-            if (mt == -INFINITY) continue;
-            const float w = __expf(mt - m);
-            l = fmaf(w, pr[t * stride + 1], l);
+    for (int t0 = 0; t0 < sd.splits; t0 += 32) {
+        const int t = t0 + lane, n = min(32, sd.splits - t0);
+        const float mt = t < sd.splits ? pr[t * stride] : -INFINITY;
+        const float lt = t < sd.splits ? pr[t * stride + 1] : 0.0f;
+        const float mn = fmaxf(m, kpt::warp_max(mt));
+        if (mn == -INFINITY) continue;  // nothing visible so far (uniform over the warp)
+        const float alpha = m == -INFINITY ? 0.0f : __expf(m - mn);
+        const float w = mt == -INFINITY ? 0.0f : __expf(mt - mn);
+        l = fmaf(l, alpha, kpt::warp_sum(w * lt));
+        m = mn;
 #pragma unroll
-            for (int c = 0; c < kPerLane; ++c) {
-                const int dim = lane + 32 * c;
-                if (dim < d) o[c] = fmaf(w, pr[t * stride + 2 + dim], o[c]);
+        for (int c = 0; c < kPerLane; ++c) o[c] *= alpha;
+        // Eight runs' P.V loaded before any is used.
+        for (int u0 = 0; u0 < n; u0 += 8) {
+            float x[8][kPerLane];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const float* src = pr + (t0 + u0 + u) * stride + 2;
+#pragma unroll
+                for (int c = 0; c < kPerLane; ++c) {
+                    const int dim = lane + 32 * c;
+                    x[u][c] = u0 + u < n && dim < d ? src[dim] : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const float wu = __shfl_sync(0xffffffffu, w, (u0 + u) % 32);
+#pragma unroll
+                for (int c = 0; c < kPerLane; ++c) o[c] = fmaf(wu, x[u][c], o[c]);
             }
         }
     }
@@ -245,17 +580,28 @@ __device__ void combine(const float* __restrict__ part, T* __restrict__ out, con
 
 }  // namespace
 
-#define KPT_ATTENTION_SPLIT(NAME, T)                                                        \
-    extern "C" __global__ void __launch_bounds__(kThreads) kpt_attention_split_##NAME(      \
-        const T* q, const T* k, const T* v, const float* mask, float* part,                 \
-        const SplitDims sd) {                                                               \
-        split<T>(q, k, v, mask, part, sd);                                                  \
-    }                                                                                       \
+#define KPT_ATTENTION_COMBINE(NAME, T)                                                      \
     extern "C" __global__ void __launch_bounds__(kThreads) kpt_attention_combine_##NAME(    \
         const float* part, T* out, const SplitDims sd) {                                    \
         combine<T>(part, out, sd);                                                          \
     }
 
-KPT_ATTENTION_SPLIT(f32, float)
-KPT_ATTENTION_SPLIT(bf16, __nv_bfloat16)
-KPT_ATTENTION_SPLIT(f16, __half)
+extern "C" __global__ void __launch_bounds__(kThreads) kpt_attention_split_f32(
+    const float* q, const float* k, const float* v, const float* mask, float* part,
+    const SplitDims sd) {
+    split<float>(q, k, v, mask, part, sd);
+}
+extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_attention_split_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* mask,
+    float* part, const SplitDims sd) {
+    tc::split<__nv_bfloat16>(q, k, v, mask, part, sd);
+}
+extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_attention_split_f16(
+    const __half* q, const __half* k, const __half* v, const float* mask, float* part,
+    const SplitDims sd) {
+    tc::split<__half>(q, k, v, mask, part, sd);
+}
+
+KPT_ATTENTION_COMBINE(f32, float)
+KPT_ATTENTION_COMBINE(bf16, __nv_bfloat16)
+KPT_ATTENTION_COMBINE(f16, __half)

@@ -272,6 +272,19 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             ..ShapeLimits::default()
         }),
         k(
+            "cuda.attention.flash",
+            Attention,
+            &[DType::BF16, DType::F16],
+            "FlashAttention-2 style: mma.sync tensor cores, K/V tiles by cp.async, \
+             online softmax in registers; decode shapes go to split-KV",
+        )
+        .with_priority(110)
+        .limits(ShapeLimits {
+            max_head_dim: Some(128),
+            head_dim_multiple: Some(64),
+            ..ShapeLimits::default()
+        }),
+        k(
             "cuda.concat",
             Concat,
             &[DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64],

@@ -20,6 +20,9 @@ use crate::memory::DeviceBlock;
 use crate::profiler::Profiler;
 use crate::NvidiaError;
 
+/// The registry name of the tensor-core attention (`kernels/cuda/flash_attention.cu`).
+const FLASH_ATTENTION: &str = "cuda.attention.flash";
+
 /// Options of the CUDA backend (from `KptConfig`'s `nvidia` section).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaOptions {
@@ -259,6 +262,7 @@ impl CudaBackend {
     /// Runs a `cuda.*` kernel.
     fn run_device(
         &self,
+        kernel: &str,
         op: &Op,
         inputs: &[BufferRef<'_>],
         outputs: &mut [BufferMut<'_>],
@@ -413,15 +417,17 @@ impl CudaBackend {
                 } else {
                     0
                 };
-                g.attention(
-                    dt,
+                let (q, k, v, out) = (
                     ptr(&inputs[0])?,
                     ptr(&inputs[1])?,
                     ptr(&inputs[2])?,
-                    mask,
                     out_ptr(out0)?,
-                    dims,
-                )?;
+                );
+                if kernel == FLASH_ATTENTION {
+                    g.flash_attention(dt, q, k, v, mask, out, dims)?;
+                } else {
+                    g.attention(dt, q, k, v, mask, out, dims)?;
+                }
             }
             Op::Concat { axis } => {
                 if inputs.iter().any(|r| r.spec.shape.len() <= *axis) {
@@ -615,7 +621,7 @@ impl Backend for CudaBackend {
             false => None,
         };
         if kernel.starts_with("cuda.") {
-            self.run_device(op, inputs, outputs)?;
+            self.run_device(kernel, op, inputs, outputs)?;
         } else if kernel.starts_with("triton.") {
             self.run_norm(Impl::Triton, op, inputs, outputs)?;
         } else if kernel.starts_with("cpu.") {

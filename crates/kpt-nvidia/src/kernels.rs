@@ -38,6 +38,9 @@ macro_rules! launch {
     };
 }
 
+/// Query rows per block of `flash_attention.cu` (its kBlockM).
+const FLASH_BLOCK_M: usize = 64;
+
 /// Row blocks of the Triton norm specializations (`kernels/triton/rms_norm.py`).
 const TRITON_ROW_BLOCKS: [usize; 4] = [1024, 2048, 4096, 8192];
 
@@ -196,23 +199,42 @@ impl AttentionDims {
 
     /// The split-KV plan for these sizes (`kernels/cuda/attention_split.cu`), or `None`
     /// when the general kernel should run: the kv group's query rows must fit the split
-    /// kernel's shared memory and registers, rows must be whole 16-byte vectors, and the
-    /// cache must span at least two tiles. Tiles are dealt out in runs so that about
-    /// [`SPLIT_TARGET_BLOCKS`] blocks share the work.
+    /// kernel ([`SPLIT_MAX_ROWS`]), the cache must span at least two tiles, and the head
+    /// dim must suit the dtype's kernel: bf16 and f16 run on tensor cores in k-steps of 16
+    /// dims, with a tile of [`SPLIT_STAGE_ELEMS`] / D keys for the head-dim class D (64,
+    /// 128 or 256); f32 runs the scalar kernel, whose rows must be whole 16-byte vectors
+    /// and whose query rows must fit its shared memory. Tiles are dealt out in runs: about
+    /// [`SPLIT_TARGET_BLOCKS`] blocks for f32; for bf16 / f16 at most one wave,
+    /// [`SPLIT_WAVE_BLOCKS`] (one run per kv group when there are more groups).
     fn split(&self, dtype: DType) -> Option<SplitDims> {
         let (d, size) = (self.head_dim as usize, dtype.size_in_bytes());
         let rows = self.seq_q as usize * (self.heads / self.kv_heads) as usize;
-        if rows > SPLIT_MAX_ROWS || rows * d > SPLIT_Q_FLOATS || !(d * size).is_multiple_of(16) {
+        if rows > SPLIT_MAX_ROWS {
             return None;
         }
-        let words = d * size / 4 + 1;
-        let tile = (SPLIT_KV_WORDS / (2 * words)).min(SPLIT_MAX_TILE);
+        let tile = if dtype == DType::F32 {
+            if rows * d > SPLIT_Q_FLOATS || !(d * size).is_multiple_of(16) {
+                return None;
+            }
+            let words = d * size / 4 + 1;
+            (SPLIT_KV_WORDS / (2 * words)).min(SPLIT_MAX_TILE)
+        } else {
+            if !d.is_multiple_of(16) {
+                return None;
+            }
+            SPLIT_STAGE_ELEMS / d.next_power_of_two().max(64)
+        };
         let tiles = (self.seq_kv as usize).div_ceil(tile);
         let groups = self.batch as usize * self.kv_heads as usize;
         if tiles < 2 || groups == 0 {
             return None;
         }
-        let per = tiles.div_ceil(SPLIT_TARGET_BLOCKS.div_ceil(groups).clamp(1, tiles));
+        let runs = if dtype == DType::F32 {
+            SPLIT_TARGET_BLOCKS.div_ceil(groups)
+        } else {
+            SPLIT_WAVE_BLOCKS / groups
+        };
+        let per = tiles.div_ceil(runs.clamp(1, tiles));
         Some(SplitDims {
             dims: *self,
             tile: tile as i32,
@@ -222,15 +244,23 @@ impl AttentionDims {
     }
 }
 
-/// Shared-memory budgets of `attention_split.cu` (its kQFloats and kKvWords) and its
-/// largest tile (two keys per lane).
+/// Shared-memory budgets of the f32 kernel of `attention_split.cu` (its kQFloats and
+/// kKvWords) and its largest tile (two keys per lane).
 const SPLIT_Q_FLOATS: usize = 2048;
 const SPLIT_KV_WORDS: usize = 4096;
 const SPLIT_MAX_TILE: usize = 64;
-/// Query rows of one kv group the split kernel takes (4 warps x kRowsPerWarp).
+/// K (and V) elements of one pipeline stage of the bf16 / f16 kernel (its
+/// tc::kStageElems): 64, 32 or 16 keys of head-dim class 64, 128 or 256.
+const SPLIT_STAGE_ELEMS: usize = 4096;
+/// Query rows of one kv group the split kernels take (f32: 4 warps x kRowsPerWarp;
+/// bf16 / f16: tc::kMaxRows, four n-tiles of 8).
 const SPLIT_MAX_ROWS: usize = 32;
-/// Blocks the split kernel aims for (about nine per SM on an H100).
+/// Blocks the f32 split kernel aims for.
 const SPLIT_TARGET_BLOCKS: usize = 1024;
+/// Blocks the bf16 / f16 split kernel stays within: one wave of four blocks (48 KiB of
+/// shared memory each) on each of an H100's 132 SMs. Fewer, longer runs beat two waves:
+/// each run pays a pipeline fill and a share of the combine pass.
+const SPLIT_WAVE_BLOCKS: usize = 528;
 
 /// Sizes of one split-KV attention call (the kernel's `SplitDims`).
 #[repr(C)]
@@ -427,6 +457,38 @@ impl Gpu {
         launch!(self, "attention_split", entry, split_blocks; q, k, v, mask, part.ptr(), split);
         let entry = format!("kpt_attention_combine_{name}");
         launch!(self, "attention_split", entry, blocks; part.ptr(), out, split);
+        Ok(())
+    }
+
+    /// Tensor-core attention (`kernels/cuda/flash_attention.cu`) for bf16 and f16 with
+    /// head dim 64 or 128. Decode-shaped calls take the split-KV kernels and other
+    /// dtypes or head dims the general kernel, as in [`Gpu::attention`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn flash_attention(
+        &self,
+        dtype: DType,
+        q: u64,
+        k: u64,
+        v: u64,
+        mask: u64,
+        out: u64,
+        dims: AttentionDims,
+    ) -> Result<(), NvidiaError> {
+        let d = dims.head_dim;
+        let name = match dtype {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            _ => "",
+        };
+        if name.is_empty() || !(d == 64 || d == 128) || dims.split(dtype).is_some() {
+            return self.attention(dtype, q, k, v, mask, out, dims);
+        }
+        let tiles = (dims.seq_q as usize).div_ceil(FLASH_BLOCK_M)
+            * dims.batch as usize
+            * dims.heads as usize;
+        let blocks = grid("flash attention tiles", tiles)?;
+        let entry = format!("kpt_flash_attention_{name}_d{d}");
+        launch!(self, "flash_attention", entry, blocks; q, k, v, mask, out, dims);
         Ok(())
     }
 

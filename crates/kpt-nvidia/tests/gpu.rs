@@ -247,6 +247,18 @@ proptest! {
         check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], causal, with_mask, dt, seed)?;
     }
 
+    /// Prefill-shaped calls over several query and key tiles (64 each), partial tiles,
+    /// caches shorter and longer than the query: the tensor-core kernels for bf16/f16
+    /// at head dims 64 and 128.
+    #[test]
+    fn attention_prefill(batch in 1usize..3, seq_q in 17usize..200, seq_kv in 1usize..260,
+                         kv_heads in 1usize..3, group in 1usize..=4,
+                         head_dim in prop::sample::select(vec![64usize, 128]),
+                         causal in any::<bool>(), with_mask in any::<bool>(),
+                         dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
+        check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], causal, with_mask, dt, seed)?;
+    }
+
     /// Decode-shaped calls against caches of several tiles: the split-KV kernels.
     #[test]
     fn attention_long_cache(batch in 1usize..3, seq_q in 1usize..=16, seq_kv in 65usize..1500,

@@ -1,0 +1,302 @@
+// FlashAttention-2 style forward attention on tensor cores (mma.sync m16n8k16, sm_80 and
+// newer) for bf16 and f16 with head dim 64 or 128: the same contract as attention.cu
+// (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right causal; q and out
+// [batch, seq_q, heads * d], k and v [batch, seq_kv, kv_heads * d]).
+//
+// One block of 4 warps per (64 query rows, head, batch); each warp owns 16 rows. The
+// block's Q tile is staged through shared memory into registers once (A fragments). Key
+// tiles of 64 are walked with K and V in shared memory (rows padded by 16 bytes, so the
+// eight rows an ldmatrix reads fall in distinct banks), loaded with cp.async and
+// overlapped as FlashAttention-2 does: V(t) loads while S = Q K(t)^T runs, K(t+1) while
+// P V(t) runs. Scores stay in the mma accumulators; the online softmax works on them in
+// the log2 domain (exp2), the quad of lanes that shares a row reduces its max with two
+// shuffles, and the probabilities are re-packed in registers as the A fragments of
+// P V (the accumulator layout of two n-tiles is the A layout of one k-step). Causal
+// blocks stop at the last visible key tile, and element masks are applied only on tiles
+// that cross the diagonal, the end of the cache, or carry an additive mask. Rows that no
+// key is visible to give zeros. Query tiles are scheduled last-first so that the longest
+// causal blocks start first (block x = tile from the last * batch * heads + b * heads + h).
+//
+// kpt:launch kpt_flash_attention_bf16_d64 block=128 shared=0 grid=tiles
+// kpt:launch kpt_flash_attention_bf16_d128 block=128 shared=0 grid=tiles
+// kpt:launch kpt_flash_attention_f16_d64 block=128 shared=0 grid=tiles
+// kpt:launch kpt_flash_attention_f16_d128 block=128 shared=0 grid=tiles
+
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kBlockM = 64;  // query rows per block (16 per warp)
+constexpr int kBlockN = 64;  // keys per tile
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Layout shared with kpt-nvidia's AttentionDims.
+struct Dims {
+    int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
+    float scale;
+};
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; zero-filled when !valid (rows past the end).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// d[16x8] += a[16x16] b[16x8], f32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                    unsigned b1) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two floats as one register of two T (lo in the low half).
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const unsigned*>(&v);
+    } else {
+        const __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const unsigned*>(&v);
+    }
+}
+
+// Copies `rows` rows (from `row0`, `stride` elements apart) of D elements into a tile
+// of kBlockN (or kBlockM) rows with `ld` elements per row; rows past `rows` are zeros.
+template <typename T, int D, int kRows>
+__device__ __forceinline__ void load_tile(T* tile, int ld, const T* src, long stride,
+                                          int rows) {
+    constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
+#pragma unroll
+    for (int x = threadIdx.x; x < kRows * kChunks; x += kThreads) {
+        const int r = x / kChunks, c = x % kChunks;
+        const bool valid = r < rows;
+        const T* s = src + (valid ? r : 0) * stride + c * (16 / sizeof(T));
+        cp_async16(tile + r * ld + c * (16 / sizeof(T)), s, valid);
+    }
+}
+
+template <typename T, int D>
+__device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
+                      const T* __restrict__ v, const float* __restrict__ mask,
+                      T* __restrict__ out, const Dims p) {
+    constexpr int kLd = D + 8;  // padded row: 16 extra bytes
+    // K tile, and V tile (which first holds the Q tile).
+    __shared__ __align__(16) T ks[kBlockN * kLd];
+    __shared__ __align__(16) T vs[kBlockN * kLd];
+    static_assert(kBlockM <= kBlockN, "the Q tile is staged in the V buffer");
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, tig = lane % 4;  // mma fragment row group and column pair
+    // Block x = (query tile counted from the last) * batch * heads + b * heads + h.
+    const int tiles_m = (p.seq_q + kBlockM - 1) / kBlockM;
+    const int bh = static_cast<int>(blockIdx.x % (p.batch * p.heads));
+    const int m0 = (tiles_m - 1 - static_cast<int>(blockIdx.x / (p.batch * p.heads))) * kBlockM;
+    const int h = bh % p.heads, b = bh / p.heads;
+    const int hk = h / (p.heads / p.kv_heads);
+    const long q_stride = static_cast<long>(p.heads) * D;
+    const long kv_stride = static_cast<long>(p.kv_heads) * D;
+    const T* qb = q + (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
+    const T* kb = k + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    const T* vb = v + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    // Keys j <= i + offset are visible to query i (causal, bottom-right aligned).
+    const int offset = p.seq_kv - p.seq_q;
+    int kv_end = p.seq_kv;
+    if (p.causal) kv_end = max(0, min(p.seq_kv, min(m0 + kBlockM, p.seq_q) + offset));
+    const int tiles_n = (kv_end + kBlockN - 1) / kBlockN;
+
+    load_tile<T, D, kBlockM>(vs, kLd, qb, q_stride, min(kBlockM, p.seq_q - m0));
+    cp_async_commit();
+    if (tiles_n > 0) load_tile<T, D, kBlockN>(ks, kLd, kb, kv_stride, min(kBlockN, p.seq_kv));
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    // Q fragments of this warp's 16 rows: one A fragment per 16 columns of d.
+    unsigned qf[D / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        const int row = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+        const int col = kc * 16 + (lane / 16) * 8;
+        ldmatrix_x4(qf[kc], vs + row * kLd + col);
+    }
+    __syncthreads();  // the V buffer is free
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    const float scale2 = p.scale * kLog2e;
+    // The two query rows of this thread's accumulators.
+    const int qi0 = m0 + warp * 16 + g, qi1 = qi0 + 8;
+
+    for (int t = 0; t < tiles_n; ++t) {
+        const int n0 = t * kBlockN;
+        const int nk = min(kBlockN, p.seq_kv - n0);
+        load_tile<T, D, kBlockN>(vs, kLd, vb + n0 * kv_stride, kv_stride, nk);
+        cp_async_commit();
+        cp_async_wait<1>();  // K(t) has landed
+        __syncthreads();
+
+        // S = Q K^T for 16 rows x 64 keys: 8 n-tiles of 8 keys.
+        float s[kBlockN / 8][4];
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+#pragma unroll
+            for (int jp = 0; jp < kBlockN / 16; ++jp) {
+                unsigned bf[4];
+                const int key = jp * 16 + (lane % 8) + (lane / 16) * 8;
+                const int col = kc * 16 + ((lane / 8) % 2) * 8;
+                ldmatrix_x4(bf, ks + key * kLd + col);
+                mma<T>(s[2 * jp], qf[kc], bf[0], bf[1]);
+                mma<T>(s[2 * jp + 1], qf[kc], bf[2], bf[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with K(t)
+        if (t + 1 < tiles_n) {
+            const int n1 = n0 + kBlockN;
+            load_tile<T, D, kBlockN>(ks, kLd, kb + n1 * kv_stride, kv_stride,
+                                     min(kBlockN, p.seq_kv - n1));
+        }
+        cp_async_commit();
+
+        // Scale into the log2 domain, then mask where this tile needs it.
+        const bool edge = nk < kBlockN || mask != nullptr ||
+                          (p.causal && n0 + kBlockN - 1 > m0 + offset);
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[j][e] * scale2;
+                if (edge) {
+                    const int key = n0 + j * 8 + tig * 2 + (e & 1);
+                    const int qi = e < 2 ? qi0 : qi1;
+                    bool visible = key < p.seq_kv && qi < p.seq_q;
+                    if (p.causal) visible = visible && key <= qi + offset;
+                    if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
+                    x = visible ? x : -INFINITY;
+                }
+                s[j][e] = x;
+            }
+        }
+        // Online softmax for the two rows (r = 0: elements 0, 1; r = 1: elements 2, 3).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = m_run[r];
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // With nothing visible yet, exponents of -inf must give 0, not NaN.
+            const float base = mx == -INFINITY ? 0.0f : mx;
+            const float alpha = exp2f(m_run[r] - base);
+            m_run[r] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) {
+                s[j][2 * r] = exp2f(s[j][2 * r] - base);
+                s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - base);
+                sum += s[j][2 * r] + s[j][2 * r + 1];
+            }
+            l_run[r] = l_run[r] * alpha + sum;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                o[i][2 * r] *= alpha;
+                o[i][2 * r + 1] *= alpha;
+            }
+        }
+
+        cp_async_wait<1>();  // V(t) has landed (K(t+1) may still be in flight)
+        __syncthreads();
+        // O += P V: P's accumulators of n-tiles 2kc and 2kc + 1 are the A fragment of
+        // k-step kc.
+#pragma unroll
+        for (int kc = 0; kc < kBlockN / 16; ++kc) {
+            const unsigned pa[4] = {
+                pack2<T>(s[2 * kc][0], s[2 * kc][1]),
+                pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3]),
+            };
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                unsigned bf[4];
+                const int key = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+                const int col = dp * 16 + (lane / 16) * 8;
+                ldmatrix_x4_trans(bf, vs + key * kLd + col);
+                mma<T>(o[2 * dp], pa, bf[0], bf[1]);
+                mma<T>(o[2 * dp + 1], pa, bf[2], bf[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with V(t)
+    }
+    cp_async_wait<0>();
+
+    // Normalize and store: the quad of lanes of a row holds its partial sums.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int qi = r == 0 ? qi0 : qi1;
+        if (qi >= p.seq_q) continue;
+        T* orow = out + (static_cast<long>(b) * p.seq_q + qi) * q_stride + static_cast<long>(h) * D;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            const unsigned w = pack2<T>(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
+            *reinterpret_cast<unsigned*>(orow + i * 8 + tig * 2) = w;
+        }
+    }
+}
+
+}  // namespace
+
+#define KPT_FLASH(NAME, T, D)                                                              \
+    extern "C" __global__ void __launch_bounds__(kThreads) kpt_flash_attention_##NAME##_d##D( \
+        const T* q, const T* k, const T* v, const float* mask, T* out, const Dims p) {     \
+        flash<T, D>(q, k, v, mask, out, p);                                                \
+    }
+
+KPT_FLASH(bf16, __nv_bfloat16, 64)
+KPT_FLASH(bf16, __nv_bfloat16, 128)
+KPT_FLASH(f16, __half, 64)
+KPT_FLASH(f16, __half, 128)
