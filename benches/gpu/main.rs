@@ -111,6 +111,7 @@ fn attention_cases() -> Vec<Case> {
             causal,
             scale: None,
             mask: false,
+            varlen: false,
         })
     };
     let mut out = Vec::new();

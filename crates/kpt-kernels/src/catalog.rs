@@ -99,8 +99,10 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             "cpu.attention.flash",
             Attention,
             F32,
-            "blocked online-softmax attention; never builds the full score matrix",
-        ),
+            "blocked online-softmax attention; never builds the full score matrix; \
+             variable-length batches one sequence at a time",
+        )
+        .limits(VARLEN),
         k("cpu.add", Add, F32, "broadcasting add"),
         k("cpu.mul", Mul, F32, "broadcasting multiply"),
         k(
@@ -332,6 +334,17 @@ const TRITON_ROWS: ShapeLimits = ShapeLimits {
     max_k: None,
     max_row: Some(8192),
     row_multiple: Some(16),
+    varlen: false,
+};
+
+/// Limits of a kernel that takes every attention shape, variable-length batches included.
+const VARLEN: ShapeLimits = ShapeLimits {
+    max_head_dim: None,
+    head_dim_multiple: None,
+    max_k: None,
+    max_row: None,
+    row_multiple: None,
+    varlen: true,
 };
 
 /// The f64 reference declared for every op: correct for every float dtype, slow.
@@ -371,6 +384,9 @@ pub fn reference_kernels() -> Vec<KernelDef> {
                     DType::F8E5M2,
                     DType::I8,
                 ]);
+            }
+            if op == OpKind::Attention {
+                def = def.limits(VARLEN);
             }
             def
         })

@@ -163,6 +163,17 @@ impl ReferenceOps for CpuReference {
                 let (rows, dim) = rows_dim(first.shape());
                 r::softmax(&x[0], &mut outs[0], rows, dim)?
             }
+            Op::Attention(p) if p.varlen => {
+                let shape = attention_shape(p, first.shape(), inputs[1].shape());
+                cpu::for_each_sequence(
+                    &shape,
+                    &ids(&inputs[3]),
+                    &ids(&inputs[4]),
+                    (&x[0], &x[1], &x[2]),
+                    &mut outs[0],
+                    |q, k, v, out, s| r::attention(q, k, v, None, out, s),
+                )?
+            }
             Op::Attention(p) => {
                 let shape = attention_shape(p, first.shape(), inputs[1].shape());
                 let mask = if p.mask { Some(&x[3][..]) } else { None };

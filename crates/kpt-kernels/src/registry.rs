@@ -22,6 +22,9 @@ pub struct ShapeLimits {
     pub max_row: Option<usize>,
     /// The last dimension of a row-wise op must be a multiple of this.
     pub row_multiple: Option<usize>,
+    /// Takes variable-length (packed) attention batches.
+    #[serde(default)]
+    pub varlen: bool,
 }
 
 /// What a kernel is and what it needs.
@@ -172,6 +175,9 @@ impl KernelDef {
             return Some(format!("needs CPU/device feature {f}"));
         }
         if let Op::Attention(p) = op {
+            if p.varlen && !self.limits.varlen {
+                return Some("no variable-length sequences".into());
+            }
             if let Some(max) = self.limits.max_head_dim.filter(|&m| p.head_dim > m) {
                 return Some(format!("head_dim {} > {max}", p.head_dim));
             }

@@ -10,7 +10,7 @@ use kpt_core::exec::Executor;
 use kpt_core::graph::{Activation, AttentionParams, Graph, Op, TensorSpec, ValueSource};
 use kpt_core::hardware::DeviceKind;
 use kpt_core::optimize::{auto_optimize, Plan, PrecisionPolicy};
-use kpt_core::validate::{run_reference, validate_plan};
+use kpt_core::validate::{run_reference, validate_plan, ReferenceOps};
 use kpt_core::{DType, KptError, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
 
@@ -410,6 +410,7 @@ fn attention_graph(rng: &mut Rng) -> Graph {
         causal: true,
         scale: None,
         mask: true,
+        varlen: false,
     };
     let mut g = Graph::new();
     let x = g.input("x", DType::F32, &[1, 5, 32]);
@@ -423,6 +424,142 @@ fn attention_graph(rng: &mut Rng) -> Graph {
     let o = g.op("attn", Op::Attention(p), &[q, k, v, mask]).unwrap();
     g.output(o).unwrap();
     g
+}
+
+/// Variable-length attention over sequences of `(queries, keys)`: the packed call equals
+/// dense calls on each sequence (checked against the reference of each), at every level.
+fn check_varlen(rng: &mut Rng, seqs: &[(usize, usize)], causal: bool) {
+    let (h, hk, d) = (4, 2, 8);
+    let p = AttentionParams {
+        num_heads: h,
+        num_kv_heads: hk,
+        head_dim: d,
+        causal,
+        scale: None,
+        mask: false,
+        varlen: true,
+    };
+    let (tq, tk): (usize, usize) = (
+        seqs.iter().map(|s| s.0).sum(),
+        seqs.iter().map(|s| s.1).sum(),
+    );
+    let cu = |f: fn(&(usize, usize)) -> usize| {
+        let mut v = vec![0i32];
+        for s in seqs {
+            v.push(v.last().unwrap() + f(s) as i32);
+        }
+        Tensor::from_vec(v, &[seqs.len() + 1]).unwrap()
+    };
+    let (cu_q, cu_k) = (cu(|s| s.0), cu(|s| s.1));
+    let mut g = Graph::new();
+    let q = g.input("q", DType::F32, &[1, tq, h * d]);
+    let k = g.input("k", DType::F32, &[1, tk, hk * d]);
+    let v = g.input("v", DType::F32, &[1, tk, hk * d]);
+    let cq = g.input("cu_q", DType::I32, &[seqs.len() + 1]);
+    let ck = g.input("cu_k", DType::I32, &[seqs.len() + 1]);
+    let o = g.op("attn", Op::Attention(p), &[q, k, v, cq, ck]).unwrap();
+    g.output(o).unwrap();
+    let (qt, kt, vt) = (
+        tensor(rng, &[1, tq, h * d], -2.0, 2.0),
+        tensor(rng, &[1, tk, hk * d], -2.0, 2.0),
+        tensor(rng, &[1, tk, hk * d], -2.0, 2.0),
+    );
+    let inputs = [qt.clone(), kt.clone(), vt.clone(), cu_q, cu_k];
+    let plans = check_all_levels(&g, &inputs);
+    assert_eq!(kernels(&plans[0]), ["cpu.attention.flash"]);
+    let got = Executor::new(plans[0].clone(), backend())
+        .unwrap()
+        .run(&inputs)
+        .unwrap()
+        .remove(0);
+    // Each sequence alone, dense, through the reference.
+    let dense = Op::Attention(AttentionParams { varlen: false, ..p });
+    let (mut q0, mut k0) = (0, 0);
+    for &(sq, sk) in seqs {
+        if sq > 0 {
+            let want = CpuReference
+                .eval(
+                    &dense,
+                    &[
+                        qt.narrow(1, q0, sq).unwrap(),
+                        kt.narrow(1, k0, sk).unwrap(),
+                        vt.narrow(1, k0, sk).unwrap(),
+                    ],
+                )
+                .unwrap()
+                .remove(0);
+            let part = got.narrow(1, q0, sq).unwrap().to_f64_vec();
+            for (a, b) in part.iter().zip(want.to_f64_vec()) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{seqs:?}: {a} vs {b}"
+                );
+            }
+        }
+        (q0, k0) = (q0 + sq, k0 + sk);
+    }
+}
+
+#[test]
+fn varlen_attention_equals_each_sequence_alone() {
+    let mut rng = Rng::new(31);
+    // Prefill-like (equal lengths), decode-like (1 query, a cache), an empty sequence,
+    // and a sequence with queries but no keys (zeros).
+    check_varlen(
+        &mut rng,
+        &[(5, 5), (1, 9), (0, 0), (3, 3), (2, 0), (7, 12)],
+        true,
+    );
+    check_varlen(&mut rng, &[(4, 6), (1, 1), (9, 2)], false);
+    check_varlen(&mut rng, &[(70, 70), (33, 65)], true);
+}
+
+#[test]
+fn bad_cu_seqlens_are_typed_errors() {
+    let p = AttentionParams {
+        num_heads: 2,
+        num_kv_heads: 2,
+        head_dim: 4,
+        causal: true,
+        scale: None,
+        mask: false,
+        varlen: true,
+    };
+    let op = Op::Attention(p);
+    let x = Tensor::from_vec(vec![0.5f32; 5 * 8], &[1, 5, 8]).unwrap();
+    let cu = |v: Vec<i64>| Tensor::from_vec(v.clone(), &[v.len()]).unwrap();
+    for (cq, ck, needle) in [
+        (vec![0, 2, 5], vec![0, 3, 4], "ends at 4"),
+        (vec![0, 3, 2], vec![0, 2, 5], "decreases at entry 2"),
+        (vec![1, 2, 5], vec![0, 2, 5], "must start at 0"),
+    ] {
+        let inputs = [x.clone(), x.clone(), x.clone(), cu(cq), cu(ck)];
+        for result in [
+            CpuReference.eval(&op, &inputs).map(|_| ()),
+            run_op_on_backend(&op, &inputs),
+        ] {
+            let err = result.unwrap_err();
+            assert!(
+                matches!(err, KptError::InvalidArgument(_)) && err.to_string().contains(needle),
+                "{err}"
+            );
+        }
+    }
+}
+
+/// Runs one op through the CPU backend's registry kernel.
+fn run_op_on_backend(op: &Op, inputs: &[Tensor]) -> kpt_core::Result<()> {
+    let mut g = Graph::new();
+    let ins: Vec<_> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| g.input(format!("in{i}"), t.dtype(), t.shape()))
+        .collect();
+    let o = g.op("op", op.clone(), &ins)?;
+    g.output(o)?;
+    let backend = backend();
+    let plan = optimize(&g, OptLevel::Conservative, &backend);
+    Executor::new(plan, backend)?.run(inputs).map(|_| ())
 }
 
 /// Inputs of [`attention_graph`] for `s` queries and `t` keys; the mask has `-inf`

@@ -321,6 +321,35 @@ proptest! {
     }
 
     #[test]
+    fn varlen_attention_matches_reference(
+        seqs in prop::collection::vec((0usize..=40, 0usize..=50), 1..5),
+        kv_heads in 1usize..=2, ratio in prop::sample::select(vec![1usize, 3]),
+        head_dim in prop::sample::select(vec![1usize, 8, 64]), causal in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Rng::new(seed);
+        let cu = |f: fn(&(usize, usize)) -> usize| {
+            std::iter::once(0).chain(seqs.iter().scan(0i64, |t, s| { *t += f(s) as i64; Some(*t) }))
+                .collect::<Vec<i64>>()
+        };
+        let (cu_q, cu_k) = (cu(|s| s.0), cu(|s| s.1));
+        let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
+        let shape = AttentionShape::new(1, tq, tk, kv_heads * ratio, kv_heads, head_dim, causal);
+        let q = rng.vec(shape.q_len(), -1.0, 1.0);
+        let k = rng.vec(shape.kv_len(), -1.0, 1.0);
+        let v = rng.vec(shape.kv_len(), -1.0, 1.0);
+        let mut want = vec![0f64; shape.q_len()];
+        let (q64, k64, v64) = (f64s(&q), f64s(&k), f64s(&v));
+        cpu::for_each_sequence(&shape, &cu_q, &cu_k, (&q64, &k64, &v64), &mut want,
+            |q, k, v, o, s| r::attention(q, k, v, None, o, s)).map_err(fail)?;
+        let mut got = vec![0f32; shape.q_len()];
+        cpu::for_each_sequence(&shape, &cu_q, &cu_k, (&q, &k, &v), &mut got,
+            |q, k, v, o, s| cpu::attention(q, k, v, None, o, s, 16, 16)).map_err(fail)?;
+        let longest = seqs.iter().map(|s| s.1).max().unwrap_or(1);
+        check_close("varlen attention", &f64s(&got), &want, tolerance(DType::F32, longest))?;
+    }
+
+    #[test]
     fn norms_match_reference(rows in 1usize..=9, dim in 1usize..=300, seed in any::<u64>()) {
         let mut rng = Rng::new(seed);
         let x = rng.vec(rows * dim, -2.0, 2.0);

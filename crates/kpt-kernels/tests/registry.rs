@@ -46,6 +46,7 @@ fn attention(head_dim: usize) -> (Op, Vec<TensorSpec>) {
         causal: true,
         scale: None,
         mask: false,
+        varlen: false,
     };
     let op = Op::Attention(p);
     let inputs = vec![

@@ -146,6 +146,7 @@ fn check_attention(
         causal,
         scale: None,
         mask: with_mask,
+        varlen: false,
     };
     let mut inputs = vec![
         random(&mut rng, &[batch, seq_q, heads * head_dim], dt, -2.0, 2.0),
@@ -499,6 +500,7 @@ fn attention_falls_back_to_the_host_reference() {
         causal: true,
         scale: None,
         mask: false,
+        varlen: false,
     };
     let op = Op::Attention(p);
     let mut rng = SplitMix64::new(3);

@@ -88,6 +88,7 @@ pub fn default_cases(quick: bool) -> Result<Vec<BenchCase>> {
         causal: true,
         scale: None,
         mask: false,
+        varlen: false,
     };
     let (graph, inputs) = single_op(
         Op::Attention(p),

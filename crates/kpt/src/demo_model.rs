@@ -137,6 +137,7 @@ pub fn build_graph(cfg: &DemoConfig, phase: Phase, example_seq: usize) -> Result
         causal: true,
         scale: None,
         mask: false,
+        varlen: false,
     };
     let eps = 1e-5;
     for l in 0..cfg.layers {

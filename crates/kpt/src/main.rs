@@ -359,6 +359,7 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
                 causal: true,
                 scale: None,
                 mask: false,
+                varlen: false,
             }),
             vec![f(&[1, 16, 4096]), f(&[1, 16, 1024]), f(&[1, 16, 1024])],
         ),

@@ -5,6 +5,10 @@
 //! - `MatMul`: a `[.., M, K]`, b `[K, N]` or `[.., K, N]` with the same batch dims -> `[.., M, N]`.
 //! - `Attention`: q `[B, S, Hq*D]`, k and v `[B, T, Hkv*D]`, optional additive mask `[S, T]`
 //!   -> `[B, S, Hq*D]`. Causal masking is bottom-right aligned (query `i` sees keys `j <= i + T - S`).
+//!   Variable-length (`varlen`): sequences packed into `B = 1`, q `[1, total_q, Hq*D]`, k and v
+//!   `[1, total_k, Hkv*D]`, then `cu_seqlens_q` and `cu_seqlens_k` `[n + 1]` (i32/i64, from 0
+//!   to the totals, non-decreasing): sequence `s` is queries `cu_q[s]..cu_q[s+1]` against keys
+//!   `cu_k[s]..cu_k[s+1]`, causal bottom-right within the sequence.
 //! - `Rotary`: x `[B, S, H*D]`, positions `[S]` (i32/i64) -> same shape as x (NeoX "rotate half").
 
 use std::fmt;
@@ -64,6 +68,10 @@ pub struct AttentionParams {
     pub scale: Option<f32>,
     /// Whether a fourth input, an additive `[S, T]` mask, is given.
     pub mask: bool,
+    /// Packed variable-length sequences: two more inputs, `cu_seqlens_q` and
+    /// `cu_seqlens_k` (see the module docs); excludes `mask`.
+    #[serde(default)]
+    pub varlen: bool,
 }
 
 impl AttentionParams {
@@ -371,7 +379,7 @@ impl Op {
             Op::Linear { bias } | Op::LinearAct { bias, .. } => 2 + usize::from(*bias),
             Op::LayerNorm { .. } | Op::AddRmsNorm { .. } => 3,
             Op::AddLayerNorm { .. } => 4,
-            Op::Attention(p) => 3 + usize::from(p.mask),
+            Op::Attention(p) => 3 + usize::from(p.mask) + 2 * usize::from(p.varlen),
         }
     }
 
@@ -628,6 +636,31 @@ impl Op {
                         q.shape, k.shape, v.shape
                     )));
                 }
+                if p.varlen {
+                    if p.mask {
+                        return Err(KptError::InvalidArgument(
+                            "attention takes a mask or variable-length sequences, not both".into(),
+                        ));
+                    }
+                    if q.shape[0] != 1 {
+                        return Err(shape_err(format!(
+                            "variable-length sequences are packed into batch 1, got q {:?}",
+                            q.shape
+                        )));
+                    }
+                    let (cq, ck) = (&inputs[3], &inputs[4]);
+                    for c in [cq, ck] {
+                        if !c.dtype.is_index() {
+                            return Err(KptError::dtype(name, "i32 or i64 cu_seqlens", c.dtype));
+                        }
+                    }
+                    if cq.shape.len() != 1 || cq.shape != ck.shape || cq.shape[0] == 0 {
+                        return Err(shape_err(format!(
+                            "cu_seqlens_q {:?} and cu_seqlens_k {:?} must both be [sequences + 1]",
+                            cq.shape, ck.shape
+                        )));
+                    }
+                }
                 if p.mask {
                     let m = &inputs[3];
                     want_compute(m)?;
@@ -812,6 +845,7 @@ mod tests {
             causal: true,
             scale: None,
             mask: true,
+            varlen: false,
         };
         let op = Op::Attention(p);
         let ok = op.infer(&[
@@ -832,6 +866,57 @@ mod tests {
             s(&[3, 5], DType::F32),
         ]);
         assert!(matches!(bad, Err(KptError::Shape { .. })));
+    }
+
+    #[test]
+    fn varlen_attention_takes_cu_seqlens() {
+        let p = AttentionParams {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            causal: true,
+            scale: None,
+            mask: false,
+            varlen: true,
+        };
+        let op = Op::Attention(p);
+        assert_eq!(op.num_inputs(), 5);
+        let (q, kv) = (s(&[1, 7, 32], DType::F32), s(&[1, 9, 16], DType::F32));
+        let cu = s(&[3], DType::I32);
+        let out = op.infer(&[q.clone(), kv.clone(), kv.clone(), cu.clone(), cu.clone()]);
+        assert_eq!(out.unwrap(), vec![q.clone()]);
+        // Batch > 1, mismatched or float offsets, and a mask are errors.
+        let batched = s(&[2, 7, 32], DType::F32);
+        let kv2 = s(&[2, 9, 16], DType::F32);
+        let err = op
+            .infer(&[batched, kv2.clone(), kv2, cu.clone(), cu.clone()])
+            .unwrap_err();
+        assert!(err.to_string().contains("batch 1"), "{err}");
+        let err = op
+            .infer(&[
+                q.clone(),
+                kv.clone(),
+                kv.clone(),
+                cu.clone(),
+                s(&[4], DType::I32),
+            ])
+            .unwrap_err();
+        assert!(matches!(err, KptError::Shape { .. }), "{err}");
+        let err = op
+            .infer(&[
+                q.clone(),
+                kv.clone(),
+                kv.clone(),
+                cu.clone(),
+                s(&[3], DType::F32),
+            ])
+            .unwrap_err();
+        assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
+        let both = Op::Attention(AttentionParams { mask: true, ..p });
+        let err = both
+            .infer(&[q, kv.clone(), kv, s(&[7, 9], DType::F32), cu.clone(), cu])
+            .unwrap_err();
+        assert!(matches!(err, KptError::InvalidArgument(_)), "{err}");
     }
 
     #[test]

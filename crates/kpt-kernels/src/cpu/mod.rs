@@ -46,7 +46,7 @@ pub use gemm::{matmul_bf16, matmul_f16, matmul_f32};
 pub use linear::{linear, WeightsRef};
 pub use norm::{add_layer_norm, add_rms_norm, layer_norm, rms_norm};
 pub use rotary::rotary;
-pub use shapes::AttentionShape;
+pub use shapes::{for_each_sequence, varlen_segments, AttentionShape};
 pub use softmax::softmax;
 
 /// An elementwise activation function.

@@ -170,3 +170,88 @@ impl AttentionShape {
         check_len(op, "out [batch, seq_q, num_heads*head_dim]", out, ql)
     }
 }
+
+/// The query and key rows of each sequence of a variable-length attention batch, from
+/// the cumulative offsets `cu_q` and `cu_k` (`[n + 1]`: 0 first, the totals last,
+/// non-decreasing). Bad offsets are an [`InvalidArgument`](KptError::InvalidArgument)
+/// error naming the first bad entry.
+pub fn varlen_segments(
+    cu_q: &[i64],
+    cu_k: &[i64],
+    total_q: usize,
+    total_k: usize,
+) -> Result<Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>> {
+    let check = |what: &str, cu: &[i64], total: usize| -> Result<Vec<usize>> {
+        let bad = |msg: String| KptError::InvalidArgument(format!("attention {what}: {msg}"));
+        if cu.first() != Some(&0) {
+            return Err(bad(format!("must start at 0, got {:?}", cu.first())));
+        }
+        if let Some(i) = (1..cu.len()).find(|&i| cu[i] < cu[i - 1]) {
+            return Err(bad(format!(
+                "decreases at entry {i} ({} after {})",
+                cu[i],
+                cu[i - 1]
+            )));
+        }
+        let last = *cu.last().unwrap_or(&0);
+        if last != total as i64 {
+            return Err(bad(format!("ends at {last}, but there are {total} rows")));
+        }
+        Ok(cu.iter().map(|&x| x as usize).collect())
+    };
+    if cu_q.len() != cu_k.len() {
+        return Err(KptError::InvalidArgument(format!(
+            "attention: cu_seqlens_q has {} entries, cu_seqlens_k {}",
+            cu_q.len(),
+            cu_k.len()
+        )));
+    }
+    let (q, k) = (
+        check("cu_seqlens_q", cu_q, total_q)?,
+        check("cu_seqlens_k", cu_k, total_k)?,
+    );
+    Ok(q.windows(2)
+        .zip(k.windows(2))
+        .map(|(q, k)| (q[0]..q[1], k[0]..k[1]))
+        .collect())
+}
+
+/// Runs dense attention, `run(q, k, v, out, shape)` on one sequence at batch 1, over
+/// each sequence of a variable-length batch packed as `shape` (batch 1); sequences
+/// without keys output zeros.
+pub fn for_each_sequence<T: Copy + Default>(
+    shape: &AttentionShape,
+    cu_q: &[i64],
+    cu_k: &[i64],
+    (q, k, v): (&[T], &[T], &[T]),
+    out: &mut [T],
+    mut run: impl FnMut(&[T], &[T], &[T], &mut [T], &AttentionShape) -> Result<()>,
+) -> Result<()> {
+    let (qr, kr) = (shape.q_row(), shape.kv_row());
+    check_len("attention", "q", q.len(), shape.q_len())?;
+    check_len("attention", "k", k.len(), shape.kv_len())?;
+    check_len("attention", "v", v.len(), shape.kv_len())?;
+    check_len("attention", "out", out.len(), shape.q_len())?;
+    for (qs, ks) in varlen_segments(cu_q, cu_k, shape.seq_q, shape.seq_kv)? {
+        let o = &mut out[qs.start * qr..qs.end * qr];
+        if ks.is_empty() {
+            o.fill(T::default());
+            continue;
+        }
+        if qs.is_empty() {
+            continue;
+        }
+        let sub = AttentionShape {
+            batch: 1,
+            seq_q: qs.len(),
+            seq_kv: ks.len(),
+            ..*shape
+        };
+        let (kk, vv) = (
+            &k[ks.start * kr..ks.end * kr],
+            &v[ks.start * kr..ks.end * kr],
+        );
+        run(&q[qs.start * qr..qs.end * qr], kk, vv, o, &sub)?;
+    }
+    Ok(())
+}
