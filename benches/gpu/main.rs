@@ -112,6 +112,7 @@ fn attention_cases() -> Vec<Case> {
             scale: None,
             mask: false,
             varlen: false,
+            window: None,
         })
     };
     let mut out = Vec::new();

@@ -1,5 +1,6 @@
-// Scaled dot-product attention with GQA, an optional additive [seq_q, seq_kv] f32 mask
-// and bottom-right aligned causal masking; q and out are [batch, seq_q, heads * d], k
+// Scaled dot-product attention with GQA, an optional additive [seq_q, seq_kv] f32 mask,
+// bottom-right aligned causal masking and an optional sliding window (query i sees keys
+// j > i + seq_kv - seq_q - window); q and out are [batch, seq_q, heads * d], k
 // and v [batch, seq_kv, kv_heads * d]. Matches kpt_kernels::cpu::reference::attention.
 //
 // One warp per (batch, query, head) row, four rows per block. The warp walks the keys
@@ -29,6 +30,7 @@ using kpt::to_float;
 struct Dims {
     int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
     float scale;
+    int window;  // sliding window in keys, 0 = none
 };
 
 template <typename T>
@@ -55,6 +57,12 @@ __device__ void attention(const T* __restrict__ q, const T* __restrict__ k,
         const long l = static_cast<long>(i) + 1 + p.seq_kv - p.seq_q;
         limit = l < 0 ? 0 : (l > p.seq_kv ? p.seq_kv : static_cast<int>(l));
     }
+    // A sliding window of w keys starts at i + 1 + seq_kv - seq_q - w.
+    int start = 0;
+    if (p.window > 0) {
+        const long st = static_cast<long>(i) + 1 + p.seq_kv - p.seq_q - p.window;
+        start = st < 0 ? 0 : (st > p.seq_kv ? p.seq_kv : static_cast<int>(st));
+    }
     const long kv_row = static_cast<long>(p.kv_heads) * d;
     const T* kb = k + b * p.seq_kv * kv_row + static_cast<long>(g) * d;
     const T* vb = v + b * p.seq_kv * kv_row + static_cast<long>(g) * d;
@@ -65,7 +73,7 @@ __device__ void attention(const T* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
     for (int c = 0; c < kPerLane; ++c) o[c] = 0.0f;
 
-    for (int j0 = 0; j0 < limit; j0 += 32) {
+    for (int j0 = start; j0 < limit; j0 += 32) {
         const int j = j0 + lane;
         float s = -INFINITY;
         if (j < limit) {

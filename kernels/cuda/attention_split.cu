@@ -67,6 +67,7 @@ using kpt::to_float;
 struct Dims {
     int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
     float scale;
+    int window;  // sliding window in keys, 0 = none
 };
 struct SplitDims {
     Dims p;

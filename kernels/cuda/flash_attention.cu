@@ -1,6 +1,6 @@
 // FlashAttention-2 style forward attention on tensor cores (mma.sync m16n8k16, sm_80 and
 // newer) for bf16 and f16 with head dim 64 or 128: the same contract as attention.cu
-// (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right causal; q and out
+// (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right causal, sliding window; q and out
 // [batch, seq_q, heads * d], k and v [batch, seq_kv, kv_heads * d]).
 //
 // One block of 4 warps per (64 query rows, head, batch); each warp owns 16 rows. The
@@ -38,6 +38,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 struct Dims {
     int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
     float scale;
+    int window;  // sliding window in keys, 0 = none
 };
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -140,11 +141,19 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
     const int offset = p.seq_kv - p.seq_q;
     int kv_end = p.seq_kv;
     if (p.causal) kv_end = max(0, min(p.seq_kv, min(m0 + kBlockM, p.seq_q) + offset));
+    // With a sliding window of w keys, query i sees keys j >= i + offset + 1 - w: the
+    // block starts at the tile of its first query's first key.
+    const int kv_start = p.window > 0 ? max(0, m0 + offset + 1 - p.window) : 0;
+    const int t_begin = min(kv_start, kv_end) / kBlockN;
     const int tiles_n = (kv_end + kBlockN - 1) / kBlockN;
 
     load_tile<T, D, kBlockM>(vs, kLd, qb, q_stride, min(kBlockM, p.seq_q - m0));
     cp_async_commit();
-    if (tiles_n > 0) load_tile<T, D, kBlockN>(ks, kLd, kb, kv_stride, min(kBlockN, p.seq_kv));
+    if (t_begin < tiles_n) {
+        const int n0 = t_begin * kBlockN;
+        load_tile<T, D, kBlockN>(ks, kLd, kb + n0 * kv_stride, kv_stride,
+                                 min(kBlockN, p.seq_kv - n0));
+    }
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -166,7 +175,7 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
     // The two query rows of this thread's accumulators.
     const int qi0 = m0 + warp * 16 + g, qi1 = qi0 + 8;
 
-    for (int t = 0; t < tiles_n; ++t) {
+    for (int t = t_begin; t < tiles_n; ++t) {
         const int n0 = t * kBlockN;
         const int nk = min(kBlockN, p.seq_kv - n0);
         load_tile<T, D, kBlockN>(vs, kLd, vb + n0 * kv_stride, kv_stride, nk);
@@ -199,8 +208,10 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
         cp_async_commit();
 
         // Scale into the log2 domain, then mask where this tile needs it.
+        // The last query of the block has the latest window start.
         const bool edge = nk < kBlockN || mask != nullptr ||
-                          (p.causal && n0 + kBlockN - 1 > m0 + offset);
+                          (p.causal && n0 + kBlockN - 1 > m0 + offset) ||
+                          (p.window > 0 && n0 < m0 + kBlockM - 1 + offset + 1 - p.window);
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
@@ -211,6 +222,7 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
                     const int qi = e < 2 ? qi0 : qi1;
                     bool visible = key < p.seq_kv && qi < p.seq_q;
                     if (p.causal) visible = visible && key <= qi + offset;
+                    if (p.window > 0) visible = visible && key >= qi + offset + 1 - p.window;
                     if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
                     x = visible ? x : -INFINITY;
                 }

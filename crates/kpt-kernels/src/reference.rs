@@ -36,6 +36,7 @@ pub(crate) fn attention_shape(
         head_dim: p.head_dim,
         causal: p.causal,
         scale: p.effective_scale() as f64,
+        window: p.window,
     }
 }
 

@@ -411,6 +411,7 @@ fn attention_graph(rng: &mut Rng) -> Graph {
         scale: None,
         mask: true,
         varlen: false,
+        window: None,
     };
     let mut g = Graph::new();
     let x = g.input("x", DType::F32, &[1, 5, 32]);
@@ -438,6 +439,7 @@ fn check_varlen(rng: &mut Rng, seqs: &[(usize, usize)], causal: bool) {
         scale: None,
         mask: false,
         varlen: true,
+        window: None,
     };
     let (tq, tk): (usize, usize) = (
         seqs.iter().map(|s| s.0).sum(),
@@ -524,6 +526,7 @@ fn bad_cu_seqlens_are_typed_errors() {
         scale: None,
         mask: false,
         varlen: true,
+        window: None,
     };
     let op = Op::Attention(p);
     let x = Tensor::from_vec(vec![0.5f32; 5 * 8], &[1, 5, 8]).unwrap();

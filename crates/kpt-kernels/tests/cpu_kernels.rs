@@ -313,11 +313,37 @@ proptest! {
         causal in any::<bool>(), with_mask in any::<bool>(),
         block_q in prop::sample::select(vec![1usize, 4, 7, 16, 64]),
         block_kv in prop::sample::select(vec![1usize, 16, 20, 64]),
+        window in prop::option::of(1usize..80),
         seed in any::<u64>(),
     ) {
         let heads = kv_heads * ratio;
-        let shape = AttentionShape::new(batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal);
+        let shape = AttentionShape::new(batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal)
+            .with_window(window);
         check_attention(seed, shape, with_mask, block_q, block_kv)?;
+    }
+
+    /// The reference's sliding window equals an additive mask of -inf outside the window.
+    #[test]
+    fn window_equals_its_mask(seq_q in 1usize..=20, seq_kv in 1usize..=30, window in 1usize..40,
+                              causal in any::<bool>(), seed in any::<u64>()) {
+        let mut rng = Rng::new(seed);
+        let shape = AttentionShape::new(1, seq_q, seq_kv, 2, 1, 4, causal);
+        let q = f64s(&rng.vec(shape.q_len(), -1.0, 1.0));
+        let k = f64s(&rng.vec(shape.kv_len(), -1.0, 1.0));
+        let v = f64s(&rng.vec(shape.kv_len(), -1.0, 1.0));
+        // Key j is in query i's window iff j + window > i + seq_kv - seq_q.
+        let mask: Vec<f64> = (0..seq_q * seq_kv)
+            .map(|x| {
+                let (i, j) = ((x / seq_kv) as i64, (x % seq_kv) as i64);
+                let inside = j + window as i64 > i + seq_kv as i64 - seq_q as i64;
+                if inside { 0.0 } else { f64::NEG_INFINITY }
+            })
+            .collect();
+        let mut want = vec![0f64; shape.q_len()];
+        r::attention(&q, &k, &v, Some(&mask), &mut want, &shape).map_err(fail)?;
+        let mut got = vec![0f64; shape.q_len()];
+        r::attention(&q, &k, &v, None, &mut got, &shape.with_window(Some(window))).map_err(fail)?;
+        prop_assert_eq!(got, want);
     }
 
     #[test]

@@ -47,6 +47,7 @@ fn attention(head_dim: usize) -> (Op, Vec<TensorSpec>) {
         scale: None,
         mask: false,
         varlen: false,
+        window: None,
     };
     let op = Op::Attention(p);
     let inputs = vec![

@@ -413,7 +413,8 @@ impl CudaBackend {
                     p.head_dim,
                     p.causal,
                     p.effective_scale(),
-                )?;
+                )?
+                .with_window(p.window)?;
                 let mask = if p.mask {
                     let m = &inputs[3];
                     if m.spec.dtype != DType::F32 {

@@ -141,6 +141,8 @@ pub(crate) struct AttentionDims {
     head_dim: i32,
     causal: i32,
     scale: f32,
+    /// Sliding window in keys; 0 = none.
+    window: i32,
 }
 
 // SAFETY: a `repr(C)` struct of 32-bit integers and a float, laid out like the kernel's
@@ -190,6 +192,23 @@ impl AttentionDims {
             head_dim: int("head_dim", head_dim)?,
             causal: i32::from(causal),
             scale,
+            window: 0,
+        })
+    }
+
+    /// The same sizes with a sliding window of `window` keys (at least 1).
+    pub(crate) fn with_window(self, window: Option<usize>) -> Result<Self, NvidiaError> {
+        Ok(Self {
+            window: match window {
+                None => 0,
+                Some(0) => {
+                    return Err(NvidiaError::Invalid(
+                        "attention: window must be at least 1 key".into(),
+                    ))
+                }
+                Some(w) => int("window", w)?,
+            },
+            ..self
         })
     }
 
@@ -198,7 +217,8 @@ impl AttentionDims {
     }
 
     /// The split-KV plan for these sizes (`kernels/cuda/attention_split.cu`), or `None`
-    /// when the general kernel should run: the kv group's query rows must fit the split
+    /// when the general kernel should run (always with a sliding window, which the split
+    /// kernels do not take): the kv group's query rows must fit the split
     /// kernel ([`SPLIT_MAX_ROWS`]), the cache must span at least two tiles, and the head
     /// dim must suit the dtype's kernel: bf16 and f16 run on tensor cores in k-steps of 16
     /// dims, with a tile of [`SPLIT_STAGE_ELEMS`] / D keys for the head-dim class D (64,
@@ -209,7 +229,7 @@ impl AttentionDims {
     fn split(&self, dtype: DType) -> Option<SplitDims> {
         let (d, size) = (self.head_dim as usize, dtype.size_in_bytes());
         let rows = self.seq_q as usize * (self.heads / self.kv_heads) as usize;
-        if rows > SPLIT_MAX_ROWS {
+        if rows > SPLIT_MAX_ROWS || self.window != 0 {
             return None;
         }
         let tile = if dtype == DType::F32 {

@@ -132,7 +132,7 @@ fn check(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
 /// with an additive mask) on every device kernel against the f64 reference.
 fn check_attention(
     [batch, seq_q, seq_kv, kv_heads, group, head_dim]: [usize; 6],
-    causal: bool,
+    (causal, window): (bool, Option<usize>),
     with_mask: bool,
     dt: DType,
     seed: u64,
@@ -147,6 +147,7 @@ fn check_attention(
         scale: None,
         mask: with_mask,
         varlen: false,
+        window,
     };
     let mut inputs = vec![
         random(&mut rng, &[batch, seq_q, heads * head_dim], dt, -2.0, 2.0),
@@ -244,8 +245,9 @@ proptest! {
     fn attention(batch in 1usize..3, seq_q in 1usize..40, seq_kv in 1usize..70,
                  kv_heads in 1usize..3, group in 1usize..4,
                  head_dim in prop::sample::select(vec![1usize, 8, 33, 64, 128, 256]),
-                 causal in any::<bool>(), with_mask in any::<bool>(), dt in dtype(), seed: u64) {
-        check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], causal, with_mask, dt, seed)?;
+                 causal in any::<bool>(), window in prop::option::of(1usize..50),
+                 with_mask in any::<bool>(), dt in dtype(), seed: u64) {
+        check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed)?;
     }
 
     /// Prefill-shaped calls over several query and key tiles (64 each), partial tiles,
@@ -255,9 +257,10 @@ proptest! {
     fn attention_prefill(batch in 1usize..3, seq_q in 17usize..200, seq_kv in 1usize..260,
                          kv_heads in 1usize..3, group in 1usize..=4,
                          head_dim in prop::sample::select(vec![64usize, 128]),
-                         causal in any::<bool>(), with_mask in any::<bool>(),
+                         causal in any::<bool>(), window in prop::option::of(1usize..150),
+                         with_mask in any::<bool>(),
                          dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
-        check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], causal, with_mask, dt, seed)?;
+        check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed)?;
     }
 
     /// Decode-shaped calls against caches of several tiles: the split-KV kernels.
@@ -266,8 +269,10 @@ proptest! {
                             kv_heads in 1usize..3, group in 1usize..=4,
                             head_dim in prop::sample::select(vec![8usize, 64, 80, 128, 256]),
                             causal in any::<bool>(), with_mask in any::<bool>(), dt in dtype(),
-                            seed: u64) {
-        check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], causal, with_mask, dt, seed)?;
+                            window in prop::option::of(prop::option::of(1usize..600)), seed: u64) {
+        // Mostly without a window (the split-KV kernels), sometimes with one.
+        let window = window.flatten();
+        check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed)?;
     }
 
     #[test]
@@ -501,6 +506,7 @@ fn attention_falls_back_to_the_host_reference() {
         scale: None,
         mask: false,
         varlen: false,
+        window: None,
     };
     let op = Op::Attention(p);
     let mut rng = SplitMix64::new(3);

@@ -89,6 +89,7 @@ pub fn default_cases(quick: bool) -> Result<Vec<BenchCase>> {
         scale: None,
         mask: false,
         varlen: false,
+        window: None,
     };
     let (graph, inputs) = single_op(
         Op::Attention(p),

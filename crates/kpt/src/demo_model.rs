@@ -138,6 +138,7 @@ pub fn build_graph(cfg: &DemoConfig, phase: Phase, example_seq: usize) -> Result
         scale: None,
         mask: false,
         varlen: false,
+        window: None,
     };
     let eps = 1e-5;
     for l in 0..cfg.layers {

@@ -360,6 +360,7 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
                 scale: None,
                 mask: false,
                 varlen: false,
+                window: None,
             }),
             vec![f(&[1, 16, 4096]), f(&[1, 16, 1024]), f(&[1, 16, 1024])],
         ),

@@ -72,6 +72,10 @@ pub struct AttentionParams {
     /// `cu_seqlens_k` (see the module docs); excludes `mask`.
     #[serde(default)]
     pub varlen: bool,
+    /// Sliding window (Mistral's `sliding_window`): query `i` sees only the `w` keys up to
+    /// its aligned position, `j > i + T - S - w`. At least 1.
+    #[serde(default)]
+    pub window: Option<usize>,
 }
 
 impl AttentionParams {
@@ -611,6 +615,11 @@ impl Op {
                         "num_heads, num_kv_heads and head_dim must be > 0".into(),
                     ));
                 }
+                if p.window == Some(0) {
+                    return Err(KptError::InvalidArgument(
+                        "attention window must be at least 1 key".into(),
+                    ));
+                }
                 if p.num_heads % p.num_kv_heads != 0 {
                     return Err(shape_err(format!(
                         "num_heads {} is not a multiple of num_kv_heads {}",
@@ -846,6 +855,7 @@ mod tests {
             scale: None,
             mask: true,
             varlen: false,
+            window: None,
         };
         let op = Op::Attention(p);
         let ok = op.infer(&[
@@ -878,6 +888,7 @@ mod tests {
             scale: None,
             mask: false,
             varlen: true,
+            window: None,
         };
         let op = Op::Attention(p);
         assert_eq!(op.num_inputs(), 5);

@@ -110,7 +110,7 @@ impl<Q, P> Ctx<'_, Q, P> {
 }
 
 /// One key block of the online softmax on the score tile `st` (rows `bkv` apart):
-/// adds the mask, masks keys beyond each query's limit, updates the running max `m`
+/// adds the mask, masks keys outside each query's window and limit, updates the running max `m`
 /// and sum `l`, has `exp_sum(r, row, m)` turn row `r` into probabilities `exp(s - m)`
 /// (in place or elsewhere) and return their sum, and rescales the rows of the
 /// accumulator `o` (rows `dp` apart). `rows` = (first query, real rows, padded rows;
@@ -137,13 +137,16 @@ pub(super) fn online_softmax(
         }
         let i = i0 + r;
         let valid = s.key_limit(i).saturating_sub(j0).min(nk);
+        // Keys before the sliding window's start.
+        let first = s.key_start(i).saturating_sub(j0).min(valid);
         if let Some(mask) = mask {
-            let mrow = &mask[i * s.seq_kv + j0..i * s.seq_kv + j0 + valid];
-            srow[..valid]
+            let mrow = &mask[i * s.seq_kv + j0 + first..i * s.seq_kv + j0 + valid];
+            srow[first..valid]
                 .iter_mut()
                 .zip(mrow)
                 .for_each(|(x, &a)| *x += a);
         }
+        srow[..first].fill(f32::NEG_INFINITY);
         srow[valid..].fill(f32::NEG_INFINITY);
         let bm = max16(srow);
         let m_new = if bm > m_run[r] { bm } else { m_run[r] };
@@ -217,13 +220,18 @@ fn task<M: Micro, V: Micro>(mk: M, mv: V, c: &Ctx<'_, f32, f32>, t: usize, out: 
             }
         })
         .collect();
+    // First visible key per query (a sliding window's start; 0 without one). It grows
+    // with the query, so the task starts at its first query's, in whole key panels.
+    let first: Vec<u32> = (0..panels * nr)
+        .map(|r| s.key_start(i0 + r.min(rows - 1)) as u32)
+        .collect();
     let mut m_run = vec![f32::NEG_INFINITY; panels * nr];
     let mut l_run = vec![0f32; panels * nr];
 
     let bg = b * s.num_kv_heads + g;
     let kp = &c.kp[bg * d * c.skv_pad..][..d * c.skv_pad];
     let vp = &c.vp[bg * c.skv_pad * dp..][..c.skv_pad * dp];
-    let mut j0 = 0;
+    let mut j0 = first[0] as usize / mr * mr;
     loop {
         let mut more = false;
         for qp in 0..panels {
@@ -253,7 +261,7 @@ fn task<M: Micro, V: Micro>(mk: M, mv: V, c: &Ctx<'_, f32, f32>, t: usize, out: 
                 sp,
                 (i0 + qp * nr, rows.saturating_sub(qp * nr).min(nr)),
                 j0,
-                &lim[cols.clone()],
+                (&first[cols.clone()], &lim[cols.clone()]),
                 &mut m_run[cols.clone()],
                 &mut l_run[cols.clone()],
             );
@@ -293,7 +301,8 @@ fn task<M: Micro, V: Micro>(mk: M, mv: V, c: &Ctx<'_, f32, f32>, t: usize, out: 
 
 /// Online softmax of one key block down the columns of `sp` (`[keys][NR]`, first key
 /// `j0`) for the `NR` queries of a panel (`queries` = (first query, real ones)):
-/// adds the mask, sets keys at or past each query's limit `lim` to `-inf`, updates the
+/// adds the mask, sets keys before each query's first key `first` (a sliding window) or
+/// at or past its limit `lim` to `-inf`, updates the
 /// running max `m` and sum `l`, leaves `exp(s - m)` in `sp` and returns each column's
 /// factor for rescaling its accumulator.
 #[inline(always)]
@@ -304,7 +313,7 @@ fn column_softmax<const FMA: bool>(
     sp: &mut [f32],
     (q0, real): (usize, usize),
     j0: usize,
-    lim: &[u32],
+    (first, lim): (&[u32], &[u32]),
     m_run: &mut [f32],
     l_run: &mut [f32],
 ) -> [f32; MAX_NR] {
@@ -313,7 +322,7 @@ fn column_softmax<const FMA: bool>(
         for (jj, row) in sp.chunks_exact_mut(nr).enumerate() {
             for (r, x) in row[..real].iter_mut().enumerate() {
                 let j = j0 + jj;
-                if j < lim[r] as usize {
+                if (first[r] as usize..lim[r] as usize).contains(&j) {
                     *x += mask[(q0 + r) * s.seq_kv + j];
                 }
             }
@@ -322,15 +331,17 @@ fn column_softmax<const FMA: bool>(
     // Each key row is handled in fixed chunks of `L` columns so that every inner loop
     // has a constant trip count and compiles to straight vector code.
     const L: usize = COLUMN_CHUNK;
-    // Keys below every real query's limit need no masking (padded columns are never
-    // read back, whatever they hold).
+    // Keys inside every real query's window and below its limit need no masking
+    // (padded columns are never read back, whatever they hold).
     let all_see = lim[..real].iter().min().map_or(0, |&l| l as usize);
+    let all_from = first[..real].iter().max().map_or(0, |&f| f as usize);
     let mut bmax = [[f32::NEG_INFINITY; L]; MAX_NR / L];
     let (lims, _) = lim.as_chunks::<L>();
+    let (firsts, _) = first.as_chunks::<L>();
     for (jj, row) in sp.chunks_exact_mut(nr).enumerate() {
         let j = j0 + jj;
         let (chs, _) = row.as_chunks_mut::<L>();
-        if j < all_see {
+        if (all_from..all_see).contains(&j) {
             for (ch, m) in chs.iter().zip(&mut bmax) {
                 for i in 0..L {
                     m[i] = if ch[i] > m[i] { ch[i] } else { m[i] };
@@ -338,9 +349,9 @@ fn column_softmax<const FMA: bool>(
             }
             continue;
         }
-        for ((ch, m), lc) in chs.iter_mut().zip(&mut bmax).zip(lims) {
+        for (((ch, m), lc), fc) in chs.iter_mut().zip(&mut bmax).zip(lims).zip(firsts) {
             for i in 0..L {
-                let v = if (j as u32) < lc[i] {
+                let v = if (j as u32) < lc[i] && (j as u32) >= fc[i] {
                     ch[i]
                 } else {
                     f32::NEG_INFINITY
@@ -397,7 +408,7 @@ dispatch!(
         sp: &mut [f32],
         queries: (usize, usize),
         j0: usize,
-        lim: &[u32],
+        bounds: (&[u32], &[u32]),
         m_run: &mut [f32],
         l_run: &mut [f32],
     ) -> [f32; MAX_NR] => column_softmax
@@ -556,14 +567,16 @@ fn direct_row<const FMA: bool, T: Widen + Encode>(
         .map(|x| x.decode() * scale)
         .collect();
     let at = |j: usize| (b * s.seq_kv + j) * s.kv_row() + g * d;
-    let lim = s.key_limit(i);
+    // Visible keys: start..lim (`p[j]` is key `start + j`).
+    let (start, lim) = (s.key_start(i), s.key_limit(i));
+    let at = |j: usize| at(start + j);
     let key = |j: usize| &k[at(j)..][..d];
-    let mut p = vec![0f32; lim];
+    let mut p = vec![0f32; lim.saturating_sub(start)];
     #[cfg(target_arch = "x86_64")]
     let done = if simd::has_avx512() {
         // SAFETY: AVX-512 was detected on this CPU.
         unsafe { super::wide::dots(&qrow, key, &mut p) };
-        lim
+        p.len()
     } else {
         0
     };
@@ -573,7 +586,7 @@ fn direct_row<const FMA: bool, T: Widen + Encode>(
         *x = dot_decode::<FMA, T>(&qrow, key(j));
     }
     if let Some(mask) = mask {
-        for (x, &a) in p.iter_mut().zip(&mask[i * s.seq_kv..]) {
+        for (x, &a) in p.iter_mut().zip(&mask[i * s.seq_kv + start..]) {
             *x += a;
         }
     }

@@ -164,7 +164,8 @@ fn task<const _W: bool>(ctx: &AmxCtx<'_>, t: usize, out: &mut [f32]) {
         .next_multiple_of(T)
         .min(c.skv_pad);
 
-    let mut j0 = 0;
+    // From the first query's first visible key (a sliding window's start), in whole tiles.
+    let mut j0 = s.key_start(i0) / T * T;
     while j0 < kv_end {
         let nk = bkv.min(kv_end - j0);
         for i in (0..rows_pad).step_by(T) {

@@ -352,11 +352,11 @@ pub fn attention(
             let g = h / s.group_size();
             for i in 0..s.seq_q {
                 let qi = &q[(b * s.seq_q + i) * q_row + h * d..][..d];
-                let limit = s.key_limit(i);
+                let (start, limit) = (s.key_start(i), s.key_limit(i));
                 let mut max = f64::NEG_INFINITY;
                 for (j, sc) in scores.iter_mut().enumerate() {
                     *sc = f64::NEG_INFINITY;
-                    if j >= limit {
+                    if j < start || j >= limit {
                         continue;
                     }
                     let kj = &k[(b * s.seq_kv + j) * kv_row + g * d..][..d];

@@ -10,8 +10,10 @@ use super::{check_len, checked_product};
 /// `v` are `[batch, seq_kv, num_kv_heads * head_dim]`, the optional additive mask is
 /// `[seq_q, seq_kv]` (shared by every batch and head). Query head `h` reads kv head
 /// `h / (num_heads / num_kv_heads)`. With `causal`, the mask is aligned bottom-right:
-/// query `i` may attend key `j` iff `j <= i + (seq_kv - seq_q)`. A key whose additive mask
-/// is `-inf` is excluded too; a query with no key left outputs zeros.
+/// query `i` may attend key `j` iff `j <= i + (seq_kv - seq_q)`. With a sliding `window`
+/// of `w` keys, only keys `j > i + (seq_kv - seq_q) - w` are visible (the `w` keys up to
+/// the query's aligned position). A key whose additive mask is `-inf` is excluded too; a
+/// query with no key left outputs zeros.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionShape {
     /// Batch size.
@@ -30,6 +32,8 @@ pub struct AttentionShape {
     pub causal: bool,
     /// Factor applied to `q · k` before the softmax, usually `1/√head_dim`.
     pub scale: f64,
+    /// Sliding window: how many keys up to its aligned position a query sees.
+    pub window: Option<usize>,
 }
 
 impl AttentionShape {
@@ -52,7 +56,13 @@ impl AttentionShape {
             head_dim,
             causal,
             scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+            window: None,
         }
+    }
+
+    /// The same shape with a sliding window of `window` keys.
+    pub fn with_window(self, window: Option<usize>) -> Self {
+        Self { window, ..self }
     }
 
     /// Checks that the heads group evenly, the scale is finite and no buffer size
@@ -72,6 +82,11 @@ impl AttentionShape {
                     "num_heads {} is not a multiple of num_kv_heads {}",
                     self.num_heads, self.num_kv_heads
                 ),
+            ));
+        }
+        if self.window == Some(0) {
+            return Err(KptError::InvalidArgument(
+                "attention window must be at least 1 key".into(),
             ));
         }
         if !self.scale.is_finite() {
@@ -147,6 +162,16 @@ impl AttentionShape {
         (i + 1 + self.seq_kv)
             .saturating_sub(self.seq_q)
             .min(self.seq_kv)
+    }
+
+    /// The first key query `i` may attend (0 without a sliding window; at most `seq_kv`).
+    pub fn key_start(&self, i: usize) -> usize {
+        self.window.map_or(0, |w| {
+            // j > i + seq_kv - seq_q - w  <=>  j >= i + 1 + seq_kv - seq_q - w.
+            (i + 1 + self.seq_kv)
+                .saturating_sub(self.seq_q + w)
+                .min(self.seq_kv)
+        })
     }
 
     /// [`validate`](Self::validate)s the shape and checks every buffer length.
