@@ -34,6 +34,24 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def sdpa_backends(call):
+    """`call` (an SDPA call) under each SDPA backend that takes it: flash, cuDNN, efficient."""
+    out = []
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        backend = getattr(SDPBackend, name)
+
+        def f(backend=backend):
+            with sdpa_kernel(backend):
+                return call()
+
+        try:
+            f()
+        except RuntimeError:
+            continue  # this backend does not take the case
+        out.append((f"SDPA {name.split('_')[0].lower()}", f))
+    return out
+
+
 def variants(req):
     """The PyTorch implementations of one case: a list of (name, callable)."""
     kind = req["kind"]
@@ -98,37 +116,12 @@ def variants(req):
     if kind == "attention_prefill":
         b, h, d, s, causal = req["batch"], req["heads"], req["head_dim"], req["seq"], req["causal"]
         q, k, v = (rand((b, h, s, d), dt, -2.0, 2.0) for _ in range(3))
-        out = []
-        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
-            backend = getattr(SDPBackend, name)
-
-            def f(backend=backend):
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-            try:
-                f()
-            except RuntimeError:
-                continue  # this backend does not take the case
-            out.append((f"SDPA {name.split('_')[0].lower()}", f))
-        return out
+        return sdpa_backends(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
     if kind == "attention_decode":
         b, hq, hkv, d, s = req["batch"], req["heads"], req["kv_heads"], req["head_dim"], req["seq_kv"]
         q = rand((b, hq, 1, d), dt, -2.0, 2.0)
         k, v = rand((b, hkv, s, d), dt, -2.0, 2.0), rand((b, hkv, s, d), dt, -2.0, 2.0)
-        out = []
-        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
-            backend = getattr(SDPBackend, name)
-
-            def f(backend=backend):
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-            try:
-                f()
-            except RuntimeError:
-                continue  # this backend does not take the case
-            out.append((f"SDPA {name.split('_')[0].lower()}", f))
+        out = sdpa_backends(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         # What a user without GQA support in a backend runs: K/V expanded to every head.
         ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
         out.append(("SDPA (expanded K/V)", lambda: F.scaled_dot_product_attention(q, ke, ve)))

@@ -136,7 +136,7 @@ fn attention_cases() -> Vec<Case> {
                               "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
                 target_ratio: Some(1.0),
                 target: None,
-                note: "FLOPs = 4 b h s² d (half when causal); tensor-core kernel (mma.sync)",
+                note: "FLOPs = 4 b h s² d (half when causal)",
             });
         }
     }

@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace {
 
@@ -249,68 +250,13 @@ __device__ __forceinline__ unsigned swz(int r, int c, int chunks) {
     return static_cast<unsigned>((r * chunks + (c ^ (r & 7))) * 16);
 }
 
-// 16 bytes global -> shared, bypassing L1; `bytes` = 0 fills zeros (reads nothing).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-// Four 8x8 matrices of 16-bit elements; lanes 8i..8i+7 address the rows of matrix i.
-// Plain: lane l gets row l / 4, columns 2 (l % 4) + {0, 1}; .trans: the transpose.
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-// Transposes an 8x8 matrix of 16-bit elements held as ldmatrix leaves it (lane l: row
-// l / 4, columns 2 (l % 4) + {0, 1}).
-__device__ __forceinline__ unsigned transpose8(unsigned x) {
-    unsigned y;
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-    return y;
-}
-
-// Two floats as a pair of T, lo in the low half.
-template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
-template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-
-// c += a b on a 16x8x16 tile (A row-major, B column-major, f32 accumulators). Lane l, with
-// g = l / 4 and u = l % 4: a = {A[g][2u..], A[g+8][2u..], A[g][2u+8..], A[g+8][2u+8..]},
-// b = {B[2u..][g], B[2u+8..][g]}, c = {C[g][2u], C[g][2u+1], C[g+8][2u], C[g+8][2u+1]}.
-template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                    unsigned b1) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
+using kpt::cp_async16;
+using kpt::cp_async_commit;
+using kpt::ldsm_x4;
+using kpt::ldsm_x4_t;
+using kpt::mma;
+using kpt::pack2;
+using kpt::transpose8;
 
 // One block of the split kernel for head dims d <= D (d % 16 == 0); `smem` is the shared
 // address of kSmemBytes: stage s's K at s * kStageBytes, its V kStageElems * 2 further,
@@ -389,7 +335,7 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
     cp_async_commit();
     for (int t = t0; t < t1; ++t) {
         const int stage = (t - t0) & 1;
-        cp_async_wait_all();
+        kpt::cp_async_wait<0>();
         __syncthreads();  // tile t is in; every warp is done with the other stage
         if (t + 1 < t1) load(t + 1, stage ^ 1);
         cp_async_commit();

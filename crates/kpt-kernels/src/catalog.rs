@@ -267,10 +267,29 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             "cuda.attention",
             Attention,
             CUDA_FLOATS,
-            "one warp per query row, online softmax, P·V in registers (f32 math)",
+            "one warp per query row, online softmax, P·V in registers (f32 math); \
+             variable-length batches one sequence per launch",
         )
         .limits(ShapeLimits {
             max_head_dim: Some(256),
+            varlen: true,
+            ..ShapeLimits::default()
+        }),
+        KernelDef::new(
+            "cuda.attention.flash_sm90",
+            Attention,
+            DeviceKind::Cuda,
+            &[DType::BF16, DType::F16],
+            120,
+            "FlashAttention-3 style for Hopper: wgmma on shared-memory operands, a producer \
+             warpgroup feeding a cp.async/mbarrier ring, two ping-pong consumer warpgroups; \
+             decode shapes go to split-KV, sliding windows to cuda.attention.flash",
+        )
+        .min_arch("sm_90")
+        .limits(ShapeLimits {
+            max_head_dim: Some(128),
+            head_dim_multiple: Some(64),
+            varlen: true,
             ..ShapeLimits::default()
         }),
         k(
@@ -284,6 +303,7 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
         .limits(ShapeLimits {
             max_head_dim: Some(128),
             head_dim_multiple: Some(64),
+            varlen: true,
             ..ShapeLimits::default()
         }),
         k(

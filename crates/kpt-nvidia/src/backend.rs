@@ -20,8 +20,10 @@ use crate::memory::DeviceBlock;
 use crate::profiler::Profiler;
 use crate::NvidiaError;
 
-/// The registry name of the tensor-core attention (`kernels/cuda/flash_attention.cu`).
+/// The registry names of the tensor-core attention kernels: `kernels/cuda/flash_attention.cu`
+/// (mma.sync, sm_80+) and `flash_attention_sm90.cu` (wgmma, sm_90a).
 const FLASH_ATTENTION: &str = "cuda.attention.flash";
+const FLASH_ATTENTION_SM90: &str = "cuda.attention.flash_sm90";
 
 /// Options of the CUDA backend (from `KptConfig`'s `nvidia` section).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -390,12 +392,6 @@ impl CudaBackend {
             Op::Cast { dtype } => {
                 g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
             }
-            Op::Attention(p) if p.varlen => {
-                return Err(err(
-                    "the CUDA attention kernels take dense batches; variable-length \
-                     batches run on the registry's host fallback",
-                ))
-            }
             Op::Attention(p) => {
                 let (qs, ks) = (&x.shape, &inputs[1].spec.shape);
                 if qs.len() != 3 || ks.len() != 3 {
@@ -404,17 +400,19 @@ impl CudaBackend {
                          [batch, seq_kv, kv_heads * d], not {qs:?} and {ks:?}"
                     )));
                 }
-                let dims = AttentionDims::new(
-                    qs[0],
-                    qs[1],
-                    ks[1],
-                    p.num_heads,
-                    p.num_kv_heads,
-                    p.head_dim,
-                    p.causal,
-                    p.effective_scale(),
-                )?
-                .with_window(p.window)?;
+                let dims = |batch, seq_q, seq_kv| {
+                    AttentionDims::new(
+                        batch,
+                        seq_q,
+                        seq_kv,
+                        p.num_heads,
+                        p.num_kv_heads,
+                        p.head_dim,
+                        p.causal,
+                        p.effective_scale(),
+                    )?
+                    .with_window(p.window)
+                };
                 let mask = if p.mask {
                     let m = &inputs[3];
                     if m.spec.dtype != DType::F32 {
@@ -430,10 +428,41 @@ impl CudaBackend {
                     ptr(&inputs[2])?,
                     out_ptr(out0)?,
                 );
-                if kernel == FLASH_ATTENTION {
-                    g.flash_attention(dt, q, k, v, mask, out, dims)?;
-                } else {
-                    g.attention(dt, q, k, v, mask, out, dims)?;
+                let run = |q, k, v, out, dims| {
+                    if kernel == FLASH_ATTENTION || kernel == FLASH_ATTENTION_SM90 {
+                        let hopper = kernel == FLASH_ATTENTION_SM90;
+                        g.flash_attention(dt, q, k, v, mask, out, dims, hopper)
+                    } else {
+                        g.attention(dt, q, k, v, mask, out, dims)
+                    }
+                };
+                if !p.varlen {
+                    run(q, k, v, out, dims(qs[0], qs[1], ks[1])?)?;
+                    return Ok(());
+                }
+                // Variable-length batch: the offsets are read on the host (a small
+                // synchronous copy) and each sequence runs as a dense call on its rows.
+                let offsets = |r: &BufferRef<'_>| -> Result<Vec<i64>> {
+                    let t = self.download(r.buffer, r.spec)?;
+                    Ok(t.to_f64_vec().into_iter().map(|x| x as i64).collect())
+                };
+                let segments = kpt_kernels::cpu::varlen_segments(
+                    &offsets(&inputs[3])?,
+                    &offsets(&inputs[4])?,
+                    qs[1],
+                    ks[1],
+                )?;
+                let size = dt.size_in_bytes() * p.head_dim;
+                let (q_row, kv_row) = ((p.num_heads * size) as u64, (p.num_kv_heads * size) as u64);
+                for (sq, sk) in segments.into_iter().filter(|(sq, _)| !sq.is_empty()) {
+                    let (q0, k0) = (sq.start as u64, sk.start as u64);
+                    run(
+                        q + q0 * q_row,
+                        k + k0 * kv_row,
+                        v + k0 * kv_row,
+                        out + q0 * q_row,
+                        dims(1, sq.len(), sk.len())?,
+                    )?;
                 }
             }
             Op::Concat { axis } => {

@@ -296,11 +296,28 @@ impl Gpu {
         let f = module
             .load_function(entry)
             .map_err(|e| NvidiaError::driver("cuModuleGetFunction", e))?;
+        // Dynamic shared memory beyond the default 48 KiB must be asked for per function.
+        if meta.shared_bytes > 48 * 1024 {
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                meta.shared_bytes as i32,
+            )
+            .map_err(|e| NvidiaError::driver("cuFuncSetAttribute", e))?;
+        }
         functions
             .entry(artifact.kernel)
             .or_default()
             .insert(entry.to_string(), (f.clone(), meta));
         Ok((f, meta))
+    }
+
+    /// The target of the image `kernel` runs from (`sm_90a`, `compute_80`, ...): the
+    /// cubin for this device, or PTX that the driver compiled; loads its module if needed.
+    pub(crate) fn loaded_target(&self, kernel: &str) -> Result<&'static str, NvidiaError> {
+        let (major, minor) = self.props.compute_capability;
+        let candidates = artifacts::cuda_candidates(kernel, major, minor);
+        let (artifact, _) = self.module(kernel, &candidates)?;
+        Ok(artifact.target)
     }
 
     /// The loaded module of `kernel`: cached, else the first of `candidates` that the

@@ -38,8 +38,10 @@ macro_rules! launch {
     };
 }
 
-/// Query rows per block of `flash_attention.cu` (its kBlockM).
+/// Query rows per block of `flash_attention.cu` and `flash_attention_sm90.cu` (their
+/// kBlockM).
 const FLASH_BLOCK_M: usize = 64;
+const FLASH_SM90_BLOCK_M: usize = 128;
 
 /// Row blocks of the Triton norm specializations (`kernels/triton/rms_norm.py`).
 const TRITON_ROW_BLOCKS: [usize; 4] = [1024, 2048, 4096, 8192];
@@ -480,9 +482,11 @@ impl Gpu {
         Ok(())
     }
 
-    /// Tensor-core attention (`kernels/cuda/flash_attention.cu`) for bf16 and f16 with
-    /// head dim 64 or 128. Decode-shaped calls take the split-KV kernels and other
-    /// dtypes or head dims the general kernel, as in [`Gpu::attention`].
+    /// Tensor-core attention for bf16 and f16 with head dim 64 or 128: with `hopper`, the
+    /// wgmma kernel of `flash_attention_sm90.cu` where its sm_90a cubin is loaded and no
+    /// sliding window is set, else the mma.sync kernel of `flash_attention.cu`.
+    /// Decode-shaped calls take the split-KV kernels and other dtypes or head dims the
+    /// general kernel, as in [`Gpu::attention`].
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn flash_attention(
         &self,
@@ -493,6 +497,7 @@ impl Gpu {
         mask: u64,
         out: u64,
         dims: AttentionDims,
+        hopper: bool,
     ) -> Result<(), NvidiaError> {
         let d = dims.head_dim;
         let name = match dtype {
@@ -503,10 +508,17 @@ impl Gpu {
         if name.is_empty() || !(d == 64 || d == 128) || dims.split(dtype).is_some() {
             return self.attention(dtype, q, k, v, mask, out, dims);
         }
-        let tiles = (dims.seq_q as usize).div_ceil(FLASH_BLOCK_M)
-            * dims.batch as usize
-            * dims.heads as usize;
-        let blocks = grid("flash attention tiles", tiles)?;
+        let tiles = |rows: usize| {
+            (dims.seq_q as usize).div_ceil(rows) * dims.batch as usize * dims.heads as usize
+        };
+        const SM90: &str = "flash_attention_sm90";
+        if hopper && dims.window == 0 && self.loaded_target(SM90)? == "sm_90a" {
+            let blocks = grid("flash attention tiles", tiles(FLASH_SM90_BLOCK_M))?;
+            let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
+            launch!(self, SM90, entry, blocks; q, k, v, mask, out, dims);
+            return Ok(());
+        }
+        let blocks = grid("flash attention tiles", tiles(FLASH_BLOCK_M))?;
         let entry = format!("kpt_flash_attention_{name}_d{d}");
         launch!(self, "flash_attention", entry, blocks; q, k, v, mask, out, dims);
         Ok(())

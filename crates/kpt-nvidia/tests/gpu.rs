@@ -263,6 +263,45 @@ proptest! {
         check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed)?;
     }
 
+    /// Variable-length batches: prefill and decode sequences (and empty ones) packed into
+    /// one call, one launch per sequence on every dense kernel.
+    #[test]
+    fn attention_varlen(seqs in prop::collection::vec((0usize..90, 0usize..150), 1..5),
+                        kv_heads in 1usize..3, group in 1usize..=4,
+                        head_dim in prop::sample::select(vec![8usize, 64, 128]),
+                        causal in any::<bool>(), window in prop::option::of(1usize..100),
+                        dt in dtype(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let heads = kv_heads * group;
+        let p = kpt_core::graph::AttentionParams {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            causal,
+            scale: None,
+            mask: false,
+            varlen: true,
+            window,
+        };
+        let cu = |f: fn(&(usize, usize)) -> usize| {
+            let v: Vec<f64> = std::iter::once(0.0)
+                .chain(seqs.iter().scan(0usize, |t, s| { *t += f(s); Some(*t as f64) }))
+                .collect();
+            Tensor::from_f64(&v, &[v.len()], DType::I32).unwrap()
+        };
+        let (tq, tk): (usize, usize) = (seqs.iter().map(|s| s.0).sum(), seqs.iter().map(|s| s.1).sum());
+        let inputs = [
+            random(&mut rng, &[1, tq, heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
+            cu(|s| s.0),
+            cu(|s| s.1),
+        ];
+        if tq > 0 {
+            check(&Op::Attention(p), &inputs)?;
+        }
+    }
+
     /// Decode-shaped calls against caches of several tiles: the split-KV kernels.
     #[test]
     fn attention_long_cache(batch in 1usize..3, seq_q in 1usize..=16, seq_kv in 65usize..1500,

@@ -1,0 +1,657 @@
+// FlashAttention-3 style forward attention for Hopper (sm_90a only): asynchronous warpgroup
+// MMA (wgmma) on shared-memory operands, a producer warpgroup feeding K/V tiles through an
+// mbarrier ring, and two consumer warpgroups that take turns on the tensor cores. bf16 and f16,
+// head dim 64 or 128. The same contract, arguments and Dims as flash_attention.cu (GQA, optional
+// additive f32 mask [seq_q, seq_kv], bottom-right causal: query i sees key j iff
+// j <= i + seq_kv - seq_q; rows that see no key give zeros; q and out [batch, seq_q, heads * d],
+// k and v [batch, seq_kv, kv_heads * d]).
+//
+// Block: 384 threads = 3 warpgroups, one block per 128 query rows of one (batch, head).
+//   * Warpgroup 0 (producer, setmaxnreg down to 40 registers): copies the Q tile once, then
+//     K(t) and V(t) tiles of 128 keys into a ring of kStages stages (3 for d = 128, 4 for
+//     d = 64) with 16-byte cp.async (rows past the end are zero-filled). Each copy lands in the
+//     128-byte-swizzled layout wgmma reads: a tile of R rows x d is d / 64 column blocks of
+//     R rows x 128 bytes, and 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its row
+//     (every block starts 1024-byte aligned, as the swizzle works on address bits). Completion
+//     is signalled with cp.async.mbarrier.arrive.noinc on the stage's "full" mbarrier (128
+//     arrivals), so the producer never waits for its own copies.
+//   * Warpgroups 1 and 2 (consumers, setmaxnreg up to 232): 64 query rows each. After an
+//     mbarrier wait, a fence.proxy.async makes the cp.async (generic proxy) data visible to
+//     wgmma (async proxy). S = Q K^T is wgmma m64n128k16 with both operands in shared memory
+//     (K-major descriptors, d / 16 instructions); O += P V is wgmma m64n{d}k16 with P from
+//     registers (the accumulator layout of S is the A-fragment layout, so P is S re-packed to
+//     16 bits) and V in shared memory read transposed (MN-major descriptor). Every consumer
+//     thread arrives on the stage's "empty" mbarrier (256 arrivals) once the wgmma that read
+//     it completed.
+//   * Overlap inside a warpgroup (FA3's intra-warpgroup pipelining): iteration t issues
+//     S(t) = Q K(t)^T and O += P(t-1) V(t-1) back to back, waits for S(t) only
+//     (wgmma.wait_group 1) and runs the online softmax of tile t while P V still runs.
+//   * Overlap between the warpgroups (FA3's ping-pong): named barriers 1 and 2 make the two
+//     consumers issue their GEMMs in turn, so the softmax of one runs under the GEMMs of the
+//     other.
+// Online softmax in the log2 domain (exp2) as in flash_attention.cu; element masks only on
+// tiles that cross the diagonal or the end of the cache, or with an additive mask. Query tiles
+// are scheduled last-first so that the longest causal blocks start first (block
+// x = tile counted from the last * batch * heads + b * heads + h, tiles of 128 rows).
+//
+// Launch: grid = ceil(seq_q / 128) * batch * heads blocks (blocks past that return at once),
+// 384 threads, the `shared=` bytes below as dynamic shared memory (more than 48 KiB: the
+// function needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES set to it first). Only the
+// sm_90a cubin computes; the sm_80 cubin and the compute_80 PTX of this file trap.
+// Tuning switches for standalone builds (target/fa3test): KPT_FA3_STAGES_D64/_D128,
+// KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE; the artifacts use the defaults.
+//
+// kpt:launch kpt_flash_attention_sm90_bf16_d64 block=384 shared=148616 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_bf16_d128 block=384 shared=230504 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_f16_d64 block=384 shared=148616 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_f16_d128 block=384 shared=230504 grid=tiles
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KPT_FLASH_SM90A 1
+#endif
+
+namespace {
+
+// Layout shared with kpt-nvidia's AttentionDims.
+struct Dims {
+    int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
+    float scale;
+    int window;  // sliding window: not taken here (the host sends windowed calls elsewhere)
+};
+
+constexpr int kBlockM = 128;  // query rows per block, 64 per consumer warpgroup
+constexpr int kBlockN = 128;  // keys per K/V tile
+constexpr int kThreads = 384;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+// The launch gives every thread 168 registers (65536 / 384, rounded down to 8); setmaxnreg
+// moves them from the producer to the consumers.
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "register pool");
+
+// Ring depth and the ping-pong can be overridden when the file is compiled on its own for
+// tuning (target/fa3test); the artifacts use the defaults, which the kpt:launch lines match.
+#if !defined(KPT_FA3_STAGES_D64) && !defined(KPT_FA3_STAGES_D128)
+#define KPT_FA3_DEFAULT_CONFIG 1
+#endif
+#ifndef KPT_FA3_STAGES_D64
+#define KPT_FA3_STAGES_D64 4
+#endif
+#ifndef KPT_FA3_STAGES_D128
+#define KPT_FA3_STAGES_D128 3
+#endif
+#ifndef KPT_FA3_PINGPONG
+#define KPT_FA3_PINGPONG 1
+#endif
+// The consumers' fence.proxy.async after each "full" wait (see fence_proxy_async).
+#ifndef KPT_FA3_PROXY_FENCE
+#define KPT_FA3_PROXY_FENCE 1
+#endif
+
+template <int D>
+struct Config {
+    static constexpr int kStages = D == 64 ? KPT_FA3_STAGES_D64 : KPT_FA3_STAGES_D128;
+    static constexpr int kQBytes = kBlockM * D * 2;
+    static constexpr int kTileBytes = kBlockN * D * 2;
+    // full_q, then full_k, empty_k, full_v, empty_v of each stage.
+    static constexpr int kBarriers = 1 + 4 * kStages;
+    static constexpr int kBarOffset = kQBytes + 2 * kStages * kTileBytes;
+    // + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time.
+    static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
+};
+#ifdef KPT_FA3_DEFAULT_CONFIG
+static_assert(Config<64>::kSmemBytes == 148616, "keep the kpt:launch shared= values in step");
+static_assert(Config<128>::kSmemBytes == 230504, "keep the kpt:launch shared= values in step");
+#endif
+static_assert(Config<64>::kSmemBytes <= 227 * 1024 && Config<128>::kSmemBytes <= 227 * 1024,
+              "one block per SM must fit in the 227 KiB of dynamic shared memory");
+
+#ifdef KPT_FLASH_SM90A
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarriers -------------------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, unsigned parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+// Waits until the phase of parity `parity` has completed (a fresh barrier counts its
+// "previous" phase, parity 1, as completed).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued so far has landed. The barrier's
+// count includes this arrival (.noinc).
+__device__ __forceinline__ void mbar_arrive_on_copies(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// cp.async writes through the generic proxy, wgmma reads through the async proxy: after a
+// consumer observed the copies (mbarrier wait), this orders them before its wgmma reads.
+// (CUTLASS's cp.async + GMMA mainloop goes without; kept for the memory model's sake.)
+__device__ __forceinline__ void fence_proxy_async() {
+    if (KPT_FA3_PROXY_FENCE) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// 16 bytes global -> shared; zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+// Named barriers of the consumer ping-pong (0 is __syncthreads).
+constexpr int kSchedBarrier = 1;
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- wgmma -----------------------------------------------------------------------------
+
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pins registers that an asynchronous wgmma reads or writes: the compiler may not move a use
+// of them across this point (placed around issues and after waits).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// Matrix descriptor of a wgmma shared-memory operand: bits 0-13 start address >> 4, 16-29
+// leading byte offset >> 4, 32-45 stride byte offset >> 4, 49-51 base offset (0: every
+// swizzle atom starts 1024-byte aligned), 62-63 layout (1 = 128-byte swizzle).
+// K-major (Q and K: rows of the M/N dimension, the reduction dimension contiguous): 8-row
+// groups 1024 bytes apart (stride offset); the leading offset is unused with a swizzle (1).
+// A k-step of 16 elements inside a 64-element column block adds 32 bytes to the start.
+constexpr uint64_t kDescK = (1ull << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(16 >> 4) << 16);
+// MN-major (V read as B = V[keys][d] with d contiguous, "transposed" B): 8-key groups 1024
+// bytes apart (stride offset), 64-column blocks of d kBlockN * 128 bytes apart (leading
+// offset). A k-step of 16 keys adds 2048 bytes to the start.
+constexpr uint64_t kDescV =
+    (1ull << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t((kBlockN * 128) >> 4) << 16);
+__device__ __forceinline__ uint64_t make_desc(uint64_t bits, uint32_t addr) {
+    return bits | static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+}
+
+#define KPT_ACC8(i)                                                                        \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),           \
+        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define KPT_REGS32                                                                         \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define KPT_REGS64                                                                         \
+    KPT_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
+               "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, " \
+               "%61, %62, %63"
+
+// d[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B K-major in shared memory; scale_d = 0
+// ignores d's old value.
+#define KPT_WGMMA_SS_N128(TY)                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" KPT_REGS64  \
+                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                        \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),     \
+                   KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56)                                \
+                 : "l"(a), "l"(b), "r"(scale_d))
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64_t b,
+                                              int scale_d) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        KPT_WGMMA_SS_N128("bf16");
+    } else {
+        KPT_WGMMA_SS_N128("f16");
+    }
+}
+
+// d[64 x N] += A[64 x 16] B[16 x N], A in registers (4 per thread), B MN-major in shared
+// memory (imm-trans-b = 1).
+#define KPT_WGMMA_RS_N128(TY)                                                              \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" KPT_REGS64  \
+                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"                             \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),     \
+                   KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56)                                \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+#define KPT_WGMMA_RS_N64(TY)                                                               \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" KPT_REGS32   \
+                 "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"                             \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24)                    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+    static_assert(N == 64 || N == 128, "P V is m64n64k16 or m64n128k16");
+    if constexpr (N == 128) {
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+            KPT_WGMMA_RS_N128("bf16");
+        } else {
+            KPT_WGMMA_RS_N128("f16");
+        }
+    } else {
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+            KPT_WGMMA_RS_N64("bf16");
+        } else {
+            KPT_WGMMA_RS_N64("f16");
+        }
+    }
+}
+
+// Two floats as one register of two T (lo in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&v);
+    } else {
+        const __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&v);
+    }
+}
+
+// ---- producer --------------------------------------------------------------------------
+
+// Copies `rows` rows (from src, `stride` elements apart) of D elements into the swizzled
+// tile of kRows rows at shared address `tile`; rows past `rows` become zeros. Thread tp of
+// the producer warpgroup always copies the same 16-byte column chunk c of rows r0,
+// r0 + kStep, ...; kStep is a multiple of 8, so the swizzled chunk is the same for all.
+template <typename T, int D, int kRows>
+__device__ __forceinline__ void load_tile(uint32_t tile, const T* src, long stride, int rows,
+                                          int tp) {
+    constexpr int kChunks = D / 8;       // 16-byte chunks per row
+    constexpr int kStep = 128 / kChunks;  // rows per pass of the 128 producer threads
+    static_assert(kStep % 8 == 0 && kRows % kStep == 0, "swizzle phase must repeat");
+    const int c = tp % kChunks, r0 = tp / kChunks;
+    const uint32_t dst =
+        tile + (c / 8) * (kRows * 128) + r0 * 128 + (((c % 8) ^ (r0 % 8)) << 4);
+    const T* s = src + r0 * stride + c * 8;
+    const long step = kStep * stride;
+    // Not unrolled fully: ptxas would hoist every pass's 64-bit offset out of the tile loop
+    // and spill them at the producer's 40 registers.
+#pragma unroll 4
+    for (int i = 0; i < kRows / kStep; ++i) {
+        const bool ok = r0 + i * kStep < rows;
+        cp_async16(dst + i * kStep * 128, ok ? s : src, ok);
+        s += step;
+    }
+}
+
+// ---- consumer --------------------------------------------------------------------------
+
+// S[64 x 128] = Q[64 x D] K[128 x D]^T.
+template <typename T, int D>
+__device__ __forceinline__ void gemm_qk(float (&s)[kBlockN / 2], uint64_t qdesc, uint64_t kdesc) {
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        // Column block kk / 4 of the tile, 32 bytes per k-step inside it.
+        const uint32_t qo = ((kk / 4) * (kBlockM * 128) + (kk % 4) * 32) >> 4;
+        const uint32_t ko = ((kk / 4) * (kBlockN * 128) + (kk % 4) * 32) >> 4;
+        wgmma_ss_n128<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    fence_regs(s);
+}
+
+// O[64 x D] += P[64 x 128] V[128 x D].
+template <typename T, int D>
+__device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kBlockN / 16][4],
+                                        uint64_t vdesc) {
+    fence_regs(o);
+    fence_regs(pf);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < kBlockN / 16; ++kc) wgmma_rs<T, D>(o, pf[kc], vdesc + kc * (2048 >> 4));
+    wgmma_commit();
+    fence_regs(o);
+    fence_regs(pf);
+}
+
+// Online softmax of one S tile for this thread's two rows (qi0: elements 4j, 4j + 1; qi0 + 8:
+// elements 4j + 2, 4j + 3; keys n0 + 8j + 2 tig + {0, 1}). S becomes the unnormalized P,
+// alpha the factor that rescales the rows' old O. kEdge: scale and mask each element (any
+// scale sign); otherwise the tile is fully visible and scale2 > 0, so the max of the raw
+// scores gives the max and one FMA per element scales and subtracts it.
+template <bool kEdge>
+__device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_run)[2],
+                                             float (&l_run)[2], float (&alpha)[2], float scale2,
+                                             int n0, int qi0, int tig, const Dims& p,
+                                             const float* __restrict__ mask) {
+    float mx[2] = {m_run[0], m_run[1]};
+    if constexpr (kEdge) {
+        const int offset = p.seq_kv - p.seq_q;
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + j * 8 + tig * 2 + (e & 1);
+                const int qi = qi0 + (e >> 1) * 8;
+                bool visible = key < p.seq_kv;
+                if (p.causal) visible = visible && key <= qi + offset;
+                float x = s[4 * j + e] * scale2;
+                if (mask != nullptr && visible && qi < p.seq_q)
+                    x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
+                x = visible ? x : -INFINITY;
+                s[4 * j + e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        }
+    } else {
+        float r[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+            r[0] = fmaxf(r[0], fmaxf(s[4 * j], s[4 * j + 1]));
+            r[1] = fmaxf(r[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+        mx[0] = fmaxf(mx[0], r[0] * scale2);
+        mx[1] = fmaxf(mx[1], r[1] * scale2);
+    }
+    float base[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        // The quad of lanes sharing a row holds its 128 columns.
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        // With nothing visible yet, exponents of -inf must give 0, not NaN.
+        base[r] = mx[r] == -INFINITY ? 0.0f : mx[r];
+        alpha[r] = exp2f(m_run[r] - base[r]);
+        m_run[r] = mx[r];
+    }
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float b = base[e >> 1];
+            const float x = kEdge ? exp2f(s[4 * j + e] - b) : exp2f(fmaf(s[4 * j + e], scale2, -b));
+            s[4 * j + e] = x;
+            sum[e >> 1] += x;
+        }
+    }
+    l_run[0] = l_run[0] * alpha[0] + sum[0];
+    l_run[1] = l_run[1] * alpha[1] + sum[1];
+}
+
+// P as the A fragments of P V: k-step kc (keys 16 kc ..) is n8 blocks 2 kc and 2 kc + 1 of
+// S, i.e. elements 8 kc .. 8 kc + 7 in order.
+template <typename T>
+__device__ __forceinline__ void pack_p(const float (&s)[kBlockN / 2],
+                                       uint32_t (&pf)[kBlockN / 16][4]) {
+#pragma unroll
+    for (int kc = 0; kc < kBlockN / 16; ++kc) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pf[kc][i] = pack2<T>(s[8 * kc + 2 * i], s[8 * kc + 2 * i + 1]);
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+    }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
+                                           const T* __restrict__ v,
+                                           const float* __restrict__ mask, T* __restrict__ out,
+                                           const Dims& p) {
+    using C = Config<D>;
+    constexpr int kStages = C::kStages;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sq = base;
+    const uint32_t sk = base + C::kQBytes;
+    const uint32_t sv = sk + kStages * C::kTileBytes;
+    const uint32_t bars = base + C::kBarOffset;
+    const uint32_t full_q = bars;
+    auto full_k = [&](int s) { return bars + 8u * (1 + s); };
+    auto empty_k = [&](int s) { return bars + 8u * (1 + kStages + s); };
+    auto full_v = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
+    auto empty_v = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
+
+    // Block x = (query tile counted from the last) * batch * heads + b * heads + h.
+    const int bh_count = p.batch * p.heads;
+    const int tiles_m = (p.seq_q + kBlockM - 1) / kBlockM;
+    if (static_cast<long>(blockIdx.x) >= static_cast<long>(tiles_m) * bh_count) return;
+    const int bh = static_cast<int>(blockIdx.x % bh_count);
+    const int m0 = (tiles_m - 1 - static_cast<int>(blockIdx.x / bh_count)) * kBlockM;
+    const int h = bh % p.heads, b = bh / p.heads;
+    const int hk = h / (p.heads / p.kv_heads);
+    const long q_stride = static_cast<long>(p.heads) * D;
+    const long kv_stride = static_cast<long>(p.kv_heads) * D;
+    const T* qb = q + (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
+    const T* kb = k + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    const T* vb = v + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    // Keys j <= i + offset are visible to query i (causal, bottom-right aligned).
+    const int offset = p.seq_kv - p.seq_q;
+    int kv_end = p.seq_kv;
+    if (p.causal) kv_end = max(0, min(p.seq_kv, min(m0 + kBlockM, p.seq_q) + offset));
+    const int n_tiles = (kv_end + kBlockN - 1) / kBlockN;
+
+    if (threadIdx.x == 0) {
+        mbar_init(full_q, 128);
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full_k(s), 128);
+            mbar_init(empty_k(s), 256);
+            mbar_init(full_v(s), 128);
+            mbar_init(empty_v(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        // ---- producer warpgroup ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+        const int tp = threadIdx.x;
+        if (n_tiles > 0) {
+            load_tile<T, D, kBlockM>(sq, qb, q_stride, min(kBlockM, p.seq_q - m0), tp);
+            mbar_arrive_on_copies(full_q);
+        }
+        int s = 0;
+        unsigned phase = 0;
+        for (int t = 0; t < n_tiles; ++t) {
+            const int n0 = t * kBlockN;
+            const int rows = min(kBlockN, p.seq_kv - n0);
+            // Stage s is free once both consumers released its previous tile.
+            mbar_wait(empty_k(s), phase ^ 1);
+            load_tile<T, D, kBlockN>(sk + s * C::kTileBytes, kb + n0 * kv_stride, kv_stride, rows,
+                                     tp);
+            mbar_arrive_on_copies(full_k(s));
+            mbar_wait(empty_v(s), phase ^ 1);
+            load_tile<T, D, kBlockN>(sv + s * C::kTileBytes, vb + n0 * kv_stride, kv_stride, rows,
+                                     tp);
+            mbar_arrive_on_copies(full_v(s));
+            if (++s == kStages) {
+                s = 0;
+                phase ^= 1;
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // ---- consumer warpgroups ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    const int c = wg - 1;  // 64 rows each
+    const int t128 = threadIdx.x % 128, warp = t128 / 32, lane = t128 % 32;
+    const int g = lane / 4, tig = lane % 4;
+    // The two query rows of this thread's accumulators: qi0 and qi0 + 8.
+    const int qi0 = m0 + c * 64 + warp * 16 + g;
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+    if (n_tiles > 0) {
+        float s_acc[kBlockN / 2];
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) s_acc[i] = 0.0f;
+        uint32_t pf[kBlockN / 16][4];
+        float alpha[2];
+        const float scale2 = p.scale * kLog2e;
+        const bool fast = scale2 > 0.0f && mask == nullptr;
+        const int row_first = m0 + c * 64;  // first query row of this warpgroup
+        // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal).
+        auto edge = [&](int n0) {
+            return !fast || n0 + kBlockN > p.seq_kv ||
+                   (p.causal && n0 + kBlockN - 1 > row_first + offset);
+        };
+        auto softmax = [&](int n0) {
+            if (edge(n0)) {
+                softmax_tile<true>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p, mask);
+            } else {
+                softmax_tile<false>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p, mask);
+            }
+        };
+        const uint64_t qdesc = make_desc(kDescK, sq + c * 64 * 128);
+        const uint64_t kdesc = make_desc(kDescK, sk);
+        const uint64_t vdesc = make_desc(kDescV, sv);
+        constexpr uint32_t kStageDesc = C::kTileBytes >> 4;
+        // Ping-pong: warpgroup c issues its GEMMs after sync on barrier 1 + c and then lets
+        // the other go (arrive on 2 - c); consumer 0 starts. Every sync meets exactly one
+        // arrive: consumer 1 skips its arrive of the last tile.
+        constexpr bool kPingPong = KPT_FA3_PINGPONG != 0;
+        const int my_turn = kSchedBarrier + c, other_turn = kSchedBarrier + 1 - c;
+        if (kPingPong && c == 1) named_arrive(kSchedBarrier, 256);
+
+        mbar_wait(full_q, 0);
+        // Tile 0: S and the softmax only.
+        int s = 0;
+        unsigned phase = 0;
+        mbar_wait(full_k(0), 0);
+        fence_proxy_async();
+        if (kPingPong) named_sync(my_turn, 256);
+        gemm_qk<T, D>(s_acc, qdesc, kdesc);
+        if (kPingPong && !(c == 1 && n_tiles == 1)) named_arrive(other_turn, 256);
+        wgmma_wait<0>();
+        fence_regs(s_acc);
+        mbar_arrive(empty_k(0));
+        softmax(0);
+        pack_p<T>(s_acc, pf);
+
+        // Tile t: S(t) and P(t - 1) V(t - 1) in flight together; the softmax of t runs
+        // under P V.
+        for (int t = 1; t < n_tiles; ++t) {
+            const int sp = s;  // stage of tile t - 1
+            const unsigned pp = phase;
+            if (++s == kStages) {
+                s = 0;
+                phase ^= 1;
+            }
+            mbar_wait(full_k(s), phase);
+            fence_proxy_async();
+            if (kPingPong) named_sync(my_turn, 256);
+            gemm_qk<T, D>(s_acc, qdesc, kdesc + s * kStageDesc);
+            rescale_o<D>(o, alpha);
+            mbar_wait(full_v(sp), pp);
+            fence_proxy_async();
+            gemm_pv<T, D>(o, pf, vdesc + sp * kStageDesc);
+            if (kPingPong && !(c == 1 && t == n_tiles - 1)) named_arrive(other_turn, 256);
+            wgmma_wait<1>();  // S(t) is done
+            fence_regs(s_acc);
+            mbar_arrive(empty_k(s));
+            softmax(t * kBlockN);
+            wgmma_wait<0>();  // P V of t - 1 is done
+            fence_regs(o);
+            fence_regs(pf);
+            mbar_arrive(empty_v(sp));
+            pack_p<T>(s_acc, pf);
+        }
+        rescale_o<D>(o, alpha);
+        mbar_wait(full_v(s), phase);
+        fence_proxy_async();
+        gemm_pv<T, D>(o, pf, vdesc + s * kStageDesc);
+        wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(pf);
+    }
+
+    // Normalize and store: the quad of lanes of a row holds its partial sums. Rows that saw
+    // no key (l = 0) give zeros.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int qi = qi0 + r * 8;
+        if (qi >= p.seq_q) continue;
+        T* orow = out + (static_cast<long>(b) * p.seq_q + qi) * q_stride +
+                  static_cast<long>(h) * D + tig * 2;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            *reinterpret_cast<uint32_t*>(orow + j * 8) =
+                pack2<T>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        }
+    }
+}
+
+#else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
+
+template <typename T, int D>
+__device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, T*,
+                                           const Dims&) {
+    __trap();
+}
+
+#endif
+
+}  // namespace
+
+#define KPT_FLASH_SM90(NAME, T, D)                                                         \
+    extern "C" __global__ void __launch_bounds__(kThreads, 1)                              \
+        kpt_flash_attention_sm90_##NAME##_d##D(const T* q, const T* k, const T* v,         \
+                                               const float* mask, T* out, const Dims p) {  \
+        flash_sm90<T, D>(q, k, v, mask, out, p);                                           \
+    }
+
+KPT_FLASH_SM90(bf16, __nv_bfloat16, 64)
+KPT_FLASH_SM90(bf16, __nv_bfloat16, 128)
+KPT_FLASH_SM90(f16, __half, 64)
+KPT_FLASH_SM90(f16, __half, 128)
