@@ -113,6 +113,7 @@ fn attention_cases() -> Vec<Case> {
             mask: false,
             varlen: false,
             window: None,
+            paged: false,
         })
     };
     let mut out = Vec::new();

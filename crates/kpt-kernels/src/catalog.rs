@@ -100,9 +100,9 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             Attention,
             F32,
             "blocked online-softmax attention; never builds the full score matrix; \
-             variable-length batches one sequence at a time",
+             variable-length batches and paged caches one sequence at a time",
         )
-        .limits(VARLEN),
+        .limits(ANY_ATTENTION),
         k("cpu.add", Add, F32, "broadcasting add"),
         k("cpu.mul", Mul, F32, "broadcasting multiply"),
         k(
@@ -355,16 +355,19 @@ const TRITON_ROWS: ShapeLimits = ShapeLimits {
     max_row: Some(8192),
     row_multiple: Some(16),
     varlen: false,
+    paged: false,
 };
 
-/// Limits of a kernel that takes every attention shape, variable-length batches included.
-const VARLEN: ShapeLimits = ShapeLimits {
+/// Limits of a kernel that takes every attention shape, variable-length batches and paged
+/// caches included.
+const ANY_ATTENTION: ShapeLimits = ShapeLimits {
     max_head_dim: None,
     head_dim_multiple: None,
     max_k: None,
     max_row: None,
     row_multiple: None,
     varlen: true,
+    paged: true,
 };
 
 /// The f64 reference declared for every op: correct for every float dtype, slow.
@@ -406,7 +409,7 @@ pub fn reference_kernels() -> Vec<KernelDef> {
                 ]);
             }
             if op == OpKind::Attention {
-                def = def.limits(VARLEN);
+                def = def.limits(ANY_ATTENTION);
             }
             def
         })

@@ -428,6 +428,23 @@ impl CpuBackend {
                 let (rows, dim) = rows_dim(&inputs[0].spec.shape);
                 cpu::softmax::softmax(input(&inputs[0])?, output(out0)?, rows, dim)
             }
+            Op::Attention(p) if p.paged => {
+                let shape = attention_shape(p, &inputs[0].spec.shape, &inputs[1].spec.shape);
+                let (bq, bkv) = (self.tuning.block_q, self.tuning.block_kv);
+                let cache = &inputs[1].spec.shape;
+                cpu::for_each_paged_sequence(
+                    &shape,
+                    &cpu::PagedKv {
+                        block_size: cache[1],
+                        num_blocks: cache[0],
+                        block_table: &indices(&inputs[3])?,
+                        seq_lens: &indices(&inputs[4])?,
+                    },
+                    (input(&inputs[0])?, input(&inputs[1])?, input(&inputs[2])?),
+                    output(out0)?,
+                    |q, k, v, out, s| cpu::attention::attention(q, k, v, None, out, s, bq, bkv),
+                )
+            }
             Op::Attention(p) if p.varlen => {
                 let shape = attention_shape(p, &inputs[0].spec.shape, &inputs[1].spec.shape);
                 let (bq, bkv) = (self.tuning.block_q, self.tuning.block_kv);

@@ -164,6 +164,22 @@ impl ReferenceOps for CpuReference {
                 let (rows, dim) = rows_dim(first.shape());
                 r::softmax(&x[0], &mut outs[0], rows, dim)?
             }
+            Op::Attention(p) if p.paged => {
+                let shape = attention_shape(p, first.shape(), inputs[1].shape());
+                let cache = inputs[1].shape();
+                cpu::for_each_paged_sequence(
+                    &shape,
+                    &cpu::PagedKv {
+                        block_size: cache[1],
+                        num_blocks: cache[0],
+                        block_table: &ids(&inputs[3]),
+                        seq_lens: &ids(&inputs[4]),
+                    },
+                    (&x[0], &x[1], &x[2]),
+                    &mut outs[0],
+                    |q, k, v, out, s| r::attention(q, k, v, None, out, s),
+                )?
+            }
             Op::Attention(p) if p.varlen => {
                 let shape = attention_shape(p, first.shape(), inputs[1].shape());
                 cpu::for_each_sequence(

@@ -25,6 +25,9 @@ pub struct ShapeLimits {
     /// Takes variable-length (packed) attention batches.
     #[serde(default)]
     pub varlen: bool,
+    /// Takes keys and values in a paged cache (block tables).
+    #[serde(default)]
+    pub paged: bool,
 }
 
 /// What a kernel is and what it needs.
@@ -177,6 +180,9 @@ impl KernelDef {
         if let Op::Attention(p) = op {
             if p.varlen && !self.limits.varlen {
                 return Some("no variable-length sequences".into());
+            }
+            if p.paged && !self.limits.paged {
+                return Some("no paged KV cache".into());
             }
             if let Some(max) = self.limits.max_head_dim.filter(|&m| p.head_dim > m) {
                 return Some(format!("head_dim {} > {max}", p.head_dim));

@@ -412,6 +412,7 @@ fn attention_graph(rng: &mut Rng) -> Graph {
         mask: true,
         varlen: false,
         window: None,
+        paged: false,
     };
     let mut g = Graph::new();
     let x = g.input("x", DType::F32, &[1, 5, 32]);
@@ -440,6 +441,7 @@ fn check_varlen(rng: &mut Rng, seqs: &[(usize, usize)], causal: bool) {
         mask: false,
         varlen: true,
         window: None,
+        paged: false,
     };
     let (tq, tk): (usize, usize) = (
         seqs.iter().map(|s| s.0).sum(),
@@ -516,6 +518,120 @@ fn varlen_attention_equals_each_sequence_alone() {
     check_varlen(&mut rng, &[(70, 70), (33, 65)], true);
 }
 
+/// A paged cache holding each sequence's keys in shuffled blocks gives the same result as
+/// dense attention on each sequence's own keys, at every level.
+#[test]
+fn paged_attention_equals_dense_attention_per_sequence() {
+    let mut rng = Rng::new(41);
+    let (h, hk, d, bs, s) = (4usize, 2usize, 8usize, 4usize, 3usize);
+    let lens = [9usize, 1, 0, 12];
+    let batch = lens.len();
+    let max_blocks = 3;
+    let num_blocks = 12;
+    // Blocks handed out in a scrambled order; unused table entries point at block 0.
+    let order = [7usize, 2, 11, 5, 0, 9, 3, 10, 1, 6, 8, 4];
+    let mut next = order.iter();
+    let mut table = vec![0i64; batch * max_blocks];
+    let mut k_cache = tensor(&mut rng, &[num_blocks, bs, hk * d], -2.0, 2.0).to_f64_vec();
+    let mut v_cache = tensor(&mut rng, &[num_blocks, bs, hk * d], -2.0, 2.0).to_f64_vec();
+    let row = hk * d;
+    let (mut ks, mut vs) = (Vec::new(), Vec::new());
+    for (b, &len) in lens.iter().enumerate() {
+        let k = tensor(&mut rng, &[1, len, row], -2.0, 2.0).to_f64_vec();
+        let v = tensor(&mut rng, &[1, len, row], -2.0, 2.0).to_f64_vec();
+        for blk in 0..len.div_ceil(bs) {
+            let id = *next.next().unwrap();
+            table[b * max_blocks + blk] = id as i64;
+            for slot in 0..bs.min(len - blk * bs) {
+                let (src, dst) = ((blk * bs + slot) * row, (id * bs + slot) * row);
+                k_cache[dst..dst + row].copy_from_slice(&k[src..src + row]);
+                v_cache[dst..dst + row].copy_from_slice(&v[src..src + row]);
+            }
+        }
+        ks.push(k);
+        vs.push(v);
+    }
+    let f32s = |v: &[f64], shape: &[usize]| {
+        Tensor::from_vec(v.iter().map(|&x| x as f32).collect::<Vec<_>>(), shape).unwrap()
+    };
+    let p = AttentionParams {
+        num_heads: h,
+        num_kv_heads: hk,
+        head_dim: d,
+        causal: true,
+        scale: None,
+        mask: false,
+        varlen: false,
+        window: None,
+        paged: true,
+    };
+    let mut g = Graph::new();
+    let q = g.input("q", DType::F32, &[batch, s, h * d]);
+    let kc = g.input("k_cache", DType::F32, &[num_blocks, bs, row]);
+    let vc = g.input("v_cache", DType::F32, &[num_blocks, bs, row]);
+    let bt = g.input("block_table", DType::I64, &[batch, max_blocks]);
+    let sl = g.input("seq_lens", DType::I32, &[batch]);
+    let o = g
+        .op("attn", Op::Attention(p), &[q, kc, vc, bt, sl])
+        .unwrap();
+    g.output(o).unwrap();
+    let qt = tensor(&mut rng, &[batch, s, h * d], -2.0, 2.0);
+    let inputs = [
+        qt.clone(),
+        f32s(&k_cache, &[num_blocks, bs, row]),
+        f32s(&v_cache, &[num_blocks, bs, row]),
+        Tensor::from_vec(table.clone(), &[batch, max_blocks]).unwrap(),
+        Tensor::from_vec(lens.iter().map(|&l| l as i32).collect::<Vec<_>>(), &[batch]).unwrap(),
+    ];
+    let plans = check_all_levels(&g, &inputs);
+    assert_eq!(kernels(&plans[0]), ["cpu.attention.flash"]);
+    let got = Executor::new(plans[0].clone(), backend())
+        .unwrap()
+        .run(&inputs)
+        .unwrap()
+        .remove(0);
+    let dense = Op::Attention(AttentionParams { paged: false, ..p });
+    for (b, &len) in lens.iter().enumerate() {
+        let part = got.narrow(0, b, 1).unwrap().to_f64_vec();
+        if len == 0 {
+            assert!(
+                part.iter().all(|&x| x == 0.0),
+                "a sequence without keys gives zeros"
+            );
+            continue;
+        }
+        let want = CpuReference
+            .eval(
+                &dense,
+                &[
+                    qt.narrow(0, b, 1).unwrap(),
+                    f32s(&ks[b], &[1, len, row]),
+                    f32s(&vs[b], &[1, len, row]),
+                ],
+            )
+            .unwrap()
+            .remove(0)
+            .to_f64_vec();
+        for (a, w) in part.iter().zip(&want) {
+            assert!(
+                (a - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "sequence {b}: {a} vs {w}"
+            );
+        }
+    }
+    // A table entry outside the cache and a length past the table are typed errors.
+    let mut bad_table = table.clone();
+    bad_table[0] = num_blocks as i64;
+    let mut bad = inputs.clone();
+    bad[3] = Tensor::from_vec(bad_table, &[batch, max_blocks]).unwrap();
+    let err = run_op_on_backend(&Op::Attention(p), &bad).unwrap_err();
+    assert!(err.to_string().contains("block_table[0][0]"), "{err}");
+    let mut bad = inputs.clone();
+    bad[4] = Tensor::from_vec(vec![13i32, 1, 0, 12], &[batch]).unwrap();
+    let err = run_op_on_backend(&Op::Attention(p), &bad).unwrap_err();
+    assert!(err.to_string().contains("seq_lens[0] = 13"), "{err}");
+}
+
 #[test]
 fn bad_cu_seqlens_are_typed_errors() {
     let p = AttentionParams {
@@ -527,6 +643,7 @@ fn bad_cu_seqlens_are_typed_errors() {
         mask: false,
         varlen: true,
         window: None,
+        paged: false,
     };
     let op = Op::Attention(p);
     let x = Tensor::from_vec(vec![0.5f32; 5 * 8], &[1, 5, 8]).unwrap();

@@ -376,6 +376,38 @@ proptest! {
     }
 
     #[test]
+    fn paged_attention_matches_reference(
+        lens in prop::collection::vec(0usize..=40, 1..4), block_size in 1usize..=9,
+        seq_q in 1usize..=5, head_dim in prop::sample::select(vec![1usize, 8, 64]),
+        causal in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let mut rng = Rng::new(seed);
+        let max_blocks = lens.iter().max().unwrap().div_ceil(block_size).max(1);
+        let num_blocks = lens.len() * max_blocks + 1;
+        // Block ids in a seeded shuffle, so sequences are scattered over the cache.
+        let mut ids: Vec<i64> = (0..num_blocks as i64).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.below(i + 1));
+        }
+        let table: Vec<i64> = ids[..lens.len() * max_blocks].to_vec();
+        let seq_lens: Vec<i64> = lens.iter().map(|&l| l as i64).collect();
+        let shape = AttentionShape::new(lens.len(), seq_q, 0, 2, 1, head_dim, causal);
+        let row = shape.kv_row();
+        let q = rng.vec(shape.q_len(), -1.0, 1.0);
+        let k = rng.vec(num_blocks * block_size * row, -1.0, 1.0);
+        let v = rng.vec(num_blocks * block_size * row, -1.0, 1.0);
+        let paged = cpu::PagedKv { block_size, num_blocks, block_table: &table, seq_lens: &seq_lens };
+        let mut want = vec![0f64; shape.q_len()];
+        let (q64, k64, v64) = (f64s(&q), f64s(&k), f64s(&v));
+        cpu::for_each_paged_sequence(&shape, &paged, (&q64, &k64, &v64), &mut want,
+            |q, k, v, o, s| r::attention(q, k, v, None, o, s)).map_err(fail)?;
+        let mut got = vec![0f32; shape.q_len()];
+        cpu::for_each_paged_sequence(&shape, &paged, (&q, &k, &v), &mut got,
+            |q, k, v, o, s| cpu::attention(q, k, v, None, o, s, 16, 16)).map_err(fail)?;
+        check_close("paged attention", &f64s(&got), &want, tolerance(DType::F32, 40))?;
+    }
+
+    #[test]
     fn norms_match_reference(rows in 1usize..=9, dim in 1usize..=300, seed in any::<u64>()) {
         let mut rng = Rng::new(seed);
         let x = rng.vec(rows * dim, -2.0, 2.0);

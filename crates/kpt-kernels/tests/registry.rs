@@ -48,6 +48,7 @@ fn attention(head_dim: usize) -> (Op, Vec<TensorSpec>) {
         mask: false,
         varlen: false,
         window: None,
+        paged: false,
     };
     let op = Op::Attention(p);
     let inputs = vec![

@@ -392,6 +392,12 @@ impl CudaBackend {
             Op::Cast { dtype } => {
                 g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
             }
+            Op::Attention(p) if p.paged => {
+                return Err(err(
+                    "the CUDA attention kernels take contiguous K/V; paged caches run on \
+                     the registry's host fallback",
+                ))
+            }
             Op::Attention(p) => {
                 let (qs, ks) = (&x.shape, &inputs[1].spec.shape);
                 if qs.len() != 3 || ks.len() != 3 {

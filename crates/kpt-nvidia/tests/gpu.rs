@@ -148,6 +148,7 @@ fn check_attention(
         mask: with_mask,
         varlen: false,
         window,
+        paged: false,
     };
     let mut inputs = vec![
         random(&mut rng, &[batch, seq_q, heads * head_dim], dt, -2.0, 2.0),
@@ -282,6 +283,7 @@ proptest! {
             mask: false,
             varlen: true,
             window,
+            paged: false,
         };
         let cu = |f: fn(&(usize, usize)) -> usize| {
             let v: Vec<f64> = std::iter::once(0.0)
@@ -546,6 +548,7 @@ fn attention_falls_back_to_the_host_reference() {
         mask: false,
         varlen: false,
         window: None,
+        paged: false,
     };
     let op = Op::Attention(p);
     let mut rng = SplitMix64::new(3);

@@ -90,6 +90,7 @@ pub fn default_cases(quick: bool) -> Result<Vec<BenchCase>> {
         mask: false,
         varlen: false,
         window: None,
+        paged: false,
     };
     let (graph, inputs) = single_op(
         Op::Attention(p),

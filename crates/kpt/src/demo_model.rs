@@ -139,6 +139,7 @@ pub fn build_graph(cfg: &DemoConfig, phase: Phase, example_seq: usize) -> Result
         mask: false,
         varlen: false,
         window: None,
+        paged: false,
     };
     let eps = 1e-5;
     for l in 0..cfg.layers {

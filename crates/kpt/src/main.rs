@@ -361,6 +361,7 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
                 mask: false,
                 varlen: false,
                 window: None,
+                paged: false,
             }),
             vec![f(&[1, 16, 4096]), f(&[1, 16, 1024]), f(&[1, 16, 1024])],
         ),

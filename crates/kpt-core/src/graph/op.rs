@@ -9,6 +9,10 @@
 //!   `[1, total_k, Hkv*D]`, then `cu_seqlens_q` and `cu_seqlens_k` `[n + 1]` (i32/i64, from 0
 //!   to the totals, non-decreasing): sequence `s` is queries `cu_q[s]..cu_q[s+1]` against keys
 //!   `cu_k[s]..cu_k[s+1]`, causal bottom-right within the sequence.
+//!   Paged KV cache (`paged`, vLLM's block tables): k and v are caches
+//!   `[num_blocks, block_size, Hkv*D]`, then `block_table` `[B, max_blocks]` and `seq_lens`
+//!   `[B]` (i32/i64): sequence `b`'s key `j` is row `j % block_size` of block
+//!   `block_table[b][j / block_size]`, for `j < seq_lens[b]`.
 //! - `Rotary`: x `[B, S, H*D]`, positions `[S]` (i32/i64) -> same shape as x (NeoX "rotate half").
 
 use std::fmt;
@@ -76,6 +80,10 @@ pub struct AttentionParams {
     /// its aligned position, `j > i + T - S - w`. At least 1.
     #[serde(default)]
     pub window: Option<usize>,
+    /// Keys and values in a paged cache: two more inputs, `block_table` and `seq_lens`
+    /// (see the module docs); excludes `mask` and `varlen`.
+    #[serde(default)]
+    pub paged: bool,
 }
 
 impl AttentionParams {
@@ -383,7 +391,9 @@ impl Op {
             Op::Linear { bias } | Op::LinearAct { bias, .. } => 2 + usize::from(*bias),
             Op::LayerNorm { .. } | Op::AddRmsNorm { .. } => 3,
             Op::AddLayerNorm { .. } => 4,
-            Op::Attention(p) => 3 + usize::from(p.mask) + 2 * usize::from(p.varlen),
+            Op::Attention(p) => {
+                3 + usize::from(p.mask) + 2 * usize::from(p.varlen) + 2 * usize::from(p.paged)
+            }
         }
     }
 
@@ -639,11 +649,39 @@ impl Op {
                         )));
                     }
                 }
-                if k.shape[..2] != v.shape[..2] || k.shape[0] != q.shape[0] {
+                if k.shape[..2] != v.shape[..2] || (!p.paged && k.shape[0] != q.shape[0]) {
                     return Err(shape_err(format!(
                         "batch/seq of q {:?}, k {:?}, v {:?} disagree",
                         q.shape, k.shape, v.shape
                     )));
+                }
+                if p.paged {
+                    if p.mask || p.varlen {
+                        return Err(KptError::InvalidArgument(
+                            "a paged KV cache excludes a mask and variable-length packing".into(),
+                        ));
+                    }
+                    let (table, lens) = (&inputs[3], &inputs[4]);
+                    for t in [table, lens] {
+                        if !t.dtype.is_index() {
+                            return Err(KptError::dtype(
+                                name,
+                                "i32 or i64 block_table and seq_lens",
+                                t.dtype,
+                            ));
+                        }
+                    }
+                    if table.shape.len() != 2
+                        || table.shape[0] != q.shape[0]
+                        || lens.shape != [q.shape[0]]
+                    {
+                        return Err(shape_err(format!(
+                            "block_table {:?} must be [{b}, max_blocks] and seq_lens {:?} [{b}]",
+                            table.shape,
+                            lens.shape,
+                            b = q.shape[0]
+                        )));
+                    }
                 }
                 if p.varlen {
                     if p.mask {
@@ -856,6 +894,7 @@ mod tests {
             mask: true,
             varlen: false,
             window: None,
+            paged: false,
         };
         let op = Op::Attention(p);
         let ok = op.infer(&[
@@ -889,6 +928,7 @@ mod tests {
             mask: false,
             varlen: true,
             window: None,
+            paged: false,
         };
         let op = Op::Attention(p);
         assert_eq!(op.num_inputs(), 5);
@@ -928,6 +968,47 @@ mod tests {
             .infer(&[q, kv.clone(), kv, s(&[7, 9], DType::F32), cu.clone(), cu])
             .unwrap_err();
         assert!(matches!(err, KptError::InvalidArgument(_)), "{err}");
+    }
+
+    #[test]
+    fn paged_attention_takes_block_tables() {
+        let p = AttentionParams {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            causal: true,
+            scale: None,
+            mask: false,
+            varlen: false,
+            window: None,
+            paged: true,
+        };
+        let op = Op::Attention(p);
+        assert_eq!(op.num_inputs(), 5);
+        let (q, cache) = (s(&[3, 1, 32], DType::F32), s(&[10, 16, 16], DType::F32));
+        let (table, lens) = (s(&[3, 4], DType::I32), s(&[3], DType::I64));
+        let ok = op.infer(&[
+            q.clone(),
+            cache.clone(),
+            cache.clone(),
+            table.clone(),
+            lens.clone(),
+        ]);
+        assert_eq!(ok.unwrap(), vec![q.clone()]);
+        let err = op
+            .infer(&[
+                q.clone(),
+                cache.clone(),
+                cache.clone(),
+                s(&[2, 4], DType::I32),
+                lens,
+            ])
+            .unwrap_err();
+        assert!(err.to_string().contains("block_table"), "{err}");
+        let err = op
+            .infer(&[q, cache.clone(), cache, table, s(&[3], DType::F32)])
+            .unwrap_err();
+        assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
     }
 
     #[test]

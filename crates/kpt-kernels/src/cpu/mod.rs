@@ -46,7 +46,9 @@ pub use gemm::{matmul_bf16, matmul_f16, matmul_f32};
 pub use linear::{linear, WeightsRef};
 pub use norm::{add_layer_norm, add_rms_norm, layer_norm, rms_norm};
 pub use rotary::rotary;
-pub use shapes::{for_each_sequence, varlen_segments, AttentionShape};
+pub use shapes::{
+    for_each_paged_sequence, for_each_sequence, varlen_segments, AttentionShape, PagedKv,
+};
 pub use softmax::softmax;
 
 /// An elementwise activation function.

@@ -280,3 +280,106 @@ pub fn for_each_sequence<T: Copy + Default>(
     }
     Ok(())
 }
+
+/// A paged KV cache (vLLM's layout): `num_blocks` blocks of `block_size` rows each, every
+/// sequence's keys listed block by block in its row of the block table.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedKv<'a> {
+    /// Rows per block.
+    pub block_size: usize,
+    /// Blocks in the cache.
+    pub num_blocks: usize,
+    /// `[batch, max_blocks]`: the cache block of each sequence's `j / block_size`-th keys.
+    pub block_table: &'a [i64],
+    /// `[batch]`: keys of each sequence.
+    pub seq_lens: &'a [i64],
+}
+
+impl PagedKv<'_> {
+    /// Copies the first `seq_lens[b]` rows (of `row` elements) of sequence `b` out of
+    /// `cache` into `dst` (cleared first), a block's run of rows at a time. An entry of the
+    /// table outside the cache or a length past the table is an
+    /// [`InvalidArgument`](KptError::InvalidArgument) error.
+    pub fn gather<T: Copy>(
+        &self,
+        cache: &[T],
+        row: usize,
+        b: usize,
+        dst: &mut Vec<T>,
+    ) -> Result<()> {
+        let bad = |msg: String| KptError::InvalidArgument(format!("paged attention: {msg}"));
+        let batch = self.seq_lens.len();
+        let max_blocks = self.block_table.len().checked_div(batch).unwrap_or(0);
+        let len = self.seq_lens[b];
+        let capacity = max_blocks * self.block_size;
+        if len < 0 || len as usize > capacity {
+            return Err(bad(format!(
+                "seq_lens[{b}] = {len} is outside 0..={capacity} ({max_blocks} blocks of {})",
+                self.block_size
+            )));
+        }
+        dst.clear();
+        let mut j = 0;
+        while j < len as usize {
+            let entry = self.block_table[b * max_blocks + j / self.block_size];
+            if entry < 0 || entry as usize >= self.num_blocks {
+                return Err(bad(format!(
+                    "block_table[{b}][{}] = {entry} is not one of the {} cache blocks",
+                    j / self.block_size,
+                    self.num_blocks
+                )));
+            }
+            let (slot, n) = (
+                j % self.block_size,
+                (self.block_size - j % self.block_size).min(len as usize - j),
+            );
+            let start = (entry as usize * self.block_size + slot) * row;
+            dst.extend_from_slice(&cache[start..start + n * row]);
+            j += n;
+        }
+        Ok(())
+    }
+}
+
+/// Runs dense attention, `run(q, k, v, out, shape)` on one sequence at batch 1, over each
+/// sequence of a batch whose keys and values live in a paged cache: `shape` gives the
+/// batch, queries per sequence and heads (its `seq_kv` is ignored); each sequence's keys
+/// are gathered into contiguous rows first.
+pub fn for_each_paged_sequence<T: Copy + Default>(
+    shape: &AttentionShape,
+    paged: &PagedKv<'_>,
+    (q, k_cache, v_cache): (&[T], &[T], &[T]),
+    out: &mut [T],
+    mut run: impl FnMut(&[T], &[T], &[T], &mut [T], &AttentionShape) -> Result<()>,
+) -> Result<()> {
+    let (qr, kr) = (shape.q_row(), shape.kv_row());
+    let per_seq = shape.seq_q * qr;
+    let cache_len = paged.num_blocks * paged.block_size * kr;
+    check_len("paged attention", "q", q.len(), shape.batch * per_seq)?;
+    check_len("paged attention", "out", out.len(), shape.batch * per_seq)?;
+    check_len("paged attention", "k cache", k_cache.len(), cache_len)?;
+    check_len("paged attention", "v cache", v_cache.len(), cache_len)?;
+    check_len(
+        "paged attention",
+        "seq_lens",
+        paged.seq_lens.len(),
+        shape.batch,
+    )?;
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for b in 0..shape.batch {
+        paged.gather(k_cache, kr, b, &mut k)?;
+        paged.gather(v_cache, kr, b, &mut v)?;
+        let sub = AttentionShape {
+            batch: 1,
+            seq_kv: k.len() / kr.max(1),
+            ..*shape
+        };
+        let o = &mut out[b * per_seq..(b + 1) * per_seq];
+        if sub.seq_kv == 0 {
+            o.fill(T::default());
+            continue;
+        }
+        run(&q[b * per_seq..(b + 1) * per_seq], &k, &v, o, &sub)?;
+    }
+    Ok(())
+}
