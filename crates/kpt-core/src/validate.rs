@@ -45,7 +45,15 @@ pub fn reduction_len(op: &Op, inputs: &[TensorSpec]) -> usize {
         Op::MatMul => inputs
             .get(1)
             .map_or(1, |b| b.shape[b.shape.len().saturating_sub(2)]),
-        Op::Attention(p) => p.head_dim + inputs.get(1).map_or(1, |k| k.shape[1]),
+        // Keys per sequence: the cache rows (for a paged cache, the table's capacity).
+        Op::Attention(p) => {
+            let keys = inputs.get(1).map_or(1, |k| k.shape[1]);
+            let blocks = match (p.paged, inputs.get(3)) {
+                (true, Some(table)) => table.shape.get(1).copied().unwrap_or(1),
+                _ => 1,
+            };
+            p.head_dim + keys * blocks
+        }
         Op::RmsNorm { .. }
         | Op::LayerNorm { .. }
         | Op::AddRmsNorm { .. }

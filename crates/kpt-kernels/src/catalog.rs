@@ -273,6 +273,7 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
         .limits(ShapeLimits {
             max_head_dim: Some(256),
             varlen: true,
+            paged: true,
             ..ShapeLimits::default()
         }),
         KernelDef::new(
@@ -290,6 +291,7 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             max_head_dim: Some(128),
             head_dim_multiple: Some(64),
             varlen: true,
+            paged: true,
             ..ShapeLimits::default()
         }),
         k(
@@ -304,6 +306,7 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             max_head_dim: Some(128),
             head_dim_multiple: Some(64),
             varlen: true,
+            paged: true,
             ..ShapeLimits::default()
         }),
         k(

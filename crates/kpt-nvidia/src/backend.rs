@@ -392,12 +392,6 @@ impl CudaBackend {
             Op::Cast { dtype } => {
                 g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
             }
-            Op::Attention(p) if p.paged => {
-                return Err(err(
-                    "the CUDA attention kernels take contiguous K/V; paged caches run on \
-                     the registry's host fallback",
-                ))
-            }
             Op::Attention(p) => {
                 let (qs, ks) = (&x.shape, &inputs[1].spec.shape);
                 if qs.len() != 3 || ks.len() != 3 {
@@ -442,6 +436,42 @@ impl CudaBackend {
                         g.attention(dt, q, k, v, mask, out, dims)
                     }
                 };
+                let size = dt.size_in_bytes() * p.head_dim;
+                let (q_row, kv_row) = (p.num_heads * size, p.num_kv_heads * size);
+                if p.paged {
+                    // Paged cache: block ids and lengths are read on the host (checked
+                    // there), each sequence's K and V rows are gathered on the device
+                    // into contiguous scratch, then the dense kernel runs on them.
+                    let ids = |r: &BufferRef<'_>| -> Result<Vec<i64>> {
+                        let t = self.download(r.buffer, r.spec)?;
+                        Ok(t.to_f64_vec().into_iter().map(|x| x as i64).collect())
+                    };
+                    let (table, lens) = (ids(&inputs[3])?, ids(&inputs[4])?);
+                    let paged = kpt_kernels::cpu::PagedKv {
+                        block_size: ks[1],
+                        num_blocks: ks[0],
+                        block_table: &table,
+                        seq_lens: &lens,
+                    };
+                    let (batch, sq) = (qs[0], qs[1]);
+                    let lens = (0..batch)
+                        .map(|b| paged.checked_len(b))
+                        .collect::<Result<Vec<_>>>()?;
+                    let longest = lens.iter().max().copied().unwrap_or(0);
+                    let scratch = (longest * kv_row).max(16);
+                    let (kb, vb) = (g.alloc(scratch)?, g.alloc(scratch)?);
+                    let table_dt = inputs[3].spec.dtype;
+                    let table_row = (paged.max_blocks() * table_dt.size_in_bytes()) as u64;
+                    let seq = (sq * q_row) as u64;
+                    for (b, &len) in lens.iter().enumerate() {
+                        let t = ptr(&inputs[3])? + b as u64 * table_row;
+                        g.paged_gather(k, kb.ptr(), t, table_dt, len, ks[1], kv_row)?;
+                        g.paged_gather(v, vb.ptr(), t, table_dt, len, ks[1], kv_row)?;
+                        let (qb, ob) = (q + b as u64 * seq, out + b as u64 * seq);
+                        run(qb, kb.ptr(), vb.ptr(), ob, dims(1, sq, len)?)?;
+                    }
+                    return Ok(());
+                }
                 if !p.varlen {
                     run(q, k, v, out, dims(qs[0], qs[1], ks[1])?)?;
                     return Ok(());
@@ -458,8 +488,7 @@ impl CudaBackend {
                     qs[1],
                     ks[1],
                 )?;
-                let size = dt.size_in_bytes() * p.head_dim;
-                let (q_row, kv_row) = ((p.num_heads * size) as u64, (p.num_kv_heads * size) as u64);
+                let (q_row, kv_row) = (q_row as u64, kv_row as u64);
                 for (sq, sk) in segments.into_iter().filter(|(sq, _)| !sq.is_empty()) {
                     let (q0, k0) = (sq.start as u64, sk.start as u64);
                     run(

@@ -512,7 +512,7 @@ impl Gpu {
             (dims.seq_q as usize).div_ceil(rows) * dims.batch as usize * dims.heads as usize
         };
         const SM90: &str = "flash_attention_sm90";
-        if hopper && dims.window == 0 && self.loaded_target(SM90)? == "sm_90a" {
+        if hopper && dims.window == 0 && dims.seq_kv > 0 && self.loaded_target(SM90)? == "sm_90a" {
             let blocks = grid("flash attention tiles", tiles(FLASH_SM90_BLOCK_M))?;
             let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
             launch!(self, SM90, entry, blocks; q, k, v, mask, out, dims);
@@ -521,6 +521,41 @@ impl Gpu {
         let blocks = grid("flash attention tiles", tiles(FLASH_BLOCK_M))?;
         let entry = format!("kpt_flash_attention_{name}_d{d}");
         launch!(self, "flash_attention", entry, blocks; q, k, v, mask, out, dims);
+        Ok(())
+    }
+
+    /// Copies `len` rows of `row_bytes` out of a paged cache into `out` (contiguous):
+    /// row j is row `j % block_size` of block `table[j / block_size]`, where `table` is the
+    /// sequence's row of the block table (i32 or i64 ids, already checked against the
+    /// cache). See `kernels/cuda/paged.cu`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn paged_gather(
+        &self,
+        cache: u64,
+        out: u64,
+        table: u64,
+        table_dtype: DType,
+        len: usize,
+        block_size: usize,
+        row_bytes: usize,
+    ) -> Result<(), NvidiaError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let unit = [16, 4, 2]
+            .into_iter()
+            .find(|u| row_bytes.is_multiple_of(*u))
+            .ok_or_else(|| NvidiaError::Invalid(format!("paged rows of {row_bytes} bytes")))?;
+        let units = row_bytes / unit;
+        let entry = format!("kpt_paged_gather_{unit}");
+        let g = self.stride_grid(len * units, 16);
+        let table_i64 = i32::from(table_dtype == DType::I64);
+        let (len, block_size, units) = (
+            int("paged rows", len)?,
+            int("block size", block_size)?,
+            int("row units", units)?,
+        );
+        launch!(self, "paged", entry, g; cache, out, table, table_i64, len, block_size, units);
         Ok(())
     }
 

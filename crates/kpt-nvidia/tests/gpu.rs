@@ -304,6 +304,47 @@ proptest! {
         }
     }
 
+    /// Paged KV caches: each sequence's blocks scattered over the cache (seeded shuffle),
+    /// gathered on the device, then every dense kernel.
+    #[test]
+    fn attention_paged(lens in prop::collection::vec(0usize..300, 1..4),
+                       block_size in prop::sample::select(vec![1usize, 16, 32]),
+                       seq_q in 1usize..=8, kv_heads in 1usize..3, group in 1usize..=4,
+                       head_dim in prop::sample::select(vec![8usize, 64, 128]),
+                       causal in any::<bool>(), wide in any::<bool>(), dt in dtype(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let heads = kv_heads * group;
+        let p = kpt_core::graph::AttentionParams {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            causal,
+            scale: None,
+            mask: false,
+            varlen: false,
+            window: None,
+            paged: true,
+        };
+        let max_blocks = lens.iter().max().unwrap().div_ceil(block_size).max(1);
+        let num_blocks = lens.len() * max_blocks + 2;
+        let mut ids: Vec<usize> = (0..num_blocks).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, (rng.next_f64() * (i + 1) as f64) as usize % (i + 1));
+        }
+        let table: Vec<f64> = ids[..lens.len() * max_blocks].iter().map(|&b| b as f64).collect();
+        let index = if wide { DType::I64 } else { DType::I32 };
+        let row = kv_heads * head_dim;
+        let inputs = [
+            random(&mut rng, &[lens.len(), seq_q, heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &[num_blocks, block_size, row], dt, -2.0, 2.0),
+            random(&mut rng, &[num_blocks, block_size, row], dt, -2.0, 2.0),
+            Tensor::from_f64(&table, &[lens.len(), max_blocks], index).unwrap(),
+            Tensor::from_f64(&lens.iter().map(|&l| l as f64).collect::<Vec<_>>(), &[lens.len()], index)
+                .unwrap(),
+        ];
+        check(&Op::Attention(p), &inputs)?;
+    }
+
     /// Decode-shaped calls against caches of several tiles: the split-KV kernels.
     #[test]
     fn attention_long_cache(batch in 1usize..3, seq_q in 1usize..=16, seq_kv in 65usize..1500,

@@ -296,20 +296,12 @@ pub struct PagedKv<'a> {
 }
 
 impl PagedKv<'_> {
-    /// Copies the first `seq_lens[b]` rows (of `row` elements) of sequence `b` out of
-    /// `cache` into `dst` (cleared first), a block's run of rows at a time. An entry of the
-    /// table outside the cache or a length past the table is an
-    /// [`InvalidArgument`](KptError::InvalidArgument) error.
-    pub fn gather<T: Copy>(
-        &self,
-        cache: &[T],
-        row: usize,
-        b: usize,
-        dst: &mut Vec<T>,
-    ) -> Result<()> {
+    /// The number of keys of sequence `b`, after checking it against the table's capacity
+    /// and every block id it uses against the cache: an
+    /// [`InvalidArgument`](KptError::InvalidArgument) error names the first bad entry.
+    pub fn checked_len(&self, b: usize) -> Result<usize> {
         let bad = |msg: String| KptError::InvalidArgument(format!("paged attention: {msg}"));
-        let batch = self.seq_lens.len();
-        let max_blocks = self.block_table.len().checked_div(batch).unwrap_or(0);
+        let max_blocks = self.max_blocks();
         let len = self.seq_lens[b];
         let capacity = max_blocks * self.block_size;
         if len < 0 || len as usize > capacity {
@@ -318,22 +310,47 @@ impl PagedKv<'_> {
                 self.block_size
             )));
         }
+        let used = (len as usize).div_ceil(self.block_size.max(1));
+        let row = &self.block_table[b * max_blocks..b * max_blocks + used];
+        if let Some((i, id)) = row
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id < 0 || id as usize >= self.num_blocks)
+        {
+            return Err(bad(format!(
+                "block_table[{b}][{i}] = {id} is not one of the {} cache blocks",
+                self.num_blocks
+            )));
+        }
+        Ok(len as usize)
+    }
+
+    /// Block-table entries per sequence.
+    pub fn max_blocks(&self) -> usize {
+        self.block_table
+            .len()
+            .checked_div(self.seq_lens.len())
+            .unwrap_or(0)
+    }
+
+    /// Copies the rows (of `row` elements) of sequence `b` out of `cache` into `dst`
+    /// (cleared first), a block's run of rows at a time, after [`checked_len`](Self::checked_len).
+    pub fn gather<T: Copy>(
+        &self,
+        cache: &[T],
+        row: usize,
+        b: usize,
+        dst: &mut Vec<T>,
+    ) -> Result<()> {
+        let len = self.checked_len(b)?;
+        let max_blocks = self.max_blocks();
         dst.clear();
         let mut j = 0;
-        while j < len as usize {
-            let entry = self.block_table[b * max_blocks + j / self.block_size];
-            if entry < 0 || entry as usize >= self.num_blocks {
-                return Err(bad(format!(
-                    "block_table[{b}][{}] = {entry} is not one of the {} cache blocks",
-                    j / self.block_size,
-                    self.num_blocks
-                )));
-            }
-            let (slot, n) = (
-                j % self.block_size,
-                (self.block_size - j % self.block_size).min(len as usize - j),
-            );
-            let start = (entry as usize * self.block_size + slot) * row;
+        while j < len {
+            let block = self.block_table[b * max_blocks + j / self.block_size] as usize;
+            let slot = j % self.block_size;
+            let n = (self.block_size - slot).min(len - j);
+            let start = (block * self.block_size + slot) * row;
             dst.extend_from_slice(&cache[start..start + n * row]);
             j += n;
         }

@@ -1,0 +1,40 @@
+// Gathers one sequence's rows out of a paged KV cache (vLLM's layout): row j of the
+// sequence is row j % block_size of cache block table[j / block_size], for j < len; the
+// rows land contiguous in `out`, ready for the dense attention kernels. A row is
+// `row_units` units of 16, 4 or 2 bytes (the largest that divides the row); `table` holds
+// the sequence's block ids as i32 or i64 (`table_i64`). Block ids were checked on the host.
+//
+// kpt:launch kpt_paged_gather_16 block=256 shared=0 grid=elements
+// kpt:launch kpt_paged_gather_4 block=256 shared=0 grid=elements
+// kpt:launch kpt_paged_gather_2 block=256 shared=0 grid=elements
+
+#include <cstdint>
+
+namespace {
+
+template <typename U>
+__device__ void gather(const U* __restrict__ cache, U* __restrict__ out, const void* table,
+                       int table_i64, int len, int block_size, int row_units) {
+    const long total = static_cast<long>(len) * row_units;
+    for (long x = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x; x < total;
+         x += static_cast<long>(gridDim.x) * blockDim.x) {
+        const int j = static_cast<int>(x / row_units), c = static_cast<int>(x % row_units);
+        const int slot = j / block_size;
+        const long block = table_i64 ? static_cast<const long long*>(table)[slot]
+                                     : static_cast<const int*>(table)[slot];
+        out[x] = cache[(block * block_size + j % block_size) * row_units + c];
+    }
+}
+
+}  // namespace
+
+#define KPT_PAGED_GATHER(BYTES, U)                                                          \
+    extern "C" __global__ void __launch_bounds__(256) kpt_paged_gather_##BYTES(            \
+        const U* cache, U* out, const void* table, int table_i64, int len, int block_size, \
+        int row_units) {                                                                    \
+        gather<U>(cache, out, table, table_i64, len, block_size, row_units);               \
+    }
+
+KPT_PAGED_GATHER(16, uint4)
+KPT_PAGED_GATHER(4, unsigned)
+KPT_PAGED_GATHER(2, unsigned short)
