@@ -104,17 +104,9 @@ fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType, lo: f32, hi: f32)
 fn attention_cases() -> Vec<Case> {
     let mut rng = SplitMix64::new(0x6b71);
     let params = |heads, kv_heads, head_dim, causal| {
-        Op::Attention(kpt_core::graph::AttentionParams {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim,
-            causal,
-            scale: None,
-            mask: false,
-            varlen: false,
-            window: None,
-            paged: false,
-        })
+        Op::Attention(kpt_core::graph::AttentionParams::new(
+            heads, kv_heads, head_dim, causal,
+        ))
     };
     let mut out = Vec::new();
     for (b, h, s, d) in [

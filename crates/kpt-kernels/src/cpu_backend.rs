@@ -546,6 +546,22 @@ fn copy_prefix(dst: &mut Storage, src: &Storage) -> Result<()> {
     copy!(F64, F32, F16, BF16, F8E4M3, F8E5M2, I8, I32, I64)
 }
 
+/// Expands the caller's `run!` macro for the element type of `dtype`, one of the dtypes the
+/// copy ops (concat, split) take; any other is a dtype error of `op`.
+macro_rules! by_copy_dtype {
+    ($dtype:expr, $op:expr, $run:ident) => {
+        match $dtype {
+            DType::F32 => $run!(f32),
+            DType::BF16 => $run!(bf16),
+            DType::F16 => $run!(f16),
+            DType::F64 => $run!(f64),
+            DType::I32 => $run!(i32),
+            DType::I64 => $run!(i64),
+            d => Err(KptError::dtype($op, "f64, f32, f16, bf16, i32 or i64", d)),
+        }
+    };
+}
+
 /// Concatenation along `axis` as a sequence of contiguous block copies.
 fn concat(inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>, axis: usize) -> Result<()> {
     let (a, b) = (inputs[0].spec, inputs[1].spec);
@@ -564,19 +580,7 @@ fn concat(inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>, axis: usize) -> Res
             Ok(())
         }};
     }
-    match a.dtype {
-        DType::F32 => run!(f32),
-        DType::BF16 => run!(bf16),
-        DType::F16 => run!(f16),
-        DType::F64 => run!(f64),
-        DType::I32 => run!(i32),
-        DType::I64 => run!(i64),
-        d => Err(KptError::dtype(
-            "cpu.concat",
-            "f64, f32, f16, bf16, i32 or i64",
-            d,
-        )),
-    }
+    by_copy_dtype!(a.dtype, "cpu.concat", run)
 }
 
 /// Split along `axis` into `outputs` (which must have the specs `op` infers), as
@@ -614,19 +618,7 @@ fn split(op: &Op, x: &BufferRef<'_>, outputs: &mut [BufferMut<'_>], axis: usize)
             Ok(())
         }};
     }
-    match x.spec.dtype {
-        DType::F32 => run!(f32),
-        DType::BF16 => run!(bf16),
-        DType::F16 => run!(f16),
-        DType::F64 => run!(f64),
-        DType::I32 => run!(i32),
-        DType::I64 => run!(i64),
-        d => Err(KptError::dtype(
-            "cpu.split",
-            "f64, f32, f16, bf16, i32 or i64",
-            d,
-        )),
-    }
+    by_copy_dtype!(x.spec.dtype, "cpu.split", run)
 }
 
 impl Backend for CpuBackend {

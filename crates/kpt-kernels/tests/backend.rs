@@ -404,15 +404,8 @@ fn add_layer_norm_validates_in_low_precision() {
 
 fn attention_graph(rng: &mut Rng) -> Graph {
     let p = AttentionParams {
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 16,
-        causal: true,
-        scale: None,
         mask: true,
-        varlen: false,
-        window: None,
-        paged: false,
+        ..AttentionParams::new(4, 2, 16, true)
     };
     let mut g = Graph::new();
     let x = g.input("x", DType::F32, &[1, 5, 32]);
@@ -433,15 +426,8 @@ fn attention_graph(rng: &mut Rng) -> Graph {
 fn check_varlen(rng: &mut Rng, seqs: &[(usize, usize)], causal: bool) {
     let (h, hk, d) = (4, 2, 8);
     let p = AttentionParams {
-        num_heads: h,
-        num_kv_heads: hk,
-        head_dim: d,
-        causal,
-        scale: None,
-        mask: false,
         varlen: true,
-        window: None,
-        paged: false,
+        ..AttentionParams::new(h, hk, d, causal)
     };
     let (tq, tk): (usize, usize) = (
         seqs.iter().map(|s| s.0).sum(),
@@ -555,15 +541,8 @@ fn paged_attention_equals_dense_attention_per_sequence() {
         Tensor::from_vec(v.iter().map(|&x| x as f32).collect::<Vec<_>>(), shape).unwrap()
     };
     let p = AttentionParams {
-        num_heads: h,
-        num_kv_heads: hk,
-        head_dim: d,
-        causal: true,
-        scale: None,
-        mask: false,
-        varlen: false,
-        window: None,
         paged: true,
+        ..AttentionParams::new(h, hk, d, true)
     };
     let mut g = Graph::new();
     let q = g.input("q", DType::F32, &[batch, s, h * d]);
@@ -635,15 +614,8 @@ fn paged_attention_equals_dense_attention_per_sequence() {
 #[test]
 fn bad_cu_seqlens_are_typed_errors() {
     let p = AttentionParams {
-        num_heads: 2,
-        num_kv_heads: 2,
-        head_dim: 4,
-        causal: true,
-        scale: None,
-        mask: false,
         varlen: true,
-        window: None,
-        paged: false,
+        ..AttentionParams::new(2, 2, 4, true)
     };
     let op = Op::Attention(p);
     let x = Tensor::from_vec(vec![0.5f32; 5 * 8], &[1, 5, 8]).unwrap();

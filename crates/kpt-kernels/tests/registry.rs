@@ -39,17 +39,7 @@ fn strings(names: &[&str]) -> Vec<String> {
 }
 
 fn attention(head_dim: usize) -> (Op, Vec<TensorSpec>) {
-    let p = AttentionParams {
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim,
-        causal: true,
-        scale: None,
-        mask: false,
-        varlen: false,
-        window: None,
-        paged: false,
-    };
+    let p = AttentionParams::new(4, 2, head_dim, true);
     let op = Op::Attention(p);
     let inputs = vec![
         f32s(&[1, 8, 4 * head_dim]),

@@ -140,15 +140,9 @@ fn check_attention(
     let mut rng = SplitMix64::new(seed);
     let heads = kv_heads * group;
     let p = kpt_core::graph::AttentionParams {
-        num_heads: heads,
-        num_kv_heads: kv_heads,
-        head_dim,
-        causal,
-        scale: None,
         mask: with_mask,
-        varlen: false,
         window,
-        paged: false,
+        ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
     };
     let mut inputs = vec![
         random(&mut rng, &[batch, seq_q, heads * head_dim], dt, -2.0, 2.0),
@@ -275,15 +269,9 @@ proptest! {
         let mut rng = SplitMix64::new(seed);
         let heads = kv_heads * group;
         let p = kpt_core::graph::AttentionParams {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim,
-            causal,
-            scale: None,
-            mask: false,
             varlen: true,
             window,
-            paged: false,
+            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
         };
         let cu = |f: fn(&(usize, usize)) -> usize| {
             let v: Vec<f64> = std::iter::once(0.0)
@@ -315,15 +303,8 @@ proptest! {
         let mut rng = SplitMix64::new(seed);
         let heads = kv_heads * group;
         let p = kpt_core::graph::AttentionParams {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim,
-            causal,
-            scale: None,
-            mask: false,
-            varlen: false,
-            window: None,
             paged: true,
+            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
         };
         let max_blocks = lens.iter().max().unwrap().div_ceil(block_size).max(1);
         let num_blocks = lens.len() * max_blocks + 2;
@@ -580,17 +561,7 @@ fn large_rows_and_gemms_match_the_reference() {
 #[test]
 fn attention_falls_back_to_the_host_reference() {
     let Some(b) = backend() else { return };
-    let p = kpt_core::graph::AttentionParams {
-        num_heads: 2,
-        num_kv_heads: 2,
-        head_dim: 8,
-        causal: true,
-        scale: None,
-        mask: false,
-        varlen: false,
-        window: None,
-        paged: false,
-    };
+    let p = kpt_core::graph::AttentionParams::new(2, 2, 8, true);
     let op = Op::Attention(p);
     let mut rng = SplitMix64::new(3);
     let q = random(&mut rng, &[1, 5, 16], DType::F32, -1.0, 1.0);

@@ -81,17 +81,7 @@ pub fn default_cases(quick: bool) -> Result<Vec<BenchCase>> {
     let (s, h, d) = if quick { (128, 4, 64) } else { (1024, 8, 64) };
     let q = random_tensor(&[1, s, h * d], 1, 3)?;
     let kv = random_tensor(&[1, s, h * d], 1, 4)?;
-    let p = AttentionParams {
-        num_heads: h,
-        num_kv_heads: h,
-        head_dim: d,
-        causal: true,
-        scale: None,
-        mask: false,
-        varlen: false,
-        window: None,
-        paged: false,
-    };
+    let p = AttentionParams::new(h, h, d, true);
     let (graph, inputs) = single_op(
         Op::Attention(p),
         &[("q", q, false), ("k", kv.clone(), false), ("v", kv, false)],

@@ -130,17 +130,7 @@ pub fn build_graph(cfg: &DemoConfig, phase: Phase, example_seq: usize) -> Result
     let table = weight(&mut g, "embed", &[cfg.vocab, d], 1)?;
     let mut h = g.op("embed", Op::Embedding, &[ids, table])?;
     let mut caches = Vec::new();
-    let attn = AttentionParams {
-        num_heads: cfg.heads,
-        num_kv_heads: cfg.kv_heads,
-        head_dim: hd,
-        causal: true,
-        scale: None,
-        mask: false,
-        varlen: false,
-        window: None,
-        paged: false,
-    };
+    let attn = AttentionParams::new(cfg.heads, cfg.kv_heads, hd, true);
     let eps = 1e-5;
     for l in 0..cfg.layers {
         let p = format!("layers.{l}");

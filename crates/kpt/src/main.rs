@@ -352,17 +352,7 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
         ),
         OpKind::Softmax => (Op::Softmax, vec![f(&[16, 4096])]),
         OpKind::Attention => (
-            Op::Attention(AttentionParams {
-                num_heads: 32,
-                num_kv_heads: 8,
-                head_dim: 128,
-                causal: true,
-                scale: None,
-                mask: false,
-                varlen: false,
-                window: None,
-                paged: false,
-            }),
+            Op::Attention(AttentionParams::new(32, 8, 128, true)),
             vec![f(&[1, 16, 4096]), f(&[1, 16, 1024]), f(&[1, 16, 1024])],
         ),
         OpKind::Add => (Op::Add, vec![f(&[16, 4096]), f(&[16, 4096])]),

@@ -87,6 +87,22 @@ pub struct AttentionParams {
 }
 
 impl AttentionParams {
+    /// Dense attention with `num_heads` query heads over `num_kv_heads` kv heads of
+    /// `head_dim`, the default scale, no mask, window or paging.
+    pub fn new(num_heads: usize, num_kv_heads: usize, head_dim: usize, causal: bool) -> Self {
+        Self {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            scale: None,
+            mask: false,
+            varlen: false,
+            window: None,
+            paged: false,
+        }
+    }
+
     /// The scale actually applied to `q·k`.
     pub fn effective_scale(&self) -> f32 {
         self.scale
@@ -886,15 +902,8 @@ mod tests {
     #[test]
     fn attention_checks_gqa_and_mask() {
         let p = AttentionParams {
-            num_heads: 8,
-            num_kv_heads: 2,
-            head_dim: 4,
-            causal: true,
-            scale: None,
             mask: true,
-            varlen: false,
-            window: None,
-            paged: false,
+            ..AttentionParams::new(8, 2, 4, true)
         };
         let op = Op::Attention(p);
         let ok = op.infer(&[
@@ -920,15 +929,8 @@ mod tests {
     #[test]
     fn varlen_attention_takes_cu_seqlens() {
         let p = AttentionParams {
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 8,
-            causal: true,
-            scale: None,
-            mask: false,
             varlen: true,
-            window: None,
-            paged: false,
+            ..AttentionParams::new(4, 2, 8, true)
         };
         let op = Op::Attention(p);
         assert_eq!(op.num_inputs(), 5);
@@ -973,15 +975,8 @@ mod tests {
     #[test]
     fn paged_attention_takes_block_tables() {
         let p = AttentionParams {
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 8,
-            causal: true,
-            scale: None,
-            mask: false,
-            varlen: false,
-            window: None,
             paged: true,
+            ..AttentionParams::new(4, 2, 8, true)
         };
         let op = Op::Attention(p);
         assert_eq!(op.num_inputs(), 5);
