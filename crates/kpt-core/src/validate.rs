@@ -46,7 +46,7 @@ pub fn reduction_len(op: &Op, inputs: &[TensorSpec]) -> usize {
             .get(1)
             .map_or(1, |b| b.shape[b.shape.len().saturating_sub(2)]),
         // Keys per sequence: the cache rows (for a paged cache, the table's capacity).
-        Op::Attention(p) => {
+        Op::Attention(p) | Op::AttentionBackward(p) => {
             let keys = inputs.get(1).map_or(1, |k| k.shape[1]);
             let blocks = match (p.paged, inputs.get(3)) {
                 (true, Some(table)) => table.shape.get(1).copied().unwrap_or(1),

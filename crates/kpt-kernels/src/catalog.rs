@@ -103,6 +103,12 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
              variable-length batches and paged caches one sequence at a time",
         )
         .limits(ANY_ATTENTION),
+        k(
+            "cpu.attention_backward",
+            AttentionBackward,
+            F32,
+            "dq, dk, dv with recomputed probabilities; (batch, kv head) tasks in parallel",
+        ),
         k("cpu.add", Add, F32, "broadcasting add"),
         k("cpu.mul", Mul, F32, "broadcasting multiply"),
         k(

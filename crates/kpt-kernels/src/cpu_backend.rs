@@ -428,6 +428,29 @@ impl CpuBackend {
                 let (rows, dim) = rows_dim(&inputs[0].spec.shape);
                 cpu::softmax::softmax(input(&inputs[0])?, output(out0)?, rows, dim)
             }
+            Op::AttentionBackward(p) => {
+                let shape = attention_shape(p, &inputs[0].spec.shape, &inputs[1].spec.shape);
+                let mask = if p.mask {
+                    Some(input::<f32>(&inputs[5])?)
+                } else {
+                    None
+                };
+                let [dq, dk, dv] = outputs else {
+                    return Err(KptError::Graph(
+                        "attention_backward needs three outputs".into(),
+                    ));
+                };
+                cpu::attention_backward(
+                    input(&inputs[0])?,
+                    input(&inputs[1])?,
+                    input(&inputs[2])?,
+                    mask,
+                    input(&inputs[3])?,
+                    input(&inputs[4])?,
+                    (output(dq)?, output(dk)?, output(dv)?),
+                    &shape,
+                )
+            }
             Op::Attention(p) if p.paged => {
                 let shape = attention_shape(p, &inputs[0].spec.shape, &inputs[1].spec.shape);
                 let (bq, bkv) = (self.tuning.block_q, self.tuning.block_kv);

@@ -164,6 +164,19 @@ impl ReferenceOps for CpuReference {
                 let (rows, dim) = rows_dim(first.shape());
                 r::softmax(&x[0], &mut outs[0], rows, dim)?
             }
+            Op::AttentionBackward(p) => {
+                let shape = attention_shape(p, first.shape(), inputs[1].shape());
+                let mask = if p.mask { Some(&x[5][..]) } else { None };
+                let [dq, dk, dv] = &mut outs[..] else {
+                    unreachable!("attention_backward infers three outputs")
+                };
+                r::attention_backward(
+                    (&x[0], &x[1], &x[2], mask),
+                    (&x[3], &x[4]),
+                    (dq, dk, dv),
+                    &shape,
+                )?
+            }
             Op::Attention(p) if p.paged => {
                 let shape = attention_shape(p, first.shape(), inputs[1].shape());
                 let cache = inputs[1].shape();

@@ -408,6 +408,90 @@ proptest! {
     }
 
     #[test]
+    fn attention_backward_matches_reference(
+        batch in 1usize..=2, seq_q in 1usize..=40, seq_kv in 1usize..=50, kv_heads in 1usize..=2,
+        ratio in prop::sample::select(vec![1usize, 4]), head_dim in prop::sample::select(vec![1usize, 8, 64]),
+        causal in any::<bool>(), window in prop::option::of(1usize..30), with_mask in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Rng::new(seed);
+        let shape = AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal)
+            .with_window(window);
+        let q = rng.vec(shape.q_len(), -1.0, 1.0);
+        let k = rng.vec(shape.kv_len(), -1.0, 1.0);
+        let v = rng.vec(shape.kv_len(), -1.0, 1.0);
+        let dout = rng.vec(shape.q_len(), -1.0, 1.0);
+        let mask: Vec<f32> = (0..shape.mask_len())
+            .map(|_| if rng.below(8) == 0 { f32::NEG_INFINITY } else { rng.uniform(-2.0, 0.5) })
+            .collect();
+        let mask = with_mask.then_some(&mask[..]);
+        let mask64 = mask.map(f64s);
+        let (q64, k64, v64, do64) = (f64s(&q), f64s(&k), f64s(&v), f64s(&dout));
+        let mut out64 = vec![0.0; shape.q_len()];
+        r::attention(&q64, &k64, &v64, mask64.as_deref(), &mut out64, &shape).map_err(fail)?;
+        let out: Vec<f32> = out64.iter().map(|&x| x as f32).collect();
+        let out64 = f64s(&out);
+        let (mut dq, mut dk, mut dv) =
+            (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        r::attention_backward((&q64, &k64, &v64, mask64.as_deref()), (&out64, &do64),
+            (&mut dq, &mut dk, &mut dv), &shape).map_err(fail)?;
+        let (mut gq, mut gk, mut gv) =
+            (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+        cpu::attention_backward(&q, &k, &v, mask, &out, &dout, (&mut gq, &mut gk, &mut gv), &shape)
+            .map_err(fail)?;
+        // dk and dv sum over the group's queries and heads.
+        let tol = tolerance(DType::F32, seq_kv.max(head_dim) * ratio * seq_q);
+        check_close("dq", &f64s(&gq), &dq, tol)?;
+        check_close("dk", &f64s(&gk), &dk, tol)?;
+        check_close("dv", &f64s(&gv), &dv, tol)?;
+    }
+
+    /// The reference gradients equal central differences of the reference forward pass
+    /// (loss = Σ dout · out), for q, k and v, with GQA, causal, a window and a mask.
+    #[test]
+    fn attention_backward_matches_finite_differences(
+        batch in 1usize..=2, seq_q in 1usize..=5, seq_kv in 1usize..=6, kv_heads in 1usize..=2,
+        ratio in 1usize..=2, head_dim in 1usize..=4, causal in any::<bool>(),
+        window in prop::option::of(1usize..5), with_mask in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let mut rng = Rng::new(seed);
+        let shape = AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal)
+            .with_window(window);
+        let q = f64s(&rng.vec(shape.q_len(), -1.0, 1.0));
+        let k = f64s(&rng.vec(shape.kv_len(), -1.0, 1.0));
+        let v = f64s(&rng.vec(shape.kv_len(), -1.0, 1.0));
+        let dout = f64s(&rng.vec(shape.q_len(), -1.0, 1.0));
+        let mask: Vec<f64> = (0..shape.mask_len())
+            .map(|_| if rng.below(6) == 0 { f64::NEG_INFINITY } else { rng.uniform(-1.0, 0.5) as f64 })
+            .collect();
+        let mask = with_mask.then_some(&mask[..]);
+        let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+            let mut out = vec![0.0; shape.q_len()];
+            r::attention(q, k, v, mask, &mut out, &shape).unwrap();
+            out.iter().zip(&dout).map(|(a, b)| a * b).sum()
+        };
+        let mut out = vec![0.0; shape.q_len()];
+        r::attention(&q, &k, &v, mask, &mut out, &shape).map_err(fail)?;
+        let (mut dq, mut dk, mut dv) =
+            (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        r::attention_backward((&q, &k, &v, mask), (&out, &dout), (&mut dq, &mut dk, &mut dv), &shape)
+            .map_err(fail)?;
+        let h = 1e-6;
+        for (which, grad) in [(0usize, &dq), (1, &dk), (2, &dv)] {
+            for idx in 0..grad.len() {
+                let mut t = [q.clone(), k.clone(), v.clone()];
+                t[which][idx] += h;
+                let up = loss(&t[0], &t[1], &t[2]);
+                t[which][idx] -= 2.0 * h;
+                let down = loss(&t[0], &t[1], &t[2]);
+                let numeric = (up - down) / (2.0 * h);
+                prop_assert!((numeric - grad[idx]).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                    "d{}[{idx}]: analytic {} vs numeric {numeric}", ["q", "k", "v"][which], grad[idx]);
+            }
+        }
+    }
+
+    #[test]
     fn norms_match_reference(rows in 1usize..=9, dim in 1usize..=300, seed in any::<u64>()) {
         let mut rng = Rng::new(seed);
         let x = rng.vec(rows * dim, -2.0, 2.0);

@@ -94,6 +94,14 @@ fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
         ),
         OpKind::Softmax => (Op::Softmax, vec![f32s(&[4, 8])]),
         OpKind::Attention => attention(16),
+        OpKind::AttentionBackward => {
+            let (op, mut inputs) = attention(16);
+            let Op::Attention(p) = op else {
+                unreachable!("attention() builds an attention op")
+            };
+            inputs.extend([inputs[0].clone(), inputs[0].clone()]);
+            (Op::AttentionBackward(p), inputs)
+        }
         OpKind::Add => (Op::Add, vec![f32s(&[4, 8]), f32s(&[8])]),
         OpKind::Mul => (Op::Mul, vec![f32s(&[4, 8]), f32s(&[4, 8])]),
         OpKind::Quantize => (

@@ -392,6 +392,12 @@ impl CudaBackend {
             Op::Cast { dtype } => {
                 g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
             }
+            Op::AttentionBackward(_) => {
+                return Err(err(
+                    "no CUDA kernel computes attention gradients yet; the registry runs \
+                     them on the host fallback",
+                ))
+            }
             Op::Attention(p) => {
                 let (qs, ks) = (&x.shape, &inputs[1].spec.shape);
                 if qs.len() != 3 || ks.len() != 3 {

@@ -355,6 +355,16 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
             Op::Attention(AttentionParams::new(32, 8, 128, true)),
             vec![f(&[1, 16, 4096]), f(&[1, 16, 1024]), f(&[1, 16, 1024])],
         ),
+        OpKind::AttentionBackward => (
+            Op::AttentionBackward(AttentionParams::new(32, 8, 128, true)),
+            vec![
+                f(&[1, 16, 4096]),
+                f(&[1, 16, 1024]),
+                f(&[1, 16, 1024]),
+                f(&[1, 16, 4096]),
+                f(&[1, 16, 4096]),
+            ],
+        ),
         OpKind::Add => (Op::Add, vec![f(&[16, 4096]), f(&[16, 4096])]),
         OpKind::Mul => (Op::Mul, vec![f(&[16, 4096]), f(&[16, 4096])]),
         OpKind::Quantize => (

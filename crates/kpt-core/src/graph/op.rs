@@ -167,6 +167,10 @@ pub enum Op {
     Softmax,
     /// Scaled dot-product attention.
     Attention(AttentionParams),
+    /// Gradients of [`Op::Attention`] (training): q, k, v, the forward output, its
+    /// gradient, then the mask when `mask` -> (dq, dk, dv). Dense batches only (no
+    /// `varlen`, no `paged`).
+    AttentionBackward(AttentionParams),
     /// Element-wise sum; the right operand broadcasts over leading dims.
     Add,
     /// Element-wise product; the right operand broadcasts over leading dims.
@@ -237,6 +241,8 @@ pub enum OpKind {
     Softmax,
     /// See [`Op::Attention`].
     Attention,
+    /// See [`Op::AttentionBackward`].
+    AttentionBackward,
     /// See [`Op::Add`].
     Add,
     /// See [`Op::Mul`].
@@ -257,7 +263,7 @@ pub enum OpKind {
 
 impl OpKind {
     /// Every op kind, in catalog order.
-    pub const ALL: [OpKind; 20] = [
+    pub const ALL: [OpKind; 21] = [
         OpKind::Embedding,
         OpKind::MatMul,
         OpKind::Linear,
@@ -270,6 +276,7 @@ impl OpKind {
         OpKind::Rotary,
         OpKind::Softmax,
         OpKind::Attention,
+        OpKind::AttentionBackward,
         OpKind::Add,
         OpKind::Mul,
         OpKind::Quantize,
@@ -295,6 +302,7 @@ impl OpKind {
             OpKind::Rotary => "rotary",
             OpKind::Softmax => "softmax",
             OpKind::Attention => "attention",
+            OpKind::AttentionBackward => "attention_backward",
             OpKind::Add => "add",
             OpKind::Mul => "mul",
             OpKind::Quantize => "quantize",
@@ -381,6 +389,7 @@ impl Op {
             Op::Rotary { .. } => OpKind::Rotary,
             Op::Softmax => OpKind::Softmax,
             Op::Attention(_) => OpKind::Attention,
+            Op::AttentionBackward(_) => OpKind::AttentionBackward,
             Op::Add => OpKind::Add,
             Op::Mul => OpKind::Mul,
             Op::Quantize { .. } => OpKind::Quantize,
@@ -410,6 +419,7 @@ impl Op {
             Op::Attention(p) => {
                 3 + usize::from(p.mask) + 2 * usize::from(p.varlen) + 2 * usize::from(p.paged)
             }
+            Op::AttentionBackward(p) => 5 + usize::from(p.mask),
         }
     }
 
@@ -429,6 +439,8 @@ impl Op {
                     .unwrap_or(0) as f64;
                 2.0 * numel(0) * n
             }
+            // The backward pass: five products of the forward's size against its two.
+            Op::AttentionBackward(p) => 2.5 * Op::Attention(*p).flops(inputs),
             Op::Attention(p) => {
                 let (Some(q), Some(k)) = (inputs.first(), inputs.get(1)) else {
                     return 0.0;
@@ -736,6 +748,29 @@ impl Op {
                 }
                 Ok(vec![q.clone()])
             }
+            Op::AttentionBackward(p) => {
+                if p.varlen || p.paged {
+                    return Err(KptError::InvalidArgument(
+                        "attention_backward takes dense batches (no varlen, no paged cache)".into(),
+                    ));
+                }
+                let mut forward = vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()];
+                forward.extend(inputs.get(5).cloned());
+                let out = Op::Attention(*p).infer(&forward)?;
+                for (t, what) in [(&inputs[3], "out"), (&inputs[4], "dout")] {
+                    if *t != out[0] {
+                        return Err(shape_err(format!(
+                            "{what} must be {} like q, got {t}",
+                            out[0]
+                        )));
+                    }
+                }
+                Ok(vec![
+                    inputs[0].clone(),
+                    inputs[1].clone(),
+                    inputs[2].clone(),
+                ])
+            }
             Op::Add | Op::Mul => {
                 let b = &inputs[1];
                 want_compute(x)?;
@@ -852,6 +887,7 @@ impl fmt::Display for Op {
             Op::Quantize { dtype, .. } => write!(f, "quantize({dtype})"),
             Op::Dequantize { dtype } | Op::Cast { dtype } => write!(f, "{}({dtype})", self.kind()),
             Op::Attention(p) if p.causal => f.write_str("attention(causal)"),
+            Op::AttentionBackward(p) if p.causal => f.write_str("attention_backward(causal)"),
             _ => f.write_str(self.kind().name()),
         }
     }
@@ -1004,6 +1040,35 @@ mod tests {
             .infer(&[q, cache.clone(), cache, table, s(&[3], DType::F32)])
             .unwrap_err();
         assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
+    }
+
+    #[test]
+    fn attention_backward_infers_gradients_like_its_inputs() {
+        let p = AttentionParams::new(4, 2, 8, true);
+        let op = Op::AttentionBackward(p);
+        assert_eq!(op.num_inputs(), 5);
+        let (q, kv) = (s(&[2, 3, 32], DType::BF16), s(&[2, 5, 16], DType::BF16));
+        let ins = [q.clone(), kv.clone(), kv.clone(), q.clone(), q.clone()];
+        assert_eq!(
+            op.infer(&ins).unwrap(),
+            vec![q.clone(), kv.clone(), kv.clone()]
+        );
+        assert!(op.flops(&ins) > Op::Attention(p).flops(&ins[..3]));
+        let err = op
+            .infer(&[
+                q.clone(),
+                kv.clone(),
+                kv.clone(),
+                q.clone(),
+                s(&[2, 3, 16], DType::BF16),
+            ])
+            .unwrap_err();
+        assert!(err.to_string().contains("dout"), "{err}");
+        let paged = Op::AttentionBackward(AttentionParams { paged: true, ..p });
+        assert!(matches!(
+            paged.infer(&ins),
+            Err(KptError::Graph(_) | KptError::InvalidArgument(_))
+        ));
     }
 
     #[test]

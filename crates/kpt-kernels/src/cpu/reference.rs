@@ -325,6 +325,46 @@ pub fn softmax(x: &[f64], out: &mut [f64], rows: usize, dim: usize) -> Result<()
     Ok(())
 }
 
+/// The softmax probabilities of query `i` of head `h` in batch `b` over every key (0 for
+/// keys it does not see), or `false` when it sees none.
+fn row_probs(
+    (q, k, mask): (&[f64], &[f64], Option<&[f64]>),
+    s: &AttentionShape,
+    (b, h, i): (usize, usize, usize),
+    probs: &mut [f64],
+) -> bool {
+    let d = s.head_dim;
+    let g = h / s.group_size();
+    let qi = &q[(b * s.seq_q + i) * s.q_row() + h * d..][..d];
+    let (start, limit) = (s.key_start(i), s.key_limit(i));
+    let mut max = f64::NEG_INFINITY;
+    for (j, sc) in probs.iter_mut().enumerate() {
+        *sc = f64::NEG_INFINITY;
+        if j < start || j >= limit {
+            continue;
+        }
+        let kj = &k[(b * s.seq_kv + j) * s.kv_row() + g * d..][..d];
+        let dot: f64 = qi.iter().zip(kj).map(|(a, c)| a * c).sum();
+        *sc = dot * s.scale + mask.map_or(0.0, |m| m[i * s.seq_kv + j]);
+        max = max.max(*sc);
+    }
+    if max == f64::NEG_INFINITY {
+        probs.fill(0.0);
+        return false;
+    }
+    let mut sum = 0.0;
+    for p in probs.iter_mut() {
+        *p = if *p == f64::NEG_INFINITY {
+            0.0
+        } else {
+            (*p - max).exp()
+        };
+        sum += *p;
+    }
+    probs.iter_mut().for_each(|p| *p /= sum);
+    true
+}
+
 /// Scaled dot-product attention with GQA, optional additive mask and bottom-right causal
 /// masking; see [`AttentionShape`] for layouts and semantics.
 pub fn attention(
@@ -345,44 +385,77 @@ pub fn attention(
     )?;
     let s = *shape;
     let d = s.head_dim;
-    let (q_row, kv_row) = (s.q_row(), s.kv_row());
-    let mut scores = vec![0.0; s.seq_kv];
+    let mut probs = vec![0.0; s.seq_kv];
     for b in 0..s.batch {
         for h in 0..s.num_heads {
             let g = h / s.group_size();
             for i in 0..s.seq_q {
-                let qi = &q[(b * s.seq_q + i) * q_row + h * d..][..d];
-                let (start, limit) = (s.key_start(i), s.key_limit(i));
-                let mut max = f64::NEG_INFINITY;
-                for (j, sc) in scores.iter_mut().enumerate() {
-                    *sc = f64::NEG_INFINITY;
-                    if j < start || j >= limit {
-                        continue;
-                    }
-                    let kj = &k[(b * s.seq_kv + j) * kv_row + g * d..][..d];
-                    let dot: f64 = qi.iter().zip(kj).map(|(a, c)| a * c).sum();
-                    *sc = dot * s.scale + mask.map_or(0.0, |m| m[i * s.seq_kv + j]);
-                    max = max.max(*sc);
-                }
-                let o = &mut out[(b * s.seq_q + i) * q_row + h * d..][..d];
+                let o = &mut out[(b * s.seq_q + i) * s.q_row() + h * d..][..d];
                 o.fill(0.0);
-                if max == f64::NEG_INFINITY {
+                if !row_probs((q, k, mask), &s, (b, h, i), &mut probs) {
                     continue;
                 }
-                let mut sum = 0.0;
-                for (j, sc) in scores.iter().enumerate() {
-                    if *sc == f64::NEG_INFINITY {
-                        continue;
-                    }
-                    let p = (sc - max).exp();
-                    sum += p;
-                    let vj = &v[(b * s.seq_kv + j) * kv_row + g * d..][..d];
-                    for (oc, vc) in o.iter_mut().zip(vj) {
-                        *oc += p * vc;
-                    }
+                for (j, &p) in probs.iter().enumerate().filter(|(_, &p)| p != 0.0) {
+                    let vj = &v[(b * s.seq_kv + j) * s.kv_row() + g * d..][..d];
+                    o.iter_mut().zip(vj).for_each(|(oc, vc)| *oc += p * vc);
                 }
-                for oc in o.iter_mut() {
-                    *oc /= sum;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Gradients of [`attention`] for the upstream gradient `dout` (FlashAttention's backward
+/// contract): with `P` the probabilities recomputed from `q`, `k` and the mask, and
+/// `D_i = dout_i · out_i` from the given forward output, `dv = Pᵀ dout`,
+/// `dS = P ∘ (dout vᵀ - D)`, `dq = scale · dS k`, `dk = scale · dSᵀ q`; the query heads of
+/// a kv group add into its `dk` and `dv`.
+#[allow(clippy::type_complexity)]
+pub fn attention_backward(
+    (q, k, v, mask): (&[f64], &[f64], &[f64], Option<&[f64]>),
+    (out, dout): (&[f64], &[f64]),
+    (dq, dk, dv): (&mut [f64], &mut [f64], &mut [f64]),
+    shape: &AttentionShape,
+) -> Result<()> {
+    const OP: &str = "attention_backward";
+    shape.check_buffers(
+        OP,
+        q.len(),
+        k.len(),
+        v.len(),
+        mask.map(<[f64]>::len),
+        out.len(),
+    )?;
+    let s = *shape;
+    super::check_len(OP, "dout (like q)", dout.len(), s.q_len())?;
+    super::check_len(OP, "dq (like q)", dq.len(), s.q_len())?;
+    super::check_len(OP, "dk (like k)", dk.len(), s.kv_len())?;
+    super::check_len(OP, "dv (like v)", dv.len(), s.kv_len())?;
+    let d = s.head_dim;
+    let (q_row, kv_row) = (s.q_row(), s.kv_row());
+    dq.fill(0.0);
+    dk.fill(0.0);
+    dv.fill(0.0);
+    let mut probs = vec![0.0; s.seq_kv];
+    for b in 0..s.batch {
+        for h in 0..s.num_heads {
+            let g = h / s.group_size();
+            for i in 0..s.seq_q {
+                if !row_probs((q, k, mask), &s, (b, h, i), &mut probs) {
+                    continue;
+                }
+                let at_q = (b * s.seq_q + i) * q_row + h * d;
+                let (qi, oi, doi) = (&q[at_q..][..d], &out[at_q..][..d], &dout[at_q..][..d]);
+                let delta: f64 = doi.iter().zip(oi).map(|(a, c)| a * c).sum();
+                for (j, &p) in probs.iter().enumerate().filter(|(_, &p)| p != 0.0) {
+                    let at_k = (b * s.seq_kv + j) * kv_row + g * d;
+                    let dp: f64 = doi.iter().zip(&v[at_k..][..d]).map(|(a, c)| a * c).sum();
+                    let ds = p * (dp - delta) * s.scale;
+                    for c in 0..d {
+                        dv[at_k + c] += p * doi[c];
+                        dq[at_q + c] += ds * k[at_k + c];
+                        dk[at_k + c] += ds * qi[c];
+                    }
                 }
             }
         }
