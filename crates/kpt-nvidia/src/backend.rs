@@ -261,6 +261,12 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// An index tensor (i32/i64 offsets, block ids, lengths) read back to the host.
+    fn host_ids(&self, r: &BufferRef<'_>) -> Result<Vec<i64>> {
+        let t = self.download(r.buffer, r.spec)?;
+        Ok(t.to_f64_vec().into_iter().map(|x| x as i64).collect())
+    }
+
     /// Runs a `cuda.*` kernel.
     fn run_device(
         &self,
@@ -448,11 +454,7 @@ impl CudaBackend {
                     // Paged cache: block ids and lengths are read on the host (checked
                     // there), each sequence's K and V rows are gathered on the device
                     // into contiguous scratch, then the dense kernel runs on them.
-                    let ids = |r: &BufferRef<'_>| -> Result<Vec<i64>> {
-                        let t = self.download(r.buffer, r.spec)?;
-                        Ok(t.to_f64_vec().into_iter().map(|x| x as i64).collect())
-                    };
-                    let (table, lens) = (ids(&inputs[3])?, ids(&inputs[4])?);
+                    let (table, lens) = (self.host_ids(&inputs[3])?, self.host_ids(&inputs[4])?);
                     let paged = kpt_kernels::cpu::PagedKv {
                         block_size: ks[1],
                         num_blocks: ks[0],
@@ -484,13 +486,9 @@ impl CudaBackend {
                 }
                 // Variable-length batch: the offsets are read on the host (a small
                 // synchronous copy) and each sequence runs as a dense call on its rows.
-                let offsets = |r: &BufferRef<'_>| -> Result<Vec<i64>> {
-                    let t = self.download(r.buffer, r.spec)?;
-                    Ok(t.to_f64_vec().into_iter().map(|x| x as i64).collect())
-                };
                 let segments = kpt_kernels::cpu::varlen_segments(
-                    &offsets(&inputs[3])?,
-                    &offsets(&inputs[4])?,
+                    &self.host_ids(&inputs[3])?,
+                    &self.host_ids(&inputs[4])?,
                     qs[1],
                     ks[1],
                 )?;
