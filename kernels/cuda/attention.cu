@@ -15,6 +15,7 @@
 // kpt:launch kpt_attention_bf16 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_f16 block=128 shared=0 grid=rows
 
+#include "attention_dims.cuh"
 #include "common.cuh"
 
 namespace {
@@ -26,12 +27,7 @@ constexpr int kPerLane = kMaxDim / 32;
 using kpt::from_float;
 using kpt::to_float;
 
-// Sizes of one call, passed by value (layout shared with kpt-nvidia's AttentionDims).
-struct Dims {
-    int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
-    float scale;
-    int window;  // sliding window in keys, 0 = none
-};
+using Dims = kpt::AttentionDims;
 
 template <typename T>
 __device__ void attention(const T* __restrict__ q, const T* __restrict__ k,

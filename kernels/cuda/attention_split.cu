@@ -43,6 +43,7 @@
 
 #include <type_traits>
 
+#include "attention_dims.cuh"
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -64,12 +65,8 @@ constexpr int kRowsPerWarp = 8;
 using kpt::from_float;
 using kpt::to_float;
 
-// Layout shared with kpt-nvidia's AttentionDims / SplitDims.
-struct Dims {
-    int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
-    float scale;
-    int window;  // sliding window in keys, 0 = none
-};
+// Layout shared with kpt-nvidia's SplitDims.
+using Dims = kpt::AttentionDims;
 struct SplitDims {
     Dims p;
     int tile, tiles, splits;

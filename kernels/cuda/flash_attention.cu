@@ -24,6 +24,7 @@
 
 #include <type_traits>
 
+#include "attention_dims.cuh"
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -35,12 +36,7 @@ constexpr int kBlockM = 64;  // query rows per block (16 per warp)
 constexpr int kBlockN = 64;  // keys per tile
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Layout shared with kpt-nvidia's AttentionDims.
-struct Dims {
-    int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
-    float scale;
-    int window;  // sliding window in keys, 0 = none
-};
+using Dims = kpt::AttentionDims;
 
 using kpt::cp_async_commit;
 using kpt::cp_async_wait;

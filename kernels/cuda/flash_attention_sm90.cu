@@ -49,7 +49,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attention_dims.cuh"
 #include "common.cuh"
+#include "mma.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KPT_FLASH_SM90A 1
@@ -57,12 +59,8 @@
 
 namespace {
 
-// Layout shared with kpt-nvidia's AttentionDims.
-struct Dims {
-    int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
-    float scale;
-    int window;  // sliding window: not taken here (the host sends windowed calls elsewhere)
-};
+// Its `window` is not taken here: the host sends windowed calls to the other kernels.
+using Dims = kpt::AttentionDims;
 
 constexpr int kBlockM = 128;  // query rows per block, 64 per consumer warpgroup
 constexpr int kBlockN = 128;  // keys per K/V tile
@@ -114,9 +112,7 @@ static_assert(Config<64>::kSmemBytes <= 227 * 1024 && Config<128>::kSmemBytes <=
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using kpt::smem_u32;
 
 // ---- mbarriers -------------------------------------------------------------------------
 
@@ -275,17 +271,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
     }
 }
 
-// Two floats as one register of two T (lo in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<const uint32_t*>(&v);
-    } else {
-        const __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<const uint32_t*>(&v);
-    }
-}
+using kpt::pack2;
 
 // ---- producer --------------------------------------------------------------------------
 

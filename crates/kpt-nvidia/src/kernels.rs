@@ -131,7 +131,7 @@ pub(crate) enum Binary {
 }
 
 /// The sizes of one attention call, passed to `kpt_attention_*` by value (the layout of
-/// `Dims` in `kernels/cuda/attention.cu`).
+/// `kpt::AttentionDims` in `kernels/cuda/attention_dims.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AttentionDims {
