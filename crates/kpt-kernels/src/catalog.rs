@@ -130,32 +130,8 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             &[DType::F32, DType::BF16, DType::F16],
             "SIMD f32 <-> bf16/f16 conversion",
         ),
-        k(
-            "cpu.concat",
-            Concat,
-            &[
-                DType::F64,
-                DType::F32,
-                DType::F16,
-                DType::BF16,
-                DType::I32,
-                DType::I64,
-            ],
-            "block copies",
-        ),
-        k(
-            "cpu.split",
-            Split,
-            &[
-                DType::F64,
-                DType::F32,
-                DType::F16,
-                DType::BF16,
-                DType::I32,
-                DType::I64,
-            ],
-            "block copies",
-        ),
+        k("cpu.concat", Concat, COPY_DTYPES, "block copies"),
+        k("cpu.split", Split, COPY_DTYPES, "block copies"),
         k(
             "cpu.act_and_mul",
             ActAndMul,
@@ -366,6 +342,16 @@ const TRITON_ROWS: ShapeLimits = ShapeLimits {
     varlen: false,
     paged: false,
 };
+
+/// What the CPU copy ops (concat, split) take: every float and index dtype.
+const COPY_DTYPES: &[DType] = &[
+    DType::F64,
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::I32,
+    DType::I64,
+];
 
 /// Limits of a kernel that takes every attention shape, variable-length batches and paged
 /// caches included.

@@ -7,7 +7,6 @@
 use kpt_core::Result;
 use rayon::prelude::*;
 
-use super::check_len;
 use super::shapes::AttentionShape;
 use super::simd::exp_f32;
 
@@ -24,21 +23,13 @@ pub fn attention_backward(
     grads: (&mut [f32], &mut [f32], &mut [f32]),
     shape: &AttentionShape,
 ) -> Result<()> {
-    const OP: &str = "attention_backward";
     let s = *shape;
-    s.check_buffers(
-        OP,
-        q.len(),
-        k.len(),
-        v.len(),
-        mask.map(<[f32]>::len),
-        out.len(),
-    )?;
     let (dq, dk, dv) = grads;
-    check_len(OP, "dout (like q)", dout.len(), s.q_len())?;
-    check_len(OP, "dq (like q)", dq.len(), s.q_len())?;
-    check_len(OP, "dk (like k)", dk.len(), s.kv_len())?;
-    check_len(OP, "dv (like v)", dv.len(), s.kv_len())?;
+    s.check_backward_buffers(
+        "attention_backward",
+        (q.len(), k.len(), v.len(), mask.map(<[f32]>::len), out.len()),
+        (dout.len(), dq.len(), dk.len(), dv.len()),
+    )?;
     let (d, group) = (s.head_dim, s.group_size());
     let (q_row, kv_row) = (s.q_row(), s.kv_row());
     let scale = s.scale as f32;

@@ -417,20 +417,12 @@ pub fn attention_backward(
     (dq, dk, dv): (&mut [f64], &mut [f64], &mut [f64]),
     shape: &AttentionShape,
 ) -> Result<()> {
-    const OP: &str = "attention_backward";
-    shape.check_buffers(
-        OP,
-        q.len(),
-        k.len(),
-        v.len(),
-        mask.map(<[f64]>::len),
-        out.len(),
-    )?;
     let s = *shape;
-    super::check_len(OP, "dout (like q)", dout.len(), s.q_len())?;
-    super::check_len(OP, "dq (like q)", dq.len(), s.q_len())?;
-    super::check_len(OP, "dk (like k)", dk.len(), s.kv_len())?;
-    super::check_len(OP, "dv (like v)", dv.len(), s.kv_len())?;
+    s.check_backward_buffers(
+        "attention_backward",
+        (q.len(), k.len(), v.len(), mask.map(<[f64]>::len), out.len()),
+        (dout.len(), dq.len(), dk.len(), dv.len()),
+    )?;
     let d = s.head_dim;
     let (q_row, kv_row) = (s.q_row(), s.kv_row());
     dq.fill(0.0);

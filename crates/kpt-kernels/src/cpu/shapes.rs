@@ -194,6 +194,22 @@ impl AttentionShape {
         }
         check_len(op, "out [batch, seq_q, num_heads*head_dim]", out, ql)
     }
+
+    /// [`check_buffers`](Self::check_buffers) for the forward operands of a backward
+    /// pass, then the lengths of `dout` and `dq` (like `q`) and `dk`, `dv` (like `k`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_backward_buffers(
+        &self,
+        op: &str,
+        (q, k, v, mask, out): (usize, usize, usize, Option<usize>, usize),
+        (dout, dq, dk, dv): (usize, usize, usize, usize),
+    ) -> Result<()> {
+        self.check_buffers(op, q, k, v, mask, out)?;
+        check_len(op, "dout (like q)", dout, self.q_len())?;
+        check_len(op, "dq (like q)", dq, self.q_len())?;
+        check_len(op, "dk (like k)", dk, self.kv_len())?;
+        check_len(op, "dv (like v)", dv, self.kv_len())
+    }
 }
 
 /// The query and key rows of each sequence of a variable-length attention batch, from
