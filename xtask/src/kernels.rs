@@ -262,7 +262,42 @@ fn artifact(
 }
 
 /// Compiles every `kernels/cuda/*.cu` for [`CUDA_TARGETS`] into `manifest`.
-fn build_cuda(python: &Path, ptxas: &Path, manifest: &mut Manifest) -> Result<()> {
+/// The entries of `old` built from `source` when they are still current: the source (with
+/// its headers) hashes as recorded and every artifact exists with its recorded hash. Reusing
+/// them keeps unchanged artifacts byte-identical (nvcc's PTX symbol names differ per run).
+fn current_entries(old: &Manifest, source: &Path) -> Result<Option<Vec<KernelEntry>>> {
+    let path = rel(source);
+    let entries: Vec<_> = old
+        .kernels
+        .iter()
+        .filter(|e| e.source == path)
+        .cloned()
+        .collect();
+    if entries.is_empty() {
+        return Ok(None);
+    }
+    let sha = source_sha256(source)?;
+    for e in &entries {
+        if e.source_sha256 != sha {
+            return Ok(None);
+        }
+        for a in &e.artifacts {
+            let file = artifacts_dir().join(&a.path);
+            if !file.exists() || sha256_hex(&file)? != a.sha256 {
+                return Ok(None);
+            }
+        }
+    }
+    eprintln!("unchanged: {path}");
+    Ok(Some(entries))
+}
+
+fn build_cuda(
+    python: &Path,
+    ptxas: &Path,
+    old: Option<&Manifest>,
+    manifest: &mut Manifest,
+) -> Result<()> {
     let (nvcc, version) = nvcc(python)?;
     let include = nvcc
         .parent()
@@ -278,6 +313,10 @@ fn build_cuda(python: &Path, ptxas: &Path, manifest: &mut Manifest) -> Result<()
     );
     for src in list_sources(&root().join("kernels/cuda"))? {
         if src.extension().and_then(|e| e.to_str()) != Some("cu") {
+            continue;
+        }
+        if let Some(entries) = old.map(|m| current_entries(m, &src)).transpose()?.flatten() {
+            manifest.kernels.extend(entries);
             continue;
         }
         let name = src
@@ -344,11 +383,20 @@ struct TritonArtifact {
 
 /// Compiles every specialization that `kernels/triton/*.py` lists into `manifest` (one
 /// kernel entry per specialization, each with its cubins and PTX).
-fn build_triton(python: &Path, ptxas: &Path, manifest: &mut Manifest) -> Result<()> {
+fn build_triton(
+    python: &Path,
+    ptxas: &Path,
+    old: Option<&Manifest>,
+    manifest: &mut Manifest,
+) -> Result<()> {
     let out_dir = artifacts_dir().join("triton");
     std::fs::create_dir_all(&out_dir)?;
     let driver = root().join("xtask/triton/aot.py");
     for src in list_sources(&root().join("kernels/triton"))? {
+        if let Some(entries) = old.map(|m| current_entries(m, &src)).transpose()?.flatten() {
+            manifest.kernels.extend(entries);
+            continue;
+        }
         eprintln!("triton: compiling {}", rel(&src));
         let out = Command::new(python)
             .arg(&driver)
@@ -394,13 +442,24 @@ fn build_triton(python: &Path, ptxas: &Path, manifest: &mut Manifest) -> Result<
     Ok(())
 }
 
-/// Compiles every CUDA and Triton kernel and rewrites the manifest.
-pub fn build_kernels() -> Result<()> {
+/// Compiles the CUDA and Triton kernels whose sources changed (every kernel with `force`)
+/// and rewrites the manifest.
+pub fn build_kernels(force: bool) -> Result<()> {
     let python = toolchain_python()?;
+    let old = if force { None } else { Some(read_manifest()?) };
     let mut manifest = Manifest::default();
     let ptxas = ptxas12(&python)?;
-    build_cuda(&python, &ptxas, &mut manifest)?;
-    build_triton(&python, &ptxas, &mut manifest)?;
+    build_cuda(&python, &ptxas, old.as_ref(), &mut manifest)?;
+    build_triton(&python, &ptxas, old.as_ref(), &mut manifest)?;
+    if let Some(old) = &old {
+        // Toolchain versions of reused entries stay as recorded.
+        for (k, v) in &old.toolchains {
+            manifest
+                .toolchains
+                .entry(k.clone())
+                .or_insert_with(|| v.clone());
+        }
+    }
     let json = serde_json::to_string_pretty(&manifest)? + "\n";
     std::fs::write(manifest_path(), json)?;
     eprintln!(

@@ -40,8 +40,13 @@ enum Task {
     Test,
     /// Verify that committed kernel artifacts match their sources.
     CheckKernels,
-    /// Compile kernels/cuda/*.cu and kernels/triton/*.py into crates/kpt-kernels/artifacts.
-    BuildKernels,
+    /// Compile kernels/cuda/*.cu and kernels/triton/*.py into crates/kpt-kernels/artifacts
+    /// (only sources that changed since their artifacts were built, unless --force).
+    BuildKernels {
+        /// Rebuild every kernel.
+        #[arg(long)]
+        force: bool,
+    },
     /// kpt's CPU kernels vs PyTorch on this machine, same run; writes docs/reports/cpu-*.
     BenchCpu {
         /// Extra arguments for kpt-bench-cpu (e.g. `--filter gemm`, `--quick`).
@@ -56,7 +61,7 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Test => test(),
         Task::CheckKernels => check_kernels(),
-        Task::BuildKernels => build_kernels(),
+        Task::BuildKernels { force } => build_kernels(force),
         Task::BenchCpu { args } => bench_cpu(&args),
         Task::GpuBundle => gpu_bundle(),
     }
