@@ -89,6 +89,8 @@ struct Case {
     torch: Value,
     target_ratio: Option<f64>,
     target: Option<f64>,
+    /// A target of this factor times kpt's rate on the named case of the same run.
+    target_vs_case: Option<(String, f64)>,
     note: &'static str,
 }
 
@@ -129,7 +131,43 @@ fn attention_cases() -> Vec<Case> {
                               "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
                 target_ratio: Some(1.0),
                 target: None,
+                target_vs_case: None,
                 note: "FLOPs = 4 b h s² d (half when causal)",
+            });
+        }
+    }
+    // FP8 e4m3 against kpt's own bf16 kernel on the same shape (and both against torch's
+    // bf16 SDPA backends; torch has no FP8 attention).
+    let (b, h, s, d) = (4usize, 16usize, 4096usize, 128usize);
+    for causal in [false, true] {
+        let full = 4.0 * (b * h * s * s * d) as f64;
+        let kind = if causal { "causal" } else { "full" };
+        let bf16_name = format!("attention_prefill_bf16_b{b}_h{h}_s{s}_d{d}_{kind}");
+        let torch = json!({"kind": "attention_prefill", "batch": b, "heads": h,
+                           "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"});
+        for dt in [DType::BF16, DType::F8E4M3] {
+            let fp8 = dt == DType::F8E4M3;
+            out.push(Case {
+                name: if fp8 {
+                    format!("attention_prefill_fp8_e4m3_b{b}_h{h}_s{s}_d{d}_{kind}")
+                } else {
+                    bf16_name.clone()
+                },
+                metric: "TFLOP/s",
+                work: if causal { full / 2.0 } else { full },
+                kpt: Work::Op(params(h, h, d, causal)),
+                inputs: (0..3)
+                    .map(|_| random(&mut rng, &[b, s, h * d], dt, -2.0, 2.0))
+                    .collect(),
+                torch: torch.clone(),
+                target_ratio: None,
+                target: None,
+                target_vs_case: fp8.then(|| (bf16_name.clone(), 1.3)),
+                note: if fp8 {
+                    "e4m3 q, k, v with per-tensor scales, bf16 output; torch runs bf16"
+                } else {
+                    "FLOPs = 4 b h s² d (half when causal)"
+                },
             });
         }
     }
@@ -149,6 +187,7 @@ fn attention_cases() -> Vec<Case> {
                           "kv_heads": hkv, "head_dim": d, "seq_kv": s, "dtype": "bf16"}),
             target_ratio: None,
             target: Some(0.8 * COPY_TBPS),
+            target_vs_case: None,
             note: "bytes = K and V read once; split-KV kernel",
         });
     }
@@ -172,6 +211,7 @@ fn cases() -> Vec<Case> {
             torch: json!({"kind": "gemm", "m": n, "k": n, "n": n, "dtype": "bf16"}),
             target_ratio: Some(1.03),
             target: None,
+            target_vs_case: None,
             note: "cuBLASLt, autotuned algorithm",
         });
     }
@@ -192,6 +232,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "linear_gelu", "m": m, "k": k, "n": n, "dtype": "bf16"}),
         target_ratio: Some(1.1),
         target: None,
+        target_vs_case: None,
         note: "bias + GELU(tanh) in the cuBLASLt epilogue",
     });
     for n in [4096usize, 8192] {
@@ -207,6 +248,7 @@ fn cases() -> Vec<Case> {
             torch: json!({"kind": "fp8_gemm", "m": n, "k": n, "n": n}),
             target_ratio: Some(1.0),
             target: None,
+            target_vs_case: None,
             note: "e4m3 x e4m3 -> bf16, per-tensor scales, no fast accumulation (torch's default)",
         });
     }
@@ -224,6 +266,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
         target_ratio: None,
         target: Some(2.8),
+        target_vs_case: None,
         note: "bytes = read x + write out",
     });
     out.push(Case {
@@ -239,6 +282,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "add_rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
         target_ratio: Some(1.2),
         target: None,
+        target_vs_case: None,
         note: "bytes = read x, residual + write sum, out",
     });
     out.push(Case {
@@ -250,6 +294,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "softmax", "rows": rows, "dim": dim, "dtype": "bf16"}),
         target_ratio: None,
         target: Some(0.85 * COPY_TBPS),
+        target_vs_case: None,
         note: "",
     });
     let (b, s, h, d) = (4usize, 4096usize, 32usize, 128usize);
@@ -269,6 +314,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "rotary", "batch": b, "seq": s, "heads": h, "head_dim": d, "dtype": "bf16"}),
         target_ratio: None,
         target: Some(0.85 * COPY_TBPS),
+        target_vs_case: None,
         note: "torch uses a precomputed cos/sin table; kpt computes it per row",
     });
     let (rows, d) = (16384usize, 11008usize);
@@ -281,6 +327,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "swiglu", "rows": rows, "d": d, "dtype": "bf16"}),
         target_ratio: None,
         target: Some(0.85 * COPY_TBPS),
+        target_vs_case: None,
         note: "",
     });
     let n = 16384 * 4096;
@@ -296,6 +343,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "quantize", "n": n, "dtype": "bf16"}),
         target_ratio: None,
         target: Some(0.85 * COPY_TBPS),
+        target_vs_case: None,
         note: "static per-tensor scale",
     });
     out
@@ -587,6 +635,26 @@ fn main() -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
+    // Targets relative to another case of this run (FP8 vs kpt's bf16 kernel).
+    for case in &cases {
+        let Some((other, factor)) = &case.target_vs_case else {
+            continue;
+        };
+        let base = report
+            .rows
+            .iter()
+            .find(|r| r.name == *other)
+            .and_then(|r| r.kpt);
+        if let (Some(base), Some(row)) =
+            (base, report.rows.iter_mut().find(|r| r.name == case.name))
+        {
+            let target = factor * base;
+            *row = row
+                .clone()
+                .with_target(target)
+                .with_note(format!("target {factor}x kpt's {other} ({base:.1})"));
+        }
+    }
     for path in report.write(&args.out)? {
         println!("wrote {}", path.display());
     }

@@ -45,6 +45,23 @@
 // kpt:launch kpt_flash_attention_sm90_bf16_d128 block=384 shared=230504 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_f16_d64 block=384 shared=148616 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_f16_d128 block=384 shared=230504 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_e4m3_d128 block=384 shared=148616 grid=tiles
+// kpt:launch kpt_attention_fp8_v_transpose_d128 block=256 shared=0 grid=tiles
+//
+// FP8 (e4m3) inputs, head dim 128, bf16 output (kpt_flash_attention_sm90_e4m3_d128): the same
+// pipeline with byte elements. Q K^T is wgmma m64n128k32 e4m3 (a 128-byte row of Q or K is one
+// swizzle block, so the smem geometry is that of bf16 at d = 64). wgmma takes 8-bit operands
+// K-major only, so P V needs V^T with keys contiguous: kpt_attention_fp8_v_transpose_d128 writes
+// it first, [batch, kv_heads, 128, seq_kv rounded up to 128] with zeros past seq_kv. P goes
+// to the tensor cores from registers as e4m3; its A fragment holds, per 32 keys, columns
+// 4 tig .. 4 tig + 3 and 16 + 4 tig .. 16 + 4 tig + 3 of rows g and g + 8, while the S
+// accumulator holds keys 8 j + 2 tig + {0, 1}: instead of shuffling registers, each thread packs
+// the keys it holds in place and the transpose stores V^T in the matching key order (logical
+// column L of a 32-key block holds key 16 (L / 16) + 8 ((L / 2) % 2) + 2 ((L / 4) % 4) + L % 2).
+// The sum over keys does not depend on their order. P is exp2(s - max + 8) (at most 256, the
+// upper part of e4m3's range, so small probabilities keep their mantissa bits); the factor
+// cancels in the normalization. Per-tensor scales: the host folds q_scale * k_scale into
+// Dims::scale and passes v_scale to multiply the output.
 
 #include <cstdint>
 #include <type_traits>
@@ -61,6 +78,16 @@ namespace {
 
 // Its `window` is not taken here: the host sends windowed calls to the other kernels.
 using Dims = kpt::AttentionDims;
+
+// An FP8 e4m3 element (its bits); the conversions are PTX cvt instructions.
+struct E4M3 {
+    uint8_t bits;
+};
+template <typename T>
+constexpr bool kFp8 = std::is_same_v<T, E4M3>;
+// The output element: bf16 for FP8 inputs, else the input type.
+template <typename T>
+using OutT = std::conditional_t<kFp8<T>, __nv_bfloat16, T>;
 
 constexpr int kBlockM = 128;  // query rows per block, 64 per consumer warpgroup
 constexpr int kBlockN = 128;  // keys per K/V tile
@@ -90,11 +117,16 @@ static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "regi
 #define KPT_FA3_PROXY_FENCE 1
 #endif
 
-template <int D>
+// The shared-memory geometry depends on the bytes of a row: 128 (bf16/f16 at d = 64, FP8 at
+// d = 128) or 256 (bf16/f16 at d = 128); the stage switches are named after the 16-bit sizes.
+template <typename T, int D>
 struct Config {
-    static constexpr int kStages = D == 64 ? KPT_FA3_STAGES_D64 : KPT_FA3_STAGES_D128;
-    static constexpr int kQBytes = kBlockM * D * 2;
-    static constexpr int kTileBytes = kBlockN * D * 2;
+    static constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+    static constexpr int kStages = kRowBytes == 128 ? KPT_FA3_STAGES_D64 : KPT_FA3_STAGES_D128;
+    static constexpr int kQBytes = kBlockM * kRowBytes;
+    // A K tile; a V tile has the same size (an FP8 V^T tile is D rows of kBlockN keys).
+    static constexpr int kTileBytes = kBlockN * kRowBytes;
+    static_assert(!kFp8<T> || D == kBlockN, "the FP8 V^T tile is laid out like a K tile");
     // full_q, then full_k, empty_k, full_v, empty_v of each stage.
     static constexpr int kBarriers = 1 + 4 * kStages;
     static constexpr int kBarOffset = kQBytes + 2 * kStages * kTileBytes;
@@ -102,11 +134,18 @@ struct Config {
     static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
 };
 #ifdef KPT_FA3_DEFAULT_CONFIG
-static_assert(Config<64>::kSmemBytes == 148616, "keep the kpt:launch shared= values in step");
-static_assert(Config<128>::kSmemBytes == 230504, "keep the kpt:launch shared= values in step");
+static_assert(Config<__nv_bfloat16, 64>::kSmemBytes == 148616,
+              "keep the kpt:launch shared= values in step");
+static_assert(Config<__nv_bfloat16, 128>::kSmemBytes == 230504,
+              "keep the kpt:launch shared= values in step");
+static_assert(Config<E4M3, 128>::kSmemBytes == 148616,
+              "keep the kpt:launch shared= values in step");
 #endif
-static_assert(Config<64>::kSmemBytes <= 227 * 1024 && Config<128>::kSmemBytes <= 227 * 1024,
+static_assert(Config<__nv_bfloat16, 128>::kSmemBytes <= 227 * 1024,
               "one block per SM must fit in the 227 KiB of dynamic shared memory");
+// k-steps of P V per K/V tile: 16 keys for bf16/f16, 32 for FP8 (32 bytes of A per row).
+template <typename T>
+constexpr int kPSteps = kBlockN * static_cast<int>(sizeof(T)) / 32;
 
 #ifdef KPT_FLASH_SM90A
 
@@ -230,11 +269,21 @@ __device__ __forceinline__ uint64_t make_desc(uint64_t bits, uint32_t addr) {
                  : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),     \
                    KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56)                                \
                  : "l"(a), "l"(b), "r"(scale_d))
+// The FP8 form: k32, and 8-bit operands take no transpose flags (both are K-major).
+#define KPT_WGMMA_SS_N128_E4M3                                                             \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" KPT_REGS64      \
+                 "}, %64, %65, p, 1, 1;\n}\n"                                               \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),     \
+                   KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56)                                \
+                 : "l"(a), "l"(b), "r"(scale_d))
 template <typename T>
 __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64_t b,
                                               int scale_d) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
         KPT_WGMMA_SS_N128("bf16");
+    } else if constexpr (kFp8<T>) {
+        KPT_WGMMA_SS_N128_E4M3;
     } else {
         KPT_WGMMA_SS_N128("f16");
     }
@@ -253,10 +302,20 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64
                  "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"                             \
                  : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24)                    \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+// d[64 x 128] += A[64 x 32] B[32 x 128] with e4m3 A in registers (16 per thread) and B K-major.
+#define KPT_WGMMA_RS_N128_E4M3                                                             \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" KPT_REGS64      \
+                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1;\n"                                \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),     \
+                   KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56)                                \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
     static_assert(N == 64 || N == 128, "P V is m64n64k16 or m64n128k16");
-    if constexpr (N == 128) {
+    static_assert(!kFp8<T> || N == 128, "FP8 P V is m64n128k32");
+    if constexpr (kFp8<T>) {
+        KPT_WGMMA_RS_N128_E4M3;
+    } else if constexpr (N == 128) {
         if constexpr (std::is_same_v<T, __nv_bfloat16>) {
             KPT_WGMMA_RS_N128("bf16");
         } else {
@@ -282,13 +341,14 @@ using kpt::pack2;
 template <typename T, int D, int kRows>
 __device__ __forceinline__ void load_tile(uint32_t tile, const T* src, long stride, int rows,
                                           int tp) {
-    constexpr int kChunks = D / 8;       // 16-byte chunks per row
+    constexpr int kElems = 16 / static_cast<int>(sizeof(T));  // elements per chunk
+    constexpr int kChunks = D / kElems;   // 16-byte chunks per row
     constexpr int kStep = 128 / kChunks;  // rows per pass of the 128 producer threads
     static_assert(kStep % 8 == 0 && kRows % kStep == 0, "swizzle phase must repeat");
     const int c = tp % kChunks, r0 = tp / kChunks;
     const uint32_t dst =
         tile + (c / 8) * (kRows * 128) + r0 * 128 + (((c % 8) ^ (r0 % 8)) << 4);
-    const T* s = src + r0 * stride + c * 8;
+    const T* s = src + r0 * stride + c * kElems;
     const long step = kStep * stride;
     // Not unrolled fully: ptxas would hoist every pass's 64-bit offset out of the tile loop
     // and spill them at the producer's 40 registers.
@@ -302,13 +362,13 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const T* src, long stri
 
 // ---- consumer --------------------------------------------------------------------------
 
-// S[64 x 128] = Q[64 x D] K[128 x D]^T.
+// S[64 x 128] = Q[64 x D] K[128 x D]^T, in k-steps of 32 bytes (16 or 32 elements).
 template <typename T, int D>
 __device__ __forceinline__ void gemm_qk(float (&s)[kBlockN / 2], uint64_t qdesc, uint64_t kdesc) {
     fence_regs(s);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < Config<T, D>::kRowBytes / 32; ++kk) {
         // Column block kk / 4 of the tile, 32 bytes per k-step inside it.
         const uint32_t qo = ((kk / 4) * (kBlockM * 128) + (kk % 4) * 32) >> 4;
         const uint32_t ko = ((kk / 4) * (kBlockN * 128) + (kk % 4) * 32) >> 4;
@@ -318,15 +378,17 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kBlockN / 2], uint64_t qdesc,
     fence_regs(s);
 }
 
-// O[64 x D] += P[64 x 128] V[128 x D].
+// O[64 x D] += P[64 x 128] V[128 x D]. A k-step is 16 keys, 16 rows of the MN-major V tile
+// (2048 bytes), or for FP8 32 keys, 32 bytes into each row of the K-major V^T tile.
 template <typename T, int D>
-__device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kBlockN / 16][4],
+__device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kPSteps<T>][4],
                                         uint64_t vdesc) {
+    constexpr uint32_t kStep = (kFp8<T> ? 32 : 2048) >> 4;
     fence_regs(o);
     fence_regs(pf);
     wgmma_fence();
 #pragma unroll
-    for (int kc = 0; kc < kBlockN / 16; ++kc) wgmma_rs<T, D>(o, pf[kc], vdesc + kc * (2048 >> 4));
+    for (int kc = 0; kc < kPSteps<T>; ++kc) wgmma_rs<T, D>(o, pf[kc], vdesc + kc * kStep);
     wgmma_commit();
     fence_regs(o);
     fence_regs(pf);
@@ -336,8 +398,9 @@ __device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kBlock
 // elements 4j + 2, 4j + 3; keys n0 + 8j + 2 tig + {0, 1}). S becomes the unnormalized P,
 // alpha the factor that rescales the rows' old O. kEdge: scale and mask each element (any
 // scale sign); otherwise the tile is fully visible and scale2 > 0, so the max of the raw
-// scores gives the max and one FMA per element scales and subtracts it.
-template <bool kEdge>
+// scores gives the max and one FMA per element scales and subtracts it. P is scaled by
+// 2^kPOffset (see the FP8 notes at the top).
+template <bool kEdge, int kPOffset>
 __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_run)[2],
                                              float (&l_run)[2], float (&alpha)[2], float scale2,
                                              int n0, int qi0, int tig, const Dims& p,
@@ -381,6 +444,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_
         base[r] = mx[r] == -INFINITY ? 0.0f : mx[r];
         alpha[r] = exp2f(m_run[r] - base[r]);
         m_run[r] = mx[r];
+        if constexpr (kPOffset != 0) base[r] -= kPOffset;
     }
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
@@ -396,15 +460,35 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_
     l_run[1] = l_run[1] * alpha[1] + sum[1];
 }
 
-// P as the A fragments of P V: k-step kc (keys 16 kc ..) is n8 blocks 2 kc and 2 kc + 1 of
-// S, i.e. elements 8 kc .. 8 kc + 7 in order.
+// Four floats as e4m3 bytes, a in the lowest byte (cvt puts its first source in the high half).
+__device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float d) {
+    uint16_t lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// P as the A fragments of P V. bf16/f16: k-step kc (keys 16 kc ..) is n8 blocks 2 kc and
+// 2 kc + 1 of S, i.e. elements 8 kc .. 8 kc + 7 in order. FP8: k-step kc (keys 32 kc ..) is
+// n8 blocks 4 kc .. 4 kc + 3; registers 0 / 1 take rows g / g + 8 of blocks 4 kc and 4 kc + 1,
+// registers 2 / 3 those of blocks 4 kc + 2 and 4 kc + 3 (V^T's key order matches).
 template <typename T>
 __device__ __forceinline__ void pack_p(const float (&s)[kBlockN / 2],
-                                       uint32_t (&pf)[kBlockN / 16][4]) {
+                                       uint32_t (&pf)[kPSteps<T>][4]) {
 #pragma unroll
-    for (int kc = 0; kc < kBlockN / 16; ++kc) {
+    for (int kc = 0; kc < kPSteps<T>; ++kc) {
+        if constexpr (kFp8<T>) {
+            const float* b = s + 16 * kc;  // blocks 4 kc .. 4 kc + 3, four floats each
 #pragma unroll
-        for (int i = 0; i < 4; ++i) pf[kc][i] = pack2<T>(s[8 * kc + 2 * i], s[8 * kc + 2 * i + 1]);
+            for (int i = 0; i < 4; ++i) {
+                const int j = 8 * (i / 2) + 2 * (i % 2);  // first float of the row in block pair
+                pf[kc][i] = pack4_e4m3(b[j], b[j + 1], b[j + 4], b[j + 5]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                pf[kc][i] = pack2<T>(s[8 * kc + 2 * i], s[8 * kc + 2 * i + 1]);
+        }
     }
 }
 
@@ -419,12 +503,16 @@ __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha
     }
 }
 
+// For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
+// the output (v_scale for FP8, 1 otherwise).
 template <typename T, int D>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
-                                           const float* __restrict__ mask, T* __restrict__ out,
-                                           const Dims& p) {
-    using C = Config<D>;
+                                           const float* __restrict__ mask,
+                                           OutT<T>* __restrict__ out, const Dims& p,
+                                           float out_scale) {
+    using C = Config<T, D>;
+    constexpr int kPOffset = kFp8<T> ? 8 : 0;
     constexpr int kStages = C::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -450,7 +538,11 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const long kv_stride = static_cast<long>(p.kv_heads) * D;
     const T* qb = q + (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
     const T* kb = k + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
-    const T* vb = v + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    // FP8: V^T of this (batch, kv head), D rows of seq_kv rounded up to kBlockN keys.
+    const long vt_stride = static_cast<long>((p.seq_kv + kBlockN - 1) / kBlockN) * kBlockN;
+    const T* vb = kFp8<T> ? v + (static_cast<long>(b) * p.kv_heads + hk) * D * vt_stride
+                          : v + static_cast<long>(b) * p.seq_kv * kv_stride +
+                                static_cast<long>(hk) * D;
     // Keys j <= i + offset are visible to query i (causal, bottom-right aligned).
     const int offset = p.seq_kv - p.seq_q;
     int kv_end = p.seq_kv;
@@ -489,8 +581,12 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                                      tp);
             mbar_arrive_on_copies(full_k(s));
             mbar_wait(empty_v(s), phase ^ 1);
-            load_tile<T, D, kBlockN>(sv + s * C::kTileBytes, vb + n0 * kv_stride, kv_stride, rows,
-                                     tp);
+            if constexpr (kFp8<T>) {
+                load_tile<T, kBlockN, D>(sv + s * C::kTileBytes, vb + n0, vt_stride, D, tp);
+            } else {
+                load_tile<T, D, kBlockN>(sv + s * C::kTileBytes, vb + n0 * kv_stride, kv_stride,
+                                         rows, tp);
+            }
             mbar_arrive_on_copies(full_v(s));
             if (++s == kStages) {
                 s = 0;
@@ -518,7 +614,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         float s_acc[kBlockN / 2];
 #pragma unroll
         for (int i = 0; i < kBlockN / 2; ++i) s_acc[i] = 0.0f;
-        uint32_t pf[kBlockN / 16][4];
+        uint32_t pf[kPSteps<T>][4];
         float alpha[2];
         const float scale2 = p.scale * kLog2e;
         const bool fast = scale2 > 0.0f && mask == nullptr;
@@ -530,14 +626,16 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         };
         auto softmax = [&](int n0) {
             if (edge(n0)) {
-                softmax_tile<true>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p, mask);
+                softmax_tile<true, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p,
+                                             mask);
             } else {
-                softmax_tile<false>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p, mask);
+                softmax_tile<false, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p,
+                                              mask);
             }
         };
         const uint64_t qdesc = make_desc(kDescK, sq + c * 64 * 128);
         const uint64_t kdesc = make_desc(kDescK, sk);
-        const uint64_t vdesc = make_desc(kDescV, sv);
+        const uint64_t vdesc = make_desc(kFp8<T> ? kDescK : kDescV, sv);
         constexpr uint32_t kStageDesc = C::kTileBytes >> 4;
         // Ping-pong: warpgroup c issues its GEMMs after sync on barrier 1 + c and then lets
         // the other go (arrive on 2 - c); consumer 0 starts. Every sync meets exactly one
@@ -605,15 +703,15 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         float l = l_run[r];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float inv = l > 0.0f ? out_scale / l : 0.0f;
         const int qi = qi0 + r * 8;
         if (qi >= p.seq_q) continue;
-        T* orow = out + (static_cast<long>(b) * p.seq_q + qi) * q_stride +
-                  static_cast<long>(h) * D + tig * 2;
+        OutT<T>* orow = out + (static_cast<long>(b) * p.seq_q + qi) * q_stride +
+                        static_cast<long>(h) * D + tig * 2;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             *reinterpret_cast<uint32_t*>(orow + j * 8) =
-                pack2<T>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+                pack2<OutT<T>>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         }
     }
 }
@@ -621,8 +719,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
 template <typename T, int D>
-__device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, T*,
-                                           const Dims&) {
+__device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
+                                           const Dims&, float) {
     __trap();
 }
 
@@ -634,10 +732,73 @@ __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const f
     extern "C" __global__ void __launch_bounds__(kThreads, 1)                              \
         kpt_flash_attention_sm90_##NAME##_d##D(const T* q, const T* k, const T* v,         \
                                                const float* mask, T* out, const Dims p) {  \
-        flash_sm90<T, D>(q, k, v, mask, out, p);                                           \
+        flash_sm90<T, D>(q, k, v, mask, out, p, 1.0f);                                     \
     }
 
 KPT_FLASH_SM90(bf16, __nv_bfloat16, 64)
 KPT_FLASH_SM90(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90(f16, __half, 64)
 KPT_FLASH_SM90(f16, __half, 128)
+
+// q, k [batch, seq, heads * 128] e4m3, vt from kpt_attention_fp8_v_transpose_d128, out bf16;
+// p.scale includes q_scale * k_scale.
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    kpt_flash_attention_sm90_e4m3_d128(const E4M3* q, const E4M3* k, const E4M3* vt,
+                                       const float* mask, __nv_bfloat16* out, const Dims p,
+                                       float v_scale) {
+    flash_sm90<E4M3, 128>(q, k, vt, mask, out, p, v_scale);
+}
+
+// V [batch, seq_kv, kv_heads * 128] (bytes) -> V^T [batch, kv_heads, 128, seq_kv rounded up to
+// 128], keys of each 32-key block in the order of the FP8 P fragment (see the top of the file)
+// and zeros past seq_kv. Block x: (batch * kv_heads + kv head) * key tiles + key tile; the
+// tile goes through shared memory (rows padded to 129 bytes against bank conflicts).
+// Grid: batch * kv_heads * ceil(seq_kv / 128) blocks of 256 threads; any arch.
+extern "C" __global__ void __launch_bounds__(256)
+    kpt_attention_fp8_v_transpose_d128(const uint8_t* __restrict__ v, uint8_t* __restrict__ vt,
+                                       const Dims p) {
+    constexpr int kD = 128, kKeys = 128, kPitch = kD + 1;
+    __shared__ uint8_t tile[kKeys * kPitch];
+    const int tiles = (p.seq_kv + kKeys - 1) / kKeys;
+    const int t = blockIdx.x % tiles;
+    const int bh = blockIdx.x / tiles;  // batch * kv_heads + kv head
+    if (bh >= p.batch * p.kv_heads) return;
+    const int b = bh / p.kv_heads, hk = bh % p.kv_heads;
+    const int n0 = t * kKeys;
+    const long kv_stride = static_cast<long>(p.kv_heads) * kD;
+    // 128 keys x 8 chunks of 16 bytes; zeros past the end.
+    for (int i = threadIdx.x; i < kKeys * (kD / 16); i += blockDim.x) {
+        const int key = i / (kD / 16), c = i % (kD / 16);
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (n0 + key < p.seq_kv) {
+            x = *reinterpret_cast<const uint4*>(
+                v + (static_cast<long>(b) * p.seq_kv + n0 + key) * kv_stride +
+                static_cast<long>(hk) * kD + c * 16);
+        }
+        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&x);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) tile[key * kPitch + c * 16 + e] = bytes[e];
+    }
+    __syncthreads();
+    const long pad = static_cast<long>(tiles) * kKeys;
+    uint8_t* dst = vt + static_cast<long>(bh) * kD * pad + n0;
+    // Row d of V^T, 16 logical key columns per thread and pass.
+    for (int i = threadIdx.x; i < kD * (kKeys / 16); i += blockDim.x) {
+        const int d = i / (kKeys / 16), l0 = (i % (kKeys / 16)) * 16;
+        uint32_t w[4];
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) {
+            uint32_t word = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int l = l0 + 4 * q4 + e;
+                const int key = (l & ~31) | (l & 16) | (((l >> 1) & 1) << 3) | (((l >> 2) & 3) << 1) |
+                                (l & 1);
+                word |= static_cast<uint32_t>(tile[key * kPitch + d]) << (8 * e);
+            }
+            w[q4] = word;
+        }
+        *reinterpret_cast<uint4*>(dst + static_cast<long>(d) * pad + l0) =
+            make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}

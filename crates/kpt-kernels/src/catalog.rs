@@ -248,9 +248,10 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
         k(
             "cuda.attention",
             Attention,
-            CUDA_FLOATS,
+            &[DType::F32, DType::BF16, DType::F16, DType::F8E4M3],
             "one warp per query row, online softmax, P·V in registers (f32 math); \
-             variable-length batches one sequence per launch",
+             variable-length batches one sequence per launch; FP8 inputs dequantized to \
+             bf16 for the bf16 kernels",
         )
         .limits(ShapeLimits {
             max_head_dim: Some(256),
@@ -274,6 +275,22 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             head_dim_multiple: Some(64),
             varlen: true,
             paged: true,
+            ..ShapeLimits::default()
+        }),
+        KernelDef::new(
+            "cuda.attention.fp8_sm90",
+            Attention,
+            DeviceKind::Cuda,
+            &[DType::F8E4M3],
+            130,
+            "FP8 e4m3 FlashAttention-3 style for Hopper (bf16 output, per-tensor scales): \
+             wgmma k32 on e4m3 Q, K and a transposed V, P as e4m3 from registers; decode \
+             shapes and sliding windows go to cuda.attention",
+        )
+        .min_arch("sm_90")
+        .limits(ShapeLimits {
+            max_head_dim: Some(128),
+            head_dim_multiple: Some(128),
             ..ShapeLimits::default()
         }),
         k(
@@ -370,7 +387,15 @@ pub fn reference_kernels() -> Vec<KernelDef> {
     OpKind::ALL
         .into_iter()
         .map(|op| {
-            let dtypes = if matches!(op, OpKind::Concat | OpKind::Split) {
+            let dtypes = if op == OpKind::Attention {
+                &[
+                    DType::F64,
+                    DType::F32,
+                    DType::F16,
+                    DType::BF16,
+                    DType::F8E4M3,
+                ][..]
+            } else if matches!(op, OpKind::Concat | OpKind::Split) {
                 &[
                     DType::F64,
                     DType::F32,

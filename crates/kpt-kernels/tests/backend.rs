@@ -1291,3 +1291,47 @@ fn launches_run_on_a_pool_worker() {
         .unwrap_err();
     assert!(err.to_string().contains("stop"), "{err}");
 }
+
+/// FP8 e4m3 q, k, v with their per-tensor scales: the plan runs the reference (no CPU
+/// FP8 attention kernel) and gives bf16, the attention of the dequantized values.
+#[test]
+fn fp8_attention_is_attention_of_the_dequantized_inputs() {
+    let mut rng = Rng::new(7);
+    let p = AttentionParams::new(4, 2, 16, true);
+    let op = Op::Attention(p);
+    let f64s = |rng: &mut Rng, shape: &[usize]| -> Vec<f64> {
+        let n = shape.iter().product();
+        rng.vec(n, -3.0, 3.0).into_iter().map(f64::from).collect()
+    };
+    let fp8 = |v: &[f64], shape: &[usize]| Tensor::from_f64(v, shape, DType::F8E4M3).unwrap();
+    let (qs, kvs) = ([2, 5, 64], [2, 9, 32]);
+    let inputs = [
+        fp8(&f64s(&mut rng, &qs), &qs),
+        fp8(&f64s(&mut rng, &kvs), &kvs),
+        fp8(&f64s(&mut rng, &kvs), &kvs),
+    ];
+    assert!(inputs.iter().all(|t| t.scale() != 1.0));
+    let dequantized: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| Tensor::from_f64(&t.to_f64_vec(), t.shape(), DType::F64).unwrap())
+        .collect();
+    let want = CpuReference.eval(&op, &dequantized).unwrap().remove(0);
+    let mut g = Graph::new();
+    let ids: Vec<_> = ["q", "k", "v"]
+        .iter()
+        .zip(&inputs)
+        .map(|(name, t)| g.input(*name, DType::F8E4M3, t.shape()))
+        .collect();
+    let o = g.op("attn", op, &ids).unwrap();
+    g.output(o).unwrap();
+    let plan = optimize(&g, OptLevel::Balanced, &backend());
+    let got = Executor::new(plan, backend())
+        .unwrap()
+        .run(&inputs)
+        .unwrap()
+        .remove(0);
+    assert_eq!(got.dtype(), DType::BF16);
+    for (a, b) in got.to_f64_vec().iter().zip(want.to_f64_vec()) {
+        assert!((a - b).abs() <= (1.0 + b.abs()) / 128.0, "{a} vs {b}");
+    }
+}

@@ -705,3 +705,36 @@ fn triton_norms_take_rows_they_were_compiled_for_and_cuda_the_rest() {
         .unwrap_or_default();
     assert!(why.contains("not a multiple of 16"), "{why}");
 }
+
+#[test]
+fn fp8_attention_takes_the_hopper_kernel_then_dequantizes() {
+    let registry = KernelRegistry::with_builtin();
+    let fp8 = |head_dim: usize| {
+        let (op, inputs) = attention(head_dim);
+        let inputs: Vec<_> = inputs
+            .iter()
+            .map(|s| TensorSpec::new(&s.shape, DType::F8E4M3))
+            .collect();
+        (op, inputs)
+    };
+    let (op, inputs) = fp8(128);
+    let hopper = fake_device(DeviceKind::Cuda, "sm_90");
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &hopper),
+        strings(&["cuda.attention.fp8_sm90", "cuda.attention", CPU_REFERENCE])
+    );
+    let ampere = fake_device(DeviceKind::Cuda, "sm_80");
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &ampere),
+        strings(&["cuda.attention", CPU_REFERENCE])
+    );
+    let (op, inputs) = fp8(64);
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &hopper),
+        strings(&["cuda.attention", CPU_REFERENCE])
+    );
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &cpu()),
+        strings(&[CPU_REFERENCE])
+    );
+}

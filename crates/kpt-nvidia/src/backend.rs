@@ -21,9 +21,10 @@ use crate::profiler::Profiler;
 use crate::NvidiaError;
 
 /// The registry names of the tensor-core attention kernels: `kernels/cuda/flash_attention.cu`
-/// (mma.sync, sm_80+) and `flash_attention_sm90.cu` (wgmma, sm_90a).
+/// (mma.sync, sm_80+) and `flash_attention_sm90.cu` (wgmma, sm_90a; bf16/f16 and FP8).
 const FLASH_ATTENTION: &str = "cuda.attention.flash";
 const FLASH_ATTENTION_SM90: &str = "cuda.attention.flash_sm90";
+const FLASH_ATTENTION_FP8: &str = "cuda.attention.fp8_sm90";
 
 /// Options of the CUDA backend (from `KptConfig`'s `nvidia` section).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -434,15 +435,38 @@ impl CudaBackend {
                 } else {
                     0
                 };
-                let (q, k, v, out) = (
+                let (mut q, mut k, mut v, out) = (
                     ptr(&inputs[0])?,
                     ptr(&inputs[1])?,
                     ptr(&inputs[2])?,
                     out_ptr(out0)?,
                 );
+                // FP8 inputs (bf16 output): the FP8 wgmma kernel where it applies, else
+                // q, k, v dequantized into bf16 scratch for the bf16 kernels.
+                let fp8 = dt == DType::F8E4M3;
+                let mut dequantized = Vec::new();
+                let dt = if fp8 {
+                    let scale = |i: usize| inputs[i].buffer.scale;
+                    if kernel == FLASH_ATTENTION_FP8 && !p.varlen && !p.paged {
+                        let d = dims(qs[0], qs[1], ks[1])?.scaled(scale(0) * scale(1));
+                        if g.flash_attention_fp8(q, k, v, mask, out, d, scale(2))? {
+                            return Ok(());
+                        }
+                    }
+                    for (i, at) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
+                        let n = inputs[i].spec.numel();
+                        let block = g.alloc(n * DType::BF16.size_in_bytes())?;
+                        g.dequantize(dt, DType::BF16, *at, block.ptr(), n, scale(i))?;
+                        *at = block.ptr();
+                        dequantized.push(block);
+                    }
+                    DType::BF16
+                } else {
+                    dt
+                };
                 let run = |q, k, v, out, dims| {
-                    if kernel == FLASH_ATTENTION || kernel == FLASH_ATTENTION_SM90 {
-                        let hopper = kernel == FLASH_ATTENTION_SM90;
+                    if fp8 || kernel == FLASH_ATTENTION || kernel == FLASH_ATTENTION_SM90 {
+                        let hopper = fp8 || kernel == FLASH_ATTENTION_SM90;
                         g.flash_attention(dt, q, k, v, mask, out, dims, hopper)
                     } else {
                         g.attention(dt, q, k, v, mask, out, dims)

@@ -42,6 +42,8 @@ macro_rules! launch {
 /// kBlockM).
 const FLASH_BLOCK_M: usize = 64;
 const FLASH_SM90_BLOCK_M: usize = 128;
+/// Keys per K/V tile of `flash_attention_sm90.cu` (its kBlockN).
+const FLASH_SM90_BLOCK_N: usize = 128;
 
 /// Row blocks of the Triton norm specializations (`kernels/triton/rms_norm.py`).
 const TRITON_ROW_BLOCKS: [usize; 4] = [1024, 2048, 4096, 8192];
@@ -212,6 +214,14 @@ impl AttentionDims {
             },
             ..self
         })
+    }
+
+    /// The same sizes with the softmax scale multiplied by `factor` (FP8 descaling).
+    pub(crate) fn scaled(self, factor: f32) -> Self {
+        Self {
+            scale: self.scale * factor,
+            ..self
+        }
     }
 
     fn rows(&self) -> usize {
@@ -522,6 +532,50 @@ impl Gpu {
         let entry = format!("kpt_flash_attention_{name}_d{d}");
         launch!(self, "flash_attention", entry, blocks; q, k, v, mask, out, dims);
         Ok(())
+    }
+
+    /// FP8 (e4m3) attention on Hopper, head dim 128, bf16 output: V is first transposed
+    /// into scratch (`kpt_attention_fp8_v_transpose_d128`), then the wgmma kernel of
+    /// `flash_attention_sm90.cu` runs. `dims.scale` must already include
+    /// `q_scale * k_scale`; `v_scale` multiplies the output. Returns `Ok(false)` without
+    /// launching anything where that kernel does not apply (no sm_90a cubin loaded, another
+    /// head dim, a sliding window, an empty cache, or a decode shape, which the split-KV
+    /// kernels serve better after dequantization).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn flash_attention_fp8(
+        &self,
+        q: u64,
+        k: u64,
+        v: u64,
+        mask: u64,
+        out: u64,
+        dims: AttentionDims,
+        v_scale: f32,
+    ) -> Result<bool, NvidiaError> {
+        const SM90: &str = "flash_attention_sm90";
+        if dims.head_dim != 128
+            || dims.window != 0
+            || dims.seq_kv == 0
+            || dims.seq_q == 0
+            || dims.split(DType::BF16).is_some()
+            || self.loaded_target(SM90)? != "sm_90a"
+        {
+            return Ok(false);
+        }
+        let (batch, kv_heads) = (dims.batch as usize, dims.kv_heads as usize);
+        let key_tiles = (dims.seq_kv as usize).div_ceil(FLASH_SM90_BLOCK_N);
+        let groups = batch * kv_heads;
+        let vt = self.alloc(groups * 128 * key_tiles * FLASH_SM90_BLOCK_N)?;
+        let blocks = grid("fp8 V transpose tiles", groups * key_tiles)?;
+        launch!(self, SM90, "kpt_attention_fp8_v_transpose_d128", blocks; v, vt.ptr(), dims);
+        let tiles =
+            (dims.seq_q as usize).div_ceil(FLASH_SM90_BLOCK_M) * batch * dims.heads as usize;
+        let blocks = grid("flash attention tiles", tiles)?;
+        launch!(
+            self, SM90, "kpt_flash_attention_sm90_e4m3_d128", blocks;
+            q, k, vt.ptr(), mask, out, dims, v_scale
+        );
+        Ok(true)
     }
 
     /// Copies `len` rows of `row_bytes` out of a paged cache into `out` (contiguous):

@@ -178,6 +178,66 @@ fn check_attention(
     check(&Op::Attention(p), &inputs)
 }
 
+/// FP8 e4m3 attention (bf16 output) on every device kernel against the f64 reference of
+/// the same dequantized inputs. The kernels round the probabilities to e4m3 (3 mantissa
+/// bits: at most 1/16 relative error each), so an output may be off by up to 1/16 of the
+/// largest |v|, plus bf16 rounding; with a large softmax scale the attention is nearly
+/// one-hot, so keys taken in the wrong order would miss by about |v|.
+fn check_attention_fp8(
+    [batch, seq_q, seq_kv, kv_heads, group, head_dim]: [usize; 6],
+    (causal, with_mask, scale): (bool, bool, Option<f32>),
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let Some(b) = backend() else { return Ok(()) };
+    let mut rng = SplitMix64::new(seed);
+    let heads = kv_heads * group;
+    let p = kpt_core::graph::AttentionParams {
+        mask: with_mask,
+        scale,
+        ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+    };
+    let fp8 = DType::F8E4M3;
+    let kv_shape = [batch, seq_kv, kv_heads * head_dim];
+    let mut inputs = vec![
+        random(&mut rng, &[batch, seq_q, heads * head_dim], fp8, -2.0, 2.0),
+        random(&mut rng, &kv_shape, fp8, -2.0, 2.0),
+        random(&mut rng, &kv_shape, fp8, -2.0, 2.0),
+    ];
+    if with_mask {
+        let m: Vec<f64> = (0..seq_q * seq_kv).map(|_| -2.0 * rng.next_f64()).collect();
+        inputs.push(Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap());
+    }
+    let op = Op::Attention(p);
+    let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
+    let chain = registry().fallback_chain(&op, &specs, b.device());
+    let hopper = b.device().arch.as_deref() == Some("sm_90");
+    if hopper && head_dim == 128 {
+        prop_assert_eq!(
+            chain.first().map(String::as_str),
+            Some("cuda.attention.fp8_sm90")
+        );
+    }
+    let want = CpuReference.eval(&op, &inputs).unwrap()[0].to_f64_vec();
+    let vmax = inputs[2]
+        .to_f64_vec()
+        .iter()
+        .fold(0f64, |m, x| m.max(x.abs()));
+    for kernel in chain.iter().filter(|k| k.starts_with("cuda.")) {
+        let got = run_kernel(b, kernel, &op, &inputs)
+            .map_err(|e| TestCaseError::fail(format!("{kernel}: {e}")))?;
+        prop_assert_eq!(got[0].dtype(), DType::BF16);
+        let got = got[0].to_f64_vec();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let bound = vmax / 15.0 + w.abs() / 128.0;
+            prop_assert!(
+                (g - w).abs() <= bound,
+                "{kernel} {op} {specs:?}: element {i} is {g}, reference {w} (bound {bound})"
+            );
+        }
+    }
+    Ok(())
+}
+
 fn dtype() -> impl Strategy<Value = DType> {
     prop::sample::select(FLOATS.to_vec())
 }
@@ -256,6 +316,18 @@ proptest! {
                          with_mask in any::<bool>(),
                          dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
         check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed)?;
+    }
+
+    /// FP8 e4m3 inputs: the Hopper FP8 kernel at head dim 128 (prefill shapes, partial
+    /// tiles, caches shorter and longer than the query), and the dequantize-to-bf16 path
+    /// for decode shapes and head dim 64.
+    #[test]
+    fn attention_fp8(batch in 1usize..3, seq_q in 1usize..300, seq_kv in 1usize..400,
+                     kv_heads in 1usize..3, group in 1usize..=4,
+                     head_dim in prop::sample::select(vec![64usize, 128, 128]),
+                     causal in any::<bool>(), with_mask in any::<bool>(),
+                     scale in prop::option::of(0.05f32..1.0), seed: u64) {
+        check_attention_fp8([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, with_mask, scale), seed)?;
     }
 
     /// Variable-length batches: prefill and decode sequences (and empty ones) packed into

@@ -165,7 +165,8 @@ pub enum Op {
     },
     /// Softmax over the last dim.
     Softmax,
-    /// Scaled dot-product attention.
+    /// Scaled dot-product attention. q, k and v share a float dtype, or are all FP8 e4m3
+    /// (each with its per-tensor scale), which gives a bf16 output.
     Attention(AttentionParams),
     /// Gradients of [`Op::Attention`] (training): q, k, v, the forward output, its
     /// gradient, then the mask when `mask` -> (dq, dk, dv). Dense batches only (no
@@ -645,7 +646,10 @@ impl Op {
             }
             Op::Attention(p) => {
                 let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
-                want_compute(q)?;
+                // FP8 e4m3 q, k, v (with per-tensor scales) give a bf16 output.
+                if q.dtype != DType::F8E4M3 {
+                    want_compute(q)?;
+                }
                 same_dtype(q, k)?;
                 same_dtype(q, v)?;
                 if p.num_heads == 0 || p.num_kv_heads == 0 || p.head_dim == 0 {
@@ -746,9 +750,19 @@ impl Op {
                         )));
                     }
                 }
+                if q.dtype == DType::F8E4M3 {
+                    return Ok(vec![TensorSpec::new(&q.shape, DType::BF16)]);
+                }
                 Ok(vec![q.clone()])
             }
             Op::AttentionBackward(p) => {
+                if inputs[0].dtype.is_quantized() {
+                    return Err(KptError::dtype(
+                        name,
+                        "f64, f32, f16 or bf16",
+                        inputs[0].dtype,
+                    ));
+                }
                 if p.varlen || p.paged {
                     return Err(KptError::InvalidArgument(
                         "attention_backward takes dense batches (no varlen, no paged cache)".into(),
@@ -1038,6 +1052,31 @@ mod tests {
         assert!(err.to_string().contains("block_table"), "{err}");
         let err = op
             .infer(&[q, cache.clone(), cache, table, s(&[3], DType::F32)])
+            .unwrap_err();
+        assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
+    }
+
+    #[test]
+    fn fp8_attention_gives_bf16() {
+        let op = Op::Attention(AttentionParams::new(4, 2, 8, false));
+        let (q, kv) = (s(&[2, 3, 32], DType::F8E4M3), s(&[2, 5, 16], DType::F8E4M3));
+        assert_eq!(
+            op.infer(&[q.clone(), kv.clone(), kv.clone()]).unwrap(),
+            vec![s(&[2, 3, 32], DType::BF16)]
+        );
+        let err = op
+            .infer(&[q.clone(), kv.clone(), s(&[2, 5, 16], DType::BF16)])
+            .unwrap_err();
+        assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
+        let e5m2 = s(&[2, 5, 16], DType::F8E5M2);
+        let err = op
+            .infer(&[s(&[2, 3, 32], DType::F8E5M2), e5m2.clone(), e5m2])
+            .unwrap_err();
+        assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
+        let backward = Op::AttentionBackward(AttentionParams::new(4, 2, 8, false));
+        let bf16 = s(&[2, 3, 32], DType::BF16);
+        let err = backward
+            .infer(&[q, kv.clone(), kv, bf16.clone(), bf16])
             .unwrap_err();
         assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
     }
