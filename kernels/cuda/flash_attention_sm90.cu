@@ -30,9 +30,12 @@
 //     consumers issue their GEMMs in turn, so the softmax of one runs under the GEMMs of the
 //     other.
 // Online softmax in the log2 domain (exp2) as in flash_attention.cu; element masks only on
-// tiles that cross the diagonal or the end of the cache, or with an additive mask. Query tiles
-// are scheduled last-first so that the longest causal blocks start first (block
-// x = tile counted from the last * batch * heads + b * heads + h, tiles of 128 rows).
+// tiles that cross the diagonal or the end of the cache, or with an additive mask.
+// Block order (blocks start roughly in x order): x walks sections of G (batch, head) pairs
+// whose K and V together take about kL2Budget bytes, so that the blocks in flight read the
+// same few heads' K/V and find them in L2 (in (batch, head)-major order 132 blocks would
+// stream 132 heads' K/V from memory); inside a section, query tiles go last-first across its
+// heads, so that the longest causal blocks start first.
 //
 // Launch: grid = ceil(seq_q / 128) * batch * heads blocks (blocks past that return at once),
 // 384 threads, the `shared=` bytes below as dynamic shared memory (more than 48 KiB: the
@@ -150,6 +153,8 @@ constexpr int kPSteps = kBlockN * static_cast<int>(sizeof(T)) / 32;
 #ifdef KPT_FLASH_SM90A
 
 constexpr float kLog2e = 1.4426950408889634f;
+// K/V bytes of the (batch, head) pairs whose blocks are scheduled together (see the top).
+constexpr long kL2Budget = 16L << 20;
 
 using kpt::smem_u32;
 
@@ -526,12 +531,21 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     auto full_v = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
     auto empty_v = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
 
-    // Block x = (query tile counted from the last) * batch * heads + b * heads + h.
+    // Block x -> section of G (batch, head) pairs, then tile counted from the last
+    // (major) and pair in the section (minor); the last section may hold fewer pairs.
     const int bh_count = p.batch * p.heads;
     const int tiles_m = (p.seq_q + kBlockM - 1) / kBlockM;
-    if (static_cast<long>(blockIdx.x) >= static_cast<long>(tiles_m) * bh_count) return;
-    const int bh = static_cast<int>(blockIdx.x % bh_count);
-    const int m0 = (tiles_m - 1 - static_cast<int>(blockIdx.x / bh_count)) * kBlockM;
+    const long x = blockIdx.x;
+    if (x >= static_cast<long>(tiles_m) * bh_count) return;
+    const long kv_bytes = 2L * p.seq_kv * D * static_cast<long>(sizeof(T));
+    const int pairs = static_cast<int>(
+        max(1L, min(static_cast<long>(bh_count), kL2Budget / max(kv_bytes, 1L))));
+    const long section = static_cast<long>(pairs) * tiles_m;
+    const int first = static_cast<int>(x / section) * pairs;
+    const int in_section = min(pairs, bh_count - first);
+    const int r = static_cast<int>(x % section);
+    const int bh = first + r % in_section;
+    const int m0 = (tiles_m - 1 - r / in_section) * kBlockM;
     const int h = bh % p.heads, b = bh / p.heads;
     const int hk = h / (p.heads / p.kv_heads);
     const long q_stride = static_cast<long>(p.heads) * D;
