@@ -22,8 +22,10 @@
 //! # }
 //! ```
 
+pub mod bert;
 pub mod config;
 pub mod error;
+pub mod gpt2;
 pub mod llama;
 pub mod lower;
 pub mod synthetic;

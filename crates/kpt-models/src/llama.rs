@@ -12,7 +12,9 @@ use kpt_core::{DType, Tensor};
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
-use crate::lower::{activation, check_compute_dtype, Phase, Projection};
+use crate::lower::{
+    activation, check_compute_dtype, decoder_outputs, DecoderInputs, Phase, Projection,
+};
 use crate::weights::Weights;
 
 /// One decoder layer's parameters.
@@ -115,17 +117,15 @@ impl Llama {
     pub fn graph(&self, phase: Phase, seq: usize) -> Result<Graph> {
         let c = &self.config;
         let mut g = Graph::new();
-        let s = if phase == Phase::Decode { 1 } else { seq };
-        let ids = g.input("ids", DType::I64, &[1, s]);
-        let pos = g.input("positions", DType::I64, &[s]);
-        let mut past = Vec::new();
-        if phase == Phase::Decode {
-            for i in 0..c.num_hidden_layers {
-                let k = g.input(format!("past.{i}.k"), self.dtype, &[1, seq, c.kv_dim()]);
-                let v = g.input(format!("past.{i}.v"), self.dtype, &[1, seq, c.kv_dim()]);
-                past.push((k, v));
-            }
-        }
+        let inputs = DecoderInputs::declare(
+            &mut g,
+            phase,
+            seq,
+            c.num_hidden_layers,
+            c.kv_dim(),
+            self.dtype,
+        );
+        let (ids, pos) = (inputs.ids, inputs.positions);
         let table = g.param("model.embed_tokens.weight", self.embed_tokens.clone());
         let mut h = g.op("model.embed_tokens", Op::Embedding, &[ids, table])?;
         let mut attn = AttentionParams::new(
@@ -156,23 +156,12 @@ impl Llama {
             let k = layer
                 .k_proj
                 .apply(&mut g, &format!("{p}.self_attn.k_proj"), x)?;
-            let mut v = layer
+            let v = layer
                 .v_proj
                 .apply(&mut g, &format!("{p}.self_attn.v_proj"), x)?;
             let q = g.op(format!("{p}.self_attn.q_rope"), rope.clone(), &[q, pos])?;
-            let mut k = g.op(format!("{p}.self_attn.k_rope"), rope.clone(), &[k, pos])?;
-            if let Some(&(pk, pv)) = past.get(i) {
-                k = g.op(
-                    format!("{p}.self_attn.k_cache"),
-                    Op::Concat { axis: 1 },
-                    &[pk, k],
-                )?;
-                v = g.op(
-                    format!("{p}.self_attn.v_cache"),
-                    Op::Concat { axis: 1 },
-                    &[pv, v],
-                )?;
-            }
+            let k = g.op(format!("{p}.self_attn.k_rope"), rope.clone(), &[k, pos])?;
+            let (k, v) = inputs.extend_cache(&mut g, &format!("{p}.self_attn"), i, k, v)?;
             caches.push((k, v));
             let a = g.op(format!("{p}.self_attn"), Op::Attention(attn), &[q, k, v])?;
             let o = layer
@@ -206,11 +195,7 @@ impl Llama {
         let x = rms_norm(&mut g, "model.norm", h, &self.norm, eps)?;
         let head = g.param("lm_head.weight", self.lm_head.clone());
         let logits = g.op("lm_head", Op::Linear { bias: false }, &[x, head])?;
-        g.output(logits)?;
-        for (k, v) in caches {
-            g.output(k)?;
-            g.output(v)?;
-        }
+        decoder_outputs(&mut g, logits, &caches)?;
         Ok(g)
     }
 }

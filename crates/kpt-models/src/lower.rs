@@ -15,6 +15,93 @@ pub enum Phase {
     Decode,
 }
 
+/// The inputs of a decoder graph: ids `[1, S]` (i64), positions `[S]` (i64), and for
+/// decode the past keys and values of each layer, `past.{i}.k` / `past.{i}.v`
+/// `[1, past, kv_dim]`. `seq` is the prompt length for prefill and the past length for
+/// decode.
+#[derive(Debug, Clone)]
+pub struct DecoderInputs {
+    /// Token ids.
+    pub ids: ValueId,
+    /// Absolute positions of the tokens.
+    pub positions: ValueId,
+    /// Past keys and values per layer (empty for prefill).
+    pub past: Vec<(ValueId, ValueId)>,
+}
+
+impl DecoderInputs {
+    /// Declares the inputs on `g`.
+    pub fn declare(
+        g: &mut Graph,
+        phase: Phase,
+        seq: usize,
+        layers: usize,
+        kv_dim: usize,
+        dtype: DType,
+    ) -> Self {
+        let s = if phase == Phase::Decode { 1 } else { seq };
+        let ids = g.input("ids", DType::I64, &[1, s]);
+        let positions = g.input("positions", DType::I64, &[s]);
+        let past = if phase == Phase::Decode {
+            (0..layers)
+                .map(|i| {
+                    let k = g.input(format!("past.{i}.k"), dtype, &[1, seq, kv_dim]);
+                    let v = g.input(format!("past.{i}.v"), dtype, &[1, seq, kv_dim]);
+                    (k, v)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Self {
+            ids,
+            positions,
+            past,
+        }
+    }
+
+    /// Appends layer `layer`'s new keys and values to its past (decode) or returns them
+    /// as they are (prefill).
+    pub fn extend_cache(
+        &self,
+        g: &mut Graph,
+        prefix: &str,
+        layer: usize,
+        k: ValueId,
+        v: ValueId,
+    ) -> Result<(ValueId, ValueId)> {
+        match self.past.get(layer) {
+            Some(&(pk, pv)) => Ok((
+                g.op(
+                    format!("{prefix}.k_cache"),
+                    Op::Concat { axis: 1 },
+                    &[pk, k],
+                )?,
+                g.op(
+                    format!("{prefix}.v_cache"),
+                    Op::Concat { axis: 1 },
+                    &[pv, v],
+                )?,
+            )),
+            None => Ok((k, v)),
+        }
+    }
+}
+
+/// Marks the outputs of a decoder graph: logits, then each layer's keys and values.
+pub fn decoder_outputs(
+    g: &mut Graph,
+    logits: ValueId,
+    caches: &[(ValueId, ValueId)],
+) -> Result<()> {
+    g.output(logits)?;
+    for &(k, v) in caches {
+        g.output(k)?;
+        g.output(v)?;
+    }
+    Ok(())
+}
+
 /// A linear layer's weight `[out, in]` and optional bias `[out]`.
 #[derive(Debug, Clone)]
 pub struct Projection {

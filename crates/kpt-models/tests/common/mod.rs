@@ -371,3 +371,120 @@ pub fn rows(t: &Tensor) -> Vec<Vec<f64>> {
     let width = *t.shape().last().unwrap();
     t.to_f64_vec().chunks(width).map(<[f64]>::to_vec).collect()
 }
+
+/// GPT-2 logits `[S, vocab]` of `ids` at positions `0..S`, as `modeling_gpt2.py`
+/// computes them (Conv1D weights `[in, out]`, fused c_attn, tanh GELU, tied head).
+pub fn gpt2_forward(
+    raw: &Raw,
+    d: usize,
+    layers: usize,
+    heads: usize,
+    vocab: usize,
+    ids: &[i64],
+) -> Vec<Vec<f64>> {
+    let (wte, wpe) = (raw.get("wte.weight"), raw.get("wpe.weight"));
+    let mut h: Vec<Vec<f64>> = ids
+        .iter()
+        .enumerate()
+        .map(|(p, &t)| {
+            (0..d)
+                .map(|i| wte[t as usize * d + i] + wpe[p * d + i])
+                .collect()
+        })
+        .collect();
+    let eps = 1e-5;
+    for l in 0..layers {
+        let p = format!("h.{l}");
+        let g = |n: &str| raw.get(&format!("{p}.{n}"));
+        let x = layer_norm(&h, g("ln_1.weight"), g("ln_1.bias"), eps);
+        let qkv = conv1d(&x, g("attn.c_attn.weight"), g("attn.c_attn.bias"), 3 * d);
+        let q: Vec<Vec<f64>> = qkv.iter().map(|r| r[..d].to_vec()).collect();
+        let k: Vec<Vec<f64>> = qkv.iter().map(|r| r[d..2 * d].to_vec()).collect();
+        let v: Vec<Vec<f64>> = qkv.iter().map(|r| r[2 * d..].to_vec()).collect();
+        let a = attention(&q, &k, &v, heads, heads, d / heads, true, None);
+        add(
+            &mut h,
+            &conv1d(&a, g("attn.c_proj.weight"), g("attn.c_proj.bias"), d),
+        );
+        let x = layer_norm(&h, g("ln_2.weight"), g("ln_2.bias"), eps);
+        let f = g("mlp.c_fc.bias").len();
+        let m: Vec<Vec<f64>> = conv1d(&x, g("mlp.c_fc.weight"), g("mlp.c_fc.bias"), f)
+            .into_iter()
+            .map(|r| r.into_iter().map(gelu_tanh).collect())
+            .collect();
+        add(
+            &mut h,
+            &conv1d(&m, g("mlp.c_proj.weight"), g("mlp.c_proj.bias"), d),
+        );
+    }
+    let x = layer_norm(&h, raw.get("ln_f.weight"), raw.get("ln_f.bias"), eps);
+    linear(&x, wte, None, vocab)
+}
+
+/// BERT's last hidden state `[S, d]`, as `modeling_bert.py` computes it (post-LN,
+/// erf GELU, bidirectional attention).
+pub fn bert_forward(
+    raw: &Raw,
+    d: usize,
+    layers: usize,
+    heads: usize,
+    eps: f64,
+    ids: &[i64],
+    types: &[i64],
+) -> Vec<Vec<f64>> {
+    let e = |n: &str| raw.get(&format!("embeddings.{n}"));
+    let (word, pos, typ) = (
+        e("word_embeddings.weight"),
+        e("position_embeddings.weight"),
+        e("token_type_embeddings.weight"),
+    );
+    let h: Vec<Vec<f64>> = ids
+        .iter()
+        .zip(types)
+        .enumerate()
+        .map(|(p, (&t, &y))| {
+            (0..d)
+                .map(|i| word[t as usize * d + i] + pos[p * d + i] + typ[y as usize * d + i])
+                .collect()
+        })
+        .collect();
+    let mut h = layer_norm(&h, e("LayerNorm.weight"), e("LayerNorm.bias"), eps);
+    for l in 0..layers {
+        let p = format!("encoder.layer.{l}");
+        let g = |n: &str| raw.get(&format!("{p}.{n}"));
+        let lin = |x: &[Vec<f64>], n: &str, out: usize| {
+            linear(
+                x,
+                g(&format!("{n}.weight")),
+                Some(g(&format!("{n}.bias"))),
+                out,
+            )
+        };
+        let q = lin(&h, "attention.self.query", d);
+        let k = lin(&h, "attention.self.key", d);
+        let v = lin(&h, "attention.self.value", d);
+        let a = attention(&q, &k, &v, heads, heads, d / heads, false, None);
+        let mut r = lin(&a, "attention.output.dense", d);
+        add(&mut r, &h);
+        h = layer_norm(
+            &r,
+            g("attention.output.LayerNorm.weight"),
+            g("attention.output.LayerNorm.bias"),
+            eps,
+        );
+        let f = g("intermediate.dense.bias").len();
+        let m: Vec<Vec<f64>> = lin(&h, "intermediate.dense", f)
+            .into_iter()
+            .map(|r| r.into_iter().map(gelu_erf).collect())
+            .collect();
+        let mut r = lin(&m, "output.dense", d);
+        add(&mut r, &h);
+        h = layer_norm(
+            &r,
+            g("output.LayerNorm.weight"),
+            g("output.LayerNorm.bias"),
+            eps,
+        );
+    }
+    h
+}

@@ -1,0 +1,225 @@
+//! BERT encoders lowered to kpt's graph, and mean pooling for sentence embeddings.
+//!
+//! As in Hugging Face's `modeling_bert.py`: word + position + token-type embeddings and
+//! a layer norm, then post-LN blocks `h = ln(h + attn_out(attn(h)))`,
+//! `h = ln(h + out(act(intermediate(h))))` with bidirectional attention. The graph
+//! encodes one unpadded sequence; pooling runs on the host output ([`mean_pool`]),
+//! since the op catalog has no reduction over the sequence.
+
+use kpt_core::graph::{Activation, AttentionParams, Graph, Op};
+use kpt_core::{DType, Tensor};
+
+use crate::config::BertConfig;
+use crate::error::{ModelError, Result};
+use crate::lower::{activation, check_compute_dtype, NormParams, Projection};
+use crate::weights::Weights;
+
+/// One encoder layer's parameters.
+#[derive(Debug, Clone)]
+pub struct BertLayer {
+    /// Query projection.
+    pub query: Projection,
+    /// Key projection.
+    pub key: Projection,
+    /// Value projection.
+    pub value: Projection,
+    /// Attention output projection.
+    pub attention_output: Projection,
+    /// Layer norm after the attention residual.
+    pub attention_norm: NormParams,
+    /// MLP up projection.
+    pub intermediate: Projection,
+    /// MLP down projection.
+    pub output: Projection,
+    /// Layer norm after the MLP residual.
+    pub output_norm: NormParams,
+}
+
+/// A BERT encoder with its weights loaded in the compute dtype.
+#[derive(Debug, Clone)]
+pub struct Bert {
+    /// The configuration.
+    pub config: BertConfig,
+    /// Dtype of every parameter and activation of the built graph.
+    pub dtype: DType,
+    /// Word embedding `[vocab, hidden]`.
+    pub word_embeddings: Tensor,
+    /// Position embedding `[max_position_embeddings, hidden]`.
+    pub position_embeddings: Tensor,
+    /// Token-type embedding `[type_vocab_size, hidden]`.
+    pub token_type_embeddings: Tensor,
+    /// Layer norm of the summed embeddings.
+    pub embeddings_norm: NormParams,
+    /// Encoder layers.
+    pub layers: Vec<BertLayer>,
+    act: Activation,
+}
+
+impl Bert {
+    /// Loads and shape-checks every weight of `config` from `weights`, converted to
+    /// `dtype`. Tensor names may carry the `bert.` prefix of task heads' state dicts.
+    pub fn load(config: &BertConfig, weights: &Weights, dtype: DType) -> Result<Self> {
+        check_compute_dtype(dtype)?;
+        let act = activation("hidden_act", &config.hidden_act)?;
+        let pre = if weights.contains("bert.embeddings.word_embeddings.weight") {
+            "bert."
+        } else {
+            ""
+        };
+        let (d, f) = (config.hidden_size, config.intermediate_size);
+        let e = format!("{pre}embeddings");
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let p = format!("{pre}encoder.layer.{i}");
+            let proj = |name: &str, out: usize, inp: usize| {
+                Projection::load(weights, &format!("{p}.{name}"), out, inp, true, dtype)
+            };
+            let norm = |name: &str| NormParams::load(weights, &format!("{p}.{name}"), d, dtype);
+            layers.push(BertLayer {
+                query: proj("attention.self.query", d, d)?,
+                key: proj("attention.self.key", d, d)?,
+                value: proj("attention.self.value", d, d)?,
+                attention_output: proj("attention.output.dense", d, d)?,
+                attention_norm: norm("attention.output.LayerNorm")?,
+                intermediate: proj("intermediate.dense", f, d)?,
+                output: proj("output.dense", d, f)?,
+                output_norm: norm("output.LayerNorm")?,
+            });
+        }
+        Ok(Self {
+            config: config.clone(),
+            dtype,
+            word_embeddings: weights.load(
+                &format!("{e}.word_embeddings.weight"),
+                &[config.vocab_size, d],
+                dtype,
+            )?,
+            position_embeddings: weights.load(
+                &format!("{e}.position_embeddings.weight"),
+                &[config.max_position_embeddings, d],
+                dtype,
+            )?,
+            token_type_embeddings: weights.load(
+                &format!("{e}.token_type_embeddings.weight"),
+                &[config.type_vocab_size, d],
+                dtype,
+            )?,
+            embeddings_norm: NormParams::load(weights, &format!("{e}.LayerNorm"), d, dtype)?,
+            layers,
+            act,
+        })
+    }
+
+    /// Builds the encoder graph. Inputs: ids `[1, S]`, token type ids `[1, S]` and
+    /// positions `[S]` (all i64; positions below `max_position_embeddings`). Output: the
+    /// last hidden state `[1, S, hidden]`.
+    pub fn graph(&self, seq: usize) -> Result<Graph> {
+        let c = &self.config;
+        let mut g = Graph::new();
+        let ids = g.input("ids", DType::I64, &[1, seq]);
+        let types = g.input("token_type_ids", DType::I64, &[1, seq]);
+        let pos = g.input("positions", DType::I64, &[seq]);
+        let word = g.param("word_embeddings.weight", self.word_embeddings.clone());
+        let typ = g.param(
+            "token_type_embeddings.weight",
+            self.token_type_embeddings.clone(),
+        );
+        let posw = g.param(
+            "position_embeddings.weight",
+            self.position_embeddings.clone(),
+        );
+        let w = g.op("word_embeddings", Op::Embedding, &[ids, word])?;
+        let t = g.op("token_type_embeddings", Op::Embedding, &[types, typ])?;
+        let p = g.op("position_embeddings", Op::Embedding, &[pos, posw])?;
+        let h = g.op("embeddings.sum_types", Op::Add, &[w, t])?;
+        let h = g.op("embeddings.sum_positions", Op::Add, &[h, p])?;
+        let eps = c.layer_norm_eps;
+        let mut h = self
+            .embeddings_norm
+            .apply(&mut g, "embeddings.LayerNorm", h, eps)?;
+        let attn = AttentionParams::new(
+            c.num_attention_heads,
+            c.num_attention_heads,
+            c.head_dim(),
+            false,
+        );
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("encoder.layer.{i}");
+            let q = l
+                .query
+                .apply(&mut g, &format!("{p}.attention.self.query"), h)?;
+            let k = l.key.apply(&mut g, &format!("{p}.attention.self.key"), h)?;
+            let v = l
+                .value
+                .apply(&mut g, &format!("{p}.attention.self.value"), h)?;
+            let a = g.op(
+                format!("{p}.attention.self"),
+                Op::Attention(attn),
+                &[q, k, v],
+            )?;
+            let o = l
+                .attention_output
+                .apply(&mut g, &format!("{p}.attention.output.dense"), a)?;
+            let r = g.op(format!("{p}.attention.residual"), Op::Add, &[o, h])?;
+            h = l.attention_norm.apply(
+                &mut g,
+                &format!("{p}.attention.output.LayerNorm"),
+                r,
+                eps,
+            )?;
+            let m = l
+                .intermediate
+                .apply(&mut g, &format!("{p}.intermediate.dense"), h)?;
+            let m = g.op(
+                format!("{p}.intermediate.act"),
+                Op::Activation { act: self.act },
+                &[m],
+            )?;
+            let m = l.output.apply(&mut g, &format!("{p}.output.dense"), m)?;
+            let r = g.op(format!("{p}.output.residual"), Op::Add, &[m, h])?;
+            h = l
+                .output_norm
+                .apply(&mut g, &format!("{p}.output.LayerNorm"), r, eps)?;
+        }
+        g.output(h)?;
+        Ok(g)
+    }
+}
+
+/// Mean of the hidden states `[1, S, D]` over the positions whose `mask` entry is
+/// non-zero (every position when `mask` is `None`): sentence-transformers' mean pooling.
+pub fn mean_pool(hidden: &Tensor, mask: Option<&[u32]>) -> Result<Vec<f32>> {
+    let shape = hidden.shape();
+    let &[1, s, d] = shape else {
+        return Err(ModelError::Core(kpt_core::KptError::shape(
+            "mean_pool",
+            format!("hidden states must be [1, seq, dim], got {shape:?}"),
+        )));
+    };
+    if let Some(m) = mask {
+        if m.len() != s {
+            return Err(ModelError::Core(kpt_core::KptError::shape(
+                "mean_pool",
+                format!("mask has {} entries for {s} positions", m.len()),
+            )));
+        }
+    }
+    let values = hidden.to_f64_vec();
+    let mut sum = vec![0f64; d];
+    let mut count = 0usize;
+    for (i, row) in values.chunks(d).enumerate() {
+        if mask.is_some_and(|m| m[i] == 0) {
+            continue;
+        }
+        count += 1;
+        for (acc, x) in sum.iter_mut().zip(row) {
+            *acc += x;
+        }
+    }
+    if count == 0 {
+        return Err(ModelError::Core(kpt_core::KptError::InvalidArgument(
+            "mean_pool: the mask selects no position".into(),
+        )));
+    }
+    Ok(sum.iter().map(|x| (x / count as f64) as f32).collect())
+}
