@@ -193,8 +193,12 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     /// Whether the output projection reuses the embedding table.
     pub tie_word_embeddings: bool,
-    /// Sliding attention window (Mistral; Qwen2 when `use_sliding_window`).
+    /// Sliding attention window (Mistral; Qwen2 when `use_sliding_window`), `None`
+    /// when no layer uses one.
     pub sliding_window: Option<usize>,
+    /// Per layer, whether it attends through the sliding window: every layer for
+    /// Mistral, layers from `max_window_layers` on for Qwen2, or as `layer_types` says.
+    pub sliding_layers: Vec<bool>,
     /// Whether q/k/v projections carry a bias (Qwen2, or `attention_bias`).
     pub attention_bias: bool,
     /// Whether the output projection carries a bias (`attention_bias` of LLaMA).
@@ -241,22 +245,14 @@ impl LlamaConfig {
         let attention_bias = explicit_bias.unwrap_or(family == LlamaFamily::Qwen2);
         // LLaMA's `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not.
         let o_proj_bias = family != LlamaFamily::Qwen2 && explicit_bias.unwrap_or(false);
-        let sliding_window = match family {
-            LlamaFamily::Mistral => f.opt_usize("sliding_window")?,
-            LlamaFamily::Qwen2 if f.opt_bool("use_sliding_window")?.unwrap_or(false) => {
-                f.opt_usize("sliding_window")?
-            }
-            _ => None,
-        };
-        if sliding_window == Some(0) {
-            return Err(f.invalid("sliding_window", "must be at least 1"));
-        }
+        let layers = f.req_usize("num_hidden_layers")?;
+        let (sliding_window, sliding_layers) = parse_sliding_window(f, family, layers)?;
         let cfg = Self {
             family,
             vocab_size: f.req_usize("vocab_size")?,
             hidden_size,
             intermediate_size: f.req_usize("intermediate_size")?,
-            num_hidden_layers: f.req_usize("num_hidden_layers")?,
+            num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
@@ -266,6 +262,7 @@ impl LlamaConfig {
             max_position_embeddings,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             sliding_window,
+            sliding_layers,
             attention_bias,
             o_proj_bias,
             mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
@@ -292,10 +289,80 @@ impl LlamaConfig {
         self.num_key_value_heads * self.head_dim
     }
 
+    /// The attention window of layer `layer`, `None` for full attention.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
+    }
+
     /// Width of the query projection.
     pub fn q_dim(&self) -> usize {
         self.num_attention_heads * self.head_dim
     }
+}
+
+/// The window and which layers use it: `layer_types` when given, else every layer for
+/// Mistral and layers `max_window_layers..` for Qwen2 with `use_sliding_window` (as
+/// Hugging Face's configs derive them); LLaMA has none.
+fn parse_sliding_window(
+    f: &Fields<'_>,
+    family: LlamaFamily,
+    layers: usize,
+) -> Result<(Option<usize>, Vec<bool>)> {
+    let window = match family {
+        LlamaFamily::Llama => None,
+        LlamaFamily::Mistral => f.opt_usize("sliding_window")?,
+        LlamaFamily::Qwen2 if f.opt_bool("use_sliding_window")?.unwrap_or(false) => {
+            f.opt_usize("sliding_window")?
+        }
+        LlamaFamily::Qwen2 => None,
+    };
+    if window == Some(0) {
+        return Err(f.invalid("sliding_window", "must be at least 1"));
+    }
+    let sliding: Vec<bool> = match f.get("layer_types") {
+        Some(Value::Array(types)) => {
+            if types.len() != layers {
+                return Err(f.invalid(
+                    "layer_types",
+                    format!("{} entries for {layers} layers", types.len()),
+                ));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(false),
+                    Some("sliding_attention") => Ok(true),
+                    _ => Err(f.invalid(
+                        "layer_types",
+                        format!("{t} is neither \"full_attention\" nor \"sliding_attention\""),
+                    )),
+                })
+                .collect::<Result<_>>()?
+        }
+        Some(v) => return Err(f.invalid("layer_types", format!("expected a list, got {v}"))),
+        None if family == LlamaFamily::Qwen2 => {
+            // Qwen2Config's default.
+            let first = f.opt_usize("max_window_layers")?.unwrap_or(28);
+            (0..layers).map(|i| i >= first).collect()
+        }
+        None => vec![window.is_some(); layers],
+    };
+    if window.is_none() && sliding.iter().any(|&s| s) && f.get("layer_types").is_some() {
+        return Err(f.invalid(
+            "layer_types",
+            "names sliding_attention layers but no sliding_window is set",
+        ));
+    }
+    let window = window.filter(|_| sliding.iter().any(|&s| s));
+    Ok((
+        window,
+        if window.is_some() {
+            sliding
+        } else {
+            vec![false; layers]
+        },
+    ))
 }
 
 fn parse_rope_scaling(f: &Fields<'_>, max_pos: usize) -> Result<Option<RopeScaling>> {
@@ -506,7 +573,7 @@ impl<'a> Fields<'a> {
     }
 
     /// The value, `None` when absent or null.
-    fn get(&self, field: &str) -> Option<&'a Value> {
+    pub(crate) fn get(&self, field: &str) -> Option<&'a Value> {
         self.map.get(field).filter(|v| !v.is_null())
     }
 
@@ -655,6 +722,28 @@ mod tests {
         };
         assert!(c.attention_bias && !c.o_proj_bias && c.sliding_window.is_none());
         assert_eq!(parse(&qwen).unwrap().model_type(), "qwen2");
+        let windowed = |extra: &str| {
+            let json = LLAMA.replace("\"llama\"", "\"qwen2\"").replace(
+                "\"tie_word_embeddings\": true",
+                &format!("\"sliding_window\": 8, \"use_sliding_window\": true{extra}"),
+            );
+            parse(&json).map(|c| match c {
+                ModelConfig::Llama(c) => (c.window(0), c.window(1)),
+                _ => panic!(),
+            })
+        };
+        // Qwen2Config's default max_window_layers (28) leaves both layers full.
+        assert_eq!(windowed("").unwrap(), (None, None));
+        assert_eq!(
+            windowed(", \"max_window_layers\": 1").unwrap(),
+            (None, Some(8))
+        );
+        assert_eq!(
+            windowed(", \"layer_types\": [\"sliding_attention\", \"full_attention\"]").unwrap(),
+            (Some(8), None)
+        );
+        let err = windowed(", \"layer_types\": [\"sliding_attention\"]").unwrap_err();
+        assert!(err.to_string().contains("1 entries for 2 layers"), "{err}");
     }
 
     #[test]

@@ -3,21 +3,25 @@
 //! A checkpoint directory holds `config.json` ([`ModelConfig`]), `model.safetensors`
 //! or shards listed in `model.safetensors.index.json` ([`Weights`], memory-mapped),
 //! and `tokenizer.json` ([`Tokenizer`]). [`Checkpoint::open`] reads the first two;
-//! an architecture's loader ([`llama::Llama`], [`gpt2::Gpt2`], [`bert::Bert`]) checks
-//! every weight against the config and builds [`kpt_core::Graph`]s that the manager
-//! optimizes and the executor runs. Every problem with the files is a [`ModelError`]
+//! [`Checkpoint::load_model`] picks the architecture's loader ([`llama::Llama`],
+//! [`gpt2::Gpt2`], [`bert::Bert`]), which checks every weight against the config and
+//! builds [`kpt_core::Graph`]s that the manager optimizes and the executor runs.
+//! [`synthetic`] writes small random checkpoints in the same formats. Every problem with the files is a [`ModelError`]
 //! naming the file, field or tensor.
 //!
 //! ```no_run
-//! use kpt_models::{Checkpoint, ModelConfig, Phase};
-//! use kpt_models::llama::Llama;
+//! use kpt_models::{Checkpoint, Phase};
 //!
 //! # fn main() -> kpt_models::Result<()> {
 //! let ckpt = Checkpoint::open(std::path::Path::new("models/tiny-llama"))?;
-//! let ModelConfig::Llama(cfg) = &ckpt.config else { panic!("not a LLaMA") };
-//! let model = Llama::load(cfg, &ckpt.weights, kpt_core::DType::F32)?;
-//! let prefill = model.graph(Phase::Prefill, 16)?;
-//! assert_eq!(prefill.outputs().len(), 1 + 2 * cfg.num_hidden_layers);
+//! let model = ckpt.load_model(kpt_core::DType::F32)?;
+//! let tokenizer = ckpt.tokenizer()?;
+//! let ids = tokenizer.encode("Hello", true)?;
+//! // Logits `[1, S, vocab]`, then the keys and values of every layer.
+//! let prefill = model.graph(Phase::Prefill, ids.len())?;
+//! // The same with the cache of `ids.len()` tokens as inputs, for one new token.
+//! let decode = model.graph(Phase::Decode, ids.len())?;
+//! # let _ = (prefill, decode);
 //! # Ok(())
 //! # }
 //! ```
@@ -39,6 +43,34 @@ pub use error::{ModelError, Result};
 pub use lower::Phase;
 pub use tokenizer::Tokenizer;
 pub use weights::Weights;
+
+/// A loaded model of any supported architecture.
+#[derive(Debug, Clone)]
+pub enum Model {
+    /// LLaMA, Mistral or Qwen2 decoder.
+    Llama(llama::Llama),
+    /// GPT-2 decoder.
+    Gpt2(gpt2::Gpt2),
+    /// BERT encoder.
+    Bert(bert::Bert),
+}
+
+impl Model {
+    /// Whether it generates text (a decoder with a KV cache) rather than embeddings.
+    pub fn is_decoder(&self) -> bool {
+        !matches!(self, Model::Bert(_))
+    }
+
+    /// The decoder graph of `phase` (see [`llama::Llama::graph`]); for BERT, the
+    /// encoder graph over `seq` tokens, whatever the phase.
+    pub fn graph(&self, phase: Phase, seq: usize) -> Result<kpt_core::Graph> {
+        match self {
+            Model::Llama(m) => m.graph(phase, seq),
+            Model::Gpt2(m) => m.graph(phase, seq),
+            Model::Bert(m) => m.graph(seq),
+        }
+    }
+}
 
 /// The configuration file of a checkpoint directory.
 pub const CONFIG_FILE: &str = "config.json";
@@ -64,6 +96,17 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             config,
             weights,
+        })
+    }
+
+    /// Loads and shape-checks the weights of the configured architecture, converted to
+    /// `dtype` (f32 for the optimized CPU path; the manager lowers precision per level).
+    pub fn load_model(&self, dtype: kpt_core::DType) -> Result<Model> {
+        let _span = tracing::info_span!("load_model", arch = self.config.model_type()).entered();
+        Ok(match &self.config {
+            ModelConfig::Llama(c) => Model::Llama(llama::Llama::load(c, &self.weights, dtype)?),
+            ModelConfig::Gpt2(c) => Model::Gpt2(gpt2::Gpt2::load(c, &self.weights, dtype)?),
+            ModelConfig::Bert(c) => Model::Bert(bert::Bert::load(c, &self.weights, dtype)?),
         })
     }
 

@@ -128,13 +128,12 @@ impl Llama {
         let (ids, pos) = (inputs.ids, inputs.positions);
         let table = g.param("model.embed_tokens.weight", self.embed_tokens.clone());
         let mut h = g.op("model.embed_tokens", Op::Embedding, &[ids, table])?;
-        let mut attn = AttentionParams::new(
+        let attn = AttentionParams::new(
             c.num_attention_heads,
             c.num_key_value_heads,
             c.head_dim,
             true,
         );
-        attn.window = c.sliding_window;
         let rope = Op::Rotary {
             head_dim: c.head_dim,
             theta: c.rope_theta as f32,
@@ -163,7 +162,15 @@ impl Llama {
             let k = g.op(format!("{p}.self_attn.k_rope"), rope.clone(), &[k, pos])?;
             let (k, v) = inputs.extend_cache(&mut g, &format!("{p}.self_attn"), i, k, v)?;
             caches.push((k, v));
-            let a = g.op(format!("{p}.self_attn"), Op::Attention(attn), &[q, k, v])?;
+            let layer_attn = AttentionParams {
+                window: c.window(i),
+                ..attn
+            };
+            let a = g.op(
+                format!("{p}.self_attn"),
+                Op::Attention(layer_attn),
+                &[q, k, v],
+            )?;
             let o = layer
                 .o_proj
                 .apply(&mut g, &format!("{p}.self_attn.o_proj"), a)?;

@@ -95,6 +95,15 @@ impl Tokenizer {
             .map_err(|e| self.error(e))
     }
 
+    /// An incremental decoder for streaming: feed ids one at a time, get the text they
+    /// complete (none while a multi-byte character is still partial).
+    pub fn stream(&self, skip_special: bool) -> TextStream<'_> {
+        TextStream {
+            inner: self.inner.decode_stream(skip_special),
+            path: &self.path,
+        }
+    }
+
     /// The id of a token string, if it is in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
@@ -105,6 +114,29 @@ impl Tokenizer {
             path: self.path.clone(),
             message: e.to_string(),
         }
+    }
+}
+
+/// Incremental decoding of [`Tokenizer::stream`].
+pub struct TextStream<'a> {
+    inner: tokenizers::DecodeStream<
+        'a,
+        tokenizers::ModelWrapper,
+        tokenizers::NormalizerWrapper,
+        tokenizers::PreTokenizerWrapper,
+        tokenizers::PostProcessorWrapper,
+        tokenizers::DecoderWrapper,
+    >,
+    path: &'a Path,
+}
+
+impl TextStream<'_> {
+    /// Adds one id; returns the new text, if a complete piece is ready.
+    pub fn step(&mut self, id: u32) -> Result<Option<String>> {
+        self.inner.step(id).map_err(|e| ModelError::Tokenizer {
+            path: self.path.to_path_buf(),
+            message: e.to_string(),
+        })
     }
 }
 

@@ -135,6 +135,7 @@ fn bert_matches_reference_and_pools() {
     let want = bert_forward(&Raw::read(dir.path()), 32, 2, 4, 1e-12, &PROMPT, &types);
     let ins = bert_inputs(&PROMPT, &types);
 
+    assert!(!ckpt.load_model(DType::F32).unwrap().is_decoder());
     let m64 = Bert::load(c, &ckpt.weights, DType::F64).unwrap();
     let got = &run_ref(&m64.graph(PROMPT.len()).unwrap(), &ins)[0];
     assert_eq!(got.shape(), &[1, PROMPT.len(), 32]);

@@ -49,7 +49,7 @@ fn sizes(cfg: &ModelConfig) -> LlamaSizes {
         ffn: c.intermediate_size,
         eps: c.rms_norm_eps,
         theta: c.rope_theta,
-        window: c.sliding_window,
+        windows: (0..c.num_hidden_layers).map(|i| c.window(i)).collect(),
     }
 }
 
@@ -166,13 +166,29 @@ fn mistral_sliding_window_matches_reference() {
     .unwrap();
     let raw = Raw::read(dir.path());
     let mut no_window = sizes(&parsed);
-    no_window.window = None;
+    no_window.windows = vec![None; no_window.layers];
     let (_, model) = load(dir.path(), DType::F64);
     let got = &run_ref(
         &model.graph(Phase::Prefill, PROMPT.len()).unwrap(),
         &inputs(&PROMPT, 0, &[]),
     )[0];
     assert!(rel_err(got, &llama_forward(&raw, &no_window, &PROMPT)) > 1e-3);
+}
+
+#[test]
+fn qwen2_window_on_later_layers_matches_reference() {
+    // Layer 0 attends fully, layer 1 through a window of 2.
+    let mut cfg = llama_config("qwen2");
+    cfg["sliding_window"] = json!(2);
+    cfg["use_sliding_window"] = json!(true);
+    cfg["max_window_layers"] = json!(1);
+    check_against_reference(
+        cfg,
+        WriteOptions {
+            seed: 8,
+            ..Default::default()
+        },
+    );
 }
 
 #[test]
@@ -295,8 +311,25 @@ fn generation_config_and_tokenizer_round_trip() {
     assert_eq!(ids[0], 0, "<s> first");
     assert!(ids.iter().all(|&i| (i as usize) < vocab));
     assert_eq!(tok.decode(&ids, true).unwrap(), text);
+    // Streaming: multi-byte characters span several byte-level tokens.
+    let text = "naïve café ✓ done";
+    let ids = tok.encode(text, false).unwrap();
+    assert!(ids.len() > text.chars().count() / 2);
+    let mut stream = tok.stream(true);
+    let mut streamed = String::new();
+    let mut pieces = 0;
+    for &id in &ids {
+        if let Some(piece) = stream.step(id).unwrap() {
+            streamed.push_str(&piece);
+            pieces += 1;
+        }
+    }
+    assert_eq!(streamed, text);
+    assert!(pieces > 1);
     // The ids run through the model.
-    let (_, model) = load(dir.path(), DType::F32);
+    let ids = tok.encode("the quick brown fox", true).unwrap();
+    let model = ckpt.load_model(DType::F32).unwrap();
+    assert!(model.is_decoder());
     let ids: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();
     let out = run_ref(
         &model.graph(Phase::Prefill, ids.len()).unwrap(),

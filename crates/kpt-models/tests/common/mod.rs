@@ -258,7 +258,8 @@ pub struct LlamaSizes {
     pub ffn: usize,
     pub eps: f64,
     pub theta: f64,
-    pub window: Option<usize>,
+    /// Attention window of each layer.
+    pub windows: Vec<Option<usize>>,
 }
 
 /// LLaMA / Mistral / Qwen2 logits `[S, vocab]` of `ids` at positions `0..S`, as
@@ -287,7 +288,16 @@ pub fn llama_forward(raw: &Raw, s: &LlamaSizes, ids: &[i64]) -> Vec<Vec<f64>> {
         let v = proj("self_attn.v_proj", &x, s.kv_heads * s.head_dim);
         rope(&mut q, &positions, s.head_dim, s.theta);
         rope(&mut k, &positions, s.head_dim, s.theta);
-        let a = attention(&q, &k, &v, s.heads, s.kv_heads, s.head_dim, true, s.window);
+        let a = attention(
+            &q,
+            &k,
+            &v,
+            s.heads,
+            s.kv_heads,
+            s.head_dim,
+            true,
+            s.windows[l],
+        );
         add(&mut h, &proj("self_attn.o_proj", &a, s.dim));
         let x = rms_norm(
             &h,
