@@ -337,3 +337,31 @@ fn generation_config_and_tokenizer_round_trip() {
     );
     assert_eq!(out[0].shape(), &[1, ids.len(), 300]);
 }
+
+/// Parameters and activations in bf16 (the checkpoint's own dtype): kpt's reference and
+/// every level's plan stay within the bf16 budget of the f64 forward pass.
+#[test]
+fn bf16_compute_dtype_within_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = WriteOptions {
+        seed: 12,
+        dtype: DType::BF16,
+        shards: 1,
+    };
+    let parsed = write_checkpoint(dir.path(), &llama_config("llama"), opts).unwrap();
+    let want = llama_forward(&Raw::read(dir.path()), &sizes(&parsed), &PROMPT);
+    let (_, model) = load(dir.path(), DType::BF16);
+    let graph = model.graph(Phase::Prefill, PROMPT.len()).unwrap();
+    let ins = inputs(&PROMPT, 0, &[]);
+    let err = rel_err(&run_ref(&graph, &ins)[0], &want);
+    assert!(err < budget(OptLevel::Balanced), "bf16 reference: {err:e}");
+    for level in OptLevel::ALL {
+        let out = executor(&graph, level).run(&ins).unwrap();
+        assert_eq!(out[0].dtype(), DType::BF16);
+        let err = rel_err(&out[0], &want);
+        assert!(
+            err < budget(OptLevel::Balanced).max(budget(level)),
+            "bf16 at {level}: {err:e}"
+        );
+    }
+}
