@@ -68,7 +68,7 @@ impl Bert {
         };
         let (d, f) = (config.hidden_size, config.intermediate_size);
         let e = format!("{pre}embeddings");
-        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        let mut layers = Vec::new();
         for i in 0..config.num_hidden_layers {
             let p = format!("{pre}encoder.layer.{i}");
             let proj = |name: &str, out: usize, inp: usize| {

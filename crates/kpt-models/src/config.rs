@@ -164,6 +164,29 @@ pub enum RopeScaling {
     },
 }
 
+/// Which layers of a LLaMA-family model use the sliding window (kept as a rule rather
+/// than a list, so that no allocation follows a layer count read from the file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlidingLayers {
+    /// Every layer (Mistral).
+    All,
+    /// Layers from this index on (Qwen2's `max_window_layers`).
+    From(usize),
+    /// One entry per layer (`layer_types`).
+    Each(Vec<bool>),
+}
+
+impl SlidingLayers {
+    /// Whether layer `layer` uses the window.
+    pub fn contains(&self, layer: usize) -> bool {
+        match self {
+            SlidingLayers::All => true,
+            SlidingLayers::From(first) => layer >= *first,
+            SlidingLayers::Each(v) => v.get(layer).copied().unwrap_or(false),
+        }
+    }
+}
+
 /// A LLaMA, Mistral or Qwen2 decoder.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
@@ -196,9 +219,8 @@ pub struct LlamaConfig {
     /// Sliding attention window (Mistral; Qwen2 when `use_sliding_window`), `None`
     /// when no layer uses one.
     pub sliding_window: Option<usize>,
-    /// Per layer, whether it attends through the sliding window: every layer for
-    /// Mistral, layers from `max_window_layers` on for Qwen2, or as `layer_types` says.
-    pub sliding_layers: Vec<bool>,
+    /// Which layers attend through the sliding window.
+    pub sliding_layers: SlidingLayers,
     /// Whether q/k/v projections carry a bias (Qwen2, or `attention_bias`).
     pub attention_bias: bool,
     /// Whether the output projection carries a bias (`attention_bias` of LLaMA).
@@ -292,7 +314,7 @@ impl LlamaConfig {
     /// The attention window of layer `layer`, `None` for full attention.
     pub fn window(&self, layer: usize) -> Option<usize> {
         self.sliding_window
-            .filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
+            .filter(|_| self.sliding_layers.contains(layer))
     }
 
     /// Width of the query projection.
@@ -308,7 +330,7 @@ fn parse_sliding_window(
     f: &Fields<'_>,
     family: LlamaFamily,
     layers: usize,
-) -> Result<(Option<usize>, Vec<bool>)> {
+) -> Result<(Option<usize>, SlidingLayers)> {
     let window = match family {
         LlamaFamily::Llama => None,
         LlamaFamily::Mistral => f.opt_usize("sliding_window")?,
@@ -320,7 +342,7 @@ fn parse_sliding_window(
     if window == Some(0) {
         return Err(f.invalid("sliding_window", "must be at least 1"));
     }
-    let sliding: Vec<bool> = match f.get("layer_types") {
+    let sliding = match f.get("layer_types") {
         Some(Value::Array(types)) => {
             if types.len() != layers {
                 return Err(f.invalid(
@@ -328,7 +350,7 @@ fn parse_sliding_window(
                     format!("{} entries for {layers} layers", types.len()),
                 ));
             }
-            types
+            let each = types
                 .iter()
                 .map(|t| match t.as_str() {
                     Some("full_attention") => Ok(false),
@@ -338,31 +360,28 @@ fn parse_sliding_window(
                         format!("{t} is neither \"full_attention\" nor \"sliding_attention\""),
                     )),
                 })
-                .collect::<Result<_>>()?
+                .collect::<Result<Vec<bool>>>()?;
+            if window.is_none() && each.iter().any(|&s| s) {
+                return Err(f.invalid(
+                    "layer_types",
+                    "names sliding_attention layers but no sliding_window is set",
+                ));
+            }
+            SlidingLayers::Each(each)
         }
         Some(v) => return Err(f.invalid("layer_types", format!("expected a list, got {v}"))),
+        // Qwen2Config's default.
         None if family == LlamaFamily::Qwen2 => {
-            // Qwen2Config's default.
-            let first = f.opt_usize("max_window_layers")?.unwrap_or(28);
-            (0..layers).map(|i| i >= first).collect()
+            SlidingLayers::From(f.opt_usize("max_window_layers")?.unwrap_or(28))
         }
-        None => vec![window.is_some(); layers],
+        None => SlidingLayers::All,
     };
-    if window.is_none() && sliding.iter().any(|&s| s) && f.get("layer_types").is_some() {
-        return Err(f.invalid(
-            "layer_types",
-            "names sliding_attention layers but no sliding_window is set",
-        ));
-    }
-    let window = window.filter(|_| sliding.iter().any(|&s| s));
-    Ok((
-        window,
-        if window.is_some() {
-            sliding
-        } else {
-            vec![false; layers]
-        },
-    ))
+    let any = match &sliding {
+        SlidingLayers::All => layers > 0,
+        SlidingLayers::From(first) => *first < layers,
+        SlidingLayers::Each(each) => each.iter().any(|&s| s),
+    };
+    Ok((window.filter(|_| any), sliding))
 }
 
 fn parse_rope_scaling(f: &Fields<'_>, max_pos: usize) -> Result<Option<RopeScaling>> {

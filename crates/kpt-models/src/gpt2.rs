@@ -72,7 +72,7 @@ impl Gpt2 {
         let act = activation("activation_function", &config.activation_function)?;
         let pre = prefix(weights);
         let (d, f) = (config.n_embd, config.n_inner);
-        let mut blocks = Vec::with_capacity(config.n_layer);
+        let mut blocks = Vec::new();
         for i in 0..config.n_layer {
             let p = format!("{pre}h.{i}");
             let qkv =

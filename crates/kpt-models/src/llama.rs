@@ -74,7 +74,7 @@ impl Llama {
         let (d, v) = (c.hidden_size, c.vocab_size);
         let norm = |name: &str| weights.load(name, &[d], dtype);
         let embed_tokens = weights.load("model.embed_tokens.weight", &[v, d], dtype)?;
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        let mut layers = Vec::new();
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let proj = |name: &str, out: usize, inp: usize, bias: bool| {
@@ -139,7 +139,7 @@ impl Llama {
             theta: c.rope_theta as f32,
         };
         let eps = c.rms_norm_eps as f32;
-        let mut caches = Vec::with_capacity(c.num_hidden_layers);
+        let mut caches = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
             let x = rms_norm(

@@ -257,3 +257,12 @@ fn bad_tokenizer_files_are_errors() {
     assert_eq!(tok.special_tokens().eos, vec![1]);
     assert_eq!(tok.special_tokens().pad, Some(2));
 }
+
+#[test]
+fn huge_layer_count_is_a_missing_tensor_not_an_allocation() {
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint(dir.path(), 1);
+    rewrite_config(dir.path(), "num_hidden_layers", json!(1_000_000_000_000u64));
+    let msg = load_llama(dir.path()).unwrap_err().to_string();
+    assert!(msg.contains("model.layers.1."), "{msg}");
+}
