@@ -74,7 +74,7 @@ impl Bert {
             let proj = |name: &str, out: usize, inp: usize| {
                 Projection::load(weights, &format!("{p}.{name}"), out, inp, true, dtype)
             };
-            let norm = |name: &str| NormParams::load(weights, &format!("{p}.{name}"), d, dtype);
+            let norm = |name: &str| load_norm(weights, &format!("{p}.{name}"), d, dtype);
             layers.push(BertLayer {
                 query: proj("attention.self.query", d, d)?,
                 key: proj("attention.self.key", d, d)?,
@@ -104,7 +104,7 @@ impl Bert {
                 &[config.type_vocab_size, d],
                 dtype,
             )?,
-            embeddings_norm: NormParams::load(weights, &format!("{e}.LayerNorm"), d, dtype)?,
+            embeddings_norm: load_norm(weights, &format!("{e}.LayerNorm"), d, dtype)?,
             layers,
             act,
         })
@@ -184,6 +184,19 @@ impl Bert {
         g.output(h)?;
         Ok(g)
     }
+}
+
+/// A layer norm stored as `weight`/`bias`, or as `gamma`/`beta` (the names of
+/// checkpoints converted from the original TensorFlow BERT).
+fn load_norm(weights: &Weights, prefix: &str, dim: usize, dtype: DType) -> Result<NormParams> {
+    let (w, b) = (format!("{prefix}.gamma"), format!("{prefix}.beta"));
+    if !weights.contains(&format!("{prefix}.weight")) && weights.contains(&w) {
+        return Ok(NormParams {
+            weight: weights.load(&w, &[dim], dtype)?,
+            bias: weights.load(&b, &[dim], dtype)?,
+        });
+    }
+    NormParams::load(weights, prefix, dim, dtype)
 }
 
 /// Mean of the hidden states `[1, S, D]` over the positions whose `mask` entry is

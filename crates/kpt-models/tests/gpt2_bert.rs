@@ -3,7 +3,10 @@
 
 mod common;
 
-use common::{bert_forward, budget, executor, gpt2_forward, inputs, rel_err, rows, run_ref, Raw};
+use common::{
+    bert_forward, budget, executor, gpt2_forward, inputs, rel_err, rename_tensors, renamed, rows,
+    run_ref, Raw,
+};
 use kpt_core::{DType, OptLevel, Tensor};
 use kpt_models::bert::{mean_pool, Bert};
 use kpt_models::gpt2::Gpt2;
@@ -164,4 +167,65 @@ fn bert_matches_reference_and_pools() {
     assert!((f64::from(pooled[0]) - mean0).abs() < 1e-5);
     assert!(mean_pool(got, Some(&[0; 6])).is_err());
     assert!(mean_pool(got, Some(&[1; 5])).is_err());
+}
+
+/// `GPT2LMHeadModel` state dicts prefix every name with `transformer.`.
+#[test]
+fn gpt2_transformer_prefix_loads() {
+    let dir = gpt2_dir(4);
+    let want = gpt2_forward(&Raw::read(dir.path()), 32, 2, 4, 50, &PROMPT);
+    rename_tensors(dir.path(), |n| format!("transformer.{n}"));
+    let model = load_gpt2(dir.path(), DType::F64);
+    let got = &run_ref(
+        &model.graph(Phase::Prefill, PROMPT.len()).unwrap(),
+        &inputs(&PROMPT, 0, &[]),
+    )[0];
+    assert!(rel_err(got, &want) < 1e-7);
+}
+
+/// Task-head state dicts prefix names with `bert.`, and TensorFlow conversions call the
+/// layer norm parameters `gamma` and `beta`.
+#[test]
+fn bert_prefix_and_gamma_beta_names_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = json!({
+        "model_type": "bert", "vocab_size": 50, "hidden_size": 16, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 8
+    });
+    write_checkpoint(
+        dir.path(),
+        &cfg,
+        WriteOptions {
+            seed: 17,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let raw = Raw::read(dir.path());
+    let types = [0i64; 4];
+    let ids = [4i64, 9, 0, 31];
+    let want = bert_forward(&raw, 16, 1, 2, 1e-12, &ids, &types);
+    let tf_name = |n: &str| {
+        let n = format!("bert.{n}");
+        if n.contains("LayerNorm") {
+            n.replace(".weight", ".gamma").replace(".bias", ".beta")
+        } else {
+            n
+        }
+    };
+    rename_tensors(dir.path(), tf_name);
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    assert!(ckpt.weights.contains("bert.embeddings.LayerNorm.gamma"));
+    let kpt_models::Model::Bert(model) = ckpt.load_model(DType::F64).unwrap() else {
+        panic!("not bert")
+    };
+    let got = &run_ref(&model.graph(ids.len()).unwrap(), &bert_inputs(&ids, &types))[0];
+    assert!(rel_err(got, &want) < 1e-7);
+    // The independent reference reads the renamed file the same way.
+    let again = renamed(Raw::read(dir.path()), |n| {
+        n.trim_start_matches("bert.")
+            .replace(".gamma", ".weight")
+            .replace(".beta", ".bias")
+    });
+    assert_eq!(bert_forward(&again, 16, 1, 2, 1e-12, &ids, &types), want);
 }

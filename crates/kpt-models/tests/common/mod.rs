@@ -65,6 +65,25 @@ impl Raw {
     }
 }
 
+/// Rewrites `dir/model.safetensors` with every tensor name passed through `rename`.
+pub fn rename_tensors(dir: &Path, rename: impl Fn(&str) -> String) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (rename(&name), view))
+        .collect();
+    let out = safetensors::serialize(views, None).unwrap();
+    std::fs::write(&path, out).unwrap();
+}
+
+/// Reads the raw tensors of `dir` with every name passed through `rename`.
+pub fn renamed(raw: Raw, rename: impl Fn(&str) -> String) -> Raw {
+    Raw(raw.0.into_iter().map(|(k, v)| (rename(&k), v)).collect())
+}
+
 /// `x [rows, k] · w[out, k]^T (+ b)`.
 pub fn linear(x: &[Vec<f64>], w: &[f64], b: Option<&[f64]>, out: usize) -> Vec<Vec<f64>> {
     x.iter()
