@@ -11,7 +11,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use kpt_core::{DType, Tensor};
+use half::{bf16, f16};
+use kpt_core::{DType, Storage, Tensor};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use safetensors::SafeTensors;
@@ -241,13 +242,65 @@ impl Weights {
                 found: stored.shape,
             });
         }
-        let t = self.tensor(name)?;
-        Ok(if t.dtype() == dtype {
-            t
-        } else {
-            t.to_dtype(dtype)?
-        })
+        let (shard, info) = self.find(name)?;
+        let storage = convert(shard.bytes(info), stored.dtype, dtype)?;
+        Ok(Tensor::new(storage, shape)?)
     }
+}
+
+/// Converts little-endian float bytes of `from` to storage of `to` in one pass, without
+/// the f64 copy of [`Tensor::to_dtype`] (a 128k x 4096 embedding would need 4 GiB for
+/// it). Rounds to nearest even, as `Tensor::to_dtype` does.
+fn convert(bytes: &[u8], from: DType, to: DType) -> Result<Storage> {
+    if from == to {
+        return Ok(Storage::from_bytes(from, bytes)?);
+    }
+    // Exact widening of every stored type but f64.
+    let f32s = || -> Vec<f32> {
+        match from {
+            DType::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::F16 => bytes
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::BF16 => bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            _ => Vec::new(),
+        }
+    };
+    let f64s = || -> Vec<f64> {
+        bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect()
+    };
+    Ok(match (from, to) {
+        (DType::F64, DType::F32) => Storage::F32(f64s().into_iter().map(|x| x as f32).collect()),
+        (DType::F64, DType::F16) => Storage::F16(f64s().into_iter().map(f16::from_f64).collect()),
+        (DType::F64, DType::BF16) => {
+            Storage::BF16(f64s().into_iter().map(bf16::from_f64).collect())
+        }
+        (DType::F32 | DType::F16 | DType::BF16, DType::F64) => {
+            Storage::F64(f32s().into_iter().map(f64::from).collect())
+        }
+        (DType::F32 | DType::F16 | DType::BF16, DType::F32) => Storage::F32(f32s()),
+        (DType::F32 | DType::F16 | DType::BF16, DType::F16) => {
+            Storage::F16(f32s().into_iter().map(f16::from_f32).collect())
+        }
+        (DType::F32 | DType::F16 | DType::BF16, DType::BF16) => {
+            Storage::BF16(f32s().into_iter().map(bf16::from_f32).collect())
+        }
+        (from, to) => {
+            return Err(ModelError::Unsupported(format!(
+                "converting {from} weights to {to}"
+            )))
+        }
+    })
 }
 
 /// The kpt dtype of a safetensors dtype, for the float types kpt loads.
@@ -262,5 +315,35 @@ fn kpt_dtype(name: &str, path: &Path, dtype: Dtype) -> Result<DType> {
             path: path.to_path_buf(),
             dtype: format!("{other:?}"),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The one-pass conversion rounds exactly as kpt-core's `Tensor::to_dtype`.
+    #[test]
+    fn convert_matches_tensor_to_dtype() {
+        let mut rng = kpt_core::rand::SplitMix64::new(3);
+        let values: Vec<f64> = (0..257)
+            .map(|i| match i {
+                0 => 0.0,
+                1 => -0.0,
+                2 => 65504.0,
+                3 => 1e-8,
+                _ => (rng.next_f64() - 0.5) * 10f64.powi((i % 9) - 4),
+            })
+            .collect();
+        let floats = [DType::F64, DType::F32, DType::F16, DType::BF16];
+        for from in floats {
+            let source = Tensor::from_f64(&values, &[values.len()], from).unwrap();
+            let bytes = source.as_bytes().unwrap();
+            for to in floats {
+                let got = Tensor::new(convert(bytes, from, to).unwrap(), &[values.len()]).unwrap();
+                assert_eq!(got, source.to_dtype(to).unwrap(), "{from} -> {to}");
+            }
+        }
+        assert!(convert(&[0; 4], DType::I32, DType::F32).is_err());
     }
 }
