@@ -365,3 +365,49 @@ fn bf16_compute_dtype_within_budget() {
         );
     }
 }
+
+/// The lowered graph is what the manager's passes expect: q/k/v and gate/up merge,
+/// SwiGLU and residual + RMS norm fuse; and every level's plan passes kpt's validator
+/// (per op and end to end against the f64 reference) on prefill and decode.
+#[test]
+fn manager_fuses_and_validator_passes_every_level() {
+    use kpt_core::graph::OpKind;
+    use kpt_core::validate::validate_plan;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = with(llama_config("qwen2"), "tie_word_embeddings", json!(true));
+    write_checkpoint(
+        dir.path(),
+        &cfg,
+        WriteOptions {
+            seed: 30,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (_, model) = load(dir.path(), DType::F32);
+    let n = PROMPT.len();
+    let prefill = model.graph(Phase::Prefill, n).unwrap();
+    let decode = model.graph(Phase::Decode, n).unwrap();
+    let pre_inputs = inputs(&PROMPT, 0, &[]);
+    let cache: Vec<Tensor> = run_ref(&prefill, &pre_inputs)[1..]
+        .iter()
+        .map(|t| t.to_dtype(DType::F32).unwrap())
+        .collect();
+    let dec_inputs = inputs(&[7], n, &cache);
+    for level in OptLevel::ALL {
+        for (graph, ins) in [(&prefill, &pre_inputs), (&decode, &dec_inputs)] {
+            let mut exec = executor(graph, level);
+            let optimized = exec.plan().graph.op_histogram();
+            assert!(exec.plan().graph.nodes().len() < graph.nodes().len());
+            for kind in [OpKind::ActAndMul, OpKind::AddRmsNorm, OpKind::Split] {
+                assert!(
+                    optimized.contains_key(&kind),
+                    "{kind} missing at {level}: {optimized:?}"
+                );
+            }
+            let report =
+                validate_plan(&mut exec, graph, &kpt_kernels::CpuReference, ins, 1.0).unwrap();
+            assert!(report.passed(), "{level}: {report:?}");
+        }
+    }
+}
