@@ -3,8 +3,10 @@
 //! As in Hugging Face's `modeling_bert.py`: word + position + token-type embeddings and
 //! a layer norm, then post-LN blocks `h = ln(h + attn_out(attn(h)))`,
 //! `h = ln(h + out(act(intermediate(h))))` with bidirectional attention. The graph
-//! encodes one unpadded sequence; pooling runs on the host output ([`mean_pool`]),
-//! since the op catalog has no reduction over the sequence.
+//! encodes one sequence ([`Bert::graph`]) or several packed without padding through
+//! variable-length attention ([`Bert::graph_packed`]); pooling runs on the host output
+//! ([`mean_pool`], [`mean_pool_packed`]), since the op catalog has no reduction over
+//! the sequence.
 
 use kpt_core::graph::{Activation, AttentionParams, Graph, Op};
 use kpt_core::{DType, Tensor};
@@ -110,15 +112,29 @@ impl Bert {
         })
     }
 
-    /// Builds the encoder graph. Inputs: ids `[1, S]`, token type ids `[1, S]` and
-    /// positions `[S]` (all i64; positions below `max_position_embeddings`). Output: the
-    /// last hidden state `[1, S, hidden]`.
+    /// Builds the encoder graph of one sequence. Inputs: ids `[1, S]`, token type ids
+    /// `[1, S]` and positions `[S]` (all i64; positions below `max_position_embeddings`).
+    /// Output: the last hidden state `[1, S, hidden]`.
     pub fn graph(&self, seq: usize) -> Result<Graph> {
+        self.build(seq, None)
+    }
+
+    /// Builds the encoder graph of several sequences packed without padding into one
+    /// row of `total` tokens (variable-length attention: each token attends only within
+    /// its sequence). Inputs: those of [`Bert::graph`] over the packed tokens, positions
+    /// restarting at 0 for each sequence, then `cu_seqlens` `[sequences + 1]` (i64).
+    /// [`pack`] builds them; [`mean_pool_packed`] pools the output per sequence.
+    pub fn graph_packed(&self, total: usize, sequences: usize) -> Result<Graph> {
+        self.build(total, Some(sequences))
+    }
+
+    fn build(&self, seq: usize, packed: Option<usize>) -> Result<Graph> {
         let c = &self.config;
         let mut g = Graph::new();
         let ids = g.input("ids", DType::I64, &[1, seq]);
         let types = g.input("token_type_ids", DType::I64, &[1, seq]);
         let pos = g.input("positions", DType::I64, &[seq]);
+        let cu = packed.map(|n| g.input("cu_seqlens", DType::I64, &[n + 1]));
         let word = g.param("word_embeddings.weight", self.word_embeddings.clone());
         let typ = g.param(
             "token_type_embeddings.weight",
@@ -137,12 +153,15 @@ impl Bert {
         let mut h = self
             .embeddings_norm
             .apply(&mut g, "embeddings.LayerNorm", h, eps)?;
-        let attn = AttentionParams::new(
-            c.num_attention_heads,
-            c.num_attention_heads,
-            c.head_dim(),
-            false,
-        );
+        let attn = AttentionParams {
+            varlen: cu.is_some(),
+            ..AttentionParams::new(
+                c.num_attention_heads,
+                c.num_attention_heads,
+                c.head_dim(),
+                false,
+            )
+        };
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("encoder.layer.{i}");
             let q = l
@@ -152,10 +171,12 @@ impl Bert {
             let v = l
                 .value
                 .apply(&mut g, &format!("{p}.attention.self.value"), h)?;
+            let mut attn_inputs = vec![q, k, v];
+            attn_inputs.extend(cu.iter().flat_map(|&c| [c, c]));
             let a = g.op(
                 format!("{p}.attention.self"),
                 Op::Attention(attn),
-                &[q, k, v],
+                &attn_inputs,
             )?;
             let o = l
                 .attention_output
@@ -184,6 +205,78 @@ impl Bert {
         g.output(h)?;
         Ok(g)
     }
+}
+
+/// The inputs of [`Bert::graph_packed`] for `sequences`, each token ids with their token
+/// type ids (equal lengths): ids, token types, per-sequence positions, `cu_seqlens`.
+pub fn pack(sequences: &[(&[i64], &[i64])]) -> Result<Vec<Tensor>> {
+    let mut ids = Vec::new();
+    let mut types = Vec::new();
+    let mut positions = Vec::new();
+    let mut cu = vec![0i64];
+    for (i, (s, t)) in sequences.iter().enumerate() {
+        if s.len() != t.len() || s.is_empty() {
+            return Err(ModelError::Core(kpt_core::KptError::InvalidArgument(
+                format!(
+                    "sequence {i}: {} ids and {} token type ids (must be equal and non-zero)",
+                    s.len(),
+                    t.len()
+                ),
+            )));
+        }
+        ids.extend_from_slice(s);
+        types.extend_from_slice(t);
+        positions.extend(0..s.len() as i64);
+        cu.push(ids.len() as i64);
+    }
+    let n = ids.len();
+    let cu_len = cu.len();
+    Ok(vec![
+        Tensor::from_vec(ids, &[1, n])?,
+        Tensor::from_vec(types, &[1, n])?,
+        Tensor::from_vec(positions, &[n])?,
+        Tensor::from_vec(cu, &[cu_len])?,
+    ])
+}
+
+/// Mean pooling of each sequence of a packed output `[1, total, D]`, split by
+/// `cu_seqlens` (as given to [`Bert::graph_packed`]).
+pub fn mean_pool_packed(hidden: &Tensor, cu_seqlens: &[i64]) -> Result<Vec<Vec<f32>>> {
+    let total = hidden.shape().get(1).copied().unwrap_or(0);
+    let bad = |msg: String| ModelError::Core(kpt_core::KptError::InvalidArgument(msg));
+    if cu_seqlens.first() != Some(&0) || cu_seqlens.last() != Some(&(total as i64)) {
+        return Err(bad(format!(
+            "cu_seqlens {cu_seqlens:?} must run from 0 to the {total} packed tokens"
+        )));
+    }
+    let &[1, _, d] = hidden.shape() else {
+        return Err(bad(format!(
+            "hidden states must be [1, total, dim], got {:?}",
+            hidden.shape()
+        )));
+    };
+    let values = hidden.to_f64_vec();
+    cu_seqlens
+        .windows(2)
+        .map(|w| {
+            if w[1] <= w[0] {
+                return Err(bad(format!(
+                    "cu_seqlens {cu_seqlens:?} has an empty or decreasing entry"
+                )));
+            }
+            let (start, end) = (w[0] as usize, w[1] as usize);
+            let mut sum = vec![0f64; d];
+            for row in values[start * d..end * d].chunks(d) {
+                for (acc, x) in sum.iter_mut().zip(row) {
+                    *acc += x;
+                }
+            }
+            Ok(sum
+                .iter()
+                .map(|x| (x / (end - start) as f64) as f32)
+                .collect())
+        })
+        .collect()
 }
 
 /// A layer norm stored as `weight`/`bias`, or as `gamma`/`beta` (the names of

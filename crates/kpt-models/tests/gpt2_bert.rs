@@ -229,3 +229,58 @@ fn bert_prefix_and_gamma_beta_names_load() {
     });
     assert_eq!(bert_forward(&again, 16, 1, 2, 1e-12, &ids, &types), want);
 }
+
+/// Several sentences packed without padding (variable-length attention) give each
+/// sentence's own hidden states and mean pooling, on the reference and on every level.
+#[test]
+fn bert_packed_batch_equals_one_sequence_at_a_time() {
+    use kpt_models::bert::{mean_pool_packed, pack};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = json!({
+        "model_type": "bert", "vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 48, "max_position_embeddings": 12
+    });
+    write_checkpoint(
+        dir.path(),
+        &cfg,
+        WriteOptions {
+            seed: 23,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let raw = Raw::read(dir.path());
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let kpt_models::Model::Bert(model) = ckpt.load_model(DType::F32).unwrap() else {
+        panic!("not bert")
+    };
+    let seqs: [(&[i64], &[i64]); 3] = [
+        (&[1, 5, 9, 2], &[0, 0, 1, 1]),
+        (&[3, 3, 7, 11, 39, 0], &[0; 6]),
+        (&[8, 4], &[1, 1]),
+    ];
+    let want: Vec<Vec<Vec<f64>>> = seqs
+        .iter()
+        .map(|(ids, types)| bert_forward(&raw, 32, 2, 4, 1e-12, ids, types))
+        .collect();
+    let ins = pack(&seqs).unwrap();
+    let cu: Vec<i64> = ins[3].as_slice::<i64>().unwrap().to_vec();
+    assert_eq!(cu, vec![0, 4, 10, 12]);
+    let graph = model.graph_packed(12, 3).unwrap();
+    let flat: Vec<Vec<f64>> = want.iter().flatten().cloned().collect();
+    let got = &run_ref(&graph, &ins)[0];
+    assert!(rel_err(got, &flat) < 1e-6);
+    for level in OptLevel::ALL {
+        let out = executor(&graph, level).run(&ins).unwrap();
+        let err = rel_err(&out[0], &flat);
+        assert!(err < budget(level), "packed bert at {level}: {err:e}");
+    }
+    let pooled = mean_pool_packed(got, &cu).unwrap();
+    for (p, w) in pooled.iter().zip(&want) {
+        let mean = w.iter().map(|r| r[0]).sum::<f64>() / w.len() as f64;
+        assert!((f64::from(p[0]) - mean).abs() < 1e-5);
+    }
+    assert!(mean_pool_packed(got, &[0, 4, 11]).is_err());
+    assert!(mean_pool_packed(got, &[0, 4, 4, 12]).is_err());
+    assert!(pack(&[(&[1, 2], &[0])]).is_err());
+}
