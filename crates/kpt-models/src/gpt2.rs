@@ -125,10 +125,21 @@ impl Gpt2 {
     /// [`crate::llama::Llama::graph`] (keys and values `[1, T, n_embd]` per layer).
     /// Positions index the learned table, so they must stay below `n_positions`.
     pub fn graph(&self, phase: Phase, seq: usize) -> Result<Graph> {
+        self.build(phase, seq, None)
+    }
+
+    /// The prefill graph of several prompts packed without padding, as
+    /// [`crate::llama::Llama::graph_packed`].
+    pub fn graph_packed(&self, total: usize, sequences: usize) -> Result<Graph> {
+        self.build(Phase::Prefill, total, Some(sequences))
+    }
+
+    fn build(&self, phase: Phase, seq: usize, packed: Option<usize>) -> Result<Graph> {
         let c = &self.config;
         let d = c.n_embd;
         let mut g = Graph::new();
-        let inputs = DecoderInputs::declare(&mut g, phase, seq, c.n_layer, d, self.dtype);
+        let inputs =
+            DecoderInputs::declare(&mut g, phase, seq, packed, (c.n_layer, d), self.dtype)?;
         let wte = g.param("wte.weight", self.wte.clone());
         let wpe = g.param("wpe.weight", self.wpe.clone());
         let tok = g.op("wte", Op::Embedding, &[inputs.ids, wte])?;
@@ -145,7 +156,7 @@ impl Gpt2 {
             let v = b.v.apply(&mut g, &format!("{p}.attn.v"), x)?;
             let (k, v) = inputs.extend_cache(&mut g, &format!("{p}.attn"), i, k, v)?;
             caches.push((k, v));
-            let a = g.op(format!("{p}.attn"), Op::Attention(attn), &[q, k, v])?;
+            let a = inputs.attention(&mut g, &format!("{p}.attn"), attn, q, k, v)?;
             let o = b.attn_proj.apply(&mut g, &format!("{p}.attn.c_proj"), a)?;
             h = g.op(format!("{p}.attn_residual"), Op::Add, &[h, o])?;
             let x = b.ln_2.apply(&mut g, &format!("{p}.ln_2"), h, eps)?;

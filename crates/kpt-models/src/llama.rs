@@ -115,16 +115,30 @@ impl Llama {
     /// after decode. `seq` is the prompt length for prefill and the past length for
     /// decode; the executor re-infers shapes, so one graph serves every length.
     pub fn graph(&self, phase: Phase, seq: usize) -> Result<Graph> {
+        self.build(phase, seq, None)
+    }
+
+    /// The prefill graph of several prompts packed without padding into one row of
+    /// `total` tokens: variable-length causal attention keeps each prompt to itself.
+    /// Inputs: ids `[1, total]`, positions `[total]` (restarting at 0 for each prompt),
+    /// `cu_seqlens` `[sequences + 1]` ([`crate::lower::pack_prompts`] builds them).
+    /// Outputs as for [`Phase::Prefill`], over the packed tokens
+    /// ([`crate::lower::unpack`] cuts them per prompt, e.g. into decode caches).
+    pub fn graph_packed(&self, total: usize, sequences: usize) -> Result<Graph> {
+        self.build(Phase::Prefill, total, Some(sequences))
+    }
+
+    fn build(&self, phase: Phase, seq: usize, packed: Option<usize>) -> Result<Graph> {
         let c = &self.config;
         let mut g = Graph::new();
         let inputs = DecoderInputs::declare(
             &mut g,
             phase,
             seq,
-            c.num_hidden_layers,
-            c.kv_dim(),
+            packed,
+            (c.num_hidden_layers, c.kv_dim()),
             self.dtype,
-        );
+        )?;
         let (ids, pos) = (inputs.ids, inputs.positions);
         let table = g.param("model.embed_tokens.weight", self.embed_tokens.clone());
         let mut h = g.op("model.embed_tokens", Op::Embedding, &[ids, table])?;
@@ -166,11 +180,7 @@ impl Llama {
                 window: c.window(i),
                 ..attn
             };
-            let a = g.op(
-                format!("{p}.self_attn"),
-                Op::Attention(layer_attn),
-                &[q, k, v],
-            )?;
+            let a = inputs.attention(&mut g, &format!("{p}.self_attn"), layer_attn, q, k, v)?;
             let o = layer
                 .o_proj
                 .apply(&mut g, &format!("{p}.self_attn.o_proj"), a)?;

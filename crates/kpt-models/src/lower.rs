@@ -1,6 +1,6 @@
 //! Pieces shared by the lowerings: the phase, projections and activation names.
 
-use kpt_core::graph::{Activation, Graph, Op, ValueId};
+use kpt_core::graph::{Activation, AttentionParams, Graph, Op, ValueId};
 use kpt_core::{DType, Tensor};
 
 use crate::error::{ModelError, Result};
@@ -15,10 +15,11 @@ pub enum Phase {
     Decode,
 }
 
-/// The inputs of a decoder graph: ids `[1, S]` (i64), positions `[S]` (i64), and for
-/// decode the past keys and values of each layer, `past.{i}.k` / `past.{i}.v`
-/// `[1, past, kv_dim]`. `seq` is the prompt length for prefill and the past length for
-/// decode.
+/// The inputs of a decoder graph: ids `[1, S]` (i64), positions `[S]` (i64), for decode
+/// the past keys and values of each layer, `past.{i}.k` / `past.{i}.v`
+/// `[1, past, kv_dim]`, and for a packed prefill `cu_seqlens` `[sequences + 1]` (i64).
+/// `seq` is the prompt length (all prompts' for a packed prefill) for prefill and the
+/// past length for decode.
 #[derive(Debug, Clone)]
 pub struct DecoderInputs {
     /// Token ids.
@@ -27,18 +28,26 @@ pub struct DecoderInputs {
     pub positions: ValueId,
     /// Past keys and values per layer (empty for prefill).
     pub past: Vec<(ValueId, ValueId)>,
+    /// Sequence offsets of a packed prefill.
+    pub cu_seqlens: Option<ValueId>,
 }
 
 impl DecoderInputs {
-    /// Declares the inputs on `g`.
+    /// Declares the inputs on `g`; `packed` is the number of sequences of a packed
+    /// prefill.
     pub fn declare(
         g: &mut Graph,
         phase: Phase,
         seq: usize,
-        layers: usize,
-        kv_dim: usize,
+        packed: Option<usize>,
+        (layers, kv_dim): (usize, usize),
         dtype: DType,
-    ) -> Self {
+    ) -> Result<Self> {
+        if phase == Phase::Decode && packed.is_some() {
+            return Err(ModelError::Unsupported(
+                "packed decode: decode steps take one sequence's cache".into(),
+            ));
+        }
         let s = if phase == Phase::Decode { 1 } else { seq };
         let ids = g.input("ids", DType::I64, &[1, s]);
         let positions = g.input("positions", DType::I64, &[s]);
@@ -53,11 +62,33 @@ impl DecoderInputs {
         } else {
             Vec::new()
         };
-        Self {
+        let cu_seqlens = packed.map(|n| g.input("cu_seqlens", DType::I64, &[n + 1]));
+        Ok(Self {
             ids,
             positions,
             past,
-        }
+            cu_seqlens,
+        })
+    }
+
+    /// Adds attention of `q` over `k`, `v` with `params`, variable-length over
+    /// `cu_seqlens` for a packed prefill.
+    pub fn attention(
+        &self,
+        g: &mut Graph,
+        name: &str,
+        params: AttentionParams,
+        q: ValueId,
+        k: ValueId,
+        v: ValueId,
+    ) -> Result<ValueId> {
+        let mut inputs = vec![q, k, v];
+        inputs.extend(self.cu_seqlens.iter().flat_map(|&c| [c, c]));
+        let params = AttentionParams {
+            varlen: self.cu_seqlens.is_some(),
+            ..params
+        };
+        Ok(g.op(name, Op::Attention(params), &inputs)?)
     }
 
     /// Appends layer `layer`'s new keys and values to its past (decode) or returns them
@@ -207,6 +238,55 @@ pub fn activation(field: &str, name: &str) -> Result<Activation> {
     }
 }
 
+/// The inputs of a packed prefill of `prompts` (see [`DecoderInputs`]): ids `[1, total]`,
+/// positions restarting at 0 for each prompt, and `cu_seqlens`.
+pub fn pack_prompts(prompts: &[&[i64]]) -> Result<Vec<Tensor>> {
+    let mut ids = Vec::new();
+    let mut positions = Vec::new();
+    let mut cu = vec![0i64];
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(ModelError::Core(kpt_core::KptError::InvalidArgument(
+                format!("prompt {i} is empty"),
+            )));
+        }
+        ids.extend_from_slice(p);
+        positions.extend(0..p.len() as i64);
+        cu.push(ids.len() as i64);
+    }
+    let (n, m) = (ids.len(), cu.len());
+    Ok(vec![
+        Tensor::from_vec(ids, &[1, n])?,
+        Tensor::from_vec(positions, &[n])?,
+        Tensor::from_vec(cu, &[m])?,
+    ])
+}
+
+/// Cuts the packed outputs `[1, total, width]` of a packed prefill (logits or one layer's
+/// keys or values) into one `[1, len, width]` tensor per sequence, by `cu_seqlens`.
+pub fn unpack(packed: &Tensor, cu_seqlens: &[i64]) -> Result<Vec<Tensor>> {
+    let total = packed.shape().get(1).copied().unwrap_or(0);
+    if packed.rank() != 3
+        || cu_seqlens.first() != Some(&0)
+        || cu_seqlens.last() != Some(&(total as i64))
+        || cu_seqlens.windows(2).any(|w| w[1] < w[0])
+    {
+        return Err(ModelError::Core(kpt_core::KptError::InvalidArgument(
+            format!(
+                "cannot cut {:?} by cu_seqlens {cu_seqlens:?}",
+                packed.shape()
+            ),
+        )));
+    }
+    cu_seqlens
+        .windows(2)
+        .map(|w| {
+            let (start, len) = (w[0] as usize, (w[1] - w[0]) as usize);
+            Ok(packed.narrow(1, start, len)?.contiguous())
+        })
+        .collect()
+}
+
 /// Checks that `dtype` is one the lowered graph can compute in.
 pub fn check_compute_dtype(dtype: DType) -> Result<()> {
     match dtype {
@@ -214,5 +294,37 @@ pub fn check_compute_dtype(dtype: DType) -> Result<()> {
         other => Err(ModelError::Unsupported(format!(
             "compute dtype {other}; use f32, f64, bf16 or f16"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decoder_inputs_by_phase() {
+        let mut g = Graph::new();
+        let d = DecoderInputs::declare(&mut g, Phase::Decode, 5, None, (2, 8), DType::F32).unwrap();
+        assert_eq!(d.past.len(), 2);
+        assert_eq!(g.spec(d.past[1].0).unwrap().shape, vec![1, 5, 8]);
+        assert_eq!(g.spec(d.ids).unwrap().shape, vec![1, 1]);
+        let mut g = Graph::new();
+        let p =
+            DecoderInputs::declare(&mut g, Phase::Prefill, 9, Some(3), (2, 8), DType::F32).unwrap();
+        assert!(p.past.is_empty());
+        assert_eq!(g.spec(p.cu_seqlens.unwrap()).unwrap().shape, vec![4]);
+        let mut g = Graph::new();
+        let err = DecoderInputs::declare(&mut g, Phase::Decode, 9, Some(3), (2, 8), DType::F32);
+        assert!(matches!(err, Err(ModelError::Unsupported(_))));
+    }
+
+    #[test]
+    fn activation_names() {
+        assert_eq!(activation("a", "silu").unwrap(), Activation::Silu);
+        assert_eq!(activation("a", "gelu_new").unwrap(), Activation::GeluTanh);
+        assert_eq!(activation("a", "gelu").unwrap(), Activation::GeluErf);
+        let err = activation("hidden_act", "mish").unwrap_err().to_string();
+        assert!(err.contains("hidden_act `mish`"), "{err}");
+        assert!(check_compute_dtype(DType::I8).is_err());
     }
 }

@@ -284,3 +284,20 @@ fn bert_packed_batch_equals_one_sequence_at_a_time() {
     assert!(mean_pool_packed(got, &[0, 4, 4, 12]).is_err());
     assert!(pack(&[(&[1, 2], &[0])]).is_err());
 }
+
+#[test]
+fn gpt2_packed_prefill_equals_separate_prompts() {
+    let dir = gpt2_dir(29);
+    let raw = Raw::read(dir.path());
+    let model = load_gpt2(dir.path(), DType::F32);
+    let prompts: [&[i64]; 2] = [&[5, 6, 7], &[1, 2, 3, 4, 5, 6, 7, 8]];
+    let ins = kpt_models::lower::pack_prompts(&prompts).unwrap();
+    let want: Vec<Vec<f64>> = prompts
+        .iter()
+        .flat_map(|p| gpt2_forward(&raw, 32, 2, 4, 50, p))
+        .collect();
+    let graph = model.graph_packed(11, 2).unwrap();
+    assert!(rel_err(&run_ref(&graph, &ins)[0], &want) < 1e-6);
+    let out = executor(&graph, OptLevel::Conservative).run(&ins).unwrap();
+    assert!(rel_err(&out[0], &want) < budget(OptLevel::Conservative));
+}

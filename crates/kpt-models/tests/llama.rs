@@ -411,3 +411,62 @@ fn manager_fuses_and_validator_passes_every_level() {
         }
     }
 }
+
+/// Prompts of different lengths packed into one prefill (variable-length attention)
+/// give each prompt's own logits; the packed caches, cut per prompt, feed decode steps
+/// that match a prefill of the longer prompt.
+#[test]
+fn packed_prefill_equals_separate_prompts() {
+    use kpt_models::lower::{pack_prompts, unpack};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = with(llama_config("mistral"), "sliding_window", json!(3));
+    let parsed = write_checkpoint(
+        dir.path(),
+        &cfg,
+        WriteOptions {
+            seed: 31,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let raw = Raw::read(dir.path());
+    let (_, model) = load(dir.path(), DType::F32);
+    let prompts: [&[i64]; 3] = [&[4, 8, 15, 16, 23], &[42], &[1, 2, 3, 5, 8, 13, 21]];
+    let ins = pack_prompts(&prompts).unwrap();
+    let cu = ins[2].as_slice::<i64>().unwrap().to_vec();
+    let graph = model.graph_packed(13, 3).unwrap();
+    let want: Vec<Vec<Vec<f64>>> = prompts
+        .iter()
+        .map(|p| llama_forward(&raw, &sizes(&parsed), p))
+        .collect();
+    let flat: Vec<Vec<f64>> = want.iter().flatten().cloned().collect();
+    let out = run_ref(&graph, &ins);
+    assert!(rel_err(&out[0], &flat) < 1e-6);
+    for level in OptLevel::ALL {
+        let got = executor(&graph, level).run(&ins).unwrap();
+        let err = rel_err(&got[0], &flat);
+        assert!(err < budget(level), "packed at {level}: {err:e}");
+    }
+    // Per-prompt logits and caches, then one decode step of each prompt.
+    let logits = unpack(&out[0], &cu).unwrap();
+    let caches: Vec<Vec<Tensor>> = out[1..]
+        .iter()
+        .map(|t| unpack(&t.to_dtype(DType::F32).unwrap(), &cu).unwrap())
+        .collect();
+    for (i, prompt) in prompts.iter().enumerate() {
+        assert!(rel_err(&logits[i], &want[i]) < 1e-6);
+        let n = prompt.len();
+        let cache: Vec<Tensor> = caches.iter().map(|c| c[i].clone()).collect();
+        let dec = run_ref(
+            &model.graph(Phase::Decode, n).unwrap(),
+            &inputs(&[9], n, &cache),
+        );
+        let mut longer = prompt.to_vec();
+        longer.push(9);
+        let full = llama_forward(&raw, &sizes(&parsed), &longer);
+        assert!(rel_err(&dec[0], &full[n..]) < 1e-6, "prompt {i}");
+    }
+    assert!(unpack(&out[0], &[0, 5, 6]).is_err());
+    assert!(pack_prompts(&[&[1], &[]]).is_err());
+    assert!(model.graph_packed(13, 3).is_ok());
+}
