@@ -452,6 +452,11 @@ pub struct Gpt2Config {
     pub layer_norm_epsilon: f64,
     /// MLP activation (`activation_function`).
     pub activation_function: String,
+    /// Whether attention scores are divided by `sqrt(head_dim)` (`scale_attn_weights`).
+    pub scale_attn_weights: bool,
+    /// Whether layer `i`'s scores are further divided by `i + 1`
+    /// (`scale_attn_by_inverse_layer_idx`).
+    pub scale_attn_by_inverse_layer_idx: bool,
     /// Special token ids.
     pub special_tokens: SpecialTokens,
 }
@@ -472,6 +477,10 @@ impl Gpt2Config {
             activation_function: f
                 .opt_str("activation_function")?
                 .unwrap_or_else(|| "gelu_new".into()),
+            scale_attn_weights: f.opt_bool("scale_attn_weights")?.unwrap_or(true),
+            scale_attn_by_inverse_layer_idx: f
+                .opt_bool("scale_attn_by_inverse_layer_idx")?
+                .unwrap_or(false),
             special_tokens: SpecialTokens::parse(f)?,
         };
         for (name, v) in [
@@ -488,6 +497,18 @@ impl Gpt2Config {
     /// Size of one head.
     pub fn head_dim(&self) -> usize {
         self.n_embd / self.n_head
+    }
+
+    /// The softmax scale of layer `layer`, as `modeling_gpt2.py` applies it.
+    pub fn attention_scale(&self, layer: usize) -> f64 {
+        let mut scale = 1.0;
+        if self.scale_attn_weights {
+            scale /= (self.head_dim() as f64).sqrt();
+        }
+        if self.scale_attn_by_inverse_layer_idx {
+            scale /= (layer + 1) as f64;
+        }
+        scale
     }
 }
 

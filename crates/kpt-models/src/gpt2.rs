@@ -156,7 +156,11 @@ impl Gpt2 {
             let v = b.v.apply(&mut g, &format!("{p}.attn.v"), x)?;
             let (k, v) = inputs.extend_cache(&mut g, &format!("{p}.attn"), i, k, v)?;
             caches.push((k, v));
-            let a = inputs.attention(&mut g, &format!("{p}.attn"), attn, q, k, v)?;
+            let layer_attn = AttentionParams {
+                scale: Some(c.attention_scale(i) as f32),
+                ..attn
+            };
+            let a = inputs.attention(&mut g, &format!("{p}.attn"), layer_attn, q, k, v)?;
             let o = b.attn_proj.apply(&mut g, &format!("{p}.attn.c_proj"), a)?;
             h = g.op(format!("{p}.attn_residual"), Op::Add, &[h, o])?;
             let x = b.ln_2.apply(&mut g, &format!("{p}.ln_2"), h, eps)?;

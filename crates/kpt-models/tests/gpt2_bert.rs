@@ -301,3 +301,32 @@ fn gpt2_packed_prefill_equals_separate_prompts() {
     let out = executor(&graph, OptLevel::Conservative).run(&ins).unwrap();
     assert!(rel_err(&out[0], &want) < budget(OptLevel::Conservative));
 }
+
+/// `scale_attn_by_inverse_layer_idx` divides layer `l`'s scores by `l + 1`.
+#[test]
+fn gpt2_inverse_layer_scaling_matches_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = json!({
+        "model_type": "gpt2", "vocab_size": 50, "n_embd": 32, "n_layer": 3, "n_head": 4,
+        "n_positions": 16, "scale_attn_by_inverse_layer_idx": true
+    });
+    write_checkpoint(
+        dir.path(),
+        &cfg,
+        WriteOptions {
+            seed: 41,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let raw = Raw::read(dir.path());
+    let want = common::gpt2_forward_scaled(&raw, (32, 3, 4, 50), &PROMPT, true);
+    let model = load_gpt2(dir.path(), DType::F64);
+    let got = &run_ref(
+        &model.graph(Phase::Prefill, PROMPT.len()).unwrap(),
+        &inputs(&PROMPT, 0, &[]),
+    )[0];
+    assert!(rel_err(got, &want) < 1e-7);
+    let unscaled = common::gpt2_forward_scaled(&raw, (32, 3, 4, 50), &PROMPT, false);
+    assert!(rel_err(got, &unscaled) > 1e-4, "the option must matter");
+}

@@ -229,9 +229,25 @@ pub fn attention(
     causal: bool,
     window: Option<usize>,
 ) -> Vec<Vec<f64>> {
+    let scale = 1.0 / (d as f64).sqrt();
+    attention_scaled(q, k, v, heads, kv_heads, d, causal, window, scale)
+}
+
+/// [`attention`] with scores multiplied by `scale`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_scaled(
+    q: &[Vec<f64>],
+    k: &[Vec<f64>],
+    v: &[Vec<f64>],
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    causal: bool,
+    window: Option<usize>,
+    scale: f64,
+) -> Vec<Vec<f64>> {
     let offset = k.len() - q.len();
     let group = heads / kv_heads;
-    let scale = 1.0 / (d as f64).sqrt();
     q.iter()
         .enumerate()
         .map(|(i, qi)| {
@@ -411,6 +427,17 @@ pub fn gpt2_forward(
     vocab: usize,
     ids: &[i64],
 ) -> Vec<Vec<f64>> {
+    gpt2_forward_scaled(raw, (d, layers, heads, vocab), ids, false)
+}
+
+/// [`gpt2_forward`], with layer `l`'s scores divided by `l + 1` when
+/// `inverse_layer_scaling` (`scale_attn_by_inverse_layer_idx`).
+pub fn gpt2_forward_scaled(
+    raw: &Raw,
+    (d, layers, heads, vocab): (usize, usize, usize, usize),
+    ids: &[i64],
+    inverse_layer_scaling: bool,
+) -> Vec<Vec<f64>> {
     let (wte, wpe) = (raw.get("wte.weight"), raw.get("wpe.weight"));
     let mut h: Vec<Vec<f64>> = ids
         .iter()
@@ -430,7 +457,11 @@ pub fn gpt2_forward(
         let q: Vec<Vec<f64>> = qkv.iter().map(|r| r[..d].to_vec()).collect();
         let k: Vec<Vec<f64>> = qkv.iter().map(|r| r[d..2 * d].to_vec()).collect();
         let v: Vec<Vec<f64>> = qkv.iter().map(|r| r[2 * d..].to_vec()).collect();
-        let a = attention(&q, &k, &v, heads, heads, d / heads, true, None);
+        let mut scale = 1.0 / ((d / heads) as f64).sqrt();
+        if inverse_layer_scaling {
+            scale /= (l + 1) as f64;
+        }
+        let a = attention_scaled(&q, &k, &v, heads, heads, d / heads, true, None, scale);
         add(
             &mut h,
             &conv1d(&a, g("attn.c_proj.weight"), g("attn.c_proj.bias"), d),
