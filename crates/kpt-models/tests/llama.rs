@@ -131,6 +131,18 @@ fn llama_bf16_checkpoint_matches_reference() {
 }
 
 #[test]
+fn f16_sharded_checkpoint_matches_reference() {
+    check_against_reference(
+        llama_config("llama"),
+        WriteOptions {
+            seed: 10,
+            dtype: DType::F16,
+            shards: 2,
+        },
+    );
+}
+
+#[test]
 fn qwen2_qkv_bias_matches_reference() {
     let cfg = with(llama_config("qwen2"), "tie_word_embeddings", json!(true));
     check_against_reference(
