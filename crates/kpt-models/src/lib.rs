@@ -110,8 +110,17 @@ impl Checkpoint {
         })
     }
 
-    /// Loads `dir/tokenizer.json` with the special ids of this checkpoint.
+    /// Loads `dir/tokenizer.json` with the special ids of this checkpoint. A vocabulary
+    /// larger than the model's is logged (ids past the embedding table fail when run).
     pub fn tokenizer(&self) -> Result<Tokenizer> {
-        Tokenizer::from_dir(&self.dir, &self.config.special_tokens())
+        let tok = Tokenizer::from_dir(&self.dir, &self.config.special_tokens())?;
+        if tok.vocab_size() > self.config.vocab_size() {
+            tracing::warn!(
+                tokenizer = tok.vocab_size(),
+                model = self.config.vocab_size(),
+                "tokenizer.json has more tokens than the model's vocab_size"
+            );
+        }
+        Ok(tok)
     }
 }
