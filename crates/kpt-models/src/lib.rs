@@ -6,8 +6,8 @@
 //! [`Checkpoint::load_model`] picks the architecture's loader ([`llama::Llama`],
 //! [`gpt2::Gpt2`], [`bert::Bert`]), which checks every weight against the config and
 //! builds [`kpt_core::Graph`]s that the manager optimizes and the executor runs.
-//! [`synthetic`] writes small random checkpoints in the same formats. Every problem with the files is a [`ModelError`]
-//! naming the file, field or tensor.
+//! [`synthetic`] writes small random checkpoints in the same formats. Every problem
+//! with the files is a [`ModelError`] naming the file, field or tensor.
 //!
 //! ```no_run
 //! use kpt_models::{Checkpoint, Phase};
