@@ -70,6 +70,18 @@ impl Model {
             Model::Bert(m) => m.graph(seq),
         }
     }
+
+    /// The graph of `sequences` sequences packed without padding into `total` tokens:
+    /// a decoder's packed prefill ([`llama::Llama::graph_packed`], inputs from
+    /// [`lower::pack_prompts`]) or BERT's packed encoder ([`bert::Bert::graph_packed`],
+    /// inputs from [`bert::pack`]).
+    pub fn graph_packed(&self, total: usize, sequences: usize) -> Result<kpt_core::Graph> {
+        match self {
+            Model::Llama(m) => m.graph_packed(total, sequences),
+            Model::Gpt2(m) => m.graph_packed(total, sequences),
+            Model::Bert(m) => m.graph_packed(total, sequences),
+        }
+    }
 }
 
 /// The configuration file of a checkpoint directory.

@@ -480,5 +480,6 @@ fn packed_prefill_equals_separate_prompts() {
     }
     assert!(unpack(&out[0], &[0, 5, 6]).is_err());
     assert!(pack_prompts(&[&[1], &[]]).is_err());
-    assert!(model.graph_packed(13, 3).is_ok());
+    let packed = kpt_models::Model::Llama(model).graph_packed(13, 3).unwrap();
+    assert_eq!(packed.inputs().len(), 3);
 }
