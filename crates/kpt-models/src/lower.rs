@@ -1,0 +1,330 @@
+//! Pieces shared by the lowerings: the phase, projections and activation names.
+
+use kpt_core::graph::{Activation, AttentionParams, Graph, Op, ValueId};
+use kpt_core::{DType, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::weights::Weights;
+
+/// Which graph of a decoder to build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The whole prompt at once; outputs logits and the key/value cache of every layer.
+    Prefill,
+    /// One token with the cache as input; outputs logits and the extended cache.
+    Decode,
+}
+
+/// The inputs of a decoder graph: ids `[1, S]` (i64), positions `[S]` (i64), for decode
+/// the past keys and values of each layer, `past.{i}.k` / `past.{i}.v`
+/// `[1, past, kv_dim]`, and for a packed prefill `cu_seqlens` `[sequences + 1]` (i64).
+/// `seq` is the prompt length (all prompts' for a packed prefill) for prefill and the
+/// past length for decode.
+#[derive(Debug, Clone)]
+pub struct DecoderInputs {
+    /// Token ids.
+    pub ids: ValueId,
+    /// Absolute positions of the tokens.
+    pub positions: ValueId,
+    /// Past keys and values per layer (empty for prefill).
+    pub past: Vec<(ValueId, ValueId)>,
+    /// Sequence offsets of a packed prefill.
+    pub cu_seqlens: Option<ValueId>,
+}
+
+impl DecoderInputs {
+    /// Declares the inputs on `g`; `packed` is the number of sequences of a packed
+    /// prefill.
+    pub fn declare(
+        g: &mut Graph,
+        phase: Phase,
+        seq: usize,
+        packed: Option<usize>,
+        (layers, kv_dim): (usize, usize),
+        dtype: DType,
+    ) -> Result<Self> {
+        if phase == Phase::Decode && packed.is_some() {
+            return Err(ModelError::Unsupported(
+                "packed decode: decode steps take one sequence's cache".into(),
+            ));
+        }
+        let s = if phase == Phase::Decode { 1 } else { seq };
+        let ids = g.input("ids", DType::I64, &[1, s]);
+        let positions = g.input("positions", DType::I64, &[s]);
+        let past = if phase == Phase::Decode {
+            (0..layers)
+                .map(|i| {
+                    let k = g.input(format!("past.{i}.k"), dtype, &[1, seq, kv_dim]);
+                    let v = g.input(format!("past.{i}.v"), dtype, &[1, seq, kv_dim]);
+                    (k, v)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let cu_seqlens = packed.map(|n| g.input("cu_seqlens", DType::I64, &[n + 1]));
+        Ok(Self {
+            ids,
+            positions,
+            past,
+            cu_seqlens,
+        })
+    }
+
+    /// Adds attention of `q` over `k`, `v` with `params`, variable-length over
+    /// `cu_seqlens` for a packed prefill.
+    pub fn attention(
+        &self,
+        g: &mut Graph,
+        name: &str,
+        params: AttentionParams,
+        q: ValueId,
+        k: ValueId,
+        v: ValueId,
+    ) -> Result<ValueId> {
+        let mut inputs = vec![q, k, v];
+        inputs.extend(self.cu_seqlens.iter().flat_map(|&c| [c, c]));
+        let params = AttentionParams {
+            varlen: self.cu_seqlens.is_some(),
+            ..params
+        };
+        Ok(g.op(name, Op::Attention(params), &inputs)?)
+    }
+
+    /// Appends layer `layer`'s new keys and values to its past (decode) or returns them
+    /// as they are (prefill).
+    pub fn extend_cache(
+        &self,
+        g: &mut Graph,
+        prefix: &str,
+        layer: usize,
+        k: ValueId,
+        v: ValueId,
+    ) -> Result<(ValueId, ValueId)> {
+        match self.past.get(layer) {
+            Some(&(pk, pv)) => Ok((
+                g.op(
+                    format!("{prefix}.k_cache"),
+                    Op::Concat { axis: 1 },
+                    &[pk, k],
+                )?,
+                g.op(
+                    format!("{prefix}.v_cache"),
+                    Op::Concat { axis: 1 },
+                    &[pv, v],
+                )?,
+            )),
+            None => Ok((k, v)),
+        }
+    }
+}
+
+/// Marks the outputs of a decoder graph: logits, then each layer's keys and values.
+pub fn decoder_outputs(
+    g: &mut Graph,
+    logits: ValueId,
+    caches: &[(ValueId, ValueId)],
+) -> Result<()> {
+    g.output(logits)?;
+    for &(k, v) in caches {
+        g.output(k)?;
+        g.output(v)?;
+    }
+    Ok(())
+}
+
+/// A linear layer's weight `[out, in]` and optional bias `[out]`.
+#[derive(Debug, Clone)]
+pub struct Projection {
+    /// Weight in PyTorch layout.
+    pub weight: Tensor,
+    /// Bias.
+    pub bias: Option<Tensor>,
+}
+
+impl Projection {
+    /// Loads `{prefix}.weight` `[out, inp]` and, when `bias`, `{prefix}.bias` `[out]`.
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+        dtype: DType,
+    ) -> Result<Self> {
+        Ok(Self {
+            weight: w.load(&format!("{prefix}.weight"), &[out, inp], dtype)?,
+            bias: if bias {
+                Some(w.load(&format!("{prefix}.bias"), &[out], dtype)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Loads a GPT-2 `Conv1D` (`{prefix}.weight` stored `[inp, out]`), transposed to
+    /// `[out, inp]`, with its bias `[out]`.
+    pub fn load_conv1d(
+        w: &Weights,
+        prefix: &str,
+        inp: usize,
+        out: usize,
+        dtype: DType,
+    ) -> Result<Self> {
+        let weight = w
+            .load(&format!("{prefix}.weight"), &[inp, out], dtype)?
+            .transpose(0, 1)?
+            .contiguous();
+        Ok(Self {
+            weight,
+            bias: Some(w.load(&format!("{prefix}.bias"), &[out], dtype)?),
+        })
+    }
+
+    /// Adds the parameters (named after `name`) and the linear node to `g`.
+    pub fn apply(&self, g: &mut Graph, name: &str, x: ValueId) -> Result<ValueId> {
+        let w = g.param(format!("{name}.weight"), self.weight.clone());
+        let mut inputs = vec![x, w];
+        if let Some(b) = &self.bias {
+            inputs.push(g.param(format!("{name}.bias"), b.clone()));
+        }
+        Ok(g.op(
+            name,
+            Op::Linear {
+                bias: self.bias.is_some(),
+            },
+            &inputs,
+        )?)
+    }
+}
+
+/// Weight and bias of a layer norm.
+#[derive(Debug, Clone)]
+pub struct NormParams {
+    /// Scale `[D]`.
+    pub weight: Tensor,
+    /// Shift `[D]`.
+    pub bias: Tensor,
+}
+
+impl NormParams {
+    /// Loads `{prefix}.weight` and `{prefix}.bias`, each `[dim]`.
+    pub fn load(w: &Weights, prefix: &str, dim: usize, dtype: DType) -> Result<Self> {
+        Ok(Self {
+            weight: w.load(&format!("{prefix}.weight"), &[dim], dtype)?,
+            bias: w.load(&format!("{prefix}.bias"), &[dim], dtype)?,
+        })
+    }
+
+    /// Adds a layer norm of `x` to `g`.
+    pub fn apply(&self, g: &mut Graph, name: &str, x: ValueId, eps: f64) -> Result<ValueId> {
+        let w = g.param(format!("{name}.weight"), self.weight.clone());
+        let b = g.param(format!("{name}.bias"), self.bias.clone());
+        Ok(g.op(name, Op::LayerNorm { eps: eps as f32 }, &[x, w, b])?)
+    }
+}
+
+/// The kpt activation of a Hugging Face activation name (`hidden_act`,
+/// `activation_function`).
+pub fn activation(field: &str, name: &str) -> Result<Activation> {
+    match name {
+        "silu" | "swish" => Ok(Activation::Silu),
+        "gelu" => Ok(Activation::GeluErf),
+        "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Activation::GeluTanh),
+        "relu" => Ok(Activation::Relu),
+        other => Err(ModelError::Unsupported(format!(
+            "{field} `{other}`; supported: silu, gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu"
+        ))),
+    }
+}
+
+/// The inputs of a packed prefill of `prompts` (see [`DecoderInputs`]): ids `[1, total]`,
+/// positions restarting at 0 for each prompt, and `cu_seqlens`.
+pub fn pack_prompts(prompts: &[&[i64]]) -> Result<Vec<Tensor>> {
+    let mut ids = Vec::new();
+    let mut positions = Vec::new();
+    let mut cu = vec![0i64];
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(ModelError::Core(kpt_core::KptError::InvalidArgument(
+                format!("prompt {i} is empty"),
+            )));
+        }
+        ids.extend_from_slice(p);
+        positions.extend(0..p.len() as i64);
+        cu.push(ids.len() as i64);
+    }
+    let (n, m) = (ids.len(), cu.len());
+    Ok(vec![
+        Tensor::from_vec(ids, &[1, n])?,
+        Tensor::from_vec(positions, &[n])?,
+        Tensor::from_vec(cu, &[m])?,
+    ])
+}
+
+/// Cuts the packed outputs `[1, total, width]` of a packed prefill (logits or one layer's
+/// keys or values) into one `[1, len, width]` tensor per sequence, by `cu_seqlens`.
+pub fn unpack(packed: &Tensor, cu_seqlens: &[i64]) -> Result<Vec<Tensor>> {
+    let total = packed.shape().get(1).copied().unwrap_or(0);
+    if packed.rank() != 3
+        || cu_seqlens.first() != Some(&0)
+        || cu_seqlens.last() != Some(&(total as i64))
+        || cu_seqlens.windows(2).any(|w| w[1] < w[0])
+    {
+        return Err(ModelError::Core(kpt_core::KptError::InvalidArgument(
+            format!(
+                "cannot cut {:?} by cu_seqlens {cu_seqlens:?}",
+                packed.shape()
+            ),
+        )));
+    }
+    cu_seqlens
+        .windows(2)
+        .map(|w| {
+            let (start, len) = (w[0] as usize, (w[1] - w[0]) as usize);
+            Ok(packed.narrow(1, start, len)?.contiguous())
+        })
+        .collect()
+}
+
+/// Checks that `dtype` is one the lowered graph can compute in.
+pub fn check_compute_dtype(dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::F64 | DType::BF16 | DType::F16 => Ok(()),
+        other => Err(ModelError::Unsupported(format!(
+            "compute dtype {other}; use f32, f64, bf16 or f16"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decoder_inputs_by_phase() {
+        let mut g = Graph::new();
+        let d = DecoderInputs::declare(&mut g, Phase::Decode, 5, None, (2, 8), DType::F32).unwrap();
+        assert_eq!(d.past.len(), 2);
+        assert_eq!(g.spec(d.past[1].0).unwrap().shape, vec![1, 5, 8]);
+        assert_eq!(g.spec(d.ids).unwrap().shape, vec![1, 1]);
+        let mut g = Graph::new();
+        let p =
+            DecoderInputs::declare(&mut g, Phase::Prefill, 9, Some(3), (2, 8), DType::F32).unwrap();
+        assert!(p.past.is_empty());
+        assert_eq!(g.spec(p.cu_seqlens.unwrap()).unwrap().shape, vec![4]);
+        let mut g = Graph::new();
+        let err = DecoderInputs::declare(&mut g, Phase::Decode, 9, Some(3), (2, 8), DType::F32);
+        assert!(matches!(err, Err(ModelError::Unsupported(_))));
+    }
+
+    #[test]
+    fn activation_names() {
+        assert_eq!(activation("a", "silu").unwrap(), Activation::Silu);
+        assert_eq!(activation("a", "gelu_new").unwrap(), Activation::GeluTanh);
+        assert_eq!(activation("a", "gelu").unwrap(), Activation::GeluErf);
+        let err = activation("hidden_act", "mish").unwrap_err().to_string();
+        assert!(err.contains("hidden_act `mish`"), "{err}");
+        assert!(check_compute_dtype(DType::I8).is_err());
+    }
+}
