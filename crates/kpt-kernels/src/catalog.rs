@@ -295,9 +295,9 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             "cuda.attention_backward.flash",
             AttentionBackward,
             &[DType::BF16, DType::F16],
-            "FlashAttention-2 style gradients: mma.sync tensor cores, per-row log-sum-exp \
-             recomputed first, one block per key tile keeps dK and dV in registers, dQ \
-             summed in f32 with atomics",
+            "FlashAttention-2 style gradients on mma.sync tensor cores, no atomics: dq per \
+             query tile with an online softmax (which leaves the log-sum-exp), then dk and \
+             dv per key tile in registers",
         )
         .with_priority(110)
         .limits(ShapeLimits {

@@ -308,9 +308,9 @@ pub(crate) struct FlashBackward {
     dims: AttentionDims,
     /// Entry-point dtype suffix.
     name: &'static str,
-    /// Blocks of the preprocessing kernel: query tiles x batch x heads.
+    /// Blocks of the dq kernel: query tiles x batch x heads.
     query_tiles: usize,
-    /// Blocks of the main kernel: key tiles x batch x kv heads.
+    /// Blocks of the dk / dv kernel: key tiles x batch x kv heads.
     key_tiles: usize,
 }
 
@@ -350,12 +350,8 @@ impl FlashBackward {
             query_tiles: seq_q.div_ceil(FLASH_BWD_TILE) * batch * heads,
             key_tiles: seq_kv.div_ceil(FLASH_BWD_TILE) * batch * kv_heads,
         };
-        // The kernels index the padded statistics and dq's accumulator with i32 and i64
-        // offsets; both must be addressable.
+        // The kernels index the padded statistics with i32 row numbers.
         int("flash backward rows", plan.padded_rows())?;
-        plan.dq_len()
-            .checked_mul(4)
-            .ok_or_else(|| NvidiaError::Invalid("flash backward: dq is too large".into()))?;
         Ok(plan)
     }
 
@@ -366,11 +362,6 @@ impl FlashBackward {
             * FLASH_BWD_TILE
             * d.batch as usize
             * d.heads as usize
-    }
-
-    /// Elements of dq (and of its f32 accumulator).
-    fn dq_len(&self) -> usize {
-        self.dims.rows() * self.dims.head_dim as usize
     }
 }
 
@@ -602,9 +593,8 @@ impl Gpu {
 
     /// Gradients `[dq, dk, dv]` of attention on tensor cores (`flash_attention_bwd.cu`)
     /// from `[q, k, v, out, dout]` and an optional f32 mask (0: none), for the sizes
-    /// [`FlashBackward::new`] accepts: per-row log-sum-exp and `rowsum(dout o out)` into
-    /// scratch, one block per key tile for dk and dv with dq added up in f32 scratch, then
-    /// dq converted.
+    /// [`FlashBackward::new`] accepts: dq per query tile (which also leaves each row's
+    /// log-sum-exp and `rowsum(dout o out)` in scratch), then dk and dv per key tile.
     pub(crate) fn flash_attention_backward(
         &self,
         plan: &FlashBackward,
@@ -617,29 +607,21 @@ impl Gpu {
             name,
             query_tiles,
             key_tiles,
-            ..
         } = *plan;
         let d = dims.head_dim;
-        // lse2 and D: f32 [batch * heads, seq_pad] each; dq's f32 accumulator, zeroed.
+        // lse2 and D: f32 [batch * heads, seq_pad] each.
         let rows = plan.padded_rows();
         let stats = self.alloc((2 * rows).max(4) * 4)?;
         let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
-        let acc = self.alloc_zeroed(plan.dq_len().max(4) * 4)?;
         if query_tiles > 0 {
-            let entry = format!("kpt_flash_attention_bwd_prep_{name}_d{d}");
+            let entry = format!("kpt_flash_attention_bwd_dq_{name}_d{d}");
             launch!(self, "flash_attention_bwd", entry, grid("query tiles", query_tiles)?;
-                q, k, mask, out, dout, lse, delta, dims);
+                q, k, v, mask, out, dout, dq, lse, delta, dims);
         }
         if key_tiles > 0 {
-            let entry = format!("kpt_flash_attention_bwd_{name}_d{d}");
+            let entry = format!("kpt_flash_attention_bwd_dkdv_{name}_d{d}");
             launch!(self, "flash_attention_bwd", entry, grid("key tiles", key_tiles)?;
-                q, k, v, mask, dout, lse, delta, acc.ptr(), dk, dv, dims);
-        }
-        let n = plan.dq_len();
-        if n > 0 {
-            let entry = format!("kpt_flash_attention_bwd_dq_{name}");
-            let g = self.stride_grid(n, 2);
-            launch!(self, "flash_attention_bwd", entry, g; acc.ptr(), dq, long(n), dims.scale);
+                q, k, v, mask, dout, lse, delta, dk, dv, dims);
         }
         Ok(())
     }
@@ -879,7 +861,6 @@ mod tests {
                 // 2 query tiles x 2 batches x 8 heads; 1 key tile x 2 batches x 2 kv heads.
                 assert_eq!((plan.query_tiles, plan.key_tiles), (32, 4));
                 assert_eq!(plan.padded_rows(), 128 * 2 * 8);
-                assert_eq!(plan.dq_len(), 65 * 2 * 8 * d);
             }
         }
     }
@@ -897,10 +878,7 @@ mod tests {
     #[test]
     fn flash_backward_of_empty_sequences_launches_nothing() {
         let plan = FlashBackward::new(DType::BF16, dims(0, 5, 64)).unwrap();
-        assert_eq!(
-            (plan.query_tiles, plan.padded_rows(), plan.dq_len()),
-            (0, 0, 0)
-        );
+        assert_eq!((plan.query_tiles, plan.padded_rows()), (0, 0));
         assert_eq!(plan.key_tiles, 4);
         let plan = FlashBackward::new(DType::BF16, dims(7, 0, 128)).unwrap();
         assert_eq!((plan.query_tiles, plan.key_tiles), (16, 0));
