@@ -117,6 +117,27 @@ def variants(req):
         b, h, d, s, causal = req["batch"], req["heads"], req["head_dim"], req["seq"], req["causal"]
         q, k, v = (rand((b, h, s, d), dt, -2.0, 2.0) for _ in range(3))
         return sdpa_backends(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    if kind == "attention_backward":
+        b, h, d, s, causal = req["batch"], req["heads"], req["head_dim"], req["seq"], req["causal"]
+        q, k, v = (rand((b, h, s, d), dt, -2.0, 2.0).requires_grad_() for _ in range(3))
+        dout = rand((b, h, s, d), dt, -2.0, 2.0)
+        out = []
+        # The forward runs once under each backend; its backward (the same backend's) is
+        # what is timed, as `out.backward(dout)` would run it, without accumulating .grad.
+        for name, forward in sdpa_backends(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        ):
+            o = forward()
+
+            def backward(o=o):
+                return torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+
+            try:
+                backward()
+            except RuntimeError:
+                continue  # this backend has no backward for the case
+            out.append((name, backward))
+        return out
     if kind == "attention_decode":
         b, hq, hkv, d, s = req["batch"], req["heads"], req["kv_heads"], req["head_dim"], req["seq_kv"]
         q = rand((b, hq, 1, d), dt, -2.0, 2.0)

@@ -101,8 +101,9 @@ fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType, lo: f32, hi: f32)
 }
 
 /// The FlashAttention issue's cases: prefill (bf16, full and causal, against the best of
-/// torch's SDPA backends) and decode against long KV caches (one query per sequence, 32
-/// query heads over 8 kv heads, head dim 128, against copy bandwidth).
+/// torch's SDPA backends), its backward (bf16, head dim 128, against the backward of each
+/// SDPA backend) and decode against long KV caches (one query per sequence, 32 query
+/// heads over 8 kv heads, head dim 128, against copy bandwidth).
 fn attention_cases() -> Vec<Case> {
     let mut rng = SplitMix64::new(0x6b71);
     let params = |heads, kv_heads, head_dim, causal| {
@@ -170,6 +171,29 @@ fn attention_cases() -> Vec<Case> {
                 },
             });
         }
+    }
+    // Gradients (q, k, v, the forward output and its gradient in; dq, dk, dv out).
+    let (b, h, s, d) = (8usize, 16usize, 2048usize, 128usize);
+    for causal in [false, true] {
+        let full = 2.5 * 4.0 * (b * h * s * s * d) as f64;
+        let kind = if causal { "causal" } else { "full" };
+        out.push(Case {
+            name: format!("attention_backward_bf16_b{b}_h{h}_s{s}_d{d}_{kind}"),
+            metric: "TFLOP/s",
+            work: if causal { full / 2.0 } else { full },
+            kpt: Work::Op(Op::AttentionBackward(
+                kpt_core::graph::AttentionParams::new(h, h, d, causal),
+            )),
+            inputs: (0..5)
+                .map(|_| random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0))
+                .collect(),
+            torch: json!({"kind": "attention_backward", "batch": b, "heads": h,
+                          "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
+            target_ratio: Some(1.0),
+            target: None,
+            target_vs_case: None,
+            note: "FLOPs = 2.5 x the forward's (half when causal); dq checked",
+        });
     }
     let (b, hq, hkv, d) = (8usize, 32usize, 8usize, 128usize);
     for s in [8192usize, 32768] {
@@ -532,6 +556,18 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
                 head(&case.inputs[2], 1)?,
             ],
         ),
+        // The last queries' dq needs only their rows of q, out and dout (their dk and dv
+        // contributions are partial sums, so only dq is compared).
+        Work::Op(op @ Op::AttentionBackward(_)) => (
+            op.clone(),
+            vec![
+                last_queries(&case.inputs[0])?,
+                head(&case.inputs[1], 1)?,
+                head(&case.inputs[2], 1)?,
+                last_queries(&case.inputs[3])?,
+                last_queries(&case.inputs[4])?,
+            ],
+        ),
         Work::Op(op) => bail!("no accuracy check for {op}"),
         Work::SwiGlu => {
             let x = first(&case.inputs[0])?.to_f64_vec();
@@ -569,8 +605,13 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
         .collect();
     let k = reduction_len(&op, &specs);
     let mut worst = (0f64, true);
-    for ((buffer, full), w) in p.outputs.iter().zip(&want) {
-        let got = if matches!(op, Op::Attention(_)) {
+    let compared = if matches!(op, Op::AttentionBackward(_)) {
+        1
+    } else {
+        want.len()
+    };
+    for ((buffer, full), w) in p.outputs.iter().zip(&want).take(compared) {
+        let got = if matches!(op, Op::Attention(_) | Op::AttentionBackward(_)) {
             last_queries(&p.backend.download(buffer, full)?)?
         } else {
             p.backend

@@ -309,6 +309,21 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             ..ShapeLimits::default()
         }),
         k(
+            "cuda.attention_backward.flash",
+            AttentionBackward,
+            &[DType::BF16, DType::F16],
+            "FlashAttention-2 style gradients on mma.sync tensor cores, no atomics: dq per \
+             query tile with an online softmax (which leaves the log-sum-exp), then dk and \
+             dv per key tile in registers",
+        )
+        .with_priority(110)
+        .limits(ShapeLimits {
+            max_head_dim: Some(128),
+            head_dim_multiple: Some(64),
+            no_window: true,
+            ..ShapeLimits::default()
+        }),
+        k(
             "cuda.concat",
             Concat,
             &[DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64],
@@ -358,6 +373,7 @@ const TRITON_ROWS: ShapeLimits = ShapeLimits {
     row_multiple: Some(16),
     varlen: false,
     paged: false,
+    no_window: false,
 };
 
 /// What the CPU copy ops (concat, split) take: every float and index dtype.
@@ -380,6 +396,7 @@ const ANY_ATTENTION: ShapeLimits = ShapeLimits {
     row_multiple: None,
     varlen: true,
     paged: true,
+    no_window: false,
 };
 
 /// The f64 reference declared for every op: correct for every float dtype, slow.

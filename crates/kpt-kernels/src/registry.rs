@@ -28,6 +28,9 @@ pub struct ShapeLimits {
     /// Takes keys and values in a paged cache (block tables).
     #[serde(default)]
     pub paged: bool,
+    /// Rejects sliding-window attention.
+    #[serde(default)]
+    pub no_window: bool,
 }
 
 /// What a kernel is and what it needs.
@@ -177,7 +180,10 @@ impl KernelDef {
         if let Some(f) = self.features.iter().find(|f| !device.features.contains(f)) {
             return Some(format!("needs CPU/device feature {f}"));
         }
-        if let Op::Attention(p) = op {
+        if let Op::Attention(p) | Op::AttentionBackward(p) = op {
+            if p.window.is_some() && self.limits.no_window {
+                return Some("no sliding window".into());
+            }
             if p.varlen && !self.limits.varlen {
                 return Some("no variable-length sequences".into());
             }

@@ -707,6 +707,40 @@ fn triton_norms_take_rows_they_were_compiled_for_and_cuda_the_rest() {
 }
 
 #[test]
+fn cuda_attention_backward_takes_bf16_f16_at_64_and_128_without_windows() {
+    let registry = KernelRegistry::with_builtin();
+    let device = fake_device(DeviceKind::Cuda, "sm_80");
+    let backward = |dtype: DType, head_dim: usize, window: Option<usize>| {
+        let p = AttentionParams {
+            window,
+            ..AttentionParams::new(4, 2, head_dim, true)
+        };
+        let q = TensorSpec::new(&[1, 7, 4 * head_dim], dtype);
+        let kv = TensorSpec::new(&[1, 9, 2 * head_dim], dtype);
+        let inputs = vec![q.clone(), kv.clone(), kv, q.clone(), q];
+        let op = Op::AttentionBackward(p);
+        op.infer(&inputs).expect("valid signature");
+        registry.fallback_chain(&op, &inputs, &device)
+    };
+    const FLASH: &str = "cuda.attention_backward.flash";
+    for dtype in [DType::BF16, DType::F16] {
+        for head_dim in [64, 128] {
+            let chain = backward(dtype, head_dim, None);
+            assert_eq!(chain.first().map(String::as_str), Some(FLASH), "{chain:?}");
+            assert_eq!(chain.last().map(String::as_str), Some(CPU_REFERENCE));
+            let windowed = backward(dtype, head_dim, Some(3));
+            assert!(!windowed.iter().any(|k| k == FLASH), "{windowed:?}");
+        }
+        for head_dim in [32, 96, 256] {
+            let chain = backward(dtype, head_dim, None);
+            assert!(!chain.iter().any(|k| k == FLASH), "{chain:?}");
+        }
+    }
+    let chain = backward(DType::F32, 64, None);
+    assert!(!chain.iter().any(|k| k == FLASH), "{chain:?}");
+}
+
+#[test]
 fn fp8_attention_takes_the_hopper_kernel_then_dequantizes() {
     let registry = KernelRegistry::with_builtin();
     let fp8 = |head_dim: usize| {

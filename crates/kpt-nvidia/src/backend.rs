@@ -15,7 +15,7 @@ use kpt_kernels::CpuBackend;
 
 use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
 use crate::gpu::Gpu;
-use crate::kernels::{AttentionDims, Binary, Impl, QuantScale};
+use crate::kernels::{AttentionDims, Binary, FlashBackward, Impl, QuantScale};
 use crate::memory::DeviceBlock;
 use crate::profiler::Profiler;
 use crate::NvidiaError;
@@ -399,11 +399,54 @@ impl CudaBackend {
             Op::Cast { dtype } => {
                 g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
             }
-            Op::AttentionBackward(_) => {
-                return Err(err(
-                    "no CUDA kernel computes attention gradients yet; the registry runs \
-                     them on the host fallback",
-                ))
+            Op::AttentionBackward(p) => {
+                let (qs, ks) = (&x.shape, &inputs[1].spec.shape);
+                if qs.len() != 3 || ks.len() != 3 {
+                    return Err(err(format!(
+                        "attention_backward takes q [batch, seq_q, heads * d] and k, v \
+                         [batch, seq_kv, kv_heads * d], not {qs:?} and {ks:?}"
+                    )));
+                }
+                if !matches!(dt, DType::BF16 | DType::F16) {
+                    return Err(KptError::dtype(kernel, "bf16 or f16", dt));
+                }
+                let dims = AttentionDims::new(
+                    qs[0],
+                    qs[1],
+                    ks[1],
+                    p.num_heads,
+                    p.num_kv_heads,
+                    p.head_dim,
+                    p.causal,
+                    p.effective_scale(),
+                )?
+                .with_window(p.window)?;
+                let plan = FlashBackward::new(dt, dims)
+                    .map_err(|e| KptError::shape(kernel, e.to_string()))?;
+                let mask = if p.mask {
+                    let m = &inputs[5];
+                    if m.spec.dtype != DType::F32 {
+                        return Err(KptError::dtype(kernel, "f32 mask", m.spec.dtype));
+                    }
+                    ptr(m)?
+                } else {
+                    0
+                };
+                let [dq, dk, dv] = outputs else {
+                    return Err(err(format!("{op}: needs three outputs")));
+                };
+                g.flash_attention_backward(
+                    &plan,
+                    [
+                        ptr(&inputs[0])?,
+                        ptr(&inputs[1])?,
+                        ptr(&inputs[2])?,
+                        ptr(&inputs[3])?,
+                        ptr(&inputs[4])?,
+                    ],
+                    mask,
+                    [out_ptr(dq)?, out_ptr(dk)?, out_ptr(dv)?],
+                )?;
             }
             Op::Attention(p) => {
                 let (qs, ks) = (&x.shape, &inputs[1].spec.shape);

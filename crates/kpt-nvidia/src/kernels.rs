@@ -308,6 +308,73 @@ struct SplitDims {
 // `SplitDims`; any bit pattern is a valid value.
 unsafe impl cudarc::driver::DeviceRepr for SplitDims {}
 
+/// Query rows and keys per tile of `flash_attention_bwd.cu` (its kBlockM and kBlockN).
+const FLASH_BWD_TILE: usize = 64;
+
+/// One call of the tensor-core attention backward (`flash_attention_bwd.cu`): its sizes,
+/// checked, and its grids.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FlashBackward {
+    dims: AttentionDims,
+    /// Entry-point dtype suffix.
+    name: &'static str,
+    /// Blocks of the dq kernel: query tiles x batch x heads.
+    query_tiles: usize,
+    /// Blocks of the dk / dv kernel: key tiles x batch x kv heads.
+    key_tiles: usize,
+}
+
+impl FlashBackward {
+    /// The plan for `dims` in `dtype`, or why the kernels do not take them: bf16 or f16,
+    /// head dim 64 or 128, no sliding window.
+    pub(crate) fn new(dtype: DType, dims: AttentionDims) -> Result<Self, NvidiaError> {
+        let name = match dtype {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            d => {
+                return Err(NvidiaError::Invalid(format!(
+                    "flash attention backward takes bf16 or f16, not {d}"
+                )))
+            }
+        };
+        if !(dims.head_dim == 64 || dims.head_dim == 128) {
+            return Err(NvidiaError::Invalid(format!(
+                "flash attention backward takes head dim 64 or 128, not {}",
+                dims.head_dim
+            )));
+        }
+        if dims.window != 0 {
+            return Err(NvidiaError::Invalid(
+                "flash attention backward takes no sliding window".into(),
+            ));
+        }
+        let (batch, seq_q, seq_kv) = (
+            dims.batch as usize,
+            dims.seq_q as usize,
+            dims.seq_kv as usize,
+        );
+        let (heads, kv_heads) = (dims.heads as usize, dims.kv_heads as usize);
+        let plan = Self {
+            dims,
+            name,
+            query_tiles: seq_q.div_ceil(FLASH_BWD_TILE) * batch * heads,
+            key_tiles: seq_kv.div_ceil(FLASH_BWD_TILE) * batch * kv_heads,
+        };
+        // The kernels index the padded statistics with i32 row numbers.
+        int("flash backward rows", plan.padded_rows())?;
+        Ok(plan)
+    }
+
+    /// Rows of the per-row statistics: batch x heads x seq_q rounded up to whole tiles.
+    fn padded_rows(&self) -> usize {
+        let d = &self.dims;
+        (d.seq_q as usize).div_ceil(FLASH_BWD_TILE)
+            * FLASH_BWD_TILE
+            * d.batch as usize
+            * d.heads as usize
+    }
+}
+
 impl Gpu {
     /// Blocks for a grid-stride loop over `n` elements of 16-byte vectors: enough to
     /// fill the device, never more than the work.
@@ -578,6 +645,41 @@ impl Gpu {
         Ok(true)
     }
 
+    /// Gradients `[dq, dk, dv]` of attention on tensor cores (`flash_attention_bwd.cu`)
+    /// from `[q, k, v, out, dout]` and an optional f32 mask (0: none), for the sizes
+    /// [`FlashBackward::new`] accepts: dq per query tile (which also leaves each row's
+    /// log-sum-exp and `rowsum(dout o out)` in scratch), then dk and dv per key tile.
+    pub(crate) fn flash_attention_backward(
+        &self,
+        plan: &FlashBackward,
+        [q, k, v, out, dout]: [u64; 5],
+        mask: u64,
+        [dq, dk, dv]: [u64; 3],
+    ) -> Result<(), NvidiaError> {
+        let FlashBackward {
+            dims,
+            name,
+            query_tiles,
+            key_tiles,
+        } = *plan;
+        let d = dims.head_dim;
+        // lse2 and D: f32 [batch * heads, seq_pad] each.
+        let rows = plan.padded_rows();
+        let stats = self.alloc((2 * rows).max(4) * 4)?;
+        let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
+        if query_tiles > 0 {
+            let entry = format!("kpt_flash_attention_bwd_dq_{name}_d{d}");
+            launch!(self, "flash_attention_bwd", entry, grid("query tiles", query_tiles)?;
+                q, k, v, mask, out, dout, dq, lse, delta, dims);
+        }
+        if key_tiles > 0 {
+            let entry = format!("kpt_flash_attention_bwd_dkdv_{name}_d{d}");
+            launch!(self, "flash_attention_bwd", entry, grid("key tiles", key_tiles)?;
+                q, k, v, mask, dout, lse, delta, dk, dv, dims);
+        }
+        Ok(())
+    }
+
     /// Copies `len` rows of `row_bytes` out of a paged cache into `out` (contiguous):
     /// row j is row `j % block_size` of block `table[j / block_size]`, where `table` is the
     /// sequence's row of the block table (i32 or i64 ids, already checked against the
@@ -794,5 +896,45 @@ impl Gpu {
         let g = self.stride_grid(n, 1);
         launch!(self, "quantize", entry, g; q, out, long(n), scale);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(seq_q: usize, seq_kv: usize, d: usize) -> AttentionDims {
+        AttentionDims::new(2, seq_q, seq_kv, 8, 2, d, true, 0.125).unwrap()
+    }
+
+    #[test]
+    fn flash_backward_takes_bf16_and_f16_at_head_dims_64_and_128() {
+        for dt in [DType::BF16, DType::F16] {
+            for d in [64, 128] {
+                let plan = FlashBackward::new(dt, dims(65, 1, d)).unwrap();
+                // 2 query tiles x 2 batches x 8 heads; 1 key tile x 2 batches x 2 kv heads.
+                assert_eq!((plan.query_tiles, plan.key_tiles), (32, 4));
+                assert_eq!(plan.padded_rows(), 128 * 2 * 8);
+            }
+        }
+    }
+
+    #[test]
+    fn flash_backward_declines_other_dtypes_head_dims_and_windows() {
+        assert!(FlashBackward::new(DType::F32, dims(3, 3, 64)).is_err());
+        for d in [32, 96, 256] {
+            assert!(FlashBackward::new(DType::BF16, dims(3, 3, d)).is_err());
+        }
+        let windowed = dims(3, 3, 64).with_window(Some(2)).unwrap();
+        assert!(FlashBackward::new(DType::F16, windowed).is_err());
+    }
+
+    #[test]
+    fn flash_backward_of_empty_sequences_launches_nothing() {
+        let plan = FlashBackward::new(DType::BF16, dims(0, 5, 64)).unwrap();
+        assert_eq!((plan.query_tiles, plan.padded_rows()), (0, 0));
+        assert_eq!(plan.key_tiles, 4);
+        let plan = FlashBackward::new(DType::BF16, dims(7, 0, 128)).unwrap();
+        assert_eq!((plan.query_tiles, plan.key_tiles), (16, 0));
     }
 }

@@ -238,6 +238,51 @@ fn check_attention_fp8(
     Ok(())
 }
 
+/// An attention-gradient op for `[batch, seq_q, seq_kv, kv_heads, group, head_dim]`
+/// (optionally causal, windowed and with an additive mask) and random inputs: q, k, v,
+/// `out`, `dout` [, mask].
+fn attention_backward_inputs(
+    [batch, seq_q, seq_kv, kv_heads, group, head_dim]: [usize; 6],
+    (causal, window): (bool, Option<usize>),
+    with_mask: bool,
+    dt: DType,
+    seed: u64,
+) -> (Op, Vec<Tensor>) {
+    let mut rng = SplitMix64::new(seed);
+    let heads = kv_heads * group;
+    let p = kpt_core::graph::AttentionParams {
+        mask: with_mask,
+        window,
+        ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+    };
+    let (q_shape, kv_shape) = (
+        [batch, seq_q, heads * head_dim],
+        [batch, seq_kv, kv_heads * head_dim],
+    );
+    let mut inputs = vec![
+        random(&mut rng, &q_shape, dt, -2.0, 2.0),
+        random(&mut rng, &kv_shape, dt, -2.0, 2.0),
+        random(&mut rng, &kv_shape, dt, -2.0, 2.0),
+        random(&mut rng, &q_shape, dt, -1.0, 1.0),
+        random(&mut rng, &q_shape, dt, -1.0, 1.0),
+    ];
+    if with_mask {
+        // Additive, with whole masked-out keys (-inf) now and then.
+        let m: Vec<f64> = (0..seq_q * seq_kv)
+            .map(|_| {
+                let u = rng.next_f64();
+                if u < 0.1 {
+                    f64::NEG_INFINITY
+                } else {
+                    -2.0 * u
+                }
+            })
+            .collect();
+        inputs.push(Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap());
+    }
+    (Op::AttentionBackward(p), inputs)
+}
+
 fn dtype() -> impl Strategy<Value = DType> {
     prop::sample::select(FLOATS.to_vec())
 }
@@ -408,6 +453,22 @@ proptest! {
         // Mostly without a window (the split-KV kernels), sometimes with one.
         let window = window.flatten();
         check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed)?;
+    }
+
+    /// Attention gradients on the tensor-core backward: odd lengths (1, not multiples of
+    /// the 64-row tiles), caches shorter and longer than the query (rows that see no key
+    /// under the causal mask), GQA groups of 1, 2 and 4.
+    #[test]
+    fn attention_backward(batch in 1usize..=3,
+                          seq_q in prop_oneof![Just(1usize), 1usize..150],
+                          seq_kv in prop_oneof![Just(1usize), 1usize..200],
+                          kv_heads in 1usize..=2, group in prop::sample::select(vec![1usize, 2, 4]),
+                          head_dim in prop::sample::select(vec![64usize, 128]),
+                          causal in any::<bool>(), with_mask in any::<bool>(),
+                          dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
+        let (op, inputs) = attention_backward_inputs(
+            [batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, None), with_mask, dt, seed);
+        check(&op, &inputs)?;
     }
 
     #[test]
@@ -720,6 +781,31 @@ fn bad_requests_are_errors() {
     // A kernel of another backend family.
     let e = run_kernel(b, "rocm.softmax", &Op::Softmax, &[x]).unwrap_err();
     assert!(e.to_string().contains("does not run on CUDA"), "{e}");
+}
+
+#[test]
+fn attention_backward_declines_what_the_flash_kernel_does_not_take() {
+    let Some(b) = backend() else { return };
+    const FLASH: &str = "cuda.attention_backward.flash";
+    // A sliding window and f32: not offered, and refused with a typed error if asked.
+    for (window, dt) in [(Some(3), DType::BF16), (None, DType::F32)] {
+        let (op, inputs) =
+            attention_backward_inputs([1, 5, 7, 1, 2, 64], (true, window), false, dt, 11);
+        let specs: Vec<_> = inputs.iter().map(spec).collect();
+        let chain = registry().fallback_chain(&op, &specs, b.device());
+        assert!(!chain.iter().any(|k| k == FLASH), "{chain:?}");
+        assert_eq!(
+            chain.last().map(String::as_str),
+            Some(kpt_kernels::CPU_REFERENCE)
+        );
+        assert!(run_kernel(b, FLASH, &op, &inputs).is_err());
+        // The host fallback computes them.
+        let got = run_kernel(b, kpt_kernels::CPU_REFERENCE, &op, &inputs).unwrap();
+        let want = CpuReference.eval(&op, &inputs).unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!(compare(g, w, tolerance(&op, dt, 71)).unwrap().within);
+        }
+    }
 }
 
 #[test]

@@ -1,0 +1,549 @@
+// FlashAttention-2 style attention backward on tensor cores (mma.sync m16n8k16, sm_80 and
+// newer) for bf16 and f16 with head dim 64 or 128: the gradients dq, dk, dv of
+// flash_attention.cu's forward (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right
+// causal; q, out, dout and dq [batch, seq_q, heads * d], k, v, dk and dv
+// [batch, seq_kv, kv_heads * d]). No sliding window (the host declines it).
+//
+// The op passes no log-sum-exp, and two launches need no atomics:
+// 1. kpt_flash_attention_bwd_dq_*: one block of 4 warps per (64 query rows, head, batch),
+//    each warp owning 16 rows, walks the visible key tiles like the forward (K and V
+//    double-buffered by cp.async, the next tile loading during this one) and computes
+//    S = Q K^T and dP = dO V^T per tile with an online softmax in the log2 domain. With
+//    D = rowsum(dout o out) (computed first, from out and dout), the unnormalized
+//    dS~ = exp2(s - running max) (dP - D) is added into dq's accumulator as dS~ K and
+//    rescaled like the forward's O when the max grows, so at the end
+//    dq = scale * acc / sum is exact without a separate log-sum-exp pass. The block also
+//    writes each row's lse2 = max + log2(sum) and D (f32 [batch * heads, seq_pad],
+//    seq_pad = seq_q rounded up to 64; +inf and 0 for rows that see no key or lie past
+//    seq_q, so that their recomputed probabilities, and gradients, are 0).
+// 2. kpt_flash_attention_bwd_dkdv_*: one block of 4 warps per (64 keys, kv head, batch);
+//    warp w owns keys 16w..16w+15. K and V stay in shared memory; the block walks every
+//    query head of its kv group and every query tile of 64 that sees its keys (causal
+//    blocks start at the first such tile), with Q, dO, lse2 and D double-buffered:
+//      S^T = K Q^T, P^T = exp2(S^T scale log2e (+ mask log2e) - lse2)   (16 x 64 / warp)
+//      dP^T = V dO^T, dV += P^T dO, dS^T = P^T o (dP^T - D), dK += dS^T Q
+//    in registers (accumulators of two n-tiles re-packed as A fragments, as the forward
+//    does with P); dK and dV accumulate over the whole walk, so the heads of a GQA group
+//    add up without atomics; dk = scale dK and dv are stored at the end.
+// Shared rows are padded by 16 bytes so that the eight rows an ldmatrix reads fall in
+// distinct banks. Causal query tiles of launch 1 are scheduled last-first, key tiles of
+// launch 2 first-first: the blocks with the most work start first.
+//
+// kpt:launch kpt_flash_attention_bwd_dq_bf16_d64 block=128 shared=55552 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_bf16_d128 block=128 shared=104704 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_f16_d64 block=128 shared=55552 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_f16_d128 block=128 shared=104704 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_bf16_d64 block=128 shared=56320 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_bf16_d128 block=128 shared=105472 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_f16_d64 block=128 shared=56320 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_f16_d128 block=128 shared=105472 grid=key_tiles
+
+#include <type_traits>
+
+#include "attention_dims.cuh"
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kBlockM = 64;  // query rows per tile
+constexpr int kBlockN = 64;  // keys per tile (16 per warp in the main kernel)
+constexpr float kLog2e = 1.4426950408889634f;
+
+using Dims = kpt::AttentionDims;
+
+using kpt::cp_async_commit;
+using kpt::cp_async_wait;
+using kpt::mma;
+using kpt::pack2;
+
+// 16 bytes global -> shared; zero-filled when !valid (rows past the end).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    kpt::cp_async16(kpt::smem_u32(dst), src, valid ? 16 : 0);
+}
+__device__ __forceinline__ void ldsm(unsigned (&r)[4], const void* p) {
+    kpt::ldsm_x4(r, kpt::smem_u32(p));
+}
+__device__ __forceinline__ void ldsm_t(unsigned (&r)[4], const void* p) {
+    kpt::ldsm_x4_t(r, kpt::smem_u32(p));
+}
+
+// Copies `rows` rows (from `src`, `stride` elements apart) of D elements into a tile of
+// kRows rows with `ld` elements per row; rows past `rows` are zeros.
+template <typename T, int D, int kRows>
+__device__ __forceinline__ void load_tile(T* tile, int ld, const T* src, long stride,
+                                          int rows) {
+    constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
+#pragma unroll
+    for (int x = threadIdx.x; x < kRows * kChunks; x += kThreads) {
+        const int r = x / kChunks, c = x % kChunks;
+        const bool valid = r < rows;
+        const T* s = src + (valid ? r : 0) * stride + c * (16 / sizeof(T));
+        cp_async16(tile + r * ld + c * (16 / sizeof(T)), s, valid);
+    }
+}
+
+// seq_q rounded up to whole query tiles: the row length of the lse2 and D buffers.
+__device__ __forceinline__ int seq_pad(const Dims& p) {
+    return (p.seq_q + kBlockM - 1) / kBlockM * kBlockM;
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. dq, lse2 and D per query tile.
+
+template <typename T, int D>
+struct SmemQ {
+    static constexpr int kLd = D + 8;  // padded rows
+    static constexpr int kTile = kBlockN * kLd;
+    // Q (staging), dO, K and V twice; D of the tile's rows.
+    static constexpr int kBytes =
+        6 * kTile * static_cast<int>(sizeof(T)) + kBlockM * static_cast<int>(sizeof(float));
+};
+static_assert(SmemQ<__nv_bfloat16, 64>::kBytes == 55552, "keep the kpt:launch shared= values in step");
+static_assert(SmemQ<__nv_bfloat16, 128>::kBytes == 104704, "keep the kpt:launch shared= values in step");
+static_assert(SmemQ<__half, 64>::kBytes == 55552, "keep the kpt:launch shared= values in step");
+static_assert(SmemQ<__half, 128>::kBytes == 104704, "keep the kpt:launch shared= values in step");
+static_assert(kBlockM == kBlockN, "Q and dO tiles use the K tile's size");
+
+template <typename T, int D>
+__device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
+                        const T* __restrict__ v, const float* __restrict__ mask,
+                        const T* __restrict__ out, const T* __restrict__ dout,
+                        T* __restrict__ dq, float* __restrict__ lse, float* __restrict__ delta,
+                        const Dims p) {
+    using S = SmemQ<T, D>;
+    constexpr int kLd = S::kLd;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* qs = reinterpret_cast<T*>(smem_raw);
+    T* dos = qs + S::kTile;
+    T* kbuf = dos + S::kTile;   // [2] K tiles
+    T* vbuf = kbuf + 2 * S::kTile;  // [2] V tiles
+    float* dsm = reinterpret_cast<float*>(vbuf + 2 * S::kTile);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, tig = lane % 4;
+    // Block x = (query tile counted from the last) * batch * heads + b * heads + h.
+    const int tiles_m = (p.seq_q + kBlockM - 1) / kBlockM;
+    const int bh = static_cast<int>(blockIdx.x % (p.batch * p.heads));
+    const int m0 = (tiles_m - 1 - static_cast<int>(blockIdx.x / (p.batch * p.heads))) * kBlockM;
+    const int h = bh % p.heads, b = bh / p.heads;
+    const int hk = h / (p.heads / p.kv_heads);
+    const long q_stride = static_cast<long>(p.heads) * D;
+    const long kv_stride = static_cast<long>(p.kv_heads) * D;
+    const long q_at = (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
+    const T* kb = k + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    const T* vb = v + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    const int rows = min(kBlockM, p.seq_q - m0);
+    const int offset = p.seq_kv - p.seq_q;
+    int kv_end = p.seq_kv;
+    if (p.causal) kv_end = max(0, min(p.seq_kv, m0 + rows + offset));
+    const int tiles_n = (kv_end + kBlockN - 1) / kBlockN;
+    const long row_at = static_cast<long>(bh) * seq_pad(p) + m0;  // lse2 and D
+
+    load_tile<T, D, kBlockM>(qs, kLd, q + q_at, q_stride, rows);
+    load_tile<T, D, kBlockM>(dos, kLd, dout + q_at, q_stride, rows);
+    if (tiles_n > 0) {
+        const int nk = min(kBlockN, p.seq_kv);
+        load_tile<T, D, kBlockN>(kbuf, kLd, kb, kv_stride, nk);
+        load_tile<T, D, kBlockN>(vbuf, kLd, vb, kv_stride, nk);
+    }
+    cp_async_commit();
+
+    // D = rowsum(dout o out): two threads per row, D / 2 elements each; 0 past seq_q.
+    {
+        constexpr int N = kpt::Vec<T>::N;
+        const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+        float acc = 0.0f;
+        if (r < rows) {
+            const long at = q_at + r * q_stride + half * (D / 2);
+#pragma unroll
+            for (int c = 0; c < D / 2; c += N) {
+                float a[N], o[N];
+                kpt::load_vec(dout + at + c, a);
+                kpt::load_vec(out + at + c, o);
+#pragma unroll
+                for (int e = 0; e < N; ++e) acc += a[e] * o[e];
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        if (half == 0) {
+            dsm[r] = acc;
+            delta[row_at + r] = acc;
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // A fragments of this warp's 16 rows: Q in registers, dO reloaded per tile.
+    const int a_row = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+    const int a_col = (lane / 16) * 8;
+    unsigned qf[D / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) ldsm(qf[kc], qs + a_row * kLd + kc * 16 + a_col);
+    const float dr[2] = {dsm[warp * 16 + g], dsm[warp * 16 + g + 8]};
+
+    float acc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    const float scale2 = p.scale * kLog2e;
+    const int qi0 = m0 + warp * 16 + g, qi1 = qi0 + 8;
+
+    for (int t = 0; t < tiles_n; ++t) {
+        if (t > 0) {
+            cp_async_wait<0>();  // K(t) and V(t) have landed
+            __syncthreads();     // and every warp is done with tile t - 1
+        }
+        const int n0 = t * kBlockN;
+        const int nk = min(kBlockN, p.seq_kv - n0);
+        if (t + 1 < tiles_n) {
+            const int n1 = n0 + kBlockN;
+            const int nk1 = min(kBlockN, p.seq_kv - n1);
+            load_tile<T, D, kBlockN>(kbuf + ((t + 1) % 2) * S::kTile, kLd, kb + n1 * kv_stride,
+                                     kv_stride, nk1);
+            load_tile<T, D, kBlockN>(vbuf + ((t + 1) % 2) * S::kTile, kLd, vb + n1 * kv_stride,
+                                     kv_stride, nk1);
+        }
+        cp_async_commit();
+        const T* kt = kbuf + (t % 2) * S::kTile;
+        const T* vt = vbuf + (t % 2) * S::kTile;
+
+        // S = Q K^T and dP = dO V^T for 16 rows x 64 keys.
+        float s[kBlockN / 8][4], dp[kBlockN / 8][4];
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
+        }
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            unsigned of[4];
+            ldsm(of, dos + a_row * kLd + kc * 16 + a_col);
+#pragma unroll
+            for (int jp = 0; jp < kBlockN / 16; ++jp) {
+                const int key = jp * 16 + (lane % 8) + (lane / 16) * 8;
+                const int col = kc * 16 + ((lane / 8) % 2) * 8;
+                unsigned bf[4];
+                ldsm(bf, kt + key * kLd + col);
+                mma<T>(s[2 * jp], qf[kc], bf[0], bf[1]);
+                mma<T>(s[2 * jp + 1], qf[kc], bf[2], bf[3]);
+                ldsm(bf, vt + key * kLd + col);
+                mma<T>(dp[2 * jp], of, bf[0], bf[1]);
+                mma<T>(dp[2 * jp + 1], of, bf[2], bf[3]);
+            }
+        }
+
+        const bool edge = nk < kBlockN || mask != nullptr ||
+                          (p.causal && n0 + kBlockN - 1 > m0 + offset);
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[j][e] * scale2;
+                if (edge) {
+                    const int key = n0 + j * 8 + tig * 2 + (e & 1);
+                    const int qi = e < 2 ? qi0 : qi1;
+                    bool visible = key < p.seq_kv && qi < p.seq_q;
+                    if (p.causal) visible = visible && key <= qi + offset;
+                    if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
+                    x = visible ? x : -INFINITY;
+                }
+                s[j][e] = x;
+            }
+        }
+        // Online softmax (r = 0: elements 0, 1; r = 1: elements 2, 3); the unnormalized
+        // dS = exp2(s - max) (dP - D) goes into dq's accumulator, rescaled as O is in the
+        // forward, and the final sum normalizes it.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = m_run[r];
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float base = mx == -INFINITY ? 0.0f : mx;
+            const float alpha = exp2f(m_run[r] - base);
+            m_run[r] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    const float pr = exp2f(s[j][e] - base);
+                    sum += pr;
+                    dp[j][e] = pr * (dp[j][e] - dr[r]);
+                }
+            }
+            l_run[r] = l_run[r] * alpha + sum;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                acc[i][2 * r] *= alpha;
+                acc[i][2 * r + 1] *= alpha;
+            }
+        }
+        // dq += dS K: dS's accumulators of n-tiles 2kc, 2kc + 1 are the A fragment of
+        // k-step kc; K^T's B fragments by transposed ldmatrix.
+#pragma unroll
+        for (int kc = 0; kc < kBlockN / 16; ++kc) {
+            const unsigned sa[4] = {
+                pack2<T>(dp[2 * kc][0], dp[2 * kc][1]),
+                pack2<T>(dp[2 * kc][2], dp[2 * kc][3]),
+                pack2<T>(dp[2 * kc + 1][0], dp[2 * kc + 1][1]),
+                pack2<T>(dp[2 * kc + 1][2], dp[2 * kc + 1][3]),
+            };
+#pragma unroll
+            for (int dpi = 0; dpi < D / 16; ++dpi) {
+                const int key = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+                const int col = dpi * 16 + (lane / 16) * 8;
+                unsigned bf[4];
+                ldsm_t(bf, kt + key * kLd + col);
+                mma<T>(acc[2 * dpi], sa, bf[0], bf[1]);
+                mma<T>(acc[2 * dpi + 1], sa, bf[2], bf[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // dq = scale * acc / sum; lse2 = max + log2(sum), +inf where nothing is visible and
+    // past seq_q.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const bool seen = m_run[r] != -INFINITY && l > 0.0f;
+        const int qi = r == 0 ? qi0 : qi1;
+        if (tig == 0) {
+            lse[row_at + qi - m0] = seen && qi < p.seq_q ? m_run[r] + log2f(l) : INFINITY;
+        }
+        if (qi >= p.seq_q) continue;
+        const float f = seen ? p.scale / l : 0.0f;
+        T* row = dq + q_at + static_cast<long>(qi - m0) * q_stride;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            *reinterpret_cast<unsigned*>(row + i * 8 + tig * 2) =
+                pack2<T>(acc[i][2 * r] * f, acc[i][2 * r + 1] * f);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. dk and dv per key tile.
+
+template <typename T, int D>
+struct SmemKv {
+    static constexpr int kLd = D + 8;  // padded rows
+    static constexpr int kTile = kBlockN * kLd;
+    // K, V; Q and dO twice; lse2 and D twice.
+    static constexpr int kBytes =
+        6 * kTile * static_cast<int>(sizeof(T)) + 4 * kBlockM * static_cast<int>(sizeof(float));
+};
+static_assert(SmemKv<__nv_bfloat16, 64>::kBytes == 56320, "keep the kpt:launch shared= values in step");
+static_assert(SmemKv<__nv_bfloat16, 128>::kBytes == 105472, "keep the kpt:launch shared= values in step");
+static_assert(SmemKv<__half, 64>::kBytes == 56320, "keep the kpt:launch shared= values in step");
+static_assert(SmemKv<__half, 128>::kBytes == 105472, "keep the kpt:launch shared= values in step");
+
+template <typename T, int D>
+__device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
+                        const T* __restrict__ v, const float* __restrict__ mask,
+                        const T* __restrict__ dout, const float* __restrict__ lse,
+                        const float* __restrict__ delta, T* __restrict__ dk,
+                        T* __restrict__ dv, const Dims p) {
+    using S = SmemKv<T, D>;
+    constexpr int kLd = S::kLd;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* ks = reinterpret_cast<T*>(smem_raw);
+    T* vs = ks + S::kTile;
+    T* qbuf = vs + S::kTile;         // [2] Q tiles
+    T* dobuf = qbuf + 2 * S::kTile;  // [2] dO tiles
+    float* lses = reinterpret_cast<float*>(dobuf + 2 * S::kTile);  // [2][kBlockM]
+    float* dsb = lses + 2 * kBlockM;                                // D, [2][kBlockM]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, tig = lane % 4;
+    const int groups = p.batch * p.kv_heads;
+    const int bg = static_cast<int>(blockIdx.x % groups);
+    const int n0 = static_cast<int>(blockIdx.x / groups) * kBlockN;
+    const int hk = bg % p.kv_heads, b = bg / p.kv_heads;
+    const int group = p.heads / p.kv_heads;
+    const long q_stride = static_cast<long>(p.heads) * D;
+    const long kv_stride = static_cast<long>(p.kv_heads) * D;
+    const long kv_at = (static_cast<long>(b) * p.seq_kv + n0) * kv_stride + static_cast<long>(hk) * D;
+    const int nk = min(kBlockN, p.seq_kv - n0);
+    const int offset = p.seq_kv - p.seq_q;
+    const int pad = seq_pad(p);
+    // Query i sees key j iff j <= i + offset: the first query tile that sees key n0.
+    const int m_begin = p.causal ? max(0, n0 - offset) / kBlockM * kBlockM : 0;
+    const int tiles_m = m_begin < p.seq_q ? (p.seq_q - m_begin + kBlockM - 1) / kBlockM : 0;
+    const int iters = group * tiles_m;
+
+    // Loads the (head, query tile) of iteration it into buffer buf: Q, dO, lse2, D (the
+    // last two padded to whole tiles, so always whole 16-byte chunks).
+    auto load_iter = [&](int it, int buf) {
+        const int h = hk * group + it / tiles_m;
+        const int m0 = m_begin + (it % tiles_m) * kBlockM;
+        const int rows = min(kBlockM, p.seq_q - m0);
+        const long at = (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
+        load_tile<T, D, kBlockM>(qbuf + buf * S::kTile, kLd, q + at, q_stride, rows);
+        load_tile<T, D, kBlockM>(dobuf + buf * S::kTile, kLd, dout + at, q_stride, rows);
+        const long r_at = static_cast<long>(b * p.heads + h) * pad + m0;
+        const int x = threadIdx.x;
+        if (x < kBlockM / 4) {
+            cp_async16(lses + buf * kBlockM + 4 * x, lse + r_at + 4 * x, true);
+        } else if (x < kBlockM / 2) {
+            const int y = x - kBlockM / 4;
+            cp_async16(dsb + buf * kBlockM + 4 * y, delta + r_at + 4 * y, true);
+        }
+    };
+
+    load_tile<T, D, kBlockN>(ks, kLd, k + kv_at, kv_stride, nk);
+    load_tile<T, D, kBlockN>(vs, kLd, v + kv_at, kv_stride, nk);
+    if (iters > 0) load_iter(0, 0);
+    cp_async_commit();
+
+    float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.0f;
+    }
+    const float scale2 = p.scale * kLog2e;
+    const int kr0 = warp * 16 + g;  // this thread's accumulator keys: kr0 and kr0 + 8
+    // A-fragment addresses of this warp's 16 rows of K and V (ldmatrix, non-transposed).
+    const int a_row = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+    const int a_col = (lane / 16) * 8;
+
+    for (int it = 0; it < iters; ++it) {
+        const int buf = it % 2;
+        const int m0 = m_begin + (it % tiles_m) * kBlockM;
+        cp_async_wait<0>();  // iteration it's tiles have landed
+        __syncthreads();     // and every warp is done with iteration it - 1's buffer
+        if (it + 1 < iters) load_iter(it + 1, buf ^ 1);
+        cp_async_commit();
+        const T* qs = qbuf + buf * S::kTile;
+        const T* dos = dobuf + buf * S::kTile;
+
+        // S^T = K Q^T and dP^T = V dO^T: 16 keys x 64 queries per warp.
+        float st[kBlockM / 8][4], dpt[kBlockM / 8][4];
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.0f;
+        }
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            unsigned kf[4], vf[4];
+            ldsm(kf, ks + a_row * kLd + kc * 16 + a_col);
+            ldsm(vf, vs + a_row * kLd + kc * 16 + a_col);
+#pragma unroll
+            for (int jp = 0; jp < kBlockM / 16; ++jp) {
+                const int row = jp * 16 + (lane % 8) + (lane / 16) * 8;
+                const int col = kc * 16 + ((lane / 8) % 2) * 8;
+                unsigned bf[4];
+                ldsm(bf, qs + row * kLd + col);
+                mma<T>(st[2 * jp], kf, bf[0], bf[1]);
+                mma<T>(st[2 * jp + 1], kf, bf[2], bf[3]);
+                ldsm(bf, dos + row * kLd + col);
+                mma<T>(dpt[2 * jp], vf, bf[0], bf[1]);
+                mma<T>(dpt[2 * jp + 1], vf, bf[2], bf[3]);
+            }
+        }
+
+        // P^T = exp2(S^T scale log2e (+ mask log2e) - lse2); invisible pairs give 0, and so
+        // do rows whose lse2 is +inf (nothing visible, or past seq_q).
+        const bool edge = nk < kBlockN || mask != nullptr ||
+                          (p.causal && n0 + kBlockN - 1 > m0 + offset);
+        const float* lrow = lses + buf * kBlockM;
+        const float* drow = dsb + buf * kBlockM;
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+            const int c = j * 8 + tig * 2;  // query column within the tile (and c + 1)
+            const float2 l2 = *reinterpret_cast<const float2*>(lrow + c);
+            const float2 d2 = *reinterpret_cast<const float2*>(drow + c);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = st[j][e] * scale2;
+                if (edge) {
+                    const int key = n0 + kr0 + (e >> 1) * 8;
+                    const int qi = m0 + c + (e & 1);
+                    bool visible = key < p.seq_kv && qi < p.seq_q;
+                    if (p.causal) visible = visible && key <= qi + offset;
+                    if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
+                    x = visible ? x : -INFINITY;
+                }
+                const float pr = exp2f(x - ((e & 1) ? l2.y : l2.x));
+                st[j][e] = pr;
+                dpt[j][e] = pr * (dpt[j][e] - ((e & 1) ? d2.y : d2.x));  // dS^T (unscaled)
+            }
+        }
+
+        // dV += P^T dO and dK += dS^T Q: the accumulators of n-tiles 2kc, 2kc + 1 are the
+        // A fragment of k-step kc (queries 16kc..16kc+15).
+#pragma unroll
+        for (int kc = 0; kc < kBlockM / 16; ++kc) {
+            const unsigned pa[4] = {
+                pack2<T>(st[2 * kc][0], st[2 * kc][1]),
+                pack2<T>(st[2 * kc][2], st[2 * kc][3]),
+                pack2<T>(st[2 * kc + 1][0], st[2 * kc + 1][1]),
+                pack2<T>(st[2 * kc + 1][2], st[2 * kc + 1][3]),
+            };
+            const unsigned sa[4] = {
+                pack2<T>(dpt[2 * kc][0], dpt[2 * kc][1]),
+                pack2<T>(dpt[2 * kc][2], dpt[2 * kc][3]),
+                pack2<T>(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
+                pack2<T>(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]),
+            };
+#pragma unroll
+            for (int dpi = 0; dpi < D / 16; ++dpi) {
+                const int row = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+                const int col = dpi * 16 + (lane / 16) * 8;
+                unsigned bf[4];
+                ldsm_t(bf, dos + row * kLd + col);
+                mma<T>(dva[2 * dpi], pa, bf[0], bf[1]);
+                mma<T>(dva[2 * dpi + 1], pa, bf[2], bf[3]);
+                ldsm_t(bf, qs + row * kLd + col);
+                mma<T>(dka[2 * dpi], sa, bf[0], bf[1]);
+                mma<T>(dka[2 * dpi + 1], sa, bf[2], bf[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // dk = scale dK, dv = dV: rows kr0 and kr0 + 8 of the tile.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kr0 + r * 8;
+        if (key >= nk) continue;
+        const long at = kv_at + static_cast<long>(key) * kv_stride;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            const int d = i * 8 + tig * 2;
+            *reinterpret_cast<unsigned*>(dk + at + d) =
+                pack2<T>(dka[i][2 * r] * p.scale, dka[i][2 * r + 1] * p.scale);
+            *reinterpret_cast<unsigned*>(dv + at + d) = pack2<T>(dva[i][2 * r], dva[i][2 * r + 1]);
+        }
+    }
+}
+
+}  // namespace
+
+#define KPT_FLASH_BWD(NAME, T, D)                                                            \
+    extern "C" __global__ void __launch_bounds__(kThreads) kpt_flash_attention_bwd_dq_##NAME##_d##D( \
+        const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,  \
+        T* dq, float* lse, float* delta, const Dims p) {                                     \
+        dq_pass<T, D>(q, k, v, mask, out, dout, dq, lse, delta, p);                          \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(kThreads)                                   \
+        kpt_flash_attention_bwd_dkdv_##NAME##_d##D(const T* q, const T* k, const T* v,        \
+                                                   const float* mask, const T* dout,          \
+                                                   const float* lse, const float* delta,      \
+                                                   T* dk, T* dv, const Dims p) {              \
+        kv_pass<T, D>(q, k, v, mask, dout, lse, delta, dk, dv, p);                           \
+    }
+
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 64)
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 128)
+KPT_FLASH_BWD(f16, __half, 64)
+KPT_FLASH_BWD(f16, __half, 128)
