@@ -128,6 +128,22 @@ fn check(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// An additive f32 attention mask `[seq_q, seq_kv]`, with whole masked-out keys (-inf)
+/// now and then.
+fn attention_mask(rng: &mut SplitMix64, seq_q: usize, seq_kv: usize) -> Tensor {
+    let m: Vec<f64> = (0..seq_q * seq_kv)
+        .map(|_| {
+            let u = rng.next_f64();
+            if u < 0.1 {
+                f64::NEG_INFINITY
+            } else {
+                -2.0 * u
+            }
+        })
+        .collect();
+    Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap()
+}
+
 /// Attention `[batch, seq_q, seq_kv, kv_heads, group, head_dim]` (optionally causal and
 /// with an additive mask) on every device kernel against the f64 reference.
 fn check_attention(
@@ -162,18 +178,7 @@ fn check_attention(
         ),
     ];
     if with_mask {
-        // Additive, with whole masked-out keys (-inf) now and then.
-        let m: Vec<f64> = (0..seq_q * seq_kv)
-            .map(|_| {
-                let u = rng.next_f64();
-                if u < 0.1 {
-                    f64::NEG_INFINITY
-                } else {
-                    -2.0 * u
-                }
-            })
-            .collect();
-        inputs.push(Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap());
+        inputs.push(attention_mask(&mut rng, seq_q, seq_kv));
     }
     check(&Op::Attention(p), &inputs)
 }
@@ -267,18 +272,7 @@ fn attention_backward_inputs(
         random(&mut rng, &q_shape, dt, -1.0, 1.0),
     ];
     if with_mask {
-        // Additive, with whole masked-out keys (-inf) now and then.
-        let m: Vec<f64> = (0..seq_q * seq_kv)
-            .map(|_| {
-                let u = rng.next_f64();
-                if u < 0.1 {
-                    f64::NEG_INFINITY
-                } else {
-                    -2.0 * u
-                }
-            })
-            .collect();
-        inputs.push(Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap());
+        inputs.push(attention_mask(&mut rng, seq_q, seq_kv));
     }
     (Op::AttentionBackward(p), inputs)
 }
