@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use half::{bf16, f16};
-use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
+use kpt_core::backend::{copy_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
 use kpt_core::graph::{Op, TensorSpec};
 use kpt_core::hardware::{CpuDetector, DeviceInfo, DeviceKind, HardwareDetector};
 use kpt_core::profile::{KernelProfile, ProfileTotals};
@@ -678,6 +678,25 @@ impl Backend for CpuBackend {
             Tensor::from_bytes(&s.as_bytes()[..n * size], spec.dtype, &spec.shape)?
                 .with_scale(buffer.scale),
         )
+    }
+
+    fn copy_into(
+        &self,
+        src: BufferRef<'_>,
+        dst: &mut DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()> {
+        let (at, bytes) = copy_extent(src, dst, dst_offset)?;
+        let from = &storage(src.buffer)?.as_bytes()[..bytes];
+        let to = dst
+            .inner_mut::<HostAlloc>()
+            .map(|a| a.storage.as_bytes_mut())
+            .ok_or_else(|| KptError::Backend {
+                backend: "cpu".into(),
+                message: "buffer does not belong to the CPU backend".into(),
+            })?;
+        to[at..at + bytes].copy_from_slice(from);
+        Ok(())
     }
 
     fn execute(

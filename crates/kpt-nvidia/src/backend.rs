@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
+use kpt_core::backend::{copy_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
 use kpt_core::graph::{Activation, Op, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
 use kpt_core::profile::KernelProfile;
@@ -730,6 +730,21 @@ impl Backend for CudaBackend {
             .gpu
             .read(b, spec.numel() * spec.dtype.size_in_bytes())?;
         Ok(Tensor::from_bytes(&bytes, spec.dtype, &spec.shape)?.with_scale(buffer.scale))
+    }
+
+    fn copy_into(
+        &self,
+        src: BufferRef<'_>,
+        dst: &mut DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()> {
+        let (at, bytes) = copy_extent(src, dst, dst_offset)?;
+        let from = block(src.buffer, src.spec)?.ptr();
+        let to = dst
+            .inner::<DeviceBlock>()
+            .ok_or_else(|| err("buffer does not belong to the CUDA backend"))?
+            .ptr();
+        Ok(self.gpu.copy(from, to + at as u64, bytes)?)
     }
 
     fn execute(
