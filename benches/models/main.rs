@@ -23,8 +23,9 @@ use kpt_core::backend::Backend;
 use kpt_core::exec::{DeviceTensor, Executor, RunTensor};
 use kpt_core::optimize::{auto_optimize, PrecisionPolicy};
 use kpt_core::rand::SplitMix64;
+use kpt_core::validate::run_reference;
 use kpt_core::{DType, Graph, OptLevel, Tensor};
-use kpt_kernels::{CpuBackend, KernelRegistry};
+use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
 use kpt_models::lower::pack_prompts;
 use kpt_models::{Checkpoint, Model, Phase};
 use kpt_monitor::{median, Machine, Report, Row};
@@ -160,9 +161,17 @@ impl Kpt {
 
 /// `[1, n]` ids and `[n]` positions from `start`.
 fn step_inputs(ids: &[i64], start: usize) -> Result<Vec<RunTensor>> {
-    let n = ids.len();
+    batch_inputs(&[ids.to_vec()], start)
+}
+
+/// `[b, n]` ids of `b` sequences of `n` tokens and their `[n]` positions from `start`.
+fn batch_inputs(rows: &[Vec<i64>], start: usize) -> Result<Vec<RunTensor>> {
+    let n = rows.first().map_or(0, Vec::len);
+    if rows.iter().any(|r| r.len() != n) {
+        bail!("a dense batch needs sequences of one length");
+    }
     Ok(vec![
-        RunTensor::Host(Tensor::from_vec(ids.to_vec(), &[1, n])?),
+        RunTensor::Host(Tensor::from_vec(rows.concat(), &[rows.len(), n])?),
         RunTensor::Host(Tensor::from_vec(
             (start..start + n).map(|p| p as i64).collect(),
             &[n],
@@ -170,57 +179,75 @@ fn step_inputs(ids: &[i64], start: usize) -> Result<Vec<RunTensor>> {
     ])
 }
 
-fn argmax_last(logits: &Tensor) -> i64 {
+/// The greedy token of each sequence: the argmax of its last position's logits
+/// `[b, s, vocab]`.
+fn argmax_last(logits: &Tensor) -> Vec<i64> {
     let v = logits.to_f64_vec();
-    let vocab = logits.shape().last().copied().unwrap_or(1);
-    let last = &v[v.len() - vocab..];
-    let mut best = 0;
-    for (i, x) in last.iter().enumerate() {
-        if *x > last[best] {
-            best = i;
-        }
-    }
-    best as i64
+    let (b, vocab) = (
+        logits.shape()[0],
+        logits.shape().last().copied().unwrap_or(1),
+    );
+    let per_seq = v.len() / b.max(1);
+    (0..b)
+        .map(|i| {
+            let last = &v[(i + 1) * per_seq - vocab..(i + 1) * per_seq];
+            let mut best = 0;
+            for (j, x) in last.iter().enumerate() {
+                if *x > last[best] {
+                    best = j;
+                }
+            }
+            best as i64
+        })
+        .collect()
 }
 
-/// One sequence being decoded: its caches on the device (room for `capacity` tokens),
-/// its length and its next token.
-struct Sequence {
+/// Sequences of one length decoded together as a `[batch, 1]` graph run: their caches
+/// on the device, their length and their next tokens. With one sequence the caches have
+/// room for `capacity` tokens, so each step appends in place.
+struct Batch {
     caches: Vec<DeviceTensor>,
     len: usize,
-    next: i64,
+    next: Vec<i64>,
 }
 
-impl Sequence {
-    /// Prefills `prompt` and keeps the caches on the device with room to grow.
-    fn prefill(kpt: &Kpt, prefill: &mut Executor, prompt: &[i64], capacity: usize) -> Result<Self> {
+impl Batch {
+    /// Prefills the prompts (one length) and keeps the caches on the device.
+    fn prefill(
+        kpt: &Kpt,
+        prefill: &mut Executor,
+        prompts: &[Vec<i64>],
+        capacity: usize,
+    ) -> Result<Self> {
         let keep: Vec<bool> = (0..prefill.plan().graph.outputs().len())
             .map(|i| i > 0)
             .collect();
         let mut outs = prefill
-            .run_resident(step_inputs(prompt, 0)?, &keep)?
+            .run_resident(batch_inputs(prompts, 0)?, &keep)?
             .into_iter();
         let logits = outs
             .next()
             .context("no logits")?
             .into_host(kpt.backend.as_ref())?;
+        let len = prompts.first().map_or(0, Vec::len);
         let caches = outs
             .map(|o| {
                 let d = o.into_device(kpt.backend.as_ref())?;
-                let row = d.spec.numel() / prompt.len();
+                let row = d.spec.numel() / len;
                 Ok(d.with_capacity(kpt.backend.as_ref(), row * capacity)?)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             caches,
-            len: prompt.len(),
+            len,
             next: argmax_last(&logits),
         })
     }
 
-    /// One decode step: appends `next` and picks the following token.
-    fn step(&mut self, kpt: &Kpt, decode: &mut Executor) -> Result<i64> {
-        let mut inputs = step_inputs(&[self.next], self.len)?;
+    /// One decode step: appends the next tokens and picks the following ones.
+    fn step(&mut self, kpt: &Kpt, decode: &mut Executor) -> Result<Vec<i64>> {
+        let rows: Vec<Vec<i64>> = self.next.iter().map(|&t| vec![t]).collect();
+        let mut inputs = batch_inputs(&rows, self.len)?;
         inputs.extend(self.caches.drain(..).map(RunTensor::Device));
         let keep: Vec<bool> = (0..inputs.len() - 1).map(|i| i > 0).collect();
         let mut outs = decode.run_resident(inputs, &keep)?.into_iter();
@@ -234,11 +261,38 @@ impl Sequence {
                 RunTensor::Host(_) => bail!("a cache left the device"),
             }
         }
-        let token = self.next;
         self.len += 1;
-        self.next = argmax_last(&logits);
-        Ok(token)
+        Ok(std::mem::replace(&mut self.next, argmax_last(&logits)))
     }
+}
+
+/// Kernel time per decode step from the backend's profiler (one sequence, `steps`
+/// steps after a prefill of `ctx` tokens), and the three kernels that take most of it.
+fn kernel_time_per_step(
+    kpt: &Kpt,
+    prefill: &mut Executor,
+    decode: &mut Executor,
+    ctx: usize,
+    steps: usize,
+) -> Result<(f64, String)> {
+    let prompt: Vec<i64> = (0..ctx as i64).map(|i| i % kpt.vocab as i64).collect();
+    let mut seq = Batch::prefill(kpt, prefill, &[prompt], ctx + steps + 1)?;
+    if !kpt.backend.set_profiling(true)? {
+        return Ok((f64::NAN, "no profiler".into()));
+    }
+    for _ in 0..steps {
+        seq.step(kpt, decode)?;
+    }
+    let profile = kpt.backend.profile()?;
+    kpt.backend.set_profiling(false)?;
+    let total: f64 = profile.iter().map(|p| p.seconds).sum();
+    let top = profile
+        .iter()
+        .take(3)
+        .map(|p| format!("{} {:.0} µs", p.kernel, p.seconds / steps as f64 * 1e6))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Ok((total / steps as f64, top))
 }
 
 fn median_of(v: &[f64]) -> f64 {
@@ -396,21 +450,13 @@ fn main() -> Result<()> {
     for batch in [1, shapes.decode_batch] {
         progress.inc(1);
         progress.set_message(format!("decode B{batch}"));
-        // The batch decodes fewer steps: kpt runs its sequences one after another.
-        let steps = if batch == 1 { steps } else { steps.min(8) };
         let mut per_token = Vec::new();
         for rep in 0..reps + 1 {
-            let mut seqs = (0..batch)
-                .map(|_| {
-                    let prompt = kpt.ids(ctx);
-                    Sequence::prefill(&kpt, &mut prefill, &prompt, ctx + steps + 1)
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let prompts: Vec<Vec<i64>> = (0..batch).map(|_| kpt.ids(ctx)).collect();
+            let mut seqs = Batch::prefill(&kpt, &mut prefill, &prompts, ctx + steps + 1)?;
             let t = kpt.time(|| {
                 for _ in 0..steps {
-                    for seq in &mut seqs {
-                        seq.step(&kpt, &mut decode)?;
-                    }
+                    seqs.step(&kpt, &mut decode)?;
                 }
                 Ok(())
             })?;
@@ -436,10 +482,17 @@ fn main() -> Result<()> {
             "{steps} greedy steps per repetition, KV cache kept on the device"
         ));
         row = if batch == 1 {
-            row.with_target(1000.0)
+            let (gpu, top) = kernel_time_per_step(&kpt, &mut prefill, &mut decode, ctx, steps)?;
+            row.with_target(1000.0).with_note(format!(
+                "kernels {:.2} ms of {:.2} ms per token (the rest is launch overhead on the \
+                 host); most time: {top}",
+                gpu * 1e3,
+                median_of(&per_token) * 1e3
+            ))
         } else {
             row.with_target_ratio(10.0).with_note(
-                "kpt decodes the batch's sequences one after another (no batched decode graph yet)",
+                "one [batch, 1] decode graph over sequences of one length; the cache \
+                 append copies (in place only for one sequence)",
             )
         };
         report.rows.push(row);
@@ -455,29 +508,36 @@ fn main() -> Result<()> {
         worker.call(&json!({"op": "logits", "dtype": "f32", "ids": prompt, "last": last}))?;
     let want: Vec<Vec<f64>> = serde_json::from_value(reply["logits"].clone())?;
     let f32_model = ckpt.load_model(DType::F32)?;
-    let mut exec = kpt.executor(
-        &f32_model.graph(Phase::Prefill, prompt.len())?,
-        OptLevel::Conservative,
-    )?;
+    let graph = f32_model.graph(Phase::Prefill, prompt.len())?;
+    let mut exec = kpt.executor(&graph, OptLevel::Conservative)?;
     let inputs: Vec<Tensor> = step_inputs(&prompt, 0)?
         .into_iter()
         .map(|t| t.into_host(kpt.backend.as_ref()))
         .collect::<kpt_core::Result<_>>()?;
     let logits = exec.run(&inputs)?.remove(0).to_f64_vec();
-    drop((exec, f32_model));
-    let vocab = kpt.vocab;
-    let got = &logits[logits.len() - last * vocab..];
-    let diff = want
-        .iter()
-        .flatten()
-        .zip(got)
-        .fold(0f64, |m, (w, g)| m.max((w - g).abs()));
+    drop(exec);
+    // The f64 reference of the same graph says which side is off.
+    let reference = run_reference(&graph, &CpuReference, &inputs)?
+        .remove(0)
+        .to_f64_vec();
+    drop((graph, f32_model));
+    let tail = |v: &[f64]| v[v.len() - last * kpt.vocab..].to_vec();
+    let (got, exact) = (tail(&logits), tail(&reference));
+    let want: Vec<f64> = want.into_iter().flatten().collect();
+    let max_diff =
+        |a: &[f64], b: &[f64]| a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+    let diff = max_diff(&want, &got);
+    let largest = exact.iter().fold(0f64, |m, x| m.max(x.abs()));
     report.rows.push(
         Row::absolute("fp32 logits vs HF", "max abs diff", false, diff)
             .with_target(1e-3)
             .with_max_abs_err(diff)
             .with_note(format!(
-                "conservative level, f32 weights; last {last} positions of a 16-token prompt"
+                "conservative level, f32 weights; last {last} positions of a 16-token \
+                 prompt; against the f64 reference: kpt {:.1e}, HF {:.1e} (largest \
+                 logit {largest:.2})",
+                max_diff(&got, &exact),
+                max_diff(&want, &exact),
             )),
     );
 
@@ -493,9 +553,14 @@ fn main() -> Result<()> {
     };
     let mut prefill = kpt.executor(&bf16_model.graph(Phase::Prefill, prompt.len())?, level)?;
     let mut decode = kpt.executor(&bf16_model.graph(Phase::Decode, prompt.len())?, level)?;
-    let mut seq = Sequence::prefill(&kpt, &mut prefill, &prompt, prompt.len() + new + 1)?;
+    let mut seq = Batch::prefill(
+        &kpt,
+        &mut prefill,
+        &[prompt.clone()],
+        prompt.len() + new + 1,
+    )?;
     let got = (0..new)
-        .map(|_| seq.step(&kpt, &mut decode))
+        .map(|_| Ok(seq.step(&kpt, &mut decode)?[0]))
         .collect::<Result<Vec<_>>>()?;
     let same = want.iter().zip(&got).take_while(|(a, b)| a == b).count();
     report.rows.push(
