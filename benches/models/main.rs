@@ -556,7 +556,7 @@ fn main() -> Result<()> {
     let mut seq = Batch::prefill(
         &kpt,
         &mut prefill,
-        &[prompt.clone()],
+        std::slice::from_ref(&prompt),
         prompt.len() + new + 1,
     )?;
     let got = (0..new)

@@ -42,7 +42,10 @@ fn row(t: &Tensor, i: usize) -> Tensor {
 fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
     assert_eq!(got.shape(), want.shape(), "{what}");
     let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
-    let worst = g.iter().zip(&w).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    let worst = g
+        .iter()
+        .zip(&w)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
     assert!(worst < 1e-5, "{what}: max diff {worst}");
 }
 
@@ -62,7 +65,11 @@ fn a_dense_batch_matches_each_sequence_alone() {
     for (i, prompt) in PROMPTS.iter().enumerate() {
         let alone = prefill.run(&inputs(prompt, 0, &[])).unwrap();
         for (j, (b, a)) in batch.iter().zip(&alone).enumerate() {
-            assert_close(&row(b, i), a, &format!("prefill output {j} of sequence {i}"));
+            assert_close(
+                &row(b, i),
+                a,
+                &format!("prefill output {j} of sequence {i}"),
+            );
         }
         let token = [7i64, 11][i];
         let alone_step = decode.run(&inputs(&[token], s, &alone[1..])).unwrap();
@@ -95,7 +102,9 @@ fn device_resident_decode_matches_host_decode() {
         .collect();
     for step in 0..steps {
         let token = [9i64, 4, 60, 1, 22, 35][step];
-        let want = decode.run(&inputs(&[token], s + step, &host_cache)).unwrap();
+        let want = decode
+            .run(&inputs(&[token], s + step, &host_cache))
+            .unwrap();
         let mut feed: Vec<RunTensor> = inputs(&[token], s + step, &[])
             .into_iter()
             .map(RunTensor::Host)
