@@ -509,9 +509,9 @@ impl CpuBackend {
                     return Ok(());
                 }
                 // The log-sum-exp: a second pass over the scores.
-                let lse = rest
-                    .first_mut()
-                    .ok_or_else(|| KptError::Graph("attention with lse needs two outputs".into()))?;
+                let lse = rest.first_mut().ok_or_else(|| {
+                    KptError::Graph("attention with lse needs two outputs".into())
+                })?;
                 cpu::attention_lse(
                     input(&inputs[0])?,
                     input(&inputs[1])?,

@@ -26,7 +26,13 @@ fn check_lse(got: &[f32], want: &[f64], tol: (f64, f64)) -> Result<(), TestCaseE
             prop_assert_eq!(g as f64, w, "lse[{}]", i);
         } else {
             let err = (g as f64 - w).abs();
-            prop_assert!(err <= tol.0 + tol.1 * w.abs(), "lse[{}]: got {}, want {}", i, g, w);
+            prop_assert!(
+                err <= tol.0 + tol.1 * w.abs(),
+                "lse[{}]: got {}, want {}",
+                i,
+                g,
+                w
+            );
         }
     }
     Ok(())

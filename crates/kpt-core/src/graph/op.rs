@@ -1186,7 +1186,9 @@ mod tests {
         let kv64 = s(&[2, 5, 16], DType::F64);
         let m64 = s(&[3, 5], DType::F64);
         assert_eq!(
-            Op::Attention(p).infer(&[q64.clone(), kv64.clone(), kv64, m64]).unwrap()[1],
+            Op::Attention(p)
+                .infer(&[q64.clone(), kv64.clone(), kv64, m64])
+                .unwrap()[1],
             s(&[2, 4, 3], DType::F64)
         );
         let fwd = Op::Attention(p);
@@ -1207,7 +1209,10 @@ mod tests {
             mask.clone(),
             lse.clone(),
         ];
-        assert_eq!(bwd.infer(&ins).unwrap(), vec![q.clone(), kv.clone(), kv.clone()]);
+        assert_eq!(
+            bwd.infer(&ins).unwrap(),
+            vec![q.clone(), kv.clone(), kv.clone()]
+        );
         // A log-sum-exp of the wrong shape or dtype.
         for bad in [s(&[2, 3, 4], DType::F32), s(&[2, 4, 3], DType::BF16)] {
             let mut ins = ins.clone();
@@ -1228,7 +1233,13 @@ mod tests {
         });
         let cu = s(&[2], DType::I32);
         let err = varlen
-            .infer(&[s(&[1, 3, 32], DType::BF16), s(&[1, 5, 16], DType::BF16), s(&[1, 5, 16], DType::BF16), cu.clone(), cu])
+            .infer(&[
+                s(&[1, 3, 32], DType::BF16),
+                s(&[1, 5, 16], DType::BF16),
+                s(&[1, 5, 16], DType::BF16),
+                cu.clone(),
+                cu,
+            ])
             .unwrap_err();
         assert!(matches!(err, KptError::InvalidArgument(_)), "{err}");
         let fp8 = Op::Attention(AttentionParams { mask: false, ..p });

@@ -25,7 +25,14 @@ pub fn attention_lse(
 ) -> Result<()> {
     let s = *shape;
     // k stands in for v, which this pass does not read (same length).
-    s.check_buffers("attention", q.len(), k.len(), k.len(), mask.map(<[f32]>::len), q.len())?;
+    s.check_buffers(
+        "attention",
+        q.len(),
+        k.len(),
+        k.len(),
+        mask.map(<[f32]>::len),
+        q.len(),
+    )?;
     s.check_lse("attention", lse.len())?;
     let (d, group) = (s.head_dim, s.group_size());
     let (q_row, kv_row) = (s.q_row(), s.kv_row());
