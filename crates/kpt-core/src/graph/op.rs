@@ -14,11 +14,12 @@
 //!   `[B]` (i32/i64): sequence `b`'s key `j` is row `j % block_size` of block
 //!   `block_table[b][j / block_size]`, for `j < seq_lens[b]`.
 //!   With `lse` (dense batches only, float inputs): a second output, the softmax's
-//!   log-sum-exp per query row, f32 (f64 for f64 inputs) `[B, Hq, S]` in natural log (FlashAttention's
-//!   `softmax_lse`): `lse[b, h, i] = ln Σ_j exp(scale · q_i·k_j + mask[i, j])` over the keys
-//!   query `i` sees, `+inf` for a row that sees none (so that `exp(s - lse)` is 0 there).
+//!   log-sum-exp per query row, f32 (f64 for f64 inputs) `[B, Hq, S]` in natural log
+//!   (FlashAttention's `softmax_lse`): `lse[b, h, i] = ln Σ_j exp(scale · q_i·k_j + mask[i, j])`
+//!   over the keys query `i` sees, `+inf` for a row that sees none (so that `exp(s - lse)`
+//!   is 0 there).
 //! - `AttentionBackward`: q, k, v, the forward output, its gradient, the mask when `mask`,
-//!   then with `lse` the forward's log-sum-exp `[B, Hq, S]` (f32) -> (dq, dk, dv). Given the
+//!   then with `lse` the forward's log-sum-exp `[B, Hq, S]` -> (dq, dk, dv). Given the
 //!   log-sum-exp, kernels take the probabilities as `exp(s - lse)` instead of recomputing
 //!   the softmax statistics.
 //! - `Rotary`: x `[B, S, H*D]`, positions `[S]` (i32/i64) -> same shape as x (NeoX "rotate half").
@@ -392,7 +393,6 @@ impl fmt::Display for TensorSpec {
     }
 }
 
-/// Floating point types that ops compute in.
 /// The dtype of attention's log-sum-exp for inputs of `dtype`: f32, or f64 for f64 inputs.
 pub fn lse_dtype(dtype: DType) -> DType {
     if dtype == DType::F64 {
@@ -402,6 +402,7 @@ pub fn lse_dtype(dtype: DType) -> DType {
     }
 }
 
+/// Floating point types that ops compute in.
 fn is_compute(d: DType) -> bool {
     matches!(d, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
 }
