@@ -435,6 +435,15 @@ impl CpuBackend {
                 } else {
                     None
                 };
+                let lse = if p.lse {
+                    let at = 5 + usize::from(p.mask);
+                    let l = inputs.get(at).ok_or_else(|| {
+                        KptError::Graph("attention_backward needs its lse input".into())
+                    })?;
+                    Some(input::<f32>(l)?)
+                } else {
+                    None
+                };
                 let [dq, dk, dv] = outputs else {
                     return Err(KptError::Graph(
                         "attention_backward needs three outputs".into(),
@@ -445,8 +454,7 @@ impl CpuBackend {
                     input(&inputs[1])?,
                     input(&inputs[2])?,
                     mask,
-                    input(&inputs[3])?,
-                    input(&inputs[4])?,
+                    (input(&inputs[3])?, input(&inputs[4])?, lse),
                     (output(dq)?, output(dk)?, output(dv)?),
                     &shape,
                 )
@@ -496,6 +504,20 @@ impl CpuBackend {
                     &shape,
                     self.tuning.block_q,
                     self.tuning.block_kv,
+                )?;
+                if !p.lse {
+                    return Ok(());
+                }
+                // The log-sum-exp: a second pass over the scores.
+                let lse = rest.first_mut().ok_or_else(|| {
+                    KptError::Graph("attention with lse needs two outputs".into())
+                })?;
+                cpu::attention_lse(
+                    input(&inputs[0])?,
+                    input(&inputs[1])?,
+                    mask,
+                    output(lse)?,
+                    &shape,
                 )
             }
             Op::Add => cpu::elementwise::add(input(&inputs[0])?, input(&inputs[1])?, output(out0)?),

@@ -1335,3 +1335,105 @@ fn fp8_attention_is_attention_of_the_dequantized_inputs() {
         assert!((a - b).abs() <= (1.0 + b.abs()) / 128.0, "{a} vs {b}");
     }
 }
+
+/// Forward attention giving its log-sum-exp, then the backward taking it: a training
+/// step's attention on the CPU backend (GQA, causal, a mask), every output against the
+/// f64 reference, at every level.
+fn attention_lse_graph(s: usize, t: usize, with_mask: bool) -> Graph {
+    let p = AttentionParams {
+        lse: true,
+        mask: with_mask,
+        ..AttentionParams::new(4, 2, 8, true)
+    };
+    let mut g = Graph::new();
+    let q = g.input("q", DType::F32, &[2, s, 32]);
+    let k = g.input("k", DType::F32, &[2, t, 16]);
+    let v = g.input("v", DType::F32, &[2, t, 16]);
+    let dout = g.input("dout", DType::F32, &[2, s, 32]);
+    let mut ins = vec![q, k, v];
+    let mask = with_mask.then(|| g.input("mask", DType::F32, &[s, t]));
+    ins.extend(mask);
+    let fwd = g.op_multi("attn", Op::Attention(p), &ins).unwrap();
+    let (out, lse) = (fwd[0], fwd[1]);
+    let mut bins = vec![q, k, v, out, dout];
+    bins.extend(mask);
+    bins.push(lse);
+    let grads = g
+        .op_multi("attn_grad", Op::AttentionBackward(p), &bins)
+        .unwrap();
+    for o in [out, lse].into_iter().chain(grads) {
+        g.output(o).unwrap();
+    }
+    g
+}
+
+#[test]
+fn attention_lse_feeds_the_backward_on_the_cpu() {
+    let mut rng = Rng::new(11);
+    for (s, t, with_mask) in [(5, 7, false), (1, 1, false), (6, 9, true)] {
+        let g = attention_lse_graph(s, t, with_mask);
+        let mut inputs = vec![
+            tensor(&mut rng, &[2, s, 32], -1.0, 1.0),
+            tensor(&mut rng, &[2, t, 16], -1.0, 1.0),
+            tensor(&mut rng, &[2, t, 16], -1.0, 1.0),
+            tensor(&mut rng, &[2, s, 32], -1.0, 1.0),
+        ];
+        if with_mask {
+            inputs.push(tensor(&mut rng, &[s, t], -1.0, 0.0));
+        }
+        let plans = check_all_levels(&g, &inputs);
+        for plan in &plans {
+            assert_eq!(
+                kernels(plan),
+                ["cpu.attention.flash", "cpu.attention_backward"],
+                "{}",
+                plan.level
+            );
+        }
+    }
+    // A fully masked query row: its log-sum-exp is +inf and its gradients are 0.
+    let (s, t) = (3, 4);
+    let g = attention_lse_graph(s, t, true);
+    let mut mask = vec![0f32; s * t];
+    mask[t..2 * t].fill(f32::NEG_INFINITY);
+    let inputs = vec![
+        tensor(&mut rng, &[2, s, 32], -1.0, 1.0),
+        tensor(&mut rng, &[2, t, 16], -1.0, 1.0),
+        tensor(&mut rng, &[2, t, 16], -1.0, 1.0),
+        tensor(&mut rng, &[2, s, 32], -1.0, 1.0),
+        Tensor::from_vec(mask, &[s, t]).unwrap(),
+    ];
+    let want = run_reference(&g, &CpuReference, &inputs).unwrap();
+    let backend = backend();
+    let plan = optimize(&g, OptLevel::Conservative, &backend);
+    let got = Executor::new(plan, backend).unwrap().run(&inputs).unwrap();
+    let lse = got[1].as_slice::<f32>().unwrap();
+    assert_eq!(got[1].shape(), [2, 4, 3]);
+    for (i, &l) in lse.iter().enumerate() {
+        assert_eq!(l == f32::INFINITY, i % s == 1, "lse[{i}] = {l}");
+    }
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        let e = rel_err(a, b);
+        assert!(e <= 1e-5, "output {i}: error {e:.3e}");
+    }
+    let dq = got[2].as_slice::<f32>().unwrap();
+    assert!(dq[32..64].iter().all(|&x| x == 0.0), "{:?}", &dq[32..64]);
+}
+
+#[test]
+fn attention_lse_of_the_wrong_shape_is_a_typed_error() {
+    let p = AttentionParams {
+        lse: true,
+        ..AttentionParams::new(4, 2, 8, false)
+    };
+    let mut rng = Rng::new(5);
+    let q = tensor(&mut rng, &[1, 3, 32], -1.0, 1.0);
+    let kv = tensor(&mut rng, &[1, 4, 16], -1.0, 1.0);
+    let bad = tensor(&mut rng, &[1, 3, 4], 0.0, 1.0);
+    let err = run_op_on_backend(
+        &Op::AttentionBackward(p),
+        &[q.clone(), kv.clone(), kv, q.clone(), q, bad],
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("lse"), "{err}");
+}

@@ -432,6 +432,22 @@ impl CudaBackend {
                 } else {
                     0
                 };
+                // The forward's log-sum-exp, f32 [batch, heads, seq_q], after the mask.
+                let lse = if p.lse {
+                    let l = inputs
+                        .get(5 + usize::from(p.mask))
+                        .ok_or_else(|| err(format!("{op}: needs its lse input")))?;
+                    let want = p.lse_shape(qs);
+                    if l.spec.dtype != DType::F32 || l.spec.shape != want {
+                        return Err(KptError::shape(
+                            kernel,
+                            format!("lse must be f32 {want:?}, got {}", l.spec),
+                        ));
+                    }
+                    ptr(l)?
+                } else {
+                    0
+                };
                 let [dq, dk, dv] = outputs else {
                     return Err(err(format!("{op}: needs three outputs")));
                 };
@@ -444,7 +460,7 @@ impl CudaBackend {
                         ptr(&inputs[3])?,
                         ptr(&inputs[4])?,
                     ],
-                    mask,
+                    [mask, lse],
                     [out_ptr(dq)?, out_ptr(dk)?, out_ptr(dv)?],
                 )?;
             }
@@ -484,6 +500,37 @@ impl CudaBackend {
                     ptr(&inputs[2])?,
                     out_ptr(out0)?,
                 );
+                if p.lse {
+                    // The log-sum-exp comes from the tensor-core kernels only, on dense
+                    // batches (the registry offers no other kernel for it).
+                    let flash = kernel == FLASH_ATTENTION || kernel == FLASH_ATTENTION_SM90;
+                    if !flash || p.varlen || p.paged || dt == DType::F8E4M3 {
+                        return Err(err(format!(
+                            "{kernel} gives no log-sum-exp for this call ({dt}, varlen {}, \
+                             paged {})",
+                            p.varlen, p.paged
+                        )));
+                    }
+                    let lse = outputs
+                        .get_mut(1)
+                        .ok_or_else(|| err(format!("{op}: needs its lse output")))?;
+                    let want = p.lse_shape(qs);
+                    if lse.spec.dtype != DType::F32 || lse.spec.shape != want {
+                        return Err(KptError::shape(
+                            kernel,
+                            format!("lse must be f32 {want:?}, got {}", lse.spec),
+                        ));
+                    }
+                    g.flash_attention(
+                        dt,
+                        [q, k, v, mask],
+                        out,
+                        out_ptr(lse)?,
+                        dims(qs[0], qs[1], ks[1])?,
+                        kernel == FLASH_ATTENTION_SM90,
+                    )?;
+                    return Ok(());
+                }
                 // FP8 inputs (bf16 output): the FP8 wgmma kernel where it applies, else
                 // q, k, v dequantized into bf16 scratch for the bf16 kernels.
                 let fp8 = dt == DType::F8E4M3;
@@ -510,7 +557,7 @@ impl CudaBackend {
                 let run = |q, k, v, out, dims| {
                     if fp8 || kernel == FLASH_ATTENTION || kernel == FLASH_ATTENTION_SM90 {
                         let hopper = fp8 || kernel == FLASH_ATTENTION_SM90;
-                        g.flash_attention(dt, q, k, v, mask, out, dims, hopper)
+                        g.flash_attention(dt, [q, k, v, mask], out, 0, dims, hopper)
                     } else {
                         g.attention(dt, q, k, v, mask, out, dims)
                     }

@@ -7,7 +7,7 @@
 
 mod op;
 
-pub use op::{Activation, AttentionParams, Op, OpKind, TensorSpec};
+pub use op::{lse_dtype, Activation, AttentionParams, Op, OpKind, TensorSpec};
 
 use std::collections::BTreeMap;
 
