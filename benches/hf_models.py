@@ -9,7 +9,8 @@ first reply (before any request) describes the environment. Requests (`op`):
   each between CUDA events (wall clock on the CPU).
 - `decode`: prefills `context` random tokens per sequence (not timed), then times `steps`
   greedy decode steps with the KV cache; seconds per step, one value per repetition.
-- `logits`: the logits of `ids` (one sequence) at the last `last` positions, in `dtype`.
+- `logits`: the logits of `ids` (one sequence) at the last `last` positions, in `dtype`
+  (IEEE fp32 products and SDPA's math backend).
 - `greedy`: `new` greedy tokens after `ids`.
 
 Attention runs through `attn_implementation="sdpa"`, as the issue's baseline names.
@@ -106,9 +107,19 @@ class Worker:
 
     @torch.inference_mode()
     def logits(self, req):
+        """Logits for an accuracy comparison: IEEE fp32 products (no TF32) and SDPA's
+        math backend, so that the run is as exact as its dtype allows."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         model = self.model(req["dtype"])
         ids = torch.tensor([req["ids"]], device=self.device)
-        out = model(ids).logits[0, -req["last"]:].float()
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                out = model(ids).logits[0, -req["last"]:].float()
+        finally:
+            torch.set_float32_matmul_precision(precision)
         return {"logits": out.cpu().tolist()}
 
     @torch.inference_mode()
