@@ -305,7 +305,8 @@ impl HfRope {
                     .map(|(&x, &w)| {
                         let smooth = (old / w - low) / (high - low);
                         let smoothed = (1.0 - smooth) * x / f + smooth * x;
-                        let medium = !(w < high_wavelen) && !(w > low_wavelen);
+                        // ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+                        let medium = w >= high_wavelen && w <= low_wavelen;
                         if medium {
                             smoothed
                         } else {
