@@ -169,6 +169,15 @@ impl LlamaConfig {
         if cfg.rope_theta <= 0.0 {
             return Err(f.invalid("rope_theta", format!("{} must be > 0", cfg.rope_theta)));
         }
+        // Rotating part of each head (Phi, StableLM) is not what Op::Rotary computes.
+        if let Some(p) = f.opt_f64("partial_rotary_factor")? {
+            if p != 1.0 {
+                return Err(f.invalid(
+                    "partial_rotary_factor",
+                    format!("{p}: kpt's rotary op rotates whole heads (1.0 only)"),
+                ));
+            }
+        }
         if let Some(s) = &cfg.rope_scaling {
             // The op carries theta as f32; check what the kernels will compute with.
             s.validate(cfg.head_dim, f64::from(cfg.rope_theta as f32))

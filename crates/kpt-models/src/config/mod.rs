@@ -277,6 +277,10 @@ mod tests {
             "{err:?}"
         );
         assert!(err.to_string().contains("`longrope`"), "{err}");
+        let err = parse(&LLAMA.replace("}", r#", "partial_rotary_factor": 0.5}"#))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("partial_rotary_factor"), "{err}");
         // Parameters kpt-core rejects name the field.
         let err = parse(&LLAMA.replace(
             "}",
