@@ -353,6 +353,7 @@ fn cases() -> Vec<Case> {
         kpt: Work::Op(Op::Rotary {
             head_dim: d,
             theta: 10_000.0,
+            scaling: None,
         }),
         inputs: vec![
             random(&mut rng, &[b, s, h * d], bf, -2.0, 2.0),

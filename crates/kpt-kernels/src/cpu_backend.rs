@@ -411,7 +411,11 @@ impl CpuBackend {
                     *eps,
                 )
             }
-            Op::Rotary { head_dim, theta } => {
+            Op::Rotary {
+                head_dim,
+                theta,
+                scaling,
+            } => {
                 let s = &inputs[0].spec.shape;
                 cpu::rotary::rotary(
                     input(&inputs[0])?,
@@ -422,6 +426,7 @@ impl CpuBackend {
                     s[2] / head_dim,
                     *head_dim,
                     *theta,
+                    scaling.as_ref(),
                 )
             }
             Op::Softmax => {

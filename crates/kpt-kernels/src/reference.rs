@@ -147,7 +147,11 @@ impl ReferenceOps for CpuReference {
                     *eps as f64,
                 )?
             }
-            Op::Rotary { head_dim, theta } => {
+            Op::Rotary {
+                head_dim,
+                theta,
+                scaling,
+            } => {
                 let s = first.shape();
                 r::rotary(
                     &x[0],
@@ -158,6 +162,7 @@ impl ReferenceOps for CpuReference {
                     s[2] / head_dim,
                     *head_dim,
                     *theta as f64,
+                    scaling.as_ref(),
                 )?
             }
             Op::Softmax => {

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use kpt_core::backend::{Backend, BufferMut, BufferRef};
 use kpt_core::exec::Executor;
-use kpt_core::graph::{Activation, AttentionParams, Graph, Op, TensorSpec, ValueSource};
+use kpt_core::graph::{
+    Activation, AttentionParams, Graph, Op, RopeScaling, TensorSpec, ValueSource,
+};
 use kpt_core::hardware::DeviceKind;
 use kpt_core::optimize::{auto_optimize, Plan, PrecisionPolicy};
 use kpt_core::validate::{run_reference, validate_plan, ReferenceOps};
@@ -732,6 +734,7 @@ fn rotary_validates_at_every_level() {
             Op::Rotary {
                 head_dim: 8,
                 theta: 10000.0,
+                scaling: None,
             },
             &[x, pos],
         )
@@ -751,6 +754,7 @@ fn rotary_validates_at_every_level() {
             Op::Rotary {
                 head_dim: 8,
                 theta: 10000.0,
+                scaling: None,
             },
             &[x, pos],
         )
@@ -763,6 +767,61 @@ fn rotary_validates_at_every_level() {
         .run(&[xt.clone(), Tensor::from_vec(vec![0i32; 5], &[5]).unwrap()])
         .unwrap();
     assert!(rel_err(&out[0], &xt) < 1e-6);
+}
+
+#[test]
+fn scaled_rotary_validates_at_every_level() {
+    let mut rng = Rng::new(15);
+    let scalings = [
+        RopeScaling::Linear { factor: 4.0 },
+        RopeScaling::Dynamic {
+            factor: 2.0,
+            max_position_embeddings: 64,
+        },
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        },
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 64,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: true,
+        },
+    ];
+    for scaling in scalings {
+        let mut g = Graph::new();
+        let x = g.input("x", DType::F32, &[2, 5, 32]);
+        let pos = g.input("positions", DType::I64, &[5]);
+        let op = Op::Rotary {
+            head_dim: 8,
+            theta: 10000.0,
+            scaling: Some(scaling),
+        };
+        let y = g.op("rope", op, &[x, pos]).unwrap();
+        g.output(y).unwrap();
+        let xt = tensor(&mut rng, &[2, 5, 32], -2.0, 2.0);
+        let positions = Tensor::from_vec(vec![3i64, 4, 5, 6, 1000], &[5]).unwrap();
+        let plans = check_all_levels(&g, &[xt, positions]);
+        assert_eq!(kernels(&plans[0]), ["cpu.rotary"], "{scaling:?}");
+    }
+    // Bad parameters are rejected when the graph is built.
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[1, 2, 8]);
+    let pos = g.input("positions", DType::I64, &[2]);
+    let bad = Op::Rotary {
+        head_dim: 8,
+        theta: 10000.0,
+        scaling: Some(RopeScaling::Linear { factor: -2.0 }),
+    };
+    let err = g.op("rope", bad, &[x, pos]).unwrap_err();
+    assert!(matches!(err, KptError::RopeScaling(_)), "{err:?}");
 }
 
 fn embedding_graph(rng: &mut Rng) -> Graph {

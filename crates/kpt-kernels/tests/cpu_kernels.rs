@@ -6,6 +6,7 @@
 //! the quantization error is checked separately.
 
 use half::{bf16, f16};
+use kpt_core::graph::{RopeScaling, RopeScalingError};
 use kpt_core::{DType, KptError};
 use kpt_kernels::cpu::{self, reference as r, tolerance, Act, AttentionShape, WeightsRef};
 use proptest::prelude::*;
@@ -282,6 +283,55 @@ fn check_attention(
 
 fn fail(e: KptError) -> TestCaseError {
     TestCaseError::fail(e.to_string())
+}
+
+/// Rotary scalings of every kind over the ranges real configs use.
+fn rope_scaling() -> impl Strategy<Value = RopeScaling> {
+    let factor = prop::sample::select(vec![1.0f64, 2.0, 4.0, 8.0, 32.0]);
+    let context = prop::sample::select(vec![16usize, 256, 2048, 8192, 32_768]);
+    prop_oneof![
+        factor
+            .clone()
+            .prop_map(|factor| RopeScaling::Linear { factor }),
+        (factor.clone(), context.clone()).prop_map(|(factor, max_position_embeddings)| {
+            RopeScaling::Dynamic {
+                factor,
+                max_position_embeddings,
+            }
+        }),
+        (factor.clone(), 0.5f64..2.0, 2.5f64..8.0, context.clone()).prop_map(
+            |(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)| {
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                }
+            }
+        ),
+        (
+            factor,
+            context,
+            prop::sample::select(vec![16.0f64, 32.0]),
+            prop::sample::select(vec![1.0f64, 2.0]),
+            prop::option::of(0.5f64..1.5),
+            any::<bool>(),
+        )
+            .prop_map(
+                |(factor, original, beta_fast, beta_slow, attention_factor, truncate)| {
+                    RopeScaling::Yarn {
+                        factor,
+                        original_max_position_embeddings: original,
+                        beta_fast,
+                        beta_slow,
+                        attention_factor,
+                        mscale: None,
+                        mscale_all_dim: None,
+                        truncate,
+                    }
+                }
+            ),
+    ]
 }
 
 proptest! {
@@ -597,11 +647,34 @@ proptest! {
         let x = rng.vec(batch * seq * heads * head_dim, -1.0, 1.0);
         let positions: Vec<i64> = (0..seq).map(|_| rng.below(4096) as i64).collect();
         let mut want = vec![0f64; x.len()];
-        r::rotary(&f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, 10_000.0)
+        r::rotary(&f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, 10_000.0, None)
             .map_err(fail)?;
         let mut got = vec![0f32; x.len()];
-        cpu::rotary(&x, &positions, &mut got, batch, seq, heads, head_dim, 10_000.0).map_err(fail)?;
+        cpu::rotary(&x, &positions, &mut got, batch, seq, heads, head_dim, 10_000.0, None)
+            .map_err(fail)?;
         check_close("rotary", &f64s(&got), &want, tolerance(DType::F32, 2))?;
+    }
+
+    #[test]
+    fn scaled_rotary_matches_reference(
+        batch in 1usize..=2, seq in 1usize..=9, heads in 1usize..=3,
+        head_dim in prop::sample::select(vec![4usize, 8, 16, 64, 128]),
+        theta in prop::sample::select(vec![10_000f32, 500_000.0, 1e6]),
+        scaling in rope_scaling(), seed in any::<u64>(),
+    ) {
+        let mut rng = Rng::new(seed);
+        let x = rng.vec(batch * seq * heads * head_dim, -1.0, 1.0);
+        let positions: Vec<i64> = (0..seq).map(|_| rng.below(16_384) as i64).collect();
+        let mut want = vec![0f64; x.len()];
+        r::rotary(
+            &f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, theta as f64,
+            Some(&scaling),
+        )
+        .map_err(fail)?;
+        let mut got = vec![0f32; x.len()];
+        cpu::rotary(&x, &positions, &mut got, batch, seq, heads, head_dim, theta, Some(&scaling))
+            .map_err(fail)?;
+        check_close("rotary (scaled)", &f64s(&got), &want, tolerance(DType::F32, 2))?;
     }
 
     #[test]
@@ -1059,21 +1132,58 @@ fn bad_inputs_are_typed_errors() {
     let x = vec![0f32; 2 * 3];
     let mut o = vec![0f32; 6];
     assert_shape_err(
-        cpu::rotary(&x, &[0, 1], &mut o, 1, 2, 1, 3, 10_000.0),
+        cpu::rotary(&x, &[0, 1], &mut o, 1, 2, 1, 3, 10_000.0, None),
         "head_dim must be even, got 3",
     );
     assert_shape_err(
-        r::rotary(&[0.0; 6], &[0, 1], &mut [0.0; 6], 1, 2, 1, 3, 10_000.0),
+        r::rotary(
+            &[0.0; 6],
+            &[0, 1],
+            &mut [0.0; 6],
+            1,
+            2,
+            1,
+            3,
+            10_000.0,
+            None,
+        ),
         "even",
     );
     assert_shape_err(
-        cpu::rotary(&x, &[0], &mut o, 1, 2, 1, 3 - 1, 10_000.0),
+        cpu::rotary(&x, &[0], &mut o, 1, 2, 1, 3 - 1, 10_000.0, None),
         "x [batch",
     );
     assert_shape_err(
-        cpu::rotary(&x[..4], &[0], &mut o[..4], 1, 2, 1, 2, 10_000.0),
+        cpu::rotary(&x[..4], &[0], &mut o[..4], 1, 2, 1, 2, 10_000.0, None),
         "positions [seq] has 1 elements, expected 2",
     );
+    // Rotary scaling: bad parameters are typed errors in both.
+    let bad = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 4.0,
+        high_freq_factor: 1.0,
+        original_max_position_embeddings: 8192,
+    };
+    let x = vec![0f32; 4];
+    let mut o = vec![0f32; 4];
+    assert!(matches!(
+        cpu::rotary(&x, &[0], &mut o, 1, 1, 1, 4, 10_000.0, Some(&bad)),
+        Err(KptError::RopeScaling(RopeScalingError::FreqFactors { .. }))
+    ));
+    assert!(matches!(
+        r::rotary(
+            &[0.0; 4],
+            &[0],
+            &mut [0.0; 4],
+            1,
+            1,
+            1,
+            4,
+            10_000.0,
+            Some(&RopeScaling::Linear { factor: 0.0 })
+        ),
+        Err(KptError::RopeScaling(RopeScalingError::Factor { .. }))
+    ));
 
     // Embedding: id out of range (checked before anything is written).
     let table = vec![1f32; 3 * 2];

@@ -89,6 +89,7 @@ fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
             Op::Rotary {
                 head_dim: 8,
                 theta: 10000.0,
+                scaling: None,
             },
             vec![f32s(&[1, 3, 16]), i64s(&[3])],
         ),

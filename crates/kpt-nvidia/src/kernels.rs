@@ -801,7 +801,10 @@ impl Gpu {
         Ok(())
     }
 
-    /// Rotary embedding of `x [batch, seq, heads * head_dim]`.
+    /// Rotary embedding of `x [batch, seq, heads * head_dim]`. `inv_freq` is 0 for plain
+    /// rotary (the kernel computes `theta^(-2i/head_dim)`), else the device address of
+    /// `head_dim / 2` f64 inverse frequencies; cos and sin are multiplied by
+    /// `attention_factor`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn rotary(
         &self,
@@ -812,6 +815,7 @@ impl Gpu {
         out: u64,
         (batch, seq, heads, head_dim): (usize, usize, usize, usize),
         theta: f32,
+        (inv_freq, attention_factor): (u64, f64),
     ) -> Result<(), NvidiaError> {
         if head_dim % 2 != 0 || head_dim > 512 {
             return Err(NvidiaError::Invalid(format!(
@@ -820,7 +824,8 @@ impl Gpu {
         }
         let entry = format!("kpt_rotary_{}_{}", float_name(dtype)?, index_name(index)?);
         launch!(self, "rotary", entry, grid("batch * seq", batch * seq)?;
-            x, positions, out, int("seq", seq)?, int("heads", heads)?, int("head_dim", head_dim)?, theta);
+            x, positions, out, int("seq", seq)?, int("heads", heads)?, int("head_dim", head_dim)?,
+            theta, inv_freq, attention_factor);
         Ok(())
     }
 

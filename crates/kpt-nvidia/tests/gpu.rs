@@ -10,7 +10,7 @@ use std::io::Write;
 use std::sync::OnceLock;
 
 use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
-use kpt_core::graph::{Activation, Op, TensorSpec};
+use kpt_core::graph::{Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::rand::SplitMix64;
 use kpt_core::tensor::Tensor;
 use kpt_core::validate::{compare, reduction_len, tolerance, ReferenceOps};
@@ -351,7 +351,42 @@ proptest! {
         let mut rng = SplitMix64::new(seed);
         let x = random(&mut rng, &[batch, seq, heads * head_dim], dt, -2.0, 2.0);
         let pos = ids(&mut rng, seq, 4096, if wide { DType::I64 } else { DType::I32 });
-        check(&Op::Rotary { head_dim, theta: 10_000.0 }, &[x, pos])?;
+        check(&Op::Rotary { head_dim, theta: 10_000.0, scaling: None }, &[x, pos])?;
+    }
+
+    /// Scaled rotary: the inverse-frequency table of every scaling type, uploaded once
+    /// (dynamic NTK: per call, from the positions read back) against the f64 reference.
+    #[test]
+    fn scaled_rotary(batch in 1usize..3, seq in 1usize..24, heads in 1usize..5,
+                     head_dim in prop::sample::select(vec![6usize, 16, 64, 128]),
+                     theta in prop::sample::select(vec![10_000f32, 500_000.0]),
+                     kind in 0usize..4, factor in prop::sample::select(vec![2.0f64, 8.0]),
+                     context in prop::sample::select(vec![16usize, 1024, 8192]),
+                     dt in dtype(), wide in any::<bool>(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[batch, seq, heads * head_dim], dt, -2.0, 2.0);
+        let pos = ids(&mut rng, seq, 16_384, if wide { DType::I64 } else { DType::I32 });
+        let scaling = match kind {
+            0 => RopeScaling::Linear { factor },
+            1 => RopeScaling::Dynamic { factor, max_position_embeddings: context },
+            2 => RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: context,
+            },
+            _ => RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: context,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: None,
+                mscale: None,
+                mscale_all_dim: None,
+                truncate: true,
+            },
+        };
+        check(&Op::Rotary { head_dim, theta, scaling: Some(scaling) }, &[x, pos])?;
     }
 
     #[test]

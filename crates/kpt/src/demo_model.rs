@@ -145,6 +145,7 @@ pub fn build_graph(cfg: &DemoConfig, phase: Phase, example_seq: usize) -> Result
         let rot = Op::Rotary {
             head_dim: hd,
             theta: 10000.0,
+            scaling: None,
         };
         let q = g.op(format!("{p}.q_rot"), rot.clone(), &[q, pos])?;
         let mut k = g.op(format!("{p}.k_rot"), rot, &[k, pos])?;

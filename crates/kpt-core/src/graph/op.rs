@@ -22,13 +22,15 @@
 //!   then with `lse` the forward's log-sum-exp `[B, Hq, S]` -> (dq, dk, dv). Given the
 //!   log-sum-exp, kernels take the probabilities as `exp(s - lse)` instead of recomputing
 //!   the softmax statistics.
-//! - `Rotary`: x `[B, S, H*D]`, positions `[S]` (i32/i64) -> same shape as x (NeoX "rotate half").
+//! - `Rotary`: x `[B, S, H*D]`, positions `[S]` (i32/i64) -> same shape as x (NeoX "rotate half"),
+//!   frequencies from [`rope_frequencies`](super::rope_frequencies) (with optional scaling).
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use super::rope::RopeScaling;
 use crate::dtype::DType;
 use crate::error::{KptError, Result};
 
@@ -180,12 +182,17 @@ pub enum Op {
         /// Added to the variance.
         eps: f32,
     },
-    /// Rotary position embedding (NeoX / LLaMA "rotate half" layout).
+    /// Rotary position embedding (NeoX / LLaMA "rotate half" layout): pair `i` of each
+    /// head turns by `position * inv_freq[i]`, cos and sin times the attention factor,
+    /// both from [`rope_frequencies`](super::rope_frequencies)`(head_dim, theta, scaling)`.
     Rotary {
         /// Size of one head (even).
         head_dim: usize,
         /// Frequency base (10000 for LLaMA 2).
         theta: f32,
+        /// Frequency scaling for long contexts; `None` for plain rotary.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        scaling: Option<RopeScaling>,
     },
     /// Softmax over the last dim.
     Softmax,
@@ -646,7 +653,11 @@ impl Op {
                     Ok(vec![x.clone()])
                 }
             }
-            Op::Rotary { head_dim, theta } => {
+            Op::Rotary {
+                head_dim,
+                theta,
+                scaling,
+            } => {
                 let pos = &inputs[1];
                 want_compute(x)?;
                 if !pos.dtype.is_index() {
@@ -668,6 +679,9 @@ impl Op {
                     return Err(KptError::InvalidArgument(format!(
                         "rotary theta must be > 0, got {theta}"
                     )));
+                }
+                if let Some(s) = scaling {
+                    s.validate(*head_dim, f64::from(*theta))?;
                 }
                 if pos.shape != [x.shape[1]] {
                     return Err(shape_err(format!(

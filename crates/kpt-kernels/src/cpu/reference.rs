@@ -6,6 +6,7 @@
 // Index loops are the point here: they mirror the math.
 #![allow(clippy::needless_range_loop)]
 
+use kpt_core::graph::{rope_frequencies, rope_seq_len, RopeScaling};
 use kpt_core::{DType, KptError, Result};
 
 use super::shapes::AttentionShape;
@@ -254,8 +255,11 @@ pub(crate) fn check_rotary(
 /// Rotary position embedding, NeoX / LLaMA "rotate half" layout.
 ///
 /// `x` is `[batch, seq, heads * head_dim]`, `positions` is `[seq]` (the same for every
-/// batch). For `i < head_dim/2`, `angle = pos * theta^(-2i/head_dim)`:
-/// `out[i] = x[i] cos - x[i + h/2] sin`, `out[i + h/2] = x[i + h/2] cos + x[i] sin`.
+/// batch). With `inv_freq` and `attention_factor` from
+/// [`rope_frequencies`]`(head_dim, theta, scaling, rope_seq_len(positions))`, for
+/// `i < head_dim/2`, `angle = pos * inv_freq[i]`, `cos` and `sin` of it times the
+/// attention factor: `out[i] = x[i] cos - x[i + h/2] sin`,
+/// `out[i + h/2] = x[i + h/2] cos + x[i] sin`.
 #[allow(clippy::too_many_arguments)]
 pub fn rotary(
     x: &[f64],
@@ -266,6 +270,7 @@ pub fn rotary(
     heads: usize,
     head_dim: usize,
     theta: f64,
+    scaling: Option<&RopeScaling>,
 ) -> Result<()> {
     check_rotary(
         x.len(),
@@ -276,15 +281,19 @@ pub fn rotary(
         heads,
         head_dim,
     )?;
+    if x.is_empty() {
+        return Ok(());
+    }
+    let table = rope_frequencies(head_dim, theta, scaling, rope_seq_len(positions))?;
     let half = head_dim / 2;
     for b in 0..batch {
         for s in 0..seq {
             for h in 0..heads {
                 let base = ((b * seq + s) * heads + h) * head_dim;
-                for i in 0..half {
-                    let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+                for (i, &freq) in table.inv_freq.iter().enumerate() {
                     let angle = positions[s] as f64 * freq;
                     let (sin, cos) = angle.sin_cos();
+                    let (cos, sin) = (cos * table.attention_factor, sin * table.attention_factor);
                     let (x0, x1) = (x[base + i], x[base + i + half]);
                     out[base + i] = x0 * cos - x1 * sin;
                     out[base + i + half] = x1 * cos + x0 * sin;
