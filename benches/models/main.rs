@@ -159,6 +159,14 @@ impl Kpt {
         (0..n).map(|_| self.rng.below(self.vocab) as i64).collect()
     }
 
+    /// Seconds of each of `reps` calls of `f` after two warm-up calls.
+    fn repeat(&self, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+        for _ in 0..2 {
+            f()?;
+        }
+        (0..reps).map(|_| self.time(&mut f)).collect()
+    }
+
     /// Seconds of one call of `f`, after the device finished it.
     fn time(&self, f: impl FnOnce() -> Result<()>) -> Result<f64> {
         self.backend.synchronize()?;
@@ -402,16 +410,10 @@ fn main() -> Result<()> {
     let mut exec = kpt.executor(&model.graph(Phase::Prefill, s)?, level)?;
     let ids = kpt.ids(s);
     let keep = vec![true; exec.plan().graph.outputs().len()];
-    let mut times = Vec::new();
-    for rep in 0..reps + 2 {
-        let t = kpt.time(|| {
-            exec.run_resident(step_inputs(&ids, 0)?, &keep)?;
-            Ok(())
-        })?;
-        if rep >= 2 {
-            times.push(t);
-        }
-    }
+    let times = kpt.repeat(reps, || {
+        exec.run_resident(step_inputs(&ids, 0)?, &keep)?;
+        Ok(())
+    })?;
     drop(exec);
     let hf_t = hf_seconds(
         &mut worker,
@@ -439,17 +441,11 @@ fn main() -> Result<()> {
     let refs: Vec<&[i64]> = prompts.iter().map(Vec::as_slice).collect();
     let packed = pack_prompts(&refs)?;
     let keep = vec![true; exec.plan().graph.outputs().len()];
-    let mut times = Vec::new();
-    for rep in 0..reps + 2 {
+    let times = kpt.repeat(reps, || {
         let inputs = packed.iter().cloned().map(RunTensor::Host).collect();
-        let t = kpt.time(|| {
-            exec.run_resident(inputs, &keep)?;
-            Ok(())
-        })?;
-        if rep >= 2 {
-            times.push(t);
-        }
-    }
+        exec.run_resident(inputs, &keep)?;
+        Ok(())
+    })?;
     drop(exec);
     let hf_t = hf_seconds(
         &mut worker,
