@@ -47,30 +47,11 @@ using kpt::cp_async_wait;
 using kpt::mma;
 using kpt::pack2;
 
-// 16 bytes global -> shared; zero-filled when !valid (rows past the end).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    kpt::cp_async16(kpt::smem_u32(dst), src, valid ? 16 : 0);
-}
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-    kpt::ldsm_x4(r, kpt::smem_u32(p));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
-    kpt::ldsm_x4_t(r, kpt::smem_u32(p));
-}
-
-// Copies `rows` rows (from `row0`, `stride` elements apart) of D elements into a tile
-// of kBlockN (or kBlockM) rows with `ld` elements per row; rows past `rows` are zeros.
+// Tiles of kThreads threads.
 template <typename T, int D, int kRows>
 __device__ __forceinline__ void load_tile(T* tile, int ld, const T* src, long stride,
                                           int rows) {
-    constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
-#pragma unroll
-    for (int x = threadIdx.x; x < kRows * kChunks; x += kThreads) {
-        const int r = x / kChunks, c = x % kChunks;
-        const bool valid = r < rows;
-        const T* s = src + (valid ? r : 0) * stride + c * (16 / sizeof(T));
-        cp_async16(tile + r * ld + c * (16 / sizeof(T)), s, valid);
-    }
+    kpt::load_tile<T, D, kRows, kThreads>(tile, ld, src, stride, rows);
 }
 
 template <typename T, int D>
@@ -122,7 +103,7 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
     for (int kc = 0; kc < D / 16; ++kc) {
         const int row = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
         const int col = kc * 16 + (lane / 16) * 8;
-        ldmatrix_x4(qf[kc], vs + row * kLd + col);
+        kpt::ldsm_x4(qf[kc], vs + row * kLd + col);
     }
     __syncthreads();  // the V buffer is free
 
@@ -153,7 +134,7 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
                 unsigned bf[4];
                 const int key = jp * 16 + (lane % 8) + (lane / 16) * 8;
                 const int col = kc * 16 + ((lane / 8) % 2) * 8;
-                ldmatrix_x4(bf, ks + key * kLd + col);
+                kpt::ldsm_x4(bf, ks + key * kLd + col);
                 mma<T>(s[2 * jp], qf[kc], bf[0], bf[1]);
                 mma<T>(s[2 * jp + 1], qf[kc], bf[2], bf[3]);
             }
@@ -232,7 +213,7 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
                 unsigned bf[4];
                 const int key = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
                 const int col = dp * 16 + (lane / 16) * 8;
-                ldmatrix_x4_trans(bf, vs + key * kLd + col);
+                kpt::ldsm_x4_t(bf, vs + key * kLd + col);
                 mma<T>(o[2 * dp], pa, bf[0], bf[1]);
                 mma<T>(o[2 * dp + 1], pa, bf[2], bf[3]);
             }

@@ -69,30 +69,11 @@ using kpt::cp_async_wait;
 using kpt::mma;
 using kpt::pack2;
 
-// 16 bytes global -> shared; zero-filled when !valid (rows past the end).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    kpt::cp_async16(kpt::smem_u32(dst), src, valid ? 16 : 0);
-}
-__device__ __forceinline__ void ldsm(unsigned (&r)[4], const void* p) {
-    kpt::ldsm_x4(r, kpt::smem_u32(p));
-}
-__device__ __forceinline__ void ldsm_t(unsigned (&r)[4], const void* p) {
-    kpt::ldsm_x4_t(r, kpt::smem_u32(p));
-}
-
-// Copies `rows` rows (from `src`, `stride` elements apart) of D elements into a tile of
-// kRows rows with `ld` elements per row; rows past `rows` are zeros.
+// Tiles of kThreads threads.
 template <typename T, int D, int kRows>
 __device__ __forceinline__ void load_tile(T* tile, int ld, const T* src, long stride,
                                           int rows) {
-    constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
-#pragma unroll
-    for (int x = threadIdx.x; x < kRows * kChunks; x += kThreads) {
-        const int r = x / kChunks, c = x % kChunks;
-        const bool valid = r < rows;
-        const T* s = src + (valid ? r : 0) * stride + c * (16 / sizeof(T));
-        cp_async16(tile + r * ld + c * (16 / sizeof(T)), s, valid);
-    }
+    kpt::load_tile<T, D, kRows, kThreads>(tile, ld, src, stride, rows);
 }
 
 // seq_q rounded up to whole query tiles: the row length of the lse2 and D buffers.
@@ -193,7 +174,7 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
     const int a_col = (lane / 16) * 8;
     unsigned qf[D / 16][4];
 #pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) ldsm(qf[kc], qs + a_row * kLd + kc * 16 + a_col);
+    for (int kc = 0; kc < D / 16; ++kc) kpt::ldsm_x4(qf[kc], qs + a_row * kLd + kc * 16 + a_col);
     const float dr[2] = {dsm[warp * 16 + g], dsm[warp * 16 + g + 8]};
 
     float acc[D / 8][4];
@@ -244,16 +225,16 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) {
             unsigned of[4];
-            ldsm(of, dos + a_row * kLd + kc * 16 + a_col);
+            kpt::ldsm_x4(of, dos + a_row * kLd + kc * 16 + a_col);
 #pragma unroll
             for (int jp = 0; jp < kBlockN / 16; ++jp) {
                 const int key = jp * 16 + (lane % 8) + (lane / 16) * 8;
                 const int col = kc * 16 + ((lane / 8) % 2) * 8;
                 unsigned bf[4];
-                ldsm(bf, kt + key * kLd + col);
+                kpt::ldsm_x4(bf, kt + key * kLd + col);
                 mma<T>(s[2 * jp], qf[kc], bf[0], bf[1]);
                 mma<T>(s[2 * jp + 1], qf[kc], bf[2], bf[3]);
-                ldsm(bf, vt + key * kLd + col);
+                kpt::ldsm_x4(bf, vt + key * kLd + col);
                 mma<T>(dp[2 * jp], of, bf[0], bf[1]);
                 mma<T>(dp[2 * jp + 1], of, bf[2], bf[3]);
             }
@@ -333,7 +314,7 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
                 const int key = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
                 const int col = dpi * 16 + (lane / 16) * 8;
                 unsigned bf[4];
-                ldsm_t(bf, kt + key * kLd + col);
+                kpt::ldsm_x4_t(bf, kt + key * kLd + col);
                 mma<T>(acc[2 * dpi], sa, bf[0], bf[1]);
                 mma<T>(acc[2 * dpi + 1], sa, bf[2], bf[3]);
             }
@@ -431,10 +412,10 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
         const long r_at = static_cast<long>(b * p.heads + h) * pad + m0;
         const int x = threadIdx.x;
         if (x < kBlockM / 4) {
-            cp_async16(lses + buf * kBlockM + 4 * x, lse + r_at + 4 * x, true);
+            kpt::cp_async16(lses + buf * kBlockM + 4 * x, lse + r_at + 4 * x, true);
         } else if (x < kBlockM / 2) {
             const int y = x - kBlockM / 4;
-            cp_async16(dsb + buf * kBlockM + 4 * y, delta + r_at + 4 * y, true);
+            kpt::cp_async16(dsb + buf * kBlockM + 4 * y, delta + r_at + 4 * y, true);
         }
     };
 
@@ -475,17 +456,17 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) {
             unsigned kf[4], vf[4];
-            ldsm(kf, ks + a_row * kLd + kc * 16 + a_col);
-            ldsm(vf, vs + a_row * kLd + kc * 16 + a_col);
+            kpt::ldsm_x4(kf, ks + a_row * kLd + kc * 16 + a_col);
+            kpt::ldsm_x4(vf, vs + a_row * kLd + kc * 16 + a_col);
 #pragma unroll
             for (int jp = 0; jp < kBlockM / 16; ++jp) {
                 const int row = jp * 16 + (lane % 8) + (lane / 16) * 8;
                 const int col = kc * 16 + ((lane / 8) % 2) * 8;
                 unsigned bf[4];
-                ldsm(bf, qs + row * kLd + col);
+                kpt::ldsm_x4(bf, qs + row * kLd + col);
                 mma<T>(st[2 * jp], kf, bf[0], bf[1]);
                 mma<T>(st[2 * jp + 1], kf, bf[2], bf[3]);
-                ldsm(bf, dos + row * kLd + col);
+                kpt::ldsm_x4(bf, dos + row * kLd + col);
                 mma<T>(dpt[2 * jp], vf, bf[0], bf[1]);
                 mma<T>(dpt[2 * jp + 1], vf, bf[2], bf[3]);
             }
@@ -540,10 +521,10 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                 const int row = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
                 const int col = dpi * 16 + (lane / 16) * 8;
                 unsigned bf[4];
-                ldsm_t(bf, dos + row * kLd + col);
+                kpt::ldsm_x4_t(bf, dos + row * kLd + col);
                 mma<T>(dva[2 * dpi], pa, bf[0], bf[1]);
                 mma<T>(dva[2 * dpi + 1], pa, bf[2], bf[3]);
-                ldsm_t(bf, qs + row * kLd + col);
+                kpt::ldsm_x4_t(bf, qs + row * kLd + col);
                 mma<T>(dka[2 * dpi], sa, bf[0], bf[1]);
                 mma<T>(dka[2 * dpi + 1], sa, bf[2], bf[3]);
             }

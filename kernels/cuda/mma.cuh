@@ -1,5 +1,5 @@
 // Tensor-core building blocks of kpt's attention kernels (sm_80 and newer): cp.async
-// copies into shared memory, ldmatrix / movmatrix fragment loads, and the m16n8k16 MMA
+// copies into shared memory (single chunks and whole tiles), ldmatrix / movmatrix fragment loads, and the m16n8k16 MMA
 // with f32 accumulators. Fragment layouts (PTX ISA, "mma.m16n8k16"): lane l, with
 // g = l / 4 and u = l % 4, holds a = {A[g][2u..], A[g+8][2u..], A[g][2u+8..],
 // A[g+8][2u+8..]}, b = {B[2u..][g], B[2u+8..][g]}, c = {C[g][2u], C[g][2u+1],
@@ -78,6 +78,32 @@ __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsig
             "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// The same at a generic pointer into shared memory: 16 bytes, zero-filled when !valid
+// (rows past the end).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    cp_async16(smem_u32(dst), src, valid ? 16 : 0);
+}
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) { ldsm_x4(r, smem_u32(p)); }
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+    ldsm_x4_t(r, smem_u32(p));
+}
+
+// Copies `rows` rows (from `src`, `stride` elements apart) of D elements into a tile of
+// kRows rows with `ld` elements per row, spread over kThreads threads; rows past `rows`
+// are zeros.
+template <typename T, int D, int kRows, int kThreads>
+__device__ __forceinline__ void load_tile(T* tile, int ld, const T* src, long stride,
+                                          int rows) {
+    constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
+#pragma unroll
+    for (int x = threadIdx.x; x < kRows * kChunks; x += kThreads) {
+        const int r = x / kChunks, c = x % kChunks;
+        const bool valid = r < rows;
+        const T* s = src + (valid ? r : 0) * stride + c * (16 / sizeof(T));
+        cp_async16(tile + r * ld + c * (16 / sizeof(T)), s, valid);
     }
 }
 
