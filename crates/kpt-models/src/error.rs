@@ -98,6 +98,20 @@ pub enum ModelError {
         /// What failed.
         message: String,
     },
+    /// A sampling parameter is out of its range (e.g. `top_p` outside `(0, 1]`, a
+    /// negative temperature).
+    #[error("invalid sampling parameter `{parameter}`: {message}")]
+    InvalidSampling {
+        /// The parameter.
+        parameter: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
+    /// A generation request that cannot run (no prompt, an empty prompt, a token
+    /// outside the vocabulary, more positions than the model has) or logits that
+    /// cannot be sampled (NaN).
+    #[error("generation: {0}")]
+    Generation(String),
     /// A feature of the checkpoint that kpt cannot lower yet.
     #[error("unsupported: {0}")]
     Unsupported(String),

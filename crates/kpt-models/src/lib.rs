@@ -29,6 +29,7 @@
 pub mod bert;
 pub mod config;
 pub mod error;
+pub mod generate;
 pub mod gpt2;
 pub mod llama;
 pub mod lower;
@@ -59,6 +60,25 @@ impl Model {
     /// Whether it generates text (a decoder with a KV cache) rather than embeddings.
     pub fn is_decoder(&self) -> bool {
         !matches!(self, Model::Bert(_))
+    }
+
+    /// Vocabulary size (rows of the logits).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Model::Llama(m) => m.config.vocab_size,
+            Model::Gpt2(m) => m.config.vocab_size,
+            Model::Bert(m) => m.config.vocab_size,
+        }
+    }
+
+    /// The number of positions of a learned position table (GPT-2, BERT); `None` for
+    /// rotary models, whose positions have no hard limit.
+    pub fn max_positions(&self) -> Option<usize> {
+        match self {
+            Model::Llama(_) => None,
+            Model::Gpt2(m) => Some(m.config.n_positions),
+            Model::Bert(m) => Some(m.config.max_position_embeddings),
+        }
     }
 
     /// The decoder graph of `phase` (see [`llama::Llama::graph`]); for BERT, the
