@@ -62,6 +62,15 @@ impl Model {
         !matches!(self, Model::Bert(_))
     }
 
+    /// The compute dtype of its parameters and activations (chosen at load time).
+    pub fn dtype(&self) -> kpt_core::DType {
+        match self {
+            Model::Llama(m) => m.dtype,
+            Model::Gpt2(m) => m.dtype,
+            Model::Bert(m) => m.dtype,
+        }
+    }
+
     /// Vocabulary size (rows of the logits).
     pub fn vocab_size(&self) -> usize {
         match self {
