@@ -17,6 +17,15 @@ pub enum ModelError {
         #[source]
         source: std::io::Error,
     },
+    /// The path given as a checkpoint directory is missing, not a directory, or has no
+    /// `config.json`.
+    #[error("{}: {reason}", path.display())]
+    NotACheckpoint {
+        /// The path.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A JSON file is not valid JSON or not of the expected form.
     #[error("{}: invalid JSON: {message}", path.display())]
     Json {

@@ -128,9 +128,30 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Reads `dir/config.json` and maps the safetensors of `dir`.
+    /// Reads `dir/config.json` and maps the safetensors of `dir`. A path that does not
+    /// exist, is not a directory or has no `config.json` is
+    /// [`ModelError::NotACheckpoint`].
     pub fn open(dir: &Path) -> Result<Self> {
         let _span = tracing::info_span!("load_checkpoint", dir = %dir.display()).entered();
+        let not = |reason: &str| ModelError::NotACheckpoint {
+            path: dir.to_path_buf(),
+            reason: reason.to_string(),
+        };
+        if !dir.exists() {
+            return Err(not("no such model directory"));
+        }
+        if !dir.is_dir() {
+            return Err(not(
+                "not a directory (a checkpoint is a directory with config.json, \
+                 *.safetensors and tokenizer.json)",
+            ));
+        }
+        if !dir.join(CONFIG_FILE).is_file() {
+            return Err(not(
+                "not a checkpoint directory: it has no config.json (a Hugging Face model \
+                 directory holds config.json, model.safetensors and tokenizer.json)",
+            ));
+        }
         let config = ModelConfig::from_file(&dir.join(CONFIG_FILE))?;
         let weights = Weights::open(dir)?;
         Ok(Self {

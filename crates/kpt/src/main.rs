@@ -232,7 +232,11 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // A model error's message already names its cause (file, field, tensor).
+            match e.downcast_ref::<ModelError>() {
+                Some(m) => eprintln!("error: {m}"),
+                None => eprintln!("error: {e:#}"),
+            }
             ExitCode::FAILURE
         }
     }

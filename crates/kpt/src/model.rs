@@ -36,24 +36,6 @@ pub struct LoadedModel {
 /// # Ok::<(), kpt_models::ModelError>(())
 /// ```
 pub fn load(dir: &Path) -> Result<LoadedModel> {
-    let not_found = |what: &str| ModelError::Io {
-        path: dir.to_path_buf(),
-        source: std::io::Error::new(std::io::ErrorKind::NotFound, what.to_string()),
-    };
-    if !dir.exists() {
-        return Err(not_found("no such model directory"));
-    }
-    if !dir.is_dir() {
-        return Err(not_found(
-            "not a directory (--model takes a checkpoint directory with config.json)",
-        ));
-    }
-    if !dir.join(kpt_models::CONFIG_FILE).is_file() {
-        return Err(not_found(
-            "not a checkpoint directory: it has no config.json (a Hugging Face model \
-             directory holds config.json, model.safetensors and tokenizer.json)",
-        ));
-    }
     let ckpt = Checkpoint::open(dir)?;
     let model = ckpt.load_model(DType::F32)?;
     let tokenizer = ckpt.tokenizer()?;
