@@ -464,7 +464,7 @@ pub fn last_logits(logits: &Tensor) -> Result<Vec<f64>> {
 
 /// Checks a decoder graph's outputs (logits then 2 per layer) and splits them.
 fn split_outputs(mut outs: Vec<Tensor>) -> Result<(Tensor, Vec<Tensor>)> {
-    if outs.is_empty() || outs.len() % 2 == 0 {
+    if outs.is_empty() || outs.len().is_multiple_of(2) {
         return Err(ModelError::Generation(format!(
             "a decoder graph returns logits and a key and a value per layer, got {} outputs",
             outs.len()

@@ -121,7 +121,10 @@ fn greedy_tokens_equal_the_independent_forward_pass() {
     let model = ckpt.load_model(DType::F32).unwrap();
     let mut reference =
         Generator::for_model(ReferenceRunner::new(&model, &CpuReference).unwrap(), &model).unwrap();
-    assert_eq!(greedy(&mut reference, &[&PROMPT], 8), [want.clone()]);
+    assert_eq!(
+        greedy(&mut reference, &[&PROMPT], 8),
+        std::slice::from_ref(&want)
+    );
     let mut plans =
         Generator::for_model(plan_runner(&model, OptLevel::Conservative), &model).unwrap();
     assert_eq!(greedy(&mut plans, &[&PROMPT], 8), [want]);
