@@ -155,10 +155,23 @@ pub fn demo_checkpoint(root: &Path, cfg: &DemoConfig) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Where the demo checkpoint is kept by default: `kpt-demo` under the system's
+/// Where the demo checkpoint is kept by default: `kpt-demo` (`kpt-demo-$USER` when the
+/// user is known, so that users of one machine do not share it) under the system's
 /// temporary directory.
 pub fn default_demo_root() -> PathBuf {
-    std::env::temp_dir().join("kpt-demo")
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("USERNAME"))
+        .unwrap_or_default();
+    let user: String = user
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
+        .collect();
+    let name = if user.is_empty() {
+        "kpt-demo".to_string()
+    } else {
+        format!("kpt-demo-{user}")
+    };
+    std::env::temp_dir().join(name)
 }
 
 /// What to run.
