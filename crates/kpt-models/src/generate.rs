@@ -508,6 +508,38 @@ fn packed_inputs(prompts: &[&[i64]]) -> Result<(Vec<Tensor>, Vec<i64>)> {
 /// steps and, optionally, one for packed prefills of several prompts. The cache is a
 /// list of host tensors `[1, len, kv_dim]` (key then value of each layer), passed from
 /// one graph's outputs to the next one's inputs.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use kpt_core::backend::Backend;
+/// use kpt_core::exec::Executor;
+/// use kpt_core::optimize::{auto_optimize, PrecisionPolicy};
+/// use kpt_core::{Graph, OptLevel};
+/// use kpt_kernels::{CpuBackend, KernelRegistry};
+/// use kpt_models::generate::{Generator, PlanRunner, SamplingParams, StopCondition};
+/// use kpt_models::{Checkpoint, Phase};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let ckpt = Checkpoint::open(std::path::Path::new("models/tiny-llama"))?;
+/// let model = ckpt.load_model(kpt_core::DType::F32)?;
+/// let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new()?);
+/// let registry = KernelRegistry::with_builtin();
+/// let plan = |g: &Graph| -> kpt_core::Result<Executor> {
+///     let p = auto_optimize(g, OptLevel::Balanced, &PrecisionPolicy::default(), &registry,
+///         backend.device())?;
+///     Executor::new(p, backend.clone())
+/// };
+/// let runner = PlanRunner::new(plan(&model.graph(Phase::Prefill, 16)?)?,
+///     plan(&model.graph(Phase::Decode, 16)?)?)
+///     .with_packed(plan(&model.graph_packed(32, 2)?)?);
+/// let mut generator = Generator::for_model(runner, &model)?;
+/// let sampling = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 1 };
+/// let out = generator.generate(&[&[0, 5, 9], &[0, 7]], &sampling, &StopCondition::new(8),
+///     None, |_| Ok(()))?;
+/// assert_eq!(out.outputs.len(), 2);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct PlanRunner {
     prefill: Executor,
