@@ -101,7 +101,7 @@ fn norms(c: &mut Criterion) {
     });
     let pos: Vec<i64> = (0..rows as i64).collect();
     g.bench_function("rotary_256x32x128", |b| {
-        b.iter(|| cpu::rotary(&x, &pos, &mut out, 1, rows, 32, 128, 10000.0))
+        b.iter(|| cpu::rotary(&x, &pos, &mut out, 1, rows, 32, 128, 10000.0, None))
     });
     g.finish();
 }

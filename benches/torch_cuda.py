@@ -124,6 +124,9 @@ def variants(req):
         out = []
         # The forward runs once under each backend; its backward (the same backend's) is
         # what is timed, as `out.backward(dout)` would run it, without accumulating .grad.
+        # It gets what that forward saved (the flash backend: the output and the softmax
+        # log-sum-exp); kpt's backward rows are handed its forward's output and log-sum-exp
+        # likewise (benches/gpu/main.rs).
         for name, forward in sdpa_backends(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         ):

@@ -674,6 +674,7 @@ impl Workload for Rotary {
             heads,
             head_dim,
             THETA,
+            None,
         )
     }
 
@@ -689,6 +690,7 @@ impl Workload for Rotary {
             heads,
             head_dim,
             THETA as f64,
+            None,
         )?;
         let mut c = Check::default();
         let tol = tolerance(DType::F32, 2);

@@ -1,4 +1,5 @@
-//! The PyTorch worker: `torch_cpu.py` in a child process, one JSON line per request.
+//! A Python worker (`torch_cpu.py`, `torch_cuda.py`, `hf_models.py`) in a child process,
+//! one JSON line per request.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -51,14 +52,20 @@ impl TorchWorker {
         serde_json::from_str(&line).with_context(|| format!("bad worker reply: {line}"))
     }
 
-    /// Times every PyTorch variant of a case; returns per-call seconds by variant name.
-    pub fn time(&mut self, request: &Value) -> Result<BTreeMap<String, Vec<f64>>> {
+    /// Sends one request and returns the reply; a reply with `error` is an error.
+    pub fn call(&mut self, request: &Value) -> Result<Value> {
         writeln!(self.stdin, "{request}")?;
         self.stdin.flush()?;
         let reply = self.read()?;
         if let Some(e) = reply.get("error") {
-            bail!("torch: {}", e.as_str().unwrap_or("unknown error"));
+            bail!("worker: {}", e.as_str().unwrap_or("unknown error"));
         }
+        Ok(reply)
+    }
+
+    /// Times every PyTorch variant of a case; returns per-call seconds by variant name.
+    pub fn time(&mut self, request: &Value) -> Result<BTreeMap<String, Vec<f64>>> {
+        let reply = self.call(request)?;
         serde_json::from_value(reply["variants"].clone())
             .map_err(|e| anyhow!("bad worker reply {reply}: {e}"))
     }

@@ -172,28 +172,51 @@ fn attention_cases() -> Vec<Case> {
             });
         }
     }
-    // Gradients (q, k, v, the forward output and its gradient in; dq, dk, dv out).
+    // Gradients (q, k, v, the forward output and its gradient in; dq, dk, dv out). The
+    // main rows give kpt's backward the forward's log-sum-exp, as torch's backward gets
+    // the one its forward saved: `out` and `lse` are written by kpt's forward on the
+    // device before timing (the uploaded `out` and `lse` are placeholders), and only the
+    // backward is timed. The `_no_lse` rows time the backward without it (the kernel
+    // recomputes the softmax statistics), for comparison.
     let (b, h, s, d) = (8usize, 16usize, 2048usize, 128usize);
     for causal in [false, true] {
-        let full = 2.5 * 4.0 * (b * h * s * s * d) as f64;
-        let kind = if causal { "causal" } else { "full" };
-        out.push(Case {
-            name: format!("attention_backward_bf16_b{b}_h{h}_s{s}_d{d}_{kind}"),
-            metric: "TFLOP/s",
-            work: if causal { full / 2.0 } else { full },
-            kpt: Work::Op(Op::AttentionBackward(
-                kpt_core::graph::AttentionParams::new(h, h, d, causal),
-            )),
-            inputs: (0..5)
+        for lse in [true, false] {
+            let full = 2.5 * 4.0 * (b * h * s * s * d) as f64;
+            let kind = if causal { "causal" } else { "full" };
+            let suffix = if lse { "" } else { "_no_lse" };
+            let mut inputs: Vec<Tensor> = (0..5)
                 .map(|_| random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0))
-                .collect(),
-            torch: json!({"kind": "attention_backward", "batch": b, "heads": h,
-                          "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
-            target_ratio: Some(1.0),
-            target: None,
-            target_vs_case: None,
-            note: "FLOPs = 2.5 x the forward's (half when causal); dq checked",
-        });
+                .collect();
+            if lse {
+                inputs.push(
+                    Tensor::from_f64(&vec![0.0; b * h * s], &[b, h, s], DType::F32)
+                        .expect("shape matches"),
+                );
+            }
+            out.push(Case {
+                name: format!("attention_backward_bf16_b{b}_h{h}_s{s}_d{d}_{kind}{suffix}"),
+                metric: "TFLOP/s",
+                work: if causal { full / 2.0 } else { full },
+                kpt: Work::Op(Op::AttentionBackward(kpt_core::graph::AttentionParams {
+                    lse,
+                    ..kpt_core::graph::AttentionParams::new(h, h, d, causal)
+                })),
+                inputs,
+                torch: json!({"kind": "attention_backward", "batch": b, "heads": h,
+                              "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
+                target_ratio: lse.then_some(1.0),
+                target: None,
+                target_vs_case: None,
+                note: if lse {
+                    "FLOPs = 2.5 x the forward's (half when causal); out and lse from kpt's \
+                     forward (not timed), as torch's backward gets its saved out and LSE; dq \
+                     checked"
+                } else {
+                    "FLOPs = 2.5 x the forward's (half when causal); no log-sum-exp given \
+                     (recomputed in the dq pass); dq checked"
+                },
+            });
+        }
     }
     let (b, hq, hkv, d) = (8usize, 32usize, 8usize, 128usize);
     for s in [8192usize, 32768] {
@@ -330,6 +353,7 @@ fn cases() -> Vec<Case> {
         kpt: Work::Op(Op::Rotary {
             head_dim: d,
             theta: 10_000.0,
+            scaling: None,
         }),
         inputs: vec![
             random(&mut rng, &[b, s, h * d], bf, -2.0, 2.0),
@@ -479,6 +503,12 @@ fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
         .zip(specs)
         .map(|(t, s)| Ok((backend.upload(t)?, s)))
         .collect::<Result<Vec<_>>>()?;
+    let mut inputs = inputs;
+    if let Work::Op(Op::AttentionBackward(ap)) = &case.kpt {
+        if ap.lse {
+            forward_for_backward(backend, ap, &mut inputs)?;
+        }
+    }
     let outputs = out_specs
         .into_iter()
         .map(|s| Ok((backend.allocate(s.dtype, s.numel())?, s)))
@@ -502,6 +532,44 @@ fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
         outputs,
         scales,
     })
+}
+
+/// Runs kpt's forward attention (the registry's device kernel) on the uploaded q, k, v
+/// (and mask) of a backward case, writing its output and log-sum-exp into the case's
+/// `out` and `lse` inputs, so that the backward gets what a training step would hand it.
+fn forward_for_backward(
+    backend: &CudaBackend,
+    ap: &kpt_core::graph::AttentionParams,
+    inputs: &mut [(DeviceBuffer, TensorSpec)],
+) -> Result<()> {
+    let op = Op::Attention(*ap);
+    let (qkv, rest) = inputs.split_at_mut(3);
+    let (out_dout, tail) = rest.split_at_mut(2);
+    let (mask, lse) = tail.split_at_mut(tail.len().saturating_sub(1));
+    let mut refs: Vec<_> = qkv
+        .iter()
+        .map(|(buffer, spec)| BufferRef { buffer, spec })
+        .collect();
+    refs.extend(mask.iter().map(|(buffer, spec)| BufferRef { buffer, spec }));
+    let specs: Vec<TensorSpec> = refs.iter().map(|r| r.spec.clone()).collect();
+    let kernel = KernelRegistry::with_builtin()
+        .fallback_chain(&op, &specs, backend.device())
+        .into_iter()
+        .find(|k| on_device(k))
+        .context("no device kernel gives the attention log-sum-exp")?;
+    let (out, lse) = (&mut out_dout[0], lse.first_mut().context("lse input")?);
+    let mut muts = [
+        BufferMut {
+            buffer: &mut out.0,
+            spec: &out.1,
+        },
+        BufferMut {
+            buffer: &mut lse.0,
+            spec: &lse.1,
+        },
+    ];
+    backend.execute(&kernel, &op, &refs, &mut muts)?;
+    Ok(())
 }
 
 /// Whether a kernel runs on the GPU (rather than on host copies).
@@ -557,17 +625,27 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
             ],
         ),
         // The last queries' dq needs only their rows of q, out and dout (their dk and dv
-        // contributions are partial sums, so only dq is compared).
-        Work::Op(op @ Op::AttentionBackward(_)) => (
-            op.clone(),
-            vec![
+        // contributions are partial sums, so only dq is compared). With the log-sum-exp,
+        // `out` and `lse` are the forward's, read back from the device.
+        Work::Op(op @ Op::AttentionBackward(ap)) => {
+            let mut v = vec![
                 last_queries(&case.inputs[0])?,
                 head(&case.inputs[1], 1)?,
                 head(&case.inputs[2], 1)?,
                 last_queries(&case.inputs[3])?,
                 last_queries(&case.inputs[4])?,
-            ],
-        ),
+            ];
+            if ap.lse {
+                let (out, out_spec) = &p.inputs[3];
+                v[3] = last_queries(&p.backend.download(out, out_spec)?)?;
+                let (lse, lse_spec) = p.inputs.last().context("lse input")?;
+                let lse = p.backend.download(lse, lse_spec)?;
+                let s = lse.shape()[2];
+                let r = CHECK_ROWS.min(s);
+                v.push(lse.narrow(0, 0, 1)?.narrow(2, s - r, r)?.contiguous());
+            }
+            (op.clone(), v)
+        }
         Work::Op(op) => bail!("no accuracy check for {op}"),
         Work::SwiGlu => {
             let x = first(&case.inputs[0])?.to_f64_vec();

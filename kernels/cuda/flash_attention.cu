@@ -16,6 +16,9 @@
 // that cross the diagonal, the end of the cache, or carry an additive mask. Rows that no
 // key is visible to give zeros. Query tiles are scheduled last-first so that the longest
 // causal blocks start first (block x = tile from the last * batch * heads + b * heads + h).
+// When `lse` is not null, each row's log-sum-exp of the scaled scores (natural log, f32
+// [batch, heads, seq_q], +inf for rows that see no key) is written there too, for the
+// backward pass.
 //
 // kpt:launch kpt_flash_attention_bf16_d64 block=128 shared=0 grid=tiles
 // kpt:launch kpt_flash_attention_bf16_d128 block=128 shared=0 grid=tiles
@@ -35,6 +38,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kBlockM = 64;  // query rows per block (16 per warp)
 constexpr int kBlockN = 64;  // keys per tile
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 using Dims = kpt::AttentionDims;
 
@@ -72,7 +76,7 @@ __device__ __forceinline__ void load_tile(T* tile, int ld, const T* src, long st
 template <typename T, int D>
 __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
                       const T* __restrict__ v, const float* __restrict__ mask,
-                      T* __restrict__ out, const Dims p) {
+                      T* __restrict__ out, float* __restrict__ lse, const Dims p) {
     constexpr int kLd = D + 8;  // padded row: 16 extra bytes
     // K tile, and V tile (which first holds the Q tile).
     __shared__ __align__(16) T ks[kBlockN * kLd];
@@ -246,6 +250,11 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         const int qi = r == 0 ? qi0 : qi1;
         if (qi >= p.seq_q) continue;
+        if (lse != nullptr && tig == 0) {
+            // m_run and the scores are in the log2 domain: ln = (max + log2 sum) ln 2.
+            lse[(static_cast<long>(b) * p.heads + h) * p.seq_q + qi] =
+                l > 0.0f && m_run[r] != -INFINITY ? (m_run[r] + log2f(l)) * kLn2 : INFINITY;
+        }
         T* orow = out + (static_cast<long>(b) * p.seq_q + qi) * q_stride + static_cast<long>(h) * D;
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) {
@@ -259,8 +268,9 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
 
 #define KPT_FLASH(NAME, T, D)                                                              \
     extern "C" __global__ void __launch_bounds__(kThreads) kpt_flash_attention_##NAME##_d##D( \
-        const T* q, const T* k, const T* v, const float* mask, T* out, const Dims p) {     \
-        flash<T, D>(q, k, v, mask, out, p);                                                \
+        const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,         \
+        const Dims p) {                                                                    \
+        flash<T, D>(q, k, v, mask, out, lse, p);                                           \
     }
 
 KPT_FLASH(bf16, __nv_bfloat16, 64)

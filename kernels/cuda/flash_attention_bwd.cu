@@ -16,6 +16,12 @@
 //    writes each row's lse2 = max + log2(sum) and D (f32 [batch * heads, seq_pad],
 //    seq_pad = seq_q rounded up to 64; +inf and 0 for rows that see no key or lie past
 //    seq_q, so that their recomputed probabilities, and gradients, are 0).
+//    kpt_flash_attention_bwd_dq_lse_*: the same launch when the forward's log-sum-exp is
+//    given (natural log, f32 [batch, heads, seq_q], +inf for rows that see no key, as
+//    flash_attention.cu and flash_attention_sm90.cu write it): each row's lse2 = lse log2e
+//    is known up front, so there is no online softmax: P = exp2(s - lse2) directly,
+//    dS = P (dP - D) goes into dq's accumulator with no rescaling, and dq = scale * acc.
+//    It still writes lse2 and D for launch 2.
 // 2. kpt_flash_attention_bwd_dkdv_*: one block of 4 warps per (64 keys, kv head, batch);
 //    warp w owns keys 16w..16w+15. K and V stay in shared memory; the block walks every
 //    query head of its kv group and every query tile of 64 that sees its keys (causal
@@ -33,6 +39,10 @@
 // kpt:launch kpt_flash_attention_bwd_dq_bf16_d128 block=128 shared=104704 grid=query_tiles
 // kpt:launch kpt_flash_attention_bwd_dq_f16_d64 block=128 shared=55552 grid=query_tiles
 // kpt:launch kpt_flash_attention_bwd_dq_f16_d128 block=128 shared=104704 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_bf16_d64 block=128 shared=55552 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_bf16_d128 block=128 shared=104704 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_f16_d64 block=128 shared=55552 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_f16_d128 block=128 shared=104704 grid=query_tiles
 // kpt:launch kpt_flash_attention_bwd_dkdv_bf16_d64 block=128 shared=56320 grid=key_tiles
 // kpt:launch kpt_flash_attention_bwd_dkdv_bf16_d128 block=128 shared=105472 grid=key_tiles
 // kpt:launch kpt_flash_attention_bwd_dkdv_f16_d64 block=128 shared=56320 grid=key_tiles
@@ -107,12 +117,14 @@ static_assert(SmemQ<__half, 64>::kBytes == 55552, "keep the kpt:launch shared= v
 static_assert(SmemQ<__half, 128>::kBytes == 104704, "keep the kpt:launch shared= values in step");
 static_assert(kBlockM == kBlockN, "Q and dO tiles use the K tile's size");
 
-template <typename T, int D>
+// kGivenLse: lse_in holds the forward's log-sum-exp (see the top of the file); otherwise
+// it is unused and the row statistics come from an online softmax.
+template <typename T, int D, bool kGivenLse>
 __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
                         const T* __restrict__ v, const float* __restrict__ mask,
                         const T* __restrict__ out, const T* __restrict__ dout,
-                        T* __restrict__ dq, float* __restrict__ lse, float* __restrict__ delta,
-                        const Dims p) {
+                        const float* __restrict__ lse_in, T* __restrict__ dq,
+                        float* __restrict__ lse, float* __restrict__ delta, const Dims p) {
     using S = SmemQ<T, D>;
     constexpr int kLd = S::kLd;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -190,6 +202,18 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
     const float scale2 = p.scale * kLog2e;
     const int qi0 = m0 + warp * 16 + g, qi1 = qi0 + 8;
+    // With the forward's log-sum-exp: lse2 of the two rows (+inf past seq_q and for
+    // anything but a finite value, so that those rows' probabilities are 0).
+    float lse2[2] = {INFINITY, INFINITY};
+    if constexpr (kGivenLse) {
+        const long at = static_cast<long>(bh) * p.seq_q;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int qi = r == 0 ? qi0 : qi1;
+            const float x = qi < p.seq_q ? lse_in[at + qi] : INFINITY;
+            lse2[r] = isfinite(x) ? x * kLog2e : INFINITY;
+        }
+    }
 
     for (int t = 0; t < tiles_n; ++t) {
         if (t > 0) {
@@ -253,11 +277,22 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
                 s[j][e] = x;
             }
         }
+        if constexpr (kGivenLse) {
+            // dS = P (dP - D) with P = exp2(s - lse2): nothing to rescale.
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float pr = exp2f(s[j][e] - lse2[e >> 1]);
+                    dp[j][e] = pr * (dp[j][e] - dr[e >> 1]);
+                }
+            }
+        }
         // Online softmax (r = 0: elements 0, 1; r = 1: elements 2, 3); the unnormalized
         // dS = exp2(s - max) (dP - D) goes into dq's accumulator, rescaled as O is in the
         // forward, and the final sum normalizes it.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < 2 && !kGivenLse; ++r) {
             float mx = m_run[r];
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
@@ -307,19 +342,24 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
     cp_async_wait<0>();
 
     // dq = scale * acc / sum; lse2 = max + log2(sum), +inf where nothing is visible and
-    // past seq_q.
+    // past seq_q. With the given log-sum-exp, acc is already normalized.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const bool seen = m_run[r] != -INFINITY && l > 0.0f;
         const int qi = r == 0 ? qi0 : qi1;
-        if (tig == 0) {
-            lse[row_at + qi - m0] = seen && qi < p.seq_q ? m_run[r] + log2f(l) : INFINITY;
+        float f, row_lse2;
+        if constexpr (kGivenLse) {
+            row_lse2 = lse2[r];
+            f = p.scale;
+        } else {
+            float l = l_run[r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const bool seen = m_run[r] != -INFINITY && l > 0.0f;
+            row_lse2 = seen && qi < p.seq_q ? m_run[r] + log2f(l) : INFINITY;
+            f = seen ? p.scale / l : 0.0f;
         }
+        if (tig == 0) lse[row_at + qi - m0] = row_lse2;
         if (qi >= p.seq_q) continue;
-        const float f = seen ? p.scale / l : 0.0f;
         T* row = dq + q_at + static_cast<long>(qi - m0) * q_stride;
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) {
@@ -533,7 +573,14 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
     extern "C" __global__ void __launch_bounds__(kThreads) kpt_flash_attention_bwd_dq_##NAME##_d##D( \
         const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,  \
         T* dq, float* lse, float* delta, const Dims p) {                                     \
-        dq_pass<T, D>(q, k, v, mask, out, dout, dq, lse, delta, p);                          \
+        dq_pass<T, D, false>(q, k, v, mask, out, dout, nullptr, dq, lse, delta, p);          \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(kThreads)                                   \
+        kpt_flash_attention_bwd_dq_lse_##NAME##_d##D(                                        \
+            const T* q, const T* k, const T* v, const float* mask, const T* out,             \
+            const T* dout, const float* lse_in, T* dq, float* lse, float* delta,             \
+            const Dims p) {                                                                  \
+        dq_pass<T, D, true>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);            \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(kThreads)                                   \
         kpt_flash_attention_bwd_dkdv_##NAME##_d##D(const T* q, const T* k, const T* v,        \

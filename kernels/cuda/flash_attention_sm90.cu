@@ -41,6 +41,9 @@
 // 384 threads, the `shared=` bytes below as dynamic shared memory (more than 48 KiB: the
 // function needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES set to it first). Only the
 // sm_90a cubin computes; the sm_80 cubin and the compute_80 PTX of this file trap.
+// When `lse` is not null (bf16/f16 entries), each row's log-sum-exp of the scaled scores
+// (natural log, f32 [batch, heads, seq_q], +inf for rows that see no key) is written there
+// too, for the backward pass; the FP8 entry writes none.
 // Tuning switches for standalone builds (target/fa3test): KPT_FA3_STAGES_D64/_D128,
 // KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE; the artifacts use the defaults.
 //
@@ -514,7 +517,8 @@ template <typename T, int D>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
-                                           OutT<T>* __restrict__ out, const Dims& p,
+                                           OutT<T>* __restrict__ out,
+                                           float* __restrict__ lse, const Dims& p,
                                            float out_scale) {
     using C = Config<T, D>;
     constexpr int kPOffset = kFp8<T> ? 8 : 0;
@@ -720,6 +724,13 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         const float inv = l > 0.0f ? out_scale / l : 0.0f;
         const int qi = qi0 + r * 8;
         if (qi >= p.seq_q) continue;
+        if (lse != nullptr && tig == 0) {
+            // m_run and the scores are in the log2 domain (P carries 2^kPOffset).
+            lse[(static_cast<long>(b) * p.heads + h) * p.seq_q + qi] =
+                l > 0.0f && m_run[r] != -INFINITY
+                    ? (m_run[r] + log2f(l) - kPOffset) * 0.6931471805599453f
+                    : INFINITY;
+        }
         OutT<T>* orow = out + (static_cast<long>(b) * p.seq_q + qi) * q_stride +
                         static_cast<long>(h) * D + tig * 2;
 #pragma unroll
@@ -734,7 +745,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
 
 template <typename T, int D>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
-                                           const Dims&, float) {
+                                           float*, const Dims&, float) {
     __trap();
 }
 
@@ -745,8 +756,9 @@ __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const f
 #define KPT_FLASH_SM90(NAME, T, D)                                                         \
     extern "C" __global__ void __launch_bounds__(kThreads, 1)                              \
         kpt_flash_attention_sm90_##NAME##_d##D(const T* q, const T* k, const T* v,         \
-                                               const float* mask, T* out, const Dims p) {  \
-        flash_sm90<T, D>(q, k, v, mask, out, p, 1.0f);                                     \
+                                               const float* mask, T* out, float* lse,      \
+                                               const Dims p) {                             \
+        flash_sm90<T, D>(q, k, v, mask, out, lse, p, 1.0f);                                \
     }
 
 KPT_FLASH_SM90(bf16, __nv_bfloat16, 64)
@@ -760,7 +772,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     kpt_flash_attention_sm90_e4m3_d128(const E4M3* q, const E4M3* k, const E4M3* vt,
                                        const float* mask, __nv_bfloat16* out, const Dims p,
                                        float v_scale) {
-    flash_sm90<E4M3, 128>(q, k, vt, mask, out, p, v_scale);
+    flash_sm90<E4M3, 128>(q, k, vt, mask, out, nullptr, p, v_scale);
 }
 
 // V [batch, seq_kv, kv_heads * 128] (bytes) -> V^T [batch, kv_heads, 128, seq_kv rounded up to

@@ -3,6 +3,10 @@
 // the cos/sin of the row's position are computed once in f64 (exact for long
 // positions) into shared memory, then every head of the row is rotated, with 16-byte
 // loads when half a head is a multiple of 16 bytes. head_dim <= 512.
+// Plain rotary (inv_freq == nullptr) computes theta^(-2i/head_dim) itself; scaled
+// rotary reads the head_dim/2 inverse frequencies from inv_freq (f64, computed on the
+// host by kpt_core::graph::rope_frequencies) and multiplies cos and sin by
+// attention_factor (1 unless YaRN).
 // Matches kpt_kernels::cpu::reference::rotary.
 //
 // kpt:launch kpt_rotary_f32_i32 block=256 shared=0 grid=rows
@@ -24,17 +28,20 @@ using kpt::to_float;
 
 template <typename T, typename I>
 __device__ void rotary(const T* __restrict__ x, const I* __restrict__ positions,
-                       T* __restrict__ out, int seq, int heads, int head_dim, float theta) {
+                       T* __restrict__ out, int seq, int heads, int head_dim, float theta,
+                       const double* __restrict__ inv_freq, double attention_factor) {
     __shared__ float cos_t[kMaxHalf], sin_t[kMaxHalf];
     const int half = head_dim / 2;
     const long row = blockIdx.x;
     const double pos = static_cast<double>(positions[row % seq]);
     for (int i = threadIdx.x; i < half; i += kBlock) {
-        const double freq = pow(static_cast<double>(theta), -2.0 * i / head_dim);
+        const double freq = inv_freq != nullptr
+                                ? inv_freq[i]
+                                : pow(static_cast<double>(theta), -2.0 * i / head_dim);
         double s, c;
         sincos(pos * freq, &s, &c);
-        cos_t[i] = static_cast<float>(c);
-        sin_t[i] = static_cast<float>(s);
+        cos_t[i] = static_cast<float>(c * attention_factor);
+        sin_t[i] = static_cast<float>(s * attention_factor);
     }
     __syncthreads();
     const long base = row * heads * head_dim;
@@ -73,8 +80,9 @@ __device__ void rotary(const T* __restrict__ x, const I* __restrict__ positions,
 #define KPT_ROTARY(NAME, T, INAME, I)                                                    \
     extern "C" __global__ void __launch_bounds__(kBlock) kpt_rotary_##NAME##_##INAME(   \
         const T* x, const I* positions, T* out, int seq, int heads, int head_dim,       \
-        float theta) {                                                                   \
-        rotary<T, I>(x, positions, out, seq, heads, head_dim, theta);                    \
+        float theta, const double* inv_freq, double attention_factor) {                  \
+        rotary<T, I>(x, positions, out, seq, heads, head_dim, theta, inv_freq,           \
+                     attention_factor);                                                  \
     }
 
 KPT_ROTARY(f32, float, i32, int)

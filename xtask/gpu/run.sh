@@ -3,7 +3,7 @@
 # `cargo xtask gpu-bundle`. Needs only the NVIDIA driver, cuBLASLt and (for the
 # benchmark) a python3 with CUDA PyTorch.
 #
-#   run.sh OUT_DIR [all|tests|bench] [extra kpt-bench-cuda arguments...]
+#   run.sh OUT_DIR [all|tests|bench|models] [extra kpt-bench-cuda arguments...]
 #
 # Test logs, `kpt detect --json`, the logs of `kpt --device cuda validate|demo|bench`
 # and the report go to OUT_DIR; the exit status is
@@ -43,7 +43,7 @@ KPT_GIT_COMMIT="$(cat "$here/GIT_COMMIT")"
 export KPT_GIT_COMMIT
 
 status=0
-if [ "$what" != bench ]; then
+if [ "$what" = tests ] || [ "$what" = all ]; then
   "$here/bin/kpt" detect --json > "$out/detect.json" 2> "$out/detect.log" || status=1
   cat "$out/detect.json"
   # The CLI end to end on the GPU: validate every op of the demo model against the f64
@@ -75,10 +75,15 @@ if [ "$what" != bench ]; then
     done
   done
 fi
-if [ "$what" != tests ]; then
+if [ "$what" = bench ] || [ "$what" = all ]; then
   "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
     --out "$out/reports" "$@" || status=1
   "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
     --suite attention --name attention-h100 --out "$out/reports" "$@" || status=1
+fi
+if [ "$what" = models ] || [ "$what" = all ]; then
+  # A 1.1B LLaMA-shaped checkpoint through kpt-models and HF transformers.
+  "$here/bin/kpt-bench-models" --python python3 --script "$here/hf_models.py" \
+    --dir "${TMPDIR:-/tmp}/kpt-bench-llama" --out "$out/reports" || status=1
 fi
 exit $status

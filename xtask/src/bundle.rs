@@ -59,9 +59,11 @@ pub fn gpu_bundle() -> Result<()> {
         "kpt-benches",
         "--bin",
         "kpt-bench-cuda",
+        "--bin",
+        "kpt-bench-models",
     ])?;
     let release = root.join("target/release");
-    for bin in ["kpt", "kpt-bench-cuda"] {
+    for bin in ["kpt", "kpt-bench-cuda", "kpt-bench-models"] {
         install(&release.join(bin), &dir.join("bin").join(bin))?;
     }
     for exe in test_executables("kpt-nvidia")? {
@@ -72,10 +74,9 @@ pub fn gpu_bundle() -> Result<()> {
             .to_string();
         install(&exe, &dir.join("tests").join(name))?;
     }
-    std::fs::copy(
-        root.join("benches/torch_cuda.py"),
-        dir.join("torch_cuda.py"),
-    )?;
+    for script in ["torch_cuda.py", "hf_models.py"] {
+        std::fs::copy(root.join("benches").join(script), dir.join(script))?;
+    }
     std::fs::copy(root.join("xtask/gpu/run.sh"), dir.join("run.sh"))?;
     let commit = Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])

@@ -9,6 +9,8 @@
 //!   into `target/kernels-venv`, compiles `kernels/cuda/*.cu` and the specializations
 //!   of `kernels/triton/*.py` to cubin (sm_80, sm_90a) and PTX (compute_80) and
 //!   rewrites the manifest.
+//! - `bench-models`: the same environment (with HF transformers), then
+//!   `kpt-bench-models` on the CPU with a ~100M-parameter LLaMA-shaped model.
 //! - `bench-cpu`: installs PyTorch (pinned in `benches/requirements-cpu.txt`) into a
 //!   virtual environment under `target/`, builds `kpt-bench-cpu` in release mode and runs
 //!   kpt and PyTorch side by side, writing `docs/reports/cpu-latest.{json,md,svg}`.
@@ -53,6 +55,13 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// A ~100M-parameter LLaMA-shaped model through kpt-models and HF transformers on
+    /// this machine's CPU, same run; writes docs/reports/models-cpu-*.
+    BenchModels {
+        /// Extra arguments for kpt-bench-models (e.g. `--steps 16`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Build the GPU tests and kpt-bench-cuda into .gpu/ with run.sh, for a GPU machine.
     GpuBundle,
 }
@@ -63,6 +72,7 @@ fn main() -> Result<()> {
         Task::CheckKernels => check_kernels(),
         Task::BuildKernels { force } => build_kernels(force),
         Task::BenchCpu { args } => bench_cpu(&args),
+        Task::BenchModels { args } => bench_models(&args),
         Task::GpuBundle => gpu_bundle(),
     }
 }
@@ -157,18 +167,36 @@ fn python_env(name: &str, requirements: &str) -> Result<PathBuf> {
 }
 
 fn bench_cpu(extra: &[String]) -> Result<()> {
+    run_bench("kpt-bench-cpu", &[], extra)
+}
+
+fn bench_models(extra: &[String]) -> Result<()> {
+    let checkpoint = root().join("target/bench-models/llama-100m");
+    let checkpoint = checkpoint.to_string_lossy().into_owned();
+    let args = [
+        "--device",
+        "cpu",
+        "--size",
+        "100m",
+        "--name",
+        "models-cpu",
+        "--dir",
+        &checkpoint,
+        "--command",
+        "cargo xtask bench-models",
+    ];
+    run_bench("kpt-bench-models", &args, extra)
+}
+
+/// Builds the side-by-side harness `bin` in release mode and runs it with the bench
+/// environment's python, then `args`, then `extra`.
+fn run_bench(bin: &str, args: &[&str], extra: &[String]) -> Result<()> {
     let python = python_env("bench-venv", "benches/requirements-cpu.txt")?;
-    cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "kpt-benches",
-        "--bin",
-        "kpt-bench-cpu",
-    ])?;
-    let bin = root().join("target/release/kpt-bench-cpu");
+    cargo(&["build", "--release", "-p", "kpt-benches", "--bin", bin])?;
+    let exe = root().join("target/release").join(bin);
     let python_s = python.to_string_lossy().into_owned();
-    let mut args = vec!["--python", &python_s];
-    args.extend(extra.iter().map(String::as_str));
-    run(&bin, &args)
+    let mut all = vec!["--python", &python_s];
+    all.extend_from_slice(args);
+    all.extend(extra.iter().map(String::as_str));
+    run(&exe, &all)
 }

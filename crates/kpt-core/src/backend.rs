@@ -96,6 +96,41 @@ pub struct BufferMut<'a> {
     pub spec: &'a TensorSpec,
 }
 
+/// Checks a [`Backend::copy_into`] request and returns its destination offset and
+/// length in bytes.
+pub fn copy_extent(
+    src: BufferRef<'_>,
+    dst: &DeviceBuffer,
+    dst_offset: usize,
+) -> Result<(usize, usize)> {
+    let n = src.spec.numel();
+    if src.buffer.dtype() != src.spec.dtype || src.buffer.len() < n {
+        return Err(KptError::InvalidArgument(format!(
+            "copy source of {} {} cannot hold {}",
+            src.buffer.len(),
+            src.buffer.dtype(),
+            src.spec
+        )));
+    }
+    if dst.dtype() != src.spec.dtype {
+        return Err(KptError::dtype(
+            "copy destination",
+            src.spec.dtype.name(),
+            dst.dtype(),
+        ));
+    }
+    match dst_offset.checked_add(n) {
+        Some(end) if end <= dst.len() => {
+            let size = dst.dtype().size_in_bytes();
+            Ok((dst_offset * size, n * size))
+        }
+        _ => Err(KptError::InvalidArgument(format!(
+            "copying {n} elements to offset {dst_offset} overruns a buffer of {}",
+            dst.len()
+        ))),
+    }
+}
+
 /// Memory use of a backend.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryStats {
@@ -126,6 +161,16 @@ pub trait Backend: Send + Sync {
 
     /// Copies the first `spec.numel()` elements of a buffer back to the host.
     fn download(&self, buffer: &DeviceBuffer, spec: &TensorSpec) -> Result<Tensor>;
+
+    /// Copies the `src.spec.numel()` elements of `src` into `dst` from element
+    /// `dst_offset` on (queued like a kernel). The dtypes must match and `dst` must have
+    /// room; appending a token's keys to a cache with spare capacity is one such copy.
+    fn copy_into(
+        &self,
+        src: BufferRef<'_>,
+        dst: &mut DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()>;
 
     /// Runs `kernel` (a name from the kernel registry) for `op`.
     fn execute(

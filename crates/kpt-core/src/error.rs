@@ -84,6 +84,9 @@ pub enum KptError {
     /// An invalid argument that is none of the above.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// Rotary scaling parameters that cannot be evaluated.
+    #[error(transparent)]
+    RopeScaling(#[from] crate::graph::RopeScalingError),
     /// I/O failure with the path involved.
     #[error("I/O error on {path}: {source}")]
     Io {

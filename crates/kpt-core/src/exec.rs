@@ -1,13 +1,99 @@
 //! Running a [`Plan`] on a [`Backend`]: parameters uploaded once, intermediate
 //! buffers shared as the memory plan says, shapes re-inferred on every run.
+//!
+//! Inputs and outputs are host [`Tensor`]s ([`Executor::run`]) or, for values that stay
+//! on the device between runs such as a KV cache, [`DeviceTensor`]s
+//! ([`Executor::run_resident`]). A [`Op::Concat`](crate::graph::Op::Concat) that appends
+//! to a device-resident input with room to spare (a cache allocated for the whole
+//! generation by [`DeviceTensor::with_capacity`]) runs in place: only the new rows are
+//! copied, and the output is the input's buffer.
 
 use std::sync::Arc;
 
 use crate::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
 use crate::error::{KptError, Result};
-use crate::graph::{TensorSpec, ValueId, ValueSource};
+use crate::graph::{Graph, Op, TensorSpec, ValueId, ValueSource};
 use crate::optimize::Plan;
 use crate::tensor::Tensor;
+
+/// A value held in a backend buffer between runs. The buffer may be larger than the
+/// value, which is its first `spec.numel()` elements.
+#[derive(Debug)]
+pub struct DeviceTensor {
+    /// The buffer.
+    pub buffer: DeviceBuffer,
+    /// Shape and dtype of the value.
+    pub spec: TensorSpec,
+}
+
+impl DeviceTensor {
+    /// Copies `tensor` to `backend`.
+    pub fn upload(backend: &dyn Backend, tensor: &Tensor) -> Result<Self> {
+        Ok(Self {
+            buffer: backend.upload(tensor)?,
+            spec: TensorSpec::new(tensor.shape(), tensor.dtype()),
+        })
+    }
+
+    /// The value in a new buffer of `capacity` elements (at least the value's), so that
+    /// appending to it runs in place.
+    pub fn with_capacity(&self, backend: &dyn Backend, capacity: usize) -> Result<Self> {
+        let mut buffer = backend.allocate(self.spec.dtype, capacity.max(self.spec.numel()))?;
+        backend.copy_into(self.as_ref(), &mut buffer, 0)?;
+        buffer.scale = self.buffer.scale;
+        Ok(Self {
+            buffer,
+            spec: self.spec.clone(),
+        })
+    }
+
+    /// Copies the value back to the host.
+    pub fn download(&self, backend: &dyn Backend) -> Result<Tensor> {
+        backend.download(&self.buffer, &self.spec)
+    }
+
+    fn as_ref(&self) -> BufferRef<'_> {
+        BufferRef {
+            buffer: &self.buffer,
+            spec: &self.spec,
+        }
+    }
+}
+
+/// An input or output of [`Executor::run_resident`].
+#[derive(Debug)]
+pub enum RunTensor {
+    /// On the host; uploaded for the run (inputs) or downloaded after it (outputs).
+    Host(Tensor),
+    /// Already on the executor's backend.
+    Device(DeviceTensor),
+}
+
+impl RunTensor {
+    /// Shape and dtype.
+    pub fn spec(&self) -> TensorSpec {
+        match self {
+            RunTensor::Host(t) => TensorSpec::new(t.shape(), t.dtype()),
+            RunTensor::Device(d) => d.spec.clone(),
+        }
+    }
+
+    /// The value on the host (downloaded when on the device).
+    pub fn into_host(self, backend: &dyn Backend) -> Result<Tensor> {
+        match self {
+            RunTensor::Host(t) => Ok(t),
+            RunTensor::Device(d) => d.download(backend),
+        }
+    }
+
+    /// The value on `backend` (uploaded when on the host).
+    pub fn into_device(self, backend: &dyn Backend) -> Result<DeviceTensor> {
+        match self {
+            RunTensor::Host(t) => DeviceTensor::upload(backend, &t),
+            RunTensor::Device(d) => Ok(d),
+        }
+    }
+}
 
 /// Executes a plan on one backend; reuses its buffers across runs.
 pub struct Executor {
@@ -15,6 +101,8 @@ pub struct Executor {
     backend: Arc<dyn Backend>,
     params: Vec<Option<DeviceBuffer>>,
     slots: Vec<Option<DeviceBuffer>>,
+    /// Per node: the graph-input index of the cache a `Concat` may append to in place.
+    appends: Vec<Option<usize>>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -24,6 +112,30 @@ impl std::fmt::Debug for Executor {
             .field("nodes", &self.plan.graph.nodes().len())
             .finish_non_exhaustive()
     }
+}
+
+/// Per node, the graph input a `Concat` can append to in place: its first operand, when
+/// that is a graph input read by no other node and not itself a graph output.
+fn in_place_appends(graph: &Graph) -> Vec<Option<usize>> {
+    let mut uses = vec![0usize; graph.values().len()];
+    for node in graph.nodes() {
+        for v in &node.inputs {
+            uses[v.0] += 1;
+        }
+    }
+    for v in graph.outputs() {
+        uses[v.0] += 1;
+    }
+    graph
+        .nodes()
+        .iter()
+        .map(|node| match (&node.op, node.inputs.first()) {
+            (Op::Concat { .. }, Some(&first)) if node.inputs.len() == 2 && uses[first.0] == 1 => {
+                graph.inputs().iter().position(|&i| i == first)
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 impl Executor {
@@ -49,11 +161,13 @@ impl Executor {
             })
             .collect::<Result<Vec<_>>>()?;
         let slots = (0..plan.memory.num_slots()).map(|_| None).collect();
+        let appends = in_place_appends(&plan.graph);
         Ok(Self {
             plan,
             backend,
             params,
             slots,
+            appends,
         })
     }
 
@@ -69,99 +183,131 @@ impl Executor {
 
     /// Runs the plan and returns the graph outputs.
     pub fn run(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.run_inner(inputs, false).map(|(outs, _)| outs)
+        let inputs = inputs.iter().cloned().map(RunTensor::Host).collect();
+        let (outs, _) = self.run_inner(inputs, &[], false)?;
+        outs.into_iter()
+            .map(|o| o.into_host(self.backend.as_ref()))
+            .collect()
     }
 
     /// Runs the plan and also returns every value (inputs, parameters and each
     /// node output, downloaded right after its node ran), indexed by value id.
     pub fn run_traced(&mut self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, Vec<Option<Tensor>>)> {
-        self.run_inner(inputs, true)
+        let host = inputs.iter().cloned().map(RunTensor::Host).collect();
+        let (outs, mut traced) = self.run_inner(host, &[], true)?;
+        for (&id, t) in self.plan.graph.inputs().iter().zip(inputs) {
+            traced[id.0] = Some(t.clone());
+        }
+        let outs = outs
+            .into_iter()
+            .map(|o| o.into_host(self.backend.as_ref()))
+            .collect::<Result<_>>()?;
+        Ok((outs, traced))
+    }
+
+    /// Runs the plan on inputs that may already be on the device; output `i` stays on
+    /// the device when `on_device[i]` is true (missing entries mean the host). Device
+    /// inputs are consumed: a cache appended to in place comes back as the output.
+    pub fn run_resident(
+        &mut self,
+        inputs: Vec<RunTensor>,
+        on_device: &[bool],
+    ) -> Result<Vec<RunTensor>> {
+        self.run_inner(inputs, on_device, false)
+            .map(|(outs, _)| outs)
     }
 
     fn run_inner(
         &mut self,
-        inputs: &[Tensor],
+        inputs: Vec<RunTensor>,
+        on_device: &[bool],
         trace: bool,
-    ) -> Result<(Vec<Tensor>, Vec<Option<Tensor>>)> {
+    ) -> Result<(Vec<RunTensor>, Vec<Option<Tensor>>)> {
         let Self {
             plan,
             backend,
             params,
             slots,
+            appends,
         } = self;
         let graph = &plan.graph;
         let slot_of = &plan.memory.slot_of;
-        let input_specs: Vec<TensorSpec> = inputs
-            .iter()
-            .map(|t| TensorSpec::new(t.shape(), t.dtype()))
-            .collect();
+        let input_specs: Vec<TensorSpec> = inputs.iter().map(RunTensor::spec).collect();
         let specs = graph.infer_specs(&input_specs)?;
         let caps = plan.memory.slot_capacities(&specs);
         for (slot, &cap) in caps.iter().enumerate() {
-            let ok = slots[slot].as_ref().is_some_and(|b| b.len() >= cap);
-            if !ok {
-                slots[slot] = Some(backend.allocate(plan.memory.slot_dtypes[slot], cap)?);
+            let have = slots[slot].as_ref().map_or(0, DeviceBuffer::len);
+            if have < cap {
+                // Grow by half at least, so a cache that gains a row per run does not
+                // reallocate on every run.
+                let len = if have == 0 {
+                    cap
+                } else {
+                    cap.max(have + have / 2)
+                };
+                slots[slot] = Some(backend.allocate(plan.memory.slot_dtypes[slot], len)?);
             }
         }
-        let input_bufs = inputs
-            .iter()
-            .map(|t| backend.upload(t))
-            .collect::<Result<Vec<_>>>()?;
+        let mut device_inputs = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            device_inputs.push(Some(input.into_device(backend.as_ref())?.buffer));
+        }
         let mut traced: Vec<Option<Tensor>> =
             vec![None; if trace { graph.values().len() } else { 0 }];
         if trace {
-            for (&id, t) in graph.inputs().iter().zip(inputs) {
-                traced[id.0] = Some(t.clone());
-            }
             for (i, v) in graph.values().iter().enumerate() {
                 if let ValueSource::Param(t) = &v.source {
                     traced[i] = Some(t.clone());
                 }
             }
         }
+        // Slots whose own buffer was set aside for an in-place append, restored at the end.
+        let mut displaced: Vec<(usize, Option<DeviceBuffer>)> = Vec::new();
         backend.run_launches(&mut || {
-            for (node, choice) in graph.nodes().iter().zip(&plan.kernels) {
+            for ((node, choice), append) in graph.nodes().iter().zip(&plan.kernels).zip(&*appends) {
                 let _span =
                     tracing::trace_span!("launch", node = %node.name, kernel = %choice.kernel)
                         .entered();
+                let out = node.outputs[0];
+                let cache = append.and_then(|p| {
+                    let fits = |b: &DeviceBuffer| {
+                        appendable(b, &specs, node.inputs[0], node.inputs[1], out, &node.op)
+                    };
+                    device_inputs[p].take_if(|b| fits(b))
+                });
+                if let Some(mut cache) = cache {
+                    let (old, new) = (node.inputs[0], node.inputs[1]);
+                    let src = BufferRef {
+                        buffer: lookup(graph, &device_inputs, params, slots, slot_of, new)?,
+                        spec: &specs[new.0],
+                    };
+                    backend.copy_into(src, &mut cache, specs[old.0].numel())?;
+                    let s = slot_of[out.0].ok_or_else(|| no_buffer(graph, out))?;
+                    if trace {
+                        traced[out.0] = Some(backend.download(&cache, &specs[out.0])?);
+                    }
+                    displaced.push((s, slots[s].replace(cache)));
+                    continue;
+                }
                 let mut outs = node
                     .outputs
                     .iter()
                     .map(|o| {
-                        slot_of[o.0].and_then(|s| slots[s].take()).ok_or_else(|| {
-                            KptError::Graph(format!(
-                                "value `{}` has no free buffer",
-                                graph.value(*o).name
-                            ))
-                        })
+                        slot_of[o.0]
+                            .and_then(|s| slots[s].take())
+                            .ok_or_else(|| no_buffer(graph, *o))
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let result = {
-                    let lookup = |v: ValueId| -> Result<&DeviceBuffer> {
-                        match &graph.value(v).source {
-                            ValueSource::Input => {
-                                let pos = graph.inputs().iter().position(|&i| i == v);
-                                pos.map(|p| &input_bufs[p])
-                            }
-                            ValueSource::Param(_) => params[v.0].as_ref(),
-                            ValueSource::Node { .. } => {
-                                slot_of[v.0].and_then(|s| slots[s].as_ref())
-                            }
-                        }
-                        .ok_or_else(|| {
-                            KptError::Graph(format!(
-                                "value `{}` has no buffer",
-                                graph.value(v).name
-                            ))
-                        })
-                    };
                     let in_refs = node
                         .inputs
                         .iter()
                         .map(|&v| {
-                            lookup(v).map(|buffer| BufferRef {
-                                buffer,
-                                spec: &specs[v.0],
+                            lookup(graph, &device_inputs, params, slots, slot_of, v).map(|buffer| {
+                                BufferRef {
+                                    buffer,
+                                    spec: &specs[v.0],
+                                }
                             })
                         })
                         .collect::<Result<Vec<_>>>()?;
@@ -193,26 +339,91 @@ impl Executor {
             }
             Ok(())
         })?;
-        let outputs = graph
-            .outputs()
-            .iter()
-            .map(|&o| match &graph.value(o).source {
-                ValueSource::Input => graph
-                    .inputs()
-                    .iter()
-                    .position(|&i| i == o)
-                    .map(|p| inputs[p].clone())
-                    .ok_or_else(|| KptError::Graph("output input not found".into())),
-                ValueSource::Param(t) => Ok(t.clone()),
-                ValueSource::Node { .. } => {
-                    let slot = slot_of[o.0]
-                        .and_then(|s| slots[s].as_ref())
-                        .ok_or_else(|| KptError::Graph("output has no buffer".into()))?;
-                    backend.download(slot, &specs[o.0])
+        let mut outputs = Vec::with_capacity(graph.outputs().len());
+        for (i, &o) in graph.outputs().iter().enumerate() {
+            let keep = on_device.get(i).copied().unwrap_or(false);
+            let spec = specs[o.0].clone();
+            let buffer = match &graph.value(o).source {
+                ValueSource::Input => {
+                    let p = graph.inputs().iter().position(|&v| v == o);
+                    p.and_then(|p| device_inputs[p].take())
                 }
-            })
-            .collect::<Result<Vec<_>>>()?;
+                ValueSource::Param(t) if !keep => {
+                    outputs.push(RunTensor::Host(t.clone()));
+                    continue;
+                }
+                ValueSource::Param(t) => Some(backend.upload(t)?),
+                ValueSource::Node { .. } => slot_of[o.0].and_then(|s| slots[s].take()),
+            }
+            .ok_or_else(|| {
+                KptError::Graph(format!(
+                    "output `{}` is listed twice or has no buffer",
+                    graph.value(o).name
+                ))
+            })?;
+            let tensor = DeviceTensor { buffer, spec };
+            if keep {
+                outputs.push(RunTensor::Device(tensor));
+            } else {
+                outputs.push(RunTensor::Host(tensor.download(backend.as_ref())?));
+                // A slot's buffer serves the next run.
+                if let Some(s) = slot_of[o.0] {
+                    slots[s].get_or_insert(tensor.buffer);
+                }
+            }
+        }
+        for (s, own) in displaced {
+            slots[s] = own;
+        }
         backend.synchronize()?;
         Ok((outputs, traced))
     }
+}
+
+/// The buffer of value `v` during a run.
+fn lookup<'a>(
+    graph: &Graph,
+    inputs: &'a [Option<DeviceBuffer>],
+    params: &'a [Option<DeviceBuffer>],
+    slots: &'a [Option<DeviceBuffer>],
+    slot_of: &[Option<usize>],
+    v: ValueId,
+) -> Result<&'a DeviceBuffer> {
+    match &graph.value(v).source {
+        ValueSource::Input => graph
+            .inputs()
+            .iter()
+            .position(|&i| i == v)
+            .and_then(|p| inputs[p].as_ref()),
+        ValueSource::Param(_) => params[v.0].as_ref(),
+        ValueSource::Node { .. } => slot_of[v.0].and_then(|s| slots[s].as_ref()),
+    }
+    .ok_or_else(|| no_buffer(graph, v))
+}
+
+fn no_buffer(graph: &Graph, v: ValueId) -> KptError {
+    KptError::Graph(format!("value `{}` has no buffer", graph.value(v).name))
+}
+
+/// Whether `Concat(old, new) -> out` can write `new` after `old` inside `old`'s buffer:
+/// every dim before the axis is 1 (so `old` is a prefix of `out`), the buffer has room,
+/// and nothing is quantized (the output keeps the buffer's scale).
+fn appendable(
+    buffer: &DeviceBuffer,
+    specs: &[TensorSpec],
+    old: ValueId,
+    new: ValueId,
+    out: ValueId,
+    op: &Op,
+) -> bool {
+    let Op::Concat { axis } = op else {
+        return false;
+    };
+    let out = &specs[out.0];
+    out.shape.iter().take(*axis).all(|&d| d == 1)
+        && buffer.len() >= out.numel()
+        && buffer.dtype() == out.dtype
+        && specs[old.0].dtype == out.dtype
+        && specs[new.0].dtype == out.dtype
+        && !out.dtype.is_quantized()
 }

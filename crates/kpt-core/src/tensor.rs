@@ -114,6 +114,11 @@ impl Storage {
         storage_dispatch!(self, v => bytemuck::cast_slice(v.as_slice()))
     }
 
+    /// The raw bytes, writable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        storage_dispatch!(self, v => bytemuck::cast_slice_mut(v.as_mut_slice()))
+    }
+
     /// Builds storage from raw little-endian bytes; the length must be a multiple of the element size.
     pub fn from_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
         let size = dtype.size_in_bytes();

@@ -130,9 +130,17 @@ pub fn compare(got: &Tensor, want: &Tensor, tol: Tolerance) -> Result<ErrorStats
         ));
     }
     let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
-    let ref_max = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+    // Infinities (e.g. the +inf log-sum-exp of a fully masked attention row) must match
+    // exactly and do not count towards the magnitude.
+    let ref_max = w
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f64, |m, x| m.max(x.abs()));
     let (mut max_abs, mut max_rel, mut within) = (0f64, 0f64, true);
     for (a, b) in g.iter().zip(&w) {
+        if a == b {
+            continue;
+        }
         let d = (a - b).abs();
         if !(d.is_finite() || a.is_nan() && b.is_nan()) {
             within = false;
@@ -396,6 +404,17 @@ mod tests {
         let e = compare(&t(&[f64::NAN]), &t(&[1.0]), tol).unwrap();
         assert!(!e.within, "NaN must fail");
         assert!(compare(&t(&[1.0]), &t(&[1.0, 2.0]), tol).is_err());
+        // Matching infinities pass and leave the magnitude to the finite values.
+        let inf = f64::INFINITY;
+        let e = compare(&t(&[inf, 2.0005]), &t(&[inf, 2.0]), tol).unwrap();
+        assert!(e.within, "{e:?}");
+        assert_eq!(e.ref_max, 2.0);
+        assert!(
+            !compare(&t(&[1.0, 2.0]), &t(&[inf, 2.0]), tol)
+                .unwrap()
+                .within
+        );
+        assert!(!compare(&t(&[-inf]), &t(&[inf]), tol).unwrap().within);
     }
 
     #[test]

@@ -100,15 +100,18 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             Attention,
             F32,
             "blocked online-softmax attention; never builds the full score matrix; \
-             variable-length batches and paged caches one sequence at a time",
+             variable-length batches and paged caches one sequence at a time; the \
+             log-sum-exp by a second pass over the scores",
         )
         .limits(ANY_ATTENTION),
         k(
             "cpu.attention_backward",
             AttentionBackward,
             F32,
-            "dq, dk, dv with recomputed probabilities; (batch, kv head) tasks in parallel",
-        ),
+            "dq, dk, dv with recomputed probabilities (from the forward's log-sum-exp when \
+             given); (batch, kv head) tasks in parallel",
+        )
+        .limits(ANY_ATTENTION_BACKWARD),
         k("cpu.add", Add, F32, "broadcasting add"),
         k("cpu.mul", Mul, F32, "broadcasting multiply"),
         k(
@@ -267,7 +270,8 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             120,
             "FlashAttention-3 style for Hopper: wgmma on shared-memory operands, a producer \
              warpgroup feeding a cp.async/mbarrier ring, two ping-pong consumer warpgroups; \
-             decode shapes go to split-KV, sliding windows to cuda.attention.flash",
+             decode shapes go to split-KV (unless the log-sum-exp is asked for), sliding \
+             windows to cuda.attention.flash",
         )
         .min_arch("sm_90")
         .limits(ShapeLimits {
@@ -275,6 +279,7 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             head_dim_multiple: Some(64),
             varlen: true,
             paged: true,
+            lse: true,
             ..ShapeLimits::default()
         }),
         KernelDef::new(
@@ -298,7 +303,8 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             Attention,
             &[DType::BF16, DType::F16],
             "FlashAttention-2 style: mma.sync tensor cores, K/V tiles by cp.async, \
-             online softmax in registers; decode shapes go to split-KV",
+             online softmax in registers; decode shapes go to split-KV (unless the \
+             log-sum-exp is asked for)",
         )
         .with_priority(110)
         .limits(ShapeLimits {
@@ -306,6 +312,7 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             head_dim_multiple: Some(64),
             varlen: true,
             paged: true,
+            lse: true,
             ..ShapeLimits::default()
         }),
         k(
@@ -313,14 +320,15 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             AttentionBackward,
             &[DType::BF16, DType::F16],
             "FlashAttention-2 style gradients on mma.sync tensor cores, no atomics: dq per \
-             query tile with an online softmax (which leaves the log-sum-exp), then dk and \
-             dv per key tile in registers",
+             query tile (probabilities from the forward's log-sum-exp when given, else an \
+             online softmax that leaves it), then dk and dv per key tile in registers",
         )
         .with_priority(110)
         .limits(ShapeLimits {
             max_head_dim: Some(128),
             head_dim_multiple: Some(64),
             no_window: true,
+            lse: true,
             ..ShapeLimits::default()
         }),
         k(
@@ -374,6 +382,7 @@ const TRITON_ROWS: ShapeLimits = ShapeLimits {
     varlen: false,
     paged: false,
     no_window: false,
+    lse: false,
 };
 
 /// What the CPU copy ops (concat, split) take: every float and index dtype.
@@ -386,8 +395,8 @@ const COPY_DTYPES: &[DType] = &[
     DType::I64,
 ];
 
-/// Limits of a kernel that takes every attention shape, variable-length batches and paged
-/// caches included.
+/// Limits of a kernel that takes every attention shape, variable-length batches, paged
+/// caches and the log-sum-exp output included.
 const ANY_ATTENTION: ShapeLimits = ShapeLimits {
     max_head_dim: None,
     head_dim_multiple: None,
@@ -397,6 +406,15 @@ const ANY_ATTENTION: ShapeLimits = ShapeLimits {
     varlen: true,
     paged: true,
     no_window: false,
+    lse: true,
+};
+
+/// Limits of a backward kernel that takes every dense attention shape and the forward's
+/// log-sum-exp.
+const ANY_ATTENTION_BACKWARD: ShapeLimits = ShapeLimits {
+    varlen: false,
+    paged: false,
+    ..ANY_ATTENTION
 };
 
 /// The f64 reference declared for every op: correct for every float dtype, slow.
@@ -447,6 +465,8 @@ pub fn reference_kernels() -> Vec<KernelDef> {
             }
             if op == OpKind::Attention {
                 def = def.limits(ANY_ATTENTION);
+            } else if op == OpKind::AttentionBackward {
+                def = def.limits(ANY_ATTENTION_BACKWARD);
             }
             def
         })

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use half::{bf16, f16};
-use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
+use kpt_core::backend::{copy_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
 use kpt_core::graph::{Op, TensorSpec};
 use kpt_core::hardware::{CpuDetector, DeviceInfo, DeviceKind, HardwareDetector};
 use kpt_core::profile::{KernelProfile, ProfileTotals};
@@ -411,7 +411,11 @@ impl CpuBackend {
                     *eps,
                 )
             }
-            Op::Rotary { head_dim, theta } => {
+            Op::Rotary {
+                head_dim,
+                theta,
+                scaling,
+            } => {
                 let s = &inputs[0].spec.shape;
                 cpu::rotary::rotary(
                     input(&inputs[0])?,
@@ -422,6 +426,7 @@ impl CpuBackend {
                     s[2] / head_dim,
                     *head_dim,
                     *theta,
+                    scaling.as_ref(),
                 )
             }
             Op::Softmax => {
@@ -435,6 +440,15 @@ impl CpuBackend {
                 } else {
                     None
                 };
+                let lse = if p.lse {
+                    let at = 5 + usize::from(p.mask);
+                    let l = inputs.get(at).ok_or_else(|| {
+                        KptError::Graph("attention_backward needs its lse input".into())
+                    })?;
+                    Some(input::<f32>(l)?)
+                } else {
+                    None
+                };
                 let [dq, dk, dv] = outputs else {
                     return Err(KptError::Graph(
                         "attention_backward needs three outputs".into(),
@@ -445,8 +459,7 @@ impl CpuBackend {
                     input(&inputs[1])?,
                     input(&inputs[2])?,
                     mask,
-                    input(&inputs[3])?,
-                    input(&inputs[4])?,
+                    (input(&inputs[3])?, input(&inputs[4])?, lse),
                     (output(dq)?, output(dk)?, output(dv)?),
                     &shape,
                 )
@@ -496,6 +509,20 @@ impl CpuBackend {
                     &shape,
                     self.tuning.block_q,
                     self.tuning.block_kv,
+                )?;
+                if !p.lse {
+                    return Ok(());
+                }
+                // The log-sum-exp: a second pass over the scores.
+                let lse = rest.first_mut().ok_or_else(|| {
+                    KptError::Graph("attention with lse needs two outputs".into())
+                })?;
+                cpu::attention_lse(
+                    input(&inputs[0])?,
+                    input(&inputs[1])?,
+                    mask,
+                    output(lse)?,
+                    &shape,
                 )
             }
             Op::Add => cpu::elementwise::add(input(&inputs[0])?, input(&inputs[1])?, output(out0)?),
@@ -678,6 +705,25 @@ impl Backend for CpuBackend {
             Tensor::from_bytes(&s.as_bytes()[..n * size], spec.dtype, &spec.shape)?
                 .with_scale(buffer.scale),
         )
+    }
+
+    fn copy_into(
+        &self,
+        src: BufferRef<'_>,
+        dst: &mut DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()> {
+        let (at, bytes) = copy_extent(src, dst, dst_offset)?;
+        let from = &storage(src.buffer)?.as_bytes()[..bytes];
+        let to = dst
+            .inner_mut::<HostAlloc>()
+            .map(|a| a.storage.as_bytes_mut())
+            .ok_or_else(|| KptError::Backend {
+                backend: "cpu".into(),
+                message: "buffer does not belong to the CPU backend".into(),
+            })?;
+        to[at..at + bytes].copy_from_slice(from);
+        Ok(())
     }
 
     fn execute(

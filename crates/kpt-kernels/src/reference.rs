@@ -147,7 +147,11 @@ impl ReferenceOps for CpuReference {
                     *eps as f64,
                 )?
             }
-            Op::Rotary { head_dim, theta } => {
+            Op::Rotary {
+                head_dim,
+                theta,
+                scaling,
+            } => {
                 let s = first.shape();
                 r::rotary(
                     &x[0],
@@ -158,6 +162,7 @@ impl ReferenceOps for CpuReference {
                     s[2] / head_dim,
                     *head_dim,
                     *theta as f64,
+                    scaling.as_ref(),
                 )?
             }
             Op::Softmax => {
@@ -167,12 +172,17 @@ impl ReferenceOps for CpuReference {
             Op::AttentionBackward(p) => {
                 let shape = attention_shape(p, first.shape(), inputs[1].shape());
                 let mask = if p.mask { Some(&x[5][..]) } else { None };
+                let lse = if p.lse {
+                    Some(&x[5 + usize::from(p.mask)][..])
+                } else {
+                    None
+                };
                 let [dq, dk, dv] = &mut outs[..] else {
                     unreachable!("attention_backward infers three outputs")
                 };
                 r::attention_backward(
                     (&x[0], &x[1], &x[2], mask),
-                    (&x[3], &x[4]),
+                    (&x[3], &x[4], lse),
                     (dq, dk, dv),
                     &shape,
                 )?
@@ -207,7 +217,12 @@ impl ReferenceOps for CpuReference {
             Op::Attention(p) => {
                 let shape = attention_shape(p, first.shape(), inputs[1].shape());
                 let mask = if p.mask { Some(&x[3][..]) } else { None };
-                r::attention(&x[0], &x[1], &x[2], mask, &mut outs[0], &shape)?
+                let (out, lse) = match &mut outs[..] {
+                    [out, lse] => (out, Some(&mut lse[..])),
+                    [out] => (out, None),
+                    _ => unreachable!("attention infers one or two outputs"),
+                };
+                r::attention_lse(&x[0], &x[1], &x[2], mask, out, lse, &shape)?
             }
             Op::Add => r::add(&x[0], &x[1], &mut outs[0])?,
             Op::Mul => r::mul(&x[0], &x[1], &mut outs[0])?,

@@ -31,6 +31,10 @@ pub struct ShapeLimits {
     /// Rejects sliding-window attention.
     #[serde(default)]
     pub no_window: bool,
+    /// Takes the softmax log-sum-exp (`AttentionParams::lse`): gives it from the forward,
+    /// uses it in the backward.
+    #[serde(default)]
+    pub lse: bool,
 }
 
 /// What a kernel is and what it needs.
@@ -189,6 +193,9 @@ impl KernelDef {
             }
             if p.paged && !self.limits.paged {
                 return Some("no paged KV cache".into());
+            }
+            if p.lse && !self.limits.lse {
+                return Some("no log-sum-exp".into());
             }
             if let Some(max) = self.limits.max_head_dim.filter(|&m| p.head_dim > m) {
                 return Some(format!("head_dim {} > {max}", p.head_dim));

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use kpt_core::backend::{Backend, BufferMut, BufferRef};
 use kpt_core::exec::Executor;
-use kpt_core::graph::{Activation, AttentionParams, Graph, Op, TensorSpec, ValueSource};
+use kpt_core::graph::{
+    Activation, AttentionParams, Graph, Op, RopeScaling, TensorSpec, ValueSource,
+};
 use kpt_core::hardware::DeviceKind;
 use kpt_core::optimize::{auto_optimize, Plan, PrecisionPolicy};
 use kpt_core::validate::{run_reference, validate_plan, ReferenceOps};
@@ -732,6 +734,7 @@ fn rotary_validates_at_every_level() {
             Op::Rotary {
                 head_dim: 8,
                 theta: 10000.0,
+                scaling: None,
             },
             &[x, pos],
         )
@@ -751,6 +754,7 @@ fn rotary_validates_at_every_level() {
             Op::Rotary {
                 head_dim: 8,
                 theta: 10000.0,
+                scaling: None,
             },
             &[x, pos],
         )
@@ -763,6 +767,61 @@ fn rotary_validates_at_every_level() {
         .run(&[xt.clone(), Tensor::from_vec(vec![0i32; 5], &[5]).unwrap()])
         .unwrap();
     assert!(rel_err(&out[0], &xt) < 1e-6);
+}
+
+#[test]
+fn scaled_rotary_validates_at_every_level() {
+    let mut rng = Rng::new(15);
+    let scalings = [
+        RopeScaling::Linear { factor: 4.0 },
+        RopeScaling::Dynamic {
+            factor: 2.0,
+            max_position_embeddings: 64,
+        },
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        },
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 64,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: true,
+        },
+    ];
+    for scaling in scalings {
+        let mut g = Graph::new();
+        let x = g.input("x", DType::F32, &[2, 5, 32]);
+        let pos = g.input("positions", DType::I64, &[5]);
+        let op = Op::Rotary {
+            head_dim: 8,
+            theta: 10000.0,
+            scaling: Some(scaling),
+        };
+        let y = g.op("rope", op, &[x, pos]).unwrap();
+        g.output(y).unwrap();
+        let xt = tensor(&mut rng, &[2, 5, 32], -2.0, 2.0);
+        let positions = Tensor::from_vec(vec![3i64, 4, 5, 6, 1000], &[5]).unwrap();
+        let plans = check_all_levels(&g, &[xt, positions]);
+        assert_eq!(kernels(&plans[0]), ["cpu.rotary"], "{scaling:?}");
+    }
+    // Bad parameters are rejected when the graph is built.
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[1, 2, 8]);
+    let pos = g.input("positions", DType::I64, &[2]);
+    let bad = Op::Rotary {
+        head_dim: 8,
+        theta: 10000.0,
+        scaling: Some(RopeScaling::Linear { factor: -2.0 }),
+    };
+    let err = g.op("rope", bad, &[x, pos]).unwrap_err();
+    assert!(matches!(err, KptError::RopeScaling(_)), "{err:?}");
 }
 
 fn embedding_graph(rng: &mut Rng) -> Graph {
@@ -1334,4 +1393,106 @@ fn fp8_attention_is_attention_of_the_dequantized_inputs() {
     for (a, b) in got.to_f64_vec().iter().zip(want.to_f64_vec()) {
         assert!((a - b).abs() <= (1.0 + b.abs()) / 128.0, "{a} vs {b}");
     }
+}
+
+/// Forward attention giving its log-sum-exp, then the backward taking it: a training
+/// step's attention on the CPU backend (GQA, causal, a mask), every output against the
+/// f64 reference, at every level.
+fn attention_lse_graph(s: usize, t: usize, with_mask: bool) -> Graph {
+    let p = AttentionParams {
+        lse: true,
+        mask: with_mask,
+        ..AttentionParams::new(4, 2, 8, true)
+    };
+    let mut g = Graph::new();
+    let q = g.input("q", DType::F32, &[2, s, 32]);
+    let k = g.input("k", DType::F32, &[2, t, 16]);
+    let v = g.input("v", DType::F32, &[2, t, 16]);
+    let dout = g.input("dout", DType::F32, &[2, s, 32]);
+    let mut ins = vec![q, k, v];
+    let mask = with_mask.then(|| g.input("mask", DType::F32, &[s, t]));
+    ins.extend(mask);
+    let fwd = g.op_multi("attn", Op::Attention(p), &ins).unwrap();
+    let (out, lse) = (fwd[0], fwd[1]);
+    let mut bins = vec![q, k, v, out, dout];
+    bins.extend(mask);
+    bins.push(lse);
+    let grads = g
+        .op_multi("attn_grad", Op::AttentionBackward(p), &bins)
+        .unwrap();
+    for o in [out, lse].into_iter().chain(grads) {
+        g.output(o).unwrap();
+    }
+    g
+}
+
+#[test]
+fn attention_lse_feeds_the_backward_on_the_cpu() {
+    let mut rng = Rng::new(11);
+    for (s, t, with_mask) in [(5, 7, false), (1, 1, false), (6, 9, true)] {
+        let g = attention_lse_graph(s, t, with_mask);
+        let mut inputs = vec![
+            tensor(&mut rng, &[2, s, 32], -1.0, 1.0),
+            tensor(&mut rng, &[2, t, 16], -1.0, 1.0),
+            tensor(&mut rng, &[2, t, 16], -1.0, 1.0),
+            tensor(&mut rng, &[2, s, 32], -1.0, 1.0),
+        ];
+        if with_mask {
+            inputs.push(tensor(&mut rng, &[s, t], -1.0, 0.0));
+        }
+        let plans = check_all_levels(&g, &inputs);
+        for plan in &plans {
+            assert_eq!(
+                kernels(plan),
+                ["cpu.attention.flash", "cpu.attention_backward"],
+                "{}",
+                plan.level
+            );
+        }
+    }
+    // A fully masked query row: its log-sum-exp is +inf and its gradients are 0.
+    let (s, t) = (3, 4);
+    let g = attention_lse_graph(s, t, true);
+    let mut mask = vec![0f32; s * t];
+    mask[t..2 * t].fill(f32::NEG_INFINITY);
+    let inputs = vec![
+        tensor(&mut rng, &[2, s, 32], -1.0, 1.0),
+        tensor(&mut rng, &[2, t, 16], -1.0, 1.0),
+        tensor(&mut rng, &[2, t, 16], -1.0, 1.0),
+        tensor(&mut rng, &[2, s, 32], -1.0, 1.0),
+        Tensor::from_vec(mask, &[s, t]).unwrap(),
+    ];
+    let want = run_reference(&g, &CpuReference, &inputs).unwrap();
+    let backend = backend();
+    let plan = optimize(&g, OptLevel::Conservative, &backend);
+    let got = Executor::new(plan, backend).unwrap().run(&inputs).unwrap();
+    let lse = got[1].as_slice::<f32>().unwrap();
+    assert_eq!(got[1].shape(), [2, 4, 3]);
+    for (i, &l) in lse.iter().enumerate() {
+        assert_eq!(l == f32::INFINITY, i % s == 1, "lse[{i}] = {l}");
+    }
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        let e = rel_err(a, b);
+        assert!(e <= 1e-5, "output {i}: error {e:.3e}");
+    }
+    let dq = got[2].as_slice::<f32>().unwrap();
+    assert!(dq[32..64].iter().all(|&x| x == 0.0), "{:?}", &dq[32..64]);
+}
+
+#[test]
+fn attention_lse_of_the_wrong_shape_is_a_typed_error() {
+    let p = AttentionParams {
+        lse: true,
+        ..AttentionParams::new(4, 2, 8, false)
+    };
+    let mut rng = Rng::new(5);
+    let q = tensor(&mut rng, &[1, 3, 32], -1.0, 1.0);
+    let kv = tensor(&mut rng, &[1, 4, 16], -1.0, 1.0);
+    let bad = tensor(&mut rng, &[1, 3, 4], 0.0, 1.0);
+    let err = run_op_on_backend(
+        &Op::AttentionBackward(p),
+        &[q.clone(), kv.clone(), kv, q.clone(), q, bad],
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("lse"), "{err}");
 }

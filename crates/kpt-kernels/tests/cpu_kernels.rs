@@ -6,6 +6,7 @@
 //! the quantization error is checked separately.
 
 use half::{bf16, f16};
+use kpt_core::graph::{RopeScaling, RopeScalingError};
 use kpt_core::{DType, KptError};
 use kpt_kernels::cpu::{self, reference as r, tolerance, Act, AttentionShape, WeightsRef};
 use proptest::prelude::*;
@@ -15,6 +16,27 @@ use kpt_core::rand::SplitMix64 as Rng;
 
 fn f64s(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64).collect()
+}
+
+/// Checks a log-sum-exp: `+inf` (a row that sees no key) must match exactly, the rest
+/// within `abs + rel |want|`.
+fn check_lse(got: &[f32], want: &[f64], tol: (f64, f64)) -> Result<(), TestCaseError> {
+    prop_assert_eq!(got.len(), want.len(), "lse: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w.is_infinite() {
+            prop_assert_eq!(g as f64, w, "lse[{}]", i);
+        } else {
+            let err = (g as f64 - w).abs();
+            prop_assert!(
+                err <= tol.0 + tol.1 * w.abs(),
+                "lse[{}]: got {}, want {}",
+                i,
+                g,
+                w
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Checks `|got - want| <= abs + rel |want|` everywhere (NaN must match NaN).
@@ -263,6 +285,55 @@ fn fail(e: KptError) -> TestCaseError {
     TestCaseError::fail(e.to_string())
 }
 
+/// Rotary scalings of every kind over the ranges real configs use.
+fn rope_scaling() -> impl Strategy<Value = RopeScaling> {
+    let factor = prop::sample::select(vec![1.0f64, 2.0, 4.0, 8.0, 32.0]);
+    let context = prop::sample::select(vec![16usize, 256, 2048, 8192, 32_768]);
+    prop_oneof![
+        factor
+            .clone()
+            .prop_map(|factor| RopeScaling::Linear { factor }),
+        (factor.clone(), context.clone()).prop_map(|(factor, max_position_embeddings)| {
+            RopeScaling::Dynamic {
+                factor,
+                max_position_embeddings,
+            }
+        }),
+        (factor.clone(), 0.5f64..2.0, 2.5f64..8.0, context.clone()).prop_map(
+            |(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)| {
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                }
+            }
+        ),
+        (
+            factor,
+            context,
+            prop::sample::select(vec![16.0f64, 32.0]),
+            prop::sample::select(vec![1.0f64, 2.0]),
+            prop::option::of(0.5f64..1.5),
+            any::<bool>(),
+        )
+            .prop_map(
+                |(factor, original, beta_fast, beta_slow, attention_factor, truncate)| {
+                    RopeScaling::Yarn {
+                        factor,
+                        original_max_position_embeddings: original,
+                        beta_fast,
+                        beta_slow,
+                        attention_factor,
+                        mscale: None,
+                        mscale_all_dim: None,
+                        truncate,
+                    }
+                }
+            ),
+    ]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -412,7 +483,7 @@ proptest! {
         batch in 1usize..=2, seq_q in 1usize..=40, seq_kv in 1usize..=50, kv_heads in 1usize..=2,
         ratio in prop::sample::select(vec![1usize, 4]), head_dim in prop::sample::select(vec![1usize, 8, 64]),
         causal in any::<bool>(), window in prop::option::of(1usize..30), with_mask in any::<bool>(),
-        seed in any::<u64>(),
+        with_lse in any::<bool>(), seed in any::<u64>(),
     ) {
         let mut rng = Rng::new(seed);
         let shape = AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal)
@@ -428,16 +499,24 @@ proptest! {
         let mask64 = mask.map(f64s);
         let (q64, k64, v64, do64) = (f64s(&q), f64s(&k), f64s(&v), f64s(&dout));
         let mut out64 = vec![0.0; shape.q_len()];
-        r::attention(&q64, &k64, &v64, mask64.as_deref(), &mut out64, &shape).map_err(fail)?;
+        let mut lse64 = vec![0.0; shape.lse_len()];
+        r::attention_lse(&q64, &k64, &v64, mask64.as_deref(), &mut out64, Some(&mut lse64), &shape)
+            .map_err(fail)?;
         let out: Vec<f32> = out64.iter().map(|&x| x as f32).collect();
         let out64 = f64s(&out);
+        // The f32 log-sum-exp pass against the reference's.
+        let mut lse = vec![0f32; shape.lse_len()];
+        cpu::attention_lse(&q, &k, mask, &mut lse, &shape).map_err(fail)?;
+        check_lse(&lse, &lse64, tolerance(DType::F32, seq_kv.max(head_dim)))?;
         let (mut dq, mut dk, mut dv) =
             (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-        r::attention_backward((&q64, &k64, &v64, mask64.as_deref()), (&out64, &do64),
+        let lse_in = with_lse.then_some(&lse64[..]);
+        r::attention_backward((&q64, &k64, &v64, mask64.as_deref()), (&out64, &do64, lse_in),
             (&mut dq, &mut dk, &mut dv), &shape).map_err(fail)?;
         let (mut gq, mut gk, mut gv) =
             (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
-        cpu::attention_backward(&q, &k, &v, mask, &out, &dout, (&mut gq, &mut gk, &mut gv), &shape)
+        let lse_in = with_lse.then_some(&lse[..]);
+        cpu::attention_backward(&q, &k, &v, mask, (&out, &dout, lse_in), (&mut gq, &mut gk, &mut gv), &shape)
             .map_err(fail)?;
         // dk and dv sum over the group's queries and heads.
         let tol = tolerance(DType::F32, seq_kv.max(head_dim) * ratio * seq_q);
@@ -471,11 +550,42 @@ proptest! {
             out.iter().zip(&dout).map(|(a, b)| a * b).sum()
         };
         let mut out = vec![0.0; shape.q_len()];
-        r::attention(&q, &k, &v, mask, &mut out, &shape).map_err(fail)?;
+        let mut lse = vec![0.0; shape.lse_len()];
+        r::attention_lse(&q, &k, &v, mask, &mut out, Some(&mut lse), &shape).map_err(fail)?;
         let (mut dq, mut dk, mut dv) =
             (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-        r::attention_backward((&q, &k, &v, mask), (&out, &dout), (&mut dq, &mut dk, &mut dv), &shape)
+        r::attention_backward((&q, &k, &v, mask), (&out, &dout, None), (&mut dq, &mut dk, &mut dv), &shape)
             .map_err(fail)?;
+        // Taking the probabilities from the log-sum-exp gives the same gradients.
+        let (mut lq, mut lk, mut lv) =
+            (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        r::attention_backward((&q, &k, &v, mask), (&out, &dout, Some(&lse)),
+            (&mut lq, &mut lk, &mut lv), &shape).map_err(fail)?;
+        for (what, a, b) in [("dq", &dq, &lq), ("dk", &dk, &lk), ("dv", &dv, &lv)] {
+            check_close(what, a, b, (1e-12, 1e-12))?;
+        }
+        // The log-sum-exp is ln Σ exp(s) over the visible keys: log(Σ_j P_j) = 0 checked
+        // through the definition on a brute-force recomputation of one row's scores.
+        for (idx, &l) in lse.iter().enumerate() {
+            let (bh, i) = (idx / seq_q, idx % seq_q);
+            let (b, h) = (bh / shape.num_heads, bh % shape.num_heads);
+            let g = h / shape.group_size();
+            let d = shape.head_dim;
+            let qi = &q[(b * seq_q + i) * shape.q_row() + h * d..][..d];
+            let sum: f64 = (shape.key_start(i)..shape.key_limit(i))
+                .map(|j| {
+                    let kj = &k[(b * seq_kv + j) * shape.kv_row() + g * d..][..d];
+                    let dot: f64 = qi.iter().zip(kj).map(|(a, c)| a * c).sum();
+                    dot * shape.scale + mask.map_or(0.0, |m| m[i * seq_kv + j])
+                })
+                .map(f64::exp)
+                .sum();
+            if sum == 0.0 {
+                prop_assert_eq!(l, f64::INFINITY, "lse[{}] of a row that sees nothing", idx);
+            } else {
+                prop_assert!((l - sum.ln()).abs() <= 1e-12 * (1.0 + l.abs()), "lse[{}]: {} vs {}", idx, l, sum.ln());
+            }
+        }
         let h = 1e-6;
         for (which, grad) in [(0usize, &dq), (1, &dk), (2, &dv)] {
             for idx in 0..grad.len() {
@@ -537,11 +647,34 @@ proptest! {
         let x = rng.vec(batch * seq * heads * head_dim, -1.0, 1.0);
         let positions: Vec<i64> = (0..seq).map(|_| rng.below(4096) as i64).collect();
         let mut want = vec![0f64; x.len()];
-        r::rotary(&f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, 10_000.0)
+        r::rotary(&f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, 10_000.0, None)
             .map_err(fail)?;
         let mut got = vec![0f32; x.len()];
-        cpu::rotary(&x, &positions, &mut got, batch, seq, heads, head_dim, 10_000.0).map_err(fail)?;
+        cpu::rotary(&x, &positions, &mut got, batch, seq, heads, head_dim, 10_000.0, None)
+            .map_err(fail)?;
         check_close("rotary", &f64s(&got), &want, tolerance(DType::F32, 2))?;
+    }
+
+    #[test]
+    fn scaled_rotary_matches_reference(
+        batch in 1usize..=2, seq in 1usize..=9, heads in 1usize..=3,
+        head_dim in prop::sample::select(vec![4usize, 8, 16, 64, 128]),
+        theta in prop::sample::select(vec![10_000f32, 500_000.0, 1e6]),
+        scaling in rope_scaling(), seed in any::<u64>(),
+    ) {
+        let mut rng = Rng::new(seed);
+        let x = rng.vec(batch * seq * heads * head_dim, -1.0, 1.0);
+        let positions: Vec<i64> = (0..seq).map(|_| rng.below(16_384) as i64).collect();
+        let mut want = vec![0f64; x.len()];
+        r::rotary(
+            &f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, theta as f64,
+            Some(&scaling),
+        )
+        .map_err(fail)?;
+        let mut got = vec![0f32; x.len()];
+        cpu::rotary(&x, &positions, &mut got, batch, seq, heads, head_dim, theta, Some(&scaling))
+            .map_err(fail)?;
+        check_close("rotary (scaled)", &f64s(&got), &want, tolerance(DType::F32, 2))?;
     }
 
     #[test]
@@ -999,21 +1132,58 @@ fn bad_inputs_are_typed_errors() {
     let x = vec![0f32; 2 * 3];
     let mut o = vec![0f32; 6];
     assert_shape_err(
-        cpu::rotary(&x, &[0, 1], &mut o, 1, 2, 1, 3, 10_000.0),
+        cpu::rotary(&x, &[0, 1], &mut o, 1, 2, 1, 3, 10_000.0, None),
         "head_dim must be even, got 3",
     );
     assert_shape_err(
-        r::rotary(&[0.0; 6], &[0, 1], &mut [0.0; 6], 1, 2, 1, 3, 10_000.0),
+        r::rotary(
+            &[0.0; 6],
+            &[0, 1],
+            &mut [0.0; 6],
+            1,
+            2,
+            1,
+            3,
+            10_000.0,
+            None,
+        ),
         "even",
     );
     assert_shape_err(
-        cpu::rotary(&x, &[0], &mut o, 1, 2, 1, 3 - 1, 10_000.0),
+        cpu::rotary(&x, &[0], &mut o, 1, 2, 1, 3 - 1, 10_000.0, None),
         "x [batch",
     );
     assert_shape_err(
-        cpu::rotary(&x[..4], &[0], &mut o[..4], 1, 2, 1, 2, 10_000.0),
+        cpu::rotary(&x[..4], &[0], &mut o[..4], 1, 2, 1, 2, 10_000.0, None),
         "positions [seq] has 1 elements, expected 2",
     );
+    // Rotary scaling: bad parameters are typed errors in both.
+    let bad = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 4.0,
+        high_freq_factor: 1.0,
+        original_max_position_embeddings: 8192,
+    };
+    let x = vec![0f32; 4];
+    let mut o = vec![0f32; 4];
+    assert!(matches!(
+        cpu::rotary(&x, &[0], &mut o, 1, 1, 1, 4, 10_000.0, Some(&bad)),
+        Err(KptError::RopeScaling(RopeScalingError::FreqFactors { .. }))
+    ));
+    assert!(matches!(
+        r::rotary(
+            &[0.0; 4],
+            &[0],
+            &mut [0.0; 4],
+            1,
+            1,
+            1,
+            4,
+            10_000.0,
+            Some(&RopeScaling::Linear { factor: 0.0 })
+        ),
+        Err(KptError::RopeScaling(RopeScalingError::Factor { .. }))
+    ));
 
     // Embedding: id out of range (checked before anything is written).
     let table = vec![1f32; 3 * 2];

@@ -89,6 +89,7 @@ fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
             Op::Rotary {
                 head_dim: 8,
                 theta: 10000.0,
+                scaling: None,
             },
             vec![f32s(&[1, 3, 16]), i64s(&[3])],
         ),
@@ -771,4 +772,60 @@ fn fp8_attention_takes_the_hopper_kernel_then_dequantizes() {
         registry.fallback_chain(&op, &inputs, &cpu()),
         strings(&[CPU_REFERENCE])
     );
+}
+
+#[test]
+fn the_log_sum_exp_goes_only_to_kernels_that_give_or_take_it() {
+    let registry = KernelRegistry::with_builtin();
+    let hopper = fake_device(DeviceKind::Cuda, "sm_90a");
+    let p = AttentionParams {
+        lse: true,
+        ..AttentionParams::new(4, 2, 128, true)
+    };
+    let bf16 = |s: &[usize]| TensorSpec::new(s, DType::BF16);
+    let (q, kv) = (bf16(&[1, 8, 512]), bf16(&[1, 8, 256]));
+    // Forward: the tensor-core kernels, not the one-warp-per-row kernel, then the host
+    // reference.
+    let fwd = Op::Attention(p);
+    let chain = registry.fallback_chain(&fwd, &[q.clone(), kv.clone(), kv.clone()], &hopper);
+    assert_eq!(
+        chain,
+        strings(&[
+            "cuda.attention.flash_sm90",
+            "cuda.attention.flash",
+            CPU_REFERENCE
+        ])
+    );
+    let plain = Op::Attention(AttentionParams { lse: false, ..p });
+    let chain = registry.fallback_chain(&plain, &[q.clone(), kv.clone(), kv.clone()], &hopper);
+    assert!(chain.iter().any(|k| k == "cuda.attention"), "{chain:?}");
+    // Backward with the log-sum-exp input: the flash backward, then the reference.
+    let lse = TensorSpec::new(&[1, 4, 8], DType::F32);
+    let bwd = Op::AttentionBackward(p);
+    let ins = [q.clone(), kv.clone(), kv.clone(), q.clone(), q, lse];
+    let chain = registry.fallback_chain(&bwd, &ins, &hopper);
+    assert_eq!(
+        chain,
+        strings(&["cuda.attention_backward.flash", CPU_REFERENCE])
+    );
+    // On the CPU, both f32 kernels take it.
+    let (op, inputs) = attention(16);
+    let Op::Attention(p) = op else { unreachable!() };
+    let fwd = Op::Attention(AttentionParams { lse: true, ..p });
+    let chain = registry.fallback_chain(&fwd, &inputs, &cpu());
+    assert_eq!(
+        chain.first().map(String::as_str),
+        Some("cpu.attention.flash")
+    );
+    // A kernel without `ShapeLimits::lse` says why it declines.
+    let def = KernelDef::new(
+        "cpu.attention.plain",
+        OpKind::Attention,
+        DeviceKind::Cpu,
+        &[DType::F32],
+        1000,
+        "test",
+    );
+    let why = def.rejection(&fwd, &inputs, &cpu());
+    assert_eq!(why.as_deref(), Some("no log-sum-exp"));
 }

@@ -121,6 +121,17 @@ pub enum ModelError {
     /// cannot be sampled (NaN).
     #[error("generation: {0}")]
     Generation(String),
+    /// `rope_scaling` names a rotary scaling type that kpt does not implement.
+    #[error(
+        "{}: unsupported rope_scaling type `{rope_type}`; supported: default, linear, dynamic, llama3, yarn",
+        path.display()
+    )]
+    UnsupportedRopeType {
+        /// The file.
+        path: PathBuf,
+        /// The `rope_type` (or `type`) found.
+        rope_type: String,
+    },
     /// A feature of the checkpoint that kpt cannot lower yet.
     #[error("unsupported: {0}")]
     Unsupported(String),

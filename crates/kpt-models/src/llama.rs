@@ -5,13 +5,14 @@
 //! `h += down_proj(act(gate_proj(rms(h))) * up_proj(rms(h)))`; a final RMS norm and
 //! `lm_head` (or the embedding table when tied). HF applies rotary embeddings in the
 //! "rotate half" layout (first half of each head against the second), which is
-//! `Op::Rotary`'s layout, so the q/k projections are used as stored.
+//! `Op::Rotary`'s layout, so the q/k projections are used as stored. `rope_scaling`
+//! (linear, dynamic, llama3, yarn) is carried on every `Op::Rotary` as parsed.
 
 use kpt_core::graph::{Activation, AttentionParams, Graph, Op, ValueId};
 use kpt_core::{DType, Tensor};
 
 use crate::config::LlamaConfig;
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::lower::{
     activation, check_compute_dtype, decoder_outputs, DecoderInputs, Phase, Projection,
 };
@@ -63,12 +64,6 @@ impl Llama {
     /// `dtype`.
     pub fn load(config: &LlamaConfig, weights: &Weights, dtype: DType) -> Result<Self> {
         check_compute_dtype(dtype)?;
-        if let Some(scaling) = config.rope_scaling {
-            return Err(ModelError::Unsupported(format!(
-                "rope_scaling {scaling:?}: kpt's rotary op takes one base frequency and \
-                 integer positions, so only unscaled rotary embeddings are lowered"
-            )));
-        }
         let act = activation("hidden_act", &config.hidden_act)?;
         let c = config;
         let (d, v) = (c.hidden_size, c.vocab_size);
@@ -151,6 +146,7 @@ impl Llama {
         let rope = Op::Rotary {
             head_dim: c.head_dim,
             theta: c.rope_theta as f32,
+            scaling: c.rope_scaling,
         };
         let eps = c.rms_norm_eps as f32;
         let mut caches = Vec::new();

@@ -119,17 +119,38 @@ fn wrong_shape_names_tensor_expected_and_found() {
 }
 
 #[test]
-fn unsupported_rope_scaling_is_a_typed_error() {
+fn unknown_rope_scaling_type_is_a_typed_error() {
     let dir = tempfile::tempdir().unwrap();
     checkpoint(dir.path(), 1);
     rewrite_config(
         dir.path(),
         "rope_scaling",
-        json!({"type": "linear", "factor": 2.0}),
+        json!({"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0], "long_factor": [1.0]}),
     );
     let err = load_llama(dir.path()).unwrap_err();
-    assert!(matches!(err, ModelError::Unsupported(_)), "{err:?}");
-    assert!(err.to_string().contains("rope_scaling"));
+    assert!(
+        matches!(&err, ModelError::UnsupportedRopeType { rope_type, .. } if rope_type == "longrope"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("`longrope`"), "{err}");
+    // A known type with a bad parameter names the field.
+    rewrite_config(
+        dir.path(),
+        "rope_scaling",
+        json!({"type": "linear", "factor": 0.5}),
+    );
+    let err = load_llama(dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, ModelError::InvalidField { field, .. } if field == "rope_scaling.factor"),
+        "{err:?}"
+    );
+    // A scaled checkpoint loads.
+    rewrite_config(
+        dir.path(),
+        "rope_scaling",
+        json!({"type": "linear", "factor": 2.0}),
+    );
+    load_llama(dir.path()).unwrap();
 }
 
 #[test]

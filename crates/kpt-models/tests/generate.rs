@@ -5,7 +5,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{executor, gpt2_forward, llama_forward, LlamaSizes, Raw};
+use common::{executor, gpt2_forward, llama_forward, HfRope, LlamaSizes, Raw};
 use kpt_core::{DType, OptLevel};
 use kpt_kernels::CpuReference;
 use kpt_models::generate::{
@@ -56,7 +56,7 @@ fn sizes(cfg: &ModelConfig) -> LlamaSizes {
         head_dim: c.head_dim,
         ffn: c.intermediate_size,
         eps: c.rms_norm_eps,
-        theta: c.rope_theta,
+        rope: HfRope::plain(c.rope_theta),
         windows: (0..c.num_hidden_layers).map(|i| c.window(i)).collect(),
     }
 }

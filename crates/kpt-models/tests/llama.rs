@@ -5,7 +5,9 @@ mod common;
 
 use std::path::Path;
 
-use common::{budget, executor, inputs, llama_forward, rel_err, rows, run_ref, LlamaSizes, Raw};
+use common::{
+    budget, executor, inputs, llama_forward, rel_err, rows, run_ref, HfRope, LlamaSizes, Raw,
+};
 use kpt_core::{DType, OptLevel, Tensor};
 use kpt_models::llama::Llama;
 use kpt_models::synthetic::{write_checkpoint, WriteOptions};
@@ -48,8 +50,17 @@ fn sizes(cfg: &ModelConfig) -> LlamaSizes {
         head_dim: c.head_dim,
         ffn: c.intermediate_size,
         eps: c.rms_norm_eps,
-        theta: c.rope_theta,
+        rope: HfRope::plain(c.rope_theta),
         windows: (0..c.num_hidden_layers).map(|i| c.window(i)).collect(),
+    }
+}
+
+/// [`sizes`] with the rotary parameters read from the config JSON itself, so the
+/// reference's rope scaling does not go through kpt's parser.
+fn sizes_json(cfg: &ModelConfig, json: &Value) -> LlamaSizes {
+    LlamaSizes {
+        rope: HfRope::from_config(json),
+        ..sizes(cfg)
     }
 }
 
@@ -70,7 +81,11 @@ const PROMPT: [i64; 7] = [0, 5, 17, 60, 33, 2, 41];
 fn check_against_reference(config: Value, opts: WriteOptions) {
     let dir = tempfile::tempdir().unwrap();
     let parsed = write_checkpoint(dir.path(), &config, opts).unwrap();
-    let want = llama_forward(&Raw::read(dir.path()), &sizes(&parsed), &PROMPT);
+    let want = llama_forward(
+        &Raw::read(dir.path()),
+        &sizes_json(&parsed, &config),
+        &PROMPT,
+    );
 
     let (_, model64) = load(dir.path(), DType::F64);
     let graph = model64.graph(Phase::Prefill, PROMPT.len()).unwrap();
@@ -152,6 +167,102 @@ fn qwen2_qkv_bias_matches_reference() {
             ..Default::default()
         },
     );
+}
+
+/// A scaled checkpoint: kpt matches the independent forward pass (every level), the
+/// scaling changes the logits (against the same weights unscaled), and, unless the
+/// scaling follows the sequence length (dynamic), a decode step on the prefill's cache
+/// matches the forward pass over the longer sequence.
+fn check_rope_scaling(config: Value, seed: u64, decode: bool) {
+    check_against_reference(
+        config.clone(),
+        WriteOptions {
+            seed,
+            ..Default::default()
+        },
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let opts = WriteOptions {
+        seed,
+        ..Default::default()
+    };
+    let parsed = write_checkpoint(dir.path(), &config, opts).unwrap();
+    let ModelConfig::Llama(c) = &parsed else {
+        panic!("not a LLaMA config")
+    };
+    assert!(c.rope_scaling.is_some());
+    let raw = Raw::read(dir.path());
+    let scaled = sizes_json(&parsed, &config);
+    let (_, model) = load(dir.path(), DType::F64);
+    let n = PROMPT.len();
+    let got = &run_ref(
+        &model.graph(Phase::Prefill, n).unwrap(),
+        &inputs(&PROMPT, 0, &[]),
+    )[0];
+    let plain = llama_forward(&raw, &sizes(&parsed), &PROMPT);
+    assert!(
+        rel_err(got, &plain) > 1e-4,
+        "the scaling must change the logits: {:e}",
+        rel_err(got, &plain)
+    );
+    if decode {
+        let pre = run_ref(
+            &model.graph(Phase::Prefill, n - 1).unwrap(),
+            &inputs(&PROMPT[..n - 1], 0, &[]),
+        );
+        let dec = run_ref(
+            &model.graph(Phase::Decode, n - 1).unwrap(),
+            &inputs(&PROMPT[n - 1..], n - 1, &pre[1..]),
+        );
+        let full = llama_forward(&raw, &scaled, &PROMPT);
+        let err = rel_err(&dec[0], &full[n - 1..]);
+        assert!(err < 1e-7, "decode: {err:e}");
+    }
+}
+
+#[test]
+fn llama3_rope_scaling_matches_reference() {
+    // head_dim 8: wavelengths 2π·(1, 10, 100, 1000); with an original context of 64
+    // the first pair is kept, the second smoothed, the last two divided by 8.
+    let mut cfg = llama_config("llama");
+    cfg["max_position_embeddings"] = json!(512);
+    cfg["rope_scaling"] = json!({
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64
+    });
+    check_rope_scaling(cfg, 21, true);
+}
+
+#[test]
+fn linear_rope_scaling_matches_reference() {
+    let cfg = with(
+        llama_config("llama"),
+        "rope_scaling",
+        json!({"type": "linear", "factor": 2.0}),
+    );
+    check_rope_scaling(cfg, 22, true);
+}
+
+#[test]
+fn yarn_rope_scaling_matches_reference() {
+    // Qwen2's YaRN entry; head_dim 8, original 2048: the ramp runs over dimensions 1..3
+    // (pair 0 extrapolated, 1 extrapolated, 2 half way, 3 interpolated), and cos/sin
+    // carry 0.1 ln 4 + 1.
+    let mut cfg = llama_config("qwen2");
+    cfg["max_position_embeddings"] = json!(8192);
+    cfg["rope_scaling"] = json!({
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048
+    });
+    check_rope_scaling(cfg, 23, true);
+}
+
+#[test]
+fn dynamic_rope_scaling_matches_reference() {
+    // A trained length of 4 below the prompt's 7 positions, so the base grows.
+    let mut cfg = llama_config("llama");
+    cfg["max_position_embeddings"] = json!(4);
+    cfg["rope_scaling"] = json!({"type": "dynamic", "factor": 2.0});
+    check_rope_scaling(cfg, 24, false);
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{inputs, llama_forward, rel_err, run_ref, LlamaSizes, Raw};
+use common::{inputs, llama_forward, rel_err, run_ref, HfRope, LlamaSizes, Raw};
 use kpt_core::{DType, Tensor};
 use kpt_models::synthetic::{write_checkpoint, WriteOptions};
 use kpt_models::{Checkpoint, Model, ModelConfig, Phase};
@@ -91,7 +91,7 @@ proptest! {
             head_dim: c.head_dim,
             ffn: c.ffn,
             eps: 1e-6,
-            theta: 10000.0,
+            rope: HfRope::plain(10000.0),
             windows: (0..c.layers).map(|i| lc.window(i)).collect(),
         };
         let want = llama_forward(&Raw::read(dir.path()), &sizes, &c.ids);

@@ -3,10 +3,11 @@
 //! the CPU reference, the last step of every fallback chain, runs on the host with
 //! the data copied over and back.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
-use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
-use kpt_core::graph::{Activation, Op, TensorSpec};
+use kpt_core::backend::{copy_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
+use kpt_core::graph::{rope_frequencies, rope_seq_len, Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
 use kpt_core::profile::KernelProfile;
 use kpt_core::tensor::Tensor;
@@ -52,6 +53,8 @@ pub struct CudaBackend {
     name: String,
     host: CpuBackend,
     profiler: Profiler,
+    /// Scaled rotary tables on the device, by `(head_dim, theta, scaling)`.
+    rope_tables: Mutex<HashMap<String, (Arc<DeviceBlock>, f64)>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -120,6 +123,7 @@ impl CudaBackend {
             info,
             host: CpuBackend::new().map_err(|e| NvidiaError::Invalid(e.to_string()))?,
             profiler: Profiler::default(),
+            rope_tables: Mutex::default(),
         })
     }
 
@@ -262,6 +266,35 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The device copy of a scaled rotary's inverse frequencies (f64) and its cos/sin
+    /// factor. Tables that do not depend on the positions are uploaded once and cached
+    /// per `(head_dim, theta, scaling)`; dynamic NTK reads the positions back (its table
+    /// follows the largest one) and uploads a fresh table.
+    fn rope_table(
+        &self,
+        head_dim: usize,
+        theta: f32,
+        scaling: &RopeScaling,
+        positions: &BufferRef<'_>,
+    ) -> Result<(Arc<DeviceBlock>, f64)> {
+        let upload = |seq_len: usize| -> Result<(Arc<DeviceBlock>, f64)> {
+            let t = rope_frequencies(head_dim, f64::from(theta), Some(scaling), seq_len)?;
+            let bytes: Vec<u8> = t.inv_freq.iter().flat_map(|f| f.to_le_bytes()).collect();
+            Ok((Arc::new(self.gpu.upload(&bytes)?), t.attention_factor))
+        };
+        if scaling.depends_on_positions() {
+            return upload(rope_seq_len(&self.host_ids(positions)?));
+        }
+        let key = format!("{head_dim}/{:#x}/{scaling:?}", theta.to_bits());
+        let mut tables = self.rope_tables.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(hit) = tables.get(&key) {
+            return Ok(hit.clone());
+        }
+        let fresh = upload(0)?;
+        tables.insert(key, fresh.clone());
+        Ok(fresh)
+    }
+
     /// An index tensor (i32/i64 offsets, block ids, lengths) read back to the host.
     fn host_ids(&self, r: &BufferRef<'_>) -> Result<Vec<i64>> {
         let t = self.download(r.buffer, r.spec)?;
@@ -344,8 +377,21 @@ impl CudaBackend {
                     kind,
                 )?;
             }
-            Op::Rotary { head_dim, theta } => {
+            Op::Rotary {
+                head_dim,
+                theta,
+                scaling,
+            } => {
                 let s = &x.shape;
+                // Plain rotary: the kernel computes its frequencies. Scaled: a table from
+                // kpt-core's `rope_frequencies`, kept on the device while it stays valid.
+                let table = match scaling {
+                    None => None,
+                    Some(sc) => Some(self.rope_table(*head_dim, *theta, sc, &inputs[1])?),
+                };
+                let freqs = table
+                    .as_ref()
+                    .map_or((0, 1.0), |(block, factor)| (block.ptr(), *factor));
                 g.rotary(
                     dt,
                     inputs[1].spec.dtype,
@@ -354,6 +400,7 @@ impl CudaBackend {
                     out_ptr(out0)?,
                     (s[0], s[1], s[2] / head_dim, *head_dim),
                     *theta,
+                    freqs,
                 )?;
             }
             Op::Embedding => {
@@ -432,6 +479,22 @@ impl CudaBackend {
                 } else {
                     0
                 };
+                // The forward's log-sum-exp, f32 [batch, heads, seq_q], after the mask.
+                let lse = if p.lse {
+                    let l = inputs
+                        .get(5 + usize::from(p.mask))
+                        .ok_or_else(|| err(format!("{op}: needs its lse input")))?;
+                    let want = p.lse_shape(qs);
+                    if l.spec.dtype != DType::F32 || l.spec.shape != want {
+                        return Err(KptError::shape(
+                            kernel,
+                            format!("lse must be f32 {want:?}, got {}", l.spec),
+                        ));
+                    }
+                    ptr(l)?
+                } else {
+                    0
+                };
                 let [dq, dk, dv] = outputs else {
                     return Err(err(format!("{op}: needs three outputs")));
                 };
@@ -444,7 +507,7 @@ impl CudaBackend {
                         ptr(&inputs[3])?,
                         ptr(&inputs[4])?,
                     ],
-                    mask,
+                    [mask, lse],
                     [out_ptr(dq)?, out_ptr(dk)?, out_ptr(dv)?],
                 )?;
             }
@@ -484,6 +547,37 @@ impl CudaBackend {
                     ptr(&inputs[2])?,
                     out_ptr(out0)?,
                 );
+                if p.lse {
+                    // The log-sum-exp comes from the tensor-core kernels only, on dense
+                    // batches (the registry offers no other kernel for it).
+                    let flash = kernel == FLASH_ATTENTION || kernel == FLASH_ATTENTION_SM90;
+                    if !flash || p.varlen || p.paged || dt == DType::F8E4M3 {
+                        return Err(err(format!(
+                            "{kernel} gives no log-sum-exp for this call ({dt}, varlen {}, \
+                             paged {})",
+                            p.varlen, p.paged
+                        )));
+                    }
+                    let lse = outputs
+                        .get_mut(1)
+                        .ok_or_else(|| err(format!("{op}: needs its lse output")))?;
+                    let want = p.lse_shape(qs);
+                    if lse.spec.dtype != DType::F32 || lse.spec.shape != want {
+                        return Err(KptError::shape(
+                            kernel,
+                            format!("lse must be f32 {want:?}, got {}", lse.spec),
+                        ));
+                    }
+                    g.flash_attention(
+                        dt,
+                        [q, k, v, mask],
+                        out,
+                        out_ptr(lse)?,
+                        dims(qs[0], qs[1], ks[1])?,
+                        kernel == FLASH_ATTENTION_SM90,
+                    )?;
+                    return Ok(());
+                }
                 // FP8 inputs (bf16 output): the FP8 wgmma kernel where it applies, else
                 // q, k, v dequantized into bf16 scratch for the bf16 kernels.
                 let fp8 = dt == DType::F8E4M3;
@@ -510,7 +604,7 @@ impl CudaBackend {
                 let run = |q, k, v, out, dims| {
                     if fp8 || kernel == FLASH_ATTENTION || kernel == FLASH_ATTENTION_SM90 {
                         let hopper = fp8 || kernel == FLASH_ATTENTION_SM90;
-                        g.flash_attention(dt, q, k, v, mask, out, dims, hopper)
+                        g.flash_attention(dt, [q, k, v, mask], out, 0, dims, hopper)
                     } else {
                         g.attention(dt, q, k, v, mask, out, dims)
                     }
@@ -730,6 +824,21 @@ impl Backend for CudaBackend {
             .gpu
             .read(b, spec.numel() * spec.dtype.size_in_bytes())?;
         Ok(Tensor::from_bytes(&bytes, spec.dtype, &spec.shape)?.with_scale(buffer.scale))
+    }
+
+    fn copy_into(
+        &self,
+        src: BufferRef<'_>,
+        dst: &mut DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()> {
+        let (at, bytes) = copy_extent(src, dst, dst_offset)?;
+        let from = block(src.buffer, src.spec)?.ptr();
+        let to = dst
+            .inner::<DeviceBlock>()
+            .ok_or_else(|| err("buffer does not belong to the CUDA backend"))?
+            .ptr();
+        Ok(self.gpu.copy(from, to + at as u64, bytes)?)
     }
 
     fn execute(

@@ -563,16 +563,17 @@ impl Gpu {
     /// wgmma kernel of `flash_attention_sm90.cu` where its sm_90a cubin is loaded and no
     /// sliding window is set, else the mma.sync kernel of `flash_attention.cu`.
     /// Decode-shaped calls take the split-KV kernels and other dtypes or head dims the
-    /// general kernel, as in [`Gpu::attention`].
+    /// general kernel, as in [`Gpu::attention`]. With `lse` (non-zero) the rows'
+    /// log-sum-exp (f32 `[batch, heads, seq_q]`) is written there too: then the
+    /// tensor-core kernels run every shape (decode shapes included), and other dtypes or
+    /// head dims are an error.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn flash_attention(
         &self,
         dtype: DType,
-        q: u64,
-        k: u64,
-        v: u64,
-        mask: u64,
+        [q, k, v, mask]: [u64; 4],
         out: u64,
+        lse: u64,
         dims: AttentionDims,
         hopper: bool,
     ) -> Result<(), NvidiaError> {
@@ -582,7 +583,14 @@ impl Gpu {
             DType::F16 => "f16",
             _ => "",
         };
-        if name.is_empty() || !(d == 64 || d == 128) || dims.split(dtype).is_some() {
+        let tensor_cores = !name.is_empty() && (d == 64 || d == 128);
+        if lse != 0 && !tensor_cores {
+            return Err(NvidiaError::Invalid(format!(
+                "attention log-sum-exp needs bf16 or f16 with head dim 64 or 128, not {dtype} \
+                 with head dim {d}"
+            )));
+        }
+        if !tensor_cores || (lse == 0 && dims.split(dtype).is_some()) {
             return self.attention(dtype, q, k, v, mask, out, dims);
         }
         let tiles = |rows: usize| {
@@ -592,12 +600,12 @@ impl Gpu {
         if hopper && dims.window == 0 && dims.seq_kv > 0 && self.loaded_target(SM90)? == "sm_90a" {
             let blocks = grid("flash attention tiles", tiles(FLASH_SM90_BLOCK_M))?;
             let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
-            launch!(self, SM90, entry, blocks; q, k, v, mask, out, dims);
+            launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims);
             return Ok(());
         }
         let blocks = grid("flash attention tiles", tiles(FLASH_BLOCK_M))?;
         let entry = format!("kpt_flash_attention_{name}_d{d}");
-        launch!(self, "flash_attention", entry, blocks; q, k, v, mask, out, dims);
+        launch!(self, "flash_attention", entry, blocks; q, k, v, mask, out, lse, dims);
         Ok(())
     }
 
@@ -646,14 +654,16 @@ impl Gpu {
     }
 
     /// Gradients `[dq, dk, dv]` of attention on tensor cores (`flash_attention_bwd.cu`)
-    /// from `[q, k, v, out, dout]` and an optional f32 mask (0: none), for the sizes
+    /// from `[q, k, v, out, dout]`, an optional f32 mask and the forward's optional
+    /// log-sum-exp (f32 `[batch, heads, seq_q]`; 0: none), for the sizes
     /// [`FlashBackward::new`] accepts: dq per query tile (which also leaves each row's
-    /// log-sum-exp and `rowsum(dout o out)` in scratch), then dk and dv per key tile.
+    /// log-sum-exp and `rowsum(dout o out)` in scratch; with the given log-sum-exp it
+    /// skips the online softmax), then dk and dv per key tile.
     pub(crate) fn flash_attention_backward(
         &self,
         plan: &FlashBackward,
         [q, k, v, out, dout]: [u64; 5],
-        mask: u64,
+        [mask, lse_in]: [u64; 2],
         [dq, dk, dv]: [u64; 3],
     ) -> Result<(), NvidiaError> {
         let FlashBackward {
@@ -667,7 +677,11 @@ impl Gpu {
         let rows = plan.padded_rows();
         let stats = self.alloc((2 * rows).max(4) * 4)?;
         let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
-        if query_tiles > 0 {
+        if query_tiles > 0 && lse_in != 0 {
+            let entry = format!("kpt_flash_attention_bwd_dq_lse_{name}_d{d}");
+            launch!(self, "flash_attention_bwd", entry, grid("query tiles", query_tiles)?;
+                q, k, v, mask, out, dout, lse_in, dq, lse, delta, dims);
+        } else if query_tiles > 0 {
             let entry = format!("kpt_flash_attention_bwd_dq_{name}_d{d}");
             launch!(self, "flash_attention_bwd", entry, grid("query tiles", query_tiles)?;
                 q, k, v, mask, out, dout, dq, lse, delta, dims);
@@ -787,7 +801,10 @@ impl Gpu {
         Ok(())
     }
 
-    /// Rotary embedding of `x [batch, seq, heads * head_dim]`.
+    /// Rotary embedding of `x [batch, seq, heads * head_dim]`. `inv_freq` is 0 for plain
+    /// rotary (the kernel computes `theta^(-2i/head_dim)`), else the device address of
+    /// `head_dim / 2` f64 inverse frequencies; cos and sin are multiplied by
+    /// `attention_factor`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn rotary(
         &self,
@@ -798,6 +815,7 @@ impl Gpu {
         out: u64,
         (batch, seq, heads, head_dim): (usize, usize, usize, usize),
         theta: f32,
+        (inv_freq, attention_factor): (u64, f64),
     ) -> Result<(), NvidiaError> {
         if head_dim % 2 != 0 || head_dim > 512 {
             return Err(NvidiaError::Invalid(format!(
@@ -806,7 +824,8 @@ impl Gpu {
         }
         let entry = format!("kpt_rotary_{}_{}", float_name(dtype)?, index_name(index)?);
         launch!(self, "rotary", entry, grid("batch * seq", batch * seq)?;
-            x, positions, out, int("seq", seq)?, int("heads", heads)?, int("head_dim", head_dim)?, theta);
+            x, positions, out, int("seq", seq)?, int("heads", heads)?, int("head_dim", head_dim)?,
+            theta, inv_freq, attention_factor);
         Ok(())
     }
 

@@ -10,7 +10,7 @@ use std::io::Write;
 use std::sync::OnceLock;
 
 use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
-use kpt_core::graph::{Activation, Op, TensorSpec};
+use kpt_core::graph::{Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::rand::SplitMix64;
 use kpt_core::tensor::Tensor;
 use kpt_core::validate::{compare, reduction_len, tolerance, ReferenceOps};
@@ -247,9 +247,21 @@ fn check_attention_fp8(
 /// (optionally causal, windowed and with an additive mask) and random inputs: q, k, v,
 /// `out`, `dout` [, mask].
 fn attention_backward_inputs(
-    [batch, seq_q, seq_kv, kv_heads, group, head_dim]: [usize; 6],
+    shape: [usize; 6],
     (causal, window): (bool, Option<usize>),
     with_mask: bool,
+    dt: DType,
+    seed: u64,
+) -> (Op, Vec<Tensor>) {
+    attention_backward_inputs_lse(shape, (causal, window), (with_mask, false), dt, seed)
+}
+
+/// [`attention_backward_inputs`], with the forward's log-sum-exp (f32, from the f64
+/// reference forward of q, k, v and the mask) as the last input when `with_lse`.
+fn attention_backward_inputs_lse(
+    [batch, seq_q, seq_kv, kv_heads, group, head_dim]: [usize; 6],
+    (causal, window): (bool, Option<usize>),
+    (with_mask, with_lse): (bool, bool),
     dt: DType,
     seed: u64,
 ) -> (Op, Vec<Tensor>) {
@@ -258,6 +270,7 @@ fn attention_backward_inputs(
     let p = kpt_core::graph::AttentionParams {
         mask: with_mask,
         window,
+        lse: with_lse,
         ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
     };
     let (q_shape, kv_shape) = (
@@ -273,6 +286,12 @@ fn attention_backward_inputs(
     ];
     if with_mask {
         inputs.push(attention_mask(&mut rng, seq_q, seq_kv));
+    }
+    if with_lse {
+        let mut forward = inputs[..3].to_vec();
+        forward.extend(inputs.get(5).cloned());
+        let lse = CpuReference.eval(&Op::Attention(p), &forward).unwrap()[1].to_f64_vec();
+        inputs.push(Tensor::from_f64(&lse, &p.lse_shape(inputs[0].shape()), DType::F32).unwrap());
     }
     (Op::AttentionBackward(p), inputs)
 }
@@ -332,7 +351,42 @@ proptest! {
         let mut rng = SplitMix64::new(seed);
         let x = random(&mut rng, &[batch, seq, heads * head_dim], dt, -2.0, 2.0);
         let pos = ids(&mut rng, seq, 4096, if wide { DType::I64 } else { DType::I32 });
-        check(&Op::Rotary { head_dim, theta: 10_000.0 }, &[x, pos])?;
+        check(&Op::Rotary { head_dim, theta: 10_000.0, scaling: None }, &[x, pos])?;
+    }
+
+    /// Scaled rotary: the inverse-frequency table of every scaling type, uploaded once
+    /// (dynamic NTK: per call, from the positions read back) against the f64 reference.
+    #[test]
+    fn scaled_rotary(batch in 1usize..3, seq in 1usize..24, heads in 1usize..5,
+                     head_dim in prop::sample::select(vec![6usize, 16, 64, 128]),
+                     theta in prop::sample::select(vec![10_000f32, 500_000.0]),
+                     kind in 0usize..4, factor in prop::sample::select(vec![2.0f64, 8.0]),
+                     context in prop::sample::select(vec![16usize, 1024, 8192]),
+                     dt in dtype(), wide in any::<bool>(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[batch, seq, heads * head_dim], dt, -2.0, 2.0);
+        let pos = ids(&mut rng, seq, 16_384, if wide { DType::I64 } else { DType::I32 });
+        let scaling = match kind {
+            0 => RopeScaling::Linear { factor },
+            1 => RopeScaling::Dynamic { factor, max_position_embeddings: context },
+            2 => RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: context,
+            },
+            _ => RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: context,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: None,
+                mscale: None,
+                mscale_all_dim: None,
+                truncate: true,
+            },
+        };
+        check(&Op::Rotary { head_dim, theta, scaling: Some(scaling) }, &[x, pos])?;
     }
 
     #[test]
@@ -463,6 +517,58 @@ proptest! {
         let (op, inputs) = attention_backward_inputs(
             [batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, None), with_mask, dt, seed);
         check(&op, &inputs)?;
+    }
+
+    /// The backward pass given the forward's log-sum-exp (the probabilities come from it,
+    /// no online softmax): the same shapes as `attention_backward`.
+    #[test]
+    fn attention_backward_lse(batch in 1usize..=3,
+                              seq_q in prop_oneof![Just(1usize), 1usize..150],
+                              seq_kv in prop_oneof![Just(1usize), 1usize..200],
+                              kv_heads in 1usize..=2, group in prop::sample::select(vec![1usize, 2, 4]),
+                              head_dim in prop::sample::select(vec![64usize, 128]),
+                              causal in any::<bool>(), with_mask in any::<bool>(),
+                              dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
+        let (op, inputs) = attention_backward_inputs_lse(
+            [batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, None), (with_mask, true),
+            dt, seed);
+        check(&op, &inputs)?;
+    }
+
+    /// The forward's log-sum-exp output (and the output beside it) on the tensor-core
+    /// kernels: prefill and decode shapes (which then skip the split-KV kernels), odd
+    /// lengths, caches shorter than the query (rows that see no key: +inf), GQA, masks,
+    /// sliding windows.
+    #[test]
+    fn attention_lse(batch in 1usize..3,
+                     (seq_q, seq_kv) in prop_oneof![
+                         (1usize..150, 1usize..200),
+                         (1usize..=4, 65usize..1500),
+                         (Just(1usize), Just(1usize)),
+                     ],
+                     kv_heads in 1usize..3, group in 1usize..=4,
+                     head_dim in prop::sample::select(vec![64usize, 128]),
+                     causal in any::<bool>(), window in prop::option::of(1usize..150),
+                     with_mask in any::<bool>(),
+                     dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let heads = kv_heads * group;
+        let p = kpt_core::graph::AttentionParams {
+            mask: with_mask,
+            window,
+            lse: true,
+            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+        };
+        let kv_shape = [batch, seq_kv, kv_heads * head_dim];
+        let mut inputs = vec![
+            random(&mut rng, &[batch, seq_q, heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &kv_shape, dt, -2.0, 2.0),
+            random(&mut rng, &kv_shape, dt, -2.0, 2.0),
+        ];
+        if with_mask {
+            inputs.push(attention_mask(&mut rng, seq_q, seq_kv));
+        }
+        check(&Op::Attention(p), &inputs)?;
     }
 
     #[test]
@@ -796,6 +902,41 @@ fn attention_backward_declines_what_the_flash_kernel_does_not_take() {
         // The host fallback computes them.
         let got = run_kernel(b, kpt_kernels::CPU_REFERENCE, &op, &inputs).unwrap();
         let want = CpuReference.eval(&op, &inputs).unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!(compare(g, w, tolerance(&op, dt, 71)).unwrap().within);
+        }
+    }
+}
+
+#[test]
+fn attention_lse_runs_only_where_a_kernel_gives_it() {
+    let Some(b) = backend() else { return };
+    // f32 and head dim 80: no device kernel gives the log-sum-exp, so the host
+    // reference does; the general kernel refuses it with an error.
+    for (dt, head_dim) in [(DType::F32, 64), (DType::BF16, 80)] {
+        let p = kpt_core::graph::AttentionParams {
+            lse: true,
+            ..kpt_core::graph::AttentionParams::new(2, 1, head_dim, true)
+        };
+        let op = Op::Attention(p);
+        let mut rng = SplitMix64::new(3);
+        let inputs = [
+            random(&mut rng, &[1, 5, 2 * head_dim], dt, -1.0, 1.0),
+            random(&mut rng, &[1, 7, head_dim], dt, -1.0, 1.0),
+            random(&mut rng, &[1, 7, head_dim], dt, -1.0, 1.0),
+        ];
+        let specs: Vec<_> = inputs.iter().map(spec).collect();
+        let chain = registry().fallback_chain(&op, &specs, b.device());
+        assert!(!chain.iter().any(|k| k == "cuda.attention"), "{chain:?}");
+        assert_eq!(
+            chain.first().map(String::as_str),
+            Some(kpt_kernels::CPU_REFERENCE)
+        );
+        assert!(run_kernel(b, "cuda.attention", &op, &inputs).is_err());
+        let got = run_kernel(b, kpt_kernels::CPU_REFERENCE, &op, &inputs).unwrap();
+        let want = CpuReference.eval(&op, &inputs).unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1].dtype(), DType::F32);
         for (g, w) in got.iter().zip(&want) {
             assert!(compare(g, w, tolerance(&op, dt, 71)).unwrap().within);
         }

@@ -492,6 +492,7 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
             Op::Rotary {
                 head_dim: 128,
                 theta: 10000.0,
+                scaling: None,
             },
             vec![f(&[1, 16, 4096]), i(&[16])],
         ),

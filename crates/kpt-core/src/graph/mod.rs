@@ -6,8 +6,10 @@
 //! with any input shapes the ops accept (e.g. a growing KV cache).
 
 mod op;
+mod rope;
 
-pub use op::{Activation, AttentionParams, Op, OpKind, TensorSpec};
+pub use op::{lse_dtype, Activation, AttentionParams, Op, OpKind, TensorSpec};
+pub use rope::{rope_frequencies, rope_seq_len, RopeFrequencies, RopeScaling, RopeScalingError};
 
 use std::collections::BTreeMap;
 

@@ -13,13 +13,24 @@
 //!   `[num_blocks, block_size, Hkv*D]`, then `block_table` `[B, max_blocks]` and `seq_lens`
 //!   `[B]` (i32/i64): sequence `b`'s key `j` is row `j % block_size` of block
 //!   `block_table[b][j / block_size]`, for `j < seq_lens[b]`.
-//! - `Rotary`: x `[B, S, H*D]`, positions `[S]` (i32/i64) -> same shape as x (NeoX "rotate half").
+//!   With `lse` (dense batches only, float inputs): a second output, the softmax's
+//!   log-sum-exp per query row, f32 (f64 for f64 inputs) `[B, Hq, S]` in natural log
+//!   (FlashAttention's `softmax_lse`): `lse[b, h, i] = ln Σ_j exp(scale · q_i·k_j + mask[i, j])`
+//!   over the keys query `i` sees, `+inf` for a row that sees none (so that `exp(s - lse)`
+//!   is 0 there).
+//! - `AttentionBackward`: q, k, v, the forward output, its gradient, the mask when `mask`,
+//!   then with `lse` the forward's log-sum-exp `[B, Hq, S]` -> (dq, dk, dv). Given the
+//!   log-sum-exp, kernels take the probabilities as `exp(s - lse)` instead of recomputing
+//!   the softmax statistics.
+//! - `Rotary`: x `[B, S, H*D]`, positions `[S]` (i32/i64) -> same shape as x (NeoX "rotate half"),
+//!   frequencies from [`rope_frequencies`](super::rope_frequencies) (with optional scaling).
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use super::rope::RopeScaling;
 use crate::dtype::DType;
 use crate::error::{KptError, Result};
 
@@ -84,6 +95,11 @@ pub struct AttentionParams {
     /// (see the module docs); excludes `mask` and `varlen`.
     #[serde(default)]
     pub paged: bool,
+    /// Log-sum-exp of the softmax rows (see the module docs): [`Op::Attention`] gives it
+    /// as a second output, [`Op::AttentionBackward`] takes it as its last input. Dense
+    /// batches only (excludes `varlen` and `paged`), no FP8 inputs.
+    #[serde(default)]
+    pub lse: bool,
 }
 
 impl AttentionParams {
@@ -100,7 +116,17 @@ impl AttentionParams {
             varlen: false,
             window: None,
             paged: false,
+            lse: false,
         }
+    }
+
+    /// The shape of the log-sum-exp output for queries `q [B, S, Hq*D]`: `[B, Hq, S]`.
+    pub fn lse_shape(&self, q: &[usize]) -> [usize; 3] {
+        [
+            q.first().copied().unwrap_or(0),
+            self.num_heads,
+            q.get(1).copied().unwrap_or(0),
+        ]
     }
 
     /// The scale actually applied to `q·k`.
@@ -156,12 +182,17 @@ pub enum Op {
         /// Added to the variance.
         eps: f32,
     },
-    /// Rotary position embedding (NeoX / LLaMA "rotate half" layout).
+    /// Rotary position embedding (NeoX / LLaMA "rotate half" layout): pair `i` of each
+    /// head turns by `position * inv_freq[i]`, cos and sin times the attention factor,
+    /// both from [`rope_frequencies`](super::rope_frequencies)`(head_dim, theta, scaling)`.
     Rotary {
         /// Size of one head (even).
         head_dim: usize,
         /// Frequency base (10000 for LLaMA 2).
         theta: f32,
+        /// Frequency scaling for long contexts; `None` for plain rotary.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        scaling: Option<RopeScaling>,
     },
     /// Softmax over the last dim.
     Softmax,
@@ -169,8 +200,8 @@ pub enum Op {
     /// (each with its per-tensor scale), which gives a bf16 output.
     Attention(AttentionParams),
     /// Gradients of [`Op::Attention`] (training): q, k, v, the forward output, its
-    /// gradient, then the mask when `mask` -> (dq, dk, dv). Dense batches only (no
-    /// `varlen`, no `paged`).
+    /// gradient, then the mask when `mask`, then the forward's log-sum-exp when `lse` ->
+    /// (dq, dk, dv). Dense batches only (no `varlen`, no `paged`).
     AttentionBackward(AttentionParams),
     /// Element-wise sum; the right operand broadcasts over leading dims.
     Add,
@@ -369,6 +400,15 @@ impl fmt::Display for TensorSpec {
     }
 }
 
+/// The dtype of attention's log-sum-exp for inputs of `dtype`: f32, or f64 for f64 inputs.
+pub fn lse_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
 /// Floating point types that ops compute in.
 fn is_compute(d: DType) -> bool {
     matches!(d, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
@@ -420,7 +460,7 @@ impl Op {
             Op::Attention(p) => {
                 3 + usize::from(p.mask) + 2 * usize::from(p.varlen) + 2 * usize::from(p.paged)
             }
-            Op::AttentionBackward(p) => 5 + usize::from(p.mask),
+            Op::AttentionBackward(p) => 5 + usize::from(p.mask) + usize::from(p.lse),
         }
     }
 
@@ -613,7 +653,11 @@ impl Op {
                     Ok(vec![x.clone()])
                 }
             }
-            Op::Rotary { head_dim, theta } => {
+            Op::Rotary {
+                head_dim,
+                theta,
+                scaling,
+            } => {
                 let pos = &inputs[1];
                 want_compute(x)?;
                 if !pos.dtype.is_index() {
@@ -635,6 +679,9 @@ impl Op {
                     return Err(KptError::InvalidArgument(format!(
                         "rotary theta must be > 0, got {theta}"
                     )));
+                }
+                if let Some(s) = scaling {
+                    s.validate(*head_dim, f64::from(*theta))?;
                 }
                 if pos.shape != [x.shape[1]] {
                     return Err(shape_err(format!(
@@ -751,7 +798,25 @@ impl Op {
                     }
                 }
                 if q.dtype == DType::F8E4M3 {
+                    if p.lse {
+                        return Err(KptError::InvalidArgument(
+                            "attention gives no log-sum-exp for FP8 inputs (the backward \
+                             pass takes no FP8)"
+                                .into(),
+                        ));
+                    }
                     return Ok(vec![TensorSpec::new(&q.shape, DType::BF16)]);
+                }
+                if p.lse {
+                    if p.varlen || p.paged {
+                        return Err(KptError::InvalidArgument(
+                            "attention gives a log-sum-exp for dense batches only (no varlen, \
+                             no paged cache)"
+                                .into(),
+                        ));
+                    }
+                    let lse = TensorSpec::new(&p.lse_shape(&q.shape), lse_dtype(q.dtype));
+                    return Ok(vec![q.clone(), lse]);
                 }
                 Ok(vec![q.clone()])
             }
@@ -769,13 +834,24 @@ impl Op {
                     ));
                 }
                 let mut forward = vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()];
-                forward.extend(inputs.get(5).cloned());
+                if p.mask {
+                    forward.push(inputs[5].clone());
+                }
                 let out = Op::Attention(*p).infer(&forward)?;
                 for (t, what) in [(&inputs[3], "out"), (&inputs[4], "dout")] {
                     if *t != out[0] {
                         return Err(shape_err(format!(
                             "{what} must be {} like q, got {t}",
                             out[0]
+                        )));
+                    }
+                }
+                if p.lse {
+                    let lse = &inputs[5 + usize::from(p.mask)];
+                    if *lse != out[1] {
+                        return Err(shape_err(format!(
+                            "lse must be {} ([batch, heads, seq_q]), got {lse}",
+                            out[1]
                         )));
                     }
                 }
@@ -1108,6 +1184,87 @@ mod tests {
             paged.infer(&ins),
             Err(KptError::Graph(_) | KptError::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn attention_lse_is_a_second_output_and_a_last_backward_input() {
+        let p = AttentionParams {
+            lse: true,
+            mask: true,
+            ..AttentionParams::new(4, 2, 8, true)
+        };
+        let (q, kv) = (s(&[2, 3, 32], DType::BF16), s(&[2, 5, 16], DType::BF16));
+        let mask = s(&[3, 5], DType::F32);
+        let lse = s(&[2, 4, 3], DType::F32);
+        // f64 inputs (the reference's evaluation) give an f64 log-sum-exp.
+        let q64 = s(&[2, 3, 32], DType::F64);
+        let kv64 = s(&[2, 5, 16], DType::F64);
+        let m64 = s(&[3, 5], DType::F64);
+        assert_eq!(
+            Op::Attention(p)
+                .infer(&[q64.clone(), kv64.clone(), kv64, m64])
+                .unwrap()[1],
+            s(&[2, 4, 3], DType::F64)
+        );
+        let fwd = Op::Attention(p);
+        assert_eq!(fwd.num_inputs(), 4);
+        assert_eq!(
+            fwd.infer(&[q.clone(), kv.clone(), kv.clone(), mask.clone()])
+                .unwrap(),
+            vec![q.clone(), lse.clone()]
+        );
+        let bwd = Op::AttentionBackward(p);
+        assert_eq!(bwd.num_inputs(), 7);
+        let ins = [
+            q.clone(),
+            kv.clone(),
+            kv.clone(),
+            q.clone(),
+            q.clone(),
+            mask.clone(),
+            lse.clone(),
+        ];
+        assert_eq!(
+            bwd.infer(&ins).unwrap(),
+            vec![q.clone(), kv.clone(), kv.clone()]
+        );
+        // A log-sum-exp of the wrong shape or dtype.
+        for bad in [s(&[2, 3, 4], DType::F32), s(&[2, 4, 3], DType::BF16)] {
+            let mut ins = ins.clone();
+            ins[6] = bad;
+            let err = bwd.infer(&ins).unwrap_err();
+            assert!(err.to_string().contains("lse"), "{err}");
+        }
+        // Without the mask the log-sum-exp is input 5.
+        let nomask = Op::AttentionBackward(AttentionParams { mask: false, ..p });
+        assert_eq!(nomask.num_inputs(), 6);
+        let ins = [q.clone(), kv.clone(), kv.clone(), q.clone(), q.clone(), lse];
+        assert!(nomask.infer(&ins).is_ok());
+        // Packed, paged and FP8 forwards give none.
+        let varlen = Op::Attention(AttentionParams {
+            varlen: true,
+            mask: false,
+            ..p
+        });
+        let cu = s(&[2], DType::I32);
+        let err = varlen
+            .infer(&[
+                s(&[1, 3, 32], DType::BF16),
+                s(&[1, 5, 16], DType::BF16),
+                s(&[1, 5, 16], DType::BF16),
+                cu.clone(),
+                cu,
+            ])
+            .unwrap_err();
+        assert!(matches!(err, KptError::InvalidArgument(_)), "{err}");
+        let fp8 = Op::Attention(AttentionParams { mask: false, ..p });
+        let (q8, kv8) = (s(&[2, 3, 32], DType::F8E4M3), s(&[2, 5, 16], DType::F8E4M3));
+        let err = fp8.infer(&[q8, kv8.clone(), kv8]).unwrap_err();
+        assert!(matches!(err, KptError::InvalidArgument(_)), "{err}");
+        // Old serialized params (no `lse` field) still parse, with it off.
+        let json = r#"{"num_heads":4,"num_kv_heads":2,"head_dim":8,"causal":true,"scale":null,"mask":false}"#;
+        let old: AttentionParams = serde_json::from_str(json).unwrap();
+        assert!(!old.lse);
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Attention gradients in f32 (the backward pass of [`super::attention`]): tasks of one
 //! (batch, kv head) in parallel, each recomputing its query heads' probabilities row by
-//! row and accumulating `dk` and `dv` of its kv head privately, so no two tasks write the
-//! same element. Same formulas as the f64 reference
-//! ([`super::reference::attention_backward`]).
+//! row (as `exp(s - lse)` when the forward's log-sum-exp is given, else with the row's
+//! max and sum) and accumulating `dk` and `dv` of its kv head privately, so no two tasks
+//! write the same element. Same formulas as the f64 reference
+//! ([`super::reference::attention_backward`]). [`attention_lse`] gives the log-sum-exp
+//! that the forward pass hands to the backward.
 
 use kpt_core::Result;
 use rayon::prelude::*;
@@ -10,16 +12,72 @@ use rayon::prelude::*;
 use super::shapes::AttentionShape;
 use super::simd::exp_f32;
 
+/// The log-sum-exp of every softmax row of attention over `q`, `k` (optional additive
+/// mask) into `lse` (`[batch, num_heads, seq_q]`, natural log, `+inf` for a row that sees
+/// no key), as [`super::reference::attention_lse`] gives it: one pass over the scores per
+/// row (its max, then the sum of `exp(s - max)`), rows of one (batch, head) per task.
+pub fn attention_lse(
+    q: &[f32],
+    k: &[f32],
+    mask: Option<&[f32]>,
+    lse: &mut [f32],
+    shape: &AttentionShape,
+) -> Result<()> {
+    let s = *shape;
+    // k stands in for v, which this pass does not read (same length).
+    s.check_buffers(
+        "attention",
+        q.len(),
+        k.len(),
+        k.len(),
+        mask.map(<[f32]>::len),
+        q.len(),
+    )?;
+    s.check_lse("attention", lse.len())?;
+    let (d, group) = (s.head_dim, s.group_size());
+    let (q_row, kv_row) = (s.q_row(), s.kv_row());
+    let scale = s.scale as f32;
+    let rows = s.seq_q.max(1);
+    lse.par_chunks_mut(rows).enumerate().for_each(|(bh, out)| {
+        let (b, h) = (bh / s.num_heads, bh % s.num_heads);
+        let g = h / group;
+        let mut sc = vec![0f32; s.seq_kv];
+        for (i, l) in out.iter_mut().enumerate() {
+            let qi = &q[(b * s.seq_q + i) * q_row + h * d..][..d];
+            let (start, limit) = (s.key_start(i), s.key_limit(i));
+            let mut max = f32::NEG_INFINITY;
+            for j in start..limit {
+                let kj = &k[(b * s.seq_kv + j) * kv_row + g * d..][..d];
+                let dot: f32 = qi.iter().zip(kj).map(|(a, c)| a * c).sum();
+                sc[j] = dot * scale + mask.map_or(0.0, |m| m[i * s.seq_kv + j]);
+                max = max.max(sc[j]);
+            }
+            *l = if max == f32::NEG_INFINITY {
+                f32::INFINITY
+            } else {
+                let sum: f32 = sc[start..limit].iter().map(|&x| exp_f32(x - max)).sum();
+                if sum > 0.0 {
+                    max + sum.ln()
+                } else {
+                    f32::INFINITY
+                }
+            };
+        }
+    });
+    Ok(())
+}
+
 /// Gradients `(dq, dk, dv)` of attention over `q`, `k`, `v` (optional additive mask) for the
-/// forward output `out` and its gradient `dout`; layouts as [`AttentionShape`] says.
+/// forward output `out` and its gradient `dout`; layouts as [`AttentionShape`] says. With
+/// `lse` (the forward's log-sum-exp, `[batch, num_heads, seq_q]`, see [`attention_lse`]) the
+/// probabilities are `exp(s - lse)` and the row's max and sum are not recomputed.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     q: &[f32],
     k: &[f32],
     v: &[f32],
     mask: Option<&[f32]>,
-    out: &[f32],
-    dout: &[f32],
+    (out, dout, lse): (&[f32], &[f32], Option<&[f32]>),
     grads: (&mut [f32], &mut [f32], &mut [f32]),
     shape: &AttentionShape,
 ) -> Result<()> {
@@ -30,6 +88,9 @@ pub fn attention_backward(
         (q.len(), k.len(), v.len(), mask.map(<[f32]>::len), out.len()),
         (dout.len(), dq.len(), dk.len(), dv.len()),
     )?;
+    if let Some(l) = lse {
+        s.check_lse("attention_backward", l.len())?;
+    }
     let (d, group) = (s.head_dim, s.group_size());
     let (q_row, kv_row) = (s.q_row(), s.kv_row());
     let scale = s.scale as f32;
@@ -61,11 +122,18 @@ pub fn attention_backward(
                     if max == f32::NEG_INFINITY {
                         continue;
                     }
-                    let mut sum = 0f32;
-                    for x in &mut p[start..limit] {
-                        *x = exp_f32(*x - max);
-                        sum += *x;
+                    // Probabilities exp(s - base) / sum: with the given log-sum-exp,
+                    // base = lse and sum = 1; else the row's max and sum.
+                    let base = lse.map_or(max, |l| l[(b * s.num_heads + h) * s.seq_q + i]);
+                    if base == f32::INFINITY {
+                        continue;
                     }
+                    let mut total = 0f32;
+                    for x in &mut p[start..limit] {
+                        *x = exp_f32(*x - base);
+                        total += *x;
+                    }
+                    let sum = if lse.is_some() { 1.0 } else { total };
                     let delta: f32 = doi.iter().zip(oi).map(|(a, c)| a * c).sum();
                     let dqi = &mut tq[(i * group + hh) * d..][..d];
                     for j in start..limit {

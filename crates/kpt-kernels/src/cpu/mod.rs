@@ -38,7 +38,7 @@ use kpt_core::DType;
 pub use attention::{
     attention, attention_bf16, attention_bf16_tolerance, DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q,
 };
-pub use attention_backward::attention_backward;
+pub use attention_backward::{attention_backward, attention_lse};
 pub use elementwise::{
     act_and_mul, activation, add, cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16,
     cast_f32_to_f16, dequantize_f8e4m3, dequantize_f8e5m2, dequantize_i8, embedding, mul,

@@ -6,6 +6,7 @@
 // Index loops are the point here: they mirror the math.
 #![allow(clippy::needless_range_loop)]
 
+use kpt_core::graph::{rope_frequencies, rope_seq_len, RopeScaling};
 use kpt_core::{DType, KptError, Result};
 
 use super::shapes::AttentionShape;
@@ -254,8 +255,11 @@ pub(crate) fn check_rotary(
 /// Rotary position embedding, NeoX / LLaMA "rotate half" layout.
 ///
 /// `x` is `[batch, seq, heads * head_dim]`, `positions` is `[seq]` (the same for every
-/// batch). For `i < head_dim/2`, `angle = pos * theta^(-2i/head_dim)`:
-/// `out[i] = x[i] cos - x[i + h/2] sin`, `out[i + h/2] = x[i + h/2] cos + x[i] sin`.
+/// batch). With `inv_freq` and `attention_factor` from
+/// [`rope_frequencies`]`(head_dim, theta, scaling, rope_seq_len(positions))`, for
+/// `i < head_dim/2`, `angle = pos * inv_freq[i]`, `cos` and `sin` of it times the
+/// attention factor: `out[i] = x[i] cos - x[i + h/2] sin`,
+/// `out[i + h/2] = x[i + h/2] cos + x[i] sin`.
 #[allow(clippy::too_many_arguments)]
 pub fn rotary(
     x: &[f64],
@@ -266,6 +270,7 @@ pub fn rotary(
     heads: usize,
     head_dim: usize,
     theta: f64,
+    scaling: Option<&RopeScaling>,
 ) -> Result<()> {
     check_rotary(
         x.len(),
@@ -276,15 +281,19 @@ pub fn rotary(
         heads,
         head_dim,
     )?;
+    if x.is_empty() {
+        return Ok(());
+    }
+    let table = rope_frequencies(head_dim, theta, scaling, rope_seq_len(positions))?;
     let half = head_dim / 2;
     for b in 0..batch {
         for s in 0..seq {
             for h in 0..heads {
                 let base = ((b * seq + s) * heads + h) * head_dim;
-                for i in 0..half {
-                    let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+                for (i, &freq) in table.inv_freq.iter().enumerate() {
                     let angle = positions[s] as f64 * freq;
                     let (sin, cos) = angle.sin_cos();
+                    let (cos, sin) = (cos * table.attention_factor, sin * table.attention_factor);
                     let (x0, x1) = (x[base + i], x[base + i + half]);
                     out[base + i] = x0 * cos - x1 * sin;
                     out[base + i + half] = x1 * cos + x0 * sin;
@@ -325,20 +334,20 @@ pub fn softmax(x: &[f64], out: &mut [f64], rows: usize, dim: usize) -> Result<()
     Ok(())
 }
 
-/// The softmax probabilities of query `i` of head `h` in batch `b` over every key (0 for
-/// keys it does not see), or `false` when it sees none.
-fn row_probs(
+/// The scaled, masked scores of query `i` of head `h` in batch `b` over every key (`-inf`
+/// for keys it does not see) and their maximum (`-inf` when it sees none).
+fn row_scores(
     (q, k, mask): (&[f64], &[f64], Option<&[f64]>),
     s: &AttentionShape,
     (b, h, i): (usize, usize, usize),
-    probs: &mut [f64],
-) -> bool {
+    scores: &mut [f64],
+) -> f64 {
     let d = s.head_dim;
     let g = h / s.group_size();
     let qi = &q[(b * s.seq_q + i) * s.q_row() + h * d..][..d];
     let (start, limit) = (s.key_start(i), s.key_limit(i));
     let mut max = f64::NEG_INFINITY;
-    for (j, sc) in probs.iter_mut().enumerate() {
+    for (j, sc) in scores.iter_mut().enumerate() {
         *sc = f64::NEG_INFINITY;
         if j < start || j >= limit {
             continue;
@@ -348,9 +357,22 @@ fn row_probs(
         *sc = dot * s.scale + mask.map_or(0.0, |m| m[i * s.seq_kv + j]);
         max = max.max(*sc);
     }
+    max
+}
+
+/// The softmax probabilities of query `i` of head `h` in batch `b` over every key (0 for
+/// keys it does not see) and the row's log-sum-exp, or `None` (all zeros) when it sees no
+/// key.
+fn row_probs(
+    ops: (&[f64], &[f64], Option<&[f64]>),
+    s: &AttentionShape,
+    at: (usize, usize, usize),
+    probs: &mut [f64],
+) -> Option<f64> {
+    let max = row_scores(ops, s, at, probs);
     if max == f64::NEG_INFINITY {
         probs.fill(0.0);
-        return false;
+        return None;
     }
     let mut sum = 0.0;
     for p in probs.iter_mut() {
@@ -362,6 +384,31 @@ fn row_probs(
         sum += *p;
     }
     probs.iter_mut().for_each(|p| *p /= sum);
+    Some(max + sum.ln())
+}
+
+/// The probabilities `exp(s - lse)` of query `i` of head `h` in batch `b` from the given
+/// log-sum-exp of its row (0 for keys it does not see, and everywhere when `lse` is
+/// `+inf`); `false` when they are all 0.
+fn row_probs_from_lse(
+    ops: (&[f64], &[f64], Option<&[f64]>),
+    s: &AttentionShape,
+    at: (usize, usize, usize),
+    lse: f64,
+    probs: &mut [f64],
+) -> bool {
+    let max = row_scores(ops, s, at, probs);
+    if max == f64::NEG_INFINITY || lse == f64::INFINITY {
+        probs.fill(0.0);
+        return false;
+    }
+    for p in probs.iter_mut() {
+        *p = if *p == f64::NEG_INFINITY {
+            0.0
+        } else {
+            (*p - lse).exp()
+        };
+    }
     true
 }
 
@@ -375,6 +422,21 @@ pub fn attention(
     out: &mut [f64],
     shape: &AttentionShape,
 ) -> Result<()> {
+    attention_lse(q, k, v, mask, out, None, shape)
+}
+
+/// [`attention`] that also gives each softmax row's log-sum-exp in `lse`
+/// (`[batch, num_heads, seq_q]`, natural log, `+inf` for a row that sees no key) when
+/// given.
+pub fn attention_lse(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    mask: Option<&[f64]>,
+    out: &mut [f64],
+    mut lse: Option<&mut [f64]>,
+    shape: &AttentionShape,
+) -> Result<()> {
     shape.check_buffers(
         "attention",
         q.len(),
@@ -383,6 +445,9 @@ pub fn attention(
         mask.map(<[f64]>::len),
         out.len(),
     )?;
+    if let Some(l) = lse.as_deref() {
+        shape.check_lse("attention", l.len())?;
+    }
     let s = *shape;
     let d = s.head_dim;
     let mut probs = vec![0.0; s.seq_kv];
@@ -392,7 +457,11 @@ pub fn attention(
             for i in 0..s.seq_q {
                 let o = &mut out[(b * s.seq_q + i) * s.q_row() + h * d..][..d];
                 o.fill(0.0);
-                if !row_probs((q, k, mask), &s, (b, h, i), &mut probs) {
+                let row_lse = row_probs((q, k, mask), &s, (b, h, i), &mut probs);
+                if let Some(l) = lse.as_deref_mut() {
+                    l[(b * s.num_heads + h) * s.seq_q + i] = row_lse.unwrap_or(f64::INFINITY);
+                }
+                if row_lse.is_none() {
                     continue;
                 }
                 for (j, &p) in probs.iter().enumerate().filter(|(_, &p)| p != 0.0) {
@@ -406,14 +475,15 @@ pub fn attention(
 }
 
 /// Gradients of [`attention`] for the upstream gradient `dout` (FlashAttention's backward
-/// contract): with `P` the probabilities recomputed from `q`, `k` and the mask, and
-/// `D_i = dout_i · out_i` from the given forward output, `dv = Pᵀ dout`,
-/// `dS = P ∘ (dout vᵀ - D)`, `dq = scale · dS k`, `dk = scale · dSᵀ q`; the query heads of
-/// a kv group add into its `dk` and `dv`.
+/// contract): with `P` the probabilities recomputed from `q`, `k` and the mask (as
+/// `exp(s - lse)` from the forward's log-sum-exp when `lse` is given, see
+/// [`attention_lse`]), and `D_i = dout_i · out_i` from the given forward output,
+/// `dv = Pᵀ dout`, `dS = P ∘ (dout vᵀ - D)`, `dq = scale · dS k`, `dk = scale · dSᵀ q`; the
+/// query heads of a kv group add into its `dk` and `dv`.
 #[allow(clippy::type_complexity)]
 pub fn attention_backward(
     (q, k, v, mask): (&[f64], &[f64], &[f64], Option<&[f64]>),
-    (out, dout): (&[f64], &[f64]),
+    (out, dout, lse): (&[f64], &[f64], Option<&[f64]>),
     (dq, dk, dv): (&mut [f64], &mut [f64], &mut [f64]),
     shape: &AttentionShape,
 ) -> Result<()> {
@@ -423,6 +493,9 @@ pub fn attention_backward(
         (q.len(), k.len(), v.len(), mask.map(<[f64]>::len), out.len()),
         (dout.len(), dq.len(), dk.len(), dv.len()),
     )?;
+    if let Some(l) = lse {
+        s.check_lse("attention_backward", l.len())?;
+    }
     let d = s.head_dim;
     let (q_row, kv_row) = (s.q_row(), s.kv_row());
     dq.fill(0.0);
@@ -433,7 +506,15 @@ pub fn attention_backward(
         for h in 0..s.num_heads {
             let g = h / s.group_size();
             for i in 0..s.seq_q {
-                if !row_probs((q, k, mask), &s, (b, h, i), &mut probs) {
+                let at = (b, h, i);
+                let seen = match lse {
+                    Some(l) => {
+                        let row = l[(b * s.num_heads + h) * s.seq_q + i];
+                        row_probs_from_lse((q, k, mask), &s, at, row, &mut probs)
+                    }
+                    None => row_probs((q, k, mask), &s, at, &mut probs).is_some(),
+                };
+                if !seen {
                     continue;
                 }
                 let at_q = (b * s.seq_q + i) * q_row + h * d;

@@ -1,5 +1,6 @@
 //! Rotary position embeddings (NeoX / LLaMA "rotate half" layout) in f32.
 
+use kpt_core::graph::{rope_frequencies, rope_seq_len, RopeScaling};
 use kpt_core::Result;
 
 use super::par::{for_each_row, for_each_row2};
@@ -20,8 +21,10 @@ fn rotate_row<const FMA: bool>(x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f
 dispatch!(fn rotate_row_d(x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) => rotate_row);
 
 /// Rotary embedding of `x [batch, seq, heads * head_dim]` at `positions [seq]` (the same
-/// for every batch): for `i < head_dim/2`, `angle = pos · theta^(-2i/head_dim)`,
-/// `out[i] = x[i] cos - x[i+h/2] sin`, `out[i+h/2] = x[i+h/2] cos + x[i] sin`.
+/// for every batch): for `i < head_dim/2`, `angle = pos · inv_freq[i]`,
+/// `out[i] = x[i] cos - x[i+h/2] sin`, `out[i+h/2] = x[i+h/2] cos + x[i] sin`, with
+/// `inv_freq` and the factor on cos/sin from kpt-core's [`rope_frequencies`] (`theta`
+/// and `scaling`; dynamic NTK reads the largest position).
 ///
 /// The cos/sin table (`seq × head_dim/2`) is computed once per call in f64 and rounded to
 /// f32. `head_dim` must be even.
@@ -35,6 +38,7 @@ pub fn rotary(
     heads: usize,
     head_dim: usize,
     theta: f32,
+    scaling: Option<&RopeScaling>,
 ) -> Result<()> {
     check_rotary(
         x.len(),
@@ -49,19 +53,17 @@ pub fn rotary(
     if half == 0 || x.is_empty() {
         return Ok(());
     }
-    let theta = theta as f64;
-    let freqs: Vec<f64> = (0..half)
-        .map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64))
-        .collect();
+    let table = rope_frequencies(head_dim, f64::from(theta), scaling, rope_seq_len(positions))?;
+    let (freqs, scale) = (&table.inv_freq, table.attention_factor);
     let mut cos = vec![0f32; seq * half];
     let mut sin = vec![0f32; seq * half];
     // The table costs ~30 ns an entry in f64: spread it over threads like the rows.
     for_each_row2(&mut cos, half, &mut sin, half, 32 * half, |s, c, sn| {
         let pos = positions[s] as f64;
-        for ((c, sn), &f) in c.iter_mut().zip(sn.iter_mut()).zip(&freqs) {
+        for ((c, sn), &f) in c.iter_mut().zip(sn.iter_mut()).zip(freqs) {
             let (si, co) = (pos * f).sin_cos();
-            *c = co as f32;
-            *sn = si as f32;
+            *c = (co * scale) as f32;
+            *sn = (si * scale) as f32;
         }
     });
     // One task row = one head of one token.

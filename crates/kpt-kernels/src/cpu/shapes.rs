@@ -130,6 +130,18 @@ impl AttentionShape {
             .saturating_mul(self.head_dim)
     }
 
+    /// Elements of the log-sum-exp of the softmax rows (`[batch, num_heads, seq_q]`).
+    pub fn lse_len(&self) -> usize {
+        self.batch
+            .saturating_mul(self.num_heads)
+            .saturating_mul(self.seq_q)
+    }
+
+    /// Checks that a log-sum-exp buffer has [`lse_len`](Self::lse_len) elements.
+    pub fn check_lse(&self, op: &str, len: usize) -> Result<()> {
+        check_len(op, "lse [batch, num_heads, seq_q]", len, self.lse_len())
+    }
+
     /// Elements of the optional mask: `seq_q * seq_kv`.
     pub fn mask_len(&self) -> usize {
         self.seq_q.saturating_mul(self.seq_kv)

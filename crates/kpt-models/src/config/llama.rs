@@ -1,10 +1,11 @@
 //! `config.json` of the LLaMA family: llama, mistral, qwen2.
 
+use kpt_core::graph::RopeScaling;
 use serde_json::Value;
 
 use super::fields::Fields;
 use super::SpecialTokens;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 
 /// Which member of the LLaMA family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,32 +27,6 @@ impl LlamaFamily {
             LlamaFamily::Qwen2 => "qwen2",
         }
     }
-}
-
-/// `rope_scaling` of a LLaMA-family config.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RopeScaling {
-    /// Positions divided by `factor`.
-    Linear {
-        /// Scale factor.
-        factor: f64,
-    },
-    /// Dynamic NTK: the base grows once the sequence passes the trained length.
-    Dynamic {
-        /// Scale factor.
-        factor: f64,
-    },
-    /// LLaMA 3.1: low frequencies divided by `factor`, high ones kept, smooth between.
-    Llama3 {
-        /// Scale factor.
-        factor: f64,
-        /// Wavelength bound (as a fraction of the original context) of the scaled band.
-        low_freq_factor: f64,
-        /// Wavelength bound of the unscaled band.
-        high_freq_factor: f64,
-        /// Context length the model was trained at.
-        original_max_position_embeddings: usize,
-    },
 }
 
 /// Which layers of a LLaMA-family model use the sliding window (kept as a rule rather
@@ -100,7 +75,8 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f64,
     /// Rotary base.
     pub rope_theta: f64,
-    /// Rotary scaling; `None` for the default (unscaled) rotary.
+    /// Rotary scaling (`rope_scaling`, or transformers 5's `rope_parameters`), as
+    /// [`Op::Rotary`](kpt_core::Op::Rotary) takes it; `None` for the default rotary.
     pub rope_scaling: Option<RopeScaling>,
     /// Trained context length.
     pub max_position_embeddings: usize,
@@ -169,7 +145,7 @@ impl LlamaConfig {
             num_key_value_heads: kv_heads,
             head_dim,
             rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
-            rope_theta: f.opt_f64("rope_theta")?.unwrap_or(10000.0),
+            rope_theta: rope_theta(f)?,
             rope_scaling: parse_rope_scaling(f, max_position_embeddings)?,
             max_position_embeddings,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
@@ -192,6 +168,20 @@ impl LlamaConfig {
         // Finite: `opt_f64` rejects NaN and infinities.
         if cfg.rope_theta <= 0.0 {
             return Err(f.invalid("rope_theta", format!("{} must be > 0", cfg.rope_theta)));
+        }
+        // Rotating part of each head (Phi, StableLM) is not what Op::Rotary computes.
+        if let Some(p) = f.opt_f64("partial_rotary_factor")? {
+            if p != 1.0 {
+                return Err(f.invalid(
+                    "partial_rotary_factor",
+                    format!("{p}: kpt's rotary op rotates whole heads (1.0 only)"),
+                ));
+            }
+        }
+        if let Some(s) = &cfg.rope_scaling {
+            // The op carries theta as f32; check what the kernels will compute with.
+            s.validate(cfg.head_dim, f64::from(cfg.rope_theta as f32))
+                .map_err(|e| f.invalid(rope_field(f), e.to_string()))?;
         }
         Ok(cfg)
     }
@@ -274,51 +264,123 @@ fn parse_sliding_window(
     Ok((window.filter(|_| any), sliding))
 }
 
+/// Where the rotary parameters are: `rope_scaling` (transformers 4), else
+/// `rope_parameters` (transformers 5, which also holds `rope_theta`).
+fn rope_field(f: &Fields<'_>) -> &'static str {
+    if f.get("rope_scaling").is_none() && f.get("rope_parameters").is_some() {
+        "rope_parameters"
+    } else {
+        "rope_scaling"
+    }
+}
+
+/// `rope_theta`, at the top level or inside `rope_parameters`; 10000 when absent.
+fn rope_theta(f: &Fields<'_>) -> Result<f64> {
+    if let Some(t) = f.opt_f64("rope_theta")? {
+        return Ok(t);
+    }
+    if let Some(Value::Object(map)) = f.get("rope_parameters") {
+        let sub = Fields {
+            map,
+            path: f.path,
+            prefix: "rope_parameters.",
+        };
+        if let Some(t) = sub.opt_f64("rope_theta")? {
+            return Ok(t);
+        }
+    }
+    Ok(10000.0)
+}
+
+/// Hugging Face's rotary scaling object mapped to kpt's [`RopeScaling`]: the type from
+/// `rope_type` (or the older `type`); `default` is no scaling; `linear`, `dynamic`,
+/// `llama3` and `yarn` map to their variants with HF's defaults (YaRN: `factor` from
+/// `max_position_embeddings / original_max_position_embeddings` when absent,
+/// `original_max_position_embeddings` from the config's when absent, `beta_fast` 32
+/// and `beta_slow` 1 when absent or 0, `truncate` true); any other type is
+/// [`ModelError::UnsupportedRopeType`].
 fn parse_rope_scaling(f: &Fields<'_>, max_pos: usize) -> Result<Option<RopeScaling>> {
-    let Some(v) = f.map.get("rope_scaling") else {
+    let field = rope_field(f);
+    let Some(v) = f.map.get(field) else {
         return Ok(None);
     };
     let Value::Object(map) = v else {
         if v.is_null() {
             return Ok(None);
         }
-        return Err(f.invalid("rope_scaling", "must be an object or null"));
+        return Err(f.invalid(field, "must be an object or null"));
     };
     let sub = Fields {
         map,
         path: f.path,
-        prefix: "rope_scaling.",
+        prefix: if field == "rope_scaling" {
+            "rope_scaling."
+        } else {
+            "rope_parameters."
+        },
     };
     // HF accepts `rope_type` (new) or `type` (old).
     let kind = match sub.opt_str("rope_type")? {
         Some(k) => k,
         None => sub.opt_str("type")?.unwrap_or_else(|| "default".into()),
     };
-    let factor = || -> Result<f64> {
-        let x = sub.req_f64("factor")?;
+    let check_factor = |x: f64| -> Result<f64> {
         if x >= 1.0 {
             Ok(x)
         } else {
             Err(sub.invalid("factor", format!("{x} must be >= 1")))
         }
     };
+    let factor = || check_factor(sub.req_f64("factor")?);
+    let original = || -> Result<usize> {
+        let v = sub
+            .opt_usize("original_max_position_embeddings")?
+            .unwrap_or(max_pos);
+        sub.positive("original_max_position_embeddings", v)?;
+        Ok(v)
+    };
+    // Python's `x or default`: absent, null and 0 take the default.
+    let or_default = |name: &str, default: f64| -> Result<f64> {
+        Ok(sub.opt_f64(name)?.filter(|&x| x != 0.0).unwrap_or(default))
+    };
     Ok(match kind.as_str() {
         "default" => None,
         "linear" => Some(RopeScaling::Linear { factor: factor()? }),
-        "dynamic" => Some(RopeScaling::Dynamic { factor: factor()? }),
+        "dynamic" => {
+            f.positive("max_position_embeddings", max_pos)?;
+            Some(RopeScaling::Dynamic {
+                factor: factor()?,
+                max_position_embeddings: max_pos,
+            })
+        }
         "llama3" => Some(RopeScaling::Llama3 {
             factor: factor()?,
             low_freq_factor: sub.req_f64("low_freq_factor")?,
             high_freq_factor: sub.req_f64("high_freq_factor")?,
-            original_max_position_embeddings: sub
-                .opt_usize("original_max_position_embeddings")?
-                .unwrap_or(max_pos),
+            original_max_position_embeddings: original()?,
         }),
+        "yarn" => {
+            let original = original()?;
+            let factor = match sub.opt_f64("factor")? {
+                Some(x) => check_factor(x)?,
+                None => check_factor(max_pos as f64 / original as f64)?,
+            };
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast: or_default("beta_fast", 32.0)?,
+                beta_slow: or_default("beta_slow", 1.0)?,
+                attention_factor: sub.opt_f64("attention_factor")?,
+                mscale: sub.opt_f64("mscale")?,
+                mscale_all_dim: sub.opt_f64("mscale_all_dim")?,
+                truncate: sub.opt_bool("truncate")?.unwrap_or(true),
+            })
+        }
         other => {
-            return Err(sub.invalid(
-                "rope_type",
-                format!("`{other}` is not supported; supported: default, linear, dynamic, llama3"),
-            ))
+            return Err(ModelError::UnsupportedRopeType {
+                path: f.path.to_path_buf(),
+                rope_type: other.to_string(),
+            })
         }
     })
 }

@@ -16,7 +16,8 @@ use serde_json::Value;
 pub use bert::BertConfig;
 pub(crate) use fields::Fields;
 pub use gpt2::Gpt2Config;
-pub use llama::{LlamaConfig, LlamaFamily, RopeScaling, SlidingLayers};
+pub use kpt_core::graph::RopeScaling;
+pub use llama::{LlamaConfig, LlamaFamily, SlidingLayers};
 
 use crate::error::{ModelError, Result};
 
@@ -216,7 +217,10 @@ mod tests {
         );
         assert_eq!(
             with(r#"{"type": "dynamic", "factor": 4}"#),
-            Some(RopeScaling::Dynamic { factor: 4.0 })
+            Some(RopeScaling::Dynamic {
+                factor: 4.0,
+                max_position_embeddings: 2048
+            })
         );
         assert_eq!(
             with(
@@ -230,11 +234,63 @@ mod tests {
                 original_max_position_embeddings: 8192
             })
         );
-        let err = parse(&LLAMA.replace("}", r#", "rope_scaling": {"type": "yarn", "factor": 2}}"#))
+        // Qwen2.5's YaRN entry: HF's defaults fill the rest.
+        assert_eq!(
+            with(r#"{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}"#),
+            Some(RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 2048,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: None,
+                mscale: None,
+                mscale_all_dim: None,
+                truncate: true,
+            })
+        );
+        // No factor: the ratio of the context lengths (max_position_embeddings 2048); beta 0 takes the default
+        // (Python's `or`); DeepSeek's mscale fields and `truncate` are kept.
+        assert_eq!(
+            with(
+                r#"{"rope_type": "yarn", "original_max_position_embeddings": 512,
+                "beta_fast": 0, "beta_slow": 2.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                "truncate": false}"#
+            ),
+            Some(RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 512,
+                beta_fast: 32.0,
+                beta_slow: 2.0,
+                attention_factor: None,
+                mscale: Some(0.707),
+                mscale_all_dim: Some(0.707),
+                truncate: false,
+            })
+        );
+        let err = parse(&LLAMA.replace(
+            "}",
+            r#", "rope_scaling": {"type": "longrope", "factor": 2}}"#,
+        ))
+        .unwrap_err();
+        assert!(
+            matches!(&err, ModelError::UnsupportedRopeType { rope_type, .. } if rope_type == "longrope"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("`longrope`"), "{err}");
+        let err = parse(&LLAMA.replace("}", r#", "partial_rotary_factor": 0.5}"#))
             .unwrap_err()
             .to_string();
+        assert!(err.contains("partial_rotary_factor"), "{err}");
+        // Parameters kpt-core rejects name the field.
+        let err = parse(&LLAMA.replace(
+            "}",
+            r#", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+            "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}}"#,
+        ))
+        .unwrap_err()
+        .to_string();
         assert!(
-            err.contains("rope_scaling.rope_type") && err.contains("yarn"),
+            err.contains("rope_scaling") && err.contains("low_freq_factor"),
             "{err}"
         );
         let err = parse(&LLAMA.replace("}", r#", "rope_scaling": {"type": "linear"}}"#))

@@ -191,13 +191,16 @@ pub fn gelu_erf(x: f64) -> f64 {
 }
 
 /// HF's `apply_rotary_pos_emb`: `x * cos + rotate_half(x) * sin` per head, with
-/// `cos`/`sin` of `cat(freqs, freqs)` and `rotate_half(x) = cat(-x2, x1)`.
-pub fn rope(x: &mut [Vec<f64>], positions: &[usize], head_dim: usize, theta: f64) {
-    let half = head_dim / 2;
+/// `cos`/`sin` of `cat(freqs, freqs)` (times HF's `attention_scaling`) and
+/// `rotate_half(x) = cat(-x2, x1)`; `freqs = position * inv_freq`.
+pub fn rope(x: &mut [Vec<f64>], positions: &[usize], inv_freq: &[f64], attention_scaling: f64) {
+    let half = inv_freq.len();
+    let head_dim = 2 * half;
     for (row, &p) in x.iter_mut().zip(positions) {
         for head in row.chunks_mut(head_dim) {
+            // emb = cat(freqs, freqs)
             let emb: Vec<f64> = (0..head_dim)
-                .map(|i| p as f64 / theta.powf((2 * (i % half)) as f64 / head_dim as f64))
+                .map(|i| p as f64 * inv_freq[i % half])
                 .collect();
             let rotated: Vec<f64> = (0..head_dim)
                 .map(|i| {
@@ -209,8 +212,170 @@ pub fn rope(x: &mut [Vec<f64>], positions: &[usize], head_dim: usize, theta: f64
                 })
                 .collect();
             for i in 0..head_dim {
-                head[i] = head[i] * emb[i].cos() + rotated[i] * emb[i].sin();
+                let cos = emb[i].cos() * attention_scaling;
+                let sin = emb[i].sin() * attention_scaling;
+                head[i] = head[i] * cos + rotated[i] * sin;
             }
+        }
+    }
+}
+
+/// The rotary parameters of a config.json, read straight from the JSON: `rope_theta`,
+/// `max_position_embeddings` and the `rope_scaling` object as Hugging Face stores it.
+#[derive(Debug, Clone)]
+pub struct HfRope {
+    pub theta: f64,
+    pub max_position_embeddings: f64,
+    pub scaling: Option<serde_json::Value>,
+}
+
+impl HfRope {
+    /// Unscaled rotary with base `theta`.
+    pub fn plain(theta: f64) -> HfRope {
+        HfRope {
+            theta,
+            max_position_embeddings: 2048.0,
+            scaling: None,
+        }
+    }
+
+    /// From a config.json value (HF's defaults: theta 10000, 2048 positions).
+    pub fn from_config(cfg: &serde_json::Value) -> HfRope {
+        HfRope {
+            theta: cfg["rope_theta"].as_f64().unwrap_or(10000.0),
+            max_position_embeddings: cfg["max_position_embeddings"].as_f64().unwrap_or(2048.0),
+            scaling: cfg.get("rope_scaling").filter(|v| !v.is_null()).cloned(),
+        }
+    }
+
+    /// `(inv_freq, attention_scaling)` as the rope init functions of
+    /// `modeling_rope_utils.py` compute them for head size `dim`, `seq_len` being the
+    /// length `dynamic_rope_update` passes (the largest position + 1).
+    pub fn params(&self, dim: usize, seq_len: usize) -> (Vec<f64>, f64) {
+        let d = dim as f64;
+        // 1.0 / (base ** (arange(0, dim, 2) / dim))
+        let default = |base: f64| -> Vec<f64> {
+            (0..dim)
+                .step_by(2)
+                .map(|j| 1.0 / base.powf(j as f64 / d))
+                .collect()
+        };
+        let Some(sc) = &self.scaling else {
+            return (default(self.theta), 1.0);
+        };
+        let ty = sc
+            .get("rope_type")
+            .or_else(|| sc.get("type"))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        let num = |k: &str| sc.get(k).and_then(|v| v.as_f64());
+        let factor = num("factor");
+        match ty {
+            "default" => (default(self.theta), 1.0),
+            "linear" => {
+                let f = factor.unwrap();
+                (default(self.theta).iter().map(|x| x / f).collect(), 1.0)
+            }
+            "dynamic" => {
+                let f = factor.unwrap();
+                let max = self.max_position_embeddings;
+                let seq = (seq_len as f64).max(max);
+                let base = self.theta * ((f * seq / max) - (f - 1.0)).powf(d / (d - 2.0));
+                (default(base), 1.0)
+            }
+            "llama3" => {
+                let f = factor.unwrap();
+                let low = num("low_freq_factor").unwrap();
+                let high = num("high_freq_factor").unwrap();
+                let old = num("original_max_position_embeddings").unwrap();
+                let low_wavelen = old / low;
+                let high_wavelen = old / high;
+                let inv = default(self.theta);
+                // The torch.where sequence of `_compute_llama3_parameters`.
+                let wavelen: Vec<f64> =
+                    inv.iter().map(|x| 2.0 * std::f64::consts::PI / x).collect();
+                let inv_llama: Vec<f64> = inv
+                    .iter()
+                    .zip(&wavelen)
+                    .map(|(&x, &w)| if w > low_wavelen { x / f } else { x })
+                    .collect();
+                let out = inv_llama
+                    .iter()
+                    .zip(&wavelen)
+                    .map(|(&x, &w)| {
+                        let smooth = (old / w - low) / (high - low);
+                        let smoothed = (1.0 - smooth) * x / f + smooth * x;
+                        // ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+                        let medium = w >= high_wavelen && w <= low_wavelen;
+                        if medium {
+                            smoothed
+                        } else {
+                            x
+                        }
+                    })
+                    .collect();
+                (out, 1.0)
+            }
+            "yarn" => {
+                let orig =
+                    num("original_max_position_embeddings").unwrap_or(self.max_position_embeddings);
+                let f = factor.unwrap_or(self.max_position_embeddings / orig);
+                let get_mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
+                let attention = match (
+                    num("attention_factor"),
+                    num("mscale"),
+                    num("mscale_all_dim"),
+                ) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
+                        get_mscale(f, m) / get_mscale(f, a)
+                    }
+                    _ => get_mscale(f, 1.0),
+                };
+                let beta_fast = num("beta_fast").filter(|&b| b != 0.0).unwrap_or(32.0);
+                let beta_slow = num("beta_slow").filter(|&b| b != 0.0).unwrap_or(1.0);
+                let base = self.theta;
+                let find_correction_dim = |rot: f64| {
+                    (d * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * base.ln())
+                };
+                let truncate = sc.get("truncate").and_then(|t| t.as_bool()).unwrap_or(true);
+                let (mut lo, mut hi) = (
+                    find_correction_dim(beta_fast),
+                    find_correction_dim(beta_slow),
+                );
+                if truncate {
+                    lo = lo.floor();
+                    hi = hi.ceil();
+                }
+                let (lo, mut hi) = (lo.max(0.0), hi.min(d - 1.0));
+                if lo == hi {
+                    hi += 0.001;
+                }
+                let pos_freqs: Vec<f64> = (0..dim)
+                    .step_by(2)
+                    .map(|j| base.powf(j as f64 / d))
+                    .collect();
+                let inv: Vec<f64> = pos_freqs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &pf)| {
+                        let extrapolation = 1.0 / pf;
+                        let interpolation = 1.0 / (f * pf);
+                        let ramp = ((i as f64 - lo) / (hi - lo)).clamp(0.0, 1.0);
+                        let extrapolation_factor = 1.0 - ramp;
+                        interpolation * (1.0 - extrapolation_factor)
+                            + extrapolation * extrapolation_factor
+                    })
+                    .collect();
+                (inv, attention)
+            }
+            other => panic!("rope type {other} not in the reference"),
         }
     }
 }
@@ -292,7 +457,8 @@ pub struct LlamaSizes {
     pub head_dim: usize,
     pub ffn: usize,
     pub eps: f64,
-    pub theta: f64,
+    /// Rotary base and scaling.
+    pub rope: HfRope,
     /// Attention window of each layer.
     pub windows: Vec<Option<usize>>,
 }
@@ -321,8 +487,10 @@ pub fn llama_forward(raw: &Raw, s: &LlamaSizes, ids: &[i64]) -> Vec<Vec<f64>> {
         let mut q = proj("self_attn.q_proj", &x, s.heads * s.head_dim);
         let mut k = proj("self_attn.k_proj", &x, s.kv_heads * s.head_dim);
         let v = proj("self_attn.v_proj", &x, s.kv_heads * s.head_dim);
-        rope(&mut q, &positions, s.head_dim, s.theta);
-        rope(&mut k, &positions, s.head_dim, s.theta);
+        // `dynamic_rope_update`: the sequence length is the largest position + 1.
+        let (inv_freq, scaling) = s.rope.params(s.head_dim, ids.len());
+        rope(&mut q, &positions, &inv_freq, scaling);
+        rope(&mut k, &positions, &inv_freq, scaling);
         let a = attention(
             &q,
             &k,

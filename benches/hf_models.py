@@ -1,0 +1,160 @@
+"""Hugging Face transformers side of kpt's model benchmark (`kpt-bench-models`).
+
+Protocol: one JSON object per line on stdin, one JSON reply per line on stdout; the
+first reply (before any request) describes the environment. Requests (`op`):
+
+- `create`: builds a LLaMA-shaped `LlamaForCausalLM` from `config` with random weights
+  (seeded), in `dtype`, and saves it as safetensors to `dir` (the checkpoint kpt loads).
+- `prefill`: times `model(ids)` on random ids `[batch, seq]`; `reps` calls after warm-up,
+  each between CUDA events (wall clock on the CPU).
+- `decode`: prefills `context` random tokens per sequence (not timed), then times `steps`
+  greedy decode steps with the KV cache; seconds per step, one value per repetition.
+- `logits`: the logits of `ids` (one sequence) at the last `last` positions, in `dtype`
+  (IEEE fp32 products and SDPA's math backend).
+- `greedy`: `new` greedy tokens after `ids`.
+
+Attention runs through `attn_implementation="sdpa"`, as the issue's baseline names.
+"""
+
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn):
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+class Worker:
+    def __init__(self):
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.timer = Timer(self.device)
+        self.models = {}  # dtype name -> model
+        self.config = None
+
+    def model(self, dtype):
+        """The created model in `dtype` (a converted copy, made once)."""
+        if dtype not in self.models:
+            base = next(iter(self.models.values()))
+            self.models[dtype] = copy.deepcopy(base).to(DTYPES[dtype])
+        return self.models[dtype]
+
+    def create(self, req):
+        self.config = LlamaConfig(**req["config"], attn_implementation="sdpa")
+        torch.manual_seed(req.get("seed", 0))
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.config)
+        model = model.to(DTYPES[req["dtype"]]).eval()
+        model.save_pretrained(req["dir"])  # safetensors, the default
+        self.models = {req["dtype"]: model}
+        return {"params": sum(p.numel() for p in model.parameters())}
+
+    def ids(self, batch, seq):
+        return torch.randint(0, self.config.vocab_size, (batch, seq), device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, req):
+        model = self.model(req["dtype"])
+        ids = self.ids(req["batch"], req["seq"])
+        for _ in range(2):
+            model(ids)
+        return {"seconds": [self.timer(lambda: model(ids)) for _ in range(req["reps"])]}
+
+    @torch.inference_mode()
+    def decode(self, req):
+        model = self.model(req["dtype"])
+        ids = self.ids(req["batch"], req["context"])
+        steps = req["steps"]
+
+        def run():
+            out = model(ids, use_cache=True)
+            cache = out.past_key_values
+            nxt = out.logits[:, -1:].argmax(-1)
+            state = {"cache": cache, "next": nxt}
+
+            def decode_steps():
+                for _ in range(steps):
+                    o = model(state["next"], past_key_values=state["cache"], use_cache=True)
+                    state["cache"] = o.past_key_values
+                    state["next"] = o.logits[:, -1:].argmax(-1)
+
+            return self.timer(decode_steps) / steps
+
+        run()  # warm-up
+        return {"seconds": [run() for _ in range(req["reps"])]}
+
+    @torch.inference_mode()
+    def logits(self, req):
+        """Logits for an accuracy comparison: IEEE fp32 products (no TF32) and SDPA's
+        math backend, so that the run is as exact as its dtype allows."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        model = self.model(req["dtype"])
+        ids = torch.tensor([req["ids"]], device=self.device)
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                out = model(ids).logits[0, -req["last"]:].float()
+        finally:
+            torch.set_float32_matmul_precision(precision)
+        return {"logits": out.cpu().tolist()}
+
+    @torch.inference_mode()
+    def greedy(self, req):
+        model = self.model(req["dtype"])
+        ids = torch.tensor([req["ids"]], device=self.device)
+        out = model(ids, use_cache=True)
+        cache, tokens = out.past_key_values, []
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(req["new"]):
+            tokens.append(int(nxt[0, 0]))
+            o = model(nxt, past_key_values=cache, use_cache=True)
+            cache, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+        return {"tokens": tokens}
+
+
+def main():
+    if "KPT_BENCH_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["KPT_BENCH_THREADS"]))
+    worker = Worker()
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            reply = getattr(worker, req["op"])(req)
+        except Exception as e:  # reported to the caller
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()

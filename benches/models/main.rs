@@ -1,0 +1,639 @@
+//! `kpt-bench-models`: a LLaMA-shaped checkpoint through kpt-models and through Hugging
+//! Face transformers (`attn_implementation="sdpa"`) on the same device, in one run.
+//!
+//! The worker (`hf_models.py`) creates the model with random weights and saves it as
+//! safetensors; kpt loads that checkpoint, optimizes its graphs at the balanced level and
+//! runs them. Prefill and decode are timed on both sides (warm-up, then the median of
+//! the repetitions); the logits of an fp32 run and the greedy tokens of a bf16 run are
+//! compared. The report follows docs/reports' schema.
+
+// The worker module of the op benches; their `time` request is not used here.
+#[allow(dead_code)]
+#[path = "../compare/torch.rs"]
+mod torch;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kpt_core::backend::Backend;
+use kpt_core::exec::{DeviceTensor, Executor, RunTensor};
+use kpt_core::optimize::{auto_optimize, PrecisionPolicy};
+use kpt_core::rand::SplitMix64;
+use kpt_core::validate::run_reference;
+use kpt_core::{DType, Graph, OptLevel, Tensor};
+use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
+use kpt_models::lower::pack_prompts;
+use kpt_models::{Checkpoint, Model, Phase};
+use kpt_monitor::{median, Machine, Report, Row};
+use kpt_nvidia::{CudaBackend, CudaOptions};
+use serde_json::{json, Value};
+
+use torch::TorchWorker;
+
+#[derive(Parser, Debug)]
+#[command(about = "kpt-models vs Hugging Face transformers on the same device, same run")]
+struct Args {
+    /// Python interpreter with torch and transformers.
+    #[arg(long, default_value = "python3")]
+    python: PathBuf,
+    /// The transformers worker script.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/hf_models.py"))]
+    script: PathBuf,
+    /// Where the report goes.
+    #[arg(long, default_value = "docs/reports")]
+    out: PathBuf,
+    /// Report name (files are NAME-latest.json etc.).
+    #[arg(long, default_value = "models-h100")]
+    name: String,
+    /// Where the worker writes the checkpoint.
+    #[arg(long, default_value = "target/bench-models/llama")]
+    dir: PathBuf,
+    /// Device of both sides.
+    #[arg(long, value_enum, default_value = "cuda")]
+    device: Device,
+    /// Model size.
+    #[arg(long, value_enum, default_value = "1b")]
+    size: Size,
+    /// Timed repetitions per side.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Decode steps per repetition.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// The command recorded in the report.
+    #[arg(long, default_value = "kpt-bench-models (cargo xtask gpu-bundle)")]
+    command: String,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
+enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// Model sizes: the issue's 1.1B LLaMA shape, and a tiny one to try the harness.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum Size {
+    #[value(name = "1b")]
+    OneB,
+    /// ~124M parameters (hidden 768, 12 layers): the CPU comparison.
+    #[value(name = "100m")]
+    M100,
+    Tiny,
+}
+
+/// Shapes of the timed cases for a size.
+struct Shapes {
+    prefill_seq: usize,
+    packed: (usize, usize),
+    context: usize,
+    decode_batch: usize,
+}
+
+impl Size {
+    /// `LlamaConfig` keyword arguments.
+    fn config(self) -> Value {
+        let (hidden, layers, heads, kv, inter, vocab) = match self {
+            Size::OneB => (2048, 22, 32, 4, 5632, 32000),
+            Size::M100 => (768, 12, 12, 4, 2048, 32000),
+            Size::Tiny => (256, 2, 8, 2, 688, 1000),
+        };
+        json!({
+            "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv,
+            "intermediate_size": inter, "vocab_size": vocab,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "tie_word_embeddings": false,
+        })
+    }
+
+    fn shapes(self) -> Shapes {
+        match self {
+            Size::OneB => Shapes {
+                prefill_seq: 2048,
+                packed: (8, 512),
+                context: 512,
+                decode_batch: 32,
+            },
+            Size::M100 => Shapes {
+                prefill_seq: 256,
+                packed: (4, 64),
+                context: 128,
+                decode_batch: 4,
+            },
+            Size::Tiny => Shapes {
+                prefill_seq: 128,
+                packed: (4, 32),
+                context: 32,
+                decode_batch: 4,
+            },
+        }
+    }
+}
+
+/// What kpt needs to run a model on one backend.
+struct Kpt {
+    backend: Arc<dyn Backend>,
+    registry: KernelRegistry,
+    vocab: usize,
+    rng: SplitMix64,
+}
+
+impl Kpt {
+    fn executor(&self, graph: &Graph, level: OptLevel) -> Result<Executor> {
+        let plan = auto_optimize(
+            graph,
+            level,
+            &PrecisionPolicy::default(),
+            &self.registry,
+            self.backend.device(),
+        )?;
+        Ok(Executor::new(plan, self.backend.clone())?)
+    }
+
+    fn ids(&mut self, n: usize) -> Vec<i64> {
+        (0..n).map(|_| self.rng.below(self.vocab) as i64).collect()
+    }
+
+    /// Seconds of one call of `f`, after the device finished it.
+    fn time(&self, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+        self.backend.synchronize()?;
+        let t0 = Instant::now();
+        f()?;
+        self.backend.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+}
+
+/// `[1, n]` ids and `[n]` positions from `start`.
+fn step_inputs(ids: &[i64], start: usize) -> Result<Vec<RunTensor>> {
+    batch_inputs(&[ids.to_vec()], start)
+}
+
+/// `[b, n]` ids of `b` sequences of `n` tokens and their `[n]` positions from `start`.
+fn batch_inputs(rows: &[Vec<i64>], start: usize) -> Result<Vec<RunTensor>> {
+    let n = rows.first().map_or(0, Vec::len);
+    if rows.iter().any(|r| r.len() != n) {
+        bail!("a dense batch needs sequences of one length");
+    }
+    Ok(vec![
+        RunTensor::Host(Tensor::from_vec(rows.concat(), &[rows.len(), n])?),
+        RunTensor::Host(Tensor::from_vec(
+            (start..start + n).map(|p| p as i64).collect(),
+            &[n],
+        )?),
+    ])
+}
+
+/// The greedy token of each sequence: the argmax of its last position's logits
+/// `[b, s, vocab]`.
+fn argmax_last(logits: &Tensor) -> Vec<i64> {
+    let v = logits.to_f64_vec();
+    let (b, vocab) = (
+        logits.shape()[0],
+        logits.shape().last().copied().unwrap_or(1),
+    );
+    let per_seq = v.len() / b.max(1);
+    (0..b)
+        .map(|i| {
+            let last = &v[(i + 1) * per_seq - vocab..(i + 1) * per_seq];
+            let mut best = 0;
+            for (j, x) in last.iter().enumerate() {
+                if *x > last[best] {
+                    best = j;
+                }
+            }
+            best as i64
+        })
+        .collect()
+}
+
+/// Sequences of one length decoded together as a `[batch, 1]` graph run: their caches
+/// on the device, their length and their next tokens. With one sequence the caches have
+/// room for `capacity` tokens, so each step appends in place.
+struct Batch {
+    caches: Vec<DeviceTensor>,
+    len: usize,
+    next: Vec<i64>,
+}
+
+impl Batch {
+    /// Prefills the prompts (one length) and keeps the caches on the device.
+    fn prefill(
+        kpt: &Kpt,
+        prefill: &mut Executor,
+        prompts: &[Vec<i64>],
+        capacity: usize,
+    ) -> Result<Self> {
+        let keep: Vec<bool> = (0..prefill.plan().graph.outputs().len())
+            .map(|i| i > 0)
+            .collect();
+        let mut outs = prefill
+            .run_resident(batch_inputs(prompts, 0)?, &keep)?
+            .into_iter();
+        let logits = outs
+            .next()
+            .context("no logits")?
+            .into_host(kpt.backend.as_ref())?;
+        let len = prompts.first().map_or(0, Vec::len);
+        let caches = outs
+            .map(|o| {
+                let d = o.into_device(kpt.backend.as_ref())?;
+                let row = d.spec.numel() / len;
+                Ok(d.with_capacity(kpt.backend.as_ref(), row * capacity)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            caches,
+            len,
+            next: argmax_last(&logits),
+        })
+    }
+
+    /// One decode step: appends the next tokens and picks the following ones.
+    fn step(&mut self, kpt: &Kpt, decode: &mut Executor) -> Result<Vec<i64>> {
+        let rows: Vec<Vec<i64>> = self.next.iter().map(|&t| vec![t]).collect();
+        let mut inputs = batch_inputs(&rows, self.len)?;
+        inputs.extend(self.caches.drain(..).map(RunTensor::Device));
+        let keep: Vec<bool> = (0..inputs.len() - 1).map(|i| i > 0).collect();
+        let mut outs = decode.run_resident(inputs, &keep)?.into_iter();
+        let logits = outs
+            .next()
+            .context("no logits")?
+            .into_host(kpt.backend.as_ref())?;
+        for o in outs {
+            match o {
+                RunTensor::Device(d) => self.caches.push(d),
+                RunTensor::Host(_) => bail!("a cache left the device"),
+            }
+        }
+        self.len += 1;
+        Ok(std::mem::replace(&mut self.next, argmax_last(&logits)))
+    }
+}
+
+/// Kernel time per decode step from the backend's profiler (one sequence, `steps`
+/// steps after a prefill of `ctx` tokens), and the three kernels that take most of it.
+fn kernel_time_per_step(
+    kpt: &Kpt,
+    prefill: &mut Executor,
+    decode: &mut Executor,
+    ctx: usize,
+    steps: usize,
+) -> Result<(f64, String)> {
+    let prompt: Vec<i64> = (0..ctx as i64).map(|i| i % kpt.vocab as i64).collect();
+    let mut seq = Batch::prefill(kpt, prefill, &[prompt], ctx + steps + 1)?;
+    if !kpt.backend.set_profiling(true)? {
+        return Ok((f64::NAN, "no profiler".into()));
+    }
+    for _ in 0..steps {
+        seq.step(kpt, decode)?;
+    }
+    let profile = kpt.backend.profile()?;
+    kpt.backend.set_profiling(false)?;
+    let total: f64 = profile.iter().map(|p| p.seconds).sum();
+    let top = profile
+        .iter()
+        .take(3)
+        .map(|p| format!("{} {:.0} µs", p.kernel, p.seconds / steps as f64 * 1e6))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Ok((total / steps as f64, top))
+}
+
+/// The issue's targets: its H100 figures on the GPU, parity with transformers on the
+/// CPU.
+trait Target {
+    fn with_target_or_parity(self, gpu: bool, gpu_target: impl FnOnce(Row) -> Row) -> Row;
+}
+
+impl Target for Row {
+    fn with_target_or_parity(self, gpu: bool, gpu_target: impl FnOnce(Row) -> Row) -> Row {
+        if gpu {
+            gpu_target(self)
+        } else {
+            self.with_target_ratio(1.0)
+        }
+    }
+}
+
+fn median_of(v: &[f64]) -> f64 {
+    median(v).unwrap_or(f64::NAN)
+}
+
+fn hf_seconds(worker: &mut TorchWorker, req: Value) -> Result<Vec<f64>> {
+    let reply = worker.call(&req)?;
+    serde_json::from_value(reply["seconds"].clone()).context("worker seconds")
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let backend: Arc<dyn Backend> = match args.device {
+        Device::Cpu => Arc::new(CpuBackend::new()?),
+        Device::Cuda => {
+            Arc::new(CudaBackend::new(0, CudaOptions::default()).context("opening CUDA device 0")?)
+        }
+    };
+    let (dtype, dname) = match args.device {
+        Device::Cpu => (DType::F32, "f32"),
+        Device::Cuda => (DType::BF16, "bf16"),
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut worker = TorchWorker::start(&args.python, &args.script, threads)?;
+    let info = worker.info.clone();
+    let text = |k: &str| info[k].as_str().unwrap_or("unknown").to_string();
+    let mut versions = std::collections::BTreeMap::new();
+    for k in ["torch", "transformers"] {
+        versions.insert(k.to_string(), text(k));
+    }
+    versions.insert("kpt".into(), env!("CARGO_PKG_VERSION").into());
+    let machine = Machine {
+        device: backend.device().name.clone(),
+        driver: None,
+        cpu: kpt_core::hardware::cpu_info().model_name,
+        versions,
+    };
+    let git = std::env::var("KPT_GIT_COMMIT").unwrap_or_else(|_| "unknown".into());
+    let mut report = Report::new(&args.name, &args.command, git, machine);
+
+    let progress = ProgressBar::new(7).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
+    );
+    progress.set_message("creating the checkpoint");
+    std::fs::create_dir_all(&args.dir)?;
+    let dir = args.dir.canonicalize()?;
+    let created = worker.call(&json!({
+        "op": "create", "config": args.size.config(), "dtype": dname,
+        "dir": dir, "seed": 0,
+    }))?;
+    progress.inc(1);
+    progress.set_message("loading it in kpt");
+    let ckpt = Checkpoint::open(&dir)?;
+    let model = ckpt.load_model(dtype)?;
+    let Model::Llama(llama) = &model else {
+        bail!("the worker wrote a {} checkpoint", ckpt.config.model_type());
+    };
+    let hidden = llama.config.hidden_size;
+    let mut kpt = Kpt {
+        backend: backend.clone(),
+        registry: KernelRegistry::with_builtin(),
+        vocab: llama.config.vocab_size,
+        rng: SplitMix64::new(7),
+    };
+    let hf = format!("HF transformers {} (sdpa, {dname})", text("transformers"));
+    let gpu = args.device == Device::Cuda;
+    let shapes = args.size.shapes();
+    let level = OptLevel::Balanced;
+    let reps = args.reps.max(1);
+    let params = created["params"].as_u64().unwrap_or(0);
+    let model_note = format!(
+        "{params} parameters, hidden {hidden}, {} layers, random weights",
+        llama.config.num_hidden_layers
+    );
+
+    // Prefill, one sequence.
+    progress.inc(1);
+    progress.set_message("prefill");
+    let s = shapes.prefill_seq;
+    let mut exec = kpt.executor(&model.graph(Phase::Prefill, s)?, level)?;
+    let ids = kpt.ids(s);
+    let keep = vec![true; exec.plan().graph.outputs().len()];
+    let mut times = Vec::new();
+    for rep in 0..reps + 2 {
+        let t = kpt.time(|| {
+            exec.run_resident(step_inputs(&ids, 0)?, &keep)?;
+            Ok(())
+        })?;
+        if rep >= 2 {
+            times.push(t);
+        }
+    }
+    drop(exec);
+    let hf_t = hf_seconds(
+        &mut worker,
+        json!({"op": "prefill", "dtype": dname, "batch": 1, "seq": s, "reps": reps}),
+    )?;
+    report.rows.push(
+        Row::compared(
+            format!("prefill B1 S{s}"),
+            "ms",
+            false,
+            median_of(&times) * 1e3,
+            median_of(&hf_t) * 1e3,
+            &hf,
+        )
+        .with_target_or_parity(gpu, |r| r.with_target(9.0))
+        .with_note(format!("{model_note}; all logits computed on both sides")),
+    );
+
+    // Prefill, a batch packed without padding.
+    progress.inc(1);
+    progress.set_message("packed prefill");
+    let (b, s) = shapes.packed;
+    let mut exec = kpt.executor(&model.graph_packed(b * s, b)?, level)?;
+    let prompts: Vec<Vec<i64>> = (0..b).map(|_| kpt.ids(s)).collect();
+    let refs: Vec<&[i64]> = prompts.iter().map(Vec::as_slice).collect();
+    let packed = pack_prompts(&refs)?;
+    let keep = vec![true; exec.plan().graph.outputs().len()];
+    let mut times = Vec::new();
+    for rep in 0..reps + 2 {
+        let inputs = packed.iter().cloned().map(RunTensor::Host).collect();
+        let t = kpt.time(|| {
+            exec.run_resident(inputs, &keep)?;
+            Ok(())
+        })?;
+        if rep >= 2 {
+            times.push(t);
+        }
+    }
+    drop(exec);
+    let hf_t = hf_seconds(
+        &mut worker,
+        json!({"op": "prefill", "dtype": dname, "batch": b, "seq": s, "reps": reps}),
+    )?;
+    let tokens = (b * s) as f64;
+    report.rows.push(
+        Row::compared(
+            format!("prefill B{b} S{s}"),
+            "tokens/s",
+            true,
+            tokens / median_of(&times),
+            tokens / median_of(&hf_t),
+            &hf,
+        )
+        .with_target_or_parity(gpu, |r| r.with_target_ratio(3.0))
+        .with_note("kpt: one packed variable-length batch; HF: [batch, seq] (no padding needed)"),
+    );
+
+    // Decode, one sequence and a batch.
+    let steps = args.steps.max(1);
+    let ctx = shapes.context;
+    let mut prefill = kpt.executor(&model.graph(Phase::Prefill, ctx)?, level)?;
+    let mut decode = kpt.executor(&model.graph(Phase::Decode, ctx)?, level)?;
+    for batch in [1, shapes.decode_batch] {
+        progress.inc(1);
+        progress.set_message(format!("decode B{batch}"));
+        let mut per_token = Vec::new();
+        for rep in 0..reps + 1 {
+            let prompts: Vec<Vec<i64>> = (0..batch).map(|_| kpt.ids(ctx)).collect();
+            let mut seqs = Batch::prefill(&kpt, &mut prefill, &prompts, ctx + steps + 1)?;
+            let t = kpt.time(|| {
+                for _ in 0..steps {
+                    seqs.step(&kpt, &mut decode)?;
+                }
+                Ok(())
+            })?;
+            if rep >= 1 {
+                per_token.push(t / steps as f64);
+            }
+        }
+        let hf_t = hf_seconds(
+            &mut worker,
+            json!({"op": "decode", "dtype": dname, "batch": batch, "context": ctx,
+                   "steps": steps, "reps": reps}),
+        )?;
+        let rate = |t: f64| batch as f64 / t;
+        let mut row = Row::compared(
+            format!("decode B{batch}, context {ctx}"),
+            "tokens/s",
+            true,
+            rate(median_of(&per_token)),
+            rate(median_of(&hf_t)),
+            &hf,
+        )
+        .with_note(format!(
+            "{steps} greedy steps per repetition, KV cache kept on the device"
+        ));
+        row = if batch == 1 {
+            let (kernels, top) = kernel_time_per_step(&kpt, &mut prefill, &mut decode, ctx, steps)?;
+            row.with_target_or_parity(gpu, |r| r.with_target(1000.0))
+                .with_note(format!(
+                    "kernels {:.2} ms of {:.2} ms per token (the rest is launch overhead on \
+                     the host); most time: {top}",
+                    kernels * 1e3,
+                    median_of(&per_token) * 1e3
+                ))
+        } else {
+            row.with_target_or_parity(gpu, |r| r.with_target_ratio(10.0))
+                .with_note(
+                    "one [batch, 1] decode graph over sequences of one length; the cache \
+                 append copies (in place only for one sequence)",
+                )
+        };
+        report.rows.push(row);
+    }
+    drop((prefill, decode));
+
+    // Accuracy: fp32 logits, bf16 greedy tokens.
+    progress.inc(1);
+    progress.set_message("fp32 logits");
+    let prompt = kpt.ids(16);
+    let last = 4;
+    let reply =
+        worker.call(&json!({"op": "logits", "dtype": "f32", "ids": prompt, "last": last}))?;
+    let want: Vec<Vec<f64>> = serde_json::from_value(reply["logits"].clone())?;
+    let f32_model = ckpt.load_model(DType::F32)?;
+    let graph = f32_model.graph(Phase::Prefill, prompt.len())?;
+    let mut exec = kpt.executor(&graph, OptLevel::Conservative)?;
+    let inputs: Vec<Tensor> = step_inputs(&prompt, 0)?
+        .into_iter()
+        .map(|t| t.into_host(kpt.backend.as_ref()))
+        .collect::<kpt_core::Result<_>>()?;
+    let logits = exec.run(&inputs)?.remove(0).to_f64_vec();
+    drop(exec);
+    // The f64 reference of the same graph says which side is off.
+    let reference = run_reference(&graph, &CpuReference, &inputs)?
+        .remove(0)
+        .to_f64_vec();
+    drop(graph);
+    let tail = |v: &[f64]| v[v.len() - last * kpt.vocab..].to_vec();
+    let (got, exact) = (tail(&logits), tail(&reference));
+    let want: Vec<f64> = want.into_iter().flatten().collect();
+    let max_diff =
+        |a: &[f64], b: &[f64]| a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+    let diff = max_diff(&want, &got);
+    let largest = exact.iter().fold(0f64, |m, x| m.max(x.abs()));
+    report.rows.push(
+        Row::absolute("fp32 logits vs HF", "max abs diff", false, diff)
+            .with_target(1e-3)
+            .with_max_abs_err(diff)
+            .with_note(format!(
+                "conservative level, f32 weights; last {last} positions of a 16-token \
+                 prompt; against the f64 reference: kpt {:.1e}, HF {:.1e} (largest \
+                 logit {largest:.2})",
+                max_diff(&got, &exact),
+                max_diff(&want, &exact),
+            )),
+    );
+
+    progress.inc(1);
+    progress.set_message("bf16 greedy tokens");
+    let new = 32;
+    let reply =
+        worker.call(&json!({"op": "greedy", "dtype": "bf16", "ids": prompt, "new": new}))?;
+    let want: Vec<i64> = serde_json::from_value(reply["tokens"].clone())?;
+    let bf16_model = match dtype {
+        DType::BF16 => model,
+        _ => ckpt.load_model(DType::BF16)?,
+    };
+    let mut prefill = kpt.executor(&bf16_model.graph(Phase::Prefill, prompt.len())?, level)?;
+    let mut decode = kpt.executor(&bf16_model.graph(Phase::Decode, prompt.len())?, level)?;
+    let mut seq = Batch::prefill(
+        &kpt,
+        &mut prefill,
+        std::slice::from_ref(&prompt),
+        prompt.len() + new + 1,
+    )?;
+    let got = (0..new)
+        .map(|_| Ok(seq.step(&kpt, &mut decode)?[0]))
+        .collect::<Result<Vec<_>>>()?;
+    drop((prefill, decode));
+    let same = want.iter().zip(&got).take_while(|(a, b)| a == b).count();
+    let mut row = Row::absolute(
+        "bf16 greedy tokens equal to HF",
+        "tokens",
+        true,
+        same as f64,
+    )
+    .with_target(new as f64)
+    .with_note(format!(
+        "first {new} greedy tokens after a 16-token prompt, bf16 weights and activations"
+    ));
+    if same < new.min(got.len()) {
+        // How close the two choices are in fp32, on the text both agreed on.
+        let mut text = prompt.clone();
+        text.extend_from_slice(&want[..same]);
+        let mut exec = kpt.executor(
+            &f32_model.graph(Phase::Prefill, text.len())?,
+            OptLevel::Conservative,
+        )?;
+        let inputs: Vec<Tensor> = step_inputs(&text, 0)?
+            .into_iter()
+            .map(|t| t.into_host(kpt.backend.as_ref()))
+            .collect::<kpt_core::Result<_>>()?;
+        let logits = exec.run(&inputs)?.remove(0).to_f64_vec();
+        let last = &logits[logits.len() - kpt.vocab..];
+        let margin = (last[want[same] as usize] - last[got[same] as usize]).abs();
+        row = row.with_note(format!(
+            "at token {same} HF chose {} and kpt {}, whose fp32 logits differ by {margin:.1e} \
+             (bf16 keeps 8 bits of mantissa)",
+            want[same], got[same]
+        ));
+    }
+    report.rows.push(row);
+    progress.finish_and_clear();
+    write_report(&report, &args.out)
+}
+
+fn write_report(report: &Report, out: &Path) -> Result<()> {
+    let written = report.write(out)?;
+    println!("{}", report.to_markdown());
+    for p in written {
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
