@@ -228,7 +228,7 @@ fn demo_row(pb: &ProgressBar) -> Result<Row> {
         levels: vec![OptLevel::Conservative, OptLevel::Balanced],
         ..DemoOptions::default()
     };
-    let rows = run_demo(&rt, &opts, |m| pb.set_message(format!("demo: {m}")))?;
+    let rows = run_demo(&rt, &opts, |m| pb.set_message(format!("demo: {m}")))?.rows;
     let ms = |level: OptLevel| {
         rows.iter()
             .find(|r| r.level == level.to_string())

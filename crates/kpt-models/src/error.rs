@@ -17,6 +17,15 @@ pub enum ModelError {
         #[source]
         source: std::io::Error,
     },
+    /// The path given as a checkpoint directory is missing, not a directory, or has no
+    /// `config.json`.
+    #[error("{}: {reason}", path.display())]
+    NotACheckpoint {
+        /// The path.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A JSON file is not valid JSON or not of the expected form.
     #[error("{}: invalid JSON: {message}", path.display())]
     Json {
@@ -98,6 +107,20 @@ pub enum ModelError {
         /// What failed.
         message: String,
     },
+    /// A sampling parameter is out of its range (e.g. `top_p` outside `(0, 1]`, a
+    /// negative temperature).
+    #[error("invalid sampling parameter `{parameter}`: {message}")]
+    InvalidSampling {
+        /// The parameter.
+        parameter: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
+    /// A generation request that cannot run (no prompt, an empty prompt, a token
+    /// outside the vocabulary, more positions than the model has) or logits that
+    /// cannot be sampled (NaN).
+    #[error("generation: {0}")]
+    Generation(String),
     /// `rope_scaling` names a rotary scaling type that kpt does not implement.
     #[error(
         "{}: unsupported rope_scaling type `{rope_type}`; supported: default, linear, dynamic, llama3, yarn",

@@ -29,6 +29,7 @@
 pub mod bert;
 pub mod config;
 pub mod error;
+pub mod generate;
 pub mod gpt2;
 pub mod llama;
 pub mod lower;
@@ -59,6 +60,34 @@ impl Model {
     /// Whether it generates text (a decoder with a KV cache) rather than embeddings.
     pub fn is_decoder(&self) -> bool {
         !matches!(self, Model::Bert(_))
+    }
+
+    /// The compute dtype of its parameters and activations (chosen at load time).
+    pub fn dtype(&self) -> kpt_core::DType {
+        match self {
+            Model::Llama(m) => m.dtype,
+            Model::Gpt2(m) => m.dtype,
+            Model::Bert(m) => m.dtype,
+        }
+    }
+
+    /// Vocabulary size (rows of the logits).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Model::Llama(m) => m.config.vocab_size,
+            Model::Gpt2(m) => m.config.vocab_size,
+            Model::Bert(m) => m.config.vocab_size,
+        }
+    }
+
+    /// The number of positions of a learned position table (GPT-2, BERT); `None` for
+    /// rotary models, whose positions have no hard limit.
+    pub fn max_positions(&self) -> Option<usize> {
+        match self {
+            Model::Llama(_) => None,
+            Model::Gpt2(m) => Some(m.config.n_positions),
+            Model::Bert(m) => Some(m.config.max_position_embeddings),
+        }
     }
 
     /// The decoder graph of `phase` (see [`llama::Llama::graph`]); for BERT, the
@@ -99,9 +128,30 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Reads `dir/config.json` and maps the safetensors of `dir`.
+    /// Reads `dir/config.json` and maps the safetensors of `dir`. A path that does not
+    /// exist, is not a directory or has no `config.json` is
+    /// [`ModelError::NotACheckpoint`].
     pub fn open(dir: &Path) -> Result<Self> {
         let _span = tracing::info_span!("load_checkpoint", dir = %dir.display()).entered();
+        let not = |reason: &str| ModelError::NotACheckpoint {
+            path: dir.to_path_buf(),
+            reason: reason.to_string(),
+        };
+        if !dir.exists() {
+            return Err(not("no such model directory"));
+        }
+        if !dir.is_dir() {
+            return Err(not(
+                "not a directory (a checkpoint is a directory with config.json, \
+                 *.safetensors and tokenizer.json)",
+            ));
+        }
+        if !dir.join(CONFIG_FILE).is_file() {
+            return Err(not(
+                "not a checkpoint directory: it has no config.json (a Hugging Face model \
+                 directory holds config.json, model.safetensors and tokenizer.json)",
+            ));
+        }
         let config = ModelConfig::from_file(&dir.join(CONFIG_FILE))?;
         let weights = Weights::open(dir)?;
         Ok(Self {

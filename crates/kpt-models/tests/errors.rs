@@ -61,10 +61,22 @@ fn unknown_model_type_names_it() {
 }
 
 #[test]
-fn missing_config_is_an_io_error_naming_the_file() {
+fn missing_config_is_an_error_naming_the_file() {
     let dir = tempfile::tempdir().unwrap();
-    let msg = Checkpoint::open(dir.path()).unwrap_err().to_string();
-    assert!(msg.contains("config.json"), "{msg}");
+    let err = Checkpoint::open(dir.path()).unwrap_err();
+    assert!(matches!(err, ModelError::NotACheckpoint { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("no config.json"), "{msg}");
+    let missing = dir.path().join("absent");
+    let msg = Checkpoint::open(&missing).unwrap_err().to_string();
+    assert!(
+        msg.contains("absent") && msg.contains("no such model directory"),
+        "{msg}"
+    );
+    let file = dir.path().join("file");
+    std::fs::write(&file, "x").unwrap();
+    let msg = Checkpoint::open(&file).unwrap_err().to_string();
+    assert!(msg.contains("not a directory"), "{msg}");
     std::fs::write(dir.path().join("config.json"), config().to_string()).unwrap();
     let msg = Checkpoint::open(dir.path()).unwrap_err().to_string();
     assert!(msg.contains("model.safetensors"), "{msg}");

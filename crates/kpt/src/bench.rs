@@ -6,7 +6,6 @@ use kpt_core::graph::{Activation, AttentionParams, Graph, Op, TensorSpec};
 use kpt_core::{DType, OptLevel, Result, Tensor};
 use serde::Serialize;
 
-use crate::demo_model::random_tensor;
 use crate::Runtime;
 
 /// One op benchmark case.
@@ -52,6 +51,16 @@ fn single_op(op: Op, inputs: &[(&str, Tensor, bool)]) -> Result<(Graph, Vec<Tens
     let y = g.op("op", op, &ids)?;
     g.output(y)?;
     Ok((g, run_inputs))
+}
+
+/// Deterministic values uniform in `±sqrt(3/fan_in)` (unit-variance outputs).
+pub fn random_tensor(shape: &[usize], fan_in: usize, seed: u64) -> Result<Tensor> {
+    let mut rng = kpt_core::rand::SplitMix64::new(seed);
+    let bound = (3.0 / fan_in.max(1) as f64).sqrt();
+    let data: Vec<f32> = (0..shape.iter().product::<usize>())
+        .map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32)
+        .collect();
+    Tensor::from_vec(data, shape)
 }
 
 /// The default cases: linear (decode and prefill, per weight dtype), attention, norms.

@@ -1,23 +1,188 @@
-//! `kpt demo`: a small decoder-only transformer optimized at every level, validated
-//! against the f64 reference, and timed on greedy generation with a KV cache.
+//! `kpt demo`: a small LLaMA-shaped checkpoint, written to disk in the Hugging Face
+//! formats and loaded through kpt-models, optimized at every level, validated against
+//! the f64 reference, and timed on greedy generation with a KV cache.
 
-use std::time::Instant;
+use std::path::{Path, PathBuf};
 
 use kpt_core::exec::Executor;
-use kpt_core::graph::{Graph, OpKind};
-use kpt_core::validate::{run_reference, validate_plan, ValidationReport};
-use kpt_core::{DType, KptError, OptLevel, Result, Tensor};
+use kpt_core::graph::Graph;
+use kpt_core::validate::{validate_plan, ValidationReport};
+use kpt_core::{DType, OptLevel, Tensor};
 use kpt_kernels::CpuReference;
+use kpt_models::generate::{
+    step_inputs, Generation, Generator, PlanRunner, ReferenceRunner, SamplingParams, StepRunner,
+    StopCondition,
+};
+use kpt_models::synthetic::{write_checkpoint, write_tokenizer, WriteOptions};
+use kpt_models::{ModelError, Phase, Result};
 use serde::Serialize;
 
-use crate::demo_model::{build_graph, DemoConfig, Phase};
+use crate::model::{
+    describe, load, plan_runner, prompt_ids, require_decoder, weight_dtype, SAMPLE_TEXT,
+};
 use crate::Runtime;
+
+/// Sizes of the demo checkpoint (LLaMA layout: RMS norm, rotary, grouped-query
+/// attention, SwiGLU MLP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DemoConfig {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Hidden size.
+    pub dim: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (GQA).
+    pub kv_heads: usize,
+    /// MLP hidden size (SwiGLU).
+    pub ffn: usize,
+    /// Weight seed.
+    pub seed: u64,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        Self {
+            vocab: 1024,
+            dim: 512,
+            layers: 4,
+            heads: 8,
+            kv_heads: 2,
+            ffn: 1376,
+            seed: 42,
+        }
+    }
+}
+
+impl DemoConfig {
+    /// Width of the key/value projections.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.dim / self.heads.max(1)
+    }
+
+    /// Number of weights.
+    pub fn num_params(&self) -> usize {
+        let attn = self.dim * self.dim * 2 + self.dim * self.kv_dim() * 2;
+        let mlp = 3 * self.dim * self.ffn;
+        self.vocab * self.dim * 2 + self.layers * (attn + mlp + 2 * self.dim) + self.dim
+    }
+
+    /// The checkpoint's `config.json`: a LLaMA model with untied embeddings, `<s>` (0)
+    /// as BOS and `</s>` (1) as EOS.
+    pub fn config_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": self.vocab,
+            "hidden_size": self.dim,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 2048,
+            "tie_word_embeddings": false,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "torch_dtype": "float32"
+        })
+    }
+}
+
+/// The demo checkpoint of `cfg` in `root`: written once into a directory named after
+/// the sizes and seed (config.json, model.safetensors with deterministic random f32
+/// weights, a byte-level BPE tokenizer.json), reused afterwards. The files are written
+/// into a temporary directory and renamed, so concurrent runs never see half a
+/// checkpoint.
+pub fn demo_checkpoint(root: &Path, cfg: &DemoConfig) -> Result<PathBuf> {
+    let name = format!(
+        "kpt-demo-v1-v{}-d{}-l{}-h{}-kv{}-f{}-s{}",
+        cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.seed
+    );
+    let dir = root.join(name);
+    let complete = |d: &Path| {
+        ["config.json", "model.safetensors", "tokenizer.json"]
+            .iter()
+            .all(|f| d.join(f).is_file())
+    };
+    if complete(&dir) {
+        return Ok(dir);
+    }
+    let io = |path: &Path, e: std::io::Error| ModelError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    };
+    std::fs::create_dir_all(root).map_err(|e| io(root, e))?;
+    let tmp = root.join(format!(
+        ".{}.tmp-{}",
+        dir.file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("kpt-demo"),
+        std::process::id()
+    ));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    let written = write_checkpoint(
+        &tmp,
+        &cfg.config_json(),
+        WriteOptions {
+            seed: cfg.seed,
+            dtype: DType::F32,
+            shards: 1,
+        },
+    )
+    .and_then(|_| write_tokenizer(&tmp, cfg.vocab));
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if std::fs::rename(&tmp, &dir).is_err() {
+        // Another process finished first; its copy is identical.
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !complete(&dir) {
+            return Err(ModelError::Io {
+                path: dir.clone(),
+                source: std::io::Error::other("could not place the demo checkpoint"),
+            });
+        }
+    }
+    Ok(dir)
+}
+
+/// Where the demo checkpoint is kept by default: `kpt-demo` (`kpt-demo-$USER` when the
+/// user is known, so that users of one machine do not share it) under the system's
+/// temporary directory.
+pub fn default_demo_root() -> PathBuf {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("USERNAME"))
+        .unwrap_or_default();
+    let user: String = user
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
+        .collect();
+    let name = if user.is_empty() {
+        "kpt-demo".to_string()
+    } else {
+        format!("kpt-demo-{user}")
+    };
+    std::env::temp_dir().join(name)
+}
 
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct DemoOptions {
-    /// Model sizes.
+    /// Sizes of the demo checkpoint (when `model_dir` is not given).
     pub model: DemoConfig,
+    /// A checkpoint directory to run instead of the demo checkpoint.
+    pub model_dir: Option<PathBuf>,
+    /// Where the demo checkpoint is written ([`default_demo_root`] when `None`).
+    pub demo_root: Option<PathBuf>,
     /// Prompt tokens.
     pub prompt_len: usize,
     /// Tokens generated after the prompt.
@@ -30,6 +195,8 @@ impl Default for DemoOptions {
     fn default() -> Self {
         Self {
             model: DemoConfig::default(),
+            model_dir: None,
+            demo_root: None,
             prompt_len: 32,
             new_tokens: 32,
             levels: OptLevel::ALL.to_vec(),
@@ -56,158 +223,146 @@ pub struct DemoRow {
     pub worst_op_ratio: f64,
     /// Largest error of the logits, relative to the largest reference logit.
     pub max_rel_error: f64,
-    /// Generated tokens equal to the f64 reference's greedy tokens.
+    /// Largest absolute error of the logits.
+    pub max_abs_error: f64,
+    /// Generated tokens equal to the f64 reference's greedy tokens, before the first
+    /// difference.
     pub tokens_matching: usize,
     /// Whether validation passed.
     pub passed: bool,
 }
 
-/// Greedy generation with a plan pair; returns the tokens, prefill time and per-step times.
-pub struct Generation {
-    /// Generated token ids.
-    pub tokens: Vec<i64>,
-    /// Prompt time in ms.
-    pub prefill_ms: f64,
-    /// Each decode step in ms.
-    pub step_ms: Vec<f64>,
+/// The result of [`run_demo`].
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoReport {
+    /// The checkpoint directory that ran.
+    pub model_dir: PathBuf,
+    /// Architecture and sizes.
+    pub description: String,
+    /// Number of weights.
+    pub params: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated per level.
+    pub new_tokens: usize,
+    /// The prompt's text.
+    pub prompt: String,
+    /// The reference's greedy continuation.
+    pub reference_text: String,
+    /// One row per level.
+    pub rows: Vec<DemoRow>,
 }
 
-fn argmax_last(logits: &Tensor) -> Result<i64> {
-    let v = logits.to_f64_vec();
-    let vocab = *logits
-        .shape()
-        .last()
-        .ok_or_else(|| KptError::Graph("logits have no dims".into()))?;
-    let last = &v[v.len() - vocab..];
-    let (best, _) = last
-        .iter()
-        .enumerate()
-        .fold((0, f64::NEG_INFINITY), |(bi, bv), (i, &x)| {
-            if x > bv {
-                (i, x)
-            } else {
-                (bi, bv)
-            }
-        });
-    Ok(best as i64)
+fn greedy<R: StepRunner>(g: &mut Generator<R>, prompt: &[u32], n: usize) -> Result<Generation> {
+    g.generate(
+        &[prompt],
+        &SamplingParams::greedy(),
+        &StopCondition::new(n),
+        None,
+        |_| Ok(()),
+    )
 }
 
-fn step_inputs(ids: &[i64], start: usize, cache: &[Tensor]) -> Result<Vec<Tensor>> {
-    let n = ids.len();
-    let mut v = vec![
-        Tensor::from_vec(ids.to_vec(), &[1, n])?,
-        Tensor::from_vec((start..start + n).map(|p| p as i64).collect(), &[n])?,
-    ];
-    v.extend(cache.iter().cloned());
-    Ok(v)
-}
-
-/// Runs `prompt` through `prefill`, then `new_tokens` decode steps; `run` executes one graph.
-pub fn generate(
-    prompt: &[i64],
-    new_tokens: usize,
-    mut run: impl FnMut(Phase, &[Tensor]) -> Result<Vec<Tensor>>,
-) -> Result<Generation> {
-    let t0 = Instant::now();
-    let mut outs = run(Phase::Prefill, &step_inputs(prompt, 0, &[])?)?;
-    let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let mut tokens = Vec::with_capacity(new_tokens);
-    let mut step_ms = Vec::with_capacity(new_tokens);
-    let mut next = argmax_last(&outs[0])?;
-    for i in 0..new_tokens {
-        tokens.push(next);
-        if i + 1 == new_tokens {
-            break;
-        }
-        let t = Instant::now();
-        outs = run(
-            Phase::Decode,
-            &step_inputs(&[next], prompt.len() + i, &outs[1..])?,
-        )?;
-        step_ms.push(t.elapsed().as_secs_f64() * 1e3);
-        next = argmax_last(&outs[0])?;
-    }
-    Ok(Generation {
-        tokens,
-        prefill_ms,
-        step_ms,
-    })
-}
-
-/// The prompt: deterministic token ids.
-pub fn demo_prompt(len: usize, vocab: usize) -> Vec<i64> {
-    (0..len).map(|i| ((i * 7919 + 13) % vocab) as i64).collect()
-}
-
-/// Runs the demo, calling `progress` with a message after each step.
+/// Runs the demo (or, with `opts.model_dir`, the same on any decoder checkpoint),
+/// calling `progress` with a message after each step: the f64 reference's greedy
+/// generation, then per level the optimized plans, their validation (per op and end to
+/// end, prefill and one decode step) and a timed greedy generation.
 pub fn run_demo(
     rt: &Runtime,
     opts: &DemoOptions,
     mut progress: impl FnMut(&str),
-) -> Result<Vec<DemoRow>> {
-    let cfg = &opts.model;
-    let prefill = build_graph(cfg, Phase::Prefill, opts.prompt_len)?;
-    let decode = build_graph(cfg, Phase::Decode, opts.prompt_len)?;
-    let prompt = demo_prompt(opts.prompt_len, cfg.vocab);
-    let graph_of = |p: Phase| -> &Graph {
-        if p == Phase::Prefill {
-            &prefill
-        } else {
-            &decode
+) -> Result<DemoReport> {
+    let dir = match &opts.model_dir {
+        Some(d) => d.clone(),
+        None => {
+            progress("writing the demo checkpoint");
+            let root = opts.demo_root.clone().unwrap_or_else(default_demo_root);
+            demo_checkpoint(&root, &opts.model)?
         }
     };
+    progress("loading the checkpoint");
+    let m = load(&dir)?;
+    require_decoder(&m.model, "demo")?;
+    let prompt = prompt_ids(&m.tokenizer, SAMPLE_TEXT, opts.prompt_len.max(1))?;
+    let ids: Vec<i64> = prompt.iter().map(|&t| i64::from(t)).collect();
+    let new_tokens = opts.new_tokens.max(1);
+    let prefill = m.model.graph(Phase::Prefill, ids.len())?;
+    let decode = m.model.graph(Phase::Decode, ids.len())?;
+
     progress("f64 reference generation");
-    let reference = generate(&prompt, opts.new_tokens, |p, ins| {
-        run_reference(graph_of(p), &CpuReference, ins)
-    })?;
+    let mut reference =
+        Generator::for_model(ReferenceRunner::new(&m.model, &CpuReference)?, &m.model)?;
+    let want = greedy(&mut reference, &prompt, new_tokens)?;
+    let want_tokens = &want.outputs[0].tokens;
+    // The reference cache of the prompt, as the decode plan's validation input.
+    let (_, cache) = reference.runner().prefill(&ids)?;
+    let cache = cache
+        .iter()
+        .map(|t| t.to_dtype(m.model.dtype()))
+        .collect::<kpt_core::Result<Vec<_>>>()?;
+    let pre_inputs = step_inputs(&ids, 0, &[])?;
+    let dec_inputs = step_inputs(&ids[..1], ids.len(), &cache)?;
+
     let mut rows = Vec::new();
     for &level in &opts.levels {
         progress(&format!("{level}: optimizing"));
-        let mut pre = rt.executor(rt.optimize(&prefill, level)?)?;
-        let mut dec = rt.executor(rt.optimize(&decode, level)?)?;
+        let mut runner = plan_runner(rt, &m.model, level, false)?;
         progress(&format!("{level}: validating"));
-        let pre_inputs = step_inputs(&prompt, 0, &[])?;
+        let scale = rt.config().precision.tolerance_scale;
         let report_pre = validate_plan(
-            &mut pre,
+            runner.prefill_executor(),
             &prefill,
             &CpuReference,
             &pre_inputs,
-            rt.config().precision.tolerance_scale,
+            scale,
         )?;
-        let cache = run_reference(&prefill, &CpuReference, &pre_inputs)?
-            .iter()
-            .skip(1)
-            .map(|t| t.to_dtype(DType::F32))
-            .collect::<Result<Vec<_>>>()?;
-        let dec_inputs = step_inputs(&[prompt[0]], prompt.len(), &cache)?;
         let report_dec = validate_plan(
-            &mut dec,
+            runner.decode_executor(),
             &decode,
             &CpuReference,
             &dec_inputs,
-            rt.config().precision.tolerance_scale,
+            scale,
         )?;
         progress(&format!("{level}: generating"));
-        let gen = generate(&prompt, opts.new_tokens, |p, ins| match p {
-            Phase::Prefill => pre.run(ins),
-            Phase::Decode => dec.run(ins),
-        })?;
-        let matching = gen
+        let mut g = Generator::for_model(runner, &m.model)?;
+        let got = greedy(&mut g, &prompt, new_tokens)?;
+        let matching = got.outputs[0]
             .tokens
             .iter()
-            .zip(&reference.tokens)
+            .zip(want_tokens)
             .take_while(|(a, b)| a == b)
             .count();
+        let mut runner: PlanRunner = g.into_runner();
         rows.push(row(
             level,
-            &pre,
+            runner.prefill_executor(),
             &prefill,
             [&report_pre, &report_dec],
-            &gen,
+            &got,
             matching,
         ));
     }
-    Ok(rows)
+    Ok(DemoReport {
+        description: describe(&m.config),
+        params: count_params(&prefill),
+        prompt_tokens: prompt.len(),
+        new_tokens,
+        prompt: m.tokenizer.decode(&prompt, true)?,
+        reference_text: m.tokenizer.decode(want_tokens, true)?,
+        model_dir: dir,
+        rows,
+    })
+}
+
+/// Number of weights of a graph.
+fn count_params(g: &Graph) -> usize {
+    g.values()
+        .iter()
+        .filter_map(|v| match &v.source {
+            kpt_core::graph::ValueSource::Param(t) => Some(t.numel()),
+            _ => None,
+        })
+        .sum()
 }
 
 fn row(
@@ -219,13 +374,6 @@ fn row(
     matching: usize,
 ) -> DemoRow {
     let graph = &exec.plan().graph;
-    let weights = graph
-        .nodes()
-        .iter()
-        .filter(|n| matches!(n.op.kind(), OpKind::Linear | OpKind::LinearAct))
-        .filter_map(|n| graph.spec(n.inputs[1]).ok().map(|s| s.dtype))
-        .min_by_key(|d| d.size_in_bytes())
-        .unwrap_or(DType::F32);
     let worst_op_ratio = reports
         .iter()
         .flat_map(|r| &r.ops)
@@ -233,19 +381,33 @@ fn row(
         .fold(0.0, f64::max);
     DemoRow {
         level: level.to_string(),
-        weights: weights.to_string(),
+        weights: weight_dtype(graph).to_string(),
         nodes: (original.nodes().len(), graph.nodes().len()),
         weight_bytes: graph.param_bytes(),
-        prefill_ms: gen.prefill_ms,
-        ms_per_token: kpt_monitor::median(&gen.step_ms).unwrap_or(0.0),
+        prefill_ms: gen.stats.prefill_ms,
+        ms_per_token: kpt_monitor::median(&gen.stats.decode_ms).unwrap_or(0.0),
         worst_op_ratio,
         max_rel_error: reports
             .iter()
             .map(|r| r.max_output_rel_error())
             .fold(0.0, f64::max),
+        max_abs_error: reports
+            .iter()
+            .filter_map(|r| r.outputs.first())
+            .map(|o| o.error.max_abs)
+            .fold(0.0, f64::max),
         tokens_matching: matching,
         passed: reports.iter().all(|r| r.passed()),
     }
+}
+
+/// The prefill inputs (ids, positions) of the demo prompt cut to `len` tokens.
+pub fn prompt_inputs(tokenizer: &kpt_models::Tokenizer, len: usize) -> Result<Vec<Tensor>> {
+    let ids: Vec<i64> = prompt_ids(tokenizer, SAMPLE_TEXT, len)?
+        .into_iter()
+        .map(i64::from)
+        .collect();
+    step_inputs(&ids, 0, &[])
 }
 
 #[cfg(test)]
@@ -254,10 +416,11 @@ mod tests {
 
     #[test]
     fn tiny_demo_runs_and_validates() {
+        let root = tempfile::tempdir().unwrap();
         let rt = Runtime::new(kpt_core::KptConfig::default()).unwrap();
         let opts = DemoOptions {
             model: DemoConfig {
-                vocab: 96,
+                vocab: 300,
                 dim: 64,
                 layers: 2,
                 heads: 4,
@@ -265,13 +428,19 @@ mod tests {
                 ffn: 96,
                 seed: 3,
             },
+            demo_root: Some(root.path().to_path_buf()),
             prompt_len: 5,
             new_tokens: 4,
-            levels: OptLevel::ALL.to_vec(),
+            ..DemoOptions::default()
         };
-        let rows = run_demo(&rt, &opts, |_| {}).unwrap();
+        let report = run_demo(&rt, &opts, |_| {}).unwrap();
+        assert!(report.model_dir.join("model.safetensors").is_file());
+        assert!(report.description.starts_with("llama decoder, 2 layers"));
+        assert_eq!(report.params, opts.model.num_params());
+        assert_eq!(report.prompt_tokens, 5);
+        let rows = &report.rows;
         assert_eq!(rows.len(), 3);
-        for r in &rows {
+        for r in rows {
             assert!(r.passed, "{r:?}");
             assert!(r.nodes.1 < r.nodes.0, "fusion removed no node: {r:?}");
         }
@@ -286,5 +455,20 @@ mod tests {
             rows[2].weight_bytes < rows[1].weight_bytes
                 && rows[1].weight_bytes < rows[0].weight_bytes
         );
+        // The checkpoint is reused, and `model_dir` runs the same checkpoint.
+        let again = demo_checkpoint(root.path(), &opts.model).unwrap();
+        assert_eq!(again, report.model_dir);
+        let by_dir = run_demo(
+            &rt,
+            &DemoOptions {
+                model_dir: Some(again),
+                levels: vec![OptLevel::Conservative],
+                ..opts.clone()
+            },
+            |_| {},
+        )
+        .unwrap();
+        assert_eq!(by_dir.rows[0].tokens_matching, 4);
+        assert_eq!(by_dir.reference_text, report.reference_text);
     }
 }

@@ -23,7 +23,7 @@
 
 pub mod bench;
 pub mod demo;
-pub mod demo_model;
+pub mod model;
 pub mod table;
 
 use std::sync::Arc;
@@ -31,6 +31,7 @@ use std::sync::Arc;
 pub use kpt_core as core;
 pub use kpt_core::{KptConfig, KptError, OptLevel, Result};
 pub use kpt_kernels as kernels;
+pub use kpt_models as models;
 #[cfg(feature = "cuda")]
 pub use kpt_nvidia as nvidia;
 

@@ -11,9 +11,13 @@ use kpt::core::config::BackendChoice;
 use kpt::core::graph::{AttentionParams, Op, OpKind, TensorSpec};
 use kpt::core::validate::validate_plan;
 use kpt::core::{DType, KptConfig, OptLevel};
-use kpt::demo::{demo_prompt, run_demo, DemoOptions};
-use kpt::demo_model::{build_graph, Phase};
+use kpt::demo::{
+    default_demo_root, demo_checkpoint, prompt_inputs, run_demo, DemoConfig, DemoOptions,
+};
 use kpt::kernels::CpuReference;
+use kpt::model::{bench_model, plan_runner, require_decoder, ModelBenchOptions};
+use kpt::models::generate::{Generator, SamplingParams, StopCondition};
+use kpt::models::{ModelError, Phase};
 use kpt::table::Table;
 use kpt::Runtime;
 
@@ -63,14 +67,42 @@ enum Command {
         #[arg(long)]
         explain: bool,
     },
-    /// Optimize the demo model and validate every op against the f64 reference.
+    /// Optimize a model (the demo checkpoint, or --model) and validate every op against
+    /// the f64 reference; then compare every level's logits and greedy tokens with the
+    /// unoptimized fp32 model.
     Validate {
+        /// Optimization level of the per-op table (default: precision.level of the config).
+        #[arg(long)]
+        level: Option<OptLevel>,
+        /// Checkpoint directory (config.json, safetensors, tokenizer.json) of a decoder.
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// Greedy tokens compared per level.
+        #[arg(long, default_value_t = 16)]
+        tokens: usize,
+    },
+    /// Generate text with a checkpoint, streaming it as it comes.
+    Run(RunArgs),
+    /// Sentence embeddings (mean pooling) of texts with a BERT checkpoint.
+    Embed {
+        /// Checkpoint directory of a BERT encoder.
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// A text to embed (repeatable; several run in one packed pass).
+        #[arg(long, required = true)]
+        text: Vec<String>,
         /// Optimization level (default: precision.level of the config).
         #[arg(long)]
         level: Option<OptLevel>,
+        /// Print JSON (every value) instead of a summary table.
+        #[arg(long)]
+        json: bool,
     },
-    /// Benchmark single ops through the full stack.
+    /// Benchmark single ops through the full stack, or a model (`kpt bench model`).
+    #[command(args_conflicts_with_subcommands = true)]
     Bench {
+        #[command(subcommand)]
+        target: Option<BenchTarget>,
         /// Small sizes (seconds instead of a minute).
         #[arg(long)]
         quick: bool,
@@ -84,8 +116,12 @@ enum Command {
         #[arg(long)]
         profile: bool,
     },
-    /// Build a small transformer, optimize it at every level, validate and time it.
+    /// Write a small LLaMA-shaped checkpoint (or take --model), optimize it at every
+    /// level, validate and time it.
     Demo {
+        /// Run this checkpoint directory instead of the demo checkpoint.
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
         /// Tokens generated after the prompt.
         #[arg(long, default_value_t = 32)]
         tokens: usize,
@@ -98,6 +134,65 @@ enum Command {
         /// Only these levels (repeatable; default: all three).
         #[arg(long = "level", value_enum)]
         levels: Vec<OptLevel>,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Checkpoint directory (config.json, safetensors, tokenizer.json) of a decoder.
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    /// Prompt text (repeatable: several prompts run as one batch).
+    #[arg(long, required = true)]
+    prompt: Vec<String>,
+    /// Most tokens generated per prompt.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Sample among the k most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Sample among the most likely tokens whose probability reaches p, in (0, 1].
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when the generated text contains this (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Keep generating past the end-of-sequence token.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Optimization level (default: precision.level of the config).
+    #[arg(long)]
+    level: Option<OptLevel>,
+}
+
+#[derive(Subcommand)]
+enum BenchTarget {
+    /// Prefill and decode speed of a checkpoint at each level.
+    Model {
+        /// Checkpoint directory of a decoder.
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// Prompt length in tokens.
+        #[arg(long, default_value_t = 32)]
+        prompt_tokens: usize,
+        /// Tokens generated per level (decode steps + 1).
+        #[arg(long, default_value_t = 32)]
+        tokens: usize,
+        /// Timed prefills per level.
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+        /// Only these levels (repeatable; default: all three).
+        #[arg(long = "level", value_enum)]
+        levels: Vec<OptLevel>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -137,7 +232,11 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // A model error's message already names its cause (file, field, tensor).
+            match e.downcast_ref::<ModelError>() {
+                Some(m) => eprintln!("error: {m}"),
+                None => eprintln!("error: {e:#}"),
+            }
             ExitCode::FAILURE
         }
     }
@@ -202,8 +301,52 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Kernels { op, explain } => {
             kernels(load_config(config_path, device)?, op.as_deref(), explain)
         }
-        Command::Validate { level } => validate(load_config(config_path, device)?, level),
+        Command::Validate {
+            level,
+            model,
+            tokens,
+        } => validate(load_config(config_path, device)?, level, model, tokens),
+        Command::Run(args) => run_model(load_config(config_path, device)?, args),
+        Command::Embed {
+            model,
+            text,
+            level,
+            json,
+        } => embed(
+            load_config(config_path, device)?,
+            &model,
+            &text,
+            level,
+            json,
+        ),
         Command::Bench {
+            target:
+                Some(BenchTarget::Model {
+                    model,
+                    prompt_tokens,
+                    tokens,
+                    iters,
+                    levels,
+                    json,
+                }),
+            ..
+        } => bench_model_cmd(
+            load_config(config_path, device)?,
+            &model,
+            ModelBenchOptions {
+                levels: if levels.is_empty() {
+                    OptLevel::ALL.to_vec()
+                } else {
+                    levels
+                },
+                prompt_tokens,
+                new_tokens: tokens,
+                iters,
+            },
+            json,
+        ),
+        Command::Bench {
+            target: None,
             quick,
             iters,
             json,
@@ -216,12 +359,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             profile,
         ),
         Command::Demo {
+            model,
             tokens,
             json,
             profile,
             levels,
         } => demo(
             load_config(config_path, device)?,
+            model,
             tokens,
             json,
             profile,
@@ -460,19 +605,44 @@ fn kernels(cfg: KptConfig, op: Option<&str>, explain: bool) -> anyhow::Result<()
     Ok(())
 }
 
-fn validate(cfg: KptConfig, level: Option<OptLevel>) -> anyhow::Result<()> {
+fn validate(
+    cfg: KptConfig,
+    level: Option<OptLevel>,
+    model: Option<PathBuf>,
+    tokens: usize,
+) -> anyhow::Result<()> {
     let level = level.unwrap_or(cfg.precision.level);
     let scale = cfg.precision.tolerance_scale;
     let rt = runtime(cfg)?;
-    let model = kpt::demo_model::DemoConfig::default();
-    let graph = build_graph(&model, Phase::Prefill, 16)?;
+    let pb = spinner(6);
+    pb.set_message("loading the checkpoint");
+    let dir = match model {
+        Some(dir) => dir,
+        None => demo_checkpoint(&default_demo_root(), &DemoConfig::default())?,
+    };
+    let m = kpt::model::load(&dir)?;
+    require_decoder(&m.model, "validate")?;
+    let prompt_len = 16;
+    let graph = m.model.graph(Phase::Prefill, prompt_len)?;
+    pb.set_message(format!("{level}: optimizing"));
     let mut exec = rt.executor(rt.optimize(&graph, level)?)?;
-    let prompt = demo_prompt(16, model.vocab);
-    let inputs = vec![
-        kpt::core::Tensor::from_vec(prompt, &[1, 16])?,
-        kpt::core::Tensor::from_vec((0..16i64).collect(), &[16])?,
-    ];
+    let inputs = prompt_inputs(&m.tokenizer, prompt_len)?;
+    pb.set_message(format!("{level}: validating every op"));
     let report = validate_plan(&mut exec, &graph, &CpuReference, &inputs, scale)?;
+    let compared = run_demo(
+        &rt,
+        &DemoOptions {
+            model_dir: Some(dir),
+            prompt_len,
+            new_tokens: tokens.max(1),
+            ..DemoOptions::default()
+        },
+        |msg| {
+            pb.set_message(msg.to_string());
+            pb.inc(1);
+        },
+    )?;
+    pb.finish_and_clear();
     let mut t = Table::new([
         "node",
         "op",
@@ -495,6 +665,7 @@ fn validate(cfg: KptConfig, level: Option<OptLevel>) -> anyhow::Result<()> {
             if o.error.within { "yes" } else { "NO" }.to_string(),
         ]);
     }
+    println!("{}: {}", compared.model_dir.display(), compared.description);
     println!("{t}");
     for o in &report.outputs {
         println!(
@@ -506,11 +677,219 @@ fn validate(cfg: KptConfig, level: Option<OptLevel>) -> anyhow::Result<()> {
             if o.error.within { "ok" } else { "FAILED" }
         );
     }
+    println!(
+        "\nevery level against the unoptimized fp32 model (f64 reference ops), prompt of {} tokens:",
+        compared.prompt_tokens
+    );
+    let mut c = Table::new([
+        "level",
+        "weights",
+        "logits max abs",
+        "logits max rel",
+        "= greedy tokens",
+        "worst op/tol",
+        "valid",
+    ]);
+    for r in &compared.rows {
+        c.row([
+            r.level.clone(),
+            r.weights.clone(),
+            format!("{:.2e}", r.max_abs_error),
+            format!("{:.2e}", r.max_rel_error),
+            format!("{}/{}", r.tokens_matching, compared.new_tokens),
+            format!("{:.2}", r.worst_op_ratio),
+            if r.passed { "yes" } else { "NO" }.to_string(),
+        ]);
+    }
+    println!("{c}");
     report.into_result()?;
+    if let Some(bad) = compared.rows.iter().find(|r| !r.passed) {
+        anyhow::bail!("level {} failed validation", bad.level);
+    }
     println!(
         "level {level}: all {} ops within tolerance",
         exec.plan().graph.nodes().len()
     );
+    Ok(())
+}
+
+/// Writes `text` to stdout at once (streaming), as a typed error when stdout is gone.
+fn emit(text: &str) -> Result<(), ModelError> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| ModelError::Io {
+            path: PathBuf::from("<stdout>"),
+            source: e,
+        })
+}
+
+fn run_model(cfg: KptConfig, args: RunArgs) -> anyhow::Result<()> {
+    let level = args.level.unwrap_or(cfg.precision.level);
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    sampling.validate()?;
+    let rt = runtime(cfg)?;
+    let pb = spinner(2);
+    pb.set_message(format!("loading {}", args.model.display()));
+    let m = kpt::model::load(&args.model)?;
+    require_decoder(&m.model, "run")?;
+    let prompts = args
+        .prompt
+        .iter()
+        .map(|p| m.tokenizer.encode(p, true))
+        .collect::<Result<Vec<_>, _>>()?;
+    pb.inc(1);
+    pb.set_message(format!("optimizing at {level}"));
+    let runner = plan_runner(&rt, &m.model, level, prompts.len() > 1)?;
+    pb.finish_and_clear();
+    let eos: &[u32] = if args.ignore_eos {
+        &[]
+    } else {
+        &m.tokenizer.special_tokens().eos
+    };
+    let stop = StopCondition::new(args.max_tokens)
+        .with_eos(eos)
+        .with_stop_strings(args.stop.iter().cloned());
+    let mut g = Generator::for_model(runner, &m.model)?;
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let single = refs.len() == 1;
+    let mut stream = m.tokenizer.stream(true);
+    let gen = g.generate(&refs, &sampling, &stop, Some(&m.tokenizer), |e| {
+        if single {
+            if let Some(piece) = stream.step(e.token)? {
+                emit(&piece)?;
+            }
+        }
+        Ok(())
+    })?;
+    if single {
+        emit("\n")?;
+    } else {
+        for (i, o) in gen.outputs.iter().enumerate() {
+            emit(&format!(
+                "[{i}] {}{}\n",
+                args.prompt[i],
+                m.tokenizer.decode(&o.tokens, true)?
+            ))?;
+        }
+    }
+    let s = &gen.stats;
+    let stops: Vec<String> = gen.outputs.iter().map(|o| o.stop.to_string()).collect();
+    eprintln!(
+        "{} prompt tokens, {} generated at {level} on {}: prefill {:.1} ms ({:.0} tokens/s), \
+         decode {:.2} ms/token ({:.1} tokens/s); stopped: {}",
+        s.prompt_tokens,
+        s.generated_tokens,
+        rt.backend()?.name(),
+        s.prefill_ms,
+        s.prefill_tokens_per_second(),
+        kpt_monitor::median(&s.decode_ms).unwrap_or(0.0),
+        s.decode_tokens_per_second(),
+        stops.join(", ")
+    );
+    Ok(())
+}
+
+fn embed(
+    cfg: KptConfig,
+    model: &Path,
+    texts: &[String],
+    level: Option<OptLevel>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let level = level.unwrap_or(cfg.precision.level);
+    let rt = runtime(cfg)?;
+    let m = kpt::model::load(model)?;
+    let vectors = kpt::model::embed(&rt, &m, texts, level)?;
+    if json {
+        let items: Vec<serde_json::Value> = texts
+            .iter()
+            .zip(&vectors)
+            .map(|(t, v)| serde_json::json!({ "text": t, "dim": v.len(), "embedding": v }))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&items)?);
+        return Ok(());
+    }
+    let mut t = Table::new(["text", "dim", "norm", "first values"]);
+    for (text, v) in texts.iter().zip(&vectors) {
+        let short: String = if text.chars().count() > 40 {
+            text.chars().take(37).chain("...".chars()).collect()
+        } else {
+            text.clone()
+        };
+        let norm = v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+        let first: Vec<String> = v.iter().take(4).map(|x| format!("{x:.4}")).collect();
+        t.row([
+            short,
+            v.len().to_string(),
+            format!("{norm:.4}"),
+            format!("[{}, ...]", first.join(", ")),
+        ]);
+    }
+    println!(
+        "{} ({}), level {level}:",
+        m.dir.display(),
+        kpt::model::describe(&m.config)
+    );
+    println!("{t}");
+    Ok(())
+}
+
+fn bench_model_cmd(
+    cfg: KptConfig,
+    model: &Path,
+    opts: ModelBenchOptions,
+    json: bool,
+) -> anyhow::Result<()> {
+    let rt = runtime(cfg)?;
+    let pb = spinner(1 + opts.levels.len() as u64 * (opts.iters.max(1) as u64 + 2));
+    pb.set_message(format!("loading {}", model.display()));
+    let m = kpt::model::load(model)?;
+    pb.inc(1);
+    let rows = bench_model(&rt, &m, &opts, |msg| {
+        pb.set_message(msg.to_string());
+        pb.inc(1);
+    })?;
+    pb.finish_and_clear();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!(
+        "{} ({}) on {}:",
+        m.dir.display(),
+        kpt::model::describe(&m.config),
+        rt.backend()?.name()
+    );
+    let mut t = Table::new([
+        "level",
+        "weights",
+        "prompt",
+        "prefill ms",
+        "prefill tok/s",
+        "tokens",
+        "ms/token",
+        "decode tok/s",
+    ]);
+    for r in &rows {
+        t.row([
+            r.level.clone(),
+            r.weights.clone(),
+            r.prompt_tokens.to_string(),
+            format!("{:.2}", r.prefill_ms),
+            format!("{:.0}", r.prefill_tokens_per_s),
+            r.new_tokens.to_string(),
+            format!("{:.2}", r.decode_ms_per_token),
+            format!("{:.1}", r.decode_tokens_per_s),
+        ]);
+    }
+    println!("{t}");
     Ok(())
 }
 
@@ -595,6 +974,7 @@ fn print_profile(rt: &Runtime) -> anyhow::Result<()> {
 
 fn demo(
     cfg: KptConfig,
+    model: Option<PathBuf>,
     tokens: usize,
     json: bool,
     profile: bool,
@@ -604,40 +984,35 @@ fn demo(
     let profiling = start_profile(&rt, profile)?;
     let mut opts = DemoOptions {
         new_tokens: tokens.max(1),
+        model_dir: model,
         ..DemoOptions::default()
     };
     if !levels.is_empty() {
         opts.levels = levels;
     }
-    let m = &opts.model;
-    if !json {
+    let pb = spinner(3 + 3 * opts.levels.len() as u64);
+    let report = run_demo(&rt, &opts, |msg| {
+        pb.set_message(msg.to_string());
+        pb.inc(1);
+    })?;
+    pb.finish_and_clear();
+    let rows = &report.rows;
+    if json {
+        println!("{}", serde_json::to_string_pretty(rows)?);
+    } else {
         println!(
-            "kpt demo: decoder-only transformer, {} layers, dim {}, {} heads ({} kv), ffn {}, vocab {} ({:.1} M params)",
-            m.layers,
-            m.dim,
-            m.heads,
-            m.kv_heads,
-            m.ffn,
-            m.vocab,
-            m.num_params() as f64 / 1e6
+            "kpt demo: {} ({:.1} M params)\ncheckpoint: {}",
+            report.description,
+            report.params as f64 / 1e6,
+            report.model_dir.display()
         );
         println!(
             "backend: {} ({}); prompt {} tokens, generating {}",
             rt.backend()?.name(),
             rt.backend()?.device().name,
-            opts.prompt_len,
-            opts.new_tokens
+            report.prompt_tokens,
+            report.new_tokens
         );
-    }
-    let pb = spinner(1 + 3 * opts.levels.len() as u64);
-    let rows = run_demo(&rt, &opts, |msg| {
-        pb.set_message(msg.to_string());
-        pb.inc(1);
-    })?;
-    pb.finish_and_clear();
-    if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-    } else {
         let mut t = Table::new([
             "level",
             "weights",
@@ -651,7 +1026,7 @@ fn demo(
             "= ref tokens",
             "valid",
         ]);
-        for r in &rows {
+        for r in rows {
             t.row([
                 r.level.clone(),
                 r.weights.clone(),
@@ -662,7 +1037,7 @@ fn demo(
                 format!("{:.0}", 1e3 / r.ms_per_token.max(1e-9)),
                 format!("{:.1e}", r.max_rel_error),
                 format!("{:.2}", r.worst_op_ratio),
-                format!("{}/{}", r.tokens_matching, opts.new_tokens),
+                format!("{}/{}", r.tokens_matching, report.new_tokens),
                 if r.passed { "yes" } else { "NO" }.to_string(),
             ]);
         }

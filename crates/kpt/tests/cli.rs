@@ -268,7 +268,9 @@ fn usage_errors_exit_non_zero() {
         "{err}"
     );
     let out = ok(&mut kpt(&["--help"]));
-    for cmd in ["detect", "config", "kernels", "validate", "bench", "demo"] {
+    for cmd in [
+        "detect", "config", "kernels", "validate", "bench", "demo", "run", "embed",
+    ] {
         assert!(out.contains(cmd), "{cmd} missing from --help:\n{out}");
     }
 }
@@ -435,4 +437,271 @@ fn bench_profile_lists_every_kernel_that_ran() {
         let calls: u64 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
         assert!(calls >= 2, "{line}");
     }
+}
+
+/// A small checkpoint with a trained tokenizer, written into `dir`.
+fn checkpoint(dir: &Path, config: serde_json::Value) {
+    use kpt_models::synthetic::{write_checkpoint, write_tokenizer, WriteOptions};
+    write_checkpoint(dir, &config, WriteOptions::default()).expect("writes the checkpoint");
+    write_tokenizer(dir, 300).expect("writes the tokenizer");
+}
+
+fn llama_checkpoint(dir: &Path) {
+    checkpoint(
+        dir,
+        serde_json::json!({
+            "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
+            "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "bos_token_id": 0, "eos_token_id": 1
+        }),
+    );
+}
+
+fn bert_checkpoint(dir: &Path) {
+    checkpoint(
+        dir,
+        serde_json::json!({
+            "model_type": "bert", "vocab_size": 300, "hidden_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 48,
+            "max_position_embeddings": 64, "type_vocab_size": 2
+        }),
+    );
+}
+
+#[test]
+fn run_streams_text_and_reports_tokens_per_second() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_checkpoint(dir.path());
+    let model = path_str(dir.path());
+    let args = [
+        "run",
+        "--model",
+        model,
+        "--prompt",
+        "the quick brown fox",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+    ];
+    let o = run(&mut kpt(&args));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(out.ends_with('\n'), "{out:?}");
+    assert!(err.contains("6 generated"), "{err}");
+    assert!(err.contains("tokens/s") && err.contains("prefill"), "{err}");
+    // Greedy is deterministic, and so is sampling with a seed.
+    assert_eq!(ok(&mut kpt(&args)), out);
+    let mut sampled = args.to_vec();
+    sampled.extend([
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+    ]);
+    assert_eq!(ok(&mut kpt(&sampled)), ok(&mut kpt(&sampled)));
+    // Several prompts run as one batch, one completion each.
+    let out = ok(&mut kpt(&[
+        "run",
+        "--model",
+        model,
+        "--prompt",
+        "the cat",
+        "--prompt",
+        "Hello world! Tokens",
+        "--max-tokens",
+        "3",
+        "--level",
+        "conservative",
+    ]));
+    assert!(
+        out.contains("[0] the cat") && out.contains("[1] Hello world! Tokens"),
+        "{out}"
+    );
+}
+
+#[test]
+fn run_rejects_bad_input_with_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_checkpoint(dir.path());
+    let model = path_str(dir.path());
+    let check = |args: &[&str], want: &str| {
+        let o = run(&mut kpt(args));
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
+        assert!(err.contains(want), "{args:?}: expected {want:?} in\n{err}");
+    };
+    check(
+        &["run", "--model", model, "--prompt", "x", "--top-p", "0"],
+        "top_p",
+    );
+    check(
+        &["run", "--model", model, "--prompt", "x", "--top-p", "1.5"],
+        "top_p",
+    );
+    check(
+        &["run", "--model", model, "--prompt", "x", "--temperature=-1"],
+        "temperature",
+    );
+    check(
+        &[
+            "run",
+            "--model",
+            model,
+            "--prompt",
+            "x",
+            "--max-tokens",
+            "0",
+        ],
+        "max_new_tokens",
+    );
+    let missing = dir.path().join("no-such-model");
+    check(
+        &["run", "--model", path_str(&missing), "--prompt", "x"],
+        "no such model directory",
+    );
+    let empty = tempfile::tempdir().unwrap();
+    check(
+        &["run", "--model", path_str(empty.path()), "--prompt", "x"],
+        "no config.json",
+    );
+    check(
+        &["bench", "model", "--model", path_str(empty.path())],
+        "no config.json",
+    );
+    check(
+        &["embed", "--model", path_str(&missing), "--text", "x"],
+        "no such model directory",
+    );
+    std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
+    check(
+        &["run", "--model", model, "--prompt", "x"],
+        "tokenizer.json",
+    );
+    // An encoder cannot generate, a decoder cannot embed.
+    let bert = tempfile::tempdir().unwrap();
+    bert_checkpoint(bert.path());
+    check(
+        &["run", "--model", path_str(bert.path()), "--prompt", "x"],
+        "kpt embed",
+    );
+    llama_checkpoint(dir.path());
+    check(&["embed", "--model", model, "--text", "x"], "kpt run");
+}
+
+#[test]
+fn embed_prints_sentence_embeddings() {
+    let dir = tempfile::tempdir().unwrap();
+    bert_checkpoint(dir.path());
+    let model = path_str(dir.path());
+    let out = ok(&mut kpt(&[
+        "embed",
+        "--model",
+        model,
+        "--text",
+        "the quick brown fox",
+        "--text",
+        "hello",
+        "--json",
+        "--device",
+        "cpu",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let items = v.as_array().expect("one object per text");
+    assert_eq!(items.len(), 2, "{out}");
+    assert_eq!(items[1]["text"], "hello");
+    for item in items {
+        let e = item["embedding"].as_array().expect("an embedding");
+        assert_eq!(e.len(), 32);
+        assert!(
+            e.iter().all(|x| x.as_f64().is_some_and(f64::is_finite)),
+            "{item}"
+        );
+    }
+    assert_ne!(items[0]["embedding"], items[1]["embedding"]);
+    let out = ok(&mut kpt(&["embed", "--model", model, "--text", "hello"]));
+    assert!(out.contains("norm") && out.contains("hello"), "{out}");
+}
+
+#[test]
+fn bench_model_prints_prefill_and_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_checkpoint(dir.path());
+    let model = path_str(dir.path());
+    let base = [
+        "bench",
+        "model",
+        "--model",
+        model,
+        "--prompt-tokens",
+        "8",
+        "--tokens",
+        "4",
+        "--iters",
+        "2",
+        "--device",
+        "cpu",
+    ];
+    let out = ok(&mut kpt(&base));
+    for col in [
+        "level",
+        "prefill ms",
+        "prefill tok/s",
+        "ms/token",
+        "decode tok/s",
+    ] {
+        assert!(out.contains(col), "{col} missing:\n{out}");
+    }
+    for level in ["conservative", "balanced", "aggressive"] {
+        assert!(
+            out.lines().any(|l| l.starts_with(level)),
+            "{level} missing:\n{out}"
+        );
+    }
+    let mut json = base.to_vec();
+    json.extend(["--json", "--level", "balanced"]);
+    let out = ok(&mut kpt(&json));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let rows = v.as_array().expect("one row per level");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["level"], "balanced");
+    assert_eq!(rows[0]["prompt_tokens"], 8);
+    assert!(
+        rows[0]["decode_tokens_per_s"]
+            .as_f64()
+            .is_some_and(|x| x > 0.0),
+        "{out}"
+    );
+}
+
+#[test]
+fn validate_and_demo_take_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_checkpoint(dir.path());
+    let model = path_str(dir.path());
+    let out = ok(&mut kpt(&[
+        "validate", "--model", model, "--tokens", "4", "--device", "cpu",
+    ]));
+    assert!(out.contains("within tolerance"), "{out}");
+    assert!(
+        out.contains("= greedy tokens") && out.contains("logits max abs"),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("conservative") && l.contains("4/4")),
+        "{out}"
+    );
+    let out = ok(&mut kpt(&[
+        "demo", "--model", model, "--tokens", "4", "--device", "cpu",
+    ]));
+    assert!(out.contains("llama decoder, 2 layers"), "{out}");
+    assert!(out.contains("= ref tokens"), "{out}");
 }

@@ -1,0 +1,1227 @@
+//! Text generation: sampling, stop conditions and the prefill/decode loop over a KV
+//! cache, for one prompt or several of different lengths.
+//!
+//! [`Generator`] drives the loop: it checks the request, runs the prompts through one
+//! prefill (several prompts packed without padding through [`crate::Model::graph_packed`]),
+//! then picks each sequence's next token with its [`Sampler`] and runs one decode step
+//! per sequence until a [`StopCondition`] holds, reporting every token as it comes
+//! ([`TokenEvent`]) so that a caller can stream text. Running the graphs and keeping
+//! the KV cache is the job of a [`StepRunner`]: [`PlanRunner`] runs optimized plans
+//! through [`Executor`]s with the cache on the host, [`ReferenceRunner`] runs the f64
+//! reference; a runner that keeps the cache on a device implements the same trait.
+//!
+//! Sampling applies, as Hugging Face's `generate` and vLLM do: temperature (logits
+//! divided by it; 0 is greedy), then top-k (the `k` largest logits), then top-p (the
+//! smallest set of the most likely remaining tokens whose probability reaches `p`), then
+//! one draw from the renormalized distribution with a seeded [`SplitMix64`].
+//!
+//! ```no_run
+//! use kpt_models::generate::{ReferenceRunner, Generator, SamplingParams, StopCondition};
+//! use kpt_models::Checkpoint;
+//!
+//! # fn main() -> kpt_models::Result<()> {
+//! let ckpt = Checkpoint::open(std::path::Path::new("models/tiny-llama"))?;
+//! let model = ckpt.load_model(kpt_core::DType::F32)?;
+//! let tokenizer = ckpt.tokenizer()?;
+//! let prompt = tokenizer.encode("Hello", true)?;
+//! // The f64 reference; an optimized `PlanRunner` takes executors of the same graphs.
+//! let runner = ReferenceRunner::new(&model, &kpt_kernels::CpuReference)?;
+//! let mut generator = Generator::for_model(runner, &model)?;
+//! let stop = StopCondition::new(16).with_eos(&tokenizer.special_tokens().eos);
+//! let mut text = tokenizer.stream(true);
+//! let out = generator.generate(&[&prompt], &SamplingParams::greedy(), &stop, None, |event| {
+//!     if let Some(piece) = text.step(event.token)? {
+//!         print!("{piece}");
+//!     }
+//!     Ok(())
+//! })?;
+//! println!("\n{} tokens, {:.1} tokens/s", out.outputs[0].tokens.len(),
+//!     out.stats.decode_tokens_per_second());
+//! # Ok(())
+//! # }
+//! ```
+
+use std::time::Instant;
+
+use kpt_core::exec::Executor;
+use kpt_core::rand::SplitMix64;
+use kpt_core::validate::{run_reference, ReferenceOps};
+use kpt_core::{Graph, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::lower::{pack_prompts, unpack, Phase};
+use crate::tokenizer::Tokenizer;
+use crate::Model;
+
+/// How the next token is chosen from the logits.
+///
+/// ```
+/// use kpt_models::generate::SamplingParams;
+/// let p = SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, seed: 1 };
+/// p.validate()?;
+/// assert!(SamplingParams { top_p: 1.5, ..p }.validate().is_err());
+/// assert!(SamplingParams::greedy().is_greedy());
+/// # Ok::<(), kpt_models::ModelError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// Divides the logits before the softmax; 0 picks the most likely token (greedy).
+    /// Must be finite and non-negative.
+    pub temperature: f64,
+    /// Keep only the `top_k` most likely tokens; 0 keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`;
+    /// in `(0, 1]`, 1 keeps all.
+    pub top_p: f64,
+    /// Seed of the random draws.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self::greedy()
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding: always the most likely token (the lowest id among ties).
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+
+    /// Whether the temperature is 0, so no random draw happens.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Checks the ranges: temperature finite and `>= 0`, `top_p` in `(0, 1]`.
+    pub fn validate(&self) -> Result<()> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(ModelError::InvalidSampling {
+                parameter: "temperature",
+                message: format!(
+                    "{} (must be a finite number >= 0; 0 is greedy)",
+                    self.temperature
+                ),
+            });
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(ModelError::InvalidSampling {
+                parameter: "top_p",
+                message: format!("{} (must be in (0, 1]; 1 keeps every token)", self.top_p),
+            });
+        }
+        Ok(())
+    }
+
+    /// The distribution a draw is made from: `(token, probability)` pairs, most likely
+    /// first, after temperature, top-k and top-p, renormalized to sum to 1; a single
+    /// token with probability 1 when greedy. Tokens of probability 0 are left out.
+    ///
+    /// ```
+    /// use kpt_models::generate::SamplingParams;
+    /// let p = SamplingParams { temperature: 1.0, top_k: 2, top_p: 1.0, seed: 0 };
+    /// let d = p.distribution(&[0.0, 2.0, 1.0, -1.0])?;
+    /// assert_eq!(d.iter().map(|&(t, _)| t).collect::<Vec<_>>(), [1, 2]);
+    /// assert!((d[0].1 - 1.0 / (1.0 + (-1f64).exp())).abs() < 1e-12);
+    /// # Ok::<(), kpt_models::ModelError>(())
+    /// ```
+    pub fn distribution(&self, logits: &[f64]) -> Result<Vec<(u32, f64)>> {
+        self.validate()?;
+        check_logits(logits)?;
+        if self.is_greedy() {
+            return Ok(vec![(argmax(logits)?, 1.0)]);
+        }
+        let by_logit = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+        if self.top_k > 0 && self.top_k < order.len() {
+            order.select_nth_unstable_by(self.top_k - 1, by_logit);
+            order.truncate(self.top_k);
+        }
+        order.sort_unstable_by(by_logit);
+        let t = self.temperature;
+        let max = logits[order[0] as usize] / t;
+        let mut probs: Vec<f64> = order
+            .iter()
+            .map(|&i| (logits[i as usize] / t - max).exp())
+            .collect();
+        normalize(&mut probs);
+        if self.top_p < 1.0 {
+            // Keep token j while the probability before it is below top_p (HF removes
+            // the tokens whose ascending cumulative probability is <= 1 - top_p).
+            let mut before = 0.0;
+            let mut keep = 0;
+            for &p in &probs {
+                if keep > 0 && before >= self.top_p {
+                    break;
+                }
+                before += p;
+                keep += 1;
+            }
+            probs.truncate(keep);
+            normalize(&mut probs);
+        }
+        Ok(order
+            .into_iter()
+            .zip(probs)
+            .filter(|&(_, p)| p > 0.0)
+            .collect())
+    }
+}
+
+fn normalize(p: &mut [f64]) {
+    let z: f64 = p.iter().sum();
+    for x in p {
+        *x /= z;
+    }
+}
+
+/// Logits must be non-empty, without NaN or `+inf`, and not all `-inf`.
+fn check_logits(logits: &[f64]) -> Result<()> {
+    if logits.is_empty() {
+        return Err(ModelError::Generation("no logits to sample from".into()));
+    }
+    if let Some(i) = logits
+        .iter()
+        .position(|x| x.is_nan() || *x == f64::INFINITY)
+    {
+        return Err(ModelError::Generation(format!(
+            "the model produced a non-finite logit ({} at token {i})",
+            logits[i]
+        )));
+    }
+    if logits.iter().all(|x| *x == f64::NEG_INFINITY) {
+        return Err(ModelError::Generation(
+            "every logit is -inf: no token can be sampled".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The most likely token, the lowest id among ties (as `torch.argmax`).
+///
+/// ```
+/// assert_eq!(kpt_models::generate::argmax(&[0.5, 2.0, 2.0, -1.0])?, 1);
+/// # Ok::<(), kpt_models::ModelError>(())
+/// ```
+pub fn argmax(logits: &[f64]) -> Result<u32> {
+    check_logits(logits)?;
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    Ok(best as u32)
+}
+
+/// Draws tokens from logits with [`SamplingParams`] and a seeded random stream: the
+/// same seed and logits give the same tokens.
+///
+/// ```
+/// use kpt_models::generate::{Sampler, SamplingParams};
+/// let params = SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.9, seed: 7 };
+/// let logits = [1.0, 3.0, 0.5, 2.5];
+/// let mut a = Sampler::new(params)?;
+/// let mut b = Sampler::new(params)?;
+/// for _ in 0..10 {
+///     assert_eq!(a.sample(&logits)?, b.sample(&logits)?);
+/// }
+/// # Ok::<(), kpt_models::ModelError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: SplitMix64,
+}
+
+impl Sampler {
+    /// A sampler whose random stream starts at `params.seed`; fails on parameters out
+    /// of range.
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        params.validate()?;
+        Ok(Self {
+            params,
+            rng: SplitMix64::new(params.seed),
+        })
+    }
+
+    /// Its parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The next token for `logits` (one per vocabulary entry). Greedy sampling uses no
+    /// random number.
+    pub fn sample(&mut self, logits: &[f64]) -> Result<u32> {
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        let dist = self.params.distribution(logits)?;
+        let u = self.rng.next_f64();
+        let mut cum = 0.0;
+        for &(token, p) in &dist {
+            cum += p;
+            if u < cum {
+                return Ok(token);
+            }
+        }
+        // Rounding left `cum` a hair below 1 and `u` above it: the last kept token.
+        Ok(dist.last().map_or(0, |&(t, _)| t))
+    }
+}
+
+/// When a sequence stops: after `max_new_tokens`, on an end-of-sequence id (which is
+/// kept as the last token), or when the decoded text contains a stop string.
+///
+/// ```
+/// use kpt_models::generate::StopCondition;
+/// let stop = StopCondition::new(32).with_eos(&[2]).with_stop_strings(["\n\n"]);
+/// assert_eq!(stop.max_new_tokens, 32);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StopCondition {
+    /// Most tokens generated per sequence (at least 1).
+    pub max_new_tokens: usize,
+    /// End-of-sequence ids (the tokenizer's or config's, see
+    /// [`Tokenizer::special_tokens`]).
+    pub eos: Vec<u32>,
+    /// Texts that end a sequence once its generated text contains one; checking them
+    /// needs the tokenizer.
+    pub stop_strings: Vec<String>,
+}
+
+impl StopCondition {
+    /// Stops after `max_new_tokens` only.
+    pub fn new(max_new_tokens: usize) -> Self {
+        Self {
+            max_new_tokens,
+            eos: Vec::new(),
+            stop_strings: Vec::new(),
+        }
+    }
+
+    /// Also stops on these end-of-sequence ids.
+    pub fn with_eos(mut self, eos: &[u32]) -> Self {
+        self.eos.extend_from_slice(eos);
+        self
+    }
+
+    /// Also stops when the generated text contains one of `strings`.
+    pub fn with_stop_strings<S: Into<String>>(
+        mut self,
+        strings: impl IntoIterator<Item = S>,
+    ) -> Self {
+        self.stop_strings
+            .extend(strings.into_iter().map(Into::into));
+        self
+    }
+}
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// It generated this end-of-sequence id.
+    Eos(u32),
+    /// Its text contains this stop string.
+    StopString(String),
+    /// It reached `max_new_tokens`.
+    MaxTokens,
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StopReason::Eos(id) => write!(f, "end of sequence (token {id})"),
+            StopReason::StopString(s) => write!(f, "stop string {s:?}"),
+            StopReason::MaxTokens => write!(f, "max tokens"),
+        }
+    }
+}
+
+/// One generated token, reported as soon as it is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenEvent {
+    /// Which prompt it continues (index into the request's prompts).
+    pub sequence: usize,
+    /// Its index among that sequence's generated tokens.
+    pub index: usize,
+    /// The token id.
+    pub token: u32,
+}
+
+/// The tokens generated for one prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SequenceOutput {
+    /// Generated ids (the prompt not included; an end-of-sequence id that stopped it
+    /// included).
+    pub tokens: Vec<u32>,
+    /// Why it stopped.
+    pub stop: StopReason,
+}
+
+/// Counts and times of one [`Generator::generate`] call.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationStats {
+    /// Prompt tokens, all prompts together.
+    pub prompt_tokens: usize,
+    /// Generated tokens, all sequences together.
+    pub generated_tokens: usize,
+    /// Time of the prefill (all prompts) in ms.
+    pub prefill_ms: f64,
+    /// Time of each decode step (one token of one sequence) in ms.
+    pub decode_ms: Vec<f64>,
+}
+
+impl GenerationStats {
+    /// Decode steps per second (0 when no decode step ran).
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        let total: f64 = self.decode_ms.iter().sum();
+        if total > 0.0 {
+            self.decode_ms.len() as f64 / (total / 1e3)
+        } else {
+            0.0
+        }
+    }
+
+    /// Prompt tokens per second of the prefill.
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        if self.prefill_ms > 0.0 {
+            self.prompt_tokens as f64 / (self.prefill_ms / 1e3)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The result of [`Generator::generate`]: one output per prompt, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// Per prompt.
+    pub outputs: Vec<SequenceOutput>,
+    /// Counts and times.
+    pub stats: GenerationStats,
+}
+
+/// Runs a decoder's graphs and keeps each sequence's KV cache: the one place where
+/// generation touches executors, so that where the cache lives (host tensors for
+/// [`PlanRunner`], device buffers for a device-resident runner) is this trait's
+/// implementor's business alone.
+pub trait StepRunner {
+    /// One sequence's keys and values of every layer.
+    type Cache;
+
+    /// Runs the prefill of one prompt (positions from 0); returns the logits of its
+    /// last position, `[vocab]`, and its cache.
+    fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Self::Cache)>;
+
+    /// Runs several prompts; returns each one's last logits and cache, in order. The
+    /// default runs them one by one; runners with a packed prefill graph run them in
+    /// one pass without padding.
+    fn prefill_many(&mut self, prompts: &[&[i64]]) -> Result<Vec<(Vec<f64>, Self::Cache)>> {
+        prompts.iter().map(|p| self.prefill(p)).collect()
+    }
+
+    /// Runs one decode step of `token` at `position` (the cache's length), extending
+    /// `cache`; returns the next logits, `[vocab]`.
+    fn decode(&mut self, cache: &mut Self::Cache, token: i64, position: usize) -> Result<Vec<f64>>;
+}
+
+/// The inputs of a decoder graph (see [`crate::lower::DecoderInputs`]): ids `[1, n]`,
+/// positions `start..start + n`, then the past keys and values.
+pub fn step_inputs(ids: &[i64], start: usize, past: &[Tensor]) -> Result<Vec<Tensor>> {
+    let n = ids.len();
+    let mut v = vec![
+        Tensor::from_vec(ids.to_vec(), &[1, n])?,
+        Tensor::from_vec((start..start + n).map(|p| p as i64).collect(), &[n])?,
+    ];
+    v.extend(past.iter().cloned());
+    Ok(v)
+}
+
+/// The last row of logits `[1, S, vocab]`.
+pub fn last_logits(logits: &Tensor) -> Result<Vec<f64>> {
+    let vocab = match logits.shape() {
+        &[1, s, v] if s > 0 => v,
+        other => {
+            return Err(ModelError::Generation(format!(
+                "logits must be [1, seq, vocab], got {other:?}"
+            )))
+        }
+    };
+    let all = logits.to_f64_vec();
+    Ok(all[all.len() - vocab..].to_vec())
+}
+
+/// Checks a decoder graph's outputs (logits then 2 per layer) and splits them.
+fn split_outputs(mut outs: Vec<Tensor>) -> Result<(Tensor, Vec<Tensor>)> {
+    if outs.is_empty() || outs.len().is_multiple_of(2) {
+        return Err(ModelError::Generation(format!(
+            "a decoder graph returns logits and a key and a value per layer, got {} outputs",
+            outs.len()
+        )));
+    }
+    let cache = outs.split_off(1);
+    let logits = outs
+        .pop()
+        .ok_or_else(|| ModelError::Generation("a decoder graph returned no logits".into()))?;
+    Ok((logits, cache))
+}
+
+/// Cuts packed prefill outputs per prompt: last logits and cache of each.
+fn unpack_outputs(outs: Vec<Tensor>, cu_seqlens: &[i64]) -> Result<Vec<(Vec<f64>, Vec<Tensor>)>> {
+    let (logits, cache) = split_outputs(outs)?;
+    let logits = unpack(&logits, cu_seqlens)?;
+    let caches = cache
+        .iter()
+        .map(|t| unpack(t, cu_seqlens))
+        .collect::<Result<Vec<_>>>()?;
+    logits
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            Ok((
+                last_logits(l)?,
+                caches.iter().map(|c| c[i].clone()).collect(),
+            ))
+        })
+        .collect()
+}
+
+/// Packed prefill inputs and their `cu_seqlens`.
+fn packed_inputs(prompts: &[&[i64]]) -> Result<(Vec<Tensor>, Vec<i64>)> {
+    let inputs = pack_prompts(prompts)?;
+    let cu = inputs[2].as_slice::<i64>()?.to_vec();
+    Ok((inputs, cu))
+}
+
+/// A [`StepRunner`] over optimized plans: one executor for the prefill, one for decode
+/// steps and, optionally, one for packed prefills of several prompts. The cache is a
+/// list of host tensors `[1, len, kv_dim]` (key then value of each layer), passed from
+/// one graph's outputs to the next one's inputs.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use kpt_core::backend::Backend;
+/// use kpt_core::exec::Executor;
+/// use kpt_core::optimize::{auto_optimize, PrecisionPolicy};
+/// use kpt_core::{Graph, OptLevel};
+/// use kpt_kernels::{CpuBackend, KernelRegistry};
+/// use kpt_models::generate::{Generator, PlanRunner, SamplingParams, StopCondition};
+/// use kpt_models::{Checkpoint, Phase};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let ckpt = Checkpoint::open(std::path::Path::new("models/tiny-llama"))?;
+/// let model = ckpt.load_model(kpt_core::DType::F32)?;
+/// let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new()?);
+/// let registry = KernelRegistry::with_builtin();
+/// let plan = |g: &Graph| -> kpt_core::Result<Executor> {
+///     let p = auto_optimize(g, OptLevel::Balanced, &PrecisionPolicy::default(), &registry,
+///         backend.device())?;
+///     Executor::new(p, backend.clone())
+/// };
+/// let runner = PlanRunner::new(plan(&model.graph(Phase::Prefill, 16)?)?,
+///     plan(&model.graph(Phase::Decode, 16)?)?)
+///     .with_packed(plan(&model.graph_packed(32, 2)?)?);
+/// let mut generator = Generator::for_model(runner, &model)?;
+/// let sampling = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 1 };
+/// let out = generator.generate(&[&[0, 5, 9], &[0, 7]], &sampling, &StopCondition::new(8),
+///     None, |_| Ok(()))?;
+/// assert_eq!(out.outputs.len(), 2);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct PlanRunner {
+    prefill: Executor,
+    decode: Executor,
+    packed: Option<Executor>,
+}
+
+impl PlanRunner {
+    /// Runs prompts through `prefill` (a plan of [`Model::graph`] with
+    /// [`Phase::Prefill`]) and tokens through `decode` (of [`Phase::Decode`]).
+    pub fn new(prefill: Executor, decode: Executor) -> Self {
+        Self {
+            prefill,
+            decode,
+            packed: None,
+        }
+    }
+
+    /// Runs several prompts at once through `packed` (a plan of [`Model::graph_packed`]).
+    pub fn with_packed(mut self, packed: Executor) -> Self {
+        self.packed = Some(packed);
+        self
+    }
+
+    /// The prefill executor.
+    pub fn prefill_executor(&mut self) -> &mut Executor {
+        &mut self.prefill
+    }
+
+    /// The decode executor.
+    pub fn decode_executor(&mut self) -> &mut Executor {
+        &mut self.decode
+    }
+
+    /// The packed prefill executor, if there is one.
+    pub fn packed_executor(&mut self) -> Option<&mut Executor> {
+        self.packed.as_mut()
+    }
+}
+
+impl StepRunner for PlanRunner {
+    type Cache = Vec<Tensor>;
+
+    fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<Tensor>)> {
+        let (logits, cache) = split_outputs(self.prefill.run(&step_inputs(prompt, 0, &[])?)?)?;
+        Ok((last_logits(&logits)?, cache))
+    }
+
+    fn prefill_many(&mut self, prompts: &[&[i64]]) -> Result<Vec<(Vec<f64>, Vec<Tensor>)>> {
+        match &mut self.packed {
+            Some(exec) if prompts.len() > 1 => {
+                let (inputs, cu) = packed_inputs(prompts)?;
+                unpack_outputs(exec.run(&inputs)?, &cu)
+            }
+            _ => prompts.iter().map(|p| self.prefill(p)).collect(),
+        }
+    }
+
+    fn decode(&mut self, cache: &mut Vec<Tensor>, token: i64, position: usize) -> Result<Vec<f64>> {
+        let (logits, next) =
+            split_outputs(self.decode.run(&step_inputs(&[token], position, cache)?)?)?;
+        *cache = next;
+        last_logits(&logits)
+    }
+}
+
+/// A [`StepRunner`] that runs a model's graphs on an f64 reference (every op evaluated
+/// by `reference`, no optimization): what optimized plans are compared with.
+pub struct ReferenceRunner<'a> {
+    prefill: Graph,
+    decode: Graph,
+    packed: Graph,
+    reference: &'a dyn ReferenceOps,
+}
+
+impl std::fmt::Debug for ReferenceRunner<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReferenceRunner")
+            .field("prefill_nodes", &self.prefill.nodes().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> ReferenceRunner<'a> {
+    /// Builds the prefill, decode and packed graphs of `model` (a decoder).
+    pub fn new(model: &Model, reference: &'a dyn ReferenceOps) -> Result<Self> {
+        require_decoder(model)?;
+        Ok(Self {
+            prefill: model.graph(Phase::Prefill, 1)?,
+            decode: model.graph(Phase::Decode, 1)?,
+            packed: model.graph_packed(2, 2)?,
+            reference,
+        })
+    }
+}
+
+impl StepRunner for ReferenceRunner<'_> {
+    type Cache = Vec<Tensor>;
+
+    fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<Tensor>)> {
+        let outs = run_reference(&self.prefill, self.reference, &step_inputs(prompt, 0, &[])?)?;
+        let (logits, cache) = split_outputs(outs)?;
+        Ok((last_logits(&logits)?, cache))
+    }
+
+    fn prefill_many(&mut self, prompts: &[&[i64]]) -> Result<Vec<(Vec<f64>, Vec<Tensor>)>> {
+        if prompts.len() < 2 {
+            return prompts.iter().map(|p| self.prefill(p)).collect();
+        }
+        let (inputs, cu) = packed_inputs(prompts)?;
+        unpack_outputs(run_reference(&self.packed, self.reference, &inputs)?, &cu)
+    }
+
+    fn decode(&mut self, cache: &mut Vec<Tensor>, token: i64, position: usize) -> Result<Vec<f64>> {
+        let outs = run_reference(
+            &self.decode,
+            self.reference,
+            &step_inputs(&[token], position, cache)?,
+        )?;
+        let (logits, next) = split_outputs(outs)?;
+        *cache = next;
+        last_logits(&logits)
+    }
+}
+
+fn require_decoder(model: &Model) -> Result<()> {
+    if model.is_decoder() {
+        Ok(())
+    } else {
+        Err(ModelError::Generation(
+            "this model is an encoder (BERT): it makes embeddings, not text".into(),
+        ))
+    }
+}
+
+/// Generates text with a [`StepRunner`]: validation of the request, one prefill for all
+/// prompts, then sampling and decode steps per sequence until each one stops.
+#[derive(Debug)]
+pub struct Generator<R: StepRunner> {
+    runner: R,
+    vocab: usize,
+    max_positions: Option<usize>,
+}
+
+/// The state of one sequence during [`Generator::generate`].
+struct Sequence<C> {
+    cache: C,
+    logits: Vec<f64>,
+    sampler: Sampler,
+    position: usize,
+    tokens: Vec<u32>,
+    stop: Option<StopReason>,
+}
+
+impl<R: StepRunner> Generator<R> {
+    /// A generator for a model of `vocab` tokens without a position limit.
+    pub fn new(runner: R, vocab: usize) -> Self {
+        Self {
+            runner,
+            vocab,
+            max_positions: None,
+        }
+    }
+
+    /// A generator for `model`: its vocabulary and position limit (GPT-2's learned
+    /// position table). An encoder is an error.
+    pub fn for_model(runner: R, model: &Model) -> Result<Self> {
+        require_decoder(model)?;
+        Ok(Self {
+            runner,
+            vocab: model.vocab_size(),
+            max_positions: model.max_positions(),
+        })
+    }
+
+    /// Refuses requests that need positions at or past `max`.
+    pub fn with_max_positions(mut self, max: usize) -> Self {
+        self.max_positions = Some(max);
+        self
+    }
+
+    /// The runner.
+    pub fn runner(&mut self) -> &mut R {
+        &mut self.runner
+    }
+
+    /// Gives the runner back.
+    pub fn into_runner(self) -> R {
+        self.runner
+    }
+
+    fn check(
+        &self,
+        prompts: &[&[u32]],
+        sampling: &SamplingParams,
+        stop: &StopCondition,
+        tokenizer: Option<&Tokenizer>,
+    ) -> Result<()> {
+        sampling.validate()?;
+        if prompts.is_empty() {
+            return Err(ModelError::Generation("no prompt to continue".into()));
+        }
+        if stop.max_new_tokens == 0 {
+            return Err(ModelError::Generation(
+                "max_new_tokens is 0: nothing to generate".into(),
+            ));
+        }
+        if !stop.stop_strings.is_empty() && tokenizer.is_none() {
+            return Err(ModelError::Generation(
+                "stop strings need the tokenizer to decode the generated text".into(),
+            ));
+        }
+        if stop.stop_strings.iter().any(String::is_empty) {
+            return Err(ModelError::Generation("a stop string is empty".into()));
+        }
+        for (i, p) in prompts.iter().enumerate() {
+            if p.is_empty() {
+                return Err(ModelError::Generation(format!(
+                    "prompt {i} has no token (an empty text without a BOS token)"
+                )));
+            }
+            if let Some(&t) = p.iter().find(|&&t| t as usize >= self.vocab) {
+                return Err(ModelError::Generation(format!(
+                    "prompt {i} has token {t}, outside the model's vocabulary of {}",
+                    self.vocab
+                )));
+            }
+            // The last generated token is never fed back, so the positions used run to
+            // len + max_new_tokens - 2.
+            if let Some(max) = self.max_positions {
+                let needed = p.len() + stop.max_new_tokens - 1;
+                if needed > max {
+                    return Err(ModelError::Generation(format!(
+                        "prompt {i} of {} tokens plus {} new tokens needs {needed} positions; \
+                         the model has {max}",
+                        p.len(),
+                        stop.max_new_tokens
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Continues each of `prompts` (token ids) until `stop` holds for it, choosing
+    /// tokens with `sampling` (sequence `i` draws from its own stream seeded with
+    /// `sampling.seed + i`) and calling `on_token` with each token as it is chosen
+    /// (an error from it ends the generation). Several prompts share one packed prefill
+    /// when the runner has one; decode steps then run each sequence in turn.
+    /// `tokenizer` is needed only for stop strings.
+    pub fn generate(
+        &mut self,
+        prompts: &[&[u32]],
+        sampling: &SamplingParams,
+        stop: &StopCondition,
+        tokenizer: Option<&Tokenizer>,
+        mut on_token: impl FnMut(&TokenEvent) -> Result<()>,
+    ) -> Result<Generation> {
+        self.check(prompts, sampling, stop, tokenizer)?;
+        let _span = tracing::info_span!("generate", prompts = prompts.len()).entered();
+        let ids: Vec<Vec<i64>> = prompts
+            .iter()
+            .map(|p| p.iter().map(|&t| i64::from(t)).collect())
+            .collect();
+        let refs: Vec<&[i64]> = ids.iter().map(Vec::as_slice).collect();
+        let mut stats = GenerationStats {
+            prompt_tokens: refs.iter().map(|p| p.len()).sum(),
+            ..Default::default()
+        };
+        let t0 = Instant::now();
+        let first = if refs.len() == 1 {
+            vec![self.runner.prefill(refs[0])?]
+        } else {
+            self.runner.prefill_many(&refs)?
+        };
+        stats.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        if first.len() != refs.len() {
+            return Err(ModelError::Generation(format!(
+                "the prefill returned {} sequences for {} prompts",
+                first.len(),
+                refs.len()
+            )));
+        }
+        let mut seqs = first
+            .into_iter()
+            .zip(&refs)
+            .enumerate()
+            .map(|(i, ((logits, cache), p))| {
+                Ok(Sequence {
+                    cache,
+                    logits,
+                    sampler: Sampler::new(SamplingParams {
+                        seed: sampling.seed.wrapping_add(i as u64),
+                        ..*sampling
+                    })?,
+                    position: p.len(),
+                    tokens: Vec::new(),
+                    stop: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        while seqs.iter().any(|s| s.stop.is_none()) {
+            for (i, s) in seqs.iter_mut().enumerate() {
+                if s.stop.is_some() {
+                    continue;
+                }
+                let token = s.sampler.sample(&s.logits)?;
+                s.tokens.push(token);
+                on_token(&TokenEvent {
+                    sequence: i,
+                    index: s.tokens.len() - 1,
+                    token,
+                })?;
+                s.stop = Self::stopped(s, token, stop, tokenizer)?;
+                if s.stop.is_some() {
+                    continue;
+                }
+                let t = Instant::now();
+                s.logits = self
+                    .runner
+                    .decode(&mut s.cache, i64::from(token), s.position)?;
+                stats.decode_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                s.position += 1;
+            }
+        }
+        stats.generated_tokens = seqs.iter().map(|s| s.tokens.len()).sum();
+        Ok(Generation {
+            outputs: seqs
+                .into_iter()
+                .map(|s| SequenceOutput {
+                    tokens: s.tokens,
+                    stop: s.stop.unwrap_or(StopReason::MaxTokens),
+                })
+                .collect(),
+            stats,
+        })
+    }
+
+    fn stopped(
+        s: &Sequence<R::Cache>,
+        token: u32,
+        stop: &StopCondition,
+        tokenizer: Option<&Tokenizer>,
+    ) -> Result<Option<StopReason>> {
+        if stop.eos.contains(&token) {
+            return Ok(Some(StopReason::Eos(token)));
+        }
+        if let (false, Some(tok)) = (stop.stop_strings.is_empty(), tokenizer) {
+            let text = tok.decode(&s.tokens, true)?;
+            if let Some(hit) = stop.stop_strings.iter().find(|m| text.contains(m.as_str())) {
+                return Ok(Some(StopReason::StopString(hit.clone())));
+            }
+        }
+        if s.tokens.len() >= stop.max_new_tokens {
+            return Ok(Some(StopReason::MaxTokens));
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f64, top_k: usize, top_p: f64) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed: 42,
+        }
+    }
+
+    fn softmax(x: &[f64]) -> Vec<f64> {
+        let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = x.iter().map(|v| (v - m).exp()).collect();
+        let z: f64 = e.iter().sum();
+        e.iter().map(|v| v / z).collect()
+    }
+
+    const LOGITS: [f64; 6] = [1.0, 3.0, -2.0, 2.0, 0.5, 2.0];
+
+    #[test]
+    fn ranges_are_checked() {
+        for (p, name) in [
+            (params(-0.1, 0, 1.0), "temperature"),
+            (params(f64::NAN, 0, 1.0), "temperature"),
+            (params(f64::INFINITY, 0, 1.0), "temperature"),
+            (params(1.0, 0, 0.0), "top_p"),
+            (params(1.0, 0, 1.01), "top_p"),
+            (params(1.0, 0, f64::NAN), "top_p"),
+        ] {
+            match Sampler::new(p) {
+                Err(ModelError::InvalidSampling { parameter, message }) => {
+                    assert_eq!(parameter, name, "{message}");
+                }
+                other => panic!("{p:?}: {other:?}"),
+            }
+        }
+        assert!(Sampler::new(params(0.0, 5, 1.0)).is_ok());
+        let e = SamplingParams::greedy().distribution(&[]).unwrap_err();
+        assert!(e.to_string().contains("no logits"), "{e}");
+        let e = argmax(&[1.0, f64::NAN]).unwrap_err();
+        assert!(e.to_string().contains("non-finite"), "{e}");
+        assert!(argmax(&[f64::NEG_INFINITY; 3]).is_err());
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_lowest_id_on_ties() {
+        let mut s = Sampler::new(SamplingParams::greedy()).unwrap();
+        assert_eq!(s.sample(&LOGITS).unwrap(), 1);
+        assert_eq!(s.sample(&[0.0, 5.0, 5.0]).unwrap(), 1);
+        assert_eq!(s.sample(&[f64::NEG_INFINITY, -3.0]).unwrap(), 1);
+        assert_eq!(
+            SamplingParams::greedy().distribution(&LOGITS).unwrap(),
+            vec![(1, 1.0)]
+        );
+    }
+
+    #[test]
+    fn temperature_scales_the_softmax() {
+        for t in [0.5, 1.0, 2.0] {
+            let d = params(t, 0, 1.0).distribution(&LOGITS).unwrap();
+            let scaled: Vec<f64> = LOGITS.iter().map(|x| x / t).collect();
+            let want = softmax(&scaled);
+            assert_eq!(d.len(), LOGITS.len());
+            for (tok, p) in d {
+                assert!((p - want[tok as usize]).abs() < 1e-12, "t {t} token {tok}");
+            }
+        }
+        // Sorted most likely first, ties by id: 1 (3.0), 3 and 5 (2.0), 0, 4, 2.
+        let order: Vec<u32> = params(1.0, 0, 1.0)
+            .distribution(&LOGITS)
+            .unwrap()
+            .iter()
+            .map(|&(t, _)| t)
+            .collect();
+        assert_eq!(order, [1, 3, 5, 0, 4, 2]);
+    }
+
+    #[test]
+    fn top_k_keeps_the_k_largest() {
+        let d = params(1.0, 3, 1.0).distribution(&LOGITS).unwrap();
+        let toks: Vec<u32> = d.iter().map(|&(t, _)| t).collect();
+        assert_eq!(toks, [1, 3, 5]);
+        let want = softmax(&[3.0, 2.0, 2.0]);
+        for ((_, p), w) in d.iter().zip(want) {
+            assert!((p - w).abs() < 1e-12);
+        }
+        // k = 1 is greedy; k past the vocabulary keeps everything.
+        assert_eq!(
+            params(1.0, 1, 1.0).distribution(&LOGITS).unwrap(),
+            vec![(1, 1.0)]
+        );
+        assert_eq!(
+            params(1.0, 100, 1.0).distribution(&LOGITS).unwrap().len(),
+            6
+        );
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_set_reaching_p() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05.
+        let logits: Vec<f64> = [0.5f64, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let kept = |p: f64| -> Vec<u32> {
+            params(1.0, 0, p)
+                .distribution(&logits)
+                .unwrap()
+                .iter()
+                .map(|&(t, _)| t)
+                .collect()
+        };
+        assert_eq!(kept(0.4), [0]);
+        assert_eq!(kept(0.49), [0]);
+        assert_eq!(kept(0.6), [0, 1]);
+        assert_eq!(kept(0.79), [0, 1]);
+        assert_eq!(kept(0.81), [0, 1, 2]);
+        assert_eq!(kept(0.96), [0, 1, 2, 3]);
+        assert_eq!(kept(1.0), [0, 1, 2, 3]);
+        let d = params(1.0, 0, 0.6).distribution(&logits).unwrap();
+        assert!((d[0].1 - 0.625).abs() < 1e-12 && (d[1].1 - 0.375).abs() < 1e-12);
+        // Top-p applies after top-k and temperature: of the top 2 at T = 1 (0.625,
+        // 0.375), p = 0.7 keeps both.
+        assert_eq!(params(1.0, 2, 0.7).distribution(&logits).unwrap().len(), 2);
+        // Order: a high temperature flattens the distribution, so top-p keeps more.
+        assert_eq!(params(10.0, 0, 0.6).distribution(&logits).unwrap().len(), 3);
+    }
+
+    #[test]
+    fn the_same_seed_draws_the_same_tokens() {
+        let draw = |seed: u64| -> Vec<u32> {
+            let mut s = Sampler::new(SamplingParams {
+                seed,
+                ..params(1.0, 0, 1.0)
+            })
+            .unwrap();
+            (0..50).map(|_| s.sample(&LOGITS).unwrap()).collect()
+        };
+        assert_eq!(draw(3), draw(3));
+        assert_ne!(draw(3), draw(4));
+    }
+
+    #[test]
+    fn draws_follow_the_distribution() {
+        for p in [
+            params(1.0, 0, 1.0),
+            params(0.7, 4, 1.0),
+            params(1.3, 0, 0.8),
+        ] {
+            let want = p.distribution(&LOGITS).unwrap();
+            let mut s = Sampler::new(p).unwrap();
+            let n = 40_000;
+            let mut counts = [0usize; 6];
+            for _ in 0..n {
+                counts[s.sample(&LOGITS).unwrap() as usize] += 1;
+            }
+            for (tok, c) in counts.iter().enumerate() {
+                let prob = want
+                    .iter()
+                    .find(|&&(t, _)| t as usize == tok)
+                    .map_or(0.0, |&(_, p)| p);
+                let freq = *c as f64 / n as f64;
+                // 5 standard deviations of a binomial frequency.
+                let sd = (prob * (1.0 - prob) / n as f64).sqrt();
+                assert!(
+                    (freq - prob).abs() <= 5.0 * sd + 1e-9,
+                    "{p:?} token {tok}: frequency {freq} vs probability {prob}"
+                );
+                if prob == 0.0 {
+                    assert_eq!(*c, 0, "{p:?}: masked token {tok} drawn");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn masked_logits_are_never_drawn() {
+        let logits = [f64::NEG_INFINITY, 0.0, f64::NEG_INFINITY, 0.0];
+        let d = params(1.0, 0, 1.0).distribution(&logits).unwrap();
+        assert_eq!(d, vec![(1, 0.5), (3, 0.5)]);
+    }
+
+    /// A runner over a fixed table: the logits after token `t` favour `(t + 1) % V`.
+    struct Cycle {
+        vocab: usize,
+        decodes: usize,
+    }
+
+    impl StepRunner for Cycle {
+        type Cache = Vec<i64>;
+
+        fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<i64>)> {
+            let last = *prompt.last().unwrap();
+            Ok((self.logits(last), prompt.to_vec()))
+        }
+
+        fn decode(
+            &mut self,
+            cache: &mut Vec<i64>,
+            token: i64,
+            position: usize,
+        ) -> Result<Vec<f64>> {
+            assert_eq!(position, cache.len());
+            cache.push(token);
+            self.decodes += 1;
+            Ok(self.logits(token))
+        }
+    }
+
+    impl Cycle {
+        fn logits(&self, t: i64) -> Vec<f64> {
+            let next = (t as usize + 1) % self.vocab;
+            (0..self.vocab)
+                .map(|i| if i == next { 1.0 } else { 0.0 })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn generator_stops_and_reports_every_token() {
+        let mut g = Generator::new(
+            Cycle {
+                vocab: 8,
+                decodes: 0,
+            },
+            8,
+        );
+        let mut events = Vec::new();
+        let out = g
+            .generate(
+                &[&[2, 3], &[6]],
+                &SamplingParams::greedy(),
+                &StopCondition::new(4).with_eos(&[0]),
+                None,
+                |e| {
+                    events.push(*e);
+                    Ok(())
+                },
+            )
+            .unwrap();
+        assert_eq!(out.outputs[0].tokens, [4, 5, 6, 7]);
+        assert_eq!(out.outputs[0].stop, StopReason::MaxTokens);
+        assert_eq!(out.outputs[1].tokens, [7, 0]);
+        assert_eq!(out.outputs[1].stop, StopReason::Eos(0));
+        assert_eq!(out.stats.generated_tokens, 6);
+        assert_eq!(out.stats.prompt_tokens, 3);
+        // No decode after a sequence's last token: 3 + 1 steps.
+        assert_eq!(g.runner().decodes, 4);
+        assert_eq!(out.stats.decode_ms.len(), 4);
+        assert_eq!(events.len(), 6);
+        assert_eq!(
+            events[..3],
+            [
+                TokenEvent {
+                    sequence: 0,
+                    index: 0,
+                    token: 4
+                },
+                TokenEvent {
+                    sequence: 1,
+                    index: 0,
+                    token: 7
+                },
+                TokenEvent {
+                    sequence: 0,
+                    index: 1,
+                    token: 5
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_requests_are_errors() {
+        let mut g = Generator::new(
+            Cycle {
+                vocab: 8,
+                decodes: 0,
+            },
+            8,
+        )
+        .with_max_positions(5);
+        let greedy = SamplingParams::greedy();
+        let mut run = |prompts: &[&[u32]], stop: StopCondition| {
+            g.generate(prompts, &greedy, &stop, None, |_| Ok(()))
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(run(&[], StopCondition::new(2)).contains("no prompt"));
+        assert!(run(&[&[1], &[]], StopCondition::new(2)).contains("prompt 1 has no token"));
+        assert!(run(&[&[1, 9]], StopCondition::new(2)).contains("token 9, outside"));
+        assert!(run(&[&[1]], StopCondition::new(0)).contains("max_new_tokens is 0"));
+        assert!(run(&[&[1, 2, 3]], StopCondition::new(4)).contains("needs 6 positions"));
+        let e = run(&[&[1]], StopCondition::new(2).with_stop_strings(["x"]));
+        assert!(e.contains("need the tokenizer"), "{e}");
+        let bad = SamplingParams {
+            top_p: 0.0,
+            ..greedy
+        };
+        let e = g
+            .generate(&[&[1]], &bad, &StopCondition::new(1), None, |_| Ok(()))
+            .unwrap_err();
+        assert!(matches!(
+            e,
+            ModelError::InvalidSampling {
+                parameter: "top_p",
+                ..
+            }
+        ));
+        // An error of the callback ends the generation.
+        let e = g
+            .generate(&[&[1]], &greedy, &StopCondition::new(3), None, |_| {
+                Err(ModelError::Generation("stop here".into()))
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("stop here"));
+        // Exactly at the limit is fine: 3 prompt tokens + 3 new use positions 0..5.
+        let out = g
+            .generate(&[&[1, 2, 3]], &greedy, &StopCondition::new(3), None, |_| {
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(out.outputs[0].tokens, [4, 5, 6]);
+    }
+}

@@ -1,0 +1,288 @@
+//! Generation on checkpoints written to disk: greedy tokens against an independent f64
+//! forward pass, batched prompts against each prompt alone, stop conditions.
+
+mod common;
+
+use std::path::Path;
+
+use common::{executor, gpt2_forward, llama_forward, HfRope, LlamaSizes, Raw};
+use kpt_core::{DType, OptLevel};
+use kpt_kernels::CpuReference;
+use kpt_models::generate::{
+    Generator, PlanRunner, ReferenceRunner, SamplingParams, StopCondition, StopReason,
+};
+use kpt_models::synthetic::{write_checkpoint, write_tokenizer, WriteOptions};
+use kpt_models::{Checkpoint, Model, ModelConfig, Phase};
+use serde_json::json;
+
+fn llama_dir(dir: &Path, seed: u64) -> ModelConfig {
+    let cfg = json!({
+        "model_type": "llama",
+        "vocab_size": 300,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": false,
+        "bos_token_id": 0,
+        "eos_token_id": 1
+    });
+    let parsed = write_checkpoint(
+        dir,
+        &cfg,
+        WriteOptions {
+            seed,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    write_tokenizer(dir, 300).unwrap();
+    parsed
+}
+
+fn sizes(cfg: &ModelConfig) -> LlamaSizes {
+    let ModelConfig::Llama(c) = cfg else {
+        panic!("not a LLaMA config")
+    };
+    LlamaSizes {
+        vocab: c.vocab_size,
+        dim: c.hidden_size,
+        layers: c.num_hidden_layers,
+        heads: c.num_attention_heads,
+        kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        ffn: c.intermediate_size,
+        eps: c.rms_norm_eps,
+        rope: HfRope::plain(c.rope_theta),
+        windows: (0..c.num_hidden_layers).map(|i| c.window(i)).collect(),
+    }
+}
+
+/// Greedy continuation by re-running a full forward pass for every token.
+fn greedy_by_forward(
+    forward: impl Fn(&[i64]) -> Vec<Vec<f64>>,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<u32> {
+    let mut seq: Vec<i64> = prompt.iter().map(|&t| i64::from(t)).collect();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let logits = forward(&seq);
+        let last = logits.last().unwrap();
+        let best = (0..last.len()).fold(0, |b, i| if last[i] > last[b] { i } else { b });
+        out.push(best as u32);
+        seq.push(best as i64);
+    }
+    out
+}
+
+/// Optimized plans of `model` at `level` for the CPU, with a packed prefill.
+fn plan_runner(model: &Model, level: OptLevel) -> PlanRunner {
+    PlanRunner::new(
+        executor(&model.graph(Phase::Prefill, 4).unwrap(), level),
+        executor(&model.graph(Phase::Decode, 4).unwrap(), level),
+    )
+    .with_packed(executor(&model.graph_packed(8, 2).unwrap(), level))
+}
+
+fn greedy(
+    g: &mut Generator<impl kpt_models::generate::StepRunner>,
+    prompts: &[&[u32]],
+    n: usize,
+) -> Vec<Vec<u32>> {
+    g.generate(
+        prompts,
+        &SamplingParams::greedy(),
+        &StopCondition::new(n),
+        None,
+        |_| Ok(()),
+    )
+    .unwrap()
+    .outputs
+    .into_iter()
+    .map(|o| o.tokens)
+    .collect()
+}
+
+const PROMPT: [u32; 6] = [0, 45, 170, 3, 99, 12];
+
+#[test]
+fn greedy_tokens_equal_the_independent_forward_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let parsed = llama_dir(dir.path(), 41);
+    let raw = Raw::read(dir.path());
+    let s = sizes(&parsed);
+    let want = greedy_by_forward(|ids| llama_forward(&raw, &s, ids), &PROMPT, 8);
+
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let model = ckpt.load_model(DType::F32).unwrap();
+    let mut reference =
+        Generator::for_model(ReferenceRunner::new(&model, &CpuReference).unwrap(), &model).unwrap();
+    assert_eq!(
+        greedy(&mut reference, &[&PROMPT], 8),
+        std::slice::from_ref(&want)
+    );
+    let mut plans =
+        Generator::for_model(plan_runner(&model, OptLevel::Conservative), &model).unwrap();
+    assert_eq!(greedy(&mut plans, &[&PROMPT], 8), [want]);
+}
+
+#[test]
+fn gpt2_greedy_tokens_equal_the_independent_forward_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = json!({
+        "model_type": "gpt2",
+        "vocab_size": 300,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 16,
+        "bos_token_id": 0,
+        "eos_token_id": 1
+    });
+    write_checkpoint(dir.path(), &cfg, WriteOptions::default()).unwrap();
+    let raw = Raw::read(dir.path());
+    let want = greedy_by_forward(|ids| gpt2_forward(&raw, 32, 2, 4, 300, ids), &PROMPT, 6);
+    let model = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_model(DType::F32)
+        .unwrap();
+    let mut g = Generator::for_model(plan_runner(&model, OptLevel::Conservative), &model).unwrap();
+    assert_eq!(greedy(&mut g, &[&PROMPT], 6), [want]);
+    // 6 prompt tokens + 11 new need 16 positions: the learned table has 16.
+    assert_eq!(greedy(&mut g, &[&PROMPT], 11)[0].len(), 11);
+    let e = g
+        .generate(
+            &[&PROMPT],
+            &SamplingParams::greedy(),
+            &StopCondition::new(12),
+            None,
+            |_| Ok(()),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("the model has 16"), "{e}");
+}
+
+/// Prompts of different lengths in one packed prefill give what each gives alone,
+/// greedy and sampled (sequence `i` alone seeded with `seed + i`).
+#[test]
+fn batched_prompts_equal_each_prompt_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_dir(dir.path(), 42);
+    let model = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_model(DType::F32)
+        .unwrap();
+    let prompts: [&[u32]; 3] = [&[0, 7, 19, 200, 5], &[0], &[0, 250, 3, 3, 81, 9, 14, 60]];
+    for level in [OptLevel::Conservative, OptLevel::Balanced] {
+        let mut g = Generator::for_model(plan_runner(&model, level), &model).unwrap();
+        let sampled = SamplingParams {
+            temperature: 0.8,
+            top_k: 50,
+            top_p: 0.95,
+            seed: 5,
+        };
+        for params in [SamplingParams::greedy(), sampled] {
+            let stop = StopCondition::new(6);
+            let run = |g: &mut Generator<PlanRunner>, ps: &[&[u32]], seed: u64| {
+                let p = SamplingParams { seed, ..params };
+                g.generate(ps, &p, &stop, None, |_| Ok(()))
+                    .unwrap()
+                    .outputs
+                    .into_iter()
+                    .map(|o| o.tokens)
+                    .collect::<Vec<_>>()
+            };
+            let batched = run(&mut g, &prompts, params.seed);
+            assert_eq!(batched.len(), 3);
+            for (i, p) in prompts.iter().enumerate() {
+                let alone = run(&mut g, &[p], params.seed + i as u64);
+                assert_eq!(batched[i], alone[0], "{level} {params:?} prompt {i}");
+            }
+        }
+    }
+    // The f64 reference agrees with itself batched and alone too.
+    let mut r =
+        Generator::for_model(ReferenceRunner::new(&model, &CpuReference).unwrap(), &model).unwrap();
+    let batched = greedy(&mut r, &prompts, 4);
+    for (i, p) in prompts.iter().enumerate() {
+        assert_eq!(batched[i], greedy(&mut r, &[p], 4)[0], "prompt {i}");
+    }
+}
+
+#[test]
+fn eos_tokens_and_stop_strings_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_dir(dir.path(), 43);
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let model = ckpt.load_model(DType::F32).unwrap();
+    let tok = ckpt.tokenizer().unwrap();
+    let mut g = Generator::for_model(plan_runner(&model, OptLevel::Conservative), &model).unwrap();
+    let free = greedy(&mut g, &[&PROMPT], 8).remove(0);
+    // The third token as end-of-sequence: generation stops there and keeps it.
+    let eos = free[2];
+    let first = free.iter().position(|&t| t == eos).unwrap();
+    let out = g
+        .generate(
+            &[&PROMPT],
+            &SamplingParams::greedy(),
+            &StopCondition::new(8).with_eos(&[eos]),
+            None,
+            |_| Ok(()),
+        )
+        .unwrap();
+    assert_eq!(out.outputs[0].tokens, free[..=first]);
+    assert_eq!(out.outputs[0].stop, StopReason::Eos(eos));
+    // A stop string: the text of the first tokens.
+    let text = tok.decode(&free[..4], true).unwrap();
+    let needle: String = text
+        .chars()
+        .rev()
+        .take(2)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    assert!(!needle.is_empty());
+    let mut streamed = Vec::new();
+    let out = g
+        .generate(
+            &[&PROMPT],
+            &SamplingParams::greedy(),
+            &StopCondition::new(8).with_stop_strings([needle.clone()]),
+            Some(&tok),
+            |e| {
+                streamed.push(e.token);
+                Ok(())
+            },
+        )
+        .unwrap();
+    let got = &out.outputs[0];
+    assert_eq!(got.stop, StopReason::StopString(needle.clone()));
+    assert!(got.tokens.len() <= 4, "{got:?}");
+    assert!(tok.decode(&got.tokens, true).unwrap().contains(&needle));
+    assert_eq!(streamed, got.tokens);
+    // The tokenizer's own eos id (config: 1) is what `with_eos` takes from it.
+    assert_eq!(tok.special_tokens().eos, [1]);
+    // An encoder cannot generate.
+    let bert_dir = tempfile::tempdir().unwrap();
+    write_checkpoint(
+        bert_dir.path(),
+        &json!({
+            "model_type": "bert", "vocab_size": 50, "hidden_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24,
+            "max_position_embeddings": 32, "type_vocab_size": 2
+        }),
+        WriteOptions::default(),
+    )
+    .unwrap();
+    let bert = Checkpoint::open(bert_dir.path())
+        .unwrap()
+        .load_model(DType::F32)
+        .unwrap();
+    let e = ReferenceRunner::new(&bert, &CpuReference).unwrap_err();
+    assert!(e.to_string().contains("encoder"), "{e}");
+}
