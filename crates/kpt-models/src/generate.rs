@@ -7,8 +7,8 @@
 //! per sequence until a [`StopCondition`] holds, reporting every token as it comes
 //! ([`TokenEvent`]) so that a caller can stream text. Running the graphs and keeping
 //! the KV cache is the job of a [`StepRunner`]: [`PlanRunner`] runs optimized plans
-//! through [`Executor`]s with the cache on the host, [`ReferenceRunner`] runs the f64
-//! reference; a runner that keeps the cache on a device implements the same trait.
+//! through [`Executor`]s with the cache kept on their device, [`ReferenceRunner`] runs
+//! the f64 reference with the cache on the host.
 //!
 //! Sampling applies, as Hugging Face's `generate` and vLLM do: temperature (logits
 //! divided by it; 0 is greedy), then top-k (the `k` largest logits), then top-p (the
@@ -43,7 +43,7 @@
 
 use std::time::Instant;
 
-use kpt_core::exec::Executor;
+use kpt_core::exec::{DeviceTensor, Executor, RunTensor};
 use kpt_core::rand::SplitMix64;
 use kpt_core::validate::{run_reference, ReferenceOps};
 use kpt_core::{Graph, Tensor};
@@ -505,9 +505,10 @@ fn packed_inputs(prompts: &[&[i64]]) -> Result<(Vec<Tensor>, Vec<i64>)> {
 }
 
 /// A [`StepRunner`] over optimized plans: one executor for the prefill, one for decode
-/// steps and, optionally, one for packed prefills of several prompts. The cache is a
-/// list of host tensors `[1, len, kv_dim]` (key then value of each layer), passed from
-/// one graph's outputs to the next one's inputs.
+/// steps and, optionally, one for packed prefills of several prompts. The cache (key
+/// then value of each layer, `[1, len, kv_dim]`) stays in the backend's memory between
+/// steps ([`Executor::run_resident`]), in buffers with room to grow, so that each decode
+/// step appends its row in place. The prefill and decode executors run on one backend.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -580,29 +581,85 @@ impl PlanRunner {
     }
 }
 
-impl StepRunner for PlanRunner {
-    type Cache = Vec<Tensor>;
-
-    fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<Tensor>)> {
-        let (logits, cache) = split_outputs(self.prefill.run(&step_inputs(prompt, 0, &[])?)?)?;
+impl PlanRunner {
+    /// Runs a decoder plan on host inputs followed by device-resident caches; returns the
+    /// last logits and the caches, left on the device.
+    fn run(
+        exec: &mut Executor,
+        inputs: Vec<Tensor>,
+        cache: Vec<DeviceTensor>,
+    ) -> Result<(Vec<f64>, Vec<DeviceTensor>)> {
+        let mut feed: Vec<RunTensor> = inputs.into_iter().map(RunTensor::Host).collect();
+        feed.extend(cache.into_iter().map(RunTensor::Device));
+        let outputs = exec.plan().graph.outputs().len();
+        let keep: Vec<bool> = (0..outputs).map(|i| i > 0).collect();
+        let mut outs = exec.run_resident(feed, &keep)?.into_iter();
+        let logits = match outs.next() {
+            Some(RunTensor::Host(t)) if outputs % 2 == 1 => t,
+            _ => {
+                return Err(ModelError::Generation(format!(
+                    "a decoder graph returns logits and a key and a value per layer, got \
+                     {outputs} outputs"
+                )))
+            }
+        };
+        let backend = exec.backend().clone();
+        let cache = outs
+            .map(|o| Ok(o.into_device(backend.as_ref())?))
+            .collect::<Result<Vec<_>>>()?;
         Ok((last_logits(&logits)?, cache))
     }
+}
 
-    fn prefill_many(&mut self, prompts: &[&[i64]]) -> Result<Vec<(Vec<f64>, Vec<Tensor>)>> {
+impl StepRunner for PlanRunner {
+    /// Keys and values `[1, len, kv_dim]` of every layer in the decode backend's memory,
+    /// with room to grow: a decode step appends in place, and a full cache doubles.
+    type Cache = Vec<DeviceTensor>;
+
+    fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<DeviceTensor>)> {
+        Self::run(&mut self.prefill, step_inputs(prompt, 0, &[])?, Vec::new())
+    }
+
+    fn prefill_many(&mut self, prompts: &[&[i64]]) -> Result<Vec<(Vec<f64>, Vec<DeviceTensor>)>> {
         match &mut self.packed {
             Some(exec) if prompts.len() > 1 => {
                 let (inputs, cu) = packed_inputs(prompts)?;
-                unpack_outputs(exec.run(&inputs)?, &cu)
+                let backend = self.decode.backend().clone();
+                unpack_outputs(exec.run(&inputs)?, &cu)?
+                    .into_iter()
+                    .map(|(logits, cache)| {
+                        let cache = cache
+                            .iter()
+                            .map(|t| Ok(DeviceTensor::upload(backend.as_ref(), t)?))
+                            .collect::<Result<Vec<_>>>()?;
+                        Ok((logits, cache))
+                    })
+                    .collect()
             }
             _ => prompts.iter().map(|p| self.prefill(p)).collect(),
         }
     }
 
-    fn decode(&mut self, cache: &mut Vec<Tensor>, token: i64, position: usize) -> Result<Vec<f64>> {
-        let (logits, next) =
-            split_outputs(self.decode.run(&step_inputs(&[token], position, cache)?)?)?;
+    fn decode(
+        &mut self,
+        cache: &mut Vec<DeviceTensor>,
+        token: i64,
+        position: usize,
+    ) -> Result<Vec<f64>> {
+        let backend = self.decode.backend().clone();
+        for c in cache.iter_mut() {
+            let (len, row) = (c.spec.numel(), c.spec.numel() / position.max(1));
+            if c.buffer.len() < len + row {
+                *c = c.with_capacity(backend.as_ref(), (2 * len).max(len + row))?;
+            }
+        }
+        let (logits, next) = Self::run(
+            &mut self.decode,
+            step_inputs(&[token], position, &[])?,
+            std::mem::take(cache),
+        )?;
         *cache = next;
-        last_logits(&logits)
+        Ok(logits)
     }
 }
 
