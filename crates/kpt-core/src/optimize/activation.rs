@@ -193,10 +193,18 @@ impl Converter<'_> {
         if let Err(e) = op.infer(&specs) {
             return Ok(Err(e.to_string()));
         }
-        Ok(selector
-            .select(op, &specs, device)
-            .map(|_| ())
-            .map_err(|e| e.to_string()))
+        let verdict = selector.select(op, &specs, device).map(|_| ());
+        // A linear weight still f32 here is the weight pass's to convert; a kernel for
+        // it in the activation dtype is enough.
+        let linear = matches!(op, Op::Linear { .. } | Op::LinearAct { .. });
+        if verdict.is_err() && linear && specs[1].dtype == DType::F32 {
+            let mut converted = specs.clone();
+            converted[1].dtype = self.act;
+            if selector.select(op, &converted, device).is_ok() {
+                return Ok(Ok(()));
+            }
+        }
+        Ok(verdict.map_err(|e| e.to_string()))
     }
 
     /// Emits `node` in the activation dtype, or with its original dtypes when the device
