@@ -15,7 +15,8 @@
 //! Graph outputs are cast back to the dtype the original graph declared, so callers see
 //! the same logits, except the KV cache: an output that attention reads as keys or
 //! values stays bf16, and a graph input that a `Concat` appends to before it (the past
-//! keys and values of a decode step) is declared bf16 instead of being cast. A prefill
+//! keys and values of a decode step), or that a paged attention reads as its block
+//! cache, is declared bf16 instead of being cast. A prefill
 //! plan then gives bf16 caches and a decode plan takes and returns them, exactly, with
 //! no per-step conversion of the whole cache, and the in-place append of the executor
 //! still applies. Callers read each input's dtype from the plan's graph.
@@ -77,12 +78,22 @@ pub(crate) fn only_linear_weight(
 }
 
 /// The KV-cache values of `graph`: outputs that an attention node reads as keys or
-/// values, and the inputs that a `Concat` producing one of them appends to.
+/// values; inputs that a `Concat` producing one of them appends to, and inputs that a
+/// paged attention reads as its key and value caches.
 fn kv_cache_values(graph: &Graph) -> (HashSet<ValueId>, HashSet<ValueId>) {
     let mut read_as_kv = HashSet::new();
+    let mut inputs = HashSet::new();
     for node in graph.nodes() {
-        if matches!(node.op, Op::Attention(_)) {
+        if let Op::Attention(p) = node.op {
             read_as_kv.extend(node.inputs[1..3].iter().copied());
+            if p.paged {
+                inputs.extend(
+                    node.inputs[1..3]
+                        .iter()
+                        .copied()
+                        .filter(|&v| matches!(graph.value(v).source, ValueSource::Input)),
+                );
+            }
         }
     }
     let outputs: HashSet<ValueId> = graph
@@ -91,7 +102,6 @@ fn kv_cache_values(graph: &Graph) -> (HashSet<ValueId>, HashSet<ValueId>) {
         .copied()
         .filter(|o| read_as_kv.contains(o))
         .collect();
-    let mut inputs = HashSet::new();
     for node in graph.nodes() {
         if matches!(node.op, Op::Concat { .. }) && outputs.contains(&node.outputs[0]) {
             let past = node.inputs[0];
@@ -642,6 +652,30 @@ mod tests {
             .map(|&o| g.value(o).name.as_str())
             .collect();
         assert_eq!(out_names, vec!["proj", "norm"]);
+    }
+
+    #[test]
+    fn paged_caches_are_declared_bf16() {
+        let mut src = Graph::new();
+        let q = src.input("q", DType::F32, &[2, 1, 16]);
+        let kc = src.input("k_cache", DType::F32, &[4, 8, 8]);
+        let vc = src.input("v_cache", DType::F32, &[4, 8, 8]);
+        let table = src.input("block_table", DType::I32, &[2, 2]);
+        let lens = src.input("seq_lens", DType::I32, &[2]);
+        let mut p = AttentionParams::new(2, 1, 8, true);
+        p.paged = true;
+        let o = src
+            .op("attn", Op::Attention(p), &[q, kc, vc, table, lens])
+            .unwrap();
+        src.output(o).unwrap();
+        let (g, _) = convert(&src, OptLevel::Balanced, DeviceKind::Cuda);
+        assert_eq!(
+            input_dtypes(&g),
+            vec![DType::F32, DType::BF16, DType::BF16, DType::I32, DType::I32]
+        );
+        let attn = g.nodes().iter().find(|n| n.name == "attn").unwrap();
+        assert_eq!(attn.inputs[1..3], g.inputs()[1..3]);
+        assert_eq!(output_dtypes(&g), vec![DType::F32]);
     }
 
     #[test]
