@@ -16,10 +16,11 @@
 //! the same logits, except the KV cache: an output that attention reads as keys or
 //! values stays bf16, and a graph input that a `Concat` appends to before it (the past
 //! keys and values of a decode step), or that a paged attention reads as its block
-//! cache, is declared bf16 instead of being cast. A prefill
-//! plan then gives bf16 caches and a decode plan takes and returns them, exactly, with
-//! no per-step conversion of the whole cache, and the in-place append of the executor
-//! still applies. Callers read each input's dtype from the plan's graph.
+//! cache, is declared bf16 instead of being cast. A prefill plan then gives bf16 caches
+//! and a decode plan takes and returns them, exactly, with no per-step conversion of
+//! the whole cache, and the in-place append of the executor still applies. Callers
+//! read each input's dtype from the plan's graph. (With `precision.activation_dtype =
+//! "f16"`, read f16 for bf16 throughout.)
 //!
 //! A node for which the device has no kernel with the converted dtypes keeps its
 //! original dtypes, with casts around it (reported), so the pass never makes a graph
