@@ -321,6 +321,10 @@ pub struct PrecisionConfig {
     pub weight_dtype: Option<DType>,
     /// Dtype of the attention KV cache (a float or i8); `None` uses `compute_dtype`.
     pub kv_cache_dtype: Option<DType>,
+    /// Dtype f32 activations compute in at the balanced and aggressive levels (f32,
+    /// bf16 or f16); `None` takes the device's default: bf16 on GPUs, f32 on the CPU.
+    /// The KV cache of a converted graph follows it.
+    pub activation_dtype: Option<DType>,
     /// Whether FP8 (e4m3 / e5m2) may be used.
     pub allow_fp8: bool,
     /// Whether int8 quantization may be used.
@@ -336,6 +340,7 @@ impl Default for PrecisionConfig {
             compute_dtype: DType::F32,
             weight_dtype: None,
             kv_cache_dtype: None,
+            activation_dtype: None,
             allow_fp8: true,
             allow_int8: true,
             tolerance_scale: 1.0,
@@ -768,6 +773,16 @@ impl KptConfig {
                 format!("`{c}` cannot be a compute dtype; it must be f64, f32, f16 or bf16"),
                 "use f32, or bf16 / f16 for speed; fp8 and int8 are set through weight_dtype",
             ));
+        }
+        if let Some(a) = p.activation_dtype {
+            if !matches!(a, DType::F32 | DType::BF16 | DType::F16) {
+                out.push(issue(
+                    "precision.activation_dtype",
+                    format!("`{a}` cannot be an activation dtype; it must be f32, bf16 or f16"),
+                    "use bf16 (or f16) for reduced-precision activations, f32 to keep them, \
+                     or leave it unset for the device's default",
+                ));
+            }
         }
         for (field, dtype) in [
             ("precision.weight_dtype", p.weight_dtype),
@@ -1292,6 +1307,12 @@ mod tests {
             }),
             ("precision.kv_cache_dtype", |c| {
                 c.precision.kv_cache_dtype = Some(DType::I32)
+            }),
+            ("precision.activation_dtype", |c| {
+                c.precision.activation_dtype = Some(DType::F8E4M3)
+            }),
+            ("precision.activation_dtype", |c| {
+                c.precision.activation_dtype = Some(DType::F64)
             }),
             ("precision.tolerance_scale", |c| {
                 c.precision.tolerance_scale = 0.0

@@ -291,7 +291,10 @@ pub fn run_reference(
 }
 
 /// Validates the plan inside `exec` against the reference (see the module docs).
-/// `original` is the graph before optimization; `tolerance_scale` multiplies every bound.
+/// `original` is the graph before optimization and `inputs` are in its dtypes; a float
+/// input that the plan declares in another float dtype (a KV cache kept in bf16, see
+/// [`crate::optimize::apply_activation_precision`]) is converted for the plan's run.
+/// `tolerance_scale` multiplies every bound.
 pub fn validate_plan(
     exec: &mut Executor,
     original: &Graph,
@@ -300,7 +303,20 @@ pub fn validate_plan(
     tolerance_scale: f64,
 ) -> Result<ValidationReport> {
     let _span = tracing::info_span!("validate_plan").entered();
-    let (outputs, values) = exec.run_traced(inputs)?;
+    let plan_inputs = inputs
+        .iter()
+        .zip(exec.plan().graph.inputs())
+        .map(|(t, &id)| {
+            let want = exec.plan().graph.value(id).spec.dtype;
+            let float = |d: DType| d.is_float() && !d.is_quantized();
+            if t.dtype() != want && float(t.dtype()) && float(want) {
+                t.to_dtype(want)
+            } else {
+                Ok(t.clone())
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (outputs, values) = exec.run_traced(&plan_inputs)?;
     let plan = exec.plan();
     let graph = &plan.graph;
     let mut ops = Vec::with_capacity(graph.nodes().len());

@@ -293,9 +293,21 @@ fn precision() -> impl Strategy<Value = PrecisionConfig> {
         opt(storage_dtype()),
         opt(storage_dtype()),
         (1u32..=10_000).prop_map(|n| f64::from(n) / 100.0),
+        opt(prop::sample::select(vec![
+            DType::F32,
+            DType::BF16,
+            DType::F16,
+        ])),
     )
         .prop_map(
-            |(level, compute_dtype, weight_dtype, kv_cache_dtype, tolerance_scale)| {
+            |(
+                level,
+                compute_dtype,
+                weight_dtype,
+                kv_cache_dtype,
+                tolerance_scale,
+                activation_dtype,
+            )| {
                 let uses = |pred: fn(DType) -> bool| {
                     weight_dtype.is_some_and(pred) || kv_cache_dtype.is_some_and(pred)
                 };
@@ -304,6 +316,7 @@ fn precision() -> impl Strategy<Value = PrecisionConfig> {
                     compute_dtype,
                     weight_dtype,
                     kv_cache_dtype,
+                    activation_dtype,
                     allow_fp8: uses(|d| matches!(d, DType::F8E4M3 | DType::F8E5M2))
                         || level != OptLevel::Conservative,
                     allow_int8: uses(|d| d == DType::I8) || level == OptLevel::Aggressive,

@@ -321,6 +321,7 @@ fn optimization_is_deterministic_and_reports_every_pass() {
             "fuse_sibling_linears",
             "fuse_add_rms_norm",
             "fuse_add_layer_norm",
+            "activation_precision",
             "precision",
             "kernel_selection",
             "memory_plan"

@@ -1,21 +1,26 @@
 //! The manager: `auto_optimize` turns a graph into an executable [`Plan`] by running
 //! deterministic passes, each of which reports what it changed.
 //!
-//! | level        | fusion | weights                              | kernels  | memory |
-//! |--------------|--------|--------------------------------------|----------|--------|
-//! | conservative | yes    | f32 (numerics change only by fp32 rounding) | registry | reuse |
-//! | balanced     | yes    | bf16                                 | registry | reuse  |
-//! | aggressive   | yes    | fp8 e4m3 (else int8, else bf16)      | registry | reuse  |
+//! | level        | fusion | activations        | weights                              | kernels  | memory |
+//! |--------------|--------|--------------------|--------------------------------------|----------|--------|
+//! | conservative | yes    | as built           | f32 (numerics change only by fp32 rounding) | registry | reuse |
+//! | balanced     | yes    | bf16 on GPUs       | bf16                                 | registry | reuse  |
+//! | aggressive   | yes    | bf16 on GPUs       | fp8 e4m3 (else int8, else bf16)      | registry | reuse  |
+//!
+//! Activations follow [`default_activation_dtype`] unless the config's
+//! `precision.activation_dtype` says otherwise (see [`apply_activation_precision`]).
 //!
 //! Kernel choice goes through a [`KernelSelector`] (the kernel registry of
 //! `kpt-kernels` implements it); kpt-core itself knows no kernel.
 
+mod activation;
 mod fusion;
 mod memory;
 mod merge;
 mod precision;
 mod rewrite;
 
+pub use activation::{apply_activation_precision, default_activation_dtype};
 pub use fusion::{fuse_add_layer_norm, fuse_add_rms_norm, fuse_linear_activation};
 pub use memory::{plan_memory, MemoryPlan};
 pub use merge::{fuse_gated_mlp, fuse_sibling_linears};
@@ -81,6 +86,10 @@ pub struct PrecisionPolicy {
     pub allow_fp8: bool,
     /// Whether int8 weights may be chosen.
     pub allow_int8: bool,
+    /// The dtype f32 activations compute in at every level but conservative; `None`
+    /// takes the device's default ([`default_activation_dtype`]: bf16 on GPUs, f32 on
+    /// the CPU), `Some(F32)` keeps f32 everywhere.
+    pub activation_dtype: Option<DType>,
 }
 
 impl Default for PrecisionPolicy {
@@ -89,6 +98,7 @@ impl Default for PrecisionPolicy {
             weight_dtype: None,
             allow_fp8: true,
             allow_int8: true,
+            activation_dtype: None,
         }
     }
 }
@@ -100,6 +110,7 @@ impl PrecisionPolicy {
             weight_dtype: config.precision.weight_dtype,
             allow_fp8: config.precision.allow_fp8,
             allow_int8: config.precision.allow_int8,
+            activation_dtype: config.precision.activation_dtype,
         }
     }
 }
@@ -159,6 +170,8 @@ pub fn auto_optimize(
     let (g, r) = fuse_add_rms_norm(&g)?;
     reports.push(r);
     let (g, r) = fuse_add_layer_norm(&g)?;
+    reports.push(r);
+    let (g, r) = apply_activation_precision(&g, level, policy, selector, device)?;
     reports.push(r);
     let (g, r) = apply_precision(&g, level, policy, selector, device)?;
     reports.push(r);

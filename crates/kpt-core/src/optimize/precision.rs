@@ -5,6 +5,7 @@ use crate::graph::{Graph, Op, TensorSpec};
 use crate::hardware::DeviceInfo;
 use crate::DType;
 
+use super::activation::only_linear_weight;
 use super::{KernelSelector, OptLevel, PassReport, PrecisionPolicy};
 
 impl PrecisionPolicy {
@@ -47,32 +48,24 @@ pub fn apply_precision(
         return Ok((out, report));
     }
     let consumers = graph.consumers();
-    let is_linear =
-        |n: &crate::graph::Node| matches!(n.op, Op::Linear { .. } | Op::LinearAct { .. });
     for node in graph.nodes() {
-        if !is_linear(node) {
+        if !matches!(node.op, Op::Linear { .. } | Op::LinearAct { .. }) {
             continue;
         }
         let w = node.inputs[1];
-        // A weight shared with another use (e.g. an embedding table tied to the output
-        // layer) keeps its dtype: only linear weight slots read compact weights.
-        let only_linear_weight = consumers[w.0].iter().all(|c| {
-            let n = &graph.nodes()[c.0];
-            is_linear(n)
-                && n.inputs[1] == w
-                && !n.inputs[..1].contains(&w)
-                && !n.inputs[2..].contains(&w)
-        });
-        if !only_linear_weight {
-            report.change(format!(
-                "{}: kept f32 weight (shared with another op)",
-                node.name
-            ));
-            continue;
-        }
         let Some(tensor) = graph.param_tensor(w) else {
             continue;
         };
+        // A weight shared with another use (e.g. an embedding table tied to the output
+        // layer) keeps its dtype: only linear weight slots read compact weights.
+        if !only_linear_weight(graph, &consumers, w) {
+            report.change(format!(
+                "{}: kept {} weight (shared with another op)",
+                node.name,
+                tensor.dtype()
+            ));
+            continue;
+        }
         if tensor.dtype() != DType::F32 {
             continue;
         }

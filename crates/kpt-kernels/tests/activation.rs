@@ -1,0 +1,360 @@
+//! Activation precision with the built-in kernel registry: a graph built in f32 and
+//! optimized for an H100 (a recorded device description, no GPU needed) computes in
+//! bf16 at the balanced and aggressive levels and gets the bf16 kernels (FlashAttention
+//! on Hopper); the same converted graphs, given CPU kernels, run on the CPU backend
+//! within the balanced budget of the f64 reference, prefill caches feeding decode.
+
+use std::sync::Arc;
+
+use kpt_core::backend::Backend;
+use kpt_core::exec::Executor;
+use kpt_core::graph::{AttentionParams, Graph, Op};
+use kpt_core::hardware::{DeviceInfo, DeviceKind};
+use kpt_core::optimize::{auto_optimize, plan_memory, select_kernels, Plan, PrecisionPolicy};
+use kpt_core::validate::{run_reference, validate_plan};
+use kpt_core::{DType, OptLevel, Tensor};
+use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
+
+use kpt_core::rand::SplitMix64 as Rng;
+
+/// An H100 SXM as `CudaBackend` describes it (sm_90, cuBLASLt present).
+fn h100() -> DeviceInfo {
+    DeviceInfo {
+        kind: DeviceKind::Cuda,
+        index: 0,
+        name: "NVIDIA H100 80GB HBM3".into(),
+        memory_bytes: Some(85_045_870_592),
+        compute_units: Some(132),
+        arch: Some("sm_90".into()),
+        features: vec!["cublaslt".into()],
+        properties: Default::default(),
+    }
+}
+
+const HEAD: usize = 64;
+const HEADS: usize = 2;
+const KV_HEADS: usize = 1;
+const VOCAB: usize = 48;
+const PROMPT: usize = 5;
+
+fn random(rng: &mut Rng, shape: &[usize], scale: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * scale)
+        .collect();
+    Tensor::from_vec(v, shape).unwrap()
+}
+
+/// A two-layer LLaMA-style decoder in f32 (tied embeddings): prefill takes ids and
+/// positions, decode also the past keys and values of each layer. Outputs: logits, then
+/// each layer's keys and values.
+fn decoder(decode: bool) -> Graph {
+    let (d, kvd) = (HEADS * HEAD, KV_HEADS * HEAD);
+    let s = if decode { 1 } else { PROMPT };
+    let mut rng = Rng::new(7);
+    let mut g = Graph::new();
+    let ids = g.input("ids", DType::I64, &[1, s]);
+    let pos = g.input("pos", DType::I64, &[s]);
+    let past: Vec<_> = (0..2)
+        .filter(|_| decode)
+        .map(|l| {
+            (
+                g.input(format!("past.{l}.k"), DType::F32, &[1, PROMPT, kvd]),
+                g.input(format!("past.{l}.v"), DType::F32, &[1, PROMPT, kvd]),
+            )
+        })
+        .collect();
+    let table = g.param("embed", random(&mut rng, &[VOCAB, d], 1.0));
+    let mut x = g.op("embed", Op::Embedding, &[ids, table]).unwrap();
+    let mut caches = Vec::new();
+    let rot = Op::Rotary {
+        head_dim: HEAD,
+        theta: 10000.0,
+        scaling: None,
+    };
+    for l in 0..2 {
+        let p = |n: &str| format!("layers.{l}.{n}");
+        let ones = Tensor::from_vec(vec![1f32; d], &[d]).unwrap();
+        let n1 = g.param(p("norm1"), ones.clone());
+        let n2 = g.param(p("norm2"), ones);
+        let w = |rng: &mut Rng, g: &mut Graph, n: &str, o: usize, i: usize| {
+            g.param(p(n), random(rng, &[o, i], 1.0 / (i as f32).sqrt()))
+        };
+        let (wq, wk, wv) = (
+            w(&mut rng, &mut g, "q", d, d),
+            w(&mut rng, &mut g, "k", kvd, d),
+            w(&mut rng, &mut g, "v", kvd, d),
+        );
+        let wo = w(&mut rng, &mut g, "o", d, d);
+        let (wg, wu, wdn) = (
+            w(&mut rng, &mut g, "gate", 2 * d, d),
+            w(&mut rng, &mut g, "up", 2 * d, d),
+            w(&mut rng, &mut g, "down", d, 2 * d),
+        );
+        let lin = Op::Linear { bias: false };
+        let h = g
+            .op(p("norm1"), Op::RmsNorm { eps: 1e-5 }, &[x, n1])
+            .unwrap();
+        let q = g.op(p("q"), lin.clone(), &[h, wq]).unwrap();
+        let k = g.op(p("k"), lin.clone(), &[h, wk]).unwrap();
+        let mut v = g.op(p("v"), lin.clone(), &[h, wv]).unwrap();
+        let q = g.op(p("q_rot"), rot.clone(), &[q, pos]).unwrap();
+        let mut k = g.op(p("k_rot"), rot.clone(), &[k, pos]).unwrap();
+        if let Some(&(pk, pv)) = past.get(l) {
+            k = g
+                .op(p("k_cache"), Op::Concat { axis: 1 }, &[pk, k])
+                .unwrap();
+            v = g
+                .op(p("v_cache"), Op::Concat { axis: 1 }, &[pv, v])
+                .unwrap();
+        }
+        caches.push((k, v));
+        let attn = Op::Attention(AttentionParams::new(HEADS, KV_HEADS, HEAD, true));
+        let a = g.op(p("attn"), attn, &[q, k, v]).unwrap();
+        let o = g.op(p("o"), lin.clone(), &[a, wo]).unwrap();
+        x = g.op(p("residual1"), Op::Add, &[x, o]).unwrap();
+        let h = g
+            .op(p("norm2"), Op::RmsNorm { eps: 1e-5 }, &[x, n2])
+            .unwrap();
+        let gate = g.op(p("gate"), lin.clone(), &[h, wg]).unwrap();
+        let gate = g
+            .op(
+                p("act"),
+                Op::Activation {
+                    act: kpt_core::graph::Activation::Silu,
+                },
+                &[gate],
+            )
+            .unwrap();
+        let up = g.op(p("up"), lin.clone(), &[h, wu]).unwrap();
+        let m = g.op(p("mul"), Op::Mul, &[gate, up]).unwrap();
+        let m = g.op(p("down"), lin, &[m, wdn]).unwrap();
+        x = g.op(p("residual2"), Op::Add, &[x, m]).unwrap();
+    }
+    let logits = g
+        .op("lm_head", Op::Linear { bias: false }, &[x, table])
+        .unwrap();
+    g.output(logits).unwrap();
+    for (k, v) in caches {
+        g.output(k).unwrap();
+        g.output(v).unwrap();
+    }
+    g
+}
+
+fn step_inputs(ids: &[i64], start: usize, caches: &[Tensor]) -> Vec<Tensor> {
+    let n = ids.len();
+    let mut v = vec![
+        Tensor::from_vec(ids.to_vec(), &[1, n]).unwrap(),
+        Tensor::from_vec((start..start + n).map(|p| p as i64).collect(), &[n]).unwrap(),
+    ];
+    v.extend(caches.iter().cloned());
+    v
+}
+
+fn optimize(graph: &Graph, level: OptLevel, device: &DeviceInfo) -> Plan {
+    auto_optimize(
+        graph,
+        level,
+        &PrecisionPolicy::default(),
+        &KernelRegistry::with_builtin(),
+        device,
+    )
+    .unwrap_or_else(|e| panic!("auto_optimize at {level}: {e}"))
+}
+
+/// The kernel of each node whose op is of `kind`.
+fn kernels_of(plan: &Plan, kind: &str) -> Vec<String> {
+    plan.graph
+        .nodes()
+        .iter()
+        .zip(&plan.kernels)
+        .filter(|(n, _)| n.op.kind().name() == kind)
+        .map(|(_, k)| k.kernel.clone())
+        .collect()
+}
+
+fn input_dtypes(g: &Graph) -> Vec<DType> {
+    g.inputs()
+        .iter()
+        .map(|&i| g.spec(i).unwrap().dtype)
+        .collect()
+}
+
+fn output_dtypes(g: &Graph) -> Vec<DType> {
+    g.outputs()
+        .iter()
+        .map(|&o| g.spec(o).unwrap().dtype)
+        .collect()
+}
+
+#[test]
+fn h100_balanced_plans_compute_in_bf16_with_flash_attention() {
+    for decode in [false, true] {
+        let graph = decoder(decode);
+        let plan = optimize(&graph, OptLevel::Balanced, &h100());
+        let attn = kernels_of(&plan, "attention");
+        assert_eq!(
+            attn,
+            vec!["cuda.attention.flash_sm90"; 2],
+            "decode {decode}"
+        );
+        for kernel in kernels_of(&plan, "rms_norm")
+            .iter()
+            .chain(&kernels_of(&plan, "add_rms_norm"))
+        {
+            assert!(kernel.starts_with("triton."), "{kernel}");
+        }
+        for node in plan.graph.nodes() {
+            let out = plan.graph.spec(node.outputs[0]).unwrap().dtype;
+            let cast_back = node.name == "lm_head" && matches!(node.op, Op::Cast { .. });
+            if matches!(
+                node.op.kind().name(),
+                "attention" | "rms_norm" | "add_rms_norm"
+            ) {
+                assert_eq!(out, DType::BF16, "{}", node.name);
+            }
+            if matches!(node.op, Op::Linear { .. }) {
+                assert_eq!(out, DType::BF16, "{}", node.name);
+                let w = plan.graph.spec(node.inputs[1]).unwrap().dtype;
+                assert_eq!(w, DType::BF16, "{} weight", node.name);
+            }
+            assert!(
+                !matches!(node.op, Op::Cast { .. }) || cast_back,
+                "only the logits are cast: {}",
+                node.name
+            );
+        }
+        // Logits as declared; the caches in bf16, taken by decode as they come.
+        let mut want = vec![DType::F32];
+        want.extend([DType::BF16; 4]);
+        assert_eq!(output_dtypes(&plan.graph), want);
+        let mut want_in = vec![DType::I64; 2];
+        if decode {
+            want_in.extend([DType::BF16; 4]);
+        }
+        assert_eq!(input_dtypes(&plan.graph), want_in);
+        let report = plan
+            .reports
+            .iter()
+            .find(|r| r.pass == "activation_precision")
+            .expect("activation pass report");
+        assert!(report.changes.iter().any(|c| c.contains("param embed")));
+    }
+}
+
+#[test]
+fn h100_other_levels() {
+    let graph = decoder(false);
+    // Conservative keeps the graph's f32: the general kernel.
+    let plan = optimize(&graph, OptLevel::Conservative, &h100());
+    assert_eq!(kernels_of(&plan, "attention"), vec!["cuda.attention"; 2]);
+    assert!(output_dtypes(&plan.graph).iter().all(|&d| d == DType::F32));
+    // Aggressive: FP8 weights under bf16 activations.
+    let plan = optimize(&graph, OptLevel::Aggressive, &h100());
+    assert_eq!(
+        kernels_of(&plan, "attention"),
+        vec!["cuda.attention.flash_sm90"; 2]
+    );
+    let weights: Vec<DType> = plan
+        .graph
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::Linear { .. }) && n.name != "lm_head")
+        .map(|n| plan.graph.spec(n.inputs[1]).unwrap().dtype)
+        .collect();
+    assert!(!weights.is_empty());
+    assert!(weights.iter().all(|&d| d == DType::F8E4M3), "{weights:?}");
+    // The config's override keeps f32 on the GPU.
+    let keep = PrecisionPolicy {
+        activation_dtype: Some(DType::F32),
+        ..PrecisionPolicy::default()
+    };
+    let plan = auto_optimize(
+        &graph,
+        OptLevel::Balanced,
+        &keep,
+        &KernelRegistry::with_builtin(),
+        &h100(),
+    )
+    .unwrap();
+    assert_eq!(kernels_of(&plan, "attention"), vec!["cuda.attention"; 2]);
+}
+
+#[test]
+fn cpu_plans_keep_f32_activations() {
+    let backend = CpuBackend::new().unwrap();
+    for level in OptLevel::ALL {
+        let plan = optimize(&decoder(true), level, backend.device());
+        assert!(input_dtypes(&plan.graph)[2..]
+            .iter()
+            .all(|&d| d == DType::F32));
+        assert!(output_dtypes(&plan.graph).iter().all(|&d| d == DType::F32));
+        let report = plan
+            .reports
+            .iter()
+            .find(|r| r.pass == "activation_precision")
+            .unwrap();
+        assert!(report.changes.is_empty(), "{level}: {report:?}");
+    }
+}
+
+/// `plan` with kernels chosen again for `backend` (the graph as optimized elsewhere).
+fn on_cpu(plan: Plan, backend: &Arc<dyn Backend>) -> Executor {
+    let registry = KernelRegistry::with_builtin();
+    let (kernels, _) = select_kernels(&plan.graph, &registry, backend.device()).unwrap();
+    let memory = plan_memory(&plan.graph);
+    let plan = Plan {
+        kernels,
+        memory,
+        ..plan
+    };
+    Executor::new(plan, backend.clone()).unwrap()
+}
+
+fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
+    let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+    let m = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+    let e = g
+        .iter()
+        .zip(&w)
+        .fold(0f64, |e, (a, b)| e.max((a - b).abs()));
+    e / m.max(1e-30)
+}
+
+#[test]
+fn h100_balanced_graphs_run_within_the_balanced_budget() {
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new().unwrap());
+    let (prefill, decode) = (decoder(false), decoder(true));
+    let mut pre = on_cpu(optimize(&prefill, OptLevel::Balanced, &h100()), &backend);
+    let mut dec = on_cpu(optimize(&decode, OptLevel::Balanced, &h100()), &backend);
+    let prompt: Vec<i64> = (0..PROMPT as i64)
+        .map(|i| (i * 7 + 3) % VOCAB as i64)
+        .collect();
+    let pre_in = step_inputs(&prompt, 0, &[]);
+    let report = validate_plan(&mut pre, &prefill, &CpuReference, &pre_in, 1.0).unwrap();
+    assert!(report.passed(), "prefill: {report:#?}");
+    // Decode validated on the reference's caches, given in f32 as the original graph
+    // declares them.
+    let reference = run_reference(&prefill, &CpuReference, &pre_in).unwrap();
+    let caches: Vec<Tensor> = reference[1..]
+        .iter()
+        .map(|t| t.to_dtype(DType::F32).unwrap())
+        .collect();
+    let dec_in = step_inputs(&[prompt[0]], PROMPT, &caches);
+    let report = validate_plan(&mut dec, &decode, &CpuReference, &dec_in, 1.0).unwrap();
+    assert!(report.passed(), "decode: {report:#?}");
+    // Generation: the plan's bf16 caches go from prefill to decode as they are.
+    let outs = pre.run(&pre_in).unwrap();
+    assert_eq!(outs[0].dtype(), DType::F32);
+    assert!(outs[1..].iter().all(|t| t.dtype() == DType::BF16));
+    let step = dec
+        .run(&step_inputs(&[prompt[0]], PROMPT, &outs[1..]))
+        .unwrap();
+    let want = run_reference(&decode, &CpuReference, &dec_in).unwrap();
+    assert_eq!(step[0].dtype(), DType::F32);
+    for (i, (g, w)) in step.iter().zip(&want).enumerate() {
+        let e = rel_err(g, w);
+        assert!(e <= 5e-2, "decode output {i}: {e:.3e}");
+    }
+}
