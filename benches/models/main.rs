@@ -219,6 +219,10 @@ struct Batch {
     caches: Vec<DeviceTensor>,
     len: usize,
     next: Vec<i64>,
+    /// Seconds spent in `run_resident` with every output left on the device: the host's
+    /// work of launching the step (the wait for the GPU comes after, in the logits'
+    /// download).
+    enqueue: f64,
 }
 
 impl Batch {
@@ -251,6 +255,7 @@ impl Batch {
             caches,
             len,
             next: argmax_last(&logits),
+            enqueue: 0.0,
         })
     }
 
@@ -259,8 +264,10 @@ impl Batch {
         let rows: Vec<Vec<i64>> = self.next.iter().map(|&t| vec![t]).collect();
         let mut inputs = batch_inputs(&rows, self.len)?;
         inputs.extend(self.caches.drain(..).map(RunTensor::Device));
-        let keep: Vec<bool> = (0..inputs.len() - 1).map(|i| i > 0).collect();
+        let keep = vec![true; inputs.len() - 1];
+        let start = std::time::Instant::now();
         let mut outs = decode.run_resident(inputs, &keep)?.into_iter();
+        self.enqueue += start.elapsed().as_secs_f64();
         let logits = outs
             .next()
             .context("no logits")?
@@ -274,6 +281,37 @@ impl Batch {
         self.len += 1;
         Ok(std::mem::replace(&mut self.next, argmax_last(&logits)))
     }
+}
+
+/// Seconds per decode step of `batch` sequences (`steps` steps after a prefill of `ctx`
+/// tokens, `reps` timed repetitions after one warm-up), and per step the host's time
+/// launching it.
+#[allow(clippy::too_many_arguments)]
+fn decode_per_token(
+    kpt: &mut Kpt,
+    prefill: &mut Executor,
+    decode: &mut Executor,
+    batch: usize,
+    ctx: usize,
+    steps: usize,
+    reps: usize,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (mut per_token, mut enqueue) = (Vec::new(), Vec::new());
+    for rep in 0..reps + 1 {
+        let prompts: Vec<Vec<i64>> = (0..batch).map(|_| kpt.ids(ctx)).collect();
+        let mut seqs = Batch::prefill(kpt, prefill, &prompts, ctx + steps + 1)?;
+        let t = kpt.time(|| {
+            for _ in 0..steps {
+                seqs.step(kpt, decode)?;
+            }
+            Ok(())
+        })?;
+        if rep >= 1 {
+            per_token.push(t / steps as f64);
+            enqueue.push(seqs.enqueue / steps as f64);
+        }
+    }
+    Ok((per_token, enqueue))
 }
 
 /// Kernel time per decode step from the backend's profiler (one sequence, `steps`
@@ -293,6 +331,7 @@ fn kernel_time_per_step(
     for _ in 0..steps {
         seq.step(kpt, decode)?;
     }
+    kpt.backend.synchronize()?;
     let profile = kpt.backend.profile()?;
     kpt.backend.set_profiling(false)?;
     let total: f64 = profile.iter().map(|p| p.seconds).sum();
@@ -477,20 +516,8 @@ fn main() -> Result<()> {
     for batch in [1, shapes.decode_batch] {
         progress.inc(1);
         progress.set_message(format!("decode B{batch}"));
-        let mut per_token = Vec::new();
-        for rep in 0..reps + 1 {
-            let prompts: Vec<Vec<i64>> = (0..batch).map(|_| kpt.ids(ctx)).collect();
-            let mut seqs = Batch::prefill(&kpt, &mut prefill, &prompts, ctx + steps + 1)?;
-            let t = kpt.time(|| {
-                for _ in 0..steps {
-                    seqs.step(&kpt, &mut decode)?;
-                }
-                Ok(())
-            })?;
-            if rep >= 1 {
-                per_token.push(t / steps as f64);
-            }
-        }
+        let (per_token, enqueue) =
+            decode_per_token(&mut kpt, &mut prefill, &mut decode, batch, ctx, steps, reps)?;
         let hf_t = hf_seconds(
             &mut worker,
             json!({"op": "decode", "dtype": dname, "batch": batch, "context": ctx,
@@ -510,12 +537,30 @@ fn main() -> Result<()> {
         ));
         row = if batch == 1 {
             let (kernels, top) = kernel_time_per_step(&kpt, &mut prefill, &mut decode, ctx, steps)?;
+            // The same step with cuBLASLt for every linear (no GEMV kernel), as before it.
+            let mut without = kpt.registry.clone();
+            without.set_disabled(&["cuda.linear.gemv".to_string()]);
+            let plan = auto_optimize(
+                &model.graph(Phase::Decode, ctx)?,
+                level,
+                &PrecisionPolicy::default(),
+                &without,
+                kpt.backend.device(),
+            )?;
+            let mut cublas = Executor::new(plan, kpt.backend.clone())?;
+            let (cublas_t, _) =
+                decode_per_token(&mut kpt, &mut prefill, &mut cublas, 1, ctx, steps, reps)?;
+            drop(cublas);
             row.with_target_or_parity(gpu, |r| r.with_target(1000.0))
                 .with_note(format!(
-                    "kernels {:.2} ms of {:.2} ms per token (the rest is launch overhead on \
-                     the host); most time: {top}",
+                    "{:.2} ms per token, of which the host spends {:.2} ms launching the \
+                     step; profiled kernels {:.2} ms (CUDA events around each launch, so \
+                     they include gaps where the GPU waits for the host); most time: \
+                     {top}; with cuBLASLt for every linear (no GEMV kernel): {:.1} tokens/s",
+                    median_of(&per_token) * 1e3,
+                    median_of(&enqueue) * 1e3,
                     kernels * 1e3,
-                    median_of(&per_token) * 1e3
+                    1.0 / median_of(&cublas_t),
                 ))
         } else {
             row.with_target_or_parity(gpu, |r| r.with_target_ratio(10.0))
