@@ -219,9 +219,8 @@ struct Batch {
     caches: Vec<DeviceTensor>,
     len: usize,
     next: Vec<i64>,
-    /// Seconds spent in `run_resident` with every output left on the device: the host's
-    /// work of launching the step (the wait for the GPU comes after, in the logits'
-    /// download).
+    /// Seconds the host spent launching the steps (`Executor::last_launch_seconds`, every
+    /// output left on the device so that nothing waits for the GPU before the run's end).
     enqueue: f64,
 }
 
@@ -265,9 +264,8 @@ impl Batch {
         let mut inputs = batch_inputs(&rows, self.len)?;
         inputs.extend(self.caches.drain(..).map(RunTensor::Device));
         let keep = vec![true; inputs.len() - 1];
-        let start = std::time::Instant::now();
         let mut outs = decode.run_resident(inputs, &keep)?.into_iter();
-        self.enqueue += start.elapsed().as_secs_f64();
+        self.enqueue += decode.last_launch_seconds();
         let logits = outs
             .next()
             .context("no logits")?
