@@ -298,8 +298,8 @@ const SPLIT_WAVE_BLOCKS: usize = 528;
 const GEMV_ROW_CLASSES: [usize; 5] = [1, 2, 4, 8, 16];
 /// The most activation rows the GEMV kernel takes.
 pub(crate) const GEMV_MAX_ROWS: usize = 16;
-/// Weight rows per block of `gemv.cu` (one per warp, its kWarps).
-const GEMV_WARPS: usize = 8;
+/// Weight rows per block of `gemv.cu` (two warps per row, its kRowsPerBlock).
+const GEMV_ROWS_PER_BLOCK: usize = 4;
 
 /// Sizes of one GEMV call (the kernel's `GemvDims`).
 #[repr(C)]
@@ -795,7 +795,7 @@ impl Gpu {
             vec: i32::from(vec),
         };
         let entry = format!("kpt_gemv_{}_m{class}", float_name(dtype)?);
-        let blocks = grid("gemv rows", n.div_ceil(GEMV_WARPS))?;
+        let blocks = grid("gemv rows", n.div_ceil(GEMV_ROWS_PER_BLOCK))?;
         launch!(self, "gemv", entry, blocks; x, w, bias, out, dims);
         Ok(())
     }
