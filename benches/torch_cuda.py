@@ -61,6 +61,11 @@ def variants(req):
         a, b = rand((m, k), dt), rand((k, n), dt)
         out = torch.empty((m, n), dtype=dt, device="cuda")
         return [("torch.matmul", lambda: torch.matmul(a, b, out=out))]
+    if kind == "linear":
+        m, k, n = req["m"], req["k"], req["n"]
+        x, w = rand((m, k), dt), rand((n, k), dt, -0.05, 0.05)
+        f = lambda: F.linear(x, w)
+        return [("torch eager", f), ("torch.compile", compiled(f))]
     if kind == "linear_gelu":
         m, k, n = req["m"], req["k"], req["n"]
         x, w, bias = rand((m, k), dt), rand((n, k), dt, -0.02, 0.02), rand((n,), dt)

@@ -299,6 +299,30 @@ fn cases() -> Vec<Case> {
             note: "e4m3 x e4m3 -> bf16, per-tensor scales, no fast accumulation (torch's default)",
         });
     }
+    // Decode-sized linears of the 1.1B LLaMA (one token): merged q/k/v, gate/up, down
+    // and lm_head, bound by reading the weights once.
+    for (k, n) in [
+        (2048usize, 2560usize),
+        (2048, 11264),
+        (5632, 2048),
+        (2048, 32000),
+    ] {
+        out.push(Case {
+            name: format!("linear_bf16_m1_{k}x{n}"),
+            metric: "TB/s",
+            work: ((n * k + k + n) * 2) as f64,
+            kpt: Work::Op(Op::Linear { bias: false }),
+            inputs: vec![
+                random(&mut rng, &[1, k], bf, -1.0, 1.0),
+                random(&mut rng, &[n, k], bf, -0.05, 0.05),
+            ],
+            torch: json!({"kind": "linear", "m": 1, "k": k, "n": n, "dtype": "bf16"}),
+            target_ratio: None,
+            target: Some(2.5),
+            target_vs_case: None,
+            note: "bytes = read weights, x + write out; kpt: cuda.linear.gemv",
+        });
+    }
     let (rows, dim) = (32768usize, 4096usize);
     let bytes = (rows * dim * 2) as f64;
     out.push(Case {

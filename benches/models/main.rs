@@ -227,6 +227,9 @@ struct Batch {
     caches: Vec<DeviceTensor>,
     len: usize,
     next: Vec<i64>,
+    /// Seconds the host spent launching the steps (`Executor::last_launch_seconds`, every
+    /// output left on the device so that nothing waits for the GPU before the run's end).
+    enqueue: f64,
 }
 
 impl Batch {
@@ -259,6 +262,7 @@ impl Batch {
             caches,
             len,
             next: argmax_last(&logits),
+            enqueue: 0.0,
         })
     }
 
@@ -267,8 +271,9 @@ impl Batch {
         let rows: Vec<Vec<i64>> = self.next.iter().map(|&t| vec![t]).collect();
         let mut inputs = batch_inputs(&rows, self.len)?;
         inputs.extend(self.caches.drain(..).map(RunTensor::Device));
-        let keep: Vec<bool> = (0..inputs.len() - 1).map(|i| i > 0).collect();
+        let keep = vec![true; inputs.len() - 1];
         let mut outs = decode.run_resident(inputs, &keep)?.into_iter();
+        self.enqueue += decode.last_launch_seconds();
         let logits = outs
             .next()
             .context("no logits")?
@@ -284,6 +289,33 @@ impl Batch {
     }
 }
 
+/// Seconds per decode step of `batch` sequences (`steps` steps after a prefill of `ctx`
+/// tokens, `reps` timed repetitions after one warm-up), and per step the host's time
+/// launching it.
+fn decode_per_token(
+    kpt: &mut Kpt,
+    (prefill, decode): (&mut Executor, &mut Executor),
+    batch: usize,
+    (ctx, steps, reps): (usize, usize, usize),
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (mut per_token, mut enqueue) = (Vec::new(), Vec::new());
+    for rep in 0..reps + 1 {
+        let prompts: Vec<Vec<i64>> = (0..batch).map(|_| kpt.ids(ctx)).collect();
+        let mut seqs = Batch::prefill(kpt, prefill, &prompts, ctx + steps + 1)?;
+        let t = kpt.time(|| {
+            for _ in 0..steps {
+                seqs.step(kpt, decode)?;
+            }
+            Ok(())
+        })?;
+        if rep >= 1 {
+            per_token.push(t / steps as f64);
+            enqueue.push(seqs.enqueue / steps as f64);
+        }
+    }
+    Ok((per_token, enqueue))
+}
+
 /// Kernel time per call of `f` (run `calls` times) from the backend's profiler, and the
 /// three kernels that take most of it, as a note.
 fn kernel_time(kpt: &Kpt, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<String> {
@@ -293,6 +325,7 @@ fn kernel_time(kpt: &Kpt, calls: usize, mut f: impl FnMut() -> Result<()>) -> Re
     for _ in 0..calls {
         f()?;
     }
+    kpt.backend.synchronize()?;
     let profile = kpt.backend.profile()?;
     kpt.backend.set_profiling(false)?;
     let per_call = |seconds: f64| seconds / calls.max(1) as f64 * 1e3;
@@ -474,20 +507,12 @@ fn main() -> Result<()> {
     for batch in [1, shapes.decode_batch] {
         progress.inc(1);
         progress.set_message(format!("decode B{batch}"));
-        let mut per_token = Vec::new();
-        for rep in 0..reps + 1 {
-            let prompts: Vec<Vec<i64>> = (0..batch).map(|_| kpt.ids(ctx)).collect();
-            let mut seqs = Batch::prefill(&kpt, &mut prefill, &prompts, ctx + steps + 1)?;
-            let t = kpt.time(|| {
-                for _ in 0..steps {
-                    seqs.step(&kpt, &mut decode)?;
-                }
-                Ok(())
-            })?;
-            if rep >= 1 {
-                per_token.push(t / steps as f64);
-            }
-        }
+        let (per_token, enqueue) = decode_per_token(
+            &mut kpt,
+            (&mut prefill, &mut decode),
+            batch,
+            (ctx, steps, reps),
+        )?;
         let hf_t = hf_seconds(
             &mut worker,
             json!({"op": "decode", "dtype": dname, "batch": batch, "context": ctx,
@@ -512,10 +537,29 @@ fn main() -> Result<()> {
                 seq.step(&kpt, &mut decode)?;
                 Ok(())
             })?;
+            // The same step with cuBLASLt for every linear (no GEMV kernel).
+            let mut without = kpt.registry.clone();
+            without.set_disabled(&["cuda.linear.gemv".to_string()]);
+            let plan = auto_optimize(
+                &model.graph(Phase::Decode, ctx)?,
+                level,
+                &PrecisionPolicy::default(),
+                &without,
+                kpt.backend.device(),
+            )?;
+            let mut cublas = Executor::new(plan, kpt.backend.clone())?;
+            let (cublas_t, _) =
+                decode_per_token(&mut kpt, (&mut prefill, &mut cublas), 1, (ctx, steps, reps))?;
+            drop(cublas);
             row.with_target_or_parity(gpu, |r| r.with_target(1000.0))
                 .with_note(format!(
-                    "{:.2} ms per token; {profile}",
-                    median_of(&per_token) * 1e3
+                    "{:.2} ms per token, of which the host spends {:.2} ms launching the \
+                     step; {profile} (CUDA events around each launch, so they include gaps \
+                     where the GPU waits for the host); with cuBLASLt for every linear (no \
+                     GEMV kernel): {:.1} tokens/s",
+                    median_of(&per_token) * 1e3,
+                    median_of(&enqueue) * 1e3,
+                    1.0 / median_of(&cublas_t),
                 ))
         } else {
             row.with_target_or_parity(gpu, |r| r.with_target_ratio(10.0))

@@ -181,6 +181,20 @@ pub trait Backend: Send + Sync {
         outputs: &mut [BufferMut<'_>],
     ) -> Result<()>;
 
+    /// [`Backend::execute`] for a caller that has already inferred every output spec
+    /// from the input specs with `op.infer` and sized the buffers for them, as the
+    /// executor does for the whole graph once per run: a backend may skip inferring them
+    /// again for each launch. The default runs [`Backend::execute`].
+    fn execute_inferred(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        self.execute(kernel, op, inputs, outputs)
+    }
+
     /// Runs `work`, the kernel launches of one plan run, where this backend launches
     /// best. The CPU backend runs it on one of its worker threads, so that each kernel's
     /// parallel loop starts from a worker (which joins in) instead of handing the loop

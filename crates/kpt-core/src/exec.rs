@@ -9,6 +9,7 @@
 //! copied, and the output is the input's buffer.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
 use crate::error::{KptError, Result};
@@ -103,6 +104,8 @@ pub struct Executor {
     slots: Vec<Option<DeviceBuffer>>,
     /// Per node: the graph-input index of the cache a `Concat` may append to in place.
     appends: Vec<Option<usize>>,
+    /// Host time of the last run up to its final wait for the backend.
+    last_launch: Duration,
 }
 
 impl std::fmt::Debug for Executor {
@@ -168,6 +171,7 @@ impl Executor {
             params,
             slots,
             appends,
+            last_launch: Duration::ZERO,
         })
     }
 
@@ -217,18 +221,28 @@ impl Executor {
             .map(|(outs, _)| outs)
     }
 
+    /// The host's time in the last run up to its final wait for the backend: preparing
+    /// the inputs and launching every kernel (on an asynchronous backend the kernels run
+    /// meanwhile; a download of an output kept on the host waits for them too). Where it
+    /// is close to the whole run's time, the host's launch work bounds the run.
+    pub fn last_launch_seconds(&self) -> f64 {
+        self.last_launch.as_secs_f64()
+    }
+
     fn run_inner(
         &mut self,
         inputs: Vec<RunTensor>,
         on_device: &[bool],
         trace: bool,
     ) -> Result<(Vec<RunTensor>, Vec<Option<Tensor>>)> {
+        let started = Instant::now();
         let Self {
             plan,
             backend,
             params,
             slots,
             appends,
+            last_launch,
         } = self;
         let graph = &plan.graph;
         let slot_of = &plan.memory.slot_of;
@@ -319,7 +333,9 @@ impl Executor {
                             spec: &specs[o.0],
                         })
                         .collect();
-                    backend.execute(&choice.kernel, &node.op, &in_refs, &mut out_refs)
+                    // `specs` came from `graph.infer_specs` for this run's inputs, and
+                    // the slots were sized for them above.
+                    backend.execute_inferred(&choice.kernel, &node.op, &in_refs, &mut out_refs)
                 };
                 for (o, buf) in node.outputs.iter().zip(outs) {
                     if trace {
@@ -375,6 +391,7 @@ impl Executor {
         for (s, own) in displaced {
             slots[s] = own;
         }
+        *last_launch = started.elapsed();
         backend.synchronize()?;
         Ok((outputs, traced))
     }

@@ -169,6 +169,19 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             Linear,
             "cuBLASLt GEMM with the bias fused in the epilogue",
         ),
+        k(
+            "cuda.linear.gemv",
+            Linear,
+            CUDA_FLOATS,
+            "bandwidth-bound GEMV for decode: one warp per weight row, 16-byte streaming \
+             loads, f32 accumulation, bias fused; weights of another dtype go to cuBLASLt",
+        )
+        .weights(CUDA_FLOATS)
+        .with_priority(GEMV_PRIORITY)
+        .limits(ShapeLimits {
+            max_rows: Some(GEMV_MAX_ROWS),
+            ..ShapeLimits::default()
+        }),
         gemm(
             "cuda.linear_act.cublaslt",
             LinearAct,
@@ -368,6 +381,13 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
     ]
 }
 
+/// Above cuBLASLt (100) for the row counts it takes: at M <= 16 a linear op is bound by
+/// reading the weights, which the GEMV kernel does at close to copy bandwidth.
+const GEMV_PRIORITY: i32 = 110;
+
+/// The most activation rows `cuda.linear.gemv` takes (its largest row class).
+const GEMV_MAX_ROWS: usize = 16;
+
 /// Above the CUDA norms (100): faster on the H100 (docs/reports/nvidia-h100-latest.md).
 const TRITON_NORM_PRIORITY: i32 = 110;
 
@@ -377,6 +397,7 @@ const TRITON_ROWS: ShapeLimits = ShapeLimits {
     max_head_dim: None,
     head_dim_multiple: None,
     max_k: None,
+    max_rows: None,
     max_row: Some(8192),
     row_multiple: Some(16),
     varlen: false,
@@ -401,6 +422,7 @@ const ANY_ATTENTION: ShapeLimits = ShapeLimits {
     max_head_dim: None,
     head_dim_multiple: None,
     max_k: None,
+    max_rows: None,
     max_row: None,
     row_multiple: None,
     varlen: true,

@@ -18,6 +18,10 @@ pub struct ShapeLimits {
     pub head_dim_multiple: Option<usize>,
     /// Largest reduction (K) dimension of a GEMM.
     pub max_k: Option<usize>,
+    /// Largest row count (M, the product of every dim but the last of the activations)
+    /// of a linear op: kernels built for decode-sized calls leave larger ones to GEMMs.
+    #[serde(default)]
+    pub max_rows: Option<usize>,
     /// Largest last dimension of a row-wise op (norms, softmax).
     pub max_row: Option<usize>,
     /// The last dimension of a row-wise op must be a multiple of this.
@@ -230,6 +234,13 @@ impl KernelDef {
             let k = first.shape.last().copied().unwrap_or(0);
             if k > max {
                 return Some(format!("K = {k} > {max}"));
+            }
+        }
+        if let (Some(max), Op::Linear { .. } | Op::LinearAct { .. }) = (self.limits.max_rows, op) {
+            let k = first.shape.last().copied().unwrap_or(1).max(1);
+            let rows = first.numel() / k;
+            if rows > max {
+                return Some(format!("M = {rows} > {max}"));
             }
         }
         None

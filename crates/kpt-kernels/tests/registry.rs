@@ -829,3 +829,29 @@ fn the_log_sum_exp_goes_only_to_kernels_that_give_or_take_it() {
     let why = def.rejection(&fwd, &inputs, &cpu());
     assert_eq!(why.as_deref(), Some("no log-sum-exp"));
 }
+
+#[test]
+fn decode_sized_linears_take_the_gemv_kernel_and_larger_ones_cublaslt() {
+    let registry = KernelRegistry::with_builtin();
+    let mut h100 = fake_device(DeviceKind::Cuda, "sm_90");
+    h100.features = vec!["cublaslt".to_string()];
+    let op = Op::Linear { bias: false };
+    let bf16 = |shape: &[usize]| TensorSpec::new(shape, DType::BF16);
+    for rows in [1, 7, 16] {
+        let chain =
+            registry.fallback_chain(&op, &[bf16(&[1, rows, 2048]), bf16(&[2560, 2048])], &h100);
+        assert_eq!(
+            chain[..2],
+            ["cuda.linear.gemv", "cuda.linear.cublaslt"],
+            "{rows} rows"
+        );
+    }
+    let chain = registry.fallback_chain(&op, &[bf16(&[17, 2048]), bf16(&[2560, 2048])], &h100);
+    assert_eq!(chain[0], "cuda.linear.cublaslt");
+    let why = registry.explain(&op, &[bf16(&[2, 9, 64]), bf16(&[8, 64])], &h100);
+    let gemv = why.iter().find(|c| c.kernel == "cuda.linear.gemv").unwrap();
+    assert!(
+        gemv.rank.is_none() && gemv.reason.contains("M = 18 > 16"),
+        "{gemv:?}"
+    );
+}

@@ -16,7 +16,7 @@ use kpt_kernels::CpuBackend;
 
 use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
 use crate::gpu::Gpu;
-use crate::kernels::{AttentionDims, Binary, FlashBackward, Impl, QuantScale};
+use crate::kernels::{AttentionDims, Binary, FlashBackward, Impl, QuantScale, GEMV_MAX_ROWS};
 use crate::memory::DeviceBlock;
 use crate::profiler::Profiler;
 use crate::NvidiaError;
@@ -26,6 +26,8 @@ use crate::NvidiaError;
 const FLASH_ATTENTION: &str = "cuda.attention.flash";
 const FLASH_ATTENTION_SM90: &str = "cuda.attention.flash_sm90";
 const FLASH_ATTENTION_FP8: &str = "cuda.attention.fp8_sm90";
+/// The registry name of the GEMV kernel for linear ops with few rows (`kernels/cuda/gemv.cu`).
+const GEMV: &str = "cuda.linear.gemv";
 
 /// Options of the CUDA backend (from `KptConfig`'s `nvidia` section).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -295,6 +297,34 @@ impl CudaBackend {
         Ok(fresh)
     }
 
+    /// Linear on the GEMV kernel (`cuda.linear.gemv`) when the activations, weights and
+    /// output share one dtype and the call has at most `GEMV_MAX_ROWS` rows; anything
+    /// else (weights to convert, more rows) goes to cuBLASLt. The specs were checked
+    /// against the op's inference before this runs.
+    fn gemv(&self, bias: bool, inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>) -> Result<()> {
+        let (a, w) = (inputs[0].spec, inputs[1].spec);
+        let k = a.shape.last().copied().unwrap_or(1);
+        let m: usize = a.shape[..a.shape.len().saturating_sub(1)].iter().product();
+        let n = w.shape.first().copied().unwrap_or(0);
+        let same = a.dtype == w.dtype && out.spec.dtype == a.dtype;
+        if !same || m > GEMV_MAX_ROWS || w.shape.len() != 2 {
+            return self.gemm(&Op::Linear { bias }, inputs, out);
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let b = if bias { ptr(&inputs[2])? } else { 0 };
+        self.gpu.gemv(
+            a.dtype,
+            [ptr(&inputs[0])?, ptr(&inputs[1])?, b],
+            out_ptr(out)?,
+            m,
+            n,
+            k,
+        )?;
+        Ok(())
+    }
+
     /// An index tensor (i32/i64 offsets, block ids, lengths) read back to the host.
     fn host_ids(&self, r: &BufferRef<'_>) -> Result<Vec<i64>> {
         let t = self.download(r.buffer, r.spec)?;
@@ -316,6 +346,7 @@ impl CudaBackend {
         let dt = x.dtype;
         let g = &self.gpu;
         match op {
+            Op::Linear { bias } if kernel == GEMV => return self.gemv(*bias, inputs, out0),
             Op::MatMul | Op::Linear { .. } | Op::LinearAct { .. } => {
                 return self.gemm(op, inputs, out0)
             }
@@ -744,6 +775,38 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Runs `kernel` on buffers whose specs were checked against `op.infer`, between two
+    /// CUDA events while the profiler is on.
+    fn launch(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        let start = match self.profiler.is_on() {
+            true => Some(self.gpu.record_event()?),
+            false => None,
+        };
+        if kernel.starts_with("cuda.") {
+            self.run_device(kernel, op, inputs, outputs)?;
+        } else if kernel.starts_with("triton.") {
+            self.run_norm(Impl::Triton, op, inputs, outputs)?;
+        } else if kernel.starts_with("cpu.") {
+            self.run_on_host(kernel, op, inputs, outputs)?;
+        } else {
+            return Err(err(format!("kernel {kernel} does not run on CUDA")));
+        }
+        if let Some(start) = start {
+            let end = self.gpu.record_event()?;
+            let specs = inputs.iter().map(|r| r.spec.clone()).collect();
+            let outs = outputs.iter().map(|m| m.spec.clone()).collect();
+            self.profiler
+                .record(kernel, op, specs, outs, (start, end))?;
+        }
+        Ok(())
+    }
+
     /// Runs a CPU kernel on copies of the inputs and copies the results back.
     fn run_on_host(
         &self,
@@ -867,25 +930,22 @@ impl Backend for CudaBackend {
                 expected.iter().map(ToString::to_string).collect::<Vec<_>>()
             )));
         }
-        let start = match self.profiler.is_on() {
-            true => Some(self.gpu.record_event()?),
-            false => None,
-        };
-        if kernel.starts_with("cuda.") {
-            self.run_device(kernel, op, inputs, outputs)?;
-        } else if kernel.starts_with("triton.") {
-            self.run_norm(Impl::Triton, op, inputs, outputs)?;
-        } else if kernel.starts_with("cpu.") {
-            self.run_on_host(kernel, op, inputs, outputs)?;
-        } else {
-            return Err(err(format!("kernel {kernel} does not run on CUDA")));
+        self.launch(kernel, op, inputs, outputs)
+    }
+
+    fn execute_inferred(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        // The executor inferred these specs with `op.infer` for this run; the sizes of
+        // the buffers behind them are still checked by every launcher (`block`).
+        if outputs.is_empty() {
+            return Err(err(format!("{op}: no output")));
         }
-        if let Some(start) = start {
-            let end = self.gpu.record_event()?;
-            self.profiler
-                .record(kernel, op, specs, expected, (start, end))?;
-        }
-        Ok(())
+        self.launch(kernel, op, inputs, outputs)
     }
 
     fn set_profiling(&self, on: bool) -> Result<bool> {

@@ -314,6 +314,16 @@ impl Gpu {
     /// The target of the image `kernel` runs from (`sm_90a`, `compute_80`, ...): the
     /// cubin for this device, or PTX that the driver compiled; loads its module if needed.
     pub(crate) fn loaded_target(&self, kernel: &str) -> Result<&'static str, NvidiaError> {
+        // Asked on every attention call: a loaded module answers without listing the
+        // candidates again.
+        if let Some((a, _)) = self
+            .modules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(kernel)
+        {
+            return Ok(a.target);
+        }
         let (major, minor) = self.props.compute_capability;
         let candidates = artifacts::cuda_candidates(kernel, major, minor);
         let (artifact, _) = self.module(kernel, &candidates)?;

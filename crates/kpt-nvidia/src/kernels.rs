@@ -294,6 +294,27 @@ const SPLIT_TARGET_BLOCKS: usize = 1024;
 /// each run pays a pipeline fill and a share of the combine pass.
 const SPLIT_WAVE_BLOCKS: usize = 528;
 
+/// Row classes of `gemv.cu` (its kMaxM instantiations) and the largest.
+const GEMV_ROW_CLASSES: [usize; 5] = [1, 2, 4, 8, 16];
+/// The most activation rows the GEMV kernel takes.
+pub(crate) const GEMV_MAX_ROWS: usize = 16;
+/// Weight rows per block of `gemv.cu` (two warps per row, its kRowsPerBlock).
+const GEMV_ROWS_PER_BLOCK: usize = 4;
+
+/// Sizes of one GEMV call (the kernel's `GemvDims`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct GemvDims {
+    m: i32,
+    n: i32,
+    k: i32,
+    vec: i32,
+}
+
+// SAFETY: `repr(C)` of four i32, laid out like the kernel's `GemvDims`; any bit pattern
+// is a valid value.
+unsafe impl cudarc::driver::DeviceRepr for GemvDims {}
+
 /// Sizes of one split-KV attention call (the kernel's `SplitDims`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -741,6 +762,41 @@ impl Gpu {
         let entry = format!("kpt_activation_{}", float_name(dtype)?);
         let g = self.stride_grid(n, dtype.size_in_bytes());
         launch!(self, "elementwise", entry, g; x, out, long(n), act_code(act));
+        Ok(())
+    }
+
+    /// Linear with few rows (`kernels/cuda/gemv.cu`): `out [m, n] = x [m, k] · w [n, k]ᵀ
+    /// (+ bias [n])`, all of `dtype`, for `m` in `1..=`[`GEMV_MAX_ROWS`]; `bias` 0 means
+    /// none. Rows of whole 16-byte vectors with aligned buffers take the vector loop.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemv(
+        &self,
+        dtype: DType,
+        [x, w, bias]: [u64; 3],
+        out: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(), NvidiaError> {
+        let class = GEMV_ROW_CLASSES
+            .into_iter()
+            .find(|&c| m <= c)
+            .filter(|_| m > 0)
+            .ok_or_else(|| {
+                NvidiaError::Invalid(format!("gemv takes 1..={GEMV_MAX_ROWS} rows, not {m}"))
+            })?;
+        let size = dtype.size_in_bytes();
+        let aligned = |p: u64| p.is_multiple_of(16);
+        let vec = (k * size).is_multiple_of(16) && aligned(x) && aligned(w) && aligned(out);
+        let dims = GemvDims {
+            m: int("gemv rows", m)?,
+            n: int("gemv n", n)?,
+            k: int("gemv k", k)?,
+            vec: i32::from(vec),
+        };
+        let entry = format!("kpt_gemv_{}_m{class}", float_name(dtype)?);
+        let blocks = grid("gemv rows", n.div_ceil(GEMV_ROWS_PER_BLOCK))?;
+        launch!(self, "gemv", entry, blocks; x, w, bias, out, dims);
         Ok(())
     }
 

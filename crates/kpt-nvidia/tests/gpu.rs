@@ -638,6 +638,27 @@ proptest! {
     }
 
     #[test]
+    fn linear_few_rows(batch in 1usize..=2, seq in 1usize..=8, k in 1usize..700, n in 1usize..300,
+                       bias in any::<bool>(), dt in dtype(), seed: u64) {
+        // Decode-sized linears take the GEMV kernel: odd K (the scalar loop), K of whole
+        // 16-byte vectors (the vector loop), every row class up to 16 rows.
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[batch, seq, k], dt, -1.0, 1.0);
+        let w = random(&mut rng, &[n, k], dt, -1.0, 1.0);
+        let mut inputs = vec![x, w];
+        if bias {
+            inputs.push(random(&mut rng, &[n], dt, -1.0, 1.0));
+        }
+        let op = Op::Linear { bias };
+        let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
+        if let Some(b) = backend() {
+            let chain = registry().fallback_chain(&op, &specs, b.device());
+            prop_assert_eq!(chain.first().map(String::as_str), Some("cuda.linear.gemv"));
+        }
+        check(&op, &inputs)?;
+    }
+
+    #[test]
     fn gated_activation(rows in 1usize..20, d in 1usize..300, dt in dtype(), a in act(), seed: u64) {
         let mut rng = SplitMix64::new(seed);
         let x = random(&mut rng, &[rows, 2 * d], dt, -3.0, 3.0);
@@ -789,6 +810,40 @@ fn large_rows_and_gemms_match_the_reference() {
         )
         .unwrap();
     }
+}
+
+#[test]
+fn gemv_takes_decode_shapes_and_leaves_larger_ones_to_cublaslt() {
+    let Some(b) = backend() else { return };
+    let mut rng = SplitMix64::new(12);
+    // The 1.1B LLaMA decode shapes (merged q/k/v, down) at 1 and 5 rows, with a bias.
+    for (m, k, n) in [(1, 2048, 2560), (5, 5632, 2048), (16, 2048, 1000)] {
+        for dt in FLOATS {
+            let x = random(&mut rng, &[m, k], dt, -1.0, 1.0);
+            let w = random(&mut rng, &[n, k], dt, -1.0, 1.0);
+            let bias = random(&mut rng, &[n], dt, -1.0, 1.0);
+            let op = Op::Linear { bias: true };
+            let specs = [spec(&x), spec(&w), spec(&bias)];
+            let chain = registry().fallback_chain(&op, &specs, b.device());
+            assert_eq!(chain.first().map(String::as_str), Some("cuda.linear.gemv"));
+            check(&op, &[x, w, bias]).unwrap();
+        }
+    }
+    let specs = [
+        TensorSpec::new(&[17, 64], DType::BF16),
+        TensorSpec::new(&[32, 64], DType::BF16),
+    ];
+    let chain = registry().fallback_chain(&Op::Linear { bias: false }, &specs, b.device());
+    assert!(!chain.iter().any(|k| k == "cuda.linear.gemv"), "{chain:?}");
+    // Weights of another dtype are converted for cuBLASLt rather than failing.
+    let x = random(&mut rng, &[2, 96], DType::F32, -1.0, 1.0);
+    let w = random(&mut rng, &[40, 96], DType::BF16, -1.0, 1.0);
+    let want = CpuReference
+        .eval(&Op::Linear { bias: false }, &[x.clone(), w.clone()])
+        .unwrap();
+    let got = run_kernel(b, "cuda.linear.gemv", &Op::Linear { bias: false }, &[x, w]).unwrap();
+    let tol = tolerance(&Op::Linear { bias: false }, DType::F32, 96);
+    assert!(compare(&got[0], &want[0], tol).unwrap().within);
 }
 
 #[test]
