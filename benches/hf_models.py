@@ -16,6 +16,7 @@ first reply (before any request) describes the environment. Requests (`op`):
 Attention runs through `attn_implementation="sdpa"`, as the issue's baseline names.
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -45,6 +46,31 @@ class Timer:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def ieee_fp32():
+    """IEEE fp32 products (no TF32) in cuBLAS and cuDNN, through the old and the new
+    (torch >= 2.9 `fp32_precision`) switches, restored afterwards."""
+    saved = []
+
+    def set_attr(obj, name, value):
+        if hasattr(obj, name):
+            saved.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    set_attr(torch.backends.cuda.matmul, "allow_tf32", False)
+    set_attr(torch.backends.cudnn, "allow_tf32", False)
+    set_attr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
+    set_attr(torch.backends.cudnn, "fp32_precision", "ieee")
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+        torch.set_float32_matmul_precision(precision)
 
 
 class Worker:
@@ -113,13 +139,8 @@ class Worker:
 
         model = self.model(req["dtype"])
         ids = torch.tensor([req["ids"]], device=self.device)
-        precision = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-        try:
-            with sdpa_kernel(SDPBackend.MATH):
-                out = model(ids).logits[0, -req["last"]:].float()
-        finally:
-            torch.set_float32_matmul_precision(precision)
+        with ieee_fp32(), sdpa_kernel(SDPBackend.MATH):
+            out = model(ids).logits[0, -req["last"]:].float()
         return {"logits": out.cpu().tolist()}
 
     @torch.inference_mode()
