@@ -73,6 +73,20 @@ def ieee_fp32():
         torch.set_float32_matmul_precision(precision)
 
 
+def fp32_rotary(model):
+    """`.to(dtype)` also rounds the rotary embedding's inverse frequencies (a buffer) to
+    that dtype, which `from_pretrained(torch_dtype=...)` does not do: put them back in
+    fp32, as a loaded checkpoint has them."""
+    for module in model.modules():
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            device = module.inv_freq.device
+            fresh = type(module)(config=model.config)
+            module.inv_freq = fresh.inv_freq.float().to(device)
+            if hasattr(module, "original_inv_freq"):
+                module.original_inv_freq = fresh.original_inv_freq.float().to(device)
+    return model
+
+
 class Worker:
     def __init__(self):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,7 +98,7 @@ class Worker:
         """The created model in `dtype` (a converted copy, made once)."""
         if dtype not in self.models:
             base = next(iter(self.models.values()))
-            self.models[dtype] = copy.deepcopy(base).to(DTYPES[dtype])
+            self.models[dtype] = fp32_rotary(copy.deepcopy(base).to(DTYPES[dtype]))
         return self.models[dtype]
 
     def create(self, req):
@@ -92,7 +106,7 @@ class Worker:
         torch.manual_seed(req.get("seed", 0))
         with torch.device(self.device):
             model = LlamaForCausalLM(self.config)
-        model = model.to(DTYPES[req["dtype"]]).eval()
+        model = fp32_rotary(model.to(DTYPES[req["dtype"]]).eval())
         model.save_pretrained(req["dir"])  # safetensors, the default
         self.models = {req["dtype"]: model}
         return {"params": sum(p.numel() for p in model.parameters())}

@@ -123,21 +123,6 @@ impl Timing {
     }
 }
 
-/// The commit measured: `KPT_GIT_COMMIT` (set where the binary runs away from its
-/// checkout), else `git rev-parse`.
-fn git_commit() -> String {
-    if let Ok(c) = std::env::var("KPT_GIT_COMMIT") {
-        return c;
-    }
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
-}
-
 /// Runs one case on both sides and makes its report row.
 fn run_case(
     case: &Case,
@@ -275,7 +260,12 @@ fn main() -> Result<()> {
         cpu: format!("{} [{}]", cpu.model_name, cpu.features.names().join(" ")),
         versions,
     };
-    let mut report = Report::new(&args.name, &args.command, git_commit(), machine);
+    let mut report = Report::new(
+        &args.name,
+        &args.command,
+        kpt_benches::git_commit(),
+        machine,
+    );
 
     let cases: Vec<Case> = cases::all(args.quick)
         .into_iter()

@@ -394,8 +394,12 @@ fn main() -> Result<()> {
         cpu: kpt_core::hardware::cpu_info().model_name,
         versions,
     };
-    let git = std::env::var("KPT_GIT_COMMIT").unwrap_or_else(|_| "unknown".into());
-    let mut report = Report::new(&args.name, &args.command, git, machine);
+    let mut report = Report::new(
+        &args.name,
+        &args.command,
+        kpt_benches::git_commit(),
+        machine,
+    );
 
     let progress = ProgressBar::new(7).with_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
