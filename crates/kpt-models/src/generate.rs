@@ -413,9 +413,9 @@ pub struct Generation {
 }
 
 /// Runs a decoder's graphs and keeps each sequence's KV cache: the one place where
-/// generation touches executors, so that where the cache lives (host tensors for
-/// [`PlanRunner`], device buffers for a device-resident runner) is this trait's
-/// implementor's business alone.
+/// generation touches executors, so that where the cache lives (device buffers for
+/// [`PlanRunner`], host tensors for [`ReferenceRunner`]) is this trait's implementor's
+/// business alone.
 pub trait StepRunner {
     /// One sequence's keys and values of every layer.
     type Cache;
