@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{budget, inputs, llama_forward, rel_err, HfRope, LlamaSizes, Raw};
+use common::{budget, inputs, llama_forward, rel_err, LlamaSizes, Raw};
 use kpt_core::backend::Backend;
 use kpt_core::exec::Executor;
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
@@ -55,18 +55,7 @@ fn checkpoint(dir: &std::path::Path) -> (Llama, LlamaSizes, Raw) {
     let ModelConfig::Llama(c) = &parsed else {
         panic!("not a LLaMA config")
     };
-    let sizes = LlamaSizes {
-        vocab: c.vocab_size,
-        dim: c.hidden_size,
-        layers: c.num_hidden_layers,
-        heads: c.num_attention_heads,
-        kv_heads: c.num_key_value_heads,
-        head_dim: c.head_dim,
-        ffn: c.intermediate_size,
-        eps: c.rms_norm_eps,
-        rope: HfRope::plain(c.rope_theta),
-        windows: (0..c.num_hidden_layers).map(|i| c.window(i)).collect(),
-    };
+    let sizes = LlamaSizes::of(&parsed);
     let ckpt = Checkpoint::open(dir).unwrap();
     let model = Llama::load(c, &ckpt.weights, DType::F32).unwrap();
     (model, sizes, Raw::read(dir))

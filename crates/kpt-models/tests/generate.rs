@@ -5,7 +5,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{executor, gpt2_forward, llama_forward, HfRope, LlamaSizes, Raw};
+use common::{executor, gpt2_forward, llama_forward, LlamaSizes, Raw};
 use kpt_core::{DType, OptLevel};
 use kpt_kernels::CpuReference;
 use kpt_models::generate::{
@@ -41,24 +41,6 @@ fn llama_dir(dir: &Path, seed: u64) -> ModelConfig {
     .unwrap();
     write_tokenizer(dir, 300).unwrap();
     parsed
-}
-
-fn sizes(cfg: &ModelConfig) -> LlamaSizes {
-    let ModelConfig::Llama(c) = cfg else {
-        panic!("not a LLaMA config")
-    };
-    LlamaSizes {
-        vocab: c.vocab_size,
-        dim: c.hidden_size,
-        layers: c.num_hidden_layers,
-        heads: c.num_attention_heads,
-        kv_heads: c.num_key_value_heads,
-        head_dim: c.head_dim,
-        ffn: c.intermediate_size,
-        eps: c.rms_norm_eps,
-        rope: HfRope::plain(c.rope_theta),
-        windows: (0..c.num_hidden_layers).map(|i| c.window(i)).collect(),
-    }
 }
 
 /// Greedy continuation by re-running a full forward pass for every token.
@@ -114,7 +96,7 @@ fn greedy_tokens_equal_the_independent_forward_pass() {
     let dir = tempfile::tempdir().unwrap();
     let parsed = llama_dir(dir.path(), 41);
     let raw = Raw::read(dir.path());
-    let s = sizes(&parsed);
+    let s = LlamaSizes::of(&parsed);
     let want = greedy_by_forward(|ids| llama_forward(&raw, &s, ids), &PROMPT, 8);
 
     let ckpt = Checkpoint::open(dir.path()).unwrap();

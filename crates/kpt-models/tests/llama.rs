@@ -37,30 +37,12 @@ fn with(mut v: Value, key: &str, value: Value) -> Value {
     v
 }
 
-fn sizes(cfg: &ModelConfig) -> LlamaSizes {
-    let ModelConfig::Llama(c) = cfg else {
-        panic!("not a LLaMA config")
-    };
-    LlamaSizes {
-        vocab: c.vocab_size,
-        dim: c.hidden_size,
-        layers: c.num_hidden_layers,
-        heads: c.num_attention_heads,
-        kv_heads: c.num_key_value_heads,
-        head_dim: c.head_dim,
-        ffn: c.intermediate_size,
-        eps: c.rms_norm_eps,
-        rope: HfRope::plain(c.rope_theta),
-        windows: (0..c.num_hidden_layers).map(|i| c.window(i)).collect(),
-    }
-}
-
-/// [`sizes`] with the rotary parameters read from the config JSON itself, so the
+/// [`LlamaSizes::of`] with the rotary parameters read from the config JSON itself, so the
 /// reference's rope scaling does not go through kpt's parser.
 fn sizes_json(cfg: &ModelConfig, json: &Value) -> LlamaSizes {
     LlamaSizes {
         rope: HfRope::from_config(json),
-        ..sizes(cfg)
+        ..LlamaSizes::of(cfg)
     }
 }
 
@@ -199,7 +181,7 @@ fn check_rope_scaling(config: Value, seed: u64, decode: bool) {
         &model.graph(Phase::Prefill, n).unwrap(),
         &inputs(&PROMPT, 0, &[]),
     )[0];
-    let plain = llama_forward(&raw, &sizes(&parsed), &PROMPT);
+    let plain = llama_forward(&raw, &LlamaSizes::of(&parsed), &PROMPT);
     assert!(
         rel_err(got, &plain) > 1e-4,
         "the scaling must change the logits: {:e}",
@@ -288,7 +270,7 @@ fn mistral_sliding_window_matches_reference() {
     )
     .unwrap();
     let raw = Raw::read(dir.path());
-    let mut no_window = sizes(&parsed);
+    let mut no_window = LlamaSizes::of(&parsed);
     no_window.windows = vec![None; no_window.layers];
     let (_, model) = load(dir.path(), DType::F64);
     let got = &run_ref(
@@ -472,7 +454,7 @@ fn bf16_compute_dtype_within_budget() {
         shards: 1,
     };
     let parsed = write_checkpoint(dir.path(), &llama_config("llama"), opts).unwrap();
-    let want = llama_forward(&Raw::read(dir.path()), &sizes(&parsed), &PROMPT);
+    let want = llama_forward(&Raw::read(dir.path()), &LlamaSizes::of(&parsed), &PROMPT);
     let (_, model) = load(dir.path(), DType::BF16);
     let graph = model.graph(Phase::Prefill, PROMPT.len()).unwrap();
     let ins = inputs(&PROMPT, 0, &[]);
@@ -560,7 +542,7 @@ fn packed_prefill_equals_separate_prompts() {
     let graph = model.graph_packed(13, 3).unwrap();
     let want: Vec<Vec<Vec<f64>>> = prompts
         .iter()
-        .map(|p| llama_forward(&raw, &sizes(&parsed), p))
+        .map(|p| llama_forward(&raw, &LlamaSizes::of(&parsed), p))
         .collect();
     let flat: Vec<Vec<f64>> = want.iter().flatten().cloned().collect();
     let out = run_ref(&graph, &ins);
@@ -586,7 +568,7 @@ fn packed_prefill_equals_separate_prompts() {
         );
         let mut longer = prompt.to_vec();
         longer.push(9);
-        let full = llama_forward(&raw, &sizes(&parsed), &longer);
+        let full = llama_forward(&raw, &LlamaSizes::of(&parsed), &longer);
         assert!(rel_err(&dec[0], &full[n..]) < 1e-6, "prompt {i}");
     }
     assert!(unpack(&out[0], &[0, 5, 6]).is_err());

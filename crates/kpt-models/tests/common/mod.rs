@@ -463,6 +463,27 @@ pub struct LlamaSizes {
     pub windows: Vec<Option<usize>>,
 }
 
+impl LlamaSizes {
+    /// The sizes of a parsed LLaMA-family config, with unscaled rotary embeddings.
+    pub fn of(cfg: &kpt_models::ModelConfig) -> Self {
+        let kpt_models::ModelConfig::Llama(c) = cfg else {
+            panic!("not a LLaMA config")
+        };
+        LlamaSizes {
+            vocab: c.vocab_size,
+            dim: c.hidden_size,
+            layers: c.num_hidden_layers,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            ffn: c.intermediate_size,
+            eps: c.rms_norm_eps,
+            rope: HfRope::plain(c.rope_theta),
+            windows: (0..c.num_hidden_layers).map(|i| c.window(i)).collect(),
+        }
+    }
+}
+
 /// LLaMA / Mistral / Qwen2 logits `[S, vocab]` of `ids` at positions `0..S`, as
 /// `modeling_llama.py` computes them.
 pub fn llama_forward(raw: &Raw, s: &LlamaSizes, ids: &[i64]) -> Vec<Vec<f64>> {
