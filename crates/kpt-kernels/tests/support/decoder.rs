@@ -2,9 +2,12 @@
 //! shared by the activation-precision tests of kpt-kernels (CPU, H100 description) and
 //! kpt-nvidia (on the GPU).
 
+use kpt_core::exec::Executor;
 use kpt_core::graph::{AttentionParams, Graph, Op};
 use kpt_core::rand::SplitMix64 as Rng;
+use kpt_core::validate::{run_reference, validate_plan};
 use kpt_core::{DType, Tensor};
+use kpt_kernels::CpuReference;
 
 pub const HEAD: usize = 64;
 pub const HEADS: usize = 2;
@@ -125,4 +128,52 @@ pub fn step_inputs(ids: &[i64], start: usize, caches: &[Tensor]) -> Vec<Tensor> 
     ];
     v.extend(caches.iter().cloned());
     v
+}
+
+fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
+    let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+    let m = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+    let e = g
+        .iter()
+        .zip(&w)
+        .fold(0f64, |e, (a, b)| e.max((a - b).abs()));
+    e / m.max(1e-30)
+}
+
+/// Checks balanced plans of [`decoder`]'s graphs (`pre` of `prefill`, `dec` of `decode`)
+/// that compute in bf16: each validated against the f64 reference within the
+/// balanced budget (decode on the reference's caches, given in f32 as the original graph
+/// declares them), then generation with the plans' own bf16 caches passed from prefill to
+/// decode, logits in f32.
+pub fn check_balanced_bf16(
+    (prefill, decode): (&Graph, &Graph),
+    pre: &mut Executor,
+    dec: &mut Executor,
+) {
+    let prompt: Vec<i64> = (0..PROMPT as i64)
+        .map(|i| (i * 7 + 3) % VOCAB as i64)
+        .collect();
+    let pre_in = step_inputs(&prompt, 0, &[]);
+    let report = validate_plan(pre, prefill, &CpuReference, &pre_in, 1.0).unwrap();
+    assert!(report.passed(), "prefill: {report:#?}");
+    let reference = run_reference(prefill, &CpuReference, &pre_in).unwrap();
+    let caches: Vec<Tensor> = reference[1..]
+        .iter()
+        .map(|t| t.to_dtype(DType::F32).unwrap())
+        .collect();
+    let dec_in = step_inputs(&[prompt[0]], PROMPT, &caches);
+    let report = validate_plan(dec, decode, &CpuReference, &dec_in, 1.0).unwrap();
+    assert!(report.passed(), "decode: {report:#?}");
+    let outs = pre.run(&pre_in).unwrap();
+    assert_eq!(outs[0].dtype(), DType::F32);
+    assert!(outs[1..].iter().all(|t| t.dtype() == DType::BF16));
+    let step = dec
+        .run(&step_inputs(&[prompt[0]], PROMPT, &outs[1..]))
+        .unwrap();
+    let want = run_reference(decode, &CpuReference, &dec_in).unwrap();
+    assert_eq!(step[0].dtype(), DType::F32);
+    for (i, (g, w)) in step.iter().zip(&want).enumerate() {
+        let e = rel_err(g, w);
+        assert!(e <= 5e-2, "decode output {i}: {e:.3e}");
+    }
 }
