@@ -89,6 +89,19 @@ fn block<'a>(buffer: &'a DeviceBuffer, spec: &TensorSpec) -> Result<&'a DeviceBl
         .ok_or_else(|| err("buffer does not belong to the CUDA backend"))
 }
 
+/// The shapes of an attention op's q and k (its first two inputs), which must be
+/// `[batch, seq, heads * head_dim]`.
+fn q_k_shapes<'a>(op: &str, inputs: &[BufferRef<'a>]) -> Result<(&'a [usize], &'a [usize])> {
+    let (qs, ks) = (&inputs[0].spec.shape, &inputs[1].spec.shape);
+    if qs.len() != 3 || ks.len() != 3 {
+        return Err(err(format!(
+            "{op} takes q [batch, seq_q, heads * d] and k, v [batch, seq_kv, kv_heads * d], \
+             not {qs:?} and {ks:?}"
+        )));
+    }
+    Ok((qs, ks))
+}
+
 fn ptr(r: &BufferRef<'_>) -> Result<u64> {
     block(r.buffer, r.spec).map(DeviceBlock::ptr)
 }
@@ -478,13 +491,7 @@ impl CudaBackend {
                 g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
             }
             Op::AttentionBackward(p) => {
-                let (qs, ks) = (&x.shape, &inputs[1].spec.shape);
-                if qs.len() != 3 || ks.len() != 3 {
-                    return Err(err(format!(
-                        "attention_backward takes q [batch, seq_q, heads * d] and k, v \
-                         [batch, seq_kv, kv_heads * d], not {qs:?} and {ks:?}"
-                    )));
-                }
+                let (qs, ks) = q_k_shapes("attention_backward", inputs)?;
                 if !matches!(dt, DType::BF16 | DType::F16) {
                     return Err(KptError::dtype(kernel, "bf16 or f16", dt));
                 }
@@ -543,13 +550,7 @@ impl CudaBackend {
                 )?;
             }
             Op::Attention(p) => {
-                let (qs, ks) = (&x.shape, &inputs[1].spec.shape);
-                if qs.len() != 3 || ks.len() != 3 {
-                    return Err(err(format!(
-                        "attention takes q [batch, seq_q, heads * d] and k, v \
-                         [batch, seq_kv, kv_heads * d], not {qs:?} and {ks:?}"
-                    )));
-                }
+                let (qs, ks) = q_k_shapes("attention", inputs)?;
                 let dims = |batch, seq_q, seq_kv| {
                     AttentionDims::new(
                         batch,
