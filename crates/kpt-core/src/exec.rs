@@ -8,6 +8,7 @@
 //! generation by [`DeviceTensor::with_capacity`]) runs in place: only the new rows are
 //! copied, and the output is the input's buffer.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -92,6 +93,38 @@ impl RunTensor {
         match self {
             RunTensor::Host(t) => DeviceTensor::upload(backend, &t),
             RunTensor::Device(d) => Ok(d),
+        }
+    }
+}
+
+/// An input of a run: borrowed from the caller of [`Executor::run`] (uploaded without a
+/// host copy) or handed over with [`Executor::run_resident`].
+enum Feed<'a> {
+    Host(Cow<'a, Tensor>),
+    Device(DeviceTensor),
+}
+
+impl Feed<'_> {
+    fn spec(&self) -> TensorSpec {
+        match self {
+            Feed::Host(t) => TensorSpec::new(t.shape(), t.dtype()),
+            Feed::Device(d) => d.spec.clone(),
+        }
+    }
+
+    fn into_buffer(self, backend: &dyn Backend) -> Result<DeviceBuffer> {
+        match self {
+            Feed::Host(t) => backend.upload(&t),
+            Feed::Device(d) => Ok(d.buffer),
+        }
+    }
+}
+
+impl From<RunTensor> for Feed<'_> {
+    fn from(t: RunTensor) -> Self {
+        match t {
+            RunTensor::Host(t) => Feed::Host(Cow::Owned(t)),
+            RunTensor::Device(d) => Feed::Device(d),
         }
     }
 }
@@ -187,7 +220,10 @@ impl Executor {
 
     /// Runs the plan and returns the graph outputs.
     pub fn run(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let inputs = inputs.iter().cloned().map(RunTensor::Host).collect();
+        let inputs = inputs
+            .iter()
+            .map(|t| Feed::Host(Cow::Borrowed(t)))
+            .collect();
         let (outs, _) = self.run_inner(inputs, &[], false)?;
         outs.into_iter()
             .map(|o| o.into_host(self.backend.as_ref()))
@@ -197,7 +233,10 @@ impl Executor {
     /// Runs the plan and also returns every value (inputs, parameters and each
     /// node output, downloaded right after its node ran), indexed by value id.
     pub fn run_traced(&mut self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, Vec<Option<Tensor>>)> {
-        let host = inputs.iter().cloned().map(RunTensor::Host).collect();
+        let host = inputs
+            .iter()
+            .map(|t| Feed::Host(Cow::Borrowed(t)))
+            .collect();
         let (outs, mut traced) = self.run_inner(host, &[], true)?;
         for (&id, t) in self.plan.graph.inputs().iter().zip(inputs) {
             traced[id.0] = Some(t.clone());
@@ -217,6 +256,7 @@ impl Executor {
         inputs: Vec<RunTensor>,
         on_device: &[bool],
     ) -> Result<Vec<RunTensor>> {
+        let inputs = inputs.into_iter().map(Feed::from).collect();
         self.run_inner(inputs, on_device, false)
             .map(|(outs, _)| outs)
     }
@@ -231,7 +271,7 @@ impl Executor {
 
     fn run_inner(
         &mut self,
-        inputs: Vec<RunTensor>,
+        inputs: Vec<Feed<'_>>,
         on_device: &[bool],
         trace: bool,
     ) -> Result<(Vec<RunTensor>, Vec<Option<Tensor>>)> {
@@ -246,7 +286,7 @@ impl Executor {
         } = self;
         let graph = &plan.graph;
         let slot_of = &plan.memory.slot_of;
-        let input_specs: Vec<TensorSpec> = inputs.iter().map(RunTensor::spec).collect();
+        let input_specs: Vec<TensorSpec> = inputs.iter().map(Feed::spec).collect();
         let specs = graph.infer_specs(&input_specs)?;
         let caps = plan.memory.slot_capacities(&specs);
         for (slot, &cap) in caps.iter().enumerate() {
@@ -264,7 +304,7 @@ impl Executor {
         }
         let mut device_inputs = Vec::with_capacity(inputs.len());
         for input in inputs {
-            device_inputs.push(Some(input.into_device(backend.as_ref())?.buffer));
+            device_inputs.push(Some(input.into_buffer(backend.as_ref())?));
         }
         let mut traced: Vec<Option<Tensor>> =
             vec![None; if trace { graph.values().len() } else { 0 }];
