@@ -26,6 +26,7 @@ use kpt_core::rand::SplitMix64;
 use kpt_core::validate::run_reference;
 use kpt_core::{DType, Graph, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
+use kpt_models::generate::argmax;
 use kpt_models::lower::pack_prompts;
 use kpt_models::{Checkpoint, Model, Phase};
 use kpt_monitor::{median, Machine, Report, Row};
@@ -199,7 +200,7 @@ fn batch_inputs(rows: &[Vec<i64>], start: usize) -> Result<Vec<RunTensor>> {
 
 /// The greedy token of each sequence: the argmax of its last position's logits
 /// `[b, s, vocab]`.
-fn argmax_last(logits: &Tensor) -> Vec<i64> {
+fn argmax_last(logits: &Tensor) -> Result<Vec<i64>> {
     let v = logits.to_f64_vec();
     let (b, vocab) = (
         logits.shape()[0],
@@ -209,13 +210,7 @@ fn argmax_last(logits: &Tensor) -> Vec<i64> {
     (0..b)
         .map(|i| {
             let last = &v[(i + 1) * per_seq - vocab..(i + 1) * per_seq];
-            let mut best = 0;
-            for (j, x) in last.iter().enumerate() {
-                if *x > last[best] {
-                    best = j;
-                }
-            }
-            best as i64
+            Ok(i64::from(argmax(last)?))
         })
         .collect()
 }
@@ -261,7 +256,7 @@ impl Batch {
         Ok(Self {
             caches,
             len,
-            next: argmax_last(&logits),
+            next: argmax_last(&logits)?,
             enqueue: 0.0,
         })
     }
@@ -285,7 +280,7 @@ impl Batch {
             }
         }
         self.len += 1;
-        Ok(std::mem::replace(&mut self.next, argmax_last(&logits)))
+        Ok(std::mem::replace(&mut self.next, argmax_last(&logits)?))
     }
 }
 
