@@ -131,6 +131,61 @@ pub fn copy_extent(
     }
 }
 
+/// The sizes of a [`Backend::write_rows`] request, checked by [`row_write_extent`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowWrite {
+    /// Rows to write (one slot each).
+    pub rows: usize,
+    /// Elements per row.
+    pub row: usize,
+    /// Rows the cache holds (the slots' range).
+    pub cache_rows: usize,
+}
+
+impl RowWrite {
+    /// The cache row of `slot`: `None` for a negative slot (skipped), an error past the
+    /// cache's end.
+    pub fn cache_row(&self, slot: i64) -> Result<Option<usize>> {
+        match usize::try_from(slot) {
+            Err(_) => Ok(None),
+            Ok(r) if r < self.cache_rows => Ok(Some(r)),
+            Ok(r) => Err(KptError::InvalidArgument(format!(
+                "cache_write slot {r} is past the cache's {} rows",
+                self.cache_rows
+            ))),
+        }
+    }
+}
+
+/// Checks a [`Backend::write_rows`] request against [`Op::CacheWrite`]'s rules and the
+/// buffers' sizes.
+pub fn row_write_extent(
+    rows: BufferRef<'_>,
+    slots: BufferRef<'_>,
+    cache: &BufferMut<'_>,
+) -> Result<RowWrite> {
+    Op::CacheWrite.infer(&[cache.spec.clone(), rows.spec.clone(), slots.spec.clone()])?;
+    for (what, buffer, spec) in [
+        ("rows", rows.buffer, rows.spec),
+        ("slots", slots.buffer, slots.spec),
+        ("cache", &*cache.buffer, cache.spec),
+    ] {
+        if buffer.dtype() != spec.dtype || buffer.len() < spec.numel() {
+            return Err(KptError::InvalidArgument(format!(
+                "cache_write {what}: a buffer of {} {} cannot hold {spec}",
+                buffer.len(),
+                buffer.dtype()
+            )));
+        }
+    }
+    let row = cache.spec.shape.last().copied().unwrap_or(0);
+    Ok(RowWrite {
+        rows: slots.spec.numel(),
+        row,
+        cache_rows: cache.spec.numel() / row.max(1),
+    })
+}
+
 /// Memory use of a backend.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryStats {
@@ -170,6 +225,17 @@ pub trait Backend: Send + Sync {
         src: BufferRef<'_>,
         dst: &mut DeviceBuffer,
         dst_offset: usize,
+    ) -> Result<()>;
+
+    /// [`Op::CacheWrite`] in place: writes row `i` of `rows` over row `slots[i]` of the
+    /// cache in `cache` (negative slots skipped), queued like a kernel. Executors call it
+    /// when the cache input is theirs to change; `execute` of the op copies the cache to
+    /// its output first. Check the request with [`row_write_extent`].
+    fn write_rows(
+        &self,
+        rows: BufferRef<'_>,
+        slots: BufferRef<'_>,
+        cache: BufferMut<'_>,
     ) -> Result<()>;
 
     /// Runs `kernel` (a name from the kernel registry) for `op`.

@@ -3,10 +3,12 @@
 //!
 //! Inputs and outputs are host [`Tensor`]s ([`Executor::run`]) or, for values that stay
 //! on the device between runs such as a KV cache, [`DeviceTensor`]s
-//! ([`Executor::run_resident`]). A [`Op::Concat`](crate::graph::Op::Concat) that appends
-//! to a device-resident input with room to spare (a cache allocated for the whole
-//! generation by [`DeviceTensor::with_capacity`]) runs in place: only the new rows are
-//! copied, and the output is the input's buffer.
+//! ([`Executor::run_resident`]). A cache update runs in place when the cache is a graph
+//! input that nothing else reads: [`Op::CacheWrite`](crate::graph::Op::CacheWrite) writes
+//! its rows into the input's buffer ([`Backend::write_rows`]), and an
+//! [`Op::Concat`](crate::graph::Op::Concat) that appends to a device-resident input with
+//! room to spare (a cache allocated by [`DeviceTensor::with_capacity`]) copies only the
+//! new rows. The output is then the input's buffer.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -135,7 +137,8 @@ pub struct Executor {
     backend: Arc<dyn Backend>,
     params: Vec<Option<DeviceBuffer>>,
     slots: Vec<Option<DeviceBuffer>>,
-    /// Per node: the graph-input index of the cache a `Concat` may append to in place.
+    /// Per node: the graph-input index of the cache a `Concat` or `CacheWrite` may
+    /// update in place.
     appends: Vec<Option<usize>>,
     /// Host time of the last run up to its final wait for the backend.
     last_launch: Duration,
@@ -150,8 +153,9 @@ impl std::fmt::Debug for Executor {
     }
 }
 
-/// Per node, the graph input a `Concat` can append to in place: its first operand, when
-/// that is a graph input read by no other node and not itself a graph output.
+/// Per node, the graph input a `Concat` or `CacheWrite` can update in place: its first
+/// operand, when that is a graph input read by no other node and not itself a graph
+/// output.
 fn in_place_appends(graph: &Graph) -> Vec<Option<usize>> {
     let mut uses = vec![0usize; graph.values().len()];
     for node in graph.nodes() {
@@ -166,7 +170,7 @@ fn in_place_appends(graph: &Graph) -> Vec<Option<usize>> {
         .nodes()
         .iter()
         .map(|node| match (&node.op, node.inputs.first()) {
-            (Op::Concat { .. }, Some(&first)) if node.inputs.len() == 2 && uses[first.0] == 1 => {
+            (Op::Concat { .. } | Op::CacheWrite, Some(&first)) if uses[first.0] == 1 => {
                 graph.inputs().iter().position(|&i| i == first)
             }
             _ => None,
@@ -330,12 +334,23 @@ impl Executor {
                     device_inputs[p].take_if(|b| fits(b))
                 });
                 if let Some(mut cache) = cache {
-                    let (old, new) = (node.inputs[0], node.inputs[1]);
-                    let src = BufferRef {
-                        buffer: lookup(graph, &device_inputs, params, slots, slot_of, new)?,
-                        spec: &specs[new.0],
+                    let operand = |i: usize| -> Result<BufferRef<'_>> {
+                        let v = node.inputs[i];
+                        Ok(BufferRef {
+                            buffer: lookup(graph, &device_inputs, params, slots, slot_of, v)?,
+                            spec: &specs[v.0],
+                        })
                     };
-                    backend.copy_into(src, &mut cache, specs[old.0].numel())?;
+                    if node.op == Op::CacheWrite {
+                        let out = BufferMut {
+                            buffer: &mut cache,
+                            spec: &specs[out.0],
+                        };
+                        backend.write_rows(operand(1)?, operand(2)?, out)?;
+                    } else {
+                        let old = specs[node.inputs[0].0].numel();
+                        backend.copy_into(operand(1)?, &mut cache, old)?;
+                    }
                     let s = slot_of[out.0].ok_or_else(|| no_buffer(graph, out))?;
                     if trace {
                         traced[out.0] = Some(backend.download(&cache, &specs[out.0])?);
@@ -462,9 +477,10 @@ fn no_buffer(graph: &Graph, v: ValueId) -> KptError {
     KptError::Graph(format!("value `{}` has no buffer", graph.value(v).name))
 }
 
-/// Whether `Concat(old, new) -> out` can write `new` after `old` inside `old`'s buffer:
-/// every dim before the axis is 1 (so `old` is a prefix of `out`), the buffer has room,
-/// and nothing is quantized (the output keeps the buffer's scale).
+/// Whether `CacheWrite(cache, ..) -> out` can write into the cache's buffer (always, when
+/// it holds the value), or `Concat(old, new) -> out` can write `new` after `old` inside
+/// `old`'s buffer: every dim before the axis is 1 (so `old` is a prefix of `out`), the
+/// buffer has room, and nothing is quantized (the output keeps the buffer's scale).
 fn appendable(
     buffer: &DeviceBuffer,
     specs: &[TensorSpec],
@@ -473,11 +489,13 @@ fn appendable(
     out: ValueId,
     op: &Op,
 ) -> bool {
-    let Op::Concat { axis } = op else {
-        return false;
+    let axis = match op {
+        Op::CacheWrite => 0,
+        Op::Concat { axis } => *axis,
+        _ => return false,
     };
     let out = &specs[out.0];
-    out.shape.iter().take(*axis).all(|&d| d == 1)
+    out.shape.iter().take(axis).all(|&d| d == 1)
         && buffer.len() >= out.numel()
         && buffer.dtype() == out.dtype
         && specs[old.0].dtype == out.dtype

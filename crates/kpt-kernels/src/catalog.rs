@@ -136,6 +136,12 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
         k("cpu.concat", Concat, COPY_DTYPES, "block copies"),
         k("cpu.split", Split, COPY_DTYPES, "block copies"),
         k(
+            "cpu.cache_write",
+            CacheWrite,
+            FLOATS,
+            "row copies into the cache, in place when the executor owns it",
+        ),
+        k(
             "cpu.act_and_mul",
             ActAndMul,
             F32,
@@ -349,6 +355,13 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             Concat,
             &[DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64],
             "one strided 2D device copy per input",
+        ),
+        k(
+            "cuda.cache_write",
+            CacheWrite,
+            CUDA_FLOATS,
+            "one thread per 16-byte unit of each row, in place when the executor owns \
+             the cache (slots stay on the device)",
         ),
         k(
             "cuda.split",

@@ -5,7 +5,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use half::{bf16, f16};
-use kpt_core::backend::{copy_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
+use kpt_core::backend::{
+    copy_extent, row_write_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats,
+};
 use kpt_core::graph::{Op, TensorSpec};
 use kpt_core::hardware::{CpuDetector, DeviceInfo, DeviceKind, HardwareDetector};
 use kpt_core::profile::{KernelProfile, ProfileTotals};
@@ -144,6 +146,24 @@ fn output<'a, T: Element>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [T]> {
         .ok_or_else(|| KptError::dtype("cpu kernel output", T::DTYPE.name(), dtype))?;
     let len = all.len();
     all.get_mut(..n).ok_or_else(|| too_small(len, &spec))
+}
+
+/// The bytes of an output's value, whatever its dtype.
+fn output_bytes<'a>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [u8]> {
+    let bytes = m.spec.bytes();
+    let all = m
+        .buffer
+        .inner_mut::<HostAlloc>()
+        .map(|a| a.storage.as_bytes_mut())
+        .ok_or_else(|| KptError::Backend {
+            backend: "cpu".into(),
+            message: "buffer does not belong to the CPU backend".into(),
+        })?;
+    let len = all.len();
+    all.get_mut(..bytes).ok_or_else(|| KptError::Backend {
+        backend: "cpu".into(),
+        message: format!("buffer of {len} bytes < {bytes}"),
+    })
 }
 
 fn bytes_in<'a>(r: &BufferRef<'a>) -> Result<&'a [u8]> {
@@ -573,6 +593,14 @@ impl CpuBackend {
                 let n = out0.spec.shape.last().copied().unwrap_or(0);
                 cpu::elementwise::act_and_mul(input(&inputs[0])?, output(out0)?, n, act(*a))
             }
+            Op::CacheWrite => {
+                self.copy_into(inputs[0], out0.buffer, 0)?;
+                let out = BufferMut {
+                    buffer: &mut *out0.buffer,
+                    spec: out0.spec,
+                };
+                self.write_rows(inputs[1], inputs[2], out)
+            }
         }
     }
 }
@@ -723,6 +751,25 @@ impl Backend for CpuBackend {
                 message: "buffer does not belong to the CPU backend".into(),
             })?;
         to[at..at + bytes].copy_from_slice(from);
+        Ok(())
+    }
+
+    fn write_rows(
+        &self,
+        rows: BufferRef<'_>,
+        slots: BufferRef<'_>,
+        mut cache: BufferMut<'_>,
+    ) -> Result<()> {
+        let w = row_write_extent(rows, slots, &cache)?;
+        let size = rows.spec.dtype.size_in_bytes() * w.row;
+        let slots = indices(&slots)?;
+        let from = &storage(rows.buffer)?.as_bytes()[..w.rows * size];
+        let to = output_bytes(&mut cache)?;
+        for (src, &slot) in from.chunks_exact(size.max(1)).zip(&slots) {
+            if let Some(r) = w.cache_row(slot)? {
+                to[r * size..(r + 1) * size].copy_from_slice(src);
+            }
+        }
         Ok(())
     }
 

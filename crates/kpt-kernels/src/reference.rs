@@ -265,6 +265,23 @@ impl ReferenceOps for CpuReference {
                 let n = first.shape().last().copied().unwrap_or(0) / 2;
                 r::act_and_mul(&x[0], &mut outs[0], n, act(*a))?
             }
+            Op::CacheWrite => {
+                let row = first.shape().last().copied().unwrap_or(1);
+                let rows = outs[0].len() / row.max(1);
+                outs[0].copy_from_slice(&x[0]);
+                for (i, slot) in ids(&inputs[2]).into_iter().enumerate() {
+                    match usize::try_from(slot) {
+                        Err(_) => continue,
+                        Ok(s) if s < rows => outs[0][s * row..(s + 1) * row]
+                            .copy_from_slice(&x[1][i * row..(i + 1) * row]),
+                        Ok(s) => {
+                            return Err(kpt_core::KptError::InvalidArgument(format!(
+                                "cache_write slot {s} is past the cache's {rows} rows"
+                            )))
+                        }
+                    }
+                }
+            }
         }
         outs.into_iter()
             .zip(out_specs)

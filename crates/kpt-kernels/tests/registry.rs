@@ -128,6 +128,10 @@ fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
             },
             vec![f32s(&[1, 4, 8])],
         ),
+        OpKind::CacheWrite => (
+            Op::CacheWrite,
+            vec![f32s(&[2, 8, 8]), f32s(&[2, 1, 8]), i64s(&[2])],
+        ),
         OpKind::ActAndMul => (
             Op::ActAndMul {
                 act: Activation::Silu,

@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kpt_core::backend::{copy_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
+use kpt_core::backend::{
+    copy_extent, row_write_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats,
+};
 use kpt_core::graph::{rope_frequencies, rope_seq_len, Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
 use kpt_core::profile::KernelProfile;
@@ -697,6 +699,14 @@ impl CudaBackend {
                     )?;
                 }
             }
+            Op::CacheWrite => {
+                self.copy_into(inputs[0], out0.buffer, 0)?;
+                let out = BufferMut {
+                    buffer: &mut *out0.buffer,
+                    spec: out0.spec,
+                };
+                return self.write_rows(inputs[1], inputs[2], out);
+            }
             Op::Concat { axis } => {
                 if inputs.iter().any(|r| r.spec.shape.len() <= *axis) {
                     return Err(err(format!("concat axis {axis} is past an input's rank")));
@@ -903,6 +913,24 @@ impl Backend for CudaBackend {
             .ok_or_else(|| err("buffer does not belong to the CUDA backend"))?
             .ptr();
         Ok(self.gpu.copy(from, to + at as u64, bytes)?)
+    }
+
+    fn write_rows(
+        &self,
+        rows: BufferRef<'_>,
+        slots: BufferRef<'_>,
+        cache: BufferMut<'_>,
+    ) -> Result<()> {
+        let w = row_write_extent(rows, slots, &cache)?;
+        Ok(self.gpu.cache_write(
+            ptr(&rows)?,
+            out_ptr(&cache)?,
+            ptr(&slots)?,
+            slots.spec.dtype,
+            w.rows,
+            w.cache_rows,
+            w.row * rows.spec.dtype.size_in_bytes(),
+        )?)
     }
 
     fn execute(

@@ -750,6 +750,38 @@ impl Gpu {
         Ok(())
     }
 
+    /// Writes `n` rows of `row_bytes` from `rows` into the cache at `slots` (i32 or i64
+    /// row indices over the cache's `cache_rows`; negative ones and ones past the end
+    /// are skipped). See `kernels/cuda/paged.cu`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn cache_write(
+        &self,
+        rows: u64,
+        cache: u64,
+        slots: u64,
+        slots_dtype: DType,
+        n: usize,
+        cache_rows: usize,
+        row_bytes: usize,
+    ) -> Result<(), NvidiaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let unit = [16, 4, 2]
+            .into_iter()
+            .find(|u| row_bytes.is_multiple_of(*u))
+            .ok_or_else(|| NvidiaError::Invalid(format!("cache rows of {row_bytes} bytes")))?;
+        let units = row_bytes / unit;
+        let entry = format!("kpt_cache_write_{unit}");
+        let g = self.stride_grid(n * units, 16);
+        let slots_i64 = i32::from(slots_dtype == DType::I64);
+        let cache_rows = i64::try_from(cache_rows)
+            .map_err(|_| NvidiaError::Invalid(format!("{cache_rows} cache rows")))?;
+        let (n, units) = (int("cache rows written", n)?, int("row units", units)?);
+        launch!(self, "paged", entry, g; rows, cache, slots, slots_i64, n, cache_rows, units);
+        Ok(())
+    }
+
     /// `out = act(x)` over `n` elements.
     pub(crate) fn activation(
         &self,

@@ -536,6 +536,14 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
             },
             vec![f(&[1, 16, 6144])],
         ),
+        OpKind::CacheWrite => (
+            Op::CacheWrite,
+            vec![
+                f(&[64, 16, 1024]),
+                f(&[8, 1, 1024]),
+                TensorSpec::new(&[8], DType::I64),
+            ],
+        ),
         OpKind::ActAndMul => (
             Op::ActAndMul {
                 act: kpt::core::graph::Activation::Silu,

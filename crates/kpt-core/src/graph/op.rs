@@ -243,6 +243,13 @@ pub enum Op {
         /// Applied to the first half.
         act: Activation,
     },
+    /// Writes rows into a KV cache (vLLM's `reshape_and_cache`): a float cache `[.., row]`,
+    /// rows `[.., row]` of the cache's dtype, slots `[n]` (i32/i64, one per row of `rows`) ->
+    /// the cache with row `slots[i]` (counted over all of the cache's leading dims, e.g.
+    /// `block * block_size + offset` for a paged cache `[blocks, block_size, row]`)
+    /// replaced by row `i`; a negative slot skips its row (padding). Executors run it in
+    /// place when the cache is theirs to change ([`Backend::write_rows`](crate::backend::Backend::write_rows)).
+    CacheWrite,
 }
 
 /// The kind of an op without its parameters: the key of the op catalog.
@@ -291,11 +298,13 @@ pub enum OpKind {
     Split,
     /// See [`Op::ActAndMul`].
     ActAndMul,
+    /// See [`Op::CacheWrite`].
+    CacheWrite,
 }
 
 impl OpKind {
     /// Every op kind, in catalog order.
-    pub const ALL: [OpKind; 21] = [
+    pub const ALL: [OpKind; 22] = [
         OpKind::Embedding,
         OpKind::MatMul,
         OpKind::Linear,
@@ -317,6 +326,7 @@ impl OpKind {
         OpKind::Concat,
         OpKind::Split,
         OpKind::ActAndMul,
+        OpKind::CacheWrite,
     ];
 
     /// snake_case name, as accepted by [`FromStr`].
@@ -343,6 +353,7 @@ impl OpKind {
             OpKind::Concat => "concat",
             OpKind::Split => "split",
             OpKind::ActAndMul => "act_and_mul",
+            OpKind::CacheWrite => "cache_write",
         }
     }
 }
@@ -439,6 +450,7 @@ impl Op {
             Op::Concat { .. } => OpKind::Concat,
             Op::Split { .. } => OpKind::Split,
             Op::ActAndMul { .. } => OpKind::ActAndMul,
+            Op::CacheWrite => OpKind::CacheWrite,
         }
     }
 
@@ -455,7 +467,7 @@ impl Op {
             Op::Embedding | Op::MatMul | Op::RmsNorm { .. } | Op::Rotary { .. } => 2,
             Op::Add | Op::Mul | Op::Concat { .. } => 2,
             Op::Linear { bias } | Op::LinearAct { bias, .. } => 2 + usize::from(*bias),
-            Op::LayerNorm { .. } | Op::AddRmsNorm { .. } => 3,
+            Op::LayerNorm { .. } | Op::AddRmsNorm { .. } | Op::CacheWrite => 3,
             Op::AddLayerNorm { .. } => 4,
             Op::Attention(p) => {
                 3 + usize::from(p.mask) + 2 * usize::from(p.varlen) + 2 * usize::from(p.paged)
@@ -494,6 +506,7 @@ impl Op {
                     full
                 }
             }
+            Op::CacheWrite => numel(1),
             _ => numel(0),
         }
     }
@@ -964,6 +977,33 @@ impl Op {
                 shape[last] /= 2;
                 Ok(vec![TensorSpec::new(&shape, x.dtype)])
             }
+            Op::CacheWrite => {
+                let (rows, slots) = (&inputs[1], &inputs[2]);
+                want_compute(x)?;
+                same_dtype(x, rows)?;
+                rank_at_least(x, 2, "cache")?;
+                rank_at_least(rows, 1, "rows")?;
+                if !slots.dtype.is_index() {
+                    return Err(KptError::dtype(name, "i32 or i64 slots", slots.dtype));
+                }
+                let row = x.shape[x.shape.len() - 1];
+                let n = match rows.shape.split_last() {
+                    Some((&r, lead)) if r == row => lead.iter().product::<usize>(),
+                    _ => {
+                        return Err(shape_err(format!(
+                            "rows {:?} must end in the cache's row size {row}",
+                            rows.shape
+                        )))
+                    }
+                };
+                if slots.shape != [n] {
+                    return Err(shape_err(format!(
+                        "slots must be [{n}] (one per row of {:?}), got {:?}",
+                        rows.shape, slots.shape
+                    )));
+                }
+                Ok(vec![x.clone()])
+            }
         }
     }
 }
@@ -989,6 +1029,35 @@ mod tests {
 
     fn s(shape: &[usize], dtype: DType) -> TensorSpec {
         TensorSpec::new(shape, dtype)
+    }
+
+    #[test]
+    fn cache_write_keeps_the_cache_spec() {
+        let cache = s(&[4, 16, 8], DType::BF16);
+        let out = Op::CacheWrite
+            .infer(&[
+                cache.clone(),
+                s(&[2, 1, 8], DType::BF16),
+                s(&[2], DType::I64),
+            ])
+            .unwrap();
+        assert_eq!(out, vec![cache.clone()]);
+        for bad in [
+            [s(&[2, 1, 8], DType::F32), s(&[2], DType::I64)],
+            [s(&[2, 1, 6], DType::BF16), s(&[2], DType::I64)],
+            [s(&[2, 1, 8], DType::BF16), s(&[3], DType::I64)],
+            [s(&[2, 1, 8], DType::BF16), s(&[2], DType::F32)],
+        ] {
+            let ins = [cache.clone(), bad[0].clone(), bad[1].clone()];
+            assert!(Op::CacheWrite.infer(&ins).is_err(), "{ins:?}");
+        }
+        assert!(Op::CacheWrite
+            .infer(&[
+                s(&[8], DType::F32),
+                s(&[1, 8], DType::F32),
+                s(&[1], DType::I32)
+            ])
+            .is_err());
     }
 
     #[test]
