@@ -26,7 +26,7 @@ use kpt_core::rand::SplitMix64;
 use kpt_core::validate::run_reference;
 use kpt_core::{DType, Graph, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
-use kpt_models::generate::argmax;
+use kpt_models::generate::{argmax, decode_inputs, device_cache_with_room, host_cache_with_room};
 use kpt_models::lower::pack_prompts;
 use kpt_models::{Checkpoint, Model, Phase};
 use kpt_monitor::{median, Machine, Report, Row};
@@ -216,8 +216,8 @@ fn argmax_last(logits: &Tensor) -> Result<Vec<i64>> {
 }
 
 /// Sequences of one length decoded together as a `[batch, 1]` graph run: their caches
-/// on the device, their length and their next tokens. With one sequence the caches have
-/// room for `capacity` tokens, so each step appends in place.
+/// on the device (one block per sequence, written in place), their length and their
+/// next tokens.
 struct Batch {
     caches: Vec<DeviceTensor>,
     len: usize,
@@ -228,13 +228,9 @@ struct Batch {
 }
 
 impl Batch {
-    /// Prefills the prompts (one length) and keeps the caches on the device.
-    fn prefill(
-        kpt: &Kpt,
-        prefill: &mut Executor,
-        prompts: &[Vec<i64>],
-        capacity: usize,
-    ) -> Result<Self> {
+    /// Prefills the prompts (one length) and keeps the caches on the device, one block
+    /// per sequence with room for a decode step (see `kpt_models::generate`).
+    fn prefill(kpt: &Kpt, prefill: &mut Executor, prompts: &[Vec<i64>]) -> Result<Self> {
         let keep: Vec<bool> = (0..prefill.plan().graph.outputs().len())
             .map(|i| i > 0)
             .collect();
@@ -246,11 +242,17 @@ impl Batch {
             .context("no logits")?
             .into_host(kpt.backend.as_ref())?;
         let len = prompts.first().map_or(0, Vec::len);
+        let backend = kpt.backend.as_ref();
         let caches = outs
             .map(|o| {
-                let d = o.into_device(kpt.backend.as_ref())?;
-                let row = d.spec.numel() / len;
-                Ok(d.with_capacity(kpt.backend.as_ref(), row * capacity)?)
+                let d = o.into_device(backend)?;
+                Ok(if prompts.len() == 1 {
+                    device_cache_with_room(d, len, backend)?
+                } else {
+                    // Each sequence's rows move to its own block: once, through the host.
+                    let grown = host_cache_with_room(d.download(backend)?, len)?;
+                    DeviceTensor::upload(backend, &grown)?
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -261,18 +263,26 @@ impl Batch {
         })
     }
 
-    /// One decode step: appends the next tokens and picks the following ones.
+    /// One decode step: writes the next tokens' keys and values and picks the following
+    /// tokens. A single sequence's full cache grows; a batch must have room.
     fn step(&mut self, kpt: &Kpt, decode: &mut Executor) -> Result<Vec<i64>> {
-        let rows: Vec<Vec<i64>> = self.next.iter().map(|&t| vec![t]).collect();
-        let mut inputs = batch_inputs(&rows, self.len)?;
+        let backend = kpt.backend.as_ref();
+        if self.next.len() == 1 {
+            self.caches = std::mem::take(&mut self.caches)
+                .into_iter()
+                .map(|c| device_cache_with_room(c, self.len, backend))
+                .collect::<kpt_models::Result<_>>()?;
+        }
+        let capacity = self.caches.first().map_or(0, |c| c.spec.shape[1]);
+        let mut inputs: Vec<RunTensor> = decode_inputs(&self.next, self.len, capacity)?
+            .into_iter()
+            .map(RunTensor::Host)
+            .collect();
         inputs.extend(self.caches.drain(..).map(RunTensor::Device));
         let keep = vec![true; inputs.len() - 1];
         let mut outs = decode.run_resident(inputs, &keep)?.into_iter();
         self.enqueue += decode.last_launch_seconds();
-        let logits = outs
-            .next()
-            .context("no logits")?
-            .into_host(kpt.backend.as_ref())?;
+        let logits = outs.next().context("no logits")?.into_host(backend)?;
         for o in outs {
             match o {
                 RunTensor::Device(d) => self.caches.push(d),
@@ -296,7 +306,7 @@ fn decode_per_token(
     let (mut per_token, mut enqueue) = (Vec::new(), Vec::new());
     for rep in 0..reps + 1 {
         let prompts: Vec<Vec<i64>> = (0..batch).map(|_| kpt.ids(ctx)).collect();
-        let mut seqs = Batch::prefill(kpt, prefill, &prompts, ctx + steps + 1)?;
+        let mut seqs = Batch::prefill(kpt, prefill, &prompts)?;
         let t = kpt.time(|| {
             for _ in 0..steps {
                 seqs.step(kpt, decode)?;
@@ -531,7 +541,7 @@ fn main() -> Result<()> {
         ));
         row = if batch == 1 {
             let prompt: Vec<i64> = (0..ctx as i64).map(|i| i % kpt.vocab as i64).collect();
-            let mut seq = Batch::prefill(&kpt, &mut prefill, &[prompt], ctx + steps + 1)?;
+            let mut seq = Batch::prefill(&kpt, &mut prefill, &[prompt])?;
             let profile = kernel_time(&kpt, steps, || {
                 seq.step(&kpt, &mut decode)?;
                 Ok(())
@@ -570,8 +580,8 @@ fn main() -> Result<()> {
         } else {
             row.with_target_or_parity(gpu, |r| r.with_target_ratio(10.0))
                 .with_note(
-                    "one [batch, 1] decode graph over sequences of one length; the cache \
-                 append copies (in place only for one sequence)",
+                    "one [batch, 1] decode graph over sequences of one length, each with its \
+                     own block of the caches, written in place",
                 )
         };
         report.rows.push(row);
@@ -632,12 +642,7 @@ fn main() -> Result<()> {
     };
     let mut prefill = kpt.executor(&bf16_model.graph(Phase::Prefill, prompt.len())?, level)?;
     let mut decode = kpt.executor(&bf16_model.graph(Phase::Decode, prompt.len())?, level)?;
-    let mut seq = Batch::prefill(
-        &kpt,
-        &mut prefill,
-        std::slice::from_ref(&prompt),
-        prompt.len() + new + 1,
-    )?;
+    let mut seq = Batch::prefill(&kpt, &mut prefill, std::slice::from_ref(&prompt))?;
     let got = (0..new)
         .map(|_| Ok(seq.step(&kpt, &mut decode)?[0]))
         .collect::<Result<Vec<_>>>()?;

@@ -436,16 +436,100 @@ pub trait StepRunner {
     fn decode(&mut self, cache: &mut Self::Cache, token: i64, position: usize) -> Result<Vec<f64>>;
 }
 
-/// The inputs of a decoder graph (see [`crate::lower::DecoderInputs`]): ids `[1, n]`,
-/// positions `start..start + n`, then the past keys and values.
-pub fn step_inputs(ids: &[i64], start: usize, past: &[Tensor]) -> Result<Vec<Tensor>> {
+/// The inputs of a prefill graph (see [`crate::lower::DecoderInputs`]): ids `[1, n]`
+/// and positions `0..n`.
+pub fn prefill_inputs(ids: &[i64]) -> Result<Vec<Tensor>> {
     let n = ids.len();
-    let mut v = vec![
+    Ok(vec![
         Tensor::from_vec(ids.to_vec(), &[1, n])?,
-        Tensor::from_vec((start..start + n).map(|p| p as i64).collect(), &[n])?,
-    ];
-    v.extend(past.iter().cloned());
-    Ok(v)
+        Tensor::from_vec((0..n as i64).collect(), &[n])?,
+    ])
+}
+
+/// The small inputs of a decode step (see [`crate::lower::DecoderInputs`]) for
+/// `tokens.len()` sequences at `position`, sequence `b` owning block `b` of caches
+/// `[sequences, capacity, kv_dim]`: ids `[B, 1]`, positions `[1]`, slots `b * capacity +
+/// position`, block table `[[b]]` and lengths `position + 1`. The caches follow them.
+pub fn decode_inputs(tokens: &[i64], position: usize, capacity: usize) -> Result<Vec<Tensor>> {
+    if position >= capacity {
+        return Err(ModelError::Generation(format!(
+            "position {position} does not fit a cache of {capacity} rows"
+        )));
+    }
+    let b = tokens.len();
+    let (pos, cap) = (position as i64, capacity as i64);
+    Ok(vec![
+        Tensor::from_vec(tokens.to_vec(), &[b, 1])?,
+        Tensor::from_vec(vec![pos], &[1])?,
+        Tensor::from_vec((0..b as i64).map(|s| s * cap + pos).collect(), &[b])?,
+        Tensor::from_vec((0..b as i64).collect(), &[b, 1])?,
+        Tensor::from_vec(vec![pos + 1; b], &[b])?,
+    ])
+}
+
+/// Every input of a decode step of one sequence at `position` with the host caches
+/// `[1, len, kv_dim]` of each layer (from a prefill or an earlier step), grown by
+/// [`host_cache_with_room`] where they are full.
+pub fn decode_step_inputs(token: i64, position: usize, caches: Vec<Tensor>) -> Result<Vec<Tensor>> {
+    let caches = caches
+        .into_iter()
+        .map(|c| host_cache_with_room(c, position))
+        .collect::<Result<Vec<_>>>()?;
+    let capacity = caches.first().map_or(position + 1, |c| c.shape()[1]);
+    let mut inputs = decode_inputs(&[token], position, capacity)?;
+    inputs.extend(caches);
+    Ok(inputs)
+}
+
+/// The capacity a cache is grown to when a decode step at `position` does not fit it:
+/// the next power of two above the position, at least 16 rows, so that a generation
+/// reallocates (and a captured decode step changes shape) a logarithmic number of times.
+pub fn cache_capacity(position: usize) -> usize {
+    (position + 1).next_power_of_two().max(16)
+}
+
+/// `cache` `[B, len, kv_dim]` (host) with room for a decode step at `position`: itself
+/// when `len > position`, else zero-padded to [`cache_capacity`] rows.
+pub fn host_cache_with_room(cache: Tensor, position: usize) -> Result<Tensor> {
+    let shape = cache.shape().to_vec();
+    let &[b, len, width] = shape.as_slice() else {
+        return Err(ModelError::Generation(format!(
+            "a cache must be [sequences, len, kv_dim], got {shape:?}"
+        )));
+    };
+    if len > position {
+        return Ok(cache);
+    }
+    let cap = cache_capacity(position);
+    let (from, size) = (cache.contiguous(), cache.dtype().size_in_bytes());
+    let (src, row) = (from.as_bytes()?, len * width * size);
+    let mut bytes = vec![0u8; b * cap * width * size];
+    for s in 0..b {
+        bytes[s * cap * width * size..][..row].copy_from_slice(&src[s * row..][..row]);
+    }
+    Ok(Tensor::from_bytes(&bytes, cache.dtype(), &[b, cap, width])?.with_scale(cache.scale()))
+}
+
+/// `cache` `[B, len, kv_dim]` (on the device) with room for a decode step at
+/// `position`, grown as [`host_cache_with_room`] does (one sequence per cache).
+pub fn device_cache_with_room(
+    cache: DeviceTensor,
+    position: usize,
+    backend: &dyn kpt_core::backend::Backend,
+) -> Result<DeviceTensor> {
+    let shape = &cache.spec.shape;
+    let &[1, len, width] = shape.as_slice() else {
+        return Err(ModelError::Generation(format!(
+            "a device cache must be [1, len, kv_dim], got {shape:?}"
+        )));
+    };
+    if len > position {
+        return Ok(cache);
+    }
+    let cap = cache_capacity(position);
+    let mut grown = cache.with_capacity(backend, cap * width)?;
+    grown.spec.shape = vec![1, cap, width];
+    Ok(grown)
 }
 
 /// The last row of logits `[1, S, vocab]`.
@@ -506,9 +590,10 @@ fn packed_inputs(prompts: &[&[i64]]) -> Result<(Vec<Tensor>, Vec<i64>)> {
 
 /// A [`StepRunner`] over optimized plans: one executor for the prefill, one for decode
 /// steps and, optionally, one for packed prefills of several prompts. The cache (key
-/// then value of each layer, `[1, len, kv_dim]`) stays in the backend's memory between
-/// steps ([`Executor::run_resident`]), in buffers with room to grow, so that each decode
-/// step appends its row in place. The prefill and decode executors run on one backend.
+/// then value of each layer) stays in the backend's memory between steps
+/// ([`Executor::run_resident`]) at a fixed capacity, so that each decode step writes its
+/// row in place and has the shapes of the step before. The prefill and decode executors
+/// run on one backend.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -612,12 +697,13 @@ impl PlanRunner {
 }
 
 impl StepRunner for PlanRunner {
-    /// Keys and values `[1, len, kv_dim]` of every layer in the decode backend's memory,
-    /// with room to grow: a decode step appends in place, and a full cache doubles.
+    /// Keys and values `[1, capacity, kv_dim]` of every layer in the decode backend's
+    /// memory (the first `position` rows valid): a decode step writes its row in place,
+    /// and a full cache grows to [`cache_capacity`].
     type Cache = Vec<DeviceTensor>;
 
     fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<DeviceTensor>)> {
-        Self::run(&mut self.prefill, step_inputs(prompt, 0, &[])?, Vec::new())
+        Self::run(&mut self.prefill, prefill_inputs(prompt)?, Vec::new())
     }
 
     fn prefill_many(&mut self, prompts: &[&[i64]]) -> Result<Vec<(Vec<f64>, Vec<DeviceTensor>)>> {
@@ -642,23 +728,22 @@ impl StepRunner for PlanRunner {
 
     fn decode(
         &mut self,
-        cache: &mut Vec<DeviceTensor>,
+        cache_out: &mut Vec<DeviceTensor>,
         token: i64,
         position: usize,
     ) -> Result<Vec<f64>> {
         let backend = self.decode.backend().clone();
-        for c in cache.iter_mut() {
-            let (len, row) = (c.spec.numel(), c.spec.numel() / position.max(1));
-            if c.buffer.len() < len + row {
-                *c = c.with_capacity(backend.as_ref(), (2 * len).max(len + row))?;
-            }
-        }
+        let cache = std::mem::take(cache_out)
+            .into_iter()
+            .map(|c| device_cache_with_room(c, position, backend.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        let capacity = cache.first().map_or(position + 1, |c| c.spec.shape[1]);
         let (logits, next) = Self::run(
             &mut self.decode,
-            step_inputs(&[token], position, &[])?,
-            std::mem::take(cache),
+            decode_inputs(&[token], position, capacity)?,
+            cache,
         )?;
-        *cache = next;
+        *cache_out = next;
         Ok(logits)
     }
 }
@@ -697,7 +782,7 @@ impl StepRunner for ReferenceRunner<'_> {
     type Cache = Vec<Tensor>;
 
     fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<Tensor>)> {
-        let outs = run_reference(&self.prefill, self.reference, &step_inputs(prompt, 0, &[])?)?;
+        let outs = run_reference(&self.prefill, self.reference, &prefill_inputs(prompt)?)?;
         let (logits, cache) = split_outputs(outs)?;
         Ok((last_logits(&logits)?, cache))
     }
@@ -711,11 +796,8 @@ impl StepRunner for ReferenceRunner<'_> {
     }
 
     fn decode(&mut self, cache: &mut Vec<Tensor>, token: i64, position: usize) -> Result<Vec<f64>> {
-        let outs = run_reference(
-            &self.decode,
-            self.reference,
-            &step_inputs(&[token], position, cache)?,
-        )?;
+        let inputs = decode_step_inputs(token, position, std::mem::take(cache))?;
+        let outs = run_reference(&self.decode, self.reference, &inputs)?;
         let (logits, next) = split_outputs(outs)?;
         *cache = next;
         last_logits(&logits)

@@ -154,7 +154,7 @@ impl Gpt2 {
             let q = b.q.apply(&mut g, &format!("{p}.attn.q"), x)?;
             let k = b.k.apply(&mut g, &format!("{p}.attn.k"), x)?;
             let v = b.v.apply(&mut g, &format!("{p}.attn.v"), x)?;
-            let (k, v) = inputs.extend_cache(&mut g, &format!("{p}.attn"), i, k, v)?;
+            let (k, v) = inputs.update_cache(&mut g, &format!("{p}.attn"), i, k, v)?;
             caches.push((k, v));
             let layer_attn = AttentionParams {
                 scale: Some(c.attention_scale(i) as f32),

@@ -103,12 +103,11 @@ impl Llama {
         })
     }
 
-    /// Builds the graph of `phase`. Inputs: ids `[1, S]` (i64), positions `[S]` (i64),
-    /// and for decode the past keys and values of each layer `[1, past, kv_dim]`
-    /// (`past.{i}.k`, `past.{i}.v`). Outputs: logits `[1, S, vocab]`, then the keys and
-    /// values of each layer, `[1, S, kv_dim]` after prefill and `[1, past + 1, kv_dim]`
-    /// after decode. `seq` is the prompt length for prefill and the past length for
-    /// decode; the executor re-infers shapes, so one graph serves every length.
+    /// Builds the graph of `phase` with the inputs of [`DecoderInputs`]. Outputs: logits
+    /// `[B, S, vocab]`, then the keys and values of each layer: `[1, S, kv_dim]` after
+    /// prefill, the updated caches `[blocks, block_size, kv_dim]` after decode. `seq` is
+    /// the prompt length for prefill and the cache capacity for decode; the executor
+    /// re-infers shapes, so one graph serves every length.
     pub fn graph(&self, phase: Phase, seq: usize) -> Result<Graph> {
         self.build(phase, seq, None)
     }
@@ -170,7 +169,7 @@ impl Llama {
                 .apply(&mut g, &format!("{p}.self_attn.v_proj"), x)?;
             let q = g.op(format!("{p}.self_attn.q_rope"), rope.clone(), &[q, pos])?;
             let k = g.op(format!("{p}.self_attn.k_rope"), rope.clone(), &[k, pos])?;
-            let (k, v) = inputs.extend_cache(&mut g, &format!("{p}.self_attn"), i, k, v)?;
+            let (k, v) = inputs.update_cache(&mut g, &format!("{p}.self_attn"), i, k, v)?;
             caches.push((k, v));
             let layer_attn = AttentionParams {
                 window: c.window(i),

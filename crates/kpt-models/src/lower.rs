@@ -11,25 +11,48 @@ use crate::weights::Weights;
 pub enum Phase {
     /// The whole prompt at once; outputs logits and the key/value cache of every layer.
     Prefill,
-    /// One token with the cache as input; outputs logits and the extended cache.
+    /// One token per sequence against caches of a fixed capacity, which the step writes
+    /// its keys and values into; outputs logits and the updated caches.
     Decode,
 }
 
-/// The inputs of a decoder graph: ids `[1, S]` (i64), positions `[S]` (i64), for decode
-/// the past keys and values of each layer, `past.{i}.k` / `past.{i}.v`
-/// `[1, past, kv_dim]`, and for a packed prefill `cu_seqlens` `[sequences + 1]` (i64).
-/// `seq` is the prompt length (all prompts' for a packed prefill) for prefill and the
-/// past length for decode.
+/// The inputs of a decoder graph.
+///
+/// Prefill: ids `[1, S]` (i64), positions `[S]` (i64) and, for a packed prefill,
+/// `cu_seqlens` `[sequences + 1]` (i64); `seq` is the prompt length (all prompts').
+///
+/// Decode, `B` sequences of one token each at one position: ids `[B, 1]`, positions
+/// `[1]`, `slots` `[B]` (the cache row each sequence's new key and value go to),
+/// `block_table` `[B, blocks per sequence]` and `seq_lens` `[B]` (lengths with the new
+/// token), all i64, then each layer's caches `cache.{i}.k` / `cache.{i}.v` `[blocks,
+/// block_size, kv_dim]`: paged attention's layout (vLLM's), which a cache of one block
+/// per sequence (`block_size` = its capacity) also is. The step writes into the caches
+/// ([`Op::CacheWrite`], in place in the executor) and returns them, so every input of a
+/// step has the shape of the step before; `seq` is the declared capacity.
+/// [`crate::generate::decode_inputs`] builds the small inputs.
 #[derive(Debug, Clone)]
 pub struct DecoderInputs {
     /// Token ids.
     pub ids: ValueId,
     /// Absolute positions of the tokens.
     pub positions: ValueId,
-    /// Past keys and values per layer (empty for prefill).
-    pub past: Vec<(ValueId, ValueId)>,
+    /// The caches of a decode step and where its rows go.
+    pub cache: Option<CacheInputs>,
     /// Sequence offsets of a packed prefill.
     pub cu_seqlens: Option<ValueId>,
+}
+
+/// The cache inputs of a decode graph (see [`DecoderInputs`]).
+#[derive(Debug, Clone)]
+pub struct CacheInputs {
+    /// The cache row of each sequence's new key and value.
+    pub slots: ValueId,
+    /// Each sequence's cache blocks.
+    pub block_table: ValueId,
+    /// Each sequence's length, the new token included.
+    pub seq_lens: ValueId,
+    /// Keys and values per layer.
+    pub layers: Vec<(ValueId, ValueId)>,
 }
 
 impl DecoderInputs {
@@ -43,36 +66,49 @@ impl DecoderInputs {
         (layers, kv_dim): (usize, usize),
         dtype: DType,
     ) -> Result<Self> {
-        if phase == Phase::Decode && packed.is_some() {
+        if phase == Phase::Prefill {
+            let ids = g.input("ids", DType::I64, &[1, seq]);
+            let positions = g.input("positions", DType::I64, &[seq]);
+            let cu_seqlens = packed.map(|n| g.input("cu_seqlens", DType::I64, &[n + 1]));
+            return Ok(Self {
+                ids,
+                positions,
+                cache: None,
+                cu_seqlens,
+            });
+        }
+        if packed.is_some() {
             return Err(ModelError::Unsupported(
-                "packed decode: decode steps take one sequence's cache".into(),
+                "packed decode: a decode step takes one token per sequence".into(),
             ));
         }
-        let s = if phase == Phase::Decode { 1 } else { seq };
-        let ids = g.input("ids", DType::I64, &[1, s]);
-        let positions = g.input("positions", DType::I64, &[s]);
-        let past = if phase == Phase::Decode {
-            (0..layers)
-                .map(|i| {
-                    let k = g.input(format!("past.{i}.k"), dtype, &[1, seq, kv_dim]);
-                    let v = g.input(format!("past.{i}.v"), dtype, &[1, seq, kv_dim]);
-                    (k, v)
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let cu_seqlens = packed.map(|n| g.input("cu_seqlens", DType::I64, &[n + 1]));
+        let ids = g.input("ids", DType::I64, &[1, 1]);
+        let positions = g.input("positions", DType::I64, &[1]);
+        let slots = g.input("slots", DType::I64, &[1]);
+        let block_table = g.input("block_table", DType::I64, &[1, 1]);
+        let seq_lens = g.input("seq_lens", DType::I64, &[1]);
+        let layers = (0..layers)
+            .map(|i| {
+                let k = g.input(format!("cache.{i}.k"), dtype, &[1, seq, kv_dim]);
+                let v = g.input(format!("cache.{i}.v"), dtype, &[1, seq, kv_dim]);
+                (k, v)
+            })
+            .collect();
         Ok(Self {
             ids,
             positions,
-            past,
-            cu_seqlens,
+            cache: Some(CacheInputs {
+                slots,
+                block_table,
+                seq_lens,
+                layers,
+            }),
+            cu_seqlens: None,
         })
     }
 
-    /// Adds attention of `q` over `k`, `v` with `params`, variable-length over
-    /// `cu_seqlens` for a packed prefill.
+    /// Adds attention of `q` over `k`, `v` with `params`: variable-length over
+    /// `cu_seqlens` for a packed prefill, paged over the caches for a decode step.
     pub fn attention(
         &self,
         g: &mut Graph,
@@ -84,16 +120,20 @@ impl DecoderInputs {
     ) -> Result<ValueId> {
         let mut inputs = vec![q, k, v];
         inputs.extend(self.cu_seqlens.iter().flat_map(|&c| [c, c]));
+        if let Some(c) = &self.cache {
+            inputs.extend([c.block_table, c.seq_lens]);
+        }
         let params = AttentionParams {
             varlen: self.cu_seqlens.is_some(),
+            paged: self.cache.is_some(),
             ..params
         };
         Ok(g.op(name, Op::Attention(params), &inputs)?)
     }
 
-    /// Appends layer `layer`'s new keys and values to its past (decode) or returns them
-    /// as they are (prefill).
-    pub fn extend_cache(
+    /// Writes layer `layer`'s new keys and values into its caches and returns the
+    /// updated caches (decode), or returns them as they are (prefill).
+    pub fn update_cache(
         &self,
         g: &mut Graph,
         prefix: &str,
@@ -101,21 +141,24 @@ impl DecoderInputs {
         k: ValueId,
         v: ValueId,
     ) -> Result<(ValueId, ValueId)> {
-        match self.past.get(layer) {
-            Some(&(pk, pv)) => Ok((
-                g.op(
-                    format!("{prefix}.k_cache"),
-                    Op::Concat { axis: 1 },
-                    &[pk, k],
-                )?,
-                g.op(
-                    format!("{prefix}.v_cache"),
-                    Op::Concat { axis: 1 },
-                    &[pv, v],
-                )?,
-            )),
-            None => Ok((k, v)),
-        }
+        let Some(c) = &self.cache else {
+            return Ok((k, v));
+        };
+        let &(ck, cv) = c.layers.get(layer).ok_or_else(|| {
+            ModelError::Generation(format!("no cache declared for layer {layer}"))
+        })?;
+        Ok((
+            g.op(
+                format!("{prefix}.k_cache"),
+                Op::CacheWrite,
+                &[ck, k, c.slots],
+            )?,
+            g.op(
+                format!("{prefix}.v_cache"),
+                Op::CacheWrite,
+                &[cv, v, c.slots],
+            )?,
+        ))
     }
 }
 
@@ -305,13 +348,15 @@ mod tests {
     fn decoder_inputs_by_phase() {
         let mut g = Graph::new();
         let d = DecoderInputs::declare(&mut g, Phase::Decode, 5, None, (2, 8), DType::F32).unwrap();
-        assert_eq!(d.past.len(), 2);
-        assert_eq!(g.spec(d.past[1].0).unwrap().shape, vec![1, 5, 8]);
+        let c = d.cache.unwrap();
+        assert_eq!(c.layers.len(), 2);
+        assert_eq!(g.spec(c.layers[1].0).unwrap().shape, vec![1, 5, 8]);
+        assert_eq!(g.spec(c.block_table).unwrap().shape, vec![1, 1]);
         assert_eq!(g.spec(d.ids).unwrap().shape, vec![1, 1]);
         let mut g = Graph::new();
         let p =
             DecoderInputs::declare(&mut g, Phase::Prefill, 9, Some(3), (2, 8), DType::F32).unwrap();
-        assert!(p.past.is_empty());
+        assert!(p.cache.is_none());
         assert_eq!(g.spec(p.cu_seqlens.unwrap()).unwrap().shape, vec![4]);
         let mut g = Graph::new();
         let err = DecoderInputs::declare(&mut g, Phase::Decode, 9, Some(3), (2, 8), DType::F32);

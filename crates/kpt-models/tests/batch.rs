@@ -1,5 +1,5 @@
 //! Decoder graphs run on a dense batch of sequences of one length, and decode steps with
-//! the KV cache kept on the device (appended in place), against the same sequences run
+//! the KV cache kept on the device (written in place), against the same sequences run
 //! one at a time with host tensors.
 
 mod common;
@@ -7,6 +7,7 @@ mod common;
 use common::{executor, inputs};
 use kpt_core::exec::{DeviceTensor, RunTensor};
 use kpt_core::{DType, OptLevel, Tensor};
+use kpt_models::generate::{decode_inputs, device_cache_with_room, host_cache_with_room};
 use kpt_models::synthetic::{write_checkpoint, WriteOptions};
 use kpt_models::{Checkpoint, Model, Phase};
 use serde_json::json;
@@ -49,6 +50,11 @@ fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
     assert!(worst < 1e-5, "{what}: max diff {worst}");
 }
 
+/// Rows `..len` of a cache `[1, capacity, kv_dim]`.
+fn valid(t: &Tensor, len: usize) -> Tensor {
+    t.narrow(1, 0, len).unwrap().contiguous()
+}
+
 #[test]
 fn a_dense_batch_matches_each_sequence_alone() {
     let (_dir, model) = model();
@@ -58,9 +64,14 @@ fn a_dense_batch_matches_each_sequence_alone() {
     let ids = Tensor::from_vec(PROMPTS.concat(), &[2, s]).unwrap();
     let positions = Tensor::from_vec((0..s as i64).collect(), &[s]).unwrap();
     let batch = prefill.run(&[ids, positions]).unwrap();
-    let next = Tensor::from_vec(vec![7i64, 11], &[2, 1]).unwrap();
-    let mut step = vec![next, Tensor::from_vec(vec![s as i64], &[1]).unwrap()];
-    step.extend(batch[1..].iter().cloned());
+    // Both sequences decode at position s, each in its own block of the batch's caches.
+    let caches: Vec<Tensor> = batch[1..]
+        .iter()
+        .map(|c| host_cache_with_room(c.clone(), s).unwrap())
+        .collect();
+    let capacity = caches[0].shape()[1];
+    let mut step = decode_inputs(&[7, 11], s, capacity).unwrap();
+    step.extend(caches);
     let batch_step = decode.run(&step).unwrap();
     for (i, prompt) in PROMPTS.iter().enumerate() {
         let alone = prefill.run(&inputs(prompt, 0, &[])).unwrap();
@@ -73,8 +84,10 @@ fn a_dense_batch_matches_each_sequence_alone() {
         }
         let token = [7i64, 11][i];
         let alone_step = decode.run(&inputs(&[token], s, &alone[1..])).unwrap();
-        for (j, (b, a)) in batch_step.iter().zip(&alone_step).enumerate() {
-            assert_close(&row(b, i), a, &format!("decode output {j} of sequence {i}"));
+        assert_close(&row(&batch_step[0], i), &alone_step[0], "decode logits");
+        for (j, (b, a)) in batch_step[1..].iter().zip(&alone_step[1..]).enumerate() {
+            let what = format!("cache {j} of sequence {i}");
+            assert_close(&valid(&row(b, i), s + 1), &valid(a, s + 1), &what);
         }
     }
 }
@@ -91,21 +104,23 @@ fn device_resident_decode_matches_host_decode() {
     let backend = resident.backend().clone();
     let first = prefill.run(&inputs(prompt, 0, &[])).unwrap();
     let mut host_cache = first[1..].to_vec();
-    // Room for every step: each append runs in place.
+    // The first step's capacity has room for every step: each write runs in place.
     let mut caches: Vec<DeviceTensor> = host_cache
         .iter()
         .map(|t| {
             let d = DeviceTensor::upload(backend.as_ref(), t).unwrap();
-            d.with_capacity(backend.as_ref(), t.numel() / s * (s + steps))
-                .unwrap()
+            device_cache_with_room(d, s, backend.as_ref()).unwrap()
         })
         .collect();
+    let capacity = caches[0].spec.shape[1];
+    assert!(capacity >= s + steps);
     for step in 0..steps {
         let token = [9i64, 4, 60, 1, 22, 35][step];
         let want = decode
             .run(&inputs(&[token], s + step, &host_cache))
             .unwrap();
-        let mut feed: Vec<RunTensor> = inputs(&[token], s + step, &[])
+        let mut feed: Vec<RunTensor> = decode_inputs(&[token], s + step, capacity)
+            .unwrap()
             .into_iter()
             .map(RunTensor::Host)
             .collect();
@@ -118,7 +133,7 @@ fn device_resident_decode_matches_host_decode() {
             let RunTensor::Device(d) = o else {
                 panic!("the cache left the device")
             };
-            assert_eq!(d.buffer.len(), w.numel() / (s + step + 1) * (s + steps));
+            assert_eq!(d.spec.shape, w.shape(), "the cache keeps its capacity");
             assert_close(&d.download(backend.as_ref()).unwrap(), w, "cache");
             caches.push(d);
         }

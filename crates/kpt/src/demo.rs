@@ -10,8 +10,8 @@ use kpt_core::validate::{validate_plan, ValidationReport};
 use kpt_core::{DType, OptLevel, Tensor};
 use kpt_kernels::CpuReference;
 use kpt_models::generate::{
-    step_inputs, Generation, Generator, PlanRunner, ReferenceRunner, SamplingParams, StepRunner,
-    StopCondition,
+    decode_step_inputs, prefill_inputs, Generation, Generator, PlanRunner, ReferenceRunner,
+    SamplingParams, StepRunner, StopCondition,
 };
 use kpt_models::synthetic::{write_checkpoint, write_tokenizer, WriteOptions};
 use kpt_models::{ModelError, Phase, Result};
@@ -300,8 +300,8 @@ pub fn run_demo(
         .iter()
         .map(|t| t.to_dtype(m.model.dtype()))
         .collect::<kpt_core::Result<Vec<_>>>()?;
-    let pre_inputs = step_inputs(&ids, 0, &[])?;
-    let dec_inputs = step_inputs(&ids[..1], ids.len(), &cache)?;
+    let pre_inputs = prefill_inputs(&ids)?;
+    let dec_inputs = decode_step_inputs(ids[0], ids.len(), cache)?;
 
     let mut rows = Vec::new();
     for &level in &opts.levels {
@@ -407,7 +407,7 @@ pub fn prompt_inputs(tokenizer: &kpt_models::Tokenizer, len: usize) -> Result<Ve
         .into_iter()
         .map(i64::from)
         .collect();
-    step_inputs(&ids, 0, &[])
+    prefill_inputs(&ids)
 }
 
 #[cfg(test)]

@@ -14,9 +14,9 @@
 //!
 //! Graph outputs are cast back to the dtype the original graph declared, so callers see
 //! the same logits, except the KV cache: an output that attention reads as keys or
-//! values stays bf16, and a graph input that a `Concat` appends to before it (the past
-//! keys and values of a decode step), or that a paged attention reads as its block
-//! cache, is declared bf16 instead of being cast. A prefill plan then gives bf16 caches
+//! values stays bf16, and a graph input that a `Concat` appends to or a `CacheWrite`
+//! writes into before it (the keys and values of a decode step), or that a paged
+//! attention reads as its block cache, is declared bf16 instead of being cast. A prefill plan then gives bf16 caches
 //! and a decode plan takes and returns them, exactly, with no per-step conversion of
 //! the whole cache, and the in-place append of the executor still applies. Callers
 //! read each input's dtype from the plan's graph. (With `precision.activation_dtype =
@@ -79,8 +79,8 @@ pub(crate) fn only_linear_weight(
 }
 
 /// The KV-cache values of `graph`: outputs that an attention node reads as keys or
-/// values; inputs that a `Concat` producing one of them appends to, and inputs that a
-/// paged attention reads as its key and value caches.
+/// values; inputs that a `Concat` or `CacheWrite` producing one of them updates, and
+/// inputs that a paged attention reads as its key and value caches.
 fn kv_cache_values(graph: &Graph) -> (HashSet<ValueId>, HashSet<ValueId>) {
     let mut read_as_kv = HashSet::new();
     let mut inputs = HashSet::new();
@@ -104,7 +104,9 @@ fn kv_cache_values(graph: &Graph) -> (HashSet<ValueId>, HashSet<ValueId>) {
         .filter(|o| read_as_kv.contains(o))
         .collect();
     for node in graph.nodes() {
-        if matches!(node.op, Op::Concat { .. }) && outputs.contains(&node.outputs[0]) {
+        if matches!(node.op, Op::Concat { .. } | Op::CacheWrite)
+            && outputs.contains(&node.outputs[0])
+        {
             let past = node.inputs[0];
             if matches!(graph.value(past).source, ValueSource::Input) {
                 inputs.insert(past);

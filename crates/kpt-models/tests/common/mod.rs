@@ -14,6 +14,7 @@ use kpt_core::optimize::{auto_optimize, PrecisionPolicy};
 use kpt_core::validate::run_reference;
 use kpt_core::{Graph, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
+use kpt_models::generate::decode_step_inputs;
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 
@@ -546,15 +547,19 @@ pub fn llama_forward(raw: &Raw, s: &LlamaSizes, ids: &[i64]) -> Vec<Vec<f64>> {
     linear(&x, head, None, s.vocab)
 }
 
-/// The inputs of a prefill graph: ids `[1, S]` and positions `start..start + S`.
+/// The inputs of a prefill graph (no `cache`: ids `[1, S]`, positions `start..start +
+/// S`) or of a decode step of the one token in `ids` at `start` with the layers' caches
+/// (grown where full, see `kpt_models::generate::decode_step_inputs`).
 pub fn inputs(ids: &[i64], start: usize, cache: &[Tensor]) -> Vec<Tensor> {
+    if !cache.is_empty() {
+        assert_eq!(ids.len(), 1, "a decode step takes one token");
+        return decode_step_inputs(ids[0], start, cache.to_vec()).unwrap();
+    }
     let n = ids.len();
-    let mut v = vec![
+    vec![
         Tensor::from_vec(ids.to_vec(), &[1, n]).unwrap(),
         Tensor::from_vec((start..start + n).map(|p| p as i64).collect(), &[n]).unwrap(),
-    ];
-    v.extend(cache.iter().cloned());
-    v
+    ]
 }
 
 /// Runs `graph` on kpt's f64 reference.
