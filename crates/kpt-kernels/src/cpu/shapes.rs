@@ -361,6 +361,20 @@ impl PagedKv<'_> {
             .unwrap_or(0)
     }
 
+    /// The first cache row of sequence `b`'s `len` keys when its blocks follow each
+    /// other in the cache (one block per sequence, say), so that its keys are one run of
+    /// rows; `None` otherwise. Block ids must have been checked.
+    pub fn contiguous_start(&self, b: usize, len: usize) -> Option<usize> {
+        let max_blocks = self.max_blocks();
+        let used = len.div_ceil(self.block_size.max(1));
+        let ids = &self.block_table[b * max_blocks..b * max_blocks + used];
+        let first = *ids.first()?;
+        ids.iter()
+            .zip(first..)
+            .all(|(&id, want)| id == want)
+            .then_some(first as usize * self.block_size)
+    }
+
     /// Copies the rows (of `row` elements) of sequence `b` out of `cache` into `dst`
     /// (cleared first), a block's run of rows at a time, after [`checked_len`](Self::checked_len).
     pub fn gather<T: Copy>(
@@ -389,7 +403,8 @@ impl PagedKv<'_> {
 /// Runs dense attention, `run(q, k, v, out, shape)` on one sequence at batch 1, over each
 /// sequence of a batch whose keys and values live in a paged cache: `shape` gives the
 /// batch, queries per sequence and heads (its `seq_kv` is ignored); each sequence's keys
-/// are gathered into contiguous rows first.
+/// are read in place when its blocks follow each other in the cache, else gathered into
+/// contiguous rows first.
 pub fn for_each_paged_sequence<T: Copy + Default>(
     shape: &AttentionShape,
     paged: &PagedKv<'_>,
@@ -412,19 +427,29 @@ pub fn for_each_paged_sequence<T: Copy + Default>(
     )?;
     let (mut k, mut v) = (Vec::new(), Vec::new());
     for b in 0..shape.batch {
-        paged.gather(k_cache, kr, b, &mut k)?;
-        paged.gather(v_cache, kr, b, &mut v)?;
+        let len = paged.checked_len(b)?;
+        let (ks, vs) = match paged.contiguous_start(b, len) {
+            Some(first) => {
+                let rows = first * kr..(first + len) * kr;
+                (&k_cache[rows.clone()], &v_cache[rows])
+            }
+            None => {
+                paged.gather(k_cache, kr, b, &mut k)?;
+                paged.gather(v_cache, kr, b, &mut v)?;
+                (&k[..], &v[..])
+            }
+        };
         let sub = AttentionShape {
             batch: 1,
-            seq_kv: k.len() / kr.max(1),
+            seq_kv: len,
             ..*shape
         };
         let o = &mut out[b * per_seq..(b + 1) * per_seq];
-        if sub.seq_kv == 0 {
+        if len == 0 {
             o.fill(T::default());
             continue;
         }
-        run(&q[b * per_seq..(b + 1) * per_seq], &k, &v, o, &sub)?;
+        run(&q[b * per_seq..(b + 1) * per_seq], ks, vs, o, &sub)?;
     }
     Ok(())
 }
