@@ -20,6 +20,8 @@
 //! Rayon tasks own a 128 × 128 output rectangle each (64 × 64 when that leaves fewer than
 //! eight tasks per thread), accumulated in f32 over passes of 512 k: within a pass one
 //! 32-row A block (32 KiB) stays in L1 while it meets the task's B blocks (in L2). Each
+//! 32 × 32 block is rounded into the output right after its last pass, while its f32
+//! sums are in L1, so that the output's stores spread between the tile products. Each
 //! task packs the B panels (and copies the A blocks) it needs that no other task did yet
 //! ([`LazyPanels`]), into [`Scratch`] buffers.
 //!
@@ -130,6 +132,10 @@ enum Engine {
     /// AVX-512-BF16 `VDPBF16PS` on zmm registers, for CPUs without AMX (Zen 4,
     /// Cooper Lake): same operand layouts, a pair of k per instruction.
     Dp,
+    /// Tests: the tile products in scalar code, so that the driver (task split, A
+    /// blocks, B panels, rounding into the output) is checked on any CPU.
+    #[cfg(test)]
+    Emulated,
 }
 
 /// Whether the 32 rows of an A block, `lda` elements apart, spread over the L1 data
@@ -788,6 +794,35 @@ mod imp {
         }
     }
 
+    /// [`block`] in scalar code ([`Engine::Emulated`]), same arguments.
+    ///
+    /// # Safety
+    /// As for [`block`], less the tile configuration.
+    #[cfg(test)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn emulated_block(
+        a0: *const u16,
+        lda: usize,
+        b0: *const u16,
+        b_next: usize,
+        steps: usize,
+        c: *mut f32,
+        cs: usize,
+        accumulate: bool,
+    ) {
+        let (lda, ldc) = (lda / 2, cs / 4);
+        // SAFETY: per the function contract: A's 32 rows, B's two tile columns and C's
+        // 32 rows of 32 f32 are in bounds, C accessed by no one else.
+        let (a, b, c) = unsafe {
+            (
+                std::slice::from_raw_parts(a0, 31 * lda + steps * KB),
+                std::slice::from_raw_parts(b0, b_next + steps * TILE),
+                std::slice::from_raw_parts_mut(c, 31 * ldc + 32),
+            )
+        };
+        super::emulate(a, lda, b, b_next, steps, 32, c, ldc, accumulate);
+    }
+
     /// Runs the product: each task computes one rectangle of `out` from A's row blocks
     /// and B's column panels (`kt` k tiles each), packing the panels it needs on first
     /// use.
@@ -820,6 +855,7 @@ mod imp {
             // `matmul_bf16` checked `available()`, so the configuration loads.
             let amx = engine == Engine::Amx;
             assert!(!amx || load(), "AMX tile configuration failed to load");
+            let (live_rows, width) = (rows.min(m - r0), cols.min(n - c0));
             for k0 in (0..kt).step_by(KSTEPS) {
                 let steps = KSTEPS.min(kt - k0);
                 for (bi, &(ablk, lda)) in blocks.iter().enumerate() {
@@ -831,7 +867,12 @@ mod imp {
                         // j) of 32 × 32 lies in `acc`; the config is loaded for AMX, and
                         // `dp_available` held for the other engine.
                         unsafe {
-                            let kernel = if amx { block } else { dp_block };
+                            let kernel = match engine {
+                                Engine::Amx => block,
+                                Engine::Dp => dp_block,
+                                #[cfg(test)]
+                                Engine::Emulated => emulated_block,
+                            };
                             kernel(
                                 ablk.as_ptr().add(k0 * KB),
                                 lda * 2,
@@ -843,19 +884,24 @@ mod imp {
                                 k0 > 0,
                             );
                         }
+                        if k0 + steps == kt {
+                            // The block's last k pass: round it into the output while
+                            // its f32 sums are in L1, between the products.
+                            let cw = (j + MB).min(width) - j;
+                            for r in bi * MB..((bi + 1) * MB).min(live_rows) {
+                                // SAFETY: r < live_rows and j + cw <= width, so row r0
+                                // + r < m and columns c0 + j..c0 + j + cw <= n lie in
+                                // `out` (j < width: j + c0 < nb - 31 < n), and in this
+                                // task's rectangle, which no other task accesses.
+                                let row = unsafe { dst.row((r0 + r) * n + c0 + j, cw) };
+                                T::encode_slice(&acc[r * task + j..][..cw], row);
+                            }
+                        }
                     }
                 }
             }
             if amx {
                 release();
-            }
-            let width = cols.min(n - c0);
-            for r in 0..rows.min(m - r0) {
-                // SAFETY: row r0 + r, columns c0..c0 + width lie in `out` ((r0 + r, c0 +
-                // width - 1) < (m, n)), and no other task accesses them: tasks own
-                // disjoint rectangles.
-                let row = unsafe { dst.row((r0 + r) * n + c0, width) };
-                T::encode_slice(&acc[r * task..][..width], row);
             }
         });
     }
@@ -1073,6 +1119,36 @@ mod tests {
                 assert_close(&got, &reference(&a, &b, m, k, n), k);
             } else {
                 assert!(got.iter().all(|x| x.is_nan()), "declined but wrote output");
+            }
+        }
+    }
+
+    /// The driver on the scalar engine (any CPU): task split, A blocks read in place and
+    /// copied, B panels, several k passes, and rounding to bf16 in the output.
+    #[test]
+    fn emulated_driver_matches_reference() {
+        let mut rng = SplitMix64::new(13);
+        let shapes = SHAPES.iter().copied().chain([
+            (40, 700, 50),
+            (100, 1024, 96),
+            (33, 512, 200),
+            (300, 96, 260),
+        ]);
+        for (m, k, n) in shapes {
+            let a = random_bf16(&mut rng, m * k);
+            let b = random_bf16(&mut rng, k * n);
+            let want = reference(&a, &b, m, k, n);
+            let mut got = vec![f32::NAN; m * n];
+            matmul_with(Engine::Emulated, &a, &b, &mut got, m, k, n);
+            assert_close(&got, &want, k);
+            let mut got16 = vec![bf16::from_f32(f32::NAN); m * n];
+            matmul_with(Engine::Emulated, &a, &b, &mut got16, m, k, n);
+            for (i, (&g, &w)) in got16.iter().zip(&want).enumerate() {
+                let tol = 1e-6 * k as f64 + w.abs() / 256.0;
+                assert!(
+                    (g.to_f64() - w).abs() <= tol,
+                    "{m}x{k}x{n} element {i}: {g} vs {w}"
+                );
             }
         }
     }
