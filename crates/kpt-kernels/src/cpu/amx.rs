@@ -130,6 +130,10 @@ enum Engine {
     /// AVX-512-BF16 `VDPBF16PS` on zmm registers, for CPUs without AMX (Zen 4,
     /// Cooper Lake): same operand layouts, a pair of k per instruction.
     Dp,
+    /// Tests: the tile products in scalar code, so that the driver (task split, A
+    /// blocks, B panels, rounding into the output) is checked on any CPU.
+    #[cfg(test)]
+    Emulated,
 }
 
 /// Whether the 32 rows of an A block, `lda` elements apart, spread over the L1 data
@@ -788,6 +792,35 @@ mod imp {
         }
     }
 
+    /// [`block`] in scalar code ([`Engine::Emulated`]), same arguments.
+    ///
+    /// # Safety
+    /// As for [`block`], less the tile configuration.
+    #[cfg(test)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn emulated_block(
+        a0: *const u16,
+        lda: usize,
+        b0: *const u16,
+        b_next: usize,
+        steps: usize,
+        c: *mut f32,
+        cs: usize,
+        accumulate: bool,
+    ) {
+        let (lda, ldc) = (lda / 2, cs / 4);
+        // SAFETY: per the function contract: A's 32 rows, B's two tile columns and C's
+        // 32 rows of 32 f32 are in bounds, C accessed by no one else.
+        let (a, b, c) = unsafe {
+            (
+                std::slice::from_raw_parts(a0, 31 * lda + steps * KB),
+                std::slice::from_raw_parts(b0, b_next + steps * TILE),
+                std::slice::from_raw_parts_mut(c, 31 * ldc + 32),
+            )
+        };
+        super::emulate(a, lda, b, b_next, steps, 32, c, ldc, accumulate);
+    }
+
     /// Runs the product: each task computes one rectangle of `out` from A's row blocks
     /// and B's column panels (`kt` k tiles each), packing the panels it needs on first
     /// use.
@@ -831,7 +864,12 @@ mod imp {
                         // j) of 32 × 32 lies in `acc`; the config is loaded for AMX, and
                         // `dp_available` held for the other engine.
                         unsafe {
-                            let kernel = if amx { block } else { dp_block };
+                            let kernel = match engine {
+                                Engine::Amx => block,
+                                Engine::Dp => dp_block,
+                                #[cfg(test)]
+                                Engine::Emulated => emulated_block,
+                            };
                             kernel(
                                 ablk.as_ptr().add(k0 * KB),
                                 lda * 2,
@@ -1073,6 +1111,40 @@ mod tests {
                 assert_close(&got, &reference(&a, &b, m, k, n), k);
             } else {
                 assert!(got.iter().all(|x| x.is_nan()), "declined but wrote output");
+            }
+        }
+    }
+
+    /// The driver on the scalar engine (any CPU): task split, A blocks read in place and
+    /// copied, B panels, several k passes, and rounding to bf16 in the output.
+    #[test]
+    fn emulated_driver_matches_reference() {
+        // The driver (`imp::run`) exists on x86-64 Linux only.
+        if !cfg!(all(target_arch = "x86_64", target_os = "linux")) {
+            return;
+        }
+        let mut rng = SplitMix64::new(13);
+        let shapes = SHAPES.iter().copied().chain([
+            (40, 700, 50),
+            (100, 1024, 96),
+            (33, 512, 200),
+            (300, 96, 260),
+        ]);
+        for (m, k, n) in shapes {
+            let a = random_bf16(&mut rng, m * k);
+            let b = random_bf16(&mut rng, k * n);
+            let want = reference(&a, &b, m, k, n);
+            let mut got = vec![f32::NAN; m * n];
+            matmul_with(Engine::Emulated, &a, &b, &mut got, m, k, n);
+            assert_close(&got, &want, k);
+            let mut got16 = vec![bf16::from_f32(f32::NAN); m * n];
+            matmul_with(Engine::Emulated, &a, &b, &mut got16, m, k, n);
+            for (i, (&g, &w)) in got16.iter().zip(&want).enumerate() {
+                let tol = 1e-6 * k as f64 + w.abs() / 256.0;
+                assert!(
+                    (g.to_f64() - w).abs() <= tol,
+                    "{m}x{k}x{n} element {i}: {g} vs {w}"
+                );
             }
         }
     }

@@ -22,11 +22,16 @@ const READY: u8 = 2;
 /// Spins before a waiting task yields its core (the packer may have been descheduled).
 const SPINS_BEFORE_YIELD: u32 = 1 << 10;
 
+/// A panel's state, on a cache line of its own: a claim or a `READY` store by one task
+/// does not take the line that tasks waiting for other panels are reading.
+#[repr(align(64))]
+struct State(AtomicU8);
+
 /// A buffer of equal-sized panels, each packed once by the first task that asks for it.
 pub(crate) struct LazyPanels<'a, T> {
     buf: *mut T,
     panel_len: usize,
-    state: Box<[AtomicU8]>,
+    state: Box<[State]>,
     _buf: PhantomData<&'a mut [T]>,
 }
 
@@ -46,7 +51,7 @@ impl<'a, T> LazyPanels<'a, T> {
         LazyPanels {
             buf: buf.as_mut_ptr(),
             panel_len,
-            state: (0..count).map(|_| AtomicU8::new(EMPTY)).collect(),
+            state: (0..count).map(|_| State(AtomicU8::new(EMPTY))).collect(),
             _buf: PhantomData,
         }
     }
@@ -56,9 +61,14 @@ impl<'a, T> LazyPanels<'a, T> {
     pub(crate) fn get(&self, range: Range<usize>, pack: impl Fn(usize, &mut [T])) -> &[T] {
         assert!(range.end <= self.state.len() && range.start <= range.end);
         for i in range.clone() {
-            let claimed = self.state[i]
-                .compare_exchange(EMPTY, PACKING, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok();
+            let state = &self.state[i].0;
+            // A claim only where the panel looks unclaimed: a compare-exchange takes the
+            // line exclusively even when it fails, and most panels a task asks for are
+            // already packed.
+            let claimed = state.load(Ordering::Relaxed) == EMPTY
+                && state
+                    .compare_exchange(EMPTY, PACKING, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok();
             if claimed {
                 // SAFETY: panel i lies in the buffer (i < count) and this task alone
                 // holds its claim, so nothing else reads or writes it until READY.
@@ -66,12 +76,12 @@ impl<'a, T> LazyPanels<'a, T> {
                     std::slice::from_raw_parts_mut(self.buf.add(i * self.panel_len), self.panel_len)
                 };
                 pack(i, panel);
-                self.state[i].store(READY, Ordering::Release);
+                state.store(READY, Ordering::Release);
             }
         }
         for i in range.clone() {
             let mut spins = 0u32;
-            while self.state[i].load(Ordering::Acquire) != READY {
+            while self.state[i].0.load(Ordering::Acquire) != READY {
                 spins += 1;
                 if spins < SPINS_BEFORE_YIELD {
                     std::hint::spin_loop();
