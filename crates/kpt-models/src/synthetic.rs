@@ -47,6 +47,16 @@ impl Default for WriteOptions {
     }
 }
 
+impl WriteOptions {
+    /// The default options with weights from `seed`.
+    pub fn seeded(seed: u64) -> Self {
+        Self {
+            seed,
+            ..Self::default()
+        }
+    }
+}
+
 /// Names and shapes of every tensor that kpt loads for `config`, in HF's names
 /// and layouts (GPT-2's `Conv1D` weights are `[in, out]`).
 pub fn expected_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {

@@ -30,15 +30,7 @@ fn llama_dir(dir: &Path, seed: u64) -> ModelConfig {
         "bos_token_id": 0,
         "eos_token_id": 1
     });
-    let parsed = write_checkpoint(
-        dir,
-        &cfg,
-        WriteOptions {
-            seed,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let parsed = write_checkpoint(dir, &cfg, WriteOptions::seeded(seed)).unwrap();
     write_tokenizer(dir, 300).unwrap();
     parsed
 }

@@ -23,15 +23,7 @@ fn gpt2_dir(seed: u64) -> tempfile::TempDir {
         "n_positions": 16, "n_inner": null, "activation_function": "gelu_new",
         "layer_norm_epsilon": 1e-5, "bos_token_id": 0, "eos_token_id": 0
     });
-    write_checkpoint(
-        dir.path(),
-        &cfg,
-        WriteOptions {
-            seed,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(seed)).unwrap();
     dir
 }
 
@@ -121,15 +113,7 @@ fn bert_matches_reference_and_pools() {
         "type_vocab_size": 2, "layer_norm_eps": 1e-12, "hidden_act": "gelu",
         "pad_token_id": 0
     });
-    write_checkpoint(
-        dir.path(),
-        &cfg,
-        WriteOptions {
-            seed: 13,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(13)).unwrap();
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let ModelConfig::Bert(c) = &ckpt.config else {
         panic!("not bert")
@@ -192,15 +176,7 @@ fn bert_prefix_and_gamma_beta_names_load() {
         "model_type": "bert", "vocab_size": 50, "hidden_size": 16, "num_hidden_layers": 1,
         "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 8
     });
-    write_checkpoint(
-        dir.path(),
-        &cfg,
-        WriteOptions {
-            seed: 17,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(17)).unwrap();
     let raw = Raw::read(dir.path());
     let types = [0i64; 4];
     let ids = [4i64, 9, 0, 31];
@@ -240,15 +216,7 @@ fn bert_packed_batch_equals_one_sequence_at_a_time() {
         "model_type": "bert", "vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2,
         "num_attention_heads": 4, "intermediate_size": 48, "max_position_embeddings": 12
     });
-    write_checkpoint(
-        dir.path(),
-        &cfg,
-        WriteOptions {
-            seed: 23,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(23)).unwrap();
     let raw = Raw::read(dir.path());
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let kpt_models::Model::Bert(model) = ckpt.load_model(DType::F32).unwrap() else {
@@ -310,15 +278,7 @@ fn gpt2_inverse_layer_scaling_matches_reference() {
         "model_type": "gpt2", "vocab_size": 50, "n_embd": 32, "n_layer": 3, "n_head": 4,
         "n_positions": 16, "scale_attn_by_inverse_layer_idx": true
     });
-    write_checkpoint(
-        dir.path(),
-        &cfg,
-        WriteOptions {
-            seed: 41,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(41)).unwrap();
     let raw = Raw::read(dir.path());
     let want = common::gpt2_forward_scaled(&raw, (32, 3, 4, 50), &PROMPT, true);
     let model = load_gpt2(dir.path(), DType::F64);

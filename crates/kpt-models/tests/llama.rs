@@ -106,13 +106,7 @@ fn llama_gqa_matches_reference() {
 #[test]
 fn llama_tied_embeddings_match_reference() {
     let cfg = with(llama_config("llama"), "tie_word_embeddings", json!(true));
-    check_against_reference(
-        cfg,
-        WriteOptions {
-            seed: 5,
-            ..Default::default()
-        },
-    );
+    check_against_reference(cfg, WriteOptions::seeded(5));
 }
 
 #[test]
@@ -142,13 +136,7 @@ fn f16_sharded_checkpoint_matches_reference() {
 #[test]
 fn qwen2_qkv_bias_matches_reference() {
     let cfg = with(llama_config("qwen2"), "tie_word_embeddings", json!(true));
-    check_against_reference(
-        cfg,
-        WriteOptions {
-            seed: 3,
-            ..Default::default()
-        },
-    );
+    check_against_reference(cfg, WriteOptions::seeded(3));
 }
 
 /// A scaled checkpoint: kpt matches the independent forward pass (every level), the
@@ -156,18 +144,9 @@ fn qwen2_qkv_bias_matches_reference() {
 /// scaling follows the sequence length (dynamic), a decode step on the prefill's cache
 /// matches the forward pass over the longer sequence.
 fn check_rope_scaling(config: Value, seed: u64, decode: bool) {
-    check_against_reference(
-        config.clone(),
-        WriteOptions {
-            seed,
-            ..Default::default()
-        },
-    );
+    check_against_reference(config.clone(), WriteOptions::seeded(seed));
     let dir = tempfile::tempdir().unwrap();
-    let opts = WriteOptions {
-        seed,
-        ..Default::default()
-    };
+    let opts = WriteOptions::seeded(seed);
     let parsed = write_checkpoint(dir.path(), &config, opts).unwrap();
     let ModelConfig::Llama(c) = &parsed else {
         panic!("not a LLaMA config")
@@ -251,24 +230,10 @@ fn dynamic_rope_scaling_matches_reference() {
 fn mistral_sliding_window_matches_reference() {
     // A window shorter than the prompt, so it changes the result.
     let cfg = with(llama_config("mistral"), "sliding_window", json!(3));
-    check_against_reference(
-        cfg.clone(),
-        WriteOptions {
-            seed: 4,
-            ..Default::default()
-        },
-    );
+    check_against_reference(cfg.clone(), WriteOptions::seeded(4));
     // And it does change it: the same weights without the window differ.
     let dir = tempfile::tempdir().unwrap();
-    let parsed = write_checkpoint(
-        dir.path(),
-        &cfg,
-        WriteOptions {
-            seed: 4,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let parsed = write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(4)).unwrap();
     let raw = Raw::read(dir.path());
     let mut no_window = LlamaSizes::of(&parsed);
     no_window.windows = vec![None; no_window.layers];
@@ -287,36 +252,21 @@ fn qwen2_window_on_later_layers_matches_reference() {
     cfg["sliding_window"] = json!(2);
     cfg["use_sliding_window"] = json!(true);
     cfg["max_window_layers"] = json!(1);
-    check_against_reference(
-        cfg,
-        WriteOptions {
-            seed: 8,
-            ..Default::default()
-        },
-    );
+    check_against_reference(cfg, WriteOptions::seeded(8));
 }
 
 #[test]
 fn head_dim_wider_than_hidden_over_heads() {
     // Qwen3/Gemma-style explicit head_dim: q_dim (4 * 16 = 64) differs from hidden (32).
     let cfg = with(llama_config("llama"), "head_dim", json!(16));
-    check_against_reference(
-        cfg,
-        WriteOptions {
-            seed: 6,
-            ..Default::default()
-        },
-    );
+    check_against_reference(cfg, WriteOptions::seeded(6));
 }
 
 #[test]
 fn sharded_checkpoint_equals_single_file() {
     let single = tempfile::tempdir().unwrap();
     let sharded = tempfile::tempdir().unwrap();
-    let opts = WriteOptions {
-        seed: 11,
-        ..Default::default()
-    };
+    let opts = WriteOptions::seeded(11);
     write_checkpoint(single.path(), &llama_config("llama"), opts).unwrap();
     write_checkpoint(
         sharded.path(),
@@ -345,15 +295,7 @@ fn sharded_checkpoint_equals_single_file() {
 fn prefill_then_decode_equals_full_prefill() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = with(llama_config("mistral"), "sliding_window", json!(4));
-    write_checkpoint(
-        dir.path(),
-        &cfg,
-        WriteOptions {
-            seed: 21,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(21)).unwrap();
     let (_, model) = load(dir.path(), DType::F32);
     let n = PROMPT.len();
     let layers = model.config.num_hidden_layers;
@@ -486,15 +428,7 @@ fn manager_fuses_and_validator_passes_every_level() {
     use kpt_core::validate::validate_plan;
     let dir = tempfile::tempdir().unwrap();
     let cfg = with(llama_config("qwen2"), "tie_word_embeddings", json!(true));
-    write_checkpoint(
-        dir.path(),
-        &cfg,
-        WriteOptions {
-            seed: 30,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(30)).unwrap();
     let (_, model) = load(dir.path(), DType::F32);
     let n = PROMPT.len();
     let prefill = model.graph(Phase::Prefill, n).unwrap();
@@ -531,15 +465,7 @@ fn packed_prefill_equals_separate_prompts() {
     use kpt_models::lower::{pack_prompts, unpack};
     let dir = tempfile::tempdir().unwrap();
     let cfg = with(llama_config("mistral"), "sliding_window", json!(3));
-    let parsed = write_checkpoint(
-        dir.path(),
-        &cfg,
-        WriteOptions {
-            seed: 31,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let parsed = write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(31)).unwrap();
     let raw = Raw::read(dir.path());
     let (_, model) = load(dir.path(), DType::F32);
     let prompts: [&[i64]; 3] = [&[4, 8, 15, 16, 23], &[42], &[1, 2, 3, 5, 8, 13, 21]];

@@ -79,7 +79,7 @@ proptest! {
             cfg["sliding_window"] = json!(w);
         }
         let dir = tempfile::tempdir().unwrap();
-        write_checkpoint(dir.path(), &cfg, WriteOptions { seed: c.seed, ..Default::default() }).unwrap();
+        write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(c.seed)).unwrap();
         let ckpt = Checkpoint::open(dir.path()).unwrap();
         let ModelConfig::Llama(lc) = &ckpt.config else { panic!("not llama") };
         let sizes = LlamaSizes {
