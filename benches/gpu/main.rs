@@ -220,22 +220,61 @@ fn attention_cases() -> Vec<Case> {
     }
     let (b, hq, hkv, d) = (8usize, 32usize, 8usize, 128usize);
     for s in [8192usize, 32768] {
+        let inputs = vec![
+            random(&mut rng, &[b, 1, hq * d], DType::BF16, -2.0, 2.0),
+            random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+            random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+        ];
+        let torch = json!({"kind": "attention_decode", "batch": b, "heads": hq,
+                           "kv_heads": hkv, "head_dim": d, "seq_kv": s, "dtype": "bf16"});
+        // The same sizes over a paged cache (vLLM's layout): blocks of 16 rows, the
+        // sequences' blocks scattered over the cache by a seeded shuffle, the block table
+        // and lengths read on the device. The dense K and V, cut into blocks, are the
+        // cache.
+        let block = 16usize;
+        let (per_seq, blocks) = (s / block, b * s / block);
+        let mut ids: Vec<usize> = (0..blocks).collect();
+        for i in (1..blocks).rev() {
+            ids.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        let table: Vec<f64> = ids.iter().map(|&i| i as f64).collect();
+        let cache = |t: &Tensor| t.reshape(&[blocks, block, hkv * d]).expect("same elements");
+        let paged_inputs = vec![
+            inputs[0].clone(),
+            cache(&inputs[1]),
+            cache(&inputs[2]),
+            Tensor::from_f64(&table, &[b, per_seq], DType::I32).expect("shape matches"),
+            Tensor::from_f64(&vec![s as f64; b], &[b], DType::I32).expect("shape matches"),
+        ];
         out.push(Case {
             name: format!("attention_decode_bf16_b{b}_h{hq}kv{hkv}_d{d}_kv{s}"),
             metric: "TB/s",
             work: (2 * b * s * hkv * d * 2) as f64,
             kpt: Work::Op(params(hq, hkv, d, false)),
-            inputs: vec![
-                random(&mut rng, &[b, 1, hq * d], DType::BF16, -2.0, 2.0),
-                random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
-                random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
-            ],
-            torch: json!({"kind": "attention_decode", "batch": b, "heads": hq,
-                          "kv_heads": hkv, "head_dim": d, "seq_kv": s, "dtype": "bf16"}),
+            inputs,
+            torch: torch.clone(),
             target_ratio: None,
             target: Some(0.8 * COPY_TBPS),
             target_vs_case: None,
             note: "bytes = K and V read once; split-KV kernel",
+        });
+        let dense = kpt_core::graph::AttentionParams::new(hq, hkv, d, false);
+        out.push(Case {
+            name: format!("attention_decode_paged_bf16_b{b}_h{hq}kv{hkv}_d{d}_kv{s}_block{block}"),
+            metric: "TB/s",
+            work: (2 * b * s * hkv * d * 2) as f64,
+            kpt: Work::Op(Op::Attention(kpt_core::graph::AttentionParams {
+                paged: true,
+                ..dense
+            })),
+            inputs: paged_inputs,
+            torch,
+            target_ratio: None,
+            target: Some(0.8 * COPY_TBPS),
+            target_vs_case: None,
+            note: "bytes = K and V read once; paged cache, blocks of 16 scattered, split-KV \
+                   kernel reading the block table and lengths on the device (no host \
+                   readback); torch: dense SDPA of the same sizes (it has no paged attention)",
         });
     }
     out
@@ -640,6 +679,34 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
                 case.inputs[2].clone(),
             ],
         ),
+        // Paged: the first sequence's rows gathered through its row of the block table,
+        // then dense attention.
+        Work::Op(Op::Attention(ap)) if ap.paged => {
+            let (kc, vc) = (&case.inputs[1], &case.inputs[2]);
+            let (block, row) = (kc.shape()[1], kc.shape()[2]);
+            let table = case.inputs[3].to_f64_vec();
+            let len = case.inputs[4].to_f64_vec()[0] as usize;
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            for &id in &table[..len.div_ceil(block)] {
+                k.extend(kc.narrow(0, id as usize, 1)?.to_f64_vec());
+                v.extend(vc.narrow(0, id as usize, 1)?.to_f64_vec());
+            }
+            k.truncate(len * row);
+            v.truncate(len * row);
+            let f64_tensor = |x: &[f64], shape: &[usize]| Tensor::from_f64(x, shape, DType::F64);
+            let q = last_queries(&case.inputs[0])?;
+            (
+                Op::Attention(kpt_core::graph::AttentionParams {
+                    paged: false,
+                    ..*ap
+                }),
+                vec![
+                    f64_tensor(&q.to_f64_vec(), q.shape())?,
+                    f64_tensor(&k, &[1, len, row])?,
+                    f64_tensor(&v, &[1, len, row])?,
+                ],
+            )
+        }
         Work::Op(op @ Op::Attention(_)) => (
             op.clone(),
             vec![

@@ -34,9 +34,28 @@
 // the cache spans at least two tiles; bf16 / f16 need d % 16 == 0, f32 rows of whole
 // 16-byte vectors. See kpt-nvidia's `AttentionDims::split`.
 //
+// kpt_attention_split_paged_*: the same kernels over a paged KV cache (vLLM's layout, k
+// and v [num_blocks, block_size, kv_heads * d]), nothing read on the host: key j of batch
+// b is row j % block_size of block table[b][j / block_size], and batch b's length is
+// lens[b] (both i32 or i64 in device memory, see `Paged`). The host plans the splits for
+// the table's capacity (sd.p.seq_kv = max_blocks * block_size); runs past a sequence's
+// length leave an empty partial (max -inf, sum 0, P.V 0), which the combine pass weighs
+// 0. Causal alignment is against the sequence's own length (query i sees keys j <= i +
+// len - seq_q). Guards, since the host cannot check these values: a length is clamped to
+// 0..capacity, and a block id outside 0..num_blocks is never dereferenced: its rows are
+// masked like keys past the length (zeros in shared memory, no probability). The
+// tensor-core kernel looks block ids up one tile ahead: every warp holds the ids of the
+// next tile's keys (two per lane at 64-key tiles), the loading threads take their rows'
+// ids by shuffle, and a ballot of the current tile's ids gives the mask of keys to score.
+// The f32 kernel looks them up per row as it copies the tile and marks each row in the
+// padding word after its K.
+//
 // kpt:launch kpt_attention_split_f32 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_split_bf16 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_split_f16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_paged_f32 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_paged_bf16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_paged_f16 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_combine_f32 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_combine_bf16 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_combine_f16 block=128 shared=0 grid=rows
@@ -71,6 +90,40 @@ struct SplitDims {
     Dims p;
     int tile, tiles, splits;
 };
+
+// A paged KV cache (kpt_attention_split_paged_*); layout shared with kpt-nvidia's
+// `PagedSplit`. Unused (zero) for dense calls.
+struct Paged {
+    const void* table;  // [batch, max_blocks] block ids, i64 when table_i64, else i32
+    const void* lens;   // [batch] keys per sequence, i64 when lens_i64, else i32
+    int table_i64, lens_i64;
+    int block_size;
+    int block_shift;  // log2(block_size) when it is a power of two, else -1
+    int max_blocks, num_blocks;
+};
+
+// Keys of batch b, clamped to 0..capacity.
+__device__ __forceinline__ int paged_len(const Paged& pg, long b, int capacity) {
+    const long long n = pg.lens_i64 ? static_cast<const long long*>(pg.lens)[b]
+                                    : static_cast<const int*>(pg.lens)[b];
+    return static_cast<int>(n < 0 ? 0 : (n > capacity ? capacity : n));
+}
+
+// The cache block holding key j (< the clamped length) of batch b, or -1 where the
+// table's entry is not a block of the cache.
+__device__ __forceinline__ int paged_block(const Paged& pg, long b, int j) {
+    const int slot = pg.block_shift >= 0 ? j >> pg.block_shift : j / pg.block_size;
+    const long at = b * pg.max_blocks + slot;
+    const long long id = pg.table_i64 ? static_cast<const long long*>(pg.table)[at]
+                                      : static_cast<const int*>(pg.table)[at];
+    return id >= 0 && id < pg.num_blocks ? static_cast<int>(id) : -1;
+}
+
+// The cache row of key j of a sequence, in block `id`.
+__device__ __forceinline__ long paged_row(const Paged& pg, int id, int j) {
+    const int in = pg.block_shift >= 0 ? (j & (pg.block_size - 1)) : j % pg.block_size;
+    return static_cast<long>(id) * pg.block_size + in;
+}
 
 // Element c of row j of a tile stored with `words` 32-bit words per row. The extra word
 // per row puts key j's word w in bank (j + w) % 32, so lanes scoring one key each read
@@ -108,10 +161,10 @@ __device__ __forceinline__ float dot_row(const float* qr, const unsigned* krow, 
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-template <typename T>
+template <typename T, bool kPaged>
 __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
                       const T* __restrict__ v, const float* __restrict__ mask,
-                      float* __restrict__ part, const SplitDims sd) {
+                      float* __restrict__ part, const SplitDims sd, const Paged& pg) {
     __shared__ float qs[kQFloats];
     __shared__ unsigned kv[kKvWords];
     const Dims& p = sd.p;
@@ -121,7 +174,10 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
     const int g = static_cast<int>(bg % p.kv_heads);
     const long b = bg / p.kv_heads;
     const int per = (sd.tiles + sd.splits - 1) / sd.splits;
-    const int t0 = split * per, t1 = min(sd.tiles, t0 + per);
+    // Keys of this batch: the cache's, or (paged) the sequence's own length.
+    const int len = kPaged ? paged_len(pg, b, p.seq_kv) : p.seq_kv;
+    const int tiles = kPaged ? (len + sd.tile - 1) / sd.tile : sd.tiles;
+    const int t0 = split * per, t1 = min(tiles, t0 + per);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     // Query rows r = i * group + hh (query i, head g * group + hh), scaled.
@@ -145,13 +201,26 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
     unsigned* ks = kv;
     unsigned* vs = kv + sd.tile * words;
     for (int t = t0; t < t1; ++t) {
-        const int j0 = t * sd.tile, nk = min(sd.tile, p.seq_kv - j0);
+        const int j0 = t * sd.tile, nk = min(sd.tile, len - j0);
         const long base = (b * p.seq_kv + j0) * kv_row + static_cast<long>(g) * d;
         __syncthreads();  // the previous tile is consumed
         // K and V rows, 16 bytes at a time (d * sizeof(T) is a multiple of 16).
         for (int x = threadIdx.x; x < nk * chunks; x += kThreads) {
             const int j = x / chunks, ch = x % chunks;
-            const long off = base + j * kv_row;
+            long off = base + j * kv_row;
+            if constexpr (kPaged) {
+                // Rows of a bad block id are zeros, flagged 0 in K's padding word.
+                const int id = paged_block(pg, b, j0 + j);
+                if (ch == 0) ks[j * words + words - 1] = id >= 0;
+                if (id < 0) {
+                    unsigned* dk = ks + j * words + ch * 4;
+                    unsigned* dv = vs + j * words + ch * 4;
+                    dk[0] = dk[1] = dk[2] = dk[3] = 0u;
+                    dv[0] = dv[1] = dv[2] = dv[3] = 0u;
+                    continue;
+                }
+                off = paged_row(pg, id, j0 + j) * kv_row + static_cast<long>(g) * d;
+            }
             const uint4 wk = reinterpret_cast<const uint4*>(k + off)[ch];
             const uint4 wv = reinterpret_cast<const uint4*>(v + off)[ch];
             unsigned* dk = ks + j * words + ch * 4;
@@ -167,7 +236,7 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
             const int i = r / group;
             int limit = nk;
             if (p.causal) {
-                const long vis = static_cast<long>(i) + 1 + p.seq_kv - p.seq_q - j0;
+                const long vis = static_cast<long>(i) + 1 + len - p.seq_q - j0;
                 limit = vis < 0 ? 0 : (vis > nk ? nk : static_cast<int>(vis));
             }
             const float* mrow = mask ? mask + static_cast<long>(i) * p.seq_kv + j0 : nullptr;
@@ -176,8 +245,9 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
                 const int j = lane + 32 * u;
-                s[u] = j < limit ? dot_row<T>(qr, ks + j * words, d) + (mrow ? mrow[j] : 0.0f)
-                                 : -INFINITY;
+                const bool ok = j < limit && (!kPaged || ks[j * words + words - 1] != 0u);
+                s[u] = ok ? dot_row<T>(qr, ks + j * words, d) + (mrow ? mrow[j] : 0.0f)
+                          : -INFINITY;
                 mt = fmaxf(mt, s[u]);
             }
             const float m_new = fmaxf(m[ri], kpt::warp_max(mt));
@@ -258,11 +328,11 @@ using kpt::transpose8;
 // One block of the split kernel for head dims d <= D (d % 16 == 0); `smem` is the shared
 // address of kSmemBytes: stage s's K at s * kStageBytes, its V kStageElems * 2 further,
 // the query rows after the stages. Every tile row and query row has D / 8 chunks.
-template <typename T, int D>
+template <typename T, int D, bool kPaged>
 __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict__ k,
                                     const T* __restrict__ v, const float* __restrict__ mask,
                                     float* __restrict__ part, const SplitDims& sd,
-                                    const unsigned smem) {
+                                    const Paged& pg, const unsigned smem) {
     constexpr int kTile = kStageElems / D;  // keys a stage holds: 64, 32, 16
     constexpr int kKeyTiles = kTile / 16;   // m-tiles of keys of S^T
     constexpr int kSteps = D / 16;          // k-steps of S^T, m-tiles of dims of O^T
@@ -275,7 +345,10 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
     const int g = static_cast<int>(bg % p.kv_heads);
     const long b = bg / p.kv_heads;
     const int per = (sd.tiles + sd.splits - 1) / sd.splits;
-    const int t0 = split * per, t1 = min(sd.tiles, t0 + per);
+    // Keys of this batch: the cache's, or (paged) the sequence's own length.
+    const int len = kPaged ? paged_len(pg, b, p.seq_kv) : p.seq_kv;
+    const int tiles = kPaged ? (len + sd.tile - 1) / sd.tile : sd.tiles;
+    const int t0 = split * per, t1 = min(tiles, t0 + per);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane / 4, tig = lane % 4;
     const long kv_row = static_cast<long>(p.kv_heads) * d;
@@ -292,20 +365,52 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
         const long off = ((b * p.seq_q + i) * p.heads + g * group + hh) * d + c * 8;
         cp_async16(qs + swz(r, c, kChunks), q + (ok ? off : 0), ok ? 16 : 0);
     }
-    // Keys j0.. of tile t into `stage`; rows past the cache's end are zeros, so that the
-    // zero probabilities of those keys never meet garbage in V.
-    auto load = [&](int t, int stage) {
-        const int j0 = t * sd.tile, nk = min(sd.tile, p.seq_kv - j0);
-        const long base = (b * p.seq_kv + j0) * kv_row + static_cast<long>(g) * d;
-        const unsigned ks = smem + stage * kStageBytes, vs = ks + kStageElems * 2;
+    // Paged: the block ids of keys j0 + lane and j0 + 32 + lane of tile t (-1 past the
+    // length, past the tile, or for an id that is not a cache block).
+    auto fetch = [&](int t, int& lo, int& hi) {
+        const int j0 = t * sd.tile;
+        lo = hi = -1;
+        if (t >= t1) return;
+        if (lane < kTile && j0 + lane < len) lo = paged_block(pg, b, j0 + lane);
+        if (kTile > 32 && j0 + 32 + lane < len) hi = paged_block(pg, b, j0 + 32 + lane);
+    };
+    // Keys j0.. of tile t into `stage`; rows past the cache's end (paged: past the
+    // length, or of a bad block id, whose ids lo / hi are -1) are zeros, so that the zero
+    // probabilities of those keys never meet garbage in V.
+    auto load = [&](int t, int stage, int lo, int hi) {
+        if constexpr (kPaged) {
+            const int j0 = t * sd.tile;
+            const unsigned ks = smem + stage * kStageBytes, vs = ks + kStageElems * 2;
 #pragma unroll
-        for (int x = threadIdx.x; x < kTile * kChunks; x += kThreads) {
-            const int j = x / kChunks, c = x % kChunks;
-            if (c >= chunks) continue;
-            const bool ok = j < nk;
-            const long off = base + (ok ? j * kv_row + c * 8 : 0);
-            cp_async16(ks + swz(j, c, kChunks), k + off, ok ? 16 : 0);
-            cp_async16(vs + swz(j, c, kChunks), v + off, ok ? 16 : 0);
+            for (int x = threadIdx.x; x < kTile * kChunks; x += kThreads) {
+                const int j = x / kChunks, c = x % kChunks;
+                // Every lane shuffles (before any leaves the iteration): key j's id.
+                int id = __shfl_sync(0xffffffffu, lo, j % 32);
+                if constexpr (kTile > 32) {
+                    const int id_hi = __shfl_sync(0xffffffffu, hi, j % 32);
+                    id = j < 32 ? id : id_hi;
+                }
+                if (c >= chunks) continue;
+                const bool ok = id >= 0;
+                const long off =
+                    ok ? paged_row(pg, id, j0 + j) * kv_row + static_cast<long>(g) * d + c * 8
+                       : 0;
+                cp_async16(ks + swz(j, c, kChunks), k + off, ok ? 16 : 0);
+                cp_async16(vs + swz(j, c, kChunks), v + off, ok ? 16 : 0);
+            }
+        } else {
+            const int j0 = t * sd.tile, nk = min(sd.tile, len - j0);
+            const long base = (b * p.seq_kv + j0) * kv_row + static_cast<long>(g) * d;
+            const unsigned ks = smem + stage * kStageBytes, vs = ks + kStageElems * 2;
+#pragma unroll
+            for (int x = threadIdx.x; x < kTile * kChunks; x += kThreads) {
+                const int j = x / kChunks, c = x % kChunks;
+                if (c >= chunks) continue;
+                const bool ok = j < nk;
+                const long off = base + (ok ? j * kv_row + c * 8 : 0);
+                cp_async16(ks + swz(j, c, kChunks), k + off, ok ? 16 : 0);
+                cp_async16(vs + swz(j, c, kChunks), v + off, ok ? 16 : 0);
+            }
         }
     };
 
@@ -320,7 +425,7 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
         qi[c] = min(nt * 8 + 2 * tig + c, rows - 1) / group;
-        lim[c] = qi[c] + p.seq_kv - p.seq_q;
+        lim[c] = qi[c] + len - p.seq_q;
     }
     // O^T tiles (16 dims x 8 rows), running max and this lane's part of the row sums.
     float o[kSteps][4];
@@ -328,17 +433,34 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
     for (int i = 0; i < kSteps; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
-    load(t0, 0);
+    // Paged: ids of the current tile's keys (cur) and of the next one's (nxt).
+    int cur_lo = -1, cur_hi = -1, nxt_lo = -1, nxt_hi = -1;
+    if constexpr (kPaged) {
+        fetch(t0, cur_lo, cur_hi);
+        fetch(t0 + 1, nxt_lo, nxt_hi);
+    }
+    load(t0, 0, cur_lo, cur_hi);
     cp_async_commit();
     for (int t = t0; t < t1; ++t) {
         const int stage = (t - t0) & 1;
         kpt::cp_async_wait<0>();
         __syncthreads();  // tile t is in; every warp is done with the other stage
-        if (t + 1 < t1) load(t + 1, stage ^ 1);
+        if (t + 1 < t1) load(t + 1, stage ^ 1, nxt_lo, nxt_hi);
         cp_async_commit();
+        // Paged: bit `key` set where tile t's key has a block; the ids move on a tile.
+        unsigned long long keys = 0;
+        if constexpr (kPaged) {
+            keys = __ballot_sync(0xffffffffu, cur_lo >= 0);
+            if constexpr (kTile > 32)
+                keys |= static_cast<unsigned long long>(__ballot_sync(0xffffffffu, cur_hi >= 0))
+                        << 32;
+            cur_lo = nxt_lo;
+            cur_hi = nxt_hi;
+            fetch(t + 2, nxt_lo, nxt_hi);
+        }
         if (!active) continue;
         const unsigned ks = smem + stage * kStageBytes, vs = ks + kStageElems * 2;
-        const int j0 = t * sd.tile, nk = min(sd.tile, p.seq_kv - j0);
+        const int j0 = t * sd.tile, nk = min(sd.tile, len - j0);
 
         // S^T = K Q^T. Q's ldmatrix covers two k-steps: matrices of dims 16 kp + 8 i.
         float s[kKeyTiles][4];
@@ -371,7 +493,7 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
             for (int e = 0; e < 4; ++e) {
                 const int key = 16 * mt + gid + 8 * (e / 2), c = e % 2, j = j0 + key;
                 float x = -INFINITY;
-                if (key < nk && (!p.causal || j <= lim[c])) {
+                if (key < nk && (!p.causal || j <= lim[c]) && (!kPaged || (keys >> key & 1))) {
                     x = s[mt][e] * p.scale;
                     if (mask) x += mask[static_cast<long>(qi[c]) * p.seq_kv + j];
                 }
@@ -425,6 +547,7 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
             }
         }
     }
+    if constexpr (kPaged) kpt::cp_async_wait<0>();  // an empty run's query rows
     if (!active) return;
     const int stride = d + 2;
 #pragma unroll
@@ -449,19 +572,19 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
     }
 }
 
-template <typename T>
+template <typename T, bool kPaged>
 __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
                       const T* __restrict__ v, const float* __restrict__ mask,
-                      float* __restrict__ part, const SplitDims sd) {
+                      float* __restrict__ part, const SplitDims sd, const Paged& pg) {
     __shared__ __align__(128) unsigned char smem[kSmemBytes];
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     const int d = sd.p.head_dim;
     if (d <= 64) {
-        run<T, 64>(q, k, v, mask, part, sd, s);
+        run<T, 64, kPaged>(q, k, v, mask, part, sd, pg, s);
     } else if (d <= 128) {
-        run<T, 128>(q, k, v, mask, part, sd, s);
+        run<T, 128, kPaged>(q, k, v, mask, part, sd, pg, s);
     } else {
-        run<T, 256>(q, k, v, mask, part, sd, s);
+        run<T, 256, kPaged>(q, k, v, mask, part, sd, pg, s);
     }
 }
 
@@ -533,17 +656,35 @@ __device__ void combine(const float* __restrict__ part, T* __restrict__ out, con
 extern "C" __global__ void __launch_bounds__(kThreads) kpt_attention_split_f32(
     const float* q, const float* k, const float* v, const float* mask, float* part,
     const SplitDims sd) {
-    split<float>(q, k, v, mask, part, sd);
+    split<float, false>(q, k, v, mask, part, sd, Paged{});
 }
 extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_attention_split_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* mask,
     float* part, const SplitDims sd) {
-    tc::split<__nv_bfloat16>(q, k, v, mask, part, sd);
+    tc::split<__nv_bfloat16, false>(q, k, v, mask, part, sd, Paged{});
 }
 extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_attention_split_f16(
     const __half* q, const __half* k, const __half* v, const float* mask, float* part,
     const SplitDims sd) {
-    tc::split<__half>(q, k, v, mask, part, sd);
+    tc::split<__half, false>(q, k, v, mask, part, sd, Paged{});
+}
+
+// Paged KV cache: no mask (the op excludes one).
+extern "C" __global__ void __launch_bounds__(kThreads) kpt_attention_split_paged_f32(
+    const float* q, const float* k, const float* v, float* part, const SplitDims sd,
+    const Paged pg) {
+    split<float, true>(q, k, v, nullptr, part, sd, pg);
+}
+extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks)
+    kpt_attention_split_paged_bf16(const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                   const __nv_bfloat16* v, float* part, const SplitDims sd,
+                                   const Paged pg) {
+    tc::split<__nv_bfloat16, true>(q, k, v, nullptr, part, sd, pg);
+}
+extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks)
+    kpt_attention_split_paged_f16(const __half* q, const __half* k, const __half* v,
+                                  float* part, const SplitDims sd, const Paged pg) {
+    tc::split<__half, true>(q, k, v, nullptr, part, sd, pg);
 }
 
 KPT_ATTENTION_COMBINE(f32, float)

@@ -18,7 +18,9 @@ use kpt_kernels::CpuBackend;
 
 use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
 use crate::gpu::Gpu;
-use crate::kernels::{AttentionDims, Binary, FlashBackward, Impl, QuantScale, GEMV_MAX_ROWS};
+use crate::kernels::{
+    AttentionDims, Binary, FlashBackward, Impl, PagedCache, QuantScale, GEMV_MAX_ROWS,
+};
 use crate::memory::DeviceBlock;
 use crate::profiler::Profiler;
 use crate::NvidiaError;
@@ -646,7 +648,23 @@ impl CudaBackend {
                 let size = dt.size_in_bytes() * p.head_dim;
                 let (q_row, kv_row) = (p.num_heads * size, p.num_kv_heads * size);
                 if p.paged {
-                    // Paged cache: block ids and lengths are read on the host (checked
+                    // Decode shapes: the split-KV kernels read K and V through the block
+                    // table and take each length from device memory (no host readback,
+                    // so a decode step can be captured into a CUDA graph).
+                    let (batch, sq) = (qs[0], qs[1]);
+                    let (table_spec, lens_spec) = (inputs[3].spec, inputs[4].spec);
+                    let cache = PagedCache {
+                        table: (ptr(&inputs[3])?, table_spec.dtype),
+                        lens: (ptr(&inputs[4])?, lens_spec.dtype),
+                        block_size: ks[1],
+                        max_blocks: table_spec.shape[1],
+                        num_blocks: ks[0],
+                    };
+                    let capacity = cache.max_blocks * cache.block_size;
+                    if g.paged_attention(dt, [q, k, v], out, cache, dims(batch, sq, capacity)?)? {
+                        return Ok(());
+                    }
+                    // Other shapes: block ids and lengths are read on the host (checked
                     // there), each sequence's K and V rows are gathered on the device
                     // into contiguous scratch, then the dense kernel runs on them.
                     let (table, lens) = (self.host_ids(&inputs[3])?, self.host_ids(&inputs[4])?);
@@ -656,7 +674,6 @@ impl CudaBackend {
                         block_table: &table,
                         seq_lens: &lens,
                     };
-                    let (batch, sq) = (qs[0], qs[1]);
                     let lens = (0..batch)
                         .map(|b| paged.checked_len(b))
                         .collect::<Result<Vec<_>>>()?;

@@ -239,6 +239,13 @@ impl AttentionDims {
     /// [`SPLIT_TARGET_BLOCKS`] blocks for f32; for bf16 / f16 at most one wave,
     /// [`SPLIT_WAVE_BLOCKS`] (one run per kv group when there are more groups).
     fn split(&self, dtype: DType) -> Option<SplitDims> {
+        self.split_plan(dtype, 2)
+    }
+
+    /// [`split`](Self::split) with at least `min_tiles` tiles of keys: 2 for dense
+    /// caches (below that the general and tensor-core kernels read the few keys as fast),
+    /// 1 for paged ones, where the split kernel is the path without a host readback.
+    fn split_plan(&self, dtype: DType, min_tiles: usize) -> Option<SplitDims> {
         let (d, size) = (self.head_dim as usize, dtype.size_in_bytes());
         let rows = self.seq_q as usize * (self.heads / self.kv_heads) as usize;
         if rows > SPLIT_MAX_ROWS || self.window != 0 {
@@ -258,7 +265,7 @@ impl AttentionDims {
         };
         let tiles = (self.seq_kv as usize).div_ceil(tile);
         let groups = self.batch as usize * self.kv_heads as usize;
-        if tiles < 2 || groups == 0 {
+        if tiles < min_tiles.max(1) || groups == 0 {
             return None;
         }
         let runs = if dtype == DType::F32 {
@@ -328,6 +335,40 @@ struct SplitDims {
 // SAFETY: `repr(C)` of an `AttentionDims` and three i32, laid out like the kernel's
 // `SplitDims`; any bit pattern is a valid value.
 unsafe impl cudarc::driver::DeviceRepr for SplitDims {}
+
+/// A paged KV cache in device memory, as [`Gpu::paged_attention`] takes it: the caches
+/// `[num_blocks, block_size, kv_heads * head_dim]`, the block table `[batch, max_blocks]`
+/// and the sequence lengths `[batch]` (i32 or i64 each). Nothing here is read on the
+/// host.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PagedCache {
+    /// Block table: address and index dtype.
+    pub table: (u64, DType),
+    /// Sequence lengths: address and index dtype.
+    pub lens: (u64, DType),
+    pub block_size: usize,
+    pub max_blocks: usize,
+    pub num_blocks: usize,
+}
+
+/// The kernel's `Paged` (`attention_split.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct PagedSplit {
+    table: u64,
+    lens: u64,
+    table_i64: i32,
+    lens_i64: i32,
+    block_size: i32,
+    /// log2(block_size) when it is a power of two, else -1.
+    block_shift: i32,
+    max_blocks: i32,
+    num_blocks: i32,
+}
+
+// SAFETY: `repr(C)` of two u64 then six i32 (40 bytes, no padding), laid out like the
+// kernel's `Paged` (two pointers, six ints); any bit pattern is a valid value.
+unsafe impl cudarc::driver::DeviceRepr for PagedSplit {}
 
 /// Query rows and keys per tile of `flash_attention_bwd.cu` (its kBlockM and kBlockN).
 const FLASH_BWD_TILE: usize = 64;
@@ -578,6 +619,70 @@ impl Gpu {
         let entry = format!("kpt_attention_combine_{name}");
         launch!(self, "attention_split", entry, blocks; part.ptr(), out, split);
         Ok(())
+    }
+
+    /// Attention of `q [batch, seq_q, heads * d]` over a paged KV cache on the split-KV
+    /// kernels (`kpt_attention_split_paged_*` of `attention_split.cu`) with no host
+    /// readback, so that the launches can be captured into a CUDA graph: the split count
+    /// is planned for the table's capacity (`dims.seq_kv` must be `max_blocks *
+    /// block_size`), each block takes its sequence's length and block ids from device
+    /// memory. Lengths are clamped to the capacity and rows of block ids outside the cache
+    /// are masked on the device (the host cannot check them without a synchronous copy).
+    /// Returns `Ok(false)` without launching where the split kernels do not take the shape
+    /// (the kv group's query rows, the head dim, a sliding window, an empty table), which
+    /// the caller gathers instead.
+    pub(crate) fn paged_attention(
+        &self,
+        dtype: DType,
+        [q, k, v]: [u64; 3],
+        out: u64,
+        cache: PagedCache,
+        dims: AttentionDims,
+    ) -> Result<bool, NvidiaError> {
+        let name = float_name(dtype)?;
+        if dims.seq_kv as usize != cache.max_blocks * cache.block_size {
+            return Err(NvidiaError::Invalid(format!(
+                "paged attention: {} keys planned for a table of {} blocks of {}",
+                dims.seq_kv, cache.max_blocks, cache.block_size
+            )));
+        }
+        let Some(split) = dims.split_plan(dtype, 1) else {
+            return Ok(false);
+        };
+        if dims.rows() == 0 {
+            return Ok(true);
+        }
+        let index_i64 = |dt: DType| -> Result<i32, NvidiaError> {
+            index_name(dt).map(|n| i32::from(n == "i64"))
+        };
+        let bs = cache.block_size;
+        let pg = PagedSplit {
+            table: cache.table.0,
+            lens: cache.lens.0,
+            table_i64: index_i64(cache.table.1)?,
+            lens_i64: index_i64(cache.lens.1)?,
+            block_size: int("block size", bs)?,
+            block_shift: if bs.is_power_of_two() {
+                bs.trailing_zeros() as i32
+            } else {
+                -1
+            },
+            max_blocks: int("max blocks", cache.max_blocks)?,
+            num_blocks: int("cache blocks", cache.num_blocks)?,
+        };
+        let splits = split.splits as usize;
+        let part = self.alloc(dims.rows() * splits * (dims.head_dim as usize + 2) * 4)?;
+        let groups = dims.batch as usize * dims.kv_heads as usize;
+        let split_blocks = grid("attention splits", groups * splits)?;
+        let entry = format!("kpt_attention_split_paged_{name}");
+        launch!(self, "attention_split", entry, split_blocks; q, k, v, part.ptr(), split, pg);
+        let blocks = grid(
+            "attention rows",
+            dims.rows().div_ceil(ATTENTION_ROWS_PER_BLOCK),
+        )?;
+        let entry = format!("kpt_attention_combine_{name}");
+        launch!(self, "attention_split", entry, blocks; part.ptr(), out, split);
+        Ok(true)
     }
 
     /// Tensor-core attention for bf16 and f16 with head dim 64 or 128: with `hopper`, the
@@ -1043,5 +1148,29 @@ mod tests {
         assert_eq!(plan.key_tiles, 4);
         let plan = FlashBackward::new(DType::BF16, dims(7, 0, 128)).unwrap();
         assert_eq!((plan.query_tiles, plan.key_tiles), (16, 0));
+    }
+
+    #[test]
+    fn paged_decode_plans_the_split_kernels_from_one_tile() {
+        // 32 keys (one tile at head dim 128): dense calls leave it to the other kernels,
+        // paged ones take the split kernel (the path without a host readback).
+        let one_tile = dims(1, 32, 128);
+        assert!(one_tile.split(DType::BF16).is_none());
+        let plan = one_tile.split_plan(DType::BF16, 1).unwrap();
+        assert_eq!((plan.tile, plan.tiles, plan.splits), (32, 1, 1));
+        // The same plan as dense calls above one tile; none for an empty table, a
+        // window or too many query rows.
+        let long = dims(4, 8192, 128);
+        let (a, b) = (
+            long.split(DType::F16).unwrap(),
+            long.split_plan(DType::F16, 1).unwrap(),
+        );
+        assert_eq!((a.tile, a.tiles, a.splits), (b.tile, b.tiles, b.splits));
+        assert!(dims(1, 0, 128).split_plan(DType::BF16, 1).is_none());
+        let windowed = long.with_window(Some(16)).unwrap();
+        assert!(windowed.split_plan(DType::BF16, 1).is_none());
+        assert!(dims(9, 8192, 128).split_plan(DType::BF16, 1).is_none());
+        // The kernel's `Paged`: two pointers and six ints.
+        assert_eq!(std::mem::size_of::<PagedSplit>(), 40);
     }
 }

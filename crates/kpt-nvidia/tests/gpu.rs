@@ -296,6 +296,96 @@ fn attention_backward_inputs_lse(
     (Op::AttentionBackward(p), inputs)
 }
 
+/// Inputs of paged attention: q `[B, seq_q, heads * d]`, K and V caches `[num_blocks,
+/// block_size, kv_heads * d]` with each sequence's blocks scattered over the cache
+/// (seeded shuffle), the block table `[B, max_blocks]` (`spare` more columns than the
+/// longest sequence needs; every entry past a sequence's blocks holds garbage: negative
+/// ids, ids past the cache, ids of other sequences' blocks) and `seq_lens` `[B]`, with
+/// the table's and the lengths' index dtypes.
+#[allow(clippy::too_many_arguments)]
+fn paged_inputs(
+    rng: &mut SplitMix64,
+    lens: &[usize],
+    spare: usize,
+    block_size: usize,
+    [seq_q, kv_heads, group, head_dim]: [usize; 4],
+    dt: DType,
+    (table_dt, lens_dt): (DType, DType),
+) -> Vec<Tensor> {
+    let heads = kv_heads * group;
+    let max_blocks = (lens.iter().max().unwrap().div_ceil(block_size) + spare).max(1);
+    let used: usize = lens.iter().map(|l| l.div_ceil(block_size)).sum();
+    let num_blocks = used + 3;
+    let mut ids: Vec<usize> = (0..num_blocks).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    let mut next = ids.into_iter();
+    let big = if table_dt == DType::I64 { 1e12 } else { 2e9 };
+    let garbage = [
+        -1.0,
+        -1000.0,
+        num_blocks as f64,
+        num_blocks as f64 + 7.0,
+        big,
+        0.0,
+    ];
+    let mut table = Vec::with_capacity(lens.len() * max_blocks);
+    for &len in lens {
+        let n = len.div_ceil(block_size);
+        for i in 0..max_blocks {
+            table.push(match i < n {
+                true => next.next().unwrap() as f64,
+                false => garbage[(rng.next_u64() % garbage.len() as u64) as usize],
+            });
+        }
+    }
+    let row = kv_heads * head_dim;
+    let lens_f: Vec<f64> = lens.iter().map(|&l| l as f64).collect();
+    vec![
+        random(rng, &[lens.len(), seq_q, heads * head_dim], dt, -2.0, 2.0),
+        random(rng, &[num_blocks, block_size, row], dt, -2.0, 2.0),
+        random(rng, &[num_blocks, block_size, row], dt, -2.0, 2.0),
+        Tensor::from_f64(&table, &[lens.len(), max_blocks], table_dt).unwrap(),
+        Tensor::from_f64(&lens_f, &[lens.len()], lens_dt).unwrap(),
+    ]
+}
+
+fn index_dtype(wide: bool) -> DType {
+    if wide {
+        DType::I64
+    } else {
+        DType::I32
+    }
+}
+
+/// A cache write of `n` rows into a cache `[blocks, block_size, row]`: distinct random
+/// slots, `negative` of them negative (skipped), as i32 or i64.
+fn cache_write_inputs(
+    rng: &mut SplitMix64,
+    [blocks, block_size, row]: [usize; 3],
+    n: usize,
+    negative: usize,
+    dt: DType,
+    slots_dt: DType,
+) -> Vec<Tensor> {
+    let cache_rows = blocks * block_size;
+    let n = n.min(cache_rows);
+    let mut slots: Vec<f64> = (0..cache_rows).map(|s| s as f64).collect();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    slots.truncate(n);
+    for s in slots.iter_mut().take(negative) {
+        *s = -1.0 - (rng.next_u64() % 5) as f64;
+    }
+    vec![
+        random(rng, &[blocks, block_size, row], dt, -4.0, 4.0),
+        random(rng, &[n, row], dt, -4.0, 4.0),
+        Tensor::from_f64(&slots, &[n], slots_dt).unwrap(),
+    ]
+}
+
 fn dtype() -> impl Strategy<Value = DType> {
     prop::sample::select(FLOATS.to_vec())
 }
@@ -489,6 +579,67 @@ proptest! {
                 .unwrap(),
         ];
         check(&Op::Attention(p), &inputs)?;
+    }
+
+    /// Paged decode (the kv group's query rows fit the split-KV kernels): K and V read
+    /// through the block table and each length taken from device memory, no host
+    /// readback. Block sizes of 1, below, above and not a multiple of the key tile (64
+    /// keys at head dim 64, 32 at 128), lengths of 0, 1, odd and off the tile, different
+    /// per sequence, spare table columns (splits past every length) full of garbage ids,
+    /// i32 and i64 tables and lengths mixed. f32 with 32 query rows of head dim 128 (more
+    /// than the f32 kernel's shared memory) takes the gather path.
+    #[test]
+    fn attention_paged_decode(lens in prop::collection::vec(
+                                  prop_oneof![Just(1usize), 0usize..70, 1usize..700], 1..=3),
+                              spare in 0usize..3,
+                              block_size in prop::sample::select(vec![1usize, 5, 16, 24, 48, 64, 100]),
+                              seq_q in 1usize..=4, kv_heads in 1usize..=2,
+                              group in prop::sample::select(vec![1usize, 4, 8]),
+                              head_dim in prop::sample::select(vec![64usize, 128]),
+                              causal in any::<bool>(), wide in any::<(bool, bool)>(),
+                              dt in dtype(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let heads = kv_heads * group;
+        let p = kpt_core::graph::AttentionParams {
+            paged: true,
+            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+        };
+        let inputs = paged_inputs(
+            &mut rng,
+            &lens,
+            spare,
+            block_size,
+            [seq_q, kv_heads, group, head_dim],
+            dt,
+            (index_dtype(wide.0), index_dtype(wide.1)),
+        );
+        check(&Op::Attention(p), &inputs)?;
+    }
+
+    /// `Op::CacheWrite` on `cuda.cache_write` (through `execute`, a copy of the cache,
+    /// and in place through `write_rows`) against the reference, bit for bit: rows of
+    /// 1 to 1000 elements (2 to 4000 bytes: 16-byte units, 4-byte and 2-byte ones),
+    /// negative slots skipped, i32 and i64 slots.
+    #[test]
+    fn cache_write(blocks in 1usize..6, block_size in prop::sample::select(vec![1usize, 3, 16]),
+                   row in prop::sample::select(vec![1usize, 3, 5, 6, 8, 12, 24, 100, 128, 1000]),
+                   n in 1usize..24, negative in 0usize..4, wide in any::<bool>(),
+                   dt in dtype(), seed: u64) {
+        let Some(b) = backend() else { return Ok(()) };
+        let mut rng = SplitMix64::new(seed);
+        let inputs = cache_write_inputs(
+            &mut rng, [blocks, block_size, row], n, negative, dt, index_dtype(wide));
+        let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
+        let chain = registry().fallback_chain(&Op::CacheWrite, &specs, b.device());
+        prop_assert_eq!(chain.first().map(String::as_str), Some("cuda.cache_write"));
+        let want = CpuReference.eval(&Op::CacheWrite, &inputs).unwrap()[0].to_f64_vec();
+        let got = run_kernel(b, "cuda.cache_write", &Op::CacheWrite, &inputs)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(got[0].dtype(), dt);
+        prop_assert!(got[0].to_f64_vec() == want, "execute: {specs:?}");
+        let in_place = write_rows_in_place(b, &inputs)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert!(in_place.to_f64_vec() == want, "write_rows: {specs:?}");
     }
 
     /// Decode-shaped calls against caches of several tiles: the split-KV kernels.
@@ -869,6 +1020,164 @@ fn attention_falls_back_to_the_host_reference() {
             .unwrap()
             .within
     );
+}
+
+/// `inputs` = [cache, rows, slots]: the cache uploaded, `Backend::write_rows` into it in
+/// place, downloaded.
+fn write_rows_in_place(b: &CudaBackend, inputs: &[Tensor]) -> kpt_core::Result<Tensor> {
+    let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
+    let mut cache = b.upload(&inputs[0])?;
+    let (rows, slots) = (b.upload(&inputs[1])?, b.upload(&inputs[2])?);
+    b.write_rows(
+        BufferRef {
+            buffer: &rows,
+            spec: &specs[1],
+        },
+        BufferRef {
+            buffer: &slots,
+            spec: &specs[2],
+        },
+        BufferMut {
+            buffer: &mut cache,
+            spec: &specs[0],
+        },
+    )?;
+    b.download(&cache, &specs[0])
+}
+
+#[test]
+fn cache_write_skips_slots_past_the_cache() {
+    let Some(b) = backend() else { return };
+    let mut rng = SplitMix64::new(11);
+    for dt in FLOATS {
+        let mut inputs = cache_write_inputs(&mut rng, [3, 4, 5], 6, 1, dt, DType::I64);
+        let want = CpuReference.eval(&Op::CacheWrite, &inputs).unwrap()[0].to_f64_vec();
+        // Slots past the 12 rows: the reference rejects them, the kernel skips them.
+        let mut slots = inputs[2].to_f64_vec();
+        slots.extend([12.0, 1e15]);
+        let extra = random(&mut rng, &[2, 5], dt, -4.0, 4.0);
+        let rows = inputs[1].to_f64_vec().into_iter().chain(extra.to_f64_vec());
+        inputs[1] = Tensor::from_f64(&rows.collect::<Vec<_>>(), &[8, 5], dt).unwrap();
+        inputs[2] = Tensor::from_f64(&slots, &[8], DType::I64).unwrap();
+        let got = run_kernel(b, "cuda.cache_write", &Op::CacheWrite, &inputs).unwrap();
+        assert_eq!(got[0].to_f64_vec(), want, "{dt}");
+        assert_eq!(
+            write_rows_in_place(b, &inputs).unwrap().to_f64_vec(),
+            want,
+            "{dt}"
+        );
+    }
+}
+
+/// The paged decode kernels' device-side guards: a length past the table's capacity is
+/// clamped to it, a negative one to 0, and the keys of block ids outside the cache are
+/// masked (never read), as the same attention over the gathered rows with those keys
+/// masked out (-inf) gives.
+#[test]
+fn paged_decode_clamps_lengths_and_masks_bad_blocks() {
+    let Some(b) = backend() else { return };
+    let (seq_q, kv_heads, group, head_dim) = (2usize, 2usize, 4usize, 128usize);
+    let heads = kv_heads * group;
+    let row = kv_heads * head_dim;
+    for (dt, block_size, causal, wide) in [
+        (DType::BF16, 16, true, false),
+        (DType::F16, 5, false, true),
+        (DType::F32, 16, false, false),
+        (DType::BF16, 5, true, true),
+        (DType::F32, 7, true, true),
+    ] {
+        let mut rng = SplitMix64::new(block_size as u64);
+        let lens = [150usize, 77, 3];
+        let mut inputs = paged_inputs(
+            &mut rng,
+            &lens,
+            0,
+            block_size,
+            [seq_q, kv_heads, group, head_dim],
+            dt,
+            (index_dtype(wide), index_dtype(!wide)),
+        );
+        let max_blocks = inputs[3].shape()[1];
+        let num_blocks = inputs[1].shape()[0];
+        let capacity = max_blocks * block_size;
+        // Sequence 0 claims more keys than the table holds (its garbage entries made
+        // valid), sequence 1 has two bad ids among its blocks, sequence 2 a negative
+        // length.
+        let mut table = inputs[3].to_f64_vec();
+        for (i, id) in table[..max_blocks].iter_mut().enumerate() {
+            *id = (i % num_blocks) as f64;
+        }
+        table[max_blocks + 1] = num_blocks as f64 + 3.0;
+        table[max_blocks + 3] = -2.0;
+        inputs[3] = Tensor::from_f64(&table, &[3, max_blocks], index_dtype(wide)).unwrap();
+        let claimed = [capacity as f64 + 50.0, 77.0, -5.0];
+        inputs[4] = Tensor::from_f64(&claimed, &[3], index_dtype(!wide)).unwrap();
+        let p = kpt_core::graph::AttentionParams {
+            paged: true,
+            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+        };
+        let op = Op::Attention(p);
+        // The expected output, one sequence at a time: dense attention over the rows the
+        // table names (zeros and a -inf mask for bad ids).
+        let (kc, vc, q) = (
+            inputs[1].to_f64_vec(),
+            inputs[2].to_f64_vec(),
+            inputs[0].to_f64_vec(),
+        );
+        let q_len = seq_q * heads * head_dim;
+        let mut want = vec![0.0; 3 * q_len];
+        for (s, len) in [capacity, 77, 0].into_iter().enumerate() {
+            if len == 0 {
+                continue;
+            }
+            let (mut k, mut v, mut mask) = (vec![], vec![], vec![0.0; seq_q * len]);
+            for j in 0..len {
+                let id = table[s * max_blocks + j / block_size];
+                if id < 0.0 || id >= num_blocks as f64 {
+                    k.extend(std::iter::repeat_n(0.0, row));
+                    v.extend(std::iter::repeat_n(0.0, row));
+                    for i in 0..seq_q {
+                        mask[i * len + j] = f64::NEG_INFINITY;
+                    }
+                    continue;
+                }
+                let at = (id as usize * block_size + j % block_size) * row;
+                k.extend_from_slice(&kc[at..at + row]);
+                v.extend_from_slice(&vc[at..at + row]);
+            }
+            let dense = kpt_core::graph::AttentionParams { mask: true, ..p };
+            let dense = Op::Attention(kpt_core::graph::AttentionParams {
+                paged: false,
+                ..dense
+            });
+            let t = |x: &[f64], shape: &[usize]| Tensor::from_f64(x, shape, DType::F64).unwrap();
+            let out = CpuReference
+                .eval(
+                    &dense,
+                    &[
+                        t(
+                            &q[s * q_len..(s + 1) * q_len],
+                            &[1, seq_q, heads * head_dim],
+                        ),
+                        t(&k, &[1, len, row]),
+                        t(&v, &[1, len, row]),
+                        t(&mask, &[seq_q, len]),
+                    ],
+                )
+                .unwrap();
+            want[s * q_len..(s + 1) * q_len].copy_from_slice(&out[0].to_f64_vec());
+        }
+        let want = Tensor::from_f64(&want, &[3, seq_q, heads * head_dim], DType::F64).unwrap();
+        let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
+        let tol = tolerance(&op, dt, reduction_len(&op, &specs));
+        let chain = registry().fallback_chain(&op, &specs, b.device());
+        for kernel in chain.iter().filter(|k| k.starts_with("cuda.")) {
+            // The gather path would reject these lengths: success means no host check.
+            let got = run_kernel(b, kernel, &op, &inputs).unwrap();
+            let stats = compare(&got[0], &want, tol).unwrap();
+            assert!(stats.within, "{kernel} {dt} block {block_size}: {stats:?}");
+        }
+    }
 }
 
 #[test]
