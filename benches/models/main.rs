@@ -513,6 +513,8 @@ fn main() -> Result<()> {
     let ctx = shapes.context;
     let mut prefill = kpt.executor(&model.graph(Phase::Prefill, ctx)?, level)?;
     let mut decode = kpt.executor(&model.graph(Phase::Decode, ctx)?, level)?;
+    // Every step has one shape: on CUDA each step after the second replays a graph.
+    decode.set_graphs(true);
     for batch in [1, shapes.decode_batch] {
         progress.inc(1);
         progress.set_message(format!("decode B{batch}"));
@@ -555,7 +557,12 @@ fn main() -> Result<()> {
                     median_of(&enqueue) * 1e3,
                 ));
             if gpu {
-                // The same step with cuBLASLt for every linear (no GEMV kernel).
+                // The same step without CUDA graphs, and with cuBLASLt for every linear
+                // (no GEMV kernel).
+                decode.set_graphs(false);
+                let (plain_t, plain_enqueue) =
+                    decode_per_token(&mut kpt, (&mut prefill, &mut decode), 1, (ctx, steps, reps))?;
+                decode.set_graphs(true);
                 let mut without = kpt.registry.clone();
                 without.set_disabled(&["cuda.linear.gemv".to_string()]);
                 let plan = auto_optimize(
@@ -569,9 +576,13 @@ fn main() -> Result<()> {
                 let (cublas_t, _) =
                     decode_per_token(&mut kpt, (&mut prefill, &mut cublas), 1, (ctx, steps, reps))?;
                 row.with_note(format!(
-                    "kernel times from CUDA events around each launch, so they include gaps \
-                     where the GPU waits for the host; with cuBLASLt for every linear (no \
-                     GEMV kernel): {:.1} tokens/s",
+                    "each step replays a CUDA graph; without graphs, launching node by \
+                     node: {:.1} tokens/s ({:.2} ms of host launching per token); kernel \
+                     times (profiled without graphs) from CUDA events around each launch, \
+                     so they include gaps where the GPU waits for the host; without graphs \
+                     and with cuBLASLt for every linear (no GEMV kernel): {:.1} tokens/s",
+                    1.0 / median_of(&plain_t),
+                    median_of(&plain_enqueue) * 1e3,
                     1.0 / median_of(&cublas_t),
                 ))
             } else {
@@ -642,6 +653,7 @@ fn main() -> Result<()> {
     };
     let mut prefill = kpt.executor(&bf16_model.graph(Phase::Prefill, prompt.len())?, level)?;
     let mut decode = kpt.executor(&bf16_model.graph(Phase::Decode, prompt.len())?, level)?;
+    decode.set_graphs(true);
     let mut seq = Batch::prefill(&kpt, &mut prefill, std::slice::from_ref(&prompt))?;
     let got = (0..new)
         .map(|_| Ok(seq.step(&kpt, &mut decode)?[0]))

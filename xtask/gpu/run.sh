@@ -80,6 +80,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     --out "$out/reports" "$@" || status=1
   "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
     --suite attention --name attention-h100 --out "$out/reports" "$@" || status=1
+  # Host time per decode-shaped run with CUDA graphs off and on.
+  mkdir -p "$out/reports"
+  "$here/bin/kpt-bench-graphs" --out "$out/reports/graphs-h100.json" || status=1
 fi
 if [ "$what" = models ] || [ "$what" = all ]; then
   # A 1.1B LLaMA-shaped checkpoint through kpt-models and HF transformers.

@@ -61,9 +61,16 @@ pub fn gpu_bundle() -> Result<()> {
         "kpt-bench-cuda",
         "--bin",
         "kpt-bench-models",
+        "--bin",
+        "kpt-bench-graphs",
     ])?;
     let release = root.join("target/release");
-    for bin in ["kpt", "kpt-bench-cuda", "kpt-bench-models"] {
+    for bin in [
+        "kpt",
+        "kpt-bench-cuda",
+        "kpt-bench-models",
+        "kpt-bench-graphs",
+    ] {
         install(&release.join(bin), &dir.join("bin").join(bin))?;
     }
     for exe in test_executables("kpt-nvidia")? {

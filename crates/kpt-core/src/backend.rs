@@ -186,6 +186,23 @@ pub fn row_write_extent(
     })
 }
 
+/// The launches of one plan run recorded by [`Backend::capture`], replayable on the
+/// same buffers (on CUDA, an instantiated graph). It owns the memory its launches
+/// allocated while they were recorded; dropping it frees that memory and the graph.
+pub trait CapturedRun: Send {
+    /// Queues every recorded launch again, in order, on the buffers recorded. `false`:
+    /// the backend cannot replay now (it is profiling, which times each launch) and
+    /// queued nothing; the caller launches the run's kernels itself.
+    fn replay(&mut self) -> Result<bool>;
+
+    /// Checks that launchers would have made on the host after their kernels (an
+    /// embedding id outside the table, ...) for the last replay; call it after the
+    /// backend synchronized. The default has nothing to check.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// Memory use of a backend.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryStats {
@@ -268,6 +285,52 @@ pub trait Backend: Send + Sync {
     /// thread.
     fn run_launches(&self, work: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
         work()
+    }
+
+    /// Copies a host tensor into the first `tensor.numel()` elements of `dst`, queued
+    /// like a kernel (the host's copy of the data may be dropped when this returns), and
+    /// sets `dst.scale` to the tensor's. The dtypes must match and `dst` must have room.
+    /// A captured run's inputs are refreshed this way before each replay, at the
+    /// addresses the capture recorded. The default uploads the tensor to a new buffer
+    /// and copies that with [`Backend::copy_into`].
+    fn write(&self, tensor: &Tensor, dst: &mut DeviceBuffer) -> Result<()> {
+        let spec = TensorSpec::new(tensor.shape(), tensor.dtype());
+        let staged = self.upload(tensor)?;
+        self.copy_into(
+            BufferRef {
+                buffer: &staged,
+                spec: &spec,
+            },
+            dst,
+            0,
+        )?;
+        dst.scale = tensor.scale();
+        Ok(())
+    }
+
+    /// The device address of `buffer`, where the backend has one. Two live buffers
+    /// with the same address are the same allocation; a captured run recorded the
+    /// addresses of the buffers it reads and writes. The default is `None` (no
+    /// addresses: the backend cannot capture).
+    fn buffer_address(&self, _buffer: &DeviceBuffer) -> Option<u64> {
+        None
+    }
+
+    /// Records the launches `work` queues (the kernel launches of one plan run, with
+    /// every buffer they use already allocated) instead of running them, so that
+    /// [`CapturedRun::replay`] can queue them all again at once (a CUDA graph).
+    /// Nothing `work` queues has run when this returns: replay the result once to run
+    /// it. `Ok(None)`: this backend cannot capture now (no support, or profiling is
+    /// on), and `work` was not called. `Err`: `work` failed or did something a
+    /// capture cannot record (a wait for the device, a copy back to the host); the
+    /// capture was abandoned, nothing ran, and the same launches can run normally.
+    /// Buffers allocated while `work` runs belong to the captured run until it is
+    /// dropped. The default cannot capture.
+    fn capture(
+        &self,
+        _work: &mut (dyn FnMut() -> Result<()> + Send),
+    ) -> Result<Option<Box<dyn CapturedRun>>> {
+        Ok(None)
     }
 
     /// Waits until all queued work is done.

@@ -9,12 +9,18 @@
 //! [`Op::Concat`](crate::graph::Op::Concat) that appends to a device-resident input with
 //! room to spare (a cache allocated by [`DeviceTensor::with_capacity`]) copies only the
 //! new rows. The output is then the input's buffer.
+//!
+//! With [`Executor::set_graphs`] a run that repeats the previous run's signature (input
+//! specs, device input buffers, outputs kept on the device) is recorded once by
+//! [`Backend::capture`] (a CUDA graph) and replayed: host inputs are written into
+//! buffers the executor keeps for the capture ([`Backend::write`]), and the backend
+//! queues the whole run at once.
 
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
+use crate::backend::{Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer};
 use crate::error::{KptError, Result};
 use crate::graph::{Graph, Op, TensorSpec, ValueId, ValueSource};
 use crate::optimize::Plan;
@@ -131,6 +137,75 @@ impl From<RunTensor> for Feed<'_> {
     }
 }
 
+/// Counts of the captured-run machinery of an [`Executor`] (see
+/// [`Executor::set_graphs`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Runs recorded by [`Backend::capture`] (each then replayed once to run).
+    pub captures: u64,
+    /// Runs that replayed a capture made by an earlier run.
+    pub replays: u64,
+    /// Captures abandoned (a launch the backend cannot record); those runs and every
+    /// later run of the same signature ran normally.
+    pub failures: u64,
+}
+
+/// What must not change between two runs for one captured run to serve both: every
+/// input's shape and dtype, the address and size of every device-resident input's
+/// buffer, and which outputs stay on the device. Host input contents may change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Signature {
+    /// Per input: its spec, and for a device input the address and length of its buffer.
+    inputs: Vec<(TensorSpec, Option<(u64, usize)>)>,
+    /// Per graph output: whether it stays on the device.
+    on_device: Vec<bool>,
+}
+
+/// A run captured by the backend, with what it recorded.
+struct Captured {
+    run: Box<dyn CapturedRun>,
+    /// The specs of every value (the run's inference, the same for every replay).
+    specs: Vec<TensorSpec>,
+    /// Per graph input fed from the host: the buffer the recorded launches read it from.
+    host_inputs: Vec<Option<DeviceBuffer>>,
+    /// Node outputs written in place into a device input's buffer: (output, input).
+    in_place: Vec<(ValueId, usize)>,
+}
+
+/// The executor's captured-run state: one signature at a time.
+#[derive(Default)]
+struct Graphs {
+    enabled: bool,
+    signature: Option<Signature>,
+    /// Runs of the current signature so far, this one included.
+    runs: u64,
+    /// A capture of the current signature failed: run it normally.
+    refused: bool,
+    captured: Option<Captured>,
+    stats: GraphStats,
+}
+
+impl Graphs {
+    /// Forgets the signature and drops its captured run.
+    fn reset(&mut self) {
+        self.signature = None;
+        self.runs = 0;
+        self.refused = false;
+        self.captured = None;
+    }
+}
+
+/// How a run launches its kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// One launch per node.
+    Plain,
+    /// Launches recorded by the backend, then replayed once.
+    Capture,
+    /// An earlier capture replayed.
+    Replay,
+}
+
 /// Executes a plan on one backend; reuses its buffers across runs.
 pub struct Executor {
     plan: Plan,
@@ -142,6 +217,7 @@ pub struct Executor {
     appends: Vec<Option<usize>>,
     /// Host time of the last run up to its final wait for the backend.
     last_launch: Duration,
+    graphs: Graphs,
 }
 
 impl std::fmt::Debug for Executor {
@@ -149,6 +225,7 @@ impl std::fmt::Debug for Executor {
         f.debug_struct("Executor")
             .field("backend", &self.backend.name())
             .field("nodes", &self.plan.graph.nodes().len())
+            .field("graphs", &self.graphs.enabled)
             .finish_non_exhaustive()
     }
 }
@@ -176,6 +253,159 @@ fn in_place_appends(graph: &Graph) -> Vec<Option<usize>> {
             _ => None,
         })
         .collect()
+}
+
+/// A slot whose own buffer was set aside while an in-place update put a device
+/// input's buffer there: (slot, its own buffer, the input's index).
+type Displaced = Vec<(usize, Option<DeviceBuffer>, usize)>;
+
+/// Everything the launches of one run read and write.
+struct Launch<'a> {
+    graph: &'a Graph,
+    plan: &'a Plan,
+    backend: &'a dyn Backend,
+    params: &'a [Option<DeviceBuffer>],
+    appends: &'a [Option<usize>],
+    specs: &'a [TensorSpec],
+}
+
+impl Launch<'_> {
+    /// Launches every node in order. On an error the device inputs that were moved into
+    /// slots for in-place updates are back in `device_inputs` and the slots hold their
+    /// own buffers again, so the same launches can run again.
+    fn run(
+        &self,
+        slots: &mut [Option<DeviceBuffer>],
+        device_inputs: &mut [Option<DeviceBuffer>],
+        displaced: &mut Displaced,
+        traced: &mut [Option<Tensor>],
+    ) -> Result<()> {
+        let result = self.nodes(slots, device_inputs, displaced, traced);
+        if result.is_err() {
+            for (s, own, p) in displaced.drain(..).rev() {
+                device_inputs[p] = std::mem::replace(&mut slots[s], own);
+            }
+        }
+        result
+    }
+
+    fn nodes(
+        &self,
+        slots: &mut [Option<DeviceBuffer>],
+        device_inputs: &mut [Option<DeviceBuffer>],
+        displaced: &mut Displaced,
+        traced: &mut [Option<Tensor>],
+    ) -> Result<()> {
+        let Self {
+            graph,
+            plan,
+            backend,
+            params,
+            appends,
+            specs,
+        } = *self;
+        let slot_of = &plan.memory.slot_of;
+        let trace = !traced.is_empty();
+        for ((node, choice), append) in graph.nodes().iter().zip(&plan.kernels).zip(appends) {
+            let _span = tracing::trace_span!("launch", node = %node.name, kernel = %choice.kernel)
+                .entered();
+            let out = node.outputs[0];
+            let cache = append.and_then(|p| {
+                let fits = |b: &DeviceBuffer| {
+                    appendable(b, specs, node.inputs[0], node.inputs[1], out, &node.op)
+                };
+                device_inputs[p].take_if(|b| fits(b)).map(|b| (p, b))
+            });
+            if let Some((p, mut cache)) = cache {
+                let written = {
+                    let operand = |i: usize| -> Result<BufferRef<'_>> {
+                        let v = node.inputs[i];
+                        Ok(BufferRef {
+                            buffer: lookup(graph, device_inputs, params, slots, slot_of, v)?,
+                            spec: &specs[v.0],
+                        })
+                    };
+                    if node.op == Op::CacheWrite {
+                        let out = BufferMut {
+                            buffer: &mut cache,
+                            spec: &specs[out.0],
+                        };
+                        operand(1).and_then(|rows| backend.write_rows(rows, operand(2)?, out))
+                    } else {
+                        let old = specs[node.inputs[0].0].numel();
+                        operand(1).and_then(|new| backend.copy_into(new, &mut cache, old))
+                    }
+                };
+                let Some(s) = slot_of[out.0] else {
+                    device_inputs[p] = Some(cache);
+                    return Err(no_buffer(graph, out));
+                };
+                displaced.push((s, slots[s].replace(cache), p));
+                written?;
+                if trace {
+                    let cache = slots[s].as_ref().ok_or_else(|| no_buffer(graph, out))?;
+                    traced[out.0] = Some(backend.download(cache, &specs[out.0])?);
+                }
+                continue;
+            }
+            let mut outs = node
+                .outputs
+                .iter()
+                .map(|o| {
+                    slot_of[o.0]
+                        .and_then(|s| slots[s].take())
+                        .ok_or_else(|| no_buffer(graph, *o))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let result = {
+                let in_refs = node
+                    .inputs
+                    .iter()
+                    .map(|&v| {
+                        lookup(graph, device_inputs, params, slots, slot_of, v).map(|buffer| {
+                            BufferRef {
+                                buffer,
+                                spec: &specs[v.0],
+                            }
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>();
+                in_refs.and_then(|in_refs| {
+                    let mut out_refs: Vec<BufferMut<'_>> = outs
+                        .iter_mut()
+                        .zip(&node.outputs)
+                        .map(|(buffer, o)| BufferMut {
+                            buffer,
+                            spec: &specs[o.0],
+                        })
+                        .collect();
+                    // `specs` came from `graph.infer_specs` for this run's inputs, and
+                    // the slots were sized for them.
+                    backend.execute_inferred(&choice.kernel, &node.op, &in_refs, &mut out_refs)
+                })
+            };
+            for (o, buf) in node.outputs.iter().zip(outs) {
+                if let Some(s) = slot_of[o.0] {
+                    slots[s] = Some(buf);
+                }
+            }
+            result.map_err(|e| match e {
+                KptError::Backend { backend, message } => KptError::Backend {
+                    backend,
+                    message: format!("node `{}` ({}): {message}", node.name, choice.kernel),
+                },
+                other => other,
+            })?;
+            if trace {
+                for o in &node.outputs {
+                    let s = slot_of[o.0].ok_or_else(|| no_buffer(graph, *o))?;
+                    let buf = slots[s].as_ref().ok_or_else(|| no_buffer(graph, *o))?;
+                    traced[o.0] = Some(backend.download(buf, &specs[o.0])?);
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Executor {
@@ -209,6 +439,7 @@ impl Executor {
             slots,
             appends,
             last_launch: Duration::ZERO,
+            graphs: Graphs::default(),
         })
     }
 
@@ -220,6 +451,39 @@ impl Executor {
     /// The backend it runs on.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// Turns captured runs (CUDA graphs) on or off; off by default. When on, runs whose
+    /// signature (every input's shape and dtype, the buffer of every device-resident
+    /// input, which outputs stay on the device) equals the previous run's are served by
+    /// one capture: the first run of a signature runs normally (it loads modules, tunes
+    /// GEMMs, sizes buffers), the second is recorded by [`Backend::capture`] and
+    /// replayed, and later ones copy their host inputs into the buffers the capture
+    /// reads and replay it, which saves the host the launch work of every node. A run of
+    /// another signature drops the capture and starts over. A backend that cannot
+    /// capture, or a run whose launches cannot be recorded (one that waits for the
+    /// device or reads a value back to the host), runs normally with the same results.
+    /// [`Executor::run_traced`] never captures. Turning it off drops the capture.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs.enabled = on;
+        if !on {
+            self.graphs.reset();
+        }
+    }
+
+    /// Whether captured runs are on ([`Executor::set_graphs`]).
+    pub fn graphs(&self) -> bool {
+        self.graphs.enabled
+    }
+
+    /// Whether a captured run is held now (the next run of its signature replays it).
+    pub fn captured(&self) -> bool {
+        self.graphs.captured.is_some()
+    }
+
+    /// Captures, replays and failed captures so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats
     }
 
     /// Runs the plan and returns the graph outputs.
@@ -273,6 +537,58 @@ impl Executor {
         self.last_launch.as_secs_f64()
     }
 
+    /// The signature of a run, `None` when it cannot be captured (an input the backend
+    /// has no address for, or a quantized input, whose scale launchers take by value).
+    fn signature(&self, inputs: &[Feed<'_>], on_device: &[bool]) -> Option<Signature> {
+        let inputs = inputs
+            .iter()
+            .map(|f| {
+                let spec = f.spec();
+                if spec.dtype.is_quantized() {
+                    return None;
+                }
+                let at = match f {
+                    Feed::Host(_) => None,
+                    Feed::Device(d) => {
+                        Some((self.backend.buffer_address(&d.buffer)?, d.buffer.len()))
+                    }
+                };
+                Some((spec, at))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let outputs = self.plan.graph.outputs().len();
+        let on_device = (0..outputs)
+            .map(|i| on_device.get(i).copied().unwrap_or(false))
+            .collect();
+        Some(Signature { inputs, on_device })
+    }
+
+    /// How this run launches: counts the run against its signature.
+    fn mode(&mut self, inputs: &[Feed<'_>], on_device: &[bool], trace: bool) -> Mode {
+        if trace || !self.graphs.enabled {
+            return Mode::Plain;
+        }
+        let Some(sig) = self.signature(inputs, on_device) else {
+            self.graphs.reset();
+            return Mode::Plain;
+        };
+        let g = &mut self.graphs;
+        if g.signature.as_ref() != Some(&sig) {
+            g.reset();
+            g.signature = Some(sig);
+        }
+        g.runs += 1;
+        if g.refused {
+            Mode::Plain
+        } else if g.captured.is_some() {
+            Mode::Replay
+        } else if g.runs >= 2 {
+            Mode::Capture
+        } else {
+            Mode::Plain
+        }
+    }
+
     fn run_inner(
         &mut self,
         inputs: Vec<Feed<'_>>,
@@ -280,6 +596,23 @@ impl Executor {
         trace: bool,
     ) -> Result<(Vec<RunTensor>, Vec<Option<Tensor>>)> {
         let started = Instant::now();
+        let mode = self.mode(&inputs, on_device, trace);
+        let result = self.run_mode(mode, inputs, on_device, trace, started);
+        if result.is_err() && mode != Mode::Plain {
+            // The capture's buffers may be gone with the error: start over.
+            self.graphs.reset();
+        }
+        result
+    }
+
+    fn run_mode(
+        &mut self,
+        mut mode: Mode,
+        inputs: Vec<Feed<'_>>,
+        on_device: &[bool],
+        trace: bool,
+        started: Instant,
+    ) -> Result<(Vec<RunTensor>, Vec<Option<Tensor>>)> {
         let Self {
             plan,
             backend,
@@ -287,28 +620,60 @@ impl Executor {
             slots,
             appends,
             last_launch,
+            graphs,
         } = self;
+        let backend = backend.as_ref();
         let graph = &plan.graph;
         let slot_of = &plan.memory.slot_of;
-        let input_specs: Vec<TensorSpec> = inputs.iter().map(Feed::spec).collect();
-        let specs = graph.infer_specs(&input_specs)?;
-        let caps = plan.memory.slot_capacities(&specs);
-        for (slot, &cap) in caps.iter().enumerate() {
-            let have = slots[slot].as_ref().map_or(0, DeviceBuffer::len);
-            if have < cap {
-                // Grow by half at least, so a cache that gains a row per run does not
-                // reallocate on every run.
-                let len = if have == 0 {
-                    cap
-                } else {
-                    cap.max(have + have / 2)
-                };
-                slots[slot] = Some(backend.allocate(plan.memory.slot_dtypes[slot], len)?);
+        // A replay's specs are those of its capture.
+        let mut held = match mode {
+            Mode::Replay => graphs.captured.take(),
+            _ => None,
+        };
+        let specs = match &mut held {
+            Some(c) => std::mem::take(&mut c.specs),
+            None => {
+                let input_specs: Vec<TensorSpec> = inputs.iter().map(Feed::spec).collect();
+                graph.infer_specs(&input_specs)?
+            }
+        };
+        if mode != Mode::Replay {
+            let caps = plan.memory.slot_capacities(&specs);
+            for (slot, &cap) in caps.iter().enumerate() {
+                let have = slots[slot].as_ref().map_or(0, DeviceBuffer::len);
+                if have < cap {
+                    // Grow by half at least, so a cache that gains a row per run does
+                    // not reallocate on every run.
+                    let len = if have == 0 {
+                        cap
+                    } else {
+                        cap.max(have + have / 2)
+                    };
+                    slots[slot] = Some(backend.allocate(plan.memory.slot_dtypes[slot], len)?);
+                }
             }
         }
+        // Inputs: host ones uploaded (plain runs) or written into the buffers the
+        // capture reads (captured runs).
+        let from_host: Vec<bool> = inputs.iter().map(|f| matches!(f, Feed::Host(_))).collect();
         let mut device_inputs = Vec::with_capacity(inputs.len());
-        for input in inputs {
-            device_inputs.push(Some(input.into_buffer(backend.as_ref())?));
+        for (p, input) in inputs.into_iter().enumerate() {
+            let buffer = match (mode, input) {
+                (Mode::Plain, input) => input.into_buffer(backend)?,
+                (_, Feed::Device(d)) => d.buffer,
+                (Mode::Capture, Feed::Host(t)) => {
+                    let mut b = backend.allocate(t.dtype(), t.numel())?;
+                    backend.write(&t, &mut b)?;
+                    b
+                }
+                (Mode::Replay, Feed::Host(t)) => {
+                    let c = held.as_mut().ok_or_else(no_capture)?;
+                    let mut b = c.host_inputs[p].take().ok_or_else(no_capture)?;
+                    backend.write(&t, &mut b)?;
+                    b
+                }
+            };
+            device_inputs.push(Some(buffer));
         }
         let mut traced: Vec<Option<Tensor>> =
             vec![None; if trace { graph.values().len() } else { 0 }];
@@ -319,97 +684,96 @@ impl Executor {
                 }
             }
         }
-        // Slots whose own buffer was set aside for an in-place append, restored at the end.
-        let mut displaced: Vec<(usize, Option<DeviceBuffer>)> = Vec::new();
-        backend.run_launches(&mut || {
-            for ((node, choice), append) in graph.nodes().iter().zip(&plan.kernels).zip(&*appends) {
-                let _span =
-                    tracing::trace_span!("launch", node = %node.name, kernel = %choice.kernel)
-                        .entered();
-                let out = node.outputs[0];
-                let cache = append.and_then(|p| {
-                    let fits = |b: &DeviceBuffer| {
-                        appendable(b, &specs, node.inputs[0], node.inputs[1], out, &node.op)
-                    };
-                    device_inputs[p].take_if(|b| fits(b))
-                });
-                if let Some(mut cache) = cache {
-                    let operand = |i: usize| -> Result<BufferRef<'_>> {
-                        let v = node.inputs[i];
-                        Ok(BufferRef {
-                            buffer: lookup(graph, &device_inputs, params, slots, slot_of, v)?,
-                            spec: &specs[v.0],
-                        })
-                    };
-                    if node.op == Op::CacheWrite {
-                        let out = BufferMut {
-                            buffer: &mut cache,
-                            spec: &specs[out.0],
-                        };
-                        backend.write_rows(operand(1)?, operand(2)?, out)?;
-                    } else {
-                        let old = specs[node.inputs[0].0].numel();
-                        backend.copy_into(operand(1)?, &mut cache, old)?;
+        let mut displaced: Displaced = Vec::new();
+        let launch = Launch {
+            graph,
+            plan,
+            backend,
+            params,
+            appends,
+            specs: &specs,
+        };
+        if mode == Mode::Capture {
+            let captured = backend
+                .capture(&mut || launch.run(slots, &mut device_inputs, &mut displaced, &mut []));
+            match captured {
+                Ok(Some(mut run)) => {
+                    if !run.replay()? {
+                        // Nothing ran yet: the same launches run one by one.
+                        for (s, own, p) in displaced.drain(..).rev() {
+                            device_inputs[p] = std::mem::replace(&mut slots[s], own);
+                        }
+                        backend.run_launches(&mut || {
+                            launch.run(slots, &mut device_inputs, &mut displaced, &mut [])
+                        })?;
                     }
-                    let s = slot_of[out.0].ok_or_else(|| no_buffer(graph, out))?;
-                    if trace {
-                        traced[out.0] = Some(backend.download(&cache, &specs[out.0])?);
-                    }
-                    displaced.push((s, slots[s].replace(cache)));
-                    continue;
-                }
-                let mut outs = node
-                    .outputs
-                    .iter()
-                    .map(|o| {
-                        slot_of[o.0]
-                            .and_then(|s| slots[s].take())
-                            .ok_or_else(|| no_buffer(graph, *o))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let result = {
-                    let in_refs = node
-                        .inputs
-                        .iter()
-                        .map(|&v| {
-                            lookup(graph, &device_inputs, params, slots, slot_of, v).map(|buffer| {
-                                BufferRef {
-                                    buffer,
-                                    spec: &specs[v.0],
-                                }
+                    graphs.stats.captures += 1;
+                    let in_place =
+                        displaced
+                            .iter()
+                            .filter_map(|&(s, _, p)| {
+                                let out = graph.nodes().iter().zip(appends.iter()).find_map(
+                                    |(n, a)| {
+                                        (*a == Some(p) && slot_of[n.outputs[0].0] == Some(s))
+                                            .then_some(n.outputs[0])
+                                    },
+                                )?;
+                                Some((out, p))
                             })
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    let mut out_refs: Vec<BufferMut<'_>> = outs
-                        .iter_mut()
-                        .zip(&node.outputs)
-                        .map(|(buffer, o)| BufferMut {
-                            buffer,
-                            spec: &specs[o.0],
-                        })
-                        .collect();
-                    // `specs` came from `graph.infer_specs` for this run's inputs, and
-                    // the slots were sized for them above.
-                    backend.execute_inferred(&choice.kernel, &node.op, &in_refs, &mut out_refs)
-                };
-                for (o, buf) in node.outputs.iter().zip(outs) {
-                    if trace {
-                        traced[o.0] = Some(backend.download(&buf, &specs[o.0])?);
-                    }
-                    if let Some(s) = slot_of[o.0] {
-                        slots[s] = Some(buf);
-                    }
+                            .collect();
+                    held = Some(Captured {
+                        run,
+                        specs: Vec::new(),
+                        host_inputs: Vec::new(),
+                        in_place,
+                    });
                 }
-                result.map_err(|e| match e {
-                    KptError::Backend { backend, message } => KptError::Backend {
-                        backend,
-                        message: format!("node `{}` ({}): {message}", node.name, choice.kernel),
-                    },
-                    other => other,
+                Ok(None) => {
+                    mode = Mode::Plain;
+                    backend.run_launches(&mut || {
+                        launch.run(slots, &mut device_inputs, &mut displaced, &mut traced)
+                    })?;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "the run could not be captured; it runs normally");
+                    graphs.stats.failures += 1;
+                    graphs.refused = true;
+                    mode = Mode::Plain;
+                    backend.run_launches(&mut || {
+                        launch.run(slots, &mut device_inputs, &mut displaced, &mut traced)
+                    })?;
+                }
+            }
+        } else if let Some(c) = &mut held {
+            if c.run.replay()? {
+                graphs.stats.replays += 1;
+                // The in-place outputs are the device inputs' buffers, as in the
+                // captured run.
+                for &(out, p) in &c.in_place {
+                    let s = slot_of[out.0].ok_or_else(|| no_buffer(graph, out))?;
+                    let cache = device_inputs[p].take().ok_or_else(no_capture)?;
+                    displaced.push((s, slots[s].replace(cache), p));
+                }
+            } else {
+                // The same launches on the same buffers, one by one.
+                backend.run_launches(&mut || {
+                    launch.run(slots, &mut device_inputs, &mut displaced, &mut traced)
                 })?;
             }
-            Ok(())
-        })?;
+        } else {
+            backend.run_launches(&mut || {
+                launch.run(slots, &mut device_inputs, &mut displaced, &mut traced)
+            })?;
+        }
+        // In captured runs the slots and the host inputs' buffers stay where the capture
+        // recorded them: outputs kept on the device are copies.
+        let captured = mode != Mode::Plain;
+        let copy = |b: &DeviceBuffer, spec: &TensorSpec| -> Result<DeviceBuffer> {
+            let mut out = backend.allocate(spec.dtype, spec.numel())?;
+            backend.copy_into(BufferRef { buffer: b, spec }, &mut out, 0)?;
+            out.scale = b.scale;
+            Ok(out)
+        };
         let mut outputs = Vec::with_capacity(graph.outputs().len());
         for (i, &o) in graph.outputs().iter().enumerate() {
             let keep = on_device.get(i).copied().unwrap_or(false);
@@ -417,14 +781,44 @@ impl Executor {
             let buffer = match &graph.value(o).source {
                 ValueSource::Input => {
                     let p = graph.inputs().iter().position(|&v| v == o);
-                    p.and_then(|p| device_inputs[p].take())
+                    match p {
+                        Some(p) if captured && from_host[p] => {
+                            let b = device_inputs[p]
+                                .as_ref()
+                                .ok_or_else(|| no_buffer(graph, o))?;
+                            outputs.push(if keep {
+                                RunTensor::Device(DeviceTensor {
+                                    buffer: copy(b, &spec)?,
+                                    spec,
+                                })
+                            } else {
+                                RunTensor::Host(backend.download(b, &spec)?)
+                            });
+                            continue;
+                        }
+                        _ => p.and_then(|p| device_inputs[p].take()),
+                    }
                 }
                 ValueSource::Param(t) if !keep => {
                     outputs.push(RunTensor::Host(t.clone()));
                     continue;
                 }
                 ValueSource::Param(t) => Some(backend.upload(t)?),
-                ValueSource::Node { .. } => slot_of[o.0].and_then(|s| slots[s].take()),
+                ValueSource::Node { .. } => {
+                    let s = slot_of[o.0];
+                    let own = s.is_some_and(|s| !displaced.iter().any(|d| d.0 == s));
+                    match s {
+                        Some(s) if captured && keep && own => {
+                            let b = slots[s].as_ref().ok_or_else(|| no_buffer(graph, o))?;
+                            outputs.push(RunTensor::Device(DeviceTensor {
+                                buffer: copy(b, &spec)?,
+                                spec,
+                            }));
+                            continue;
+                        }
+                        _ => s.and_then(|s| slots[s].take()),
+                    }
+                }
             }
             .ok_or_else(|| {
                 KptError::Graph(format!(
@@ -436,20 +830,41 @@ impl Executor {
             if keep {
                 outputs.push(RunTensor::Device(tensor));
             } else {
-                outputs.push(RunTensor::Host(tensor.download(backend.as_ref())?));
+                outputs.push(RunTensor::Host(tensor.download(backend)?));
                 // A slot's buffer serves the next run.
                 if let Some(s) = slot_of[o.0] {
                     slots[s].get_or_insert(tensor.buffer);
                 }
             }
         }
-        for (s, own) in displaced {
+        for (s, own, _) in displaced {
             slots[s] = own;
         }
+        let replayed = if let Some(mut c) = held {
+            c.specs = specs;
+            c.host_inputs = device_inputs
+                .iter_mut()
+                .zip(&from_host)
+                .map(|(b, &h)| if h { b.take() } else { None })
+                .collect();
+            graphs.captured = Some(c);
+            true
+        } else {
+            false
+        };
         *last_launch = started.elapsed();
         backend.synchronize()?;
+        if replayed {
+            if let Some(c) = &graphs.captured {
+                c.run.check()?;
+            }
+        }
         Ok((outputs, traced))
     }
+}
+
+fn no_capture() -> KptError {
+    KptError::Graph("the captured run lost an input buffer".into())
 }
 
 /// The buffer of value `v` during a run.

@@ -704,6 +704,12 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn buffer_address(&self, buffer: &DeviceBuffer) -> Option<u64> {
+        storage(buffer)
+            .ok()
+            .map(|s| s.as_bytes().as_ptr() as usize as u64)
+    }
+
     fn kind(&self) -> DeviceKind {
         DeviceKind::Cpu
     }

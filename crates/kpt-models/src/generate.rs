@@ -635,8 +635,11 @@ pub struct PlanRunner {
 
 impl PlanRunner {
     /// Runs prompts through `prefill` (a plan of [`Model::graph`] with
-    /// [`Phase::Prefill`]) and tokens through `decode` (of [`Phase::Decode`]).
-    pub fn new(prefill: Executor, decode: Executor) -> Self {
+    /// [`Phase::Prefill`]) and tokens through `decode` (of [`Phase::Decode`]). Decode
+    /// steps are captured and replayed where the backend can
+    /// ([`Executor::set_graphs`]): every step of a sequence has one shape.
+    pub fn new(prefill: Executor, mut decode: Executor) -> Self {
+        decode.set_graphs(true);
         Self {
             prefill,
             decode,

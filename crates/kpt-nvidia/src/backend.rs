@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kpt_core::backend::{
-    copy_extent, row_write_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats,
+    copy_extent, row_write_extent, Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer,
+    MemoryStats,
 };
 use kpt_core::graph::{rope_frequencies, rope_seq_len, Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
@@ -17,7 +18,7 @@ use kpt_core::{DType, KptError, Result};
 use kpt_kernels::CpuBackend;
 
 use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, GpuGraph};
 use crate::kernels::{
     AttentionDims, Binary, FlashBackward, Impl, PagedCache, QuantScale, GEMV_MAX_ROWS,
 };
@@ -58,7 +59,7 @@ pub struct CudaBackend {
     info: DeviceInfo,
     name: String,
     host: CpuBackend,
-    profiler: Profiler,
+    profiler: Arc<Profiler>,
     /// Scaled rotary tables on the device, by `(head_dim, theta, scaling)`.
     rope_tables: Mutex<HashMap<String, (Arc<DeviceBlock>, f64)>>,
 }
@@ -141,7 +142,7 @@ impl CudaBackend {
             blas,
             info,
             host: CpuBackend::new().map_err(|e| NvidiaError::Invalid(e.to_string()))?,
-            profiler: Profiler::default(),
+            profiler: Arc::default(),
             rope_tables: Mutex::default(),
         })
     }
@@ -880,6 +881,28 @@ impl CudaBackend {
     }
 }
 
+/// A plan run captured into a CUDA graph on the backend's stream.
+struct CudaCapturedRun {
+    graph: GpuGraph,
+    gpu: Arc<Gpu>,
+    profiler: Arc<Profiler>,
+}
+
+impl CapturedRun for CudaCapturedRun {
+    fn replay(&mut self) -> Result<bool> {
+        // Profiling times each kernel between events: the launches run one by one.
+        if self.profiler.is_on() {
+            return Ok(false);
+        }
+        self.graph.launch()?;
+        Ok(true)
+    }
+
+    fn check(&self) -> Result<()> {
+        Ok(self.graph.check(&self.gpu)?)
+    }
+}
+
 impl Backend for CudaBackend {
     fn name(&self) -> &str {
         &self.name
@@ -992,6 +1015,37 @@ impl Backend for CudaBackend {
             return Err(err(format!("{op}: no output")));
         }
         self.launch(kernel, op, inputs, outputs)
+    }
+
+    fn write(&self, tensor: &Tensor, dst: &mut DeviceBuffer) -> Result<()> {
+        let spec = TensorSpec::new(tensor.shape(), tensor.dtype());
+        let t = tensor.contiguous();
+        self.gpu.write_async(block(dst, &spec)?, t.as_bytes()?)?;
+        dst.scale = t.scale();
+        Ok(())
+    }
+
+    fn buffer_address(&self, buffer: &DeviceBuffer) -> Option<u64> {
+        buffer.inner::<DeviceBlock>().map(DeviceBlock::ptr)
+    }
+
+    fn capture(
+        &self,
+        work: &mut (dyn FnMut() -> Result<()> + Send),
+    ) -> Result<Option<Box<dyn CapturedRun>>> {
+        // Profiling brackets every kernel with events it reads back: never captured.
+        if self.profiler.is_on() {
+            return Ok(None);
+        }
+        self.gpu.begin_capture()?;
+        let recorded = work();
+        let graph = self.gpu.end_capture();
+        recorded?;
+        Ok(Some(Box::new(CudaCapturedRun {
+            graph: graph?,
+            gpu: Arc::clone(&self.gpu),
+            profiler: Arc::clone(&self.profiler),
+        })))
     }
 
     fn set_profiling(&self, on: bool) -> Result<bool> {

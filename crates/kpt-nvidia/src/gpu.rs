@@ -4,12 +4,14 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::{
+    result, sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaStream,
+};
 use cudarc::nvrtc::Ptx;
 use kpt_kernels::artifacts::{self, Artifact, EntryPoint, Format};
 
 use crate::device::{self, GpuProperties};
-use crate::memory::{CachingAllocator, DeviceBlock, RawMemory};
+use crate::memory::{CachingAllocator, DeviceBlock, PrivateBlocks, RawMemory};
 use crate::NvidiaError;
 
 /// Device memory straight from the driver.
@@ -57,6 +59,55 @@ impl RawMemory for DriverMemory {
 /// The loaded functions of one kernel, with their launch metadata, by entry point.
 type EntryPoints = HashMap<String, (CudaFunction, EntryPoint)>;
 
+/// A check that a launcher would make on the host after its kernel (a flag the kernel
+/// sets on bad input), deferred to after each replay of a captured graph.
+type DeferredCheck = (DeviceBlock, String);
+
+/// The work of one capture on [`Gpu`]'s stream, instantiated: replay it with
+/// [`GpuGraph::launch`]. It owns the memory its launches allocated while they were
+/// recorded (returned to the allocator after the graph is destroyed) and the checks they
+/// deferred.
+pub struct GpuGraph {
+    // Fields drop in order: the graph before the memory it uses.
+    graph: CudaGraph,
+    checks: Vec<DeferredCheck>,
+    _memory: PrivateBlocks,
+}
+
+// SAFETY: the graph handles are used only through `&mut self` (launch) or `&self` after
+// the launches were queued (the checks read device memory through the `Gpu`), so no two
+// threads touch the graph at once; the driver calls on them may come from any thread
+// where the context is current (`CudaGraph::launch` binds it).
+unsafe impl Send for GpuGraph {}
+
+impl std::fmt::Debug for GpuGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuGraph")
+            .field("checks", &self.checks.len())
+            .field("memory", &self._memory)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuGraph {
+    /// Queues the whole graph on the stream it was captured on.
+    pub fn launch(&mut self) -> Result<(), NvidiaError> {
+        self.graph
+            .launch()
+            .map_err(|e| NvidiaError::driver("cuGraphLaunch", e))
+    }
+
+    /// Runs the deferred checks of the last launch on `gpu` (waits for it).
+    pub fn check(&self, gpu: &Gpu) -> Result<(), NvidiaError> {
+        for (flag, message) in &self.checks {
+            if gpu.read(flag, 4)? != [0; 4] {
+                return Err(NvidiaError::Invalid(message.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A CUDA device ready for work.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -67,6 +118,8 @@ pub struct Gpu {
     /// Loaded functions by kernel, then entry point (Triton specializations of one
     /// kernel source share their entry point's name).
     functions: Mutex<HashMap<&'static str, EntryPoints>>,
+    /// While a capture records: the checks its launchers deferred.
+    capture: Mutex<Option<Vec<DeferredCheck>>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -104,6 +157,7 @@ impl Gpu {
             memory,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            capture: Mutex::new(None),
         })
     }
 
@@ -159,6 +213,91 @@ impl Gpu {
         unsafe { result::memcpy_htod_async(dst.ptr(), data, self.stream.cu_stream()) }
             .map_err(|e| NvidiaError::driver("cuMemcpyHtoDAsync", e))?;
         self.synchronize()
+    }
+
+    /// Copies `data` to the start of `dst`, queued on the stream without waiting: the
+    /// driver stages pageable host memory before the call returns, so `data` may be
+    /// dropped at once.
+    pub fn write_async(&self, dst: &DeviceBlock, data: &[u8]) -> Result<(), NvidiaError> {
+        if data.len() > dst.bytes() {
+            return Err(NvidiaError::Invalid(format!(
+                "cannot copy {} bytes into a {}-byte device block",
+                data.len(),
+                dst.bytes()
+            )));
+        }
+        self.bind()?;
+        // SAFETY: the block holds `data.len()` bytes; a host-to-device copy from pageable
+        // memory returns once the source was copied to a staging buffer.
+        unsafe { result::memcpy_htod_async(dst.ptr(), data, self.stream.cu_stream()) }
+            .map_err(|e| NvidiaError::driver("cuMemcpyHtoDAsync", e))
+    }
+
+    /// Starts recording the work queued on the stream into a graph (relaxed capture
+    /// mode) instead of running it; the allocator keeps the blocks freed meanwhile for
+    /// the graph. End it with [`Gpu::end_capture`], also when the recorded work failed.
+    pub fn begin_capture(&self) -> Result<(), NvidiaError> {
+        self.memory.begin_private()?;
+        *self.capture.lock().unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+        let began = self
+            .stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| NvidiaError::driver("cuStreamBeginCapture", e));
+        if began.is_err() {
+            self.capture
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            drop(self.memory.end_private());
+        }
+        began
+    }
+
+    /// Ends the capture begun by [`Gpu::begin_capture`] and instantiates its graph. An
+    /// error when the capture was invalidated (a launcher waited for the device, read a
+    /// value back, or failed): nothing recorded ran, and its memory is free again.
+    pub fn end_capture(&self) -> Result<GpuGraph, NvidiaError> {
+        let checks = self
+            .capture
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .unwrap_or_default();
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| NvidiaError::driver("cuStreamEndCapture", e));
+        let memory = self.memory.end_private();
+        match graph? {
+            Some(graph) => Ok(GpuGraph {
+                graph,
+                checks,
+                _memory: memory,
+            }),
+            None => Err(NvidiaError::Invalid("the capture recorded no graph".into())),
+        }
+    }
+
+    /// Whether a capture is recording on the stream.
+    pub fn capturing(&self) -> bool {
+        self.capture
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    /// While a capture records, keeps `flag` (4 bytes that a captured kernel sets on bad
+    /// input) to be checked after each replay and returns `None`; otherwise gives it
+    /// back for the caller to read now.
+    pub(crate) fn defer_check(&self, flag: DeviceBlock, message: String) -> Option<DeviceBlock> {
+        let mut capture = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        match capture.as_mut() {
+            Some(checks) => {
+                checks.push((flag, message));
+                None
+            }
+            None => Some(flag),
+        }
     }
 
     /// A new block holding `data`.

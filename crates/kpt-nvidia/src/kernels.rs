@@ -1043,10 +1043,12 @@ impl Gpu {
         let bad = self.alloc_zeroed(4)?;
         launch!(self, "embedding", entry, grid("ids", n)?;
             ids, table, out, long(vocab), int("dim", dim)?, bad.ptr());
-        if self.read(&bad, 4)? != [0; 4] {
-            return Err(NvidiaError::Invalid(format!(
-                "embedding: an id is outside the table of {vocab} rows"
-            )));
+        let message = format!("embedding: an id is outside the table of {vocab} rows");
+        // Inside a captured graph the flag is read after each replay instead.
+        if let Some(bad) = self.defer_check(bad, message.clone()) {
+            if self.read(&bad, 4)? != [0; 4] {
+                return Err(NvidiaError::Invalid(message));
+            }
         }
         Ok(())
     }

@@ -28,6 +28,8 @@ pub use device::{
     devices, devices_with_telemetry, driver_present, CudaDetector, GpuProperties, PciAddress,
 };
 pub use error::NvidiaError;
-pub use gpu::Gpu;
-pub use memory::{estimate_bytes, size_class, CachingAllocator, DeviceBlock, MemoryStatistics};
+pub use gpu::{Gpu, GpuGraph};
+pub use memory::{
+    estimate_bytes, size_class, CachingAllocator, DeviceBlock, MemoryStatistics, PrivateBlocks,
+};
 pub use nvml::{telemetry, GpuTelemetry};

@@ -6,6 +6,12 @@
 //! runs after the work that used it (stream-ordered reuse). When the driver runs out of
 //! memory the cache is released (after the stream drains) and the allocation retried;
 //! if it still fails the caller gets [`NvidiaError::OutOfMemory`] with the numbers.
+//!
+//! While a CUDA graph is being captured ([`CachingAllocator::begin_private`]) every block
+//! freed goes to a private pool that serves that capture's later allocations and then
+//! belongs to the captured graph ([`PrivateBlocks`]): the graph's launches keep using
+//! those addresses on every replay, so no other allocation may get them until the graph
+//! is dropped, as in PyTorch's graph-private memory pools.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -94,6 +100,8 @@ impl MemoryStatistics {
 struct Pool {
     /// Size class -> cached block addresses.
     free: BTreeMap<usize, Vec<u64>>,
+    /// While a capture records: the blocks freed since it began, by size class.
+    private: Option<BTreeMap<usize, Vec<u64>>>,
     stats: MemoryStatistics,
 }
 
@@ -154,6 +162,7 @@ impl CachingAllocator {
                 raw,
                 pool: Mutex::new(Pool {
                     free: BTreeMap::new(),
+                    private: None,
                     stats: MemoryStatistics::default(),
                 }),
             }),
@@ -166,7 +175,12 @@ impl CachingAllocator {
         let shared = &self.shared;
         let mut pool = shared.pool();
         pool.stats.allocations += 1;
-        let cached = pool.free.get_mut(&class).and_then(Vec::pop);
+        let private = pool
+            .private
+            .as_mut()
+            .and_then(|p| p.get_mut(&class))
+            .and_then(Vec::pop);
+        let cached = private.or_else(|| pool.free.get_mut(&class).and_then(Vec::pop));
         let ptr = match cached {
             Some(ptr) => {
                 pool.stats.cache_hits += 1;
@@ -236,6 +250,30 @@ impl CachingAllocator {
         self.shared.release_cached(&mut pool)
     }
 
+    /// Starts a private pool for a capture: until [`CachingAllocator::end_private`],
+    /// every block freed is kept for the capture (and serves its later allocations of
+    /// the same size class) instead of returning to the shared pool.
+    pub fn begin_private(&self) -> Result<(), NvidiaError> {
+        let mut pool = self.shared.pool();
+        if pool.private.is_some() {
+            return Err(NvidiaError::Invalid(
+                "a capture is already recording on this device".into(),
+            ));
+        }
+        pool.private = Some(BTreeMap::new());
+        Ok(())
+    }
+
+    /// Ends the private pool: its blocks, which the captured launches may use, go back
+    /// to the shared pool when the returned holder is dropped.
+    pub fn end_private(&self) -> PrivateBlocks {
+        let blocks = self.shared.pool().private.take().unwrap_or_default();
+        PrivateBlocks {
+            blocks,
+            owner: Arc::clone(&self.shared),
+        }
+    }
+
     /// Current statistics.
     pub fn statistics(&self) -> MemoryStatistics {
         self.shared.pool().stats
@@ -273,10 +311,48 @@ impl DeviceBlock {
     }
 }
 
+/// The blocks of a capture's private pool; returned to the shared pool when dropped
+/// (drop it after the graph that uses them).
+pub struct PrivateBlocks {
+    blocks: BTreeMap<usize, Vec<u64>>,
+    owner: Arc<Shared>,
+}
+
+impl std::fmt::Debug for PrivateBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PrivateBlocks({} bytes)", self.bytes())
+    }
+}
+
+impl PrivateBlocks {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.blocks.iter().map(|(c, p)| c * p.len()).sum()
+    }
+}
+
+impl Drop for PrivateBlocks {
+    fn drop(&mut self) {
+        let mut pool = self.owner.pool();
+        for (class, ptrs) in std::mem::take(&mut self.blocks) {
+            // Work queued later on the stream runs after the graph's last replay.
+            let into = match pool.private.as_mut() {
+                Some(p) => p,
+                None => &mut pool.free,
+            };
+            into.entry(class).or_default().extend(ptrs);
+        }
+    }
+}
+
 impl Drop for DeviceBlock {
     fn drop(&mut self) {
         let mut pool = self.owner.pool();
-        pool.free.entry(self.class).or_default().push(self.ptr);
+        let into = match pool.private.as_mut() {
+            Some(p) => p,
+            None => &mut pool.free,
+        };
+        into.entry(self.class).or_default().push(self.ptr);
         pool.stats.allocated_bytes -= self.class as u64;
         pool.stats.requested_bytes -= self.requested as u64;
     }
@@ -417,6 +493,34 @@ mod tests {
         drop((keep, second));
         assert!(a.check_memory_available(8 << 20).is_ok());
         assert!(a.check_memory_available((8 << 20) + 1).is_err());
+    }
+
+    #[test]
+    fn blocks_freed_during_a_capture_stay_private_until_it_is_dropped() {
+        let (a, _) = allocator(1 << 30);
+        let before = a.allocate(1000).unwrap();
+        let p0 = before.ptr();
+        drop(a.allocate(4000).unwrap()); // cached in the shared pool
+        a.begin_private().unwrap();
+        assert!(a.begin_private().is_err(), "one capture at a time");
+        // Reuses the shared cache, then keeps what is freed for the capture.
+        let scratch = a.allocate(4000).unwrap();
+        let p1 = scratch.ptr();
+        drop(scratch);
+        drop(before);
+        assert_eq!(
+            a.allocate(3900).unwrap().ptr(),
+            p1,
+            "the capture reuses its own"
+        );
+        let private = a.end_private();
+        assert_eq!(private.bytes(), 1024 + 4096);
+        // Not handed out while the capture lives, nor released by `empty_cache`.
+        let other = [a.allocate(1000).unwrap(), a.allocate(4000).unwrap()];
+        assert!(other.iter().all(|b| b.ptr() != p0 && b.ptr() != p1));
+        assert_eq!(a.empty_cache().unwrap(), 0);
+        drop(private);
+        assert_eq!(a.allocate(1000).unwrap().ptr(), p0);
     }
 
     #[test]
