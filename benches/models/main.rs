@@ -322,7 +322,7 @@ fn decode_per_token(
 }
 
 /// Kernel time per call of `f` (run `calls` times) from the backend's profiler, and the
-/// three kernels that take most of it, as a note.
+/// five kernels that take most of it, as a note.
 fn kernel_time(kpt: &Kpt, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<String> {
     if !kpt.backend.set_profiling(true)? {
         return Ok("no kernel profiler on this backend".into());
@@ -337,7 +337,7 @@ fn kernel_time(kpt: &Kpt, calls: usize, mut f: impl FnMut() -> Result<()>) -> Re
     let total: f64 = profile.iter().map(|p| p.seconds).sum();
     let top = profile
         .iter()
-        .take(3)
+        .take(5)
         .map(|p| format!("{} {:.2} ms", p.kernel, per_call(p.seconds)))
         .collect::<Vec<_>>()
         .join(", ");
@@ -589,11 +589,20 @@ fn main() -> Result<()> {
                 row
             }
         } else {
+            let prompts: Vec<Vec<i64>> = (0..batch).map(|_| kpt.ids(ctx)).collect();
+            let mut seqs = Batch::prefill(&kpt, &mut prefill, &prompts)?;
+            let profile = kernel_time(&kpt, steps, || {
+                seqs.step(&kpt, &mut decode)?;
+                Ok(())
+            })?;
             row.with_target_or_parity(gpu, |r| r.with_target_ratio(10.0))
-                .with_note(
+                .with_note(format!(
                     "one [batch, 1] decode graph over sequences of one length, each with its \
-                     own block of the caches, written in place",
-                )
+                     own block of the caches, written in place; {:.2} ms per step, of which \
+                     the host spends {:.2} ms launching it; {profile}",
+                    median_of(&per_token) * 1e3,
+                    median_of(&enqueue) * 1e3,
+                ))
         };
         report.rows.push(row);
     }
