@@ -148,6 +148,27 @@ impl Storage {
     }
 
     /// Element `i` as f64 (quantized types unscaled: the stored value).
+    /// Elements `range` as f64, one typed loop (no per-element dispatch).
+    fn range_f64(&self, range: std::ops::Range<usize>) -> Vec<f64> {
+        match self {
+            Storage::F64(v) => v[range].to_vec(),
+            Storage::F32(v) => v[range].iter().map(|&x| x as f64).collect(),
+            Storage::F16(v) => v[range].iter().map(|x| x.to_f64()).collect(),
+            Storage::BF16(v) => v[range].iter().map(|x| x.to_f64()).collect(),
+            Storage::F8E4M3(v) => v[range]
+                .iter()
+                .map(|&x| dtype::f8e4m3_to_f32(x) as f64)
+                .collect(),
+            Storage::F8E5M2(v) => v[range]
+                .iter()
+                .map(|&x| dtype::f8e5m2_to_f32(x) as f64)
+                .collect(),
+            Storage::I8(v) => v[range].iter().map(|&x| x as f64).collect(),
+            Storage::I32(v) => v[range].iter().map(|&x| x as f64).collect(),
+            Storage::I64(v) => v[range].iter().map(|&x| x as f64).collect(),
+        }
+    }
+
     fn get_f64(&self, i: usize) -> f64 {
         match self {
             Storage::F64(v) => v[i],
@@ -461,6 +482,14 @@ impl Tensor {
     pub fn to_f64_vec(&self) -> Vec<f64> {
         let scale = self.scale as f64;
         let quantized = self.dtype().is_quantized();
+        if self.is_contiguous() {
+            let start = self.layout.offset;
+            let mut v = self.storage.range_f64(start..start + self.numel());
+            if quantized {
+                v.iter_mut().for_each(|x| *x *= scale);
+            }
+            return v;
+        }
         self.layout
             .indices()
             .map(|i| {
