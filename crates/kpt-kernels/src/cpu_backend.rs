@@ -122,6 +122,15 @@ fn storage(b: &DeviceBuffer) -> Result<&Storage> {
         })
 }
 
+fn storage_mut(b: &mut DeviceBuffer) -> Result<&mut Storage> {
+    b.inner_mut::<HostAlloc>()
+        .map(|a| &mut a.storage)
+        .ok_or_else(|| KptError::Backend {
+            backend: "cpu".into(),
+            message: "buffer does not belong to the CPU backend".into(),
+        })
+}
+
 fn input<'a, T: Element>(r: &BufferRef<'a>) -> Result<&'a [T]> {
     let s = storage(r.buffer)?;
     let all = T::slice(s)
@@ -133,37 +142,12 @@ fn input<'a, T: Element>(r: &BufferRef<'a>) -> Result<&'a [T]> {
 fn output<'a, T: Element>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [T]> {
     let n = m.spec.numel();
     let spec = m.spec.clone();
-    let s = m
-        .buffer
-        .inner_mut::<HostAlloc>()
-        .map(|a| &mut a.storage)
-        .ok_or_else(|| KptError::Backend {
-            backend: "cpu".into(),
-            message: "buffer does not belong to the CPU backend".into(),
-        })?;
+    let s = storage_mut(m.buffer)?;
     let dtype = s.dtype();
     let all = T::slice_mut(s)
         .ok_or_else(|| KptError::dtype("cpu kernel output", T::DTYPE.name(), dtype))?;
     let len = all.len();
     all.get_mut(..n).ok_or_else(|| too_small(len, &spec))
-}
-
-/// The bytes of an output's value, whatever its dtype.
-fn output_bytes<'a>(m: &'a mut BufferMut<'_>) -> Result<&'a mut [u8]> {
-    let bytes = m.spec.bytes();
-    let all = m
-        .buffer
-        .inner_mut::<HostAlloc>()
-        .map(|a| a.storage.as_bytes_mut())
-        .ok_or_else(|| KptError::Backend {
-            backend: "cpu".into(),
-            message: "buffer does not belong to the CPU backend".into(),
-        })?;
-    let len = all.len();
-    all.get_mut(..bytes).ok_or_else(|| KptError::Backend {
-        backend: "cpu".into(),
-        message: format!("buffer of {len} bytes < {bytes}"),
-    })
 }
 
 fn bytes_in<'a>(r: &BufferRef<'a>) -> Result<&'a [u8]> {
@@ -749,14 +733,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let (at, bytes) = copy_extent(src, dst, dst_offset)?;
         let from = &storage(src.buffer)?.as_bytes()[..bytes];
-        let to = dst
-            .inner_mut::<HostAlloc>()
-            .map(|a| a.storage.as_bytes_mut())
-            .ok_or_else(|| KptError::Backend {
-                backend: "cpu".into(),
-                message: "buffer does not belong to the CPU backend".into(),
-            })?;
-        to[at..at + bytes].copy_from_slice(from);
+        storage_mut(dst)?.as_bytes_mut()[at..at + bytes].copy_from_slice(from);
         Ok(())
     }
 
@@ -764,13 +741,14 @@ impl Backend for CpuBackend {
         &self,
         rows: BufferRef<'_>,
         slots: BufferRef<'_>,
-        mut cache: BufferMut<'_>,
+        cache: BufferMut<'_>,
     ) -> Result<()> {
+        // The extent check also makes sure the buffers hold their specs' elements.
         let w = row_write_extent(rows, slots, &cache)?;
         let size = rows.spec.dtype.size_in_bytes() * w.row;
         let slots = indices(&slots)?;
         let from = &storage(rows.buffer)?.as_bytes()[..w.rows * size];
-        let to = output_bytes(&mut cache)?;
+        let to = storage_mut(cache.buffer)?.as_bytes_mut();
         for (src, &slot) in from.chunks_exact(size.max(1)).zip(&slots) {
             if let Some(r) = w.cache_row(slot)? {
                 to[r * size..(r + 1) * size].copy_from_slice(src);

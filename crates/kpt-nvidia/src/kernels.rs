@@ -437,6 +437,16 @@ impl FlashBackward {
     }
 }
 
+/// The widest copy unit of `paged.cu` (16, 4 or 2 bytes) that divides a cache row of
+/// `row_bytes`, and the row's length in those units.
+fn row_units(row_bytes: usize) -> Result<(usize, usize), NvidiaError> {
+    [16, 4, 2]
+        .into_iter()
+        .find(|u| row_bytes.is_multiple_of(*u))
+        .map(|u| (u, row_bytes / u))
+        .ok_or_else(|| NvidiaError::Invalid(format!("cache rows of {row_bytes} bytes")))
+}
+
 impl Gpu {
     /// Blocks for a grid-stride loop over `n` elements of 16-byte vectors: enough to
     /// fill the device, never more than the work.
@@ -838,11 +848,7 @@ impl Gpu {
         if len == 0 {
             return Ok(());
         }
-        let unit = [16, 4, 2]
-            .into_iter()
-            .find(|u| row_bytes.is_multiple_of(*u))
-            .ok_or_else(|| NvidiaError::Invalid(format!("paged rows of {row_bytes} bytes")))?;
-        let units = row_bytes / unit;
+        let (unit, units) = row_units(row_bytes)?;
         let entry = format!("kpt_paged_gather_{unit}");
         let g = self.stride_grid(len * units, 16);
         let table_i64 = i32::from(table_dtype == DType::I64);
@@ -872,11 +878,7 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let unit = [16, 4, 2]
-            .into_iter()
-            .find(|u| row_bytes.is_multiple_of(*u))
-            .ok_or_else(|| NvidiaError::Invalid(format!("cache rows of {row_bytes} bytes")))?;
-        let units = row_bytes / unit;
+        let (unit, units) = row_units(row_bytes)?;
         let entry = format!("kpt_cache_write_{unit}");
         let g = self.stride_grid(n * units, 16);
         let slots_i64 = i32::from(slots_dtype == DType::I64);
