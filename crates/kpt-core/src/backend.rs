@@ -203,6 +203,28 @@ pub trait CapturedRun: Send {
     }
 }
 
+/// [`Op::CacheWrite`] into a new output: copies the cache (`inputs[0]`) into `out`,
+/// then writes the rows (`inputs[1]`) at the slots (`inputs[2]`) there with
+/// [`Backend::write_rows`]. What a backend's `execute` of the op runs.
+pub fn cache_write_into(
+    backend: &(impl Backend + ?Sized),
+    inputs: &[BufferRef<'_>],
+    out: &mut BufferMut<'_>,
+) -> Result<()> {
+    let [cache, rows, slots] = inputs else {
+        return Err(KptError::Graph(format!(
+            "cache_write takes 3 inputs, got {}",
+            inputs.len()
+        )));
+    };
+    backend.copy_into(*cache, out.buffer, 0)?;
+    let cache = BufferMut {
+        buffer: &mut *out.buffer,
+        spec: out.spec,
+    };
+    backend.write_rows(*rows, *slots, cache)
+}
+
 /// Memory use of a backend.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryStats {

@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use kpt_core::backend::{
-    copy_extent, row_write_extent, Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats,
+    cache_write_into, copy_extent, row_write_extent, Backend, BufferMut, BufferRef, DeviceBuffer,
+    MemoryStats,
 };
 use kpt_core::graph::{Op, TensorSpec};
 use kpt_core::hardware::{CpuDetector, DeviceInfo, DeviceKind, HardwareDetector};
@@ -577,14 +578,7 @@ impl CpuBackend {
                 let n = out0.spec.shape.last().copied().unwrap_or(0);
                 cpu::elementwise::act_and_mul(input(&inputs[0])?, output(out0)?, n, act(*a))
             }
-            Op::CacheWrite => {
-                self.copy_into(inputs[0], out0.buffer, 0)?;
-                let out = BufferMut {
-                    buffer: &mut *out0.buffer,
-                    spec: out0.spec,
-                };
-                self.write_rows(inputs[1], inputs[2], out)
-            }
+            Op::CacheWrite => cache_write_into(self, inputs, out0),
         }
     }
 }

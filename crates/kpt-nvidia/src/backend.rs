@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kpt_core::backend::{
-    copy_extent, row_write_extent, Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer,
-    MemoryStats,
+    cache_write_into, copy_extent, row_write_extent, Backend, BufferMut, BufferRef, CapturedRun,
+    DeviceBuffer, MemoryStats,
 };
 use kpt_core::graph::{rope_frequencies, rope_seq_len, Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
@@ -717,14 +717,7 @@ impl CudaBackend {
                     )?;
                 }
             }
-            Op::CacheWrite => {
-                self.copy_into(inputs[0], out0.buffer, 0)?;
-                let out = BufferMut {
-                    buffer: &mut *out0.buffer,
-                    spec: out0.spec,
-                };
-                return self.write_rows(inputs[1], inputs[2], out);
-            }
+            Op::CacheWrite => return cache_write_into(self, inputs, out0),
             Op::Concat { axis } => {
                 if inputs.iter().any(|r| r.spec.shape.len() <= *axis) {
                     return Err(err(format!("concat axis {axis} is past an input's rank")));

@@ -200,18 +200,7 @@ impl Gpu {
 
     /// Copies `data` to the start of `dst`.
     pub fn write(&self, dst: &DeviceBlock, data: &[u8]) -> Result<(), NvidiaError> {
-        if data.len() > dst.bytes() {
-            return Err(NvidiaError::Invalid(format!(
-                "cannot copy {} bytes into a {}-byte device block",
-                data.len(),
-                dst.bytes()
-            )));
-        }
-        self.bind()?;
-        // SAFETY: the block holds `data.len()` bytes; the copy from pageable memory
-        // returns after the source was read, and synchronizing keeps `data` alive for it.
-        unsafe { result::memcpy_htod_async(dst.ptr(), data, self.stream.cu_stream()) }
-            .map_err(|e| NvidiaError::driver("cuMemcpyHtoDAsync", e))?;
+        self.write_async(dst, data)?;
         self.synchronize()
     }
 
