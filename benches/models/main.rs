@@ -26,7 +26,9 @@ use kpt_core::rand::SplitMix64;
 use kpt_core::validate::run_reference;
 use kpt_core::{DType, Graph, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
-use kpt_models::generate::{argmax, decode_inputs, device_cache_with_room, host_cache_with_room};
+use kpt_models::generate::{
+    argmax, decode_inputs, device_cache_with_room, host_cache_with_room, picks_tokens,
+};
 use kpt_models::lower::pack_prompts;
 use kpt_models::{Checkpoint, Model, Phase};
 use kpt_monitor::{median, Machine, Report, Row};
@@ -298,10 +300,29 @@ impl Batch {
             .map(RunTensor::Host)
             .collect();
         inputs.extend(self.caches.drain(..).map(RunTensor::Device));
-        let keep = vec![true; inputs.len() - 1];
+        // A plan that picks the tokens itself (`Phase::DecodeGreedy`) keeps its logits on
+        // the device and sends one id per sequence; otherwise the logits come to the host.
+        let picks = picks_tokens(&decode.plan().graph);
+        let outputs = decode.plan().graph.outputs().len();
+        let keep: Vec<bool> = (0..outputs)
+            .map(|i| if picks { i != 1 } else { i > 0 })
+            .collect();
         let mut outs = decode.run_resident(inputs, &keep)?.into_iter();
         self.enqueue += decode.last_launch_seconds();
-        let logits = outs.next().context("no logits")?.into_host(backend)?;
+        let logits = outs.next().context("no logits")?;
+        let next = if picks {
+            let ids = outs
+                .next()
+                .context("no tokens")?
+                .into_host(backend)?
+                .to_f64_vec();
+            if ids.iter().any(|&t| t < 0.0) {
+                bail!("the model produced a NaN logit");
+            }
+            ids.into_iter().map(|t| t as i64).collect()
+        } else {
+            argmax_last(&logits.into_host(backend)?)?
+        };
         for o in outs {
             match o {
                 RunTensor::Device(d) => self.caches.push(d),
@@ -309,7 +330,7 @@ impl Batch {
             }
         }
         self.len += 1;
-        Ok(std::mem::replace(&mut self.next, argmax_last(&logits)?))
+        Ok(std::mem::replace(&mut self.next, next))
     }
 }
 
@@ -531,7 +552,7 @@ fn main() -> Result<()> {
     let steps = args.steps.max(1);
     let ctx = shapes.context;
     let mut prefill = kpt.executor(&model.graph(Phase::Prefill, ctx)?, level)?;
-    let mut decode = kpt.executor(&model.graph(Phase::Decode, ctx)?, level)?;
+    let mut decode = kpt.executor(&model.graph(Phase::DecodeGreedy, ctx)?, level)?;
     // Every step has one shape: on CUDA each step after the second replays a graph.
     decode.set_graphs(true);
     for batch in [1, shapes.decode_batch] {
@@ -558,7 +579,8 @@ fn main() -> Result<()> {
             &hf,
         )
         .with_note(format!(
-            "{steps} greedy steps per repetition, KV cache kept on the device"
+            "{steps} greedy steps per repetition, KV cache kept on the device, tokens \
+             picked on the device (argmax in the decode graph)"
         ));
         row = if batch == 1 {
             let prompt: Vec<i64> = (0..ctx as i64).map(|i| i % kpt.vocab as i64).collect();
@@ -585,7 +607,7 @@ fn main() -> Result<()> {
                 let mut without = kpt.registry.clone();
                 without.set_disabled(&["cuda.linear.gemv".to_string()]);
                 let plan = auto_optimize(
-                    &model.graph(Phase::Decode, ctx)?,
+                    &model.graph(Phase::DecodeGreedy, ctx)?,
                     level,
                     &PrecisionPolicy::default(),
                     &without,
@@ -680,7 +702,7 @@ fn main() -> Result<()> {
         _ => ckpt.load_model(DType::BF16)?,
     };
     let mut prefill = kpt.executor(&bf16_model.graph(Phase::Prefill, prompt.len())?, level)?;
-    let mut decode = kpt.executor(&bf16_model.graph(Phase::Decode, prompt.len())?, level)?;
+    let mut decode = kpt.executor(&bf16_model.graph(Phase::DecodeGreedy, prompt.len())?, level)?;
     decode.set_graphs(true);
     let mut seq = Batch::prefill(&kpt, &mut prefill, std::slice::from_ref(&prompt))?;
     let got = (0..new)

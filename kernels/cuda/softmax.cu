@@ -5,6 +5,15 @@
 // kpt:launch kpt_softmax_f32 block=256 shared=0 grid=rows
 // kpt:launch kpt_softmax_bf16 block=256 shared=0 grid=rows
 // kpt:launch kpt_softmax_f16 block=256 shared=0 grid=rows
+//
+// Argmax over the last dimension (greedy decoding): one block per row, each thread the
+// first maximum of its strided elements, then (value, index) pairs reduced by warp
+// shuffles and shared memory, ties to the lower index; a row holding a NaN gives -1.
+// Matches kpt_kernels::cpu::reference::argmax.
+//
+// kpt:launch kpt_argmax_f32 block=512 shared=0 grid=rows
+// kpt:launch kpt_argmax_bf16 block=512 shared=0 grid=rows
+// kpt:launch kpt_argmax_f16 block=512 shared=0 grid=rows
 
 #include "common.cuh"
 
@@ -64,7 +73,72 @@ __device__ void softmax(const T* __restrict__ x, T* __restrict__ out, int dim) {
     }
 }
 
+constexpr int kArgBlock = 512;
+constexpr int kNoIndex = 0x7fffffff;
+
+// Whether (v, i) comes before (best, at): larger, or equal at a lower index.
+__device__ __forceinline__ bool before(float v, int i, float best, int at) {
+    return v > best || (v == best && i < at);
+}
+
+template <typename T>
+__device__ void argmax(const T* __restrict__ x, long long* __restrict__ out, int dim) {
+    __shared__ float best_v[kArgBlock / 32];
+    __shared__ int best_i[kArgBlock / 32];
+    x += static_cast<long>(blockIdx.x) * dim;
+    float best = -INFINITY;
+    int at = kNoIndex;
+    int nan = 0;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < dim; i += kArgBlock) {
+        const float v = to_float(x[i]);
+        nan |= v != v;
+        if (before(v, i, best, at)) {
+            best = v;
+            at = i;
+        }
+    }
+    nan = __syncthreads_or(nan);
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, best, o);
+        const int i = __shfl_xor_sync(0xffffffffu, at, o);
+        if (before(v, i, best, at)) {
+            best = v;
+            at = i;
+        }
+    }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) {
+        best_v[warp] = best;
+        best_i[warp] = at;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < kArgBlock / 32 ? best_v[lane] : -INFINITY;
+        at = lane < kArgBlock / 32 ? best_i[lane] : kNoIndex;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float v = __shfl_xor_sync(0xffffffffu, best, o);
+            const int i = __shfl_xor_sync(0xffffffffu, at, o);
+            if (before(v, i, best, at)) {
+                best = v;
+                at = i;
+            }
+        }
+        if (lane == 0) out[blockIdx.x] = nan ? -1 : at;
+    }
+}
+
 }  // namespace
+
+#define KPT_ARGMAX(NAME, T)                                                                 \
+    extern "C" __global__ void __launch_bounds__(kArgBlock)                                \
+        kpt_argmax_##NAME(const T* x, long long* out, int dim) {                           \
+        argmax<T>(x, out, dim);                                                             \
+    }
+
+KPT_ARGMAX(f32, float)
+KPT_ARGMAX(bf16, __nv_bfloat16)
+KPT_ARGMAX(f16, __half)
 
 #define KPT_SOFTMAX(NAME, T)                                                                \
     extern "C" __global__ void __launch_bounds__(kBlock)                                   \

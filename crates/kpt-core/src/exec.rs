@@ -172,26 +172,44 @@ struct Captured {
     in_place: Vec<(ValueId, usize)>,
 }
 
-/// The executor's captured-run state: one signature at a time.
+/// Signatures whose captured runs an executor keeps at once (the least recently run
+/// one goes first): enough for a few sequences decoded in turn, each with its own caches.
+const MAX_SIGNATURES: usize = 8;
+
+/// One signature's captured-run state.
+struct Entry {
+    signature: Signature,
+    /// Runs of this signature so far, this one included.
+    runs: u64,
+    /// A capture of this signature failed: run it normally.
+    refused: bool,
+    captured: Option<Captured>,
+    /// [`Graphs::epoch`] when the capture was made.
+    epoch: u64,
+}
+
+/// The executor's captured-run state: the signatures run lately, the most recent last.
 #[derive(Default)]
 struct Graphs {
     enabled: bool,
-    signature: Option<Signature>,
-    /// Runs of the current signature so far, this one included.
-    runs: u64,
-    /// A capture of the current signature failed: run it normally.
-    refused: bool,
-    captured: Option<Captured>,
+    entries: Vec<Entry>,
+    /// Bumped whenever a slot's buffer is replaced or handed to the caller: a capture
+    /// made at an older epoch reads buffers that are gone, so it is made again.
+    epoch: u64,
     stats: GraphStats,
 }
 
 impl Graphs {
-    /// Forgets the signature and drops its captured run.
+    /// Forgets every signature and drops their captured runs.
     fn reset(&mut self) {
-        self.signature = None;
-        self.runs = 0;
-        self.refused = false;
-        self.captured = None;
+        self.entries.clear();
+    }
+
+    /// The entry of the run in progress (the last one [`Executor::mode`] touched).
+    fn current(&mut self) -> Result<&mut Entry> {
+        self.entries
+            .last_mut()
+            .ok_or_else(|| KptError::Graph("a captured run has no signature".into()))
     }
 }
 
@@ -459,8 +477,9 @@ impl Executor {
     /// one capture: the first run of a signature runs normally (it loads modules, tunes
     /// GEMMs, sizes buffers), the second is recorded by [`Backend::capture`] and
     /// replayed, and later ones copy their host inputs into the buffers the capture
-    /// reads and replay it, which saves the host the launch work of every node. A run of
-    /// another signature drops the capture and starts over. A backend that cannot
+    /// reads and replay it, which saves the host the launch work of every node. Captures
+    /// of up to 8 signatures are kept (the least recently run dropped first), so that
+    /// sequences decoded in turn, each with its own caches, all replay. A backend that cannot
     /// capture, or a run whose launches cannot be recorded (one that waits for the
     /// device or reads a value back to the host), runs normally with the same results.
     /// [`Executor::run_traced`] never captures. Turning it off drops the capture.
@@ -478,7 +497,7 @@ impl Executor {
 
     /// Whether a captured run is held now (the next run of its signature replays it).
     pub fn captured(&self) -> bool {
-        self.graphs.captured.is_some()
+        self.graphs.entries.iter().any(|e| e.captured.is_some())
     }
 
     /// Captures, replays and failed captures so far.
@@ -573,16 +592,36 @@ impl Executor {
             return Mode::Plain;
         };
         let g = &mut self.graphs;
-        if g.signature.as_ref() != Some(&sig) {
-            g.reset();
-            g.signature = Some(sig);
+        let entry = match g.entries.iter().position(|e| e.signature == sig) {
+            Some(i) => g.entries.remove(i),
+            None => {
+                if g.entries.len() == MAX_SIGNATURES {
+                    g.entries.remove(0);
+                }
+                Entry {
+                    signature: sig,
+                    runs: 0,
+                    refused: false,
+                    captured: None,
+                    epoch: 0,
+                }
+            }
+        };
+        g.entries.push(entry);
+        let epoch = g.epoch;
+        let Ok(e) = g.current() else {
+            return Mode::Plain;
+        };
+        e.runs += 1;
+        if e.captured.is_some() && e.epoch != epoch {
+            // Another signature's run replaced a slot this capture reads: record again.
+            e.captured = None;
         }
-        g.runs += 1;
-        if g.refused {
+        if e.refused {
             Mode::Plain
-        } else if g.captured.is_some() {
+        } else if e.captured.is_some() {
             Mode::Replay
-        } else if g.runs >= 2 {
+        } else if e.runs >= 2 {
             Mode::Capture
         } else {
             Mode::Plain
@@ -627,7 +666,7 @@ impl Executor {
         let slot_of = &plan.memory.slot_of;
         // A replay's specs are those of its capture.
         let mut held = match mode {
-            Mode::Replay => graphs.captured.take(),
+            Mode::Replay => graphs.current()?.captured.take(),
             _ => None,
         };
         let specs = match &mut held {
@@ -650,6 +689,7 @@ impl Executor {
                         cap.max(have + have / 2)
                     };
                     slots[slot] = Some(backend.allocate(plan.memory.slot_dtypes[slot], len)?);
+                    graphs.epoch += 1;
                 }
             }
         }
@@ -737,7 +777,7 @@ impl Executor {
                 Err(e) => {
                     tracing::debug!(error = %e, "the run could not be captured; it runs normally");
                     graphs.stats.failures += 1;
-                    graphs.refused = true;
+                    graphs.current()?.refused = true;
                     mode = Mode::Plain;
                     backend.run_launches(&mut || {
                         launch.run(slots, &mut device_inputs, &mut displaced, &mut traced)
@@ -816,7 +856,13 @@ impl Executor {
                             }));
                             continue;
                         }
-                        _ => s.and_then(|s| slots[s].take()),
+                        _ => {
+                            if keep && own {
+                                // The slot's buffer goes to the caller.
+                                graphs.epoch += 1;
+                            }
+                            s.and_then(|s| slots[s].take())
+                        }
                     }
                 }
             }
@@ -847,7 +893,10 @@ impl Executor {
                 .zip(&from_host)
                 .map(|(b, &h)| if h { b.take() } else { None })
                 .collect();
-            graphs.captured = Some(c);
+            let epoch = graphs.epoch;
+            let entry = graphs.current()?;
+            entry.captured = Some(c);
+            entry.epoch = epoch;
             true
         } else {
             false
@@ -855,7 +904,7 @@ impl Executor {
         *last_launch = started.elapsed();
         backend.synchronize()?;
         if replayed {
-            if let Some(c) = &graphs.captured {
+            if let Some(c) = &graphs.current()?.captured {
                 c.run.check()?;
             }
         }

@@ -96,6 +96,12 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             "stable softmax, rows in parallel",
         ),
         k(
+            "cpu.argmax",
+            ArgMax,
+            F32,
+            "16-lane row maximum, then its first index",
+        ),
+        k(
             "cpu.attention.flash",
             Attention,
             F32,
@@ -222,6 +228,12 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             Softmax,
             CUDA_FLOATS,
             "one block per row, row in registers",
+        ),
+        k(
+            "cuda.argmax",
+            ArgMax,
+            CUDA_FLOATS,
+            "one block per row, (value, index) pairs reduced by warp shuffles",
         ),
         k(
             "cuda.rotary",

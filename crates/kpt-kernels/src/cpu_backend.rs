@@ -438,6 +438,10 @@ impl CpuBackend {
                 let (rows, dim) = rows_dim(&inputs[0].spec.shape);
                 cpu::softmax::softmax(input(&inputs[0])?, output(out0)?, rows, dim)
             }
+            Op::ArgMax => {
+                let (rows, dim) = rows_dim(&inputs[0].spec.shape);
+                cpu::softmax::argmax(input(&inputs[0])?, output(out0)?, rows, dim)
+            }
             Op::AttentionBackward(p) => {
                 let shape = attention_shape(p, &inputs[0].spec.shape, &inputs[1].spec.shape);
                 let mask = if p.mask {

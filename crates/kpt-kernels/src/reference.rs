@@ -169,6 +169,10 @@ impl ReferenceOps for CpuReference {
                 let (rows, dim) = rows_dim(first.shape());
                 r::softmax(&x[0], &mut outs[0], rows, dim)?
             }
+            Op::ArgMax => {
+                let (rows, dim) = rows_dim(first.shape());
+                r::argmax(&x[0], &mut outs[0], rows, dim)?
+            }
             Op::AttentionBackward(p) => {
                 let shape = attention_shape(p, first.shape(), inputs[1].shape());
                 let mask = if p.mask { Some(&x[5][..]) } else { None };
@@ -283,9 +287,13 @@ impl ReferenceOps for CpuReference {
                 }
             }
         }
+        // Index outputs (argmax) keep their integer dtype.
         outs.into_iter()
             .zip(out_specs)
-            .map(|(v, s)| Tensor::from_vec(v, &s.shape))
+            .map(|(v, s)| match s.dtype {
+                DType::I64 => Tensor::from_vec(v.into_iter().map(|i| i as i64).collect(), &s.shape),
+                _ => Tensor::from_vec(v, &s.shape),
+            })
             .collect()
     }
 }

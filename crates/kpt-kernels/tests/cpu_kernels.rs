@@ -691,6 +691,25 @@ proptest! {
     }
 
     #[test]
+    fn argmax_matches_reference(rows in 1usize..=9, dim in 1usize..=300, seed in any::<u64>()) {
+        // Few distinct values so that ties are common; some -inf, a NaN now and then.
+        let mut rng = Rng::new(seed);
+        let x: Vec<f32> = (0..rows * dim)
+            .map(|_| match rng.below(64) {
+                0 => f32::NEG_INFINITY,
+                1 if dim > 1 => f32::NAN,
+                _ => rng.below(7) as f32 - 3.0,
+            })
+            .collect();
+        let mut want = vec![0f64; rows];
+        r::argmax(&f64s(&x), &mut want, rows, dim).map_err(fail)?;
+        let mut got = vec![0i64; rows];
+        cpu::argmax(&x, &mut got, rows, dim).map_err(fail)?;
+        let got: Vec<f64> = got.iter().map(|&i| i as f64).collect();
+        prop_assert_eq!(got, want);
+    }
+
+    #[test]
     fn elementwise_matches_reference(
         rows in 1usize..=20, cols in 1usize..=70, seed in any::<u64>(),
     ) {
@@ -968,6 +987,24 @@ fn edge_cases() {
     let mut out = [1f32; 5];
     cpu::softmax(&x, &mut out, 1, 5).expect("softmax");
     assert_eq!(out, [0.0; 5]);
+    // argmax: the first of equal maxima, 0 for a row of -inf, -1 for a row with a NaN.
+    let x = [
+        1.0,
+        3.0,
+        3.0,
+        f32::NEG_INFINITY,
+        f32::NEG_INFINITY,
+        2.0,
+        f32::NAN,
+        9.0,
+        0.0,
+    ];
+    let mut ids = [7i64; 3];
+    cpu::argmax(&x, &mut ids, 3, 3).expect("argmax");
+    assert_eq!(ids, [1, 2, -1]);
+    cpu::argmax(&[f32::NEG_INFINITY; 4], &mut ids[..1], 1, 4).expect("argmax");
+    assert_eq!(ids[0], 0);
+    assert!(cpu::argmax(&x, &mut ids, 4, 3).is_err());
     // Causal with more queries than keys: the first queries see nothing -> zeros.
     let shape = AttentionShape::new(1, 4, 2, 1, 1, 2, true);
     let q = [1f32; 8];

@@ -222,12 +222,11 @@ fn the_second_run_of_a_signature_is_captured_and_later_ones_replay() {
     // Two host inputs written into the capture's buffers by each captured run.
     assert_eq!(rec.writes.load(Ordering::SeqCst), 4 * 2);
 
-    // Another cache buffer is another signature: a normal run, then a new capture.
+    // Another cache buffer is another signature: a normal run, then its own capture.
     let other = zero_cache(backend.as_ref());
     let (other, ..) = step(&mut exec, other, &r, 3);
-    assert!(!exec.captured());
-    let (other, ..) = step(&mut exec, other, &r, 3);
-    assert!(exec.captured());
+    assert_eq!(exec.graph_stats().captures, 1);
+    let (mut other, ..) = step(&mut exec, other, &r, 3);
     assert_eq!(exec.graph_stats().captures, 2);
     let want: Vec<f64> = (0..ROWS * D)
         .map(|i| {
@@ -240,11 +239,29 @@ fn the_second_run_of_a_signature_is_captured_and_later_ones_replay() {
         .collect();
     assert_eq!(other.download(backend.as_ref()).unwrap().to_f64_vec(), want);
 
+    // Both signatures in turn keep their captures. The first records once more: the
+    // other's normal run handed a slot it reads (`twice`, kept on the device) to the
+    // caller. Then both replay.
+    let (c, ..) = step(&mut exec, cache, &r, 2);
+    cache = c;
+    assert_eq!(exec.graph_stats().captures, 3);
+    let replays = exec.graph_stats().replays;
+    for _ in 0..3 {
+        let (c, probs, twice) = step(&mut exec, cache, &r, 2);
+        cache = c;
+        let got = (probs, twice, cache.download(backend.as_ref()).unwrap());
+        assert_eq!(first.as_ref(), Some(&got));
+        other = step(&mut exec, other, &r, 3).0;
+    }
+    assert_eq!(exec.graph_stats().captures, 3);
+    assert_eq!(exec.graph_stats().replays, replays + 6);
+    assert_eq!(other.download(backend.as_ref()).unwrap().to_f64_vec(), want);
+
     // Turning graphs off drops the capture; runs are normal again.
     exec.set_graphs(false);
     assert!(!exec.captured());
     step(&mut exec, other, &r, 3);
-    assert_eq!(rec.captures.load(Ordering::SeqCst), 2);
+    assert_eq!(rec.captures.load(Ordering::SeqCst), 3);
 }
 
 #[test]

@@ -94,6 +94,7 @@ fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
             vec![f32s(&[1, 3, 16]), i64s(&[3])],
         ),
         OpKind::Softmax => (Op::Softmax, vec![f32s(&[4, 8])]),
+        OpKind::ArgMax => (Op::ArgMax, vec![f32s(&[4, 1, 8])]),
         OpKind::Attention => attention(16),
         OpKind::AttentionBackward => {
             let (op, mut inputs) = attention(16);

@@ -434,6 +434,19 @@ pub trait StepRunner {
     /// Runs one decode step of `token` at `position` (the cache's length), extending
     /// `cache`; returns the next logits, `[vocab]`.
     fn decode(&mut self, cache: &mut Self::Cache, token: i64, position: usize) -> Result<Vec<f64>>;
+
+    /// Runs one decode step as [`StepRunner::decode`] does and returns the most likely
+    /// next token (greedy decoding) instead of the logits. The default takes [`argmax`]
+    /// of the logits on the host; a runner whose plan picks the token on the device
+    /// ([`Phase::DecodeGreedy`]) downloads only the token.
+    fn decode_greedy(
+        &mut self,
+        cache: &mut Self::Cache,
+        token: i64,
+        position: usize,
+    ) -> Result<u32> {
+        argmax(&self.decode(cache, token, position)?)
+    }
 }
 
 /// The inputs of a prefill graph (see [`crate::lower::DecoderInputs`]): ids `[1, n]`
@@ -669,33 +682,115 @@ impl PlanRunner {
     }
 }
 
+/// What a decoder step gives the next choice: logits to sample from, or the token the
+/// plan already picked on its device.
+enum Next {
+    Logits(Vec<f64>),
+    Token(u32),
+}
+
+impl Next {
+    fn logits(self) -> Result<Vec<f64>> {
+        match self {
+            Next::Logits(l) => Ok(l),
+            Next::Token(_) => Err(ModelError::Generation(
+                "a step picked a token, not logits".into(),
+            )),
+        }
+    }
+}
+
+/// Whether a decoder graph outputs greedy next tokens after its logits
+/// ([`Phase::DecodeGreedy`]).
+pub fn picks_tokens(graph: &Graph) -> bool {
+    graph
+        .outputs()
+        .get(1)
+        .and_then(|&v| graph.spec(v).ok())
+        .is_some_and(|s| s.dtype.is_index())
+}
+
 impl PlanRunner {
     /// Runs a decoder plan on host inputs followed by device-resident caches; returns the
-    /// last logits and the caches, left on the device.
+    /// last logits (or, when `greedy`, the token the plan picked, whose logits then stay
+    /// on the device) and the caches, left on the device.
     fn run(
         exec: &mut Executor,
         inputs: Vec<Tensor>,
         cache: Vec<DeviceTensor>,
-    ) -> Result<(Vec<f64>, Vec<DeviceTensor>)> {
+        greedy: bool,
+    ) -> Result<(Next, Vec<DeviceTensor>)> {
         let mut feed: Vec<RunTensor> = inputs.into_iter().map(RunTensor::Host).collect();
         feed.extend(cache.into_iter().map(RunTensor::Device));
         let outputs = exec.plan().graph.outputs().len();
-        let keep: Vec<bool> = (0..outputs).map(|i| i > 0).collect();
+        let tokens = picks_tokens(&exec.plan().graph);
+        let first_cache = 1 + usize::from(tokens);
+        if outputs < first_cache || !(outputs - first_cache).is_multiple_of(2) || greedy && !tokens
+        {
+            return Err(ModelError::Generation(format!(
+                "a decoder graph returns logits{} and a key and a value per layer, got \
+                 {outputs} outputs",
+                if greedy { ", next tokens" } else { "" }
+            )));
+        }
+        let keep: Vec<bool> = (0..outputs)
+            .map(|i| if i == 0 { greedy } else { i >= first_cache })
+            .collect();
         let mut outs = exec.run_resident(feed, &keep)?.into_iter();
-        let logits = match outs.next() {
-            Some(RunTensor::Host(t)) if outputs % 2 == 1 => t,
+        let logits = outs.next();
+        let picked = if tokens { outs.next() } else { None };
+        let next = match (greedy, logits, picked) {
+            (false, Some(RunTensor::Host(t)), _) => Next::Logits(last_logits(&t)?),
+            (true, _, Some(RunTensor::Host(t))) => Next::Token(single_token(&t)?),
             _ => {
-                return Err(ModelError::Generation(format!(
-                    "a decoder graph returns logits and a key and a value per layer, got \
-                     {outputs} outputs"
-                )))
+                return Err(ModelError::Generation(
+                    "a decoder plan kept its logits or tokens on the device".into(),
+                ))
             }
         };
         let backend = exec.backend().clone();
         let cache = outs
             .map(|o| Ok(o.into_device(backend.as_ref())?))
             .collect::<Result<Vec<_>>>()?;
-        Ok((last_logits(&logits)?, cache))
+        Ok((next, cache))
+    }
+
+    /// One decode step of one sequence (see [`StepRunner::decode`]).
+    fn step(
+        &mut self,
+        cache_out: &mut Vec<DeviceTensor>,
+        token: i64,
+        position: usize,
+        greedy: bool,
+    ) -> Result<Next> {
+        let backend = self.decode.backend().clone();
+        let cache = std::mem::take(cache_out)
+            .into_iter()
+            .map(|c| device_cache_with_room(c, position, backend.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        let capacity = cache.first().map_or(position + 1, |c| c.spec.shape[1]);
+        let (next, cache) = Self::run(
+            &mut self.decode,
+            decode_inputs(&[token], position, capacity)?,
+            cache,
+            greedy,
+        )?;
+        *cache_out = cache;
+        Ok(next)
+    }
+}
+
+/// The token of a greedy pick `[1, 1]`; -1 (a NaN among the logits) is an error.
+fn single_token(t: &Tensor) -> Result<u32> {
+    match t.to_f64_vec()[..] {
+        [id] if id >= 0.0 => Ok(id as u32),
+        [_] => Err(ModelError::Generation(
+            "the model produced a NaN logit (greedy pick on the device)".into(),
+        )),
+        _ => Err(ModelError::Generation(format!(
+            "a greedy step of one sequence picked {:?} tokens",
+            t.shape()
+        ))),
     }
 }
 
@@ -706,7 +801,13 @@ impl StepRunner for PlanRunner {
     type Cache = Vec<DeviceTensor>;
 
     fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<DeviceTensor>)> {
-        Self::run(&mut self.prefill, prefill_inputs(prompt)?, Vec::new())
+        let (next, cache) = Self::run(
+            &mut self.prefill,
+            prefill_inputs(prompt)?,
+            Vec::new(),
+            false,
+        )?;
+        Ok((next.logits()?, cache))
     }
 
     fn prefill_many(&mut self, prompts: &[&[i64]]) -> Result<Vec<(Vec<f64>, Vec<DeviceTensor>)>> {
@@ -731,23 +832,26 @@ impl StepRunner for PlanRunner {
 
     fn decode(
         &mut self,
-        cache_out: &mut Vec<DeviceTensor>,
+        cache: &mut Vec<DeviceTensor>,
         token: i64,
         position: usize,
     ) -> Result<Vec<f64>> {
-        let backend = self.decode.backend().clone();
-        let cache = std::mem::take(cache_out)
-            .into_iter()
-            .map(|c| device_cache_with_room(c, position, backend.as_ref()))
-            .collect::<Result<Vec<_>>>()?;
-        let capacity = cache.first().map_or(position + 1, |c| c.spec.shape[1]);
-        let (logits, next) = Self::run(
-            &mut self.decode,
-            decode_inputs(&[token], position, capacity)?,
-            cache,
-        )?;
-        *cache_out = next;
-        Ok(logits)
+        self.step(cache, token, position, false)?.logits()
+    }
+
+    fn decode_greedy(
+        &mut self,
+        cache: &mut Vec<DeviceTensor>,
+        token: i64,
+        position: usize,
+    ) -> Result<u32> {
+        if !picks_tokens(&self.decode.plan().graph) {
+            return argmax(&self.decode(cache, token, position)?);
+        }
+        match self.step(cache, token, position, true)? {
+            Next::Token(t) => Ok(t),
+            Next::Logits(l) => argmax(&l),
+        }
     }
 }
 
@@ -829,7 +933,7 @@ pub struct Generator<R: StepRunner> {
 /// The state of one sequence during [`Generator::generate`].
 struct Sequence<C> {
     cache: C,
-    logits: Vec<f64>,
+    next: Next,
     sampler: Sampler,
     position: usize,
     tokens: Vec<u32>,
@@ -972,7 +1076,7 @@ impl<R: StepRunner> Generator<R> {
             .map(|(i, ((logits, cache), p))| {
                 Ok(Sequence {
                     cache,
-                    logits,
+                    next: Next::Logits(logits),
                     sampler: Sampler::new(SamplingParams {
                         seed: sampling.seed.wrapping_add(i as u64),
                         ..*sampling
@@ -983,12 +1087,18 @@ impl<R: StepRunner> Generator<R> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        // Greedy steps ask the runner for the token alone (picked on the device where its
+        // plan can).
+        let greedy = sampling.is_greedy();
         while seqs.iter().any(|s| s.stop.is_none()) {
             for (i, s) in seqs.iter_mut().enumerate() {
                 if s.stop.is_some() {
                     continue;
                 }
-                let token = s.sampler.sample(&s.logits)?;
+                let token = match &s.next {
+                    Next::Logits(logits) => s.sampler.sample(logits)?,
+                    Next::Token(t) => *t,
+                };
                 s.tokens.push(token);
                 on_token(&TokenEvent {
                     sequence: i,
@@ -1000,9 +1110,12 @@ impl<R: StepRunner> Generator<R> {
                     continue;
                 }
                 let t = Instant::now();
-                s.logits = self
-                    .runner
-                    .decode(&mut s.cache, i64::from(token), s.position)?;
+                let (cache, id) = (&mut s.cache, i64::from(token));
+                s.next = if greedy {
+                    Next::Token(self.runner.decode_greedy(cache, id, s.position)?)
+                } else {
+                    Next::Logits(self.runner.decode(cache, id, s.position)?)
+                };
                 stats.decode_ms.push(t.elapsed().as_secs_f64() * 1e3);
                 s.position += 1;
             }

@@ -11,9 +11,7 @@ use kpt_core::{DType, Tensor};
 
 use crate::config::Gpt2Config;
 use crate::error::Result;
-use crate::lower::{
-    activation, check_compute_dtype, decoder_outputs, DecoderInputs, NormParams, Phase, Projection,
-};
+use crate::lower::{activation, check_compute_dtype, DecoderInputs, NormParams, Phase, Projection};
 use crate::weights::Weights;
 
 /// One GPT-2 block's parameters.
@@ -176,7 +174,7 @@ impl Gpt2 {
         let x = self.ln_f.apply(&mut g, "ln_f", h, eps)?;
         let head = g.param("lm_head.weight", self.wte.clone());
         let logits = g.op("lm_head", Op::Linear { bias: false }, &[x, head])?;
-        decoder_outputs(&mut g, logits, &caches)?;
+        inputs.outputs(&mut g, logits, &caches)?;
         Ok(g)
     }
 }

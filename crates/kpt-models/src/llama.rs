@@ -13,9 +13,7 @@ use kpt_core::{DType, Tensor};
 
 use crate::config::LlamaConfig;
 use crate::error::Result;
-use crate::lower::{
-    activation, check_compute_dtype, decoder_outputs, DecoderInputs, Phase, Projection,
-};
+use crate::lower::{activation, check_compute_dtype, DecoderInputs, Phase, Projection};
 use crate::weights::Weights;
 
 /// One decoder layer's parameters.
@@ -207,7 +205,7 @@ impl Llama {
         let x = rms_norm(&mut g, "model.norm", h, &self.norm, eps)?;
         let head = g.param("lm_head.weight", self.lm_head.clone());
         let logits = g.op("lm_head", Op::Linear { bias: false }, &[x, head])?;
-        decoder_outputs(&mut g, logits, &caches)?;
+        inputs.outputs(&mut g, logits, &caches)?;
         Ok(g)
     }
 }

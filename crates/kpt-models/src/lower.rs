@@ -14,6 +14,11 @@ pub enum Phase {
     /// One token per sequence against caches of a fixed capacity, which the step writes
     /// its keys and values into; outputs logits and the updated caches.
     Decode,
+    /// [`Phase::Decode`] that also picks each sequence's most likely next token on the
+    /// device ([`Op::ArgMax`] of the logits): outputs logits, the next tokens `[B, 1]`
+    /// (i64; -1 where the logits hold a NaN), then the caches. Greedy decoding then
+    /// downloads one id per sequence instead of a vocabulary of logits.
+    DecodeGreedy,
 }
 
 /// The inputs of a decoder graph.
@@ -40,6 +45,8 @@ pub struct DecoderInputs {
     pub cache: Option<CacheInputs>,
     /// Sequence offsets of a packed prefill.
     pub cu_seqlens: Option<ValueId>,
+    /// Whether the graph outputs the greedy next tokens ([`Phase::DecodeGreedy`]).
+    pub greedy: bool,
 }
 
 /// The cache inputs of a decode graph (see [`DecoderInputs`]).
@@ -75,6 +82,7 @@ impl DecoderInputs {
                 positions,
                 cache: None,
                 cu_seqlens,
+                greedy: false,
             });
         }
         if packed.is_some() {
@@ -104,6 +112,7 @@ impl DecoderInputs {
                 layers,
             }),
             cu_seqlens: None,
+            greedy: phase == Phase::DecodeGreedy,
         })
     }
 
@@ -129,6 +138,26 @@ impl DecoderInputs {
             ..params
         };
         Ok(g.op(name, Op::Attention(params), &inputs)?)
+    }
+
+    /// Marks the outputs of the decoder graph: logits, the greedy next tokens (of
+    /// [`Phase::DecodeGreedy`]), then each layer's keys and values.
+    pub fn outputs(
+        &self,
+        g: &mut Graph,
+        logits: ValueId,
+        caches: &[(ValueId, ValueId)],
+    ) -> Result<()> {
+        g.output(logits)?;
+        if self.greedy {
+            let next = g.op("next_tokens", Op::ArgMax, &[logits])?;
+            g.output(next)?;
+        }
+        for &(k, v) in caches {
+            g.output(k)?;
+            g.output(v)?;
+        }
+        Ok(())
     }
 
     /// Writes layer `layer`'s new keys and values into its caches and returns the
@@ -160,20 +189,6 @@ impl DecoderInputs {
             )?,
         ))
     }
-}
-
-/// Marks the outputs of a decoder graph: logits, then each layer's keys and values.
-pub fn decoder_outputs(
-    g: &mut Graph,
-    logits: ValueId,
-    caches: &[(ValueId, ValueId)],
-) -> Result<()> {
-    g.output(logits)?;
-    for &(k, v) in caches {
-        g.output(k)?;
-        g.output(v)?;
-    }
-    Ok(())
 }
 
 /// A linear layer's weight `[out, in]` and optional bias `[out]`.
@@ -358,6 +373,16 @@ mod tests {
             DecoderInputs::declare(&mut g, Phase::Prefill, 9, Some(3), (2, 8), DType::F32).unwrap();
         assert!(p.cache.is_none());
         assert_eq!(g.spec(p.cu_seqlens.unwrap()).unwrap().shape, vec![4]);
+        let mut g = Graph::new();
+        let d = DecoderInputs::declare(&mut g, Phase::DecodeGreedy, 5, None, (1, 8), DType::F32)
+            .unwrap();
+        assert!(d.greedy);
+        let logits = g.input("logits", DType::F32, &[3, 1, 10]);
+        let caches = d.cache.as_ref().unwrap().layers.clone();
+        d.outputs(&mut g, logits, &caches).unwrap();
+        assert_eq!(g.outputs().len(), 4);
+        assert_eq!(g.spec(g.outputs()[1]).unwrap().shape, vec![3, 1]);
+        assert_eq!(g.spec(g.outputs()[1]).unwrap().dtype, DType::I64);
         let mut g = Graph::new();
         let err = DecoderInputs::declare(&mut g, Phase::Decode, 9, Some(3), (2, 8), DType::F32);
         assert!(matches!(err, Err(ModelError::Unsupported(_))));

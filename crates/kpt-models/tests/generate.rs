@@ -187,6 +187,47 @@ fn batched_prompts_equal_each_prompt_alone() {
     }
 }
 
+/// A decode plan that picks greedy tokens on its device (`Phase::DecodeGreedy`) gives the
+/// tokens of the plan whose logits are picked from on the host, and still samples.
+#[test]
+fn greedy_picks_in_the_plan_equal_picks_on_the_host() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_dir(dir.path(), 43);
+    let model = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_model(DType::F32)
+        .unwrap();
+    let prompts: [&[u32]; 2] = [&[0, 7, 19, 200, 5], &[0, 250, 3]];
+    let sampled = SamplingParams {
+        temperature: 0.7,
+        top_k: 20,
+        top_p: 0.9,
+        seed: 3,
+    };
+    for level in [OptLevel::Conservative, OptLevel::Balanced] {
+        let picking = PlanRunner::new(
+            executor(&model.graph(Phase::Prefill, 4).unwrap(), level),
+            executor(&model.graph(Phase::DecodeGreedy, 4).unwrap(), level),
+        );
+        let mut on_plan = Generator::for_model(picking, &model).unwrap();
+        let mut on_host = Generator::for_model(plan_runner(&model, level), &model).unwrap();
+        for params in [SamplingParams::greedy(), sampled] {
+            let stop = StopCondition::new(7);
+            let tokens = |g: &mut Generator<PlanRunner>| {
+                g.generate(&prompts, &params, &stop, None, |_| Ok(()))
+                    .unwrap()
+                    .outputs
+                    .into_iter()
+                    .map(|o| o.tokens)
+                    .collect::<Vec<_>>()
+            };
+            let want = tokens(&mut on_host);
+            assert_eq!(want[0].len(), 7);
+            assert_eq!(tokens(&mut on_plan), want, "{level:?} {params:?}");
+        }
+    }
+}
+
 #[test]
 fn eos_tokens_and_stop_strings_stop() {
     let dir = tempfile::tempdir().unwrap();

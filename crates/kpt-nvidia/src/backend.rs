@@ -407,6 +407,12 @@ impl CudaBackend {
                 let (rows, dim) = rows_dim(&x.shape);
                 g.softmax(dt, ptr(&inputs[0])?, out_ptr(out0)?, rows, dim)?;
             }
+            Op::ArgMax => {
+                let (rows, dim) = rows_dim(&x.shape);
+                if rows > 0 {
+                    g.argmax(dt, ptr(&inputs[0])?, out_ptr(out0)?, rows, dim)?;
+                }
+            }
             Op::Activation { act } => {
                 g.activation(dt, ptr(&inputs[0])?, out_ptr(out0)?, x.numel(), *act)?;
             }

@@ -595,6 +595,21 @@ impl Gpu {
         Ok(())
     }
 
+    /// Index of each row's maximum, `rows` rows of `dim` into i64 `out [rows]` (-1 for
+    /// a row with a NaN).
+    pub(crate) fn argmax(
+        &self,
+        dtype: DType,
+        x: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+    ) -> Result<(), NvidiaError> {
+        let entry = format!("kpt_argmax_{}", float_name(dtype)?);
+        launch!(self, "argmax", entry, grid("rows", rows)?; x, out, int("dim", dim)?);
+        Ok(())
+    }
+
     /// Attention over `q [batch, seq_q, heads * d]`, `k`, `v [batch, seq_kv, kv_heads * d]`
     /// into `out` (like `q`), with an additive f32 `[seq_q, seq_kv]` mask at `mask` (0:
     /// none).

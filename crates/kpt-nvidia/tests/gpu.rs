@@ -416,7 +416,31 @@ proptest! {
         check(&Op::AddRmsNorm { eps: 1e-5 }, &[x.clone(), r.clone(), w.clone()])?;
         check(&Op::LayerNorm { eps: 1e-5 }, &[x.clone(), w.clone(), bias.clone()])?;
         check(&Op::AddLayerNorm { eps: 1e-5 }, &[x.clone(), r, w, bias])?;
-        check(&Op::Softmax, &[x])?;
+        check(&Op::Softmax, std::slice::from_ref(&x))?;
+        check(&Op::ArgMax, &[x])?;
+    }
+
+    /// Argmax over vocabulary-sized rows with few distinct values (ties), -inf rows and
+    /// now and then a NaN (-> -1).
+    #[test]
+    fn argmax(rows in 1usize..40, dim in prop::sample::select(vec![1usize, 5, 511, 513, 32000]),
+              dt in dtype(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let v: Vec<f64> = (0..rows * dim)
+            .map(|_| match rng.next_u64() % 4096 {
+                0 => f64::NAN,
+                1..=8 => f64::NEG_INFINITY,
+                r => (r % 9) as f64 - 4.0,
+            })
+            .collect();
+        let mut x = Tensor::from_f64(&v, &[rows, dim], dt).unwrap();
+        if rows > 1 {
+            // One row of only -inf: its first index.
+            let mut w = v.clone();
+            w[dim..2 * dim].fill(f64::NEG_INFINITY);
+            x = Tensor::from_f64(&w, &[rows, dim], dt).unwrap();
+        }
+        check(&Op::ArgMax, &[x])?;
     }
 
     #[test]

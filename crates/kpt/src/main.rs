@@ -497,6 +497,7 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
             vec![f(&[1, 16, 4096]), i(&[16])],
         ),
         OpKind::Softmax => (Op::Softmax, vec![f(&[16, 4096])]),
+        OpKind::ArgMax => (Op::ArgMax, vec![f(&[32, 1, 32000])]),
         OpKind::Attention => (
             Op::Attention(AttentionParams::new(32, 8, 128, true)),
             vec![f(&[1, 16, 4096]), f(&[1, 16, 1024]), f(&[1, 16, 1024])],

@@ -85,7 +85,8 @@ pub fn require_decoder(model: &Model, command: &str) -> Result<()> {
 }
 
 /// Prefill and decode plans of `model` at `level` on the runtime's backend (and a packed
-/// prefill plan for several prompts when `packed`).
+/// prefill plan for several prompts when `packed`). The decode plan also picks greedy
+/// tokens on the device ([`Phase::DecodeGreedy`]).
 pub fn plan_runner(
     rt: &Runtime,
     model: &Model,
@@ -98,7 +99,7 @@ pub fn plan_runner(
     };
     let mut runner = PlanRunner::new(
         exec(&model.graph(Phase::Prefill, 16)?)?,
-        exec(&model.graph(Phase::Decode, 16)?)?,
+        exec(&model.graph(Phase::DecodeGreedy, 16)?)?,
     );
     if packed {
         runner = runner.with_packed(exec(&model.graph_packed(32, 2)?)?);

@@ -250,6 +250,11 @@ pub enum Op {
     /// replaced by row `i`; a negative slot skips its row (padding). Executors run it in
     /// place when the cache is theirs to change ([`Backend::write_rows`](crate::backend::Backend::write_rows)).
     CacheWrite,
+    /// Index of the largest element along the last dim: float `[.., N]` (N >= 1) -> i64
+    /// `[..]` (greedy decoding without sending logits to the host). Ties go to the lowest
+    /// index; a row that holds a NaN gives -1, so that a caller refuses it rather than
+    /// pick a token from it.
+    ArgMax,
 }
 
 /// The kind of an op without its parameters: the key of the op catalog.
@@ -300,11 +305,13 @@ pub enum OpKind {
     ActAndMul,
     /// See [`Op::CacheWrite`].
     CacheWrite,
+    /// See [`Op::ArgMax`].
+    ArgMax,
 }
 
 impl OpKind {
     /// Every op kind, in catalog order.
-    pub const ALL: [OpKind; 22] = [
+    pub const ALL: [OpKind; 23] = [
         OpKind::Embedding,
         OpKind::MatMul,
         OpKind::Linear,
@@ -327,6 +334,7 @@ impl OpKind {
         OpKind::Split,
         OpKind::ActAndMul,
         OpKind::CacheWrite,
+        OpKind::ArgMax,
     ];
 
     /// snake_case name, as accepted by [`FromStr`].
@@ -354,6 +362,7 @@ impl OpKind {
             OpKind::Split => "split",
             OpKind::ActAndMul => "act_and_mul",
             OpKind::CacheWrite => "cache_write",
+            OpKind::ArgMax => "argmax",
         }
     }
 }
@@ -451,6 +460,7 @@ impl Op {
             Op::Split { .. } => OpKind::Split,
             Op::ActAndMul { .. } => OpKind::ActAndMul,
             Op::CacheWrite => OpKind::CacheWrite,
+            Op::ArgMax => OpKind::ArgMax,
         }
     }
 
@@ -463,7 +473,8 @@ impl Op {
             | Op::Dequantize { .. }
             | Op::Cast { .. }
             | Op::Split { .. }
-            | Op::ActAndMul { .. } => 1,
+            | Op::ActAndMul { .. }
+            | Op::ArgMax => 1,
             Op::Embedding | Op::MatMul | Op::RmsNorm { .. } | Op::Rotary { .. } => 2,
             Op::Add | Op::Mul | Op::Concat { .. } => 2,
             Op::Linear { bias } | Op::LinearAct { bias, .. } => 2 + usize::from(*bias),
@@ -1004,6 +1015,16 @@ impl Op {
                 }
                 Ok(vec![x.clone()])
             }
+            Op::ArgMax => {
+                want_compute(x)?;
+                match x.shape.split_last() {
+                    Some((&n, lead)) if n > 0 => Ok(vec![TensorSpec::new(lead, DType::I64)]),
+                    _ => Err(shape_err(format!(
+                        "x {:?} needs a last dim of at least one element",
+                        x.shape
+                    ))),
+                }
+            }
         }
     }
 }
@@ -1029,6 +1050,23 @@ mod tests {
 
     fn s(shape: &[usize], dtype: DType) -> TensorSpec {
         TensorSpec::new(shape, dtype)
+    }
+
+    #[test]
+    fn argmax_drops_the_last_dim() {
+        let out = Op::ArgMax.infer(&[s(&[4, 1, 32000], DType::BF16)]).unwrap();
+        assert_eq!(out, vec![s(&[4, 1], DType::I64)]);
+        assert_eq!(
+            Op::ArgMax.infer(&[s(&[7], DType::F32)]).unwrap(),
+            vec![s(&[], DType::I64)]
+        );
+        for bad in [
+            s(&[3, 0], DType::F32),
+            s(&[], DType::F32),
+            s(&[3], DType::I64),
+        ] {
+            assert!(Op::ArgMax.infer(std::slice::from_ref(&bad)).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub use rotary::rotary;
 pub use shapes::{
     for_each_paged_sequence, for_each_sequence, varlen_segments, AttentionShape, PagedKv,
 };
-pub use softmax::softmax;
+pub use softmax::{argmax, softmax};
 
 /// An elementwise activation function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -304,6 +304,28 @@ pub fn rotary(
     Ok(())
 }
 
+/// Index of the largest element of each row of `x [rows, dim]` into `out [rows]`: the
+/// lowest index on ties, -1 for a row that holds a NaN.
+pub fn argmax(x: &[f64], out: &mut [f64], rows: usize, dim: usize) -> Result<()> {
+    check_rows("argmax", &[("x [rows, dim]", x.len())], &[], rows, dim)?;
+    check_len("argmax", "out [rows]", out.len(), rows)?;
+    for (r, o) in out.iter_mut().enumerate() {
+        let row = &x[r * dim..(r + 1) * dim];
+        *o = if row.iter().any(|v| v.is_nan()) {
+            -1.0
+        } else {
+            let mut best = 0;
+            for (i, &v) in row.iter().enumerate() {
+                if v > row[best] {
+                    best = i;
+                }
+            }
+            best as f64
+        };
+    }
+    Ok(())
+}
+
 /// Softmax over the last axis of `x [rows, dim]`, subtracting the row max first. A row
 /// whose entries are all `-inf` gives zeros.
 pub fn softmax(x: &[f64], out: &mut [f64], rows: usize, dim: usize) -> Result<()> {

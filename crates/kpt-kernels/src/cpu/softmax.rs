@@ -1,4 +1,5 @@
-//! Softmax over the last axis in f32 (row max subtracted first; rows in parallel).
+//! Softmax over the last axis in f32 (row max subtracted first; rows in parallel), and
+//! the index of each row's maximum (greedy decoding).
 
 use kpt_core::Result;
 
@@ -82,5 +83,31 @@ pub fn softmax(x: &[f32], out: &mut [f32], rows: usize, dim: usize) -> Result<()
     for_each_row(out, dim, 16 * dim, |r, o| {
         softmax_row_d(&x[r * dim..(r + 1) * dim], o)
     });
+    Ok(())
+}
+
+/// Index of the largest element of each row of `x [rows, dim]` into `out [rows]`: the
+/// lowest index on ties, -1 for a row that holds a NaN (as [`super::reference::argmax`]).
+pub fn argmax(x: &[f32], out: &mut [i64], rows: usize, dim: usize) -> Result<()> {
+    const OP: &str = "argmax";
+    let total = checked_product(OP, "[rows, dim]", &[rows, dim])?;
+    check_len(OP, "x [rows, dim]", x.len(), total)?;
+    check_len(OP, "out [rows]", out.len(), rows)?;
+    if dim == 0 && rows > 0 {
+        return Err(kpt_core::KptError::shape(
+            OP,
+            "rows of no element have no maximum",
+        ));
+    }
+    for (o, row) in out.iter_mut().zip(x.chunks_exact(dim.max(1))) {
+        // max16 skips NaNs (every comparison with one is false), so they are looked for
+        // separately; the first element equal to the maximum is the lowest index.
+        *o = if row.iter().any(|v| v.is_nan()) {
+            -1
+        } else {
+            let max = max16(row);
+            row.iter().position(|&v| v == max).unwrap_or(0) as i64
+        };
+    }
     Ok(())
 }
