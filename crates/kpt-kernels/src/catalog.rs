@@ -179,8 +179,9 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             "cuda.linear.gemv",
             Linear,
             CUDA_FLOATS,
-            "bandwidth-bound GEMV for decode: one warp per weight row, 16-byte streaming \
-             loads, f32 accumulation, bias fused; weights of another dtype go to cuBLASLt",
+            "bandwidth-bound GEMV for decode: two warps per weight row (bf16/f16 at 17-32 \
+             rows: tensor-core tiles of 16 weight rows), 16-byte streaming loads, f32 \
+             accumulation, bias fused; weights of another dtype go to cuBLASLt",
         )
         .weights(CUDA_FLOATS)
         .with_priority(GEMV_PRIORITY)
@@ -394,12 +395,12 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
     ]
 }
 
-/// Above cuBLASLt (100) for the row counts it takes: at M <= 16 a linear op is bound by
+/// Above cuBLASLt (100) for the row counts it takes: at M <= 32 a linear op is bound by
 /// reading the weights, which the GEMV kernel does at close to copy bandwidth.
 const GEMV_PRIORITY: i32 = 110;
 
 /// The most activation rows `cuda.linear.gemv` takes (its largest row class).
-const GEMV_MAX_ROWS: usize = 16;
+const GEMV_MAX_ROWS: usize = 32;
 
 /// Above the CUDA norms (100): faster on the H100 (docs/reports/nvidia-h100-latest.md).
 const TRITON_NORM_PRIORITY: i32 = 110;
