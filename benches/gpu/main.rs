@@ -341,9 +341,9 @@ fn cases() -> Vec<Case> {
         });
     }
     // Decode-sized linears of the 1.1B LLaMA: merged q/k/v, gate/up, down and lm_head,
-    // bound by reading the weights once; one token (M = 1), and 16 and 32 sequences
+    // bound by reading the weights once; one token (M = 1), and 2 to 32 sequences
     // decoded together (torch.compile only at M = 1: it calls the same GEMM).
-    for m in [1usize, 16, 32] {
+    for m in [1usize, 2, 4, 8, 16, 32] {
         for (k, n) in [
             (2048usize, 2560usize),
             (2048, 11264),
@@ -369,25 +369,28 @@ fn cases() -> Vec<Case> {
             });
         }
     }
-    // f32 at 32 rows runs the GEMV's CUDA-core loop (no tensor cores): against cuBLASLt.
-    let (m, k, n) = (32usize, 2048usize, 2560usize);
-    out.push(Case {
-        name: format!("linear_f32_m{m}_{k}x{n}"),
-        metric: "TB/s",
-        work: ((n * k + m * k + m * n) * 4) as f64,
-        kpt: Work::Op(Op::Linear { bias: false }),
-        inputs: vec![
-            random(&mut rng, &[m, k], DType::F32, -1.0, 1.0),
-            random(&mut rng, &[n, k], DType::F32, -0.05, 0.05),
-        ],
-        torch: json!({"kind": "linear", "m": m, "k": k, "n": n, "dtype": "f32",
+    // f32 runs the GEMV's CUDA-core loop at every row count (no tensor cores): against
+    // cuBLASLt.
+    let (k, n) = (2048usize, 2560usize);
+    for m in [8usize, 16, 32] {
+        out.push(Case {
+            name: format!("linear_f32_m{m}_{k}x{n}"),
+            metric: "TB/s",
+            work: ((n * k + m * k + m * n) * 4) as f64,
+            kpt: Work::Op(Op::Linear { bias: false }),
+            inputs: vec![
+                random(&mut rng, &[m, k], DType::F32, -1.0, 1.0),
+                random(&mut rng, &[n, k], DType::F32, -0.05, 0.05),
+            ],
+            torch: json!({"kind": "linear", "m": m, "k": k, "n": n, "dtype": "f32",
                       "compile": false}),
-        target_ratio: None,
-        target: None,
-        target_vs_case: None,
-        note: "bytes = read weights, x + write out; no target: the f32 GEMV against \
-               cuBLASLt (no TF32) at 32 rows",
-    });
+            target_ratio: None,
+            target: None,
+            target_vs_case: None,
+            note: "bytes = read weights, x + write out; no target: the f32 GEMV against \
+               cuBLASLt (no TF32)",
+        });
+    }
     let (rows, dim) = (32768usize, 4096usize);
     let bytes = (rows * dim * 2) as f64;
     out.push(Case {
@@ -565,8 +568,7 @@ fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
         Work::Op(op) => {
             let registry = KernelRegistry::with_builtin();
             let chain = registry.fallback_chain(op, &specs, backend.device());
-            let mut device: Vec<String> =
-                chain.into_iter().take_while(|k| on_device(k)).collect();
+            let mut device: Vec<String> = chain.into_iter().take_while(|k| on_device(k)).collect();
             if device.is_empty() {
                 bail!("{}: the registry chose no device kernel", case.name);
             }

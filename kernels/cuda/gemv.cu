@@ -2,25 +2,26 @@
 // x [M, K], w [N, K] row-major (kpt's Linear layout), M <= 32. At such M a GEMM is
 // bound by reading the weights once, so the kernel is built for bandwidth.
 //
-// Row classes kMaxM 1, 2, 4, 8, 16 (and 32 for f32): two warps per weight row (kSplit;
-// 1.1B LLaMA's down projection has only 2048 rows, and one warp per row left too few
-// bytes in flight), each lane reading 16-byte vectors of it (kUnroll = 8 loads in flight
-// before the first use) with a streaming cache hint, so each warp reads contiguous
-// 512-byte runs of the row; the two warps' sums meet in shared memory; the M activation
-// rows (a few KiB, cached in L1/L2) are read with the same vectors and every weight
-// element meets every row in an f32 FMA.
+// CUDA-core classes (kMaxM 1, 2, 4; for f32 also 8, 16, 32): two warps per weight row
+// (kSplit; 1.1B LLaMA's down projection has only 2048 rows, and one warp per row left too
+// few bytes in flight), each lane reading 16-byte vectors of it (kUnroll = 8 loads in
+// flight before the first use, 4 at 32 rows) with a streaming cache hint, so each warp
+// reads contiguous 512-byte runs of the row; the two warps' sums meet in shared memory;
+// the M activation rows (a few KiB, cached in L1/L2) are read with the same vectors and
+// every weight element meets every row in an f32 FMA.
 //
-// Row class 32 for bf16 / f16: 32 rows of FMAs per weight element would make the CUDA
-// cores, not memory, the limit (and each activation vector would be read from L1 once
-// per weight vector and row), so the 32-row class runs on tensor cores: a block takes
-// 16 weight rows, the A operand of m16n8k16 MMAs, and the activations are B in four
-// n-tiles of 8 rows. The reduction order within a 16-element MMA step is free, so each
-// lane loads whole 16-byte vectors of weights and activations straight from global
-// memory into its fragments (lane g, u of a warp holds weight rows g and g + 8 and
-// activation rows 8j + g at the same 8 k, which serve as the fragments' columns 2u..2u+1
-// and 2u+8..2u+9 of two MMAs): no shared memory, no ldmatrix. The 8 warps of a block
-// split K in steps of 256 (8 vectors of each of its two rows in flight per lane, four
-// lanes reading 64 contiguous bytes of a row per vector) and meet in shared memory.
+// Tensor-core classes (kMaxM 8, 16, 32 for bf16 / f16): M FMAs per weight element make
+// the CUDA cores, not memory, the limit from a few rows on (and each activation vector
+// is read from L1 once per weight vector and row), so these classes run on m16n8k16
+// MMAs: a block takes 16 weight rows, the A operand, and the activations are B in one,
+// two or four n-tiles of 8 rows. The reduction order within a 16-element MMA step is
+// free, so each lane loads whole 16-byte vectors of weights and activations straight
+// from global memory into its fragments (lane g, u of a warp holds weight rows g and
+// g + 8 and activation rows 8j + g at the same 8 k, which serve as the fragments'
+// columns 2u..2u+1 and 2u+8..2u+9 of two MMAs): no shared memory, no ldmatrix. Weights
+// bypass L1 so that the activations, read by every block, stay there. The 8 warps of a
+// block split K in steps of 256 (8 vectors of each of its two rows in flight per lane,
+// four lanes reading 64 contiguous bytes of a row per vector) and meet in shared memory.
 //
 // f32 accumulation, one rounding of the sum plus bias to the output dtype (as cuBLASLt's
 // epilogue). Rows whose bytes are not whole 16-byte vectors, or unaligned buffers
@@ -35,14 +36,14 @@
 // kpt:launch kpt_gemv_bf16_m1 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_bf16_m2 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_bf16_m4 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_bf16_m8 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_bf16_m16 block=256 shared=0 grid=rows
+// kpt:launch kpt_gemv_bf16_m8 block=256 shared=0 grid=row_tiles
+// kpt:launch kpt_gemv_bf16_m16 block=256 shared=0 grid=row_tiles
 // kpt:launch kpt_gemv_bf16_m32 block=256 shared=0 grid=row_tiles
 // kpt:launch kpt_gemv_f16_m1 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_f16_m2 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_f16_m4 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_f16_m8 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_f16_m16 block=256 shared=0 grid=rows
+// kpt:launch kpt_gemv_f16_m8 block=256 shared=0 grid=row_tiles
+// kpt:launch kpt_gemv_f16_m16 block=256 shared=0 grid=row_tiles
 // kpt:launch kpt_gemv_f16_m32 block=256 shared=0 grid=row_tiles
 
 #include "common.cuh"
@@ -70,6 +71,16 @@ struct GemvDims {
 // Streaming 16-byte load: weights are read once per call, so they should not evict
 // the activations.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
+
+// 16-byte weight load of the tensor-core path, not allocated in L1: there the activations
+// (up to 32 rows of K) are read again by every block and should stay in L1.
+__device__ __forceinline__ uint4 load_no_l1(const uint4* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
 
 // Dot product of two 16-byte vectors of T, accumulated into acc.
 template <typename T>
@@ -222,26 +233,30 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
             // d.k is a multiple of 8 here, so a vector is wholly inside or outside.
             const int kk = k0 + u * 32 + u4 * 8;
             const bool in = kk < d.k;
-            wa[u] = in && oka ? load_stream(reinterpret_cast<const uint4*>(wa_row + kk)) : zero;
-            wb[u] = in && okb ? load_stream(reinterpret_cast<const uint4*>(wb_row + kk)) : zero;
+            wa[u] = in && oka ? load_no_l1(reinterpret_cast<const uint4*>(wa_row + kk)) : zero;
+            wb[u] = in && okb ? load_no_l1(reinterpret_cast<const uint4*>(wb_row + kk)) : zero;
         }
 #pragma unroll
         for (int u = 0; u < kTcUnroll; ++u) {
             if (k0 + u * 32 >= d.k) break;
             const int kk = k0 + u * 32 + u4 * 8;
             const bool in = kk < d.k;
+            // This step's activation vectors of every n-tile first, then the MMAs.
+            uint4 xv[kTiles];
+#pragma unroll
+            for (int j = 0; j < kTiles; ++j) {
+                const int r = j * 8 + g;
+                xv[j] = in && r < d.m ? __ldg(reinterpret_cast<const uint4*>(
+                                            x + static_cast<long>(r) * d.k + kk))
+                                      : zero;
+            }
             const unsigned lo[4] = {wa[u].x, wb[u].x, wa[u].y, wb[u].y};
             const unsigned hi[4] = {wa[u].z, wb[u].z, wa[u].w, wb[u].w};
 #pragma unroll
             for (int j = 0; j < kTiles; ++j) {
                 if (j * 8 >= d.m) break;
-                const int r = j * 8 + g;
-                const uint4 xv =
-                    in && r < d.m
-                        ? __ldg(reinterpret_cast<const uint4*>(x + static_cast<long>(r) * d.k + kk))
-                        : zero;
-                kpt::mma<T>(c[j], lo, xv.x, xv.y);
-                kpt::mma<T>(c[j], hi, xv.z, xv.w);
+                kpt::mma<T>(c[j], lo, xv[j].x, xv[j].y);
+                kpt::mma<T>(c[j], hi, xv[j].z, xv[j].w);
             }
         }
     }
@@ -275,24 +290,29 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
         gemv<T, M>(x, w, bias, out, d);                                                   \
     }
 
-// The 32-row class of bf16 / f16 on tensor cores, two blocks per SM (at most 128
-// registers a thread).
-#define KPT_GEMV_TC(NAME, T)                                                              \
+// The 8-, 16- and 32-row classes of bf16 / f16 on tensor cores (one, two and four
+// n-tiles), two blocks per SM (at most 128 registers a thread).
+#define KPT_GEMV_TC(NAME, T, M)                                                           \
     extern "C" __global__ void __launch_bounds__(kBlock, 2)                               \
-        kpt_gemv_##NAME##_m32(const T* x, const T* w, const T* bias, T* out, GemvDims d) { \
-        gemv_tc<T, 4>(x, w, bias, out, d);                                                \
+        kpt_gemv_##NAME##_m##M(const T* x, const T* w, const T* bias, T* out, GemvDims d) { \
+        gemv_tc<T, M / 8>(x, w, bias, out, d);                                            \
     }
 
-#define KPT_GEMV_ALL(NAME, T) \
-    KPT_GEMV(NAME, T, 1)      \
-    KPT_GEMV(NAME, T, 2)      \
-    KPT_GEMV(NAME, T, 4)      \
-    KPT_GEMV(NAME, T, 8)      \
-    KPT_GEMV(NAME, T, 16)
+#define KPT_GEMV_CUDA_CORES(NAME, T) \
+    KPT_GEMV(NAME, T, 1)             \
+    KPT_GEMV(NAME, T, 2)             \
+    KPT_GEMV(NAME, T, 4)
 
-KPT_GEMV_ALL(f32, float)
+#define KPT_GEMV_TENSOR_CORES(NAME, T) \
+    KPT_GEMV_TC(NAME, T, 8)            \
+    KPT_GEMV_TC(NAME, T, 16)           \
+    KPT_GEMV_TC(NAME, T, 32)
+
+KPT_GEMV_CUDA_CORES(f32, float)
+KPT_GEMV(f32, float, 8)
+KPT_GEMV(f32, float, 16)
 KPT_GEMV(f32, float, 32)
-KPT_GEMV_ALL(bf16, __nv_bfloat16)
-KPT_GEMV_TC(bf16, __nv_bfloat16)
-KPT_GEMV_ALL(f16, __half)
-KPT_GEMV_TC(f16, __half)
+KPT_GEMV_CUDA_CORES(bf16, __nv_bfloat16)
+KPT_GEMV_TENSOR_CORES(bf16, __nv_bfloat16)
+KPT_GEMV_CUDA_CORES(f16, __half)
+KPT_GEMV_TENSOR_CORES(f16, __half)

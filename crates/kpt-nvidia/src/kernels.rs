@@ -308,11 +308,11 @@ pub(crate) const GEMV_MAX_ROWS: usize = 32;
 /// Weight rows per block of `gemv.cu`'s CUDA-core classes (two warps per row, its
 /// kRowsPerBlock).
 const GEMV_ROWS_PER_BLOCK: usize = 4;
-/// Weight rows per block of its tensor-core class (bf16 / f16 at 32 rows: one MMA tile of
-/// 16 rows, its kTileRows).
+/// Weight rows per block of its tensor-core classes (one MMA tile of 16 rows, its
+/// kTileRows).
 const GEMV_TILE_ROWS: usize = 16;
-/// The row class that runs on tensor cores for bf16 and f16.
-const GEMV_TENSOR_CORE_CLASS: usize = 32;
+/// The smallest row class that runs on tensor cores for bf16 and f16 (8, 16 and 32 do).
+const GEMV_TENSOR_CORE_CLASS: usize = 8;
 
 /// Sizes of one GEMV call (the kernel's `GemvDims`).
 #[repr(C)]
@@ -913,7 +913,7 @@ impl Gpu {
     /// Linear with few rows (`kernels/cuda/gemv.cu`): `out [m, n] = x [m, k] · w [n, k]ᵀ
     /// (+ bias [n])`, all of `dtype`, for `m` in `1..=`[`GEMV_MAX_ROWS`]; `bias` 0 means
     /// none. Rows of whole 16-byte vectors with aligned buffers take the vector loop
-    /// (for bf16 / f16 at 17..=32 rows: the tensor-core loop), others a scalar loop.
+    /// (for bf16 / f16 at 5..=32 rows: the tensor-core loop), others a scalar loop.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemv(
         &self,
@@ -941,7 +941,7 @@ impl Gpu {
             vec: i32::from(vec),
         };
         let entry = format!("kpt_gemv_{}_m{class}", float_name(dtype)?);
-        let rows_per_block = if class == GEMV_TENSOR_CORE_CLASS && dtype != DType::F32 {
+        let rows_per_block = if class >= GEMV_TENSOR_CORE_CLASS && dtype != DType::F32 {
             GEMV_TILE_ROWS
         } else {
             GEMV_ROWS_PER_BLOCK

@@ -819,7 +819,7 @@ proptest! {
                             k in prop_oneof![1usize..700, (1usize..330).prop_map(|v| 8 * v)],
                             n in 1usize..300, bias in any::<bool>(), dt in dtype(), seed: u64) {
         // `cuda.linear.gemv` by name at every row count it takes, whatever the registry
-        // would pick: K of whole 16-byte vectors (the vector loops; for bf16 / f16 at 17
+        // would pick: K of whole 16-byte vectors (the vector loops; for bf16 / f16 at 5
         // to 32 rows the tensor-core loop, with K steps cut short, several steps per warp
         // and weight tiles cut off by N) and K that is not (the scalar loops).
         let Some(b) = backend() else { return Ok(()) };
