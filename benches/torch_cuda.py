@@ -65,6 +65,8 @@ def variants(req):
         m, k, n = req["m"], req["k"], req["n"]
         x, w = rand((m, k), dt), rand((n, k), dt, -0.05, 0.05)
         f = lambda: F.linear(x, w)
+        if not req.get("compile", True):
+            return [("torch eager", f)]
         return [("torch eager", f), ("torch.compile", compiled(f))]
     if kind == "linear_gelu":
         m, k, n = req["m"], req["k"], req["n"]

@@ -42,7 +42,7 @@ struct Args {
     /// Report name (files are NAME-latest.json etc.).
     #[arg(long, default_value = "nvidia-h100")]
     name: String,
-    /// Only cases whose name contains this.
+    /// Only cases whose name contains this (or, comma-separated, any of these).
     #[arg(long)]
     filter: Option<String>,
     /// Which cases: the backend's kernels (`core`, the nvidia-h100 report) or attention
@@ -66,6 +66,8 @@ enum Suite {
 
 /// Rows whose output is checked against the f64 reference.
 const CHECK_ROWS: usize = 2;
+/// The device kernels of `Op::Linear` timed on every linear case.
+const LINEAR_KERNELS: [&str; 2] = ["cuda.linear.gemv", "cuda.linear.cublaslt"];
 /// Copy bandwidth of the H100 (TB/s) that the bandwidth targets are fractions of.
 const COPY_TBPS: f64 = 3.0;
 
@@ -338,28 +340,55 @@ fn cases() -> Vec<Case> {
             note: "e4m3 x e4m3 -> bf16, per-tensor scales, no fast accumulation (torch's default)",
         });
     }
-    // Decode-sized linears of the 1.1B LLaMA (one token): merged q/k/v, gate/up, down
-    // and lm_head, bound by reading the weights once.
-    for (k, n) in [
-        (2048usize, 2560usize),
-        (2048, 11264),
-        (5632, 2048),
-        (2048, 32000),
-    ] {
+    // Decode-sized linears of the 1.1B LLaMA: merged q/k/v, gate/up, down and lm_head,
+    // bound by reading the weights once; one token (M = 1), and 2 to 32 sequences
+    // decoded together (torch.compile only at M = 1: it calls the same GEMM).
+    for m in [1usize, 2, 4, 8, 16, 32] {
+        for (k, n) in [
+            (2048usize, 2560usize),
+            (2048, 11264),
+            (5632, 2048),
+            (2048, 32000),
+        ] {
+            out.push(Case {
+                name: format!("linear_bf16_m{m}_{k}x{n}"),
+                metric: "TB/s",
+                work: ((n * k + m * k + m * n) * 2) as f64,
+                kpt: Work::Op(Op::Linear { bias: false }),
+                inputs: vec![
+                    random(&mut rng, &[m, k], bf, -1.0, 1.0),
+                    random(&mut rng, &[n, k], bf, -0.05, 0.05),
+                ],
+                torch: json!({"kind": "linear", "m": m, "k": k, "n": n, "dtype": "bf16",
+                              "compile": m == 1}),
+                target_ratio: None,
+                target: Some(2.5),
+                target_vs_case: None,
+                note: "bytes = read weights, x + write out; cuda.linear.gemv and \
+                       cuda.linear.cublaslt both timed",
+            });
+        }
+    }
+    // f32 runs the GEMV's CUDA-core loop at every row count (no tensor cores): against
+    // cuBLASLt.
+    let (k, n) = (2048usize, 2560usize);
+    for m in [8usize, 16, 32] {
         out.push(Case {
-            name: format!("linear_bf16_m1_{k}x{n}"),
+            name: format!("linear_f32_m{m}_{k}x{n}"),
             metric: "TB/s",
-            work: ((n * k + k + n) * 2) as f64,
+            work: ((n * k + m * k + m * n) * 4) as f64,
             kpt: Work::Op(Op::Linear { bias: false }),
             inputs: vec![
-                random(&mut rng, &[1, k], bf, -1.0, 1.0),
-                random(&mut rng, &[n, k], bf, -0.05, 0.05),
+                random(&mut rng, &[m, k], DType::F32, -1.0, 1.0),
+                random(&mut rng, &[n, k], DType::F32, -0.05, 0.05),
             ],
-            torch: json!({"kind": "linear", "m": 1, "k": k, "n": n, "dtype": "bf16"}),
+            torch: json!({"kind": "linear", "m": m, "k": k, "n": n, "dtype": "f32",
+                      "compile": false}),
             target_ratio: None,
-            target: Some(2.5),
+            target: None,
             target_vs_case: None,
-            note: "bytes = read weights, x + write out; kpt: cuda.linear.gemv",
+            note: "bytes = read weights, x + write out; no target: the f32 GEMV against \
+               cuBLASLt (no TF32)",
         });
     }
     let (rows, dim) = (32768usize, 4096usize);
@@ -539,9 +568,18 @@ fn prepare<'a>(backend: &'a CudaBackend, case: &Case) -> Result<Prepared<'a>> {
         Work::Op(op) => {
             let registry = KernelRegistry::with_builtin();
             let chain = registry.fallback_chain(op, &specs, backend.device());
-            let device: Vec<String> = chain.into_iter().take_while(|k| on_device(k)).collect();
+            let mut device: Vec<String> = chain.into_iter().take_while(|k| on_device(k)).collect();
             if device.is_empty() {
                 bail!("{}: the registry chose no device kernel", case.name);
+            }
+            // Both linear kernels are timed, also where the registry's row limit leaves
+            // one out, so that the report shows the GEMV / cuBLASLt crossover.
+            if matches!(op, Op::Linear { .. }) {
+                for k in LINEAR_KERNELS {
+                    if !device.iter().any(|d| d == k) {
+                        device.push(k.to_string());
+                    }
+                }
             }
             (device, op.infer(&specs)?)
         }
@@ -822,7 +860,11 @@ fn main() -> Result<()> {
     };
     let cases: Vec<Case> = all
         .into_iter()
-        .filter(|c| args.filter.as_deref().is_none_or(|f| c.name.contains(f)))
+        .filter(|c| {
+            args.filter
+                .as_deref()
+                .is_none_or(|f| f.split(',').any(|f| c.name.contains(f)))
+        })
         .collect();
     let bar = ProgressBar::new(cases.len() as u64).with_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),

@@ -1,33 +1,53 @@
 // Linear with few rows (decode): out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for
-// x [M, K], w [N, K] row-major (kpt's Linear layout), M <= 16. At such M a GEMM is
-// bound by reading the weights once, so the kernel is built for bandwidth: two warps
-// per weight row (kSplit; 1.1B LLaMA's down projection has only 2048 rows, and one warp
-// per row left too few bytes in flight), each lane reading 16-byte vectors of it
-// (kUnroll = 8 loads in flight before the first use) with a streaming cache hint, so each
-// warp reads contiguous 512-byte runs of the row; the two warps' sums meet in shared
-// memory; the M activation rows (a few KiB, cached in L1/L2) are read
-// with the same vectors. f32 accumulation, one rounding of the sum plus bias to the
-// output dtype (as cuBLASLt's epilogue). Rows whose bytes are not whole 16-byte vectors,
-// or unaligned buffers (`vec` = 0), take a scalar loop. Entry points per dtype and
-// row class kMaxM (1, 2, 4, 8, 16): the launcher picks the smallest class >= M.
+// x [M, K], w [N, K] row-major (kpt's Linear layout), M <= 32. At such M a GEMM is
+// bound by reading the weights once, so the kernel is built for bandwidth.
+//
+// CUDA-core classes (kMaxM 1, 2, 4; for f32 also 8, 16, 32): two warps per weight row
+// (kSplit; 1.1B LLaMA's down projection has only 2048 rows, and one warp per row left too
+// few bytes in flight), each lane reading 16-byte vectors of it (kUnroll = 8 loads in
+// flight before the first use, 4 at 32 rows) with a streaming cache hint, so each warp
+// reads contiguous 512-byte runs of the row; the two warps' sums meet in shared memory;
+// the M activation rows (a few KiB, cached in L1/L2) are read with the same vectors and
+// every weight element meets every row in an f32 FMA.
+//
+// Tensor-core classes (kMaxM 8, 16, 32 for bf16 / f16): M FMAs per weight element make
+// the CUDA cores, not memory, the limit from a few rows on (and each activation vector
+// is read from L1 once per weight vector and row), so these classes run on m16n8k16
+// MMAs: a block takes 16 weight rows, the A operand, and the activations are B in one,
+// two or four n-tiles of 8 rows. The reduction order within a 16-element MMA step is
+// free, so each lane loads whole 16-byte vectors of weights and activations straight
+// from global memory into its fragments (lane g, u of a warp holds weight rows g and
+// g + 8 and activation rows 8j + g at the same 8 k, which serve as the fragments'
+// columns 2u..2u+1 and 2u+8..2u+9 of two MMAs): no shared memory, no ldmatrix. Weights
+// bypass L1 so that the activations, read by every block, stay there. The 8 warps of a
+// block split K in steps of 256 (8 vectors of each of its two rows in flight per lane,
+// four lanes reading 64 contiguous bytes of a row per vector) and meet in shared memory.
+//
+// f32 accumulation, one rounding of the sum plus bias to the output dtype (as cuBLASLt's
+// epilogue). Rows whose bytes are not whole 16-byte vectors, or unaligned buffers
+// (`vec` = 0), take a scalar loop. The launcher picks the smallest class >= M.
 //
 // kpt:launch kpt_gemv_f32_m1 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_f32_m2 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_f32_m4 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_f32_m8 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_f32_m16 block=256 shared=0 grid=rows
+// kpt:launch kpt_gemv_f32_m32 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_bf16_m1 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_bf16_m2 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_bf16_m4 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_bf16_m8 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_bf16_m16 block=256 shared=0 grid=rows
+// kpt:launch kpt_gemv_bf16_m8 block=256 shared=0 grid=row_tiles
+// kpt:launch kpt_gemv_bf16_m16 block=256 shared=0 grid=row_tiles
+// kpt:launch kpt_gemv_bf16_m32 block=256 shared=0 grid=row_tiles
 // kpt:launch kpt_gemv_f16_m1 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_f16_m2 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_f16_m4 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_f16_m8 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_f16_m16 block=256 shared=0 grid=rows
+// kpt:launch kpt_gemv_f16_m8 block=256 shared=0 grid=row_tiles
+// kpt:launch kpt_gemv_f16_m16 block=256 shared=0 grid=row_tiles
+// kpt:launch kpt_gemv_f16_m32 block=256 shared=0 grid=row_tiles
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace {
 
@@ -51,6 +71,16 @@ struct GemvDims {
 // Streaming 16-byte load: weights are read once per call, so they should not evict
 // the activations.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
+
+// 16-byte weight load of the tensor-core path, not allocated in L1: there the activations
+// (up to 32 rows of K) are read again by every block and should stay in L1.
+__device__ __forceinline__ uint4 load_no_l1(const uint4* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
 
 // Dot product of two 16-byte vectors of T, accumulated into acc.
 template <typename T>
@@ -77,19 +107,22 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
     for (int r = 0; r < kMaxM; ++r) acc[r] = 0.0f;
     if (active && d.vec) {
+        // At 32 rows the accumulators take the registers that half of the loads in flight
+        // would (f32's 32-row class; the others run on tensor cores).
+        constexpr int kU = kMaxM > 16 ? kUnroll / 2 : kUnroll;
         constexpr int kV = kpt::Vec<T>::N;
         const int vecs = d.k / kV;
         const uint4* wr = reinterpret_cast<const uint4*>(w + row * d.k);
         const uint4* xr = reinterpret_cast<const uint4*>(x);
-        for (int base = glane; base < vecs; base += kGroup * kUnroll) {
-            uint4 wv[kUnroll];
+        for (int base = glane; base < vecs; base += kGroup * kU) {
+            uint4 wv[kU];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kU; ++u) {
                 const int i = base + u * kGroup;
                 wv[u] = i < vecs ? load_stream(wr + i) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kU; ++u) {
                 const int i = base + u * kGroup;
                 if (i < vecs) {
 #pragma unroll
@@ -125,6 +158,130 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
     }
 }
 
+// The tensor-core path: weight rows per block (the MMA's M), 16-byte vectors of each of
+// a lane's two weight rows in flight, and the k one warp covers per step (four lanes of
+// 8 elements per vector).
+constexpr int kTileRows = 16;
+constexpr int kTcUnroll = 8;
+constexpr int kTcStep = 4 * 8 * kTcUnroll;
+
+// Scalar loop of the tensor-core classes (rows not of whole vectors, unaligned buffers):
+// warp w of the block takes weight rows 2w and 2w + 1 of its tile, lane l every 32nd k.
+template <typename T, int kMaxM>
+__device__ void gemv_tile_scalar(const T* __restrict__ x, const T* __restrict__ w,
+                                 const T* __restrict__ bias, T* __restrict__ out,
+                                 GemvDims d) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    static_assert(kTileRows == 2 * kWarps, "two weight rows per warp");
+    for (int half = 0; half < 2; ++half) {
+        const long row = static_cast<long>(blockIdx.x) * kTileRows + 2 * warp + half;
+        if (row >= d.n) return;
+        float acc[kMaxM];
+#pragma unroll
+        for (int r = 0; r < kMaxM; ++r) acc[r] = 0.0f;
+        const T* wr = w + row * d.k;
+        for (int i = lane; i < d.k; i += 32) {
+            const float wi = to_float(wr[i]);
+#pragma unroll
+            for (int r = 0; r < kMaxM; ++r)
+                if (r < d.m) acc[r] = fmaf(wi, to_float(x[static_cast<long>(r) * d.k + i]), acc[r]);
+        }
+        const float b = bias ? to_float(bias[row]) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < kMaxM; ++r) {
+            const float s = kpt::warp_sum(acc[r]);
+            if (lane == r && r < d.m) out[static_cast<long>(r) * d.n + row] = kpt::from_float<T>(b + s);
+        }
+    }
+}
+
+// Tensor-core GEMV for kTiles * 8 activation rows (bf16 / f16); see the file comment.
+template <typename T, int kTiles>
+__device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
+                        const T* __restrict__ bias, T* __restrict__ out, GemvDims d) {
+    constexpr int kM = kTiles * 8;
+    if (!d.vec) {
+        gemv_tile_scalar<T, kM>(x, w, bias, out, d);
+        return;
+    }
+    // Per warp, its sums for the tile's 16 weight rows x kM activation rows (padded
+    // against bank conflicts).
+    __shared__ float partial[kWarps][kTileRows][kM + 1];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int u4 = lane & 3;
+    const long row0 = static_cast<long>(blockIdx.x) * kTileRows;
+    const long ra = row0 + g;
+    const long rb = ra + 8;
+    const bool oka = ra < d.n;
+    const bool okb = rb < d.n;
+    const T* wa_row = w + (oka ? ra : 0) * d.k;
+    const T* wb_row = w + (okb ? rb : 0) * d.k;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    float c[kTiles][4];
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[j][e] = 0.0f;
+    for (int k0 = warp * kTcStep; k0 < d.k; k0 += kWarps * kTcStep) {
+        uint4 wa[kTcUnroll];
+        uint4 wb[kTcUnroll];
+#pragma unroll
+        for (int u = 0; u < kTcUnroll; ++u) {
+            // d.k is a multiple of 8 here, so a vector is wholly inside or outside.
+            const int kk = k0 + u * 32 + u4 * 8;
+            const bool in = kk < d.k;
+            wa[u] = in && oka ? load_no_l1(reinterpret_cast<const uint4*>(wa_row + kk)) : zero;
+            wb[u] = in && okb ? load_no_l1(reinterpret_cast<const uint4*>(wb_row + kk)) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < kTcUnroll; ++u) {
+            if (k0 + u * 32 >= d.k) break;
+            const int kk = k0 + u * 32 + u4 * 8;
+            const bool in = kk < d.k;
+            // This step's activation vectors of every n-tile first, then the MMAs.
+            uint4 xv[kTiles];
+#pragma unroll
+            for (int j = 0; j < kTiles; ++j) {
+                const int r = j * 8 + g;
+                xv[j] = in && r < d.m ? __ldg(reinterpret_cast<const uint4*>(
+                                            x + static_cast<long>(r) * d.k + kk))
+                                      : zero;
+            }
+            const unsigned lo[4] = {wa[u].x, wb[u].x, wa[u].y, wb[u].y};
+            const unsigned hi[4] = {wa[u].z, wb[u].z, wa[u].w, wb[u].w};
+#pragma unroll
+            for (int j = 0; j < kTiles; ++j) {
+                if (j * 8 >= d.m) break;
+                kpt::mma<T>(c[j], lo, xv[j].x, xv[j].y);
+                kpt::mma<T>(c[j], hi, xv[j].z, xv[j].w);
+            }
+        }
+    }
+    // c[j] = {(row g, x rows 8j + 2u, +1), (row g + 8, the same x rows)}.
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+        const int r = j * 8 + 2 * u4;
+        partial[warp][g][r] = c[j][0];
+        partial[warp][g][r + 1] = c[j][1];
+        partial[warp][g + 8][r] = c[j][2];
+        partial[warp][g + 8][r + 1] = c[j][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTileRows * kM; i += kBlock) {
+        const int r = i / kTileRows;
+        const int t = i % kTileRows;
+        const long row = row0 + t;
+        if (r >= d.m || row >= d.n) continue;
+        float s = bias ? to_float(bias[row]) : 0.0f;
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) s += partial[v][t][r];
+        out[static_cast<long>(r) * d.n + row] = kpt::from_float<T>(s);
+    }
+}
+
 }  // namespace
 
 #define KPT_GEMV(NAME, T, M)                                                              \
@@ -133,13 +290,29 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
         gemv<T, M>(x, w, bias, out, d);                                                   \
     }
 
-#define KPT_GEMV_ALL(NAME, T) \
-    KPT_GEMV(NAME, T, 1)      \
-    KPT_GEMV(NAME, T, 2)      \
-    KPT_GEMV(NAME, T, 4)      \
-    KPT_GEMV(NAME, T, 8)      \
-    KPT_GEMV(NAME, T, 16)
+// The 8-, 16- and 32-row classes of bf16 / f16 on tensor cores (one, two and four
+// n-tiles), two blocks per SM (at most 128 registers a thread).
+#define KPT_GEMV_TC(NAME, T, M)                                                           \
+    extern "C" __global__ void __launch_bounds__(kBlock, 2)                               \
+        kpt_gemv_##NAME##_m##M(const T* x, const T* w, const T* bias, T* out, GemvDims d) { \
+        gemv_tc<T, M / 8>(x, w, bias, out, d);                                            \
+    }
 
-KPT_GEMV_ALL(f32, float)
-KPT_GEMV_ALL(bf16, __nv_bfloat16)
-KPT_GEMV_ALL(f16, __half)
+#define KPT_GEMV_CUDA_CORES(NAME, T) \
+    KPT_GEMV(NAME, T, 1)             \
+    KPT_GEMV(NAME, T, 2)             \
+    KPT_GEMV(NAME, T, 4)
+
+#define KPT_GEMV_TENSOR_CORES(NAME, T) \
+    KPT_GEMV_TC(NAME, T, 8)            \
+    KPT_GEMV_TC(NAME, T, 16)           \
+    KPT_GEMV_TC(NAME, T, 32)
+
+KPT_GEMV_CUDA_CORES(f32, float)
+KPT_GEMV(f32, float, 8)
+KPT_GEMV(f32, float, 16)
+KPT_GEMV(f32, float, 32)
+KPT_GEMV_CUDA_CORES(bf16, __nv_bfloat16)
+KPT_GEMV_TENSOR_CORES(bf16, __nv_bfloat16)
+KPT_GEMV_CUDA_CORES(f16, __half)
+KPT_GEMV_TENSOR_CORES(f16, __half)

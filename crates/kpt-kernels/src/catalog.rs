@@ -185,8 +185,9 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             "cuda.linear.gemv",
             Linear,
             CUDA_FLOATS,
-            "bandwidth-bound GEMV for decode: one warp per weight row, 16-byte streaming \
-             loads, f32 accumulation, bias fused; weights of another dtype go to cuBLASLt",
+            "bandwidth-bound GEMV for decode: two warps per weight row (bf16/f16 at 5-32 \
+             rows: tensor-core tiles of 16 weight rows), 16-byte streaming loads, f32 \
+             accumulation, bias fused; weights of another dtype go to cuBLASLt",
         )
         .weights(CUDA_FLOATS)
         .with_priority(GEMV_PRIORITY)
@@ -406,12 +407,15 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
     ]
 }
 
-/// Above cuBLASLt (100) for the row counts it takes: at M <= 16 a linear op is bound by
-/// reading the weights, which the GEMV kernel does at close to copy bandwidth.
+/// Above cuBLASLt (100) for the row counts it takes (see [`GEMV_MAX_ROWS`]).
 const GEMV_PRIORITY: i32 = 110;
 
-/// The most activation rows `cuda.linear.gemv` takes (its largest row class).
-const GEMV_MAX_ROWS: usize = 16;
+/// The most activation rows for which the registry picks `cuda.linear.gemv`: the measured
+/// crossover with cuBLASLt on the H100 (docs/reports/gemv-h100-m32-latest.md, the 1.1B
+/// LLaMA's decode linears). The kernel takes up to 32 rows (tensor cores for bf16/f16
+/// from 5), but from 4 rows on cuBLASLt is faster on three of the four shapes and over a
+/// decode step's linears; asked for by name it still runs every class.
+const GEMV_MAX_ROWS: usize = 2;
 
 /// Above the CUDA norms (100): faster on the H100 (docs/reports/nvidia-h100-latest.md).
 const TRITON_NORM_PRIORITY: i32 = 110;

@@ -302,11 +302,17 @@ const SPLIT_TARGET_BLOCKS: usize = 1024;
 const SPLIT_WAVE_BLOCKS: usize = 528;
 
 /// Row classes of `gemv.cu` (its kMaxM instantiations) and the largest.
-const GEMV_ROW_CLASSES: [usize; 5] = [1, 2, 4, 8, 16];
+const GEMV_ROW_CLASSES: [usize; 6] = [1, 2, 4, 8, 16, 32];
 /// The most activation rows the GEMV kernel takes.
-pub(crate) const GEMV_MAX_ROWS: usize = 16;
-/// Weight rows per block of `gemv.cu` (two warps per row, its kRowsPerBlock).
+pub(crate) const GEMV_MAX_ROWS: usize = 32;
+/// Weight rows per block of `gemv.cu`'s CUDA-core classes (two warps per row, its
+/// kRowsPerBlock).
 const GEMV_ROWS_PER_BLOCK: usize = 4;
+/// Weight rows per block of its tensor-core classes (one MMA tile of 16 rows, its
+/// kTileRows).
+const GEMV_TILE_ROWS: usize = 16;
+/// The smallest row class that runs on tensor cores for bf16 and f16 (8, 16 and 32 do).
+const GEMV_TENSOR_CORE_CLASS: usize = 8;
 
 /// Sizes of one GEMV call (the kernel's `GemvDims`).
 #[repr(C)]
@@ -921,7 +927,8 @@ impl Gpu {
 
     /// Linear with few rows (`kernels/cuda/gemv.cu`): `out [m, n] = x [m, k] · w [n, k]ᵀ
     /// (+ bias [n])`, all of `dtype`, for `m` in `1..=`[`GEMV_MAX_ROWS`]; `bias` 0 means
-    /// none. Rows of whole 16-byte vectors with aligned buffers take the vector loop.
+    /// none. Rows of whole 16-byte vectors with aligned buffers take the vector loop
+    /// (for bf16 / f16 at 5..=32 rows: the tensor-core loop), others a scalar loop.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemv(
         &self,
@@ -949,7 +956,12 @@ impl Gpu {
             vec: i32::from(vec),
         };
         let entry = format!("kpt_gemv_{}_m{class}", float_name(dtype)?);
-        let blocks = grid("gemv rows", n.div_ceil(GEMV_ROWS_PER_BLOCK))?;
+        let rows_per_block = if class >= GEMV_TENSOR_CORE_CLASS && dtype != DType::F32 {
+            GEMV_TILE_ROWS
+        } else {
+            GEMV_ROWS_PER_BLOCK
+        };
+        let blocks = grid("gemv rows", n.div_ceil(rows_per_block))?;
         launch!(self, "gemv", entry, blocks; x, w, bias, out, dims);
         Ok(())
     }

@@ -22,6 +22,11 @@ use proptest::test_runner::TestCaseError;
 
 const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
+/// The most activation rows for which the registry picks `cuda.linear.gemv` (its shape
+/// limit in kpt-kernels' catalog, the measured crossover with cuBLASLt); the kernel
+/// itself takes up to 32 and is tested by name at every row count.
+const GEMV_ROWS: usize = 2;
+
 /// The backend on device 0, or `None` (after saying so) when there is no GPU.
 fn backend() -> Option<&'static CudaBackend> {
     static B: OnceLock<Option<CudaBackend>> = OnceLock::new();
@@ -813,10 +818,11 @@ proptest! {
     }
 
     #[test]
-    fn linear_few_rows(batch in 1usize..=2, seq in 1usize..=8, k in 1usize..700, n in 1usize..300,
+    fn linear_few_rows(batch in 1usize..=4, seq in 1usize..=8, k in 1usize..700, n in 1usize..300,
                        bias in any::<bool>(), dt in dtype(), seed: u64) {
-        // Decode-sized linears take the GEMV kernel: odd K (the scalar loop), K of whole
-        // 16-byte vectors (the vector loop), every row class up to 16 rows.
+        // Linears of up to 32 rows: the GEMV kernel up to the registry's crossover
+        // (GEMV_ROWS), cuBLASLt above; each device kernel the registry accepts is checked
+        // (odd K, K of whole 16-byte vectors).
         let mut rng = SplitMix64::new(seed);
         let x = random(&mut rng, &[batch, seq, k], dt, -1.0, 1.0);
         let w = random(&mut rng, &[n, k], dt, -1.0, 1.0);
@@ -828,9 +834,35 @@ proptest! {
         let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
         if let Some(b) = backend() {
             let chain = registry().fallback_chain(&op, &specs, b.device());
-            prop_assert_eq!(chain.first().map(String::as_str), Some("cuda.linear.gemv"));
+            let gemv = chain.first().is_some_and(|k| k == "cuda.linear.gemv");
+            prop_assert_eq!(gemv, batch * seq <= GEMV_ROWS, "{:?}", chain);
         }
         check(&op, &inputs)?;
+    }
+
+    #[test]
+    fn gemv_every_row_class(m in 1usize..=32,
+                            k in prop_oneof![1usize..700, (1usize..330).prop_map(|v| 8 * v)],
+                            n in 1usize..300, bias in any::<bool>(), dt in dtype(), seed: u64) {
+        // `cuda.linear.gemv` by name at every row count it takes, whatever the registry
+        // would pick: K of whole 16-byte vectors (the vector loops; for bf16 / f16 at 5
+        // to 32 rows the tensor-core loop, with K steps cut short, several steps per warp
+        // and weight tiles cut off by N) and K that is not (the scalar loops).
+        let Some(b) = backend() else { return Ok(()) };
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[m, k], dt, -1.0, 1.0);
+        let w = random(&mut rng, &[n, k], dt, -1.0, 1.0);
+        let mut inputs = vec![x, w];
+        if bias {
+            inputs.push(random(&mut rng, &[n], dt, -1.0, 1.0));
+        }
+        let op = Op::Linear { bias };
+        let want = CpuReference.eval(&op, &inputs).unwrap();
+        let got = run_kernel(b, "cuda.linear.gemv", &op, &inputs)
+            .map_err(|e| TestCaseError::fail(format!("gemv: {e}")))?;
+        let tol = tolerance(&op, dt, k);
+        let stats = compare(&got[0], &want[0], tol).unwrap();
+        prop_assert!(stats.within, "gemv m {} k {} n {} {}: {:?} vs {:?}", m, k, n, dt, stats, tol);
     }
 
     #[test]
@@ -991,8 +1023,15 @@ fn large_rows_and_gemms_match_the_reference() {
 fn gemv_takes_decode_shapes_and_leaves_larger_ones_to_cublaslt() {
     let Some(b) = backend() else { return };
     let mut rng = SplitMix64::new(12);
-    // The 1.1B LLaMA decode shapes (merged q/k/v, down) at 1 and 5 rows, with a bias.
-    for (m, k, n) in [(1, 2048, 2560), (5, 5632, 2048), (16, 2048, 1000)] {
+    // The 1.1B LLaMA decode shapes (merged q/k/v, down) at 1 to 32 rows, with a bias:
+    // the registry's choice (GEMV up to GEMV_ROWS rows) and the GEMV kernel by name.
+    for (m, k, n) in [
+        (1, 2048, 2560),
+        (5, 5632, 2048),
+        (16, 2048, 1000),
+        (17, 5632, 2048),
+        (32, 2048, 2560),
+    ] {
         for dt in FLOATS {
             let x = random(&mut rng, &[m, k], dt, -1.0, 1.0);
             let w = random(&mut rng, &[n, k], dt, -1.0, 1.0);
@@ -1000,12 +1039,19 @@ fn gemv_takes_decode_shapes_and_leaves_larger_ones_to_cublaslt() {
             let op = Op::Linear { bias: true };
             let specs = [spec(&x), spec(&w), spec(&bias)];
             let chain = registry().fallback_chain(&op, &specs, b.device());
-            assert_eq!(chain.first().map(String::as_str), Some("cuda.linear.gemv"));
-            check(&op, &[x, w, bias]).unwrap();
+            let gemv = chain.first().is_some_and(|k| k == "cuda.linear.gemv");
+            assert_eq!(gemv, m <= GEMV_ROWS, "{m} rows: {chain:?}");
+            check(&op, &[x.clone(), w.clone(), bias.clone()]).unwrap();
+            // The kernel by name, wherever the registry's crossover lies.
+            let inputs = [x, w, bias];
+            let want = CpuReference.eval(&op, &inputs).unwrap();
+            let got = run_kernel(b, "cuda.linear.gemv", &op, &inputs).unwrap();
+            let stats = compare(&got[0], &want[0], tolerance(&op, dt, k)).unwrap();
+            assert!(stats.within, "{m}x{k}x{n} {dt}: {stats:?}");
         }
     }
     let specs = [
-        TensorSpec::new(&[17, 64], DType::BF16),
+        TensorSpec::new(&[33, 64], DType::BF16),
         TensorSpec::new(&[32, 64], DType::BF16),
     ];
     let chain = registry().fallback_chain(&Op::Linear { bias: false }, &specs, b.device());
