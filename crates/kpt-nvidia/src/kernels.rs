@@ -612,7 +612,7 @@ impl Gpu {
         dim: usize,
     ) -> Result<(), NvidiaError> {
         let entry = format!("kpt_argmax_{}", float_name(dtype)?);
-        launch!(self, "argmax", entry, grid("rows", rows)?; x, out, int("dim", dim)?);
+        launch!(self, "softmax", entry, grid("rows", rows)?; x, out, int("dim", dim)?);
         Ok(())
     }
 
