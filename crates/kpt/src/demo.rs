@@ -306,7 +306,8 @@ pub fn run_demo(
     let mut rows = Vec::new();
     for &level in &opts.levels {
         progress(&format!("{level}: optimizing"));
-        let mut runner = plan_runner(rt, &m.model, level, false)?;
+        // The decode plan of the graph it is validated against (logits only).
+        let mut runner = plan_runner(rt, &m.model, level, false, Phase::Decode)?;
         progress(&format!("{level}: validating"));
         let scale = rt.config().precision.tolerance_scale;
         let report_pre = validate_plan(

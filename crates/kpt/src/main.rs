@@ -755,7 +755,7 @@ fn run_model(cfg: KptConfig, args: RunArgs) -> anyhow::Result<()> {
         .collect::<Result<Vec<_>, _>>()?;
     pb.inc(1);
     pb.set_message(format!("optimizing at {level}"));
-    let runner = plan_runner(&rt, &m.model, level, prompts.len() > 1)?;
+    let runner = plan_runner(&rt, &m.model, level, prompts.len() > 1, Phase::DecodeGreedy)?;
     pb.finish_and_clear();
     let eos: &[u32] = if args.ignore_eos {
         &[]

@@ -85,13 +85,15 @@ pub fn require_decoder(model: &Model, command: &str) -> Result<()> {
 }
 
 /// Prefill and decode plans of `model` at `level` on the runtime's backend (and a packed
-/// prefill plan for several prompts when `packed`). The decode plan also picks greedy
-/// tokens on the device ([`Phase::DecodeGreedy`]).
+/// prefill plan for several prompts when `packed`); the decode plan is of `decode`
+/// ([`Phase::DecodeGreedy`] picks greedy tokens on the device, [`Phase::Decode`] returns
+/// logits only, as the graph a validator compares with).
 pub fn plan_runner(
     rt: &Runtime,
     model: &Model,
     level: OptLevel,
     packed: bool,
+    decode: Phase,
 ) -> Result<PlanRunner> {
     require_decoder(model, "generation")?;
     let exec = |g: &Graph| -> Result<kpt_core::exec::Executor> {
@@ -99,7 +101,7 @@ pub fn plan_runner(
     };
     let mut runner = PlanRunner::new(
         exec(&model.graph(Phase::Prefill, 16)?)?,
-        exec(&model.graph(Phase::DecodeGreedy, 16)?)?,
+        exec(&model.graph(decode, 16)?)?,
     );
     if packed {
         runner = runner.with_packed(exec(&model.graph_packed(32, 2)?)?);
@@ -190,7 +192,7 @@ pub fn bench_model(
     let mut rows = Vec::new();
     for &level in &opts.levels {
         progress(&format!("{level}: optimizing"));
-        let mut runner = plan_runner(rt, &m.model, level, false)?;
+        let mut runner = plan_runner(rt, &m.model, level, false, Phase::DecodeGreedy)?;
         let weights = weight_dtype(&runner.prefill_executor().plan().graph);
         runner.prefill(&ids)?;
         let mut times = Vec::new();
