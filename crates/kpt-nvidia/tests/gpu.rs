@@ -1330,6 +1330,17 @@ fn bad_requests_are_errors() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("do not match"), "{e}");
+    // A head too wide for the rotary kernels' shared cos/sin tables.
+    let op = Op::SplitRotary {
+        head_dim: 1024,
+        theta: 10_000.0,
+        scaling: None,
+        sizes: vec![1024, 1024, 8],
+    };
+    let qkv = random(&mut rng, &[1, 2, 2056], DType::BF16, -1.0, 1.0);
+    let pos = Tensor::from_f64(&[0.0, 1.0], &[2], DType::I64).unwrap();
+    let e = run_kernel(b, "cuda.split_rotary", &op, &[qkv, pos]).unwrap_err();
+    assert!(e.to_string().contains("at most 512"), "{e}");
     // A kernel of another backend family.
     let e = run_kernel(b, "rocm.softmax", &Op::Softmax, &[x]).unwrap_err();
     assert!(e.to_string().contains("does not run on CUDA"), "{e}");
