@@ -786,7 +786,10 @@ fn split_rotary_fuses_and_validates_at_every_level() {
         scaling: Some(RopeScaling::Linear { factor: 2.0 }),
     };
     let mut proj = |g: &mut Graph, name: &str, n: usize| {
-        let w = g.param(format!("attn.{name}.w"), tensor(&mut rng, &[n, hidden], -0.3, 0.3));
+        let w = g.param(
+            format!("attn.{name}.w"),
+            tensor(&mut rng, &[n, hidden], -0.3, 0.3),
+        );
         g.op(format!("attn.{name}"), Op::Linear { bias: false }, &[x, w])
             .unwrap()
     };

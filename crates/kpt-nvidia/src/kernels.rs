@@ -119,12 +119,12 @@ fn grid(what: &str, v: usize) -> Result<u32, NvidiaError> {
 /// The rotary kernels' limits: an even `head_dim` of at most 512 (their shared cos/sin
 /// tables), and `period` positions that divide the `tokens`.
 fn check_rotary_dims(tokens: usize, period: usize, head_dim: usize) -> Result<(), NvidiaError> {
-    if head_dim == 0 || head_dim % 2 != 0 || head_dim > 512 {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > 512 {
         return Err(NvidiaError::Invalid(format!(
             "rotary head_dim must be even, non-zero and at most 512, got {head_dim}"
         )));
     }
-    if tokens > 0 && (period == 0 || tokens % period != 0) {
+    if tokens > 0 && (period == 0 || !tokens.is_multiple_of(period)) {
         return Err(NvidiaError::Invalid(format!(
             "rotary positions ({period}) must divide the tokens ({tokens})"
         )));
@@ -1059,7 +1059,7 @@ impl Gpu {
     ) -> Result<(), NvidiaError> {
         check_rotary_dims(tokens, period, head_dim)?;
         let [wq, wk, wv] = sizes;
-        if wq % head_dim != 0 || wk % head_dim != 0 {
+        if !wq.is_multiple_of(head_dim) || !wk.is_multiple_of(head_dim) {
             return Err(NvidiaError::Invalid(format!(
                 "split_rotary head_dim {head_dim} must divide the q and k widths {wq} and {wk}"
             )));
