@@ -1,13 +1,21 @@
-// Rotary position embedding, NeoX / LLaMA "rotate half" layout, on x [batch, seq,
-// heads * head_dim] with positions [seq] (i32 or i64). One block per (batch, seq) row:
-// the cos/sin of the row's position are computed once in f64 (exact for long
-// positions) into shared memory, then every head of the row is rotated, with 16-byte
-// loads when half a head is a multiple of 16 bytes. head_dim <= 512.
+// Rotary position embedding, NeoX / LLaMA "rotate half" layout, on x [tokens,
+// heads * head_dim] with positions (i32 or i64) of `period` entries: token t takes
+// positions[t % period], so positions [seq] shared by every sequence (period = seq) and
+// one position per token (period = tokens) are the same kernel. One block per token:
+// the cos/sin of its position are computed once in f64 (exact for long positions) into
+// shared memory, then every head is rotated, with 16-byte loads when half a head is a
+// multiple of 16 bytes. head_dim <= 512.
 // Plain rotary (inv_freq == nullptr) computes theta^(-2i/head_dim) itself; scaled
 // rotary reads the head_dim/2 inverse frequencies from inv_freq (f64, computed on the
 // host by kpt_core::graph::rope_frequencies) and multiplies cos and sin by
 // attention_factor (1 unless YaRN).
 // Matches kpt_kernels::cpu::reference::rotary.
+//
+// kpt_split_rotary_*: the q/k/v split of a merged projection fused with the rotary of q
+// and k. qkv [tokens, q + k + v] gives q [tokens, q] and k [tokens, k], rotated with the
+// token's table as above, and v [tokens, v], copied: one launch for the three outputs.
+// 16-byte loads when half a head and v are multiples of 16 bytes.
+// Matches kpt_kernels::cpu::reference::split_rotary.
 //
 // kpt:launch kpt_rotary_f32_i32 block=256 shared=0 grid=rows
 // kpt:launch kpt_rotary_f32_i64 block=256 shared=0 grid=rows
@@ -15,6 +23,12 @@
 // kpt:launch kpt_rotary_bf16_i64 block=256 shared=0 grid=rows
 // kpt:launch kpt_rotary_f16_i32 block=256 shared=0 grid=rows
 // kpt:launch kpt_rotary_f16_i64 block=256 shared=0 grid=rows
+// kpt:launch kpt_split_rotary_f32_i32 block=256 shared=0 grid=rows
+// kpt:launch kpt_split_rotary_f32_i64 block=256 shared=0 grid=rows
+// kpt:launch kpt_split_rotary_bf16_i32 block=256 shared=0 grid=rows
+// kpt:launch kpt_split_rotary_bf16_i64 block=256 shared=0 grid=rows
+// kpt:launch kpt_split_rotary_f16_i32 block=256 shared=0 grid=rows
+// kpt:launch kpt_split_rotary_f16_i64 block=256 shared=0 grid=rows
 
 #include "common.cuh"
 
@@ -26,14 +40,12 @@ constexpr int kMaxHalf = 256;
 using kpt::from_float;
 using kpt::to_float;
 
-template <typename T, typename I>
-__device__ void rotary(const T* __restrict__ x, const I* __restrict__ positions,
-                       T* __restrict__ out, int seq, int heads, int head_dim, float theta,
-                       const double* __restrict__ inv_freq, double attention_factor) {
-    __shared__ float cos_t[kMaxHalf], sin_t[kMaxHalf];
+// cos and sin (times attention_factor) of pos * inv_freq[i] for i < half, in f64,
+// rounded once into the block's shared tables. The caller synchronizes.
+__device__ void fill_table(double pos, int head_dim, float theta,
+                           const double* __restrict__ inv_freq, double attention_factor,
+                           float* cos_t, float* sin_t) {
     const int half = head_dim / 2;
-    const long row = blockIdx.x;
-    const double pos = static_cast<double>(positions[row % seq]);
     for (int i = threadIdx.x; i < half; i += kBlock) {
         const double freq = inv_freq != nullptr
                                 ? inv_freq[i]
@@ -43,6 +55,43 @@ __device__ void rotary(const T* __restrict__ x, const I* __restrict__ positions,
         cos_t[i] = static_cast<float>(c * attention_factor);
         sin_t[i] = static_cast<float>(s * attention_factor);
     }
+}
+
+// Rotates N elements i..i+N of both halves of the head at src into dst.
+template <typename T>
+__device__ __forceinline__ void rotate_vec(const T* src, T* dst, int i, int half,
+                                           const float* cos_t, const float* sin_t) {
+    constexpr int N = kpt::Vec<T>::N;
+    float a[N], b[N], ra[N], rb[N];
+    kpt::load_vec(src, a);
+    kpt::load_vec(src + half, b);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        ra[j] = a[j] * cos_t[i + j] - b[j] * sin_t[i + j];
+        rb[j] = b[j] * cos_t[i + j] + a[j] * sin_t[i + j];
+    }
+    kpt::store_vec(dst, ra);
+    kpt::store_vec(dst + half, rb);
+}
+
+// Rotates element i of both halves of the head at src into dst.
+template <typename T>
+__device__ __forceinline__ void rotate_one(const T* src, T* dst, int i, int half,
+                                           const float* cos_t, const float* sin_t) {
+    const float a = to_float(src[i]), b = to_float(src[i + half]);
+    dst[i] = from_float<T>(a * cos_t[i] - b * sin_t[i]);
+    dst[i + half] = from_float<T>(b * cos_t[i] + a * sin_t[i]);
+}
+
+template <typename T, typename I>
+__device__ void rotary(const T* __restrict__ x, const I* __restrict__ positions,
+                       T* __restrict__ out, int period, int heads, int head_dim, float theta,
+                       const double* __restrict__ inv_freq, double attention_factor) {
+    __shared__ float cos_t[kMaxHalf], sin_t[kMaxHalf];
+    const int half = head_dim / 2;
+    const long row = blockIdx.x;
+    fill_table(static_cast<double>(positions[row % period]), head_dim, theta, inv_freq,
+               attention_factor, cos_t, sin_t);
     __syncthreads();
     const long base = row * heads * head_dim;
     x += base;
@@ -53,36 +102,78 @@ __device__ void rotary(const T* __restrict__ x, const I* __restrict__ positions,
         for (int k = threadIdx.x; k < heads * per_head; k += kBlock) {
             const int i = (k % per_head) * N;
             const long at = static_cast<long>(k / per_head) * head_dim + i;
-            float a[N], b[N], ra[N], rb[N];
-            kpt::load_vec(x + at, a);
-            kpt::load_vec(x + at + half, b);
-#pragma unroll
-            for (int j = 0; j < N; ++j) {
-                ra[j] = a[j] * cos_t[i + j] - b[j] * sin_t[i + j];
-                rb[j] = b[j] * cos_t[i + j] + a[j] * sin_t[i + j];
-            }
-            kpt::store_vec(out + at, ra);
-            kpt::store_vec(out + at + half, rb);
+            rotate_vec(x + at, out + at, i, half, cos_t, sin_t);
         }
         return;
     }
     for (int k = threadIdx.x; k < heads * half; k += kBlock) {
-        const int i = k % half;
-        const long at = static_cast<long>(k / half) * head_dim + i;
-        const float a = to_float(x[at]), b = to_float(x[at + half]);
-        out[at] = from_float<T>(a * cos_t[i] - b * sin_t[i]);
-        out[at + half] = from_float<T>(b * cos_t[i] + a * sin_t[i]);
+        const long at = static_cast<long>(k / half) * head_dim;
+        rotate_one(x + at, out + at, k % half, half, cos_t, sin_t);
     }
+}
+
+template <typename T, typename I>
+__device__ void split_rotary(const T* __restrict__ qkv, const I* __restrict__ positions,
+                             T* __restrict__ q, T* __restrict__ k, T* __restrict__ v,
+                             int period, int q_heads, int k_heads, int v_width, int head_dim,
+                             float theta, const double* __restrict__ inv_freq,
+                             double attention_factor) {
+    __shared__ float cos_t[kMaxHalf], sin_t[kMaxHalf];
+    const int half = head_dim / 2;
+    const long row = blockIdx.x;
+    fill_table(static_cast<double>(positions[row % period]), head_dim, theta, inv_freq,
+               attention_factor, cos_t, sin_t);
+    __syncthreads();
+    const long q_width = static_cast<long>(q_heads) * head_dim;
+    const long k_width = static_cast<long>(k_heads) * head_dim;
+    // q's heads, then k's, are contiguous at the start of the token's qkv row.
+    const T* src = qkv + row * (q_width + k_width + v_width);
+    T* dst_q = q + row * q_width;
+    T* dst_k = k + row * k_width;
+    const T* src_v = src + q_width + k_width;
+    T* dst_v = v + row * v_width;
+    const int heads = q_heads + k_heads;
+    constexpr int N = kpt::Vec<T>::N;
+    if (half % N == 0 && v_width % N == 0) {
+        const int per_head = half / N;
+        for (int t = threadIdx.x; t < heads * per_head; t += kBlock) {
+            const int h = t / per_head;
+            const int i = (t % per_head) * N;
+            T* dst = h < q_heads ? dst_q + static_cast<long>(h) * head_dim
+                                 : dst_k + static_cast<long>(h - q_heads) * head_dim;
+            rotate_vec(src + static_cast<long>(h) * head_dim + i, dst + i, i, half, cos_t,
+                       sin_t);
+        }
+        for (int j = threadIdx.x * N; j < v_width; j += kBlock * N) {
+            *reinterpret_cast<uint4*>(dst_v + j) = *reinterpret_cast<const uint4*>(src_v + j);
+        }
+        return;
+    }
+    for (int t = threadIdx.x; t < heads * half; t += kBlock) {
+        const int h = t / half;
+        T* dst = h < q_heads ? dst_q + static_cast<long>(h) * head_dim
+                             : dst_k + static_cast<long>(h - q_heads) * head_dim;
+        rotate_one(src + static_cast<long>(h) * head_dim, dst, t % half, half, cos_t, sin_t);
+    }
+    for (int j = threadIdx.x; j < v_width; j += kBlock) dst_v[j] = src_v[j];
 }
 
 }  // namespace
 
 #define KPT_ROTARY(NAME, T, INAME, I)                                                    \
     extern "C" __global__ void __launch_bounds__(kBlock) kpt_rotary_##NAME##_##INAME(   \
-        const T* x, const I* positions, T* out, int seq, int heads, int head_dim,       \
+        const T* x, const I* positions, T* out, int period, int heads, int head_dim,    \
         float theta, const double* inv_freq, double attention_factor) {                  \
-        rotary<T, I>(x, positions, out, seq, heads, head_dim, theta, inv_freq,           \
+        rotary<T, I>(x, positions, out, period, heads, head_dim, theta, inv_freq,        \
                      attention_factor);                                                  \
+    }                                                                                    \
+    extern "C" __global__ void __launch_bounds__(kBlock)                                 \
+        kpt_split_rotary_##NAME##_##INAME(                                               \
+            const T* qkv, const I* positions, T* q, T* k, T* v, int period, int q_heads, \
+            int k_heads, int v_width, int head_dim, float theta, const double* inv_freq, \
+            double attention_factor) {                                                   \
+        split_rotary<T, I>(qkv, positions, q, k, v, period, q_heads, k_heads, v_width,   \
+                           head_dim, theta, inv_freq, attention_factor);                 \
     }
 
 KPT_ROTARY(f32, float, i32, int)

@@ -319,6 +319,7 @@ fn optimization_is_deterministic_and_reports_every_pass() {
             "fuse_gated_mlp",
             "fuse_linear_activation",
             "fuse_sibling_linears",
+            "fuse_split_rotary",
             "fuse_add_rms_norm",
             "fuse_add_layer_norm",
             "activation_precision",

@@ -90,6 +90,12 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             "NeoX rotary with a per-call cos/sin table",
         ),
         k(
+            "cpu.split_rotary",
+            SplitRotary,
+            F32,
+            "q/k/v split and NeoX rotary of q and k with one cos/sin table",
+        ),
+        k(
             "cpu.softmax",
             Softmax,
             F32,
@@ -241,6 +247,13 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             Rotary,
             CUDA_FLOATS,
             "NeoX rotary, f64 angles per row in shared memory",
+        ),
+        k(
+            "cuda.split_rotary",
+            SplitRotary,
+            CUDA_FLOATS,
+            "q/k/v split and NeoX rotary of q and k in one launch: one block per token, \
+             f64 angles in shared memory, 16-byte loads",
         ),
         k(
             "cuda.activation",

@@ -18,7 +18,9 @@ use kpt_core::{DType, KptError, Result, Storage, Tensor};
 
 use crate::cpu;
 use crate::cpu::linear::WeightsRef;
-use crate::reference::{act, attention_shape, rows_dim, CpuReference};
+use crate::reference::{
+    act, attention_shape, rotary_dims, rows_dim, split_rotary_sizes, CpuReference,
+};
 
 /// Attention tile sizes of the CPU flash kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -421,14 +423,36 @@ impl CpuBackend {
                 theta,
                 scaling,
             } => {
-                let s = &inputs[0].spec.shape;
+                let (batch, seq, width) = rotary_dims(&inputs[0].spec.shape);
                 cpu::rotary::rotary(
                     input(&inputs[0])?,
                     &indices(&inputs[1])?,
                     output(out0)?,
-                    s[0],
-                    s[1],
-                    s[2] / head_dim,
+                    batch,
+                    seq,
+                    width / head_dim,
+                    *head_dim,
+                    *theta,
+                    scaling.as_ref(),
+                )
+            }
+            Op::SplitRotary {
+                head_dim,
+                theta,
+                scaling,
+                sizes,
+            } => {
+                let (batch, seq, _) = rotary_dims(&inputs[0].spec.shape);
+                let [k, v] = rest else {
+                    return Err(KptError::Graph("split_rotary needs three outputs".into()));
+                };
+                cpu::rotary::split_rotary(
+                    input(&inputs[0])?,
+                    &indices(&inputs[1])?,
+                    (output(out0)?, output(k)?, output(v)?),
+                    batch,
+                    seq,
+                    split_rotary_sizes(sizes)?,
                     *head_dim,
                     *theta,
                     scaling.as_ref(),

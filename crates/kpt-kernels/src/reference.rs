@@ -52,6 +52,26 @@ pub(crate) fn rows_dim(shape: &[usize]) -> (usize, usize) {
     }
 }
 
+/// `(batch, seq, width)` of a rotary op's x `[.., seq, width]`: `batch` is the product
+/// of the dims before `seq` (1 for rank 2).
+pub(crate) fn rotary_dims(shape: &[usize]) -> (usize, usize, usize) {
+    match shape {
+        [lead @ .., seq, width] => (lead.iter().product(), *seq, *width),
+        [width] => (1, 1, *width),
+        [] => (1, 1, 1),
+    }
+}
+
+/// The three widths of [`Op::SplitRotary`]'s `sizes`, or a shape error.
+pub(crate) fn split_rotary_sizes(sizes: &[usize]) -> Result<[usize; 3]> {
+    sizes.try_into().map_err(|_| {
+        kpt_core::KptError::shape(
+            "split_rotary",
+            format!("sizes {sizes:?} must be three widths (q, k, v)"),
+        )
+    })
+}
+
 impl ReferenceOps for CpuReference {
     fn eval(&self, op: &Op, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         // The reference computes on real values in f64, whatever the stored dtypes.
@@ -152,14 +172,36 @@ impl ReferenceOps for CpuReference {
                 theta,
                 scaling,
             } => {
-                let s = first.shape();
+                let (batch, seq, width) = rotary_dims(first.shape());
                 r::rotary(
                     &x[0],
                     &ids(&inputs[1]),
                     &mut outs[0],
-                    s[0],
-                    s[1],
-                    s[2] / head_dim,
+                    batch,
+                    seq,
+                    width / head_dim,
+                    *head_dim,
+                    *theta as f64,
+                    scaling.as_ref(),
+                )?
+            }
+            Op::SplitRotary {
+                head_dim,
+                theta,
+                scaling,
+                sizes,
+            } => {
+                let (batch, seq, _) = rotary_dims(first.shape());
+                let [q, k, v] = &mut outs[..] else {
+                    unreachable!("split_rotary infers three outputs")
+                };
+                r::split_rotary(
+                    &x[0],
+                    &ids(&inputs[1]),
+                    (q, k, v),
+                    batch,
+                    seq,
+                    split_rotary_sizes(sizes)?,
                     *head_dim,
                     *theta as f64,
                     scaling.as_ref(),

@@ -769,6 +769,51 @@ fn rotary_validates_at_every_level() {
     assert!(rel_err(&out[0], &xt) < 1e-6);
 }
 
+/// q, k and v projections of one input with rotary on q and k at per-token positions
+/// (a decode batch of sequences at different lengths): every level merges the
+/// projections and fuses the split with both rotaries into `cpu.split_rotary`, and the
+/// plan matches the f64 reference of the unfused graph.
+#[test]
+fn split_rotary_fuses_and_validates_at_every_level() {
+    let mut rng = Rng::new(25);
+    let (batch, hidden, head_dim) = (3, 32, 8);
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[batch, 1, hidden]);
+    let pos = g.input("positions", DType::I64, &[batch, 1]);
+    let rope = Op::Rotary {
+        head_dim,
+        theta: 10000.0,
+        scaling: Some(RopeScaling::Linear { factor: 2.0 }),
+    };
+    let mut proj = |g: &mut Graph, name: &str, n: usize| {
+        let w = g.param(
+            format!("attn.{name}.w"),
+            tensor(&mut rng, &[n, hidden], -0.3, 0.3),
+        );
+        g.op(format!("attn.{name}"), Op::Linear { bias: false }, &[x, w])
+            .unwrap()
+    };
+    let q = proj(&mut g, "q", 32);
+    let k = proj(&mut g, "k", 16);
+    let v = proj(&mut g, "v", 16);
+    let q = g.op("attn.q_rope", rope.clone(), &[q, pos]).unwrap();
+    let k = g.op("attn.k_rope", rope, &[k, pos]).unwrap();
+    for o in [q, k, v] {
+        g.output(o).unwrap();
+    }
+    let xt = tensor(&mut rng, &[batch, 1, hidden], -2.0, 2.0);
+    let positions = Tensor::from_vec(vec![7i64, 0, 4000], &[batch, 1]).unwrap();
+    let plans = check_all_levels(&g, &[xt, positions]);
+    for plan in &plans {
+        assert_eq!(
+            kernels(plan),
+            ["cpu.linear.fused", "cpu.split_rotary"],
+            "{}",
+            plan.level
+        );
+    }
+}
+
 #[test]
 fn scaled_rotary_validates_at_every_level() {
     let mut rng = Rng::new(15);

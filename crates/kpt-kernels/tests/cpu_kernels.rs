@@ -640,12 +640,14 @@ proptest! {
 
     #[test]
     fn rotary_matches_reference(
-        batch in 1usize..=2, seq in 1usize..=9, heads in 1usize..=3,
-        head_dim in prop::sample::select(vec![2usize, 8, 16, 64]), seed in any::<u64>(),
+        batch in 1usize..=3, seq in 1usize..=9, heads in 1usize..=3,
+        head_dim in prop::sample::select(vec![2usize, 6, 8, 16, 64]), per_token in any::<bool>(),
+        seed in any::<u64>(),
     ) {
         let mut rng = Rng::new(seed);
         let x = rng.vec(batch * seq * heads * head_dim, -1.0, 1.0);
-        let positions: Vec<i64> = (0..seq).map(|_| rng.below(4096) as i64).collect();
+        let n = if per_token { batch * seq } else { seq };
+        let positions: Vec<i64> = (0..n).map(|_| rng.below(4096) as i64).collect();
         let mut want = vec![0f64; x.len()];
         r::rotary(&f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, 10_000.0, None)
             .map_err(fail)?;
@@ -660,11 +662,12 @@ proptest! {
         batch in 1usize..=2, seq in 1usize..=9, heads in 1usize..=3,
         head_dim in prop::sample::select(vec![4usize, 8, 16, 64, 128]),
         theta in prop::sample::select(vec![10_000f32, 500_000.0, 1e6]),
-        scaling in rope_scaling(), seed in any::<u64>(),
+        scaling in rope_scaling(), per_token in any::<bool>(), seed in any::<u64>(),
     ) {
         let mut rng = Rng::new(seed);
         let x = rng.vec(batch * seq * heads * head_dim, -1.0, 1.0);
-        let positions: Vec<i64> = (0..seq).map(|_| rng.below(16_384) as i64).collect();
+        let n = if per_token { batch * seq } else { seq };
+        let positions: Vec<i64> = (0..n).map(|_| rng.below(16_384) as i64).collect();
         let mut want = vec![0f64; x.len()];
         r::rotary(
             &f64s(&x), &positions, &mut want, batch, seq, heads, head_dim, theta as f64,
@@ -675,6 +678,43 @@ proptest! {
         cpu::rotary(&x, &positions, &mut got, batch, seq, heads, head_dim, theta, Some(&scaling))
             .map_err(fail)?;
         check_close("rotary (scaled)", &f64s(&got), &want, tolerance(DType::F32, 2))?;
+    }
+
+    #[test]
+    fn split_rotary_matches_reference(
+        batch in 1usize..=3, seq in 1usize..=9, q_heads in 0usize..=4, k_heads in 1usize..=2,
+        v in 0usize..=40, head_dim in prop::sample::select(vec![2usize, 6, 8, 64, 128]),
+        per_token in any::<bool>(), scaling in prop::option::of(rope_scaling()),
+        seed in any::<u64>(),
+    ) {
+        // Dynamic NTK needs head_dim > 2.
+        prop_assume!(head_dim > 2 || scaling.is_none());
+        let mut rng = Rng::new(seed);
+        let sizes = [q_heads * head_dim, k_heads * head_dim, v];
+        let width: usize = sizes.iter().sum();
+        let tokens = batch * seq;
+        let qkv = rng.vec(tokens * width, -1.0, 1.0);
+        let n = if per_token { tokens } else { seq };
+        let positions: Vec<i64> = (0..n).map(|_| rng.below(16_384) as i64).collect();
+        let mut want: Vec<Vec<f64>> = sizes.iter().map(|w| vec![0f64; tokens * w]).collect();
+        let [wq, wk, wv] = &mut want[..] else { unreachable!() };
+        r::split_rotary(
+            &f64s(&qkv), &positions, (wq, wk, wv), batch, seq, sizes, head_dim, 10_000.0,
+            scaling.as_ref(),
+        )
+        .map_err(fail)?;
+        let mut got: Vec<Vec<f32>> = sizes.iter().map(|w| vec![0f32; tokens * w]).collect();
+        let [gq, gk, gv] = &mut got[..] else { unreachable!() };
+        cpu::split_rotary(
+            &qkv, &positions, (gq, gk, gv), batch, seq, sizes, head_dim, 10_000.0,
+            scaling.as_ref(),
+        )
+        .map_err(fail)?;
+        for ((g, w), what) in got.iter().zip(&want).zip(["q", "k", "v"]) {
+            check_close(what, &f64s(g), w, tolerance(DType::F32, 2))?;
+        }
+        // v is a plain copy, and the reference is split then rotary by definition.
+        prop_assert_eq!(f64s(&got[2]), want[2].clone());
     }
 
     #[test]
@@ -963,6 +1003,73 @@ fn large_elementwise_and_norms_run_in_parallel() {
 }
 
 #[test]
+fn split_rotary_large_per_token_positions() {
+    // A LLaMA-3-8B-shaped decode batch: 16 sequences at different lengths, one token each.
+    let mut rng = Rng::new(11);
+    let (batch, seq, head_dim, sizes) = (16, 1, 128, [4096, 1024, 1024]);
+    let width: usize = sizes.iter().sum();
+    let qkv = rng.vec(batch * width, -2.0, 2.0);
+    let positions: Vec<i64> = (0..batch).map(|_| rng.below(131_072) as i64).collect();
+    let scaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    let mut want: Vec<Vec<f64>> = sizes.iter().map(|w| vec![0f64; batch * w]).collect();
+    let [wq, wk, wv] = &mut want[..] else {
+        unreachable!()
+    };
+    r::split_rotary(
+        &f64s(&qkv),
+        &positions,
+        (wq, wk, wv),
+        batch,
+        seq,
+        sizes,
+        head_dim,
+        500_000.0,
+        Some(&scaling),
+    )
+    .expect("reference");
+    let mut got: Vec<Vec<f32>> = sizes.iter().map(|w| vec![0f32; batch * w]).collect();
+    let [gq, gk, gv] = &mut got[..] else {
+        unreachable!()
+    };
+    cpu::split_rotary(
+        &qkv,
+        &positions,
+        (gq, gk, gv),
+        batch,
+        seq,
+        sizes,
+        head_dim,
+        500_000.0,
+        Some(&scaling),
+    )
+    .expect("split_rotary");
+    for ((g, w), what) in got.iter().zip(&want).zip(["q", "k", "v"]) {
+        check_close(what, &f64s(g), w, tolerance(DType::F32, 2)).expect("close");
+    }
+    // The same q as the plain rotary over per-token positions of the split-out q.
+    let q_in: Vec<f32> = qkv.chunks(width).flat_map(|r| r[..4096].to_vec()).collect();
+    let mut q = vec![0f32; q_in.len()];
+    cpu::rotary(
+        &q_in,
+        &positions,
+        &mut q,
+        batch,
+        seq,
+        32,
+        head_dim,
+        500_000.0,
+        Some(&scaling),
+    )
+    .expect("rotary");
+    assert_eq!(q, got[0]);
+}
+
+#[test]
 fn reference_rounding_is_correct_from_f64() {
     // Just above the bf16 tie 38.625 (between 38.5 and 38.75): must round up.
     let v = 38.625 + 1e-12;
@@ -1192,7 +1299,7 @@ fn bad_inputs_are_typed_errors() {
     );
     assert_shape_err(
         cpu::rotary(&x[..4], &[0], &mut o[..4], 1, 2, 1, 2, 10_000.0, None),
-        "positions [seq] has 1 elements, expected 2",
+        "positions must have 2 ([seq]) or 2 ([batch, seq]) entries, got 1",
     );
     // Rotary scaling: bad parameters are typed errors in both.
     let bad = RopeScaling::Llama3 {
@@ -1221,6 +1328,80 @@ fn bad_inputs_are_typed_errors() {
         ),
         Err(KptError::RopeScaling(RopeScalingError::Factor { .. }))
     ));
+
+    // Split + rotary: widths that head_dim does not divide, short outputs, positions.
+    let qkv = vec![0f32; 2 * 12];
+    let (mut q, mut k, mut v) = (vec![0f32; 8], vec![0f32; 8], vec![0f32; 8]);
+    assert_shape_err(
+        cpu::split_rotary(
+            &qkv,
+            &[0, 1],
+            (&mut q, &mut k, &mut v),
+            1,
+            2,
+            [4, 4, 4],
+            3,
+            1e4,
+            None,
+        ),
+        "head_dim 3 must be even",
+    );
+    assert_shape_err(
+        cpu::split_rotary(
+            &qkv,
+            &[0, 1],
+            (&mut q, &mut k, &mut v),
+            1,
+            2,
+            [6, 2, 4],
+            4,
+            1e4,
+            None,
+        ),
+        "divide the q and k widths",
+    );
+    assert_shape_err(
+        cpu::split_rotary(
+            &qkv,
+            &[0],
+            (&mut q, &mut k, &mut v),
+            1,
+            2,
+            [4, 4, 4],
+            4,
+            1e4,
+            None,
+        ),
+        "positions must have 2",
+    );
+    assert_shape_err(
+        cpu::split_rotary(
+            &qkv,
+            &[0, 1],
+            (&mut q, &mut k[..4], &mut v),
+            1,
+            2,
+            [4, 4, 4],
+            4,
+            1e4,
+            None,
+        ),
+        "k [batch, seq, 4]",
+    );
+    assert_shape_err(
+        r::split_rotary(
+            &[0.0; 24],
+            &[0, 1, 2],
+            (&mut [0.0; 8], &mut [0.0; 8], &mut [0.0; 8]),
+            1,
+            2,
+            [4, 4, 4],
+            4,
+            1e4,
+            None,
+        ),
+        "positions must have 2",
+    );
 
     // Embedding: id out of range (checked before anything is written).
     let table = vec![1f32; 3 * 2];

@@ -93,6 +93,15 @@ fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
             },
             vec![f32s(&[1, 3, 16]), i64s(&[3])],
         ),
+        OpKind::SplitRotary => (
+            Op::SplitRotary {
+                head_dim: 8,
+                theta: 10000.0,
+                scaling: None,
+                sizes: vec![16, 8, 8],
+            },
+            vec![f32s(&[1, 3, 32]), i64s(&[3])],
+        ),
         OpKind::Softmax => (Op::Softmax, vec![f32s(&[4, 8])]),
         OpKind::ArgMax => (Op::ArgMax, vec![f32s(&[4, 1, 8])]),
         OpKind::Attention => attention(16),

@@ -444,15 +444,73 @@ fn manager_fuses_and_validator_passes_every_level() {
             let mut exec = executor(graph, level);
             let optimized = exec.plan().graph.op_histogram();
             assert!(exec.plan().graph.nodes().len() < graph.nodes().len());
-            for kind in [OpKind::ActAndMul, OpKind::AddRmsNorm, OpKind::Split] {
+            for kind in [OpKind::ActAndMul, OpKind::AddRmsNorm, OpKind::SplitRotary] {
                 assert!(
                     optimized.contains_key(&kind),
                     "{kind} missing at {level}: {optimized:?}"
                 );
             }
+            // The q/k/v split and both rotaries are one op per layer.
+            for kind in [OpKind::Split, OpKind::Rotary] {
+                assert!(
+                    !optimized.contains_key(&kind),
+                    "{kind} left at {level}: {optimized:?}"
+                );
+            }
             let report =
                 validate_plan(&mut exec, graph, &kpt_kernels::CpuReference, ins, 1.0).unwrap();
             assert!(report.passed(), "{level}: {report:?}");
+        }
+    }
+}
+
+/// A LLaMA decode step planned for an H100 at the balanced level: q/k/v merge into one
+/// linear, and its split and the two rotaries into one `split_rotary` per layer on
+/// `cuda.split_rotary` (bf16 activations), so no `rotary` or `split` is left.
+#[test]
+fn balanced_gpu_decode_plan_has_split_rotary_and_no_rotary() {
+    use kpt_core::graph::OpKind;
+    use kpt_core::hardware::{DeviceInfo, DeviceKind};
+    use kpt_core::optimize::{auto_optimize, PrecisionPolicy};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = llama_config("llama");
+    write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(31)).unwrap();
+    let (_, model) = load(dir.path(), DType::F32);
+    let layers = cfg["num_hidden_layers"].as_u64().unwrap() as usize;
+    let h100 = DeviceInfo {
+        kind: DeviceKind::Cuda,
+        index: 0,
+        name: "H100".into(),
+        memory_bytes: Some(80 << 30),
+        compute_units: Some(132),
+        arch: Some("sm_90".into()),
+        features: vec!["cublaslt".into()],
+        properties: Default::default(),
+    };
+    let decode = model.graph(Phase::Decode, 64).unwrap();
+    let plan = auto_optimize(
+        &decode,
+        OptLevel::Balanced,
+        &PrecisionPolicy::default(),
+        &kpt_kernels::KernelRegistry::with_builtin(),
+        &h100,
+    )
+    .unwrap();
+    let hist = plan.graph.op_histogram();
+    assert_eq!(hist.get(&OpKind::SplitRotary), Some(&layers), "{hist:?}");
+    assert_eq!(hist.get(&OpKind::Rotary), None, "{hist:?}");
+    assert_eq!(hist.get(&OpKind::Split), None, "{hist:?}");
+    let fused = plan
+        .reports
+        .iter()
+        .find(|r| r.pass == "fuse_split_rotary")
+        .unwrap();
+    assert_eq!(fused.changes.len(), layers, "{fused:?}");
+    for (node, choice) in plan.graph.nodes().iter().zip(&plan.kernels) {
+        if node.op.kind() == OpKind::SplitRotary {
+            assert_eq!(choice.kernel, "cuda.split_rotary");
+            let x = plan.graph.spec(node.inputs[0]).unwrap();
+            assert_eq!(x.dtype, DType::BF16);
         }
     }
 }

@@ -121,6 +121,19 @@ fn rows_dim(shape: &[usize]) -> (usize, usize) {
     (shape.iter().product::<usize>() / dim.max(1), dim)
 }
 
+/// The frequencies a rotary launch reads: a scaled table on the device (kept alive
+/// until the launch is queued) and its cos/sin factor, or none for plain rotary.
+struct RopeFreqs(Option<(Arc<DeviceBlock>, f64)>);
+
+impl RopeFreqs {
+    /// `(device address or 0, attention factor)`, as the launchers take them.
+    fn freqs(&self) -> (u64, f64) {
+        self.0
+            .as_ref()
+            .map_or((0, 1.0), |(block, factor)| (block.ptr(), *factor))
+    }
+}
+
 impl CudaBackend {
     /// Opens device `ordinal`. cuBLASLt is optional: without it GEMMs are not offered
     /// on this device (the registry falls back) and `kpt detect` lacks `cublaslt`.
@@ -315,6 +328,21 @@ impl CudaBackend {
         Ok(fresh)
     }
 
+    /// The frequencies of a rotary op: none for plain rotary (the kernels compute
+    /// `theta^(-2i/head_dim)`), else [`CudaBackend::rope_table`]'s device table.
+    fn rope_freqs(
+        &self,
+        head_dim: usize,
+        theta: f32,
+        scaling: Option<&RopeScaling>,
+        positions: &BufferRef<'_>,
+    ) -> Result<RopeFreqs> {
+        Ok(RopeFreqs(match scaling {
+            None => None,
+            Some(sc) => Some(self.rope_table(head_dim, theta, sc, positions)?),
+        }))
+    }
+
     /// Linear on the GEMV kernel (`cuda.linear.gemv`) when the activations, weights and
     /// output share one dtype and the call has at most `GEMV_MAX_ROWS` rows; anything
     /// else (weights to convert, more rows) goes to cuBLASLt. The specs were checked
@@ -437,25 +465,44 @@ impl CudaBackend {
                 theta,
                 scaling,
             } => {
-                let s = &x.shape;
+                let (tokens, width) = rows_dim(&x.shape);
                 // Plain rotary: the kernel computes its frequencies. Scaled: a table from
                 // kpt-core's `rope_frequencies`, kept on the device while it stays valid.
-                let table = match scaling {
-                    None => None,
-                    Some(sc) => Some(self.rope_table(*head_dim, *theta, sc, &inputs[1])?),
-                };
-                let freqs = table
-                    .as_ref()
-                    .map_or((0, 1.0), |(block, factor)| (block.ptr(), *factor));
+                let table = self.rope_freqs(*head_dim, *theta, scaling.as_ref(), &inputs[1])?;
                 g.rotary(
                     dt,
                     inputs[1].spec.dtype,
                     ptr(&inputs[0])?,
                     ptr(&inputs[1])?,
                     out_ptr(out0)?,
-                    (s[0], s[1], s[2] / head_dim, *head_dim),
+                    (tokens, inputs[1].spec.numel(), width / head_dim, *head_dim),
                     *theta,
-                    freqs,
+                    table.freqs(),
+                )?;
+            }
+            Op::SplitRotary {
+                head_dim,
+                theta,
+                scaling,
+                sizes,
+            } => {
+                let (tokens, _) = rows_dim(&x.shape);
+                let [q, k, v] = outputs else {
+                    return Err(err(format!("{op}: needs three outputs")));
+                };
+                let sizes: [usize; 3] = sizes[..]
+                    .try_into()
+                    .map_err(|_| err(format!("{op}: sizes {sizes:?} are not q, k, v")))?;
+                let table = self.rope_freqs(*head_dim, *theta, scaling.as_ref(), &inputs[1])?;
+                g.split_rotary(
+                    dt,
+                    inputs[1].spec.dtype,
+                    ptr(&inputs[0])?,
+                    ptr(&inputs[1])?,
+                    [out_ptr(q)?, out_ptr(k)?, out_ptr(v)?],
+                    (tokens, inputs[1].spec.numel(), sizes, *head_dim),
+                    *theta,
+                    table.freqs(),
                 )?;
             }
             Op::Embedding => {

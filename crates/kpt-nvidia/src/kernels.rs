@@ -116,6 +116,22 @@ fn grid(what: &str, v: usize) -> Result<u32, NvidiaError> {
         .map_err(|_| NvidiaError::Invalid(format!("{what} = {v} exceeds 2^32 - 1 blocks")))
 }
 
+/// The rotary kernels' limits: an even `head_dim` of at most 512 (their shared cos/sin
+/// tables), and `period` positions that divide the `tokens`.
+fn check_rotary_dims(tokens: usize, period: usize, head_dim: usize) -> Result<(), NvidiaError> {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > 512 {
+        return Err(NvidiaError::Invalid(format!(
+            "rotary head_dim must be even, non-zero and at most 512, got {head_dim}"
+        )));
+    }
+    if tokens > 0 && (period == 0 || !tokens.is_multiple_of(period)) {
+        return Err(NvidiaError::Invalid(format!(
+            "rotary positions ({period}) must divide the tokens ({tokens})"
+        )));
+    }
+    Ok(())
+}
+
 fn act_code(act: Activation) -> i32 {
     match act {
         Activation::Relu => 0,
@@ -1023,9 +1039,11 @@ impl Gpu {
         Ok(())
     }
 
-    /// Rotary embedding of `x [batch, seq, heads * head_dim]`. `inv_freq` is 0 for plain
-    /// rotary (the kernel computes `theta^(-2i/head_dim)`), else the device address of
-    /// `head_dim / 2` f64 inverse frequencies; cos and sin are multiplied by
+    /// Rotary embedding of `x [tokens, heads * head_dim]` at `period` positions: token
+    /// `t` takes position `t % period` (`period = seq` for positions `[seq]` shared by
+    /// every sequence, `period = tokens` for one position per token). `inv_freq` is 0
+    /// for plain rotary (the kernel computes `theta^(-2i/head_dim)`), else the device
+    /// address of `head_dim / 2` f64 inverse frequencies; cos and sin are multiplied by
     /// `attention_factor`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn rotary(
@@ -1035,18 +1053,56 @@ impl Gpu {
         x: u64,
         positions: u64,
         out: u64,
-        (batch, seq, heads, head_dim): (usize, usize, usize, usize),
+        (tokens, period, heads, head_dim): (usize, usize, usize, usize),
         theta: f32,
         (inv_freq, attention_factor): (u64, f64),
     ) -> Result<(), NvidiaError> {
-        if head_dim % 2 != 0 || head_dim > 512 {
-            return Err(NvidiaError::Invalid(format!(
-                "rotary head_dim must be even and at most 512, got {head_dim}"
-            )));
+        check_rotary_dims(tokens, period, head_dim)?;
+        if tokens == 0 || heads == 0 {
+            return Ok(());
         }
         let entry = format!("kpt_rotary_{}_{}", float_name(dtype)?, index_name(index)?);
-        launch!(self, "rotary", entry, grid("batch * seq", batch * seq)?;
-            x, positions, out, int("seq", seq)?, int("heads", heads)?, int("head_dim", head_dim)?,
+        launch!(self, "rotary", entry, grid("tokens", tokens)?;
+            x, positions, out, int("period", period)?, int("heads", heads)?,
+            int("head_dim", head_dim)?, theta, inv_freq, attention_factor);
+        Ok(())
+    }
+
+    /// The q/k/v split of `qkv [tokens, q + k + v]` fused with the rotary of q and k, in
+    /// one launch: `sizes = [q, k, v]` (q and k multiples of `head_dim`), outputs
+    /// `[q, k, v]` of `[tokens, width]` each; positions, `period` and the frequencies as
+    /// for [`Gpu::rotary`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn split_rotary(
+        &self,
+        dtype: DType,
+        index: DType,
+        qkv: u64,
+        positions: u64,
+        [q, k, v]: [u64; 3],
+        (tokens, period, sizes, head_dim): (usize, usize, [usize; 3], usize),
+        theta: f32,
+        (inv_freq, attention_factor): (u64, f64),
+    ) -> Result<(), NvidiaError> {
+        check_rotary_dims(tokens, period, head_dim)?;
+        let [wq, wk, wv] = sizes;
+        if !wq.is_multiple_of(head_dim) || !wk.is_multiple_of(head_dim) {
+            return Err(NvidiaError::Invalid(format!(
+                "split_rotary head_dim {head_dim} must divide the q and k widths {wq} and {wk}"
+            )));
+        }
+        int("q + k + v", wq + wk + wv)?;
+        if tokens == 0 || wq + wk + wv == 0 {
+            return Ok(());
+        }
+        let entry = format!(
+            "kpt_split_rotary_{}_{}",
+            float_name(dtype)?,
+            index_name(index)?
+        );
+        launch!(self, "rotary", entry, grid("tokens", tokens)?;
+            qkv, positions, q, k, v, int("period", period)?, int("q heads", wq / head_dim)?,
+            int("k heads", wk / head_dim)?, int("v width", wv)?, int("head_dim", head_dim)?,
             theta, inv_freq, attention_factor);
         Ok(())
     }

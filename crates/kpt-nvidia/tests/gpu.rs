@@ -133,6 +133,55 @@ fn check(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Rotary positions below `below`: `[seq]` shared by every sequence, or `[batch, seq]`
+/// with `per_token`; i64 when `wide`, else i32.
+fn positions(
+    rng: &mut SplitMix64,
+    (batch, seq, per_token): (usize, usize, bool),
+    below: usize,
+    wide: bool,
+) -> Tensor {
+    let dtype = if wide { DType::I64 } else { DType::I32 };
+    let shape = if per_token {
+        vec![batch, seq]
+    } else {
+        vec![seq]
+    };
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n)
+        .map(|_| (rng.next_u64() % below as u64) as f64)
+        .collect();
+    Tensor::from_f64(&v, &shape, dtype).unwrap()
+}
+
+/// Rotary scaling by number: 0 none, 1 linear, 2 dynamic NTK, 3 LLaMA 3, else YaRN.
+fn rope_scaling(kind: usize, factor: f64, context: usize) -> Option<RopeScaling> {
+    Some(match kind {
+        0 => return None,
+        1 => RopeScaling::Linear { factor },
+        2 => RopeScaling::Dynamic {
+            factor,
+            max_position_embeddings: context,
+        },
+        3 => RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: context,
+        },
+        _ => RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings: context,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: true,
+        },
+    })
+}
+
 /// An additive f32 attention mask `[seq_q, seq_kv]`, with whole masked-out keys (-inf)
 /// now and then.
 fn attention_mask(rng: &mut SplitMix64, seq_q: usize, seq_kv: usize) -> Tensor {
@@ -464,13 +513,32 @@ proptest! {
     }
 
     #[test]
-    fn rotary(batch in 1usize..3, seq in 1usize..24, heads in 1usize..5,
+    fn rotary(batch in 1usize..4, seq in 1usize..24, heads in 1usize..5,
               head_dim in prop::sample::select(vec![2usize, 6, 16, 64, 128]),
-              dt in dtype(), wide in any::<bool>(), seed: u64) {
+              dt in dtype(), wide in any::<bool>(), per_token in any::<bool>(), seed: u64) {
         let mut rng = SplitMix64::new(seed);
         let x = random(&mut rng, &[batch, seq, heads * head_dim], dt, -2.0, 2.0);
-        let pos = ids(&mut rng, seq, 4096, if wide { DType::I64 } else { DType::I32 });
+        let pos = positions(&mut rng, (batch, seq, per_token), 4096, wide);
         check(&Op::Rotary { head_dim, theta: 10_000.0, scaling: None }, &[x, pos])?;
+    }
+
+    /// The fused split + rotary: odd v widths (the scalar path), 16-byte multiples (the
+    /// vector path), q or v empty, shared and per-token positions, every scaling.
+    #[test]
+    fn split_rotary(batch in 1usize..4, seq in 1usize..20, q_heads in 0usize..5,
+                    k_heads in 1usize..3, v in prop::sample::select(vec![0usize, 1, 7, 8, 64, 72, 130]),
+                    head_dim in prop::sample::select(vec![2usize, 6, 16, 64, 128]),
+                    kind in 0usize..5, dt in dtype(), wide in any::<bool>(),
+                    per_token in any::<bool>(), seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let sizes = vec![q_heads * head_dim, k_heads * head_dim, v];
+        let width: usize = sizes.iter().sum();
+        let x = random(&mut rng, &[batch, seq, width], dt, -2.0, 2.0);
+        let pos = positions(&mut rng, (batch, seq, per_token), 16_384, wide);
+        // Dynamic NTK needs head_dim > 2.
+        let kind = if head_dim == 2 && kind == 2 { 0 } else { kind };
+        let scaling = rope_scaling(kind, 4.0, 1024);
+        check(&Op::SplitRotary { head_dim, theta: 500_000.0, scaling, sizes }, &[x, pos])?;
     }
 
     /// Scaled rotary: the inverse-frequency table of every scaling type, uploaded once
@@ -481,31 +549,13 @@ proptest! {
                      theta in prop::sample::select(vec![10_000f32, 500_000.0]),
                      kind in 0usize..4, factor in prop::sample::select(vec![2.0f64, 8.0]),
                      context in prop::sample::select(vec![16usize, 1024, 8192]),
-                     dt in dtype(), wide in any::<bool>(), seed: u64) {
+                     dt in dtype(), wide in any::<bool>(), per_token in any::<bool>(),
+                     seed: u64) {
         let mut rng = SplitMix64::new(seed);
         let x = random(&mut rng, &[batch, seq, heads * head_dim], dt, -2.0, 2.0);
-        let pos = ids(&mut rng, seq, 16_384, if wide { DType::I64 } else { DType::I32 });
-        let scaling = match kind {
-            0 => RopeScaling::Linear { factor },
-            1 => RopeScaling::Dynamic { factor, max_position_embeddings: context },
-            2 => RopeScaling::Llama3 {
-                factor,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_max_position_embeddings: context,
-            },
-            _ => RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings: context,
-                beta_fast: 32.0,
-                beta_slow: 1.0,
-                attention_factor: None,
-                mscale: None,
-                mscale_all_dim: None,
-                truncate: true,
-            },
-        };
-        check(&Op::Rotary { head_dim, theta, scaling: Some(scaling) }, &[x, pos])?;
+        let pos = positions(&mut rng, (batch, seq, per_token), 16_384, wide);
+        let scaling = rope_scaling(kind + 1, factor, context);
+        check(&Op::Rotary { head_dim, theta, scaling }, &[x, pos])?;
     }
 
     #[test]
@@ -998,6 +1048,44 @@ proptest! {
     }
 }
 
+/// A LLaMA-3-8B decode batch (64 sequences at different lengths, one token each) through
+/// `cuda.split_rotary`, and the same q and k from `Split` then `Rotary`, bit for bit.
+#[test]
+fn split_rotary_decode_batch_matches_split_then_rotary() {
+    let Some(b) = backend() else { return };
+    let mut rng = SplitMix64::new(17);
+    let (batch, head_dim, sizes) = (64, 128, vec![4096, 1024, 1024]);
+    let scaling = rope_scaling(3, 8.0, 8192);
+    for dt in FLOATS {
+        let x = random(&mut rng, &[batch, 1, 6144], dt, -2.0, 2.0);
+        let pos = positions(&mut rng, (batch, 1, true), 131_072, true);
+        let fused = Op::SplitRotary {
+            head_dim,
+            theta: 500_000.0,
+            scaling,
+            sizes: sizes.clone(),
+        };
+        check(&fused, &[x.clone(), pos.clone()]).unwrap();
+        let got = run_kernel(b, "cuda.split_rotary", &fused, &[x.clone(), pos.clone()]).unwrap();
+        let split = Op::Split {
+            axis: 2,
+            sizes: sizes.clone(),
+        };
+        let parts = run_kernel(b, "cuda.split", &split, &[x]).unwrap();
+        let rope = Op::Rotary {
+            head_dim,
+            theta: 500_000.0,
+            scaling,
+        };
+        for i in 0..2 {
+            let want =
+                run_kernel(b, "cuda.rotary", &rope, &[parts[i].clone(), pos.clone()]).unwrap();
+            assert_eq!(got[i].to_f64_vec(), want[0].to_f64_vec(), "{dt} part {i}");
+        }
+        assert_eq!(got[2].to_f64_vec(), parts[2].to_f64_vec(), "{dt} v");
+    }
+}
+
 #[test]
 fn large_rows_and_gemms_match_the_reference() {
     let mut rng = SplitMix64::new(11);
@@ -1312,6 +1400,17 @@ fn bad_requests_are_errors() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("do not match"), "{e}");
+    // A head too wide for the rotary kernels' shared cos/sin tables.
+    let op = Op::SplitRotary {
+        head_dim: 1024,
+        theta: 10_000.0,
+        scaling: None,
+        sizes: vec![1024, 1024, 8],
+    };
+    let qkv = random(&mut rng, &[1, 2, 2056], DType::BF16, -1.0, 1.0);
+    let pos = Tensor::from_f64(&[0.0, 1.0], &[2], DType::I64).unwrap();
+    let e = run_kernel(b, "cuda.split_rotary", &op, &[qkv, pos]).unwrap_err();
+    assert!(e.to_string().contains("at most 512"), "{e}");
     // A kernel of another backend family.
     let e = run_kernel(b, "rocm.softmax", &Op::Softmax, &[x]).unwrap_err();
     assert!(e.to_string().contains("does not run on CUDA"), "{e}");

@@ -496,6 +496,15 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
             },
             vec![f(&[1, 16, 4096]), i(&[16])],
         ),
+        OpKind::SplitRotary => (
+            Op::SplitRotary {
+                head_dim: 128,
+                theta: 10000.0,
+                scaling: None,
+                sizes: vec![4096, 1024, 1024],
+            },
+            vec![f(&[8, 1, 6144]), i(&[8, 1])],
+        ),
         OpKind::Softmax => (Op::Softmax, vec![f(&[16, 4096])]),
         OpKind::ArgMax => (Op::ArgMax, vec![f(&[32, 1, 32000])]),
         OpKind::Attention => (

@@ -22,8 +22,14 @@
 //!   then with `lse` the forward's log-sum-exp `[B, Hq, S]` -> (dq, dk, dv). Given the
 //!   log-sum-exp, kernels take the probabilities as `exp(s - lse)` instead of recomputing
 //!   the softmax statistics.
-//! - `Rotary`: x `[B, S, H*D]`, positions `[S]` (i32/i64) -> same shape as x (NeoX "rotate half"),
-//!   frequencies from [`rope_frequencies`](super::rope_frequencies) (with optional scaling).
+//! - `Rotary`: x `[.., S, H*D]` (rank >= 2), positions (i32/i64) `[S]`, shared by every
+//!   sequence, or one per token, shaped like x's leading dims (`[B, S]` for x `[B, S, H*D]`:
+//!   batched decode of sequences at different lengths) -> same shape as x (NeoX "rotate
+//!   half"), frequencies from [`rope_frequencies`](super::rope_frequencies) (with optional
+//!   scaling).
+//! - `SplitRotary`: qkv `[.., S, q+k+v]`, positions as for `Rotary` -> (q `[.., S, q]`
+//!   rotated, k `[.., S, k]` rotated, v `[.., S, v]`): `Split` on the last axis followed by
+//!   `Rotary` on q and on k, in one op.
 
 use std::fmt;
 use std::str::FromStr;
@@ -194,6 +200,20 @@ pub enum Op {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         scaling: Option<RopeScaling>,
     },
+    /// Fused last-axis [`Op::Split`] into q, k and v followed by [`Op::Rotary`] on q and
+    /// on k with one positions input: qkv `[.., S, q+k+v]`, positions -> (q rotated, k
+    /// rotated, v copied). What the optimizer makes of a merged QKV projection's split.
+    SplitRotary {
+        /// Size of one head (even; divides the q and k widths).
+        head_dim: usize,
+        /// Frequency base (10000 for LLaMA 2).
+        theta: f32,
+        /// Frequency scaling for long contexts; `None` for plain rotary.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        scaling: Option<RopeScaling>,
+        /// Widths of q, k and v along the last axis (three parts summing to it).
+        sizes: Vec<usize>,
+    },
     /// Softmax over the last dim.
     Softmax,
     /// Scaled dot-product attention. q, k and v share a float dtype, or are all FP8 e4m3
@@ -281,6 +301,8 @@ pub enum OpKind {
     AddLayerNorm,
     /// See [`Op::Rotary`].
     Rotary,
+    /// See [`Op::SplitRotary`].
+    SplitRotary,
     /// See [`Op::Softmax`].
     Softmax,
     /// See [`Op::Attention`].
@@ -311,7 +333,7 @@ pub enum OpKind {
 
 impl OpKind {
     /// Every op kind, in catalog order.
-    pub const ALL: [OpKind; 23] = [
+    pub const ALL: [OpKind; 24] = [
         OpKind::Embedding,
         OpKind::MatMul,
         OpKind::Linear,
@@ -322,6 +344,7 @@ impl OpKind {
         OpKind::AddRmsNorm,
         OpKind::AddLayerNorm,
         OpKind::Rotary,
+        OpKind::SplitRotary,
         OpKind::Softmax,
         OpKind::Attention,
         OpKind::AttentionBackward,
@@ -350,6 +373,7 @@ impl OpKind {
             OpKind::AddRmsNorm => "add_rms_norm",
             OpKind::AddLayerNorm => "add_layer_norm",
             OpKind::Rotary => "rotary",
+            OpKind::SplitRotary => "split_rotary",
             OpKind::Softmax => "softmax",
             OpKind::Attention => "attention",
             OpKind::AttentionBackward => "attention_backward",
@@ -434,6 +458,59 @@ fn is_compute(d: DType) -> bool {
     matches!(d, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
 }
 
+/// Checks what [`Op::Rotary`] and [`Op::SplitRotary`] share: a float x of rank >= 2,
+/// an even non-zero `head_dim`, a valid `theta` and scaling, and positions (i32/i64)
+/// `[S]` or shaped like x's leading dims.
+fn check_rotary(
+    name: &str,
+    x: &TensorSpec,
+    pos: &TensorSpec,
+    head_dim: usize,
+    theta: f32,
+    scaling: Option<&RopeScaling>,
+) -> Result<()> {
+    if !is_compute(x.dtype) {
+        return Err(KptError::dtype(name, "f64, f32, f16 or bf16", x.dtype));
+    }
+    if !pos.dtype.is_index() {
+        return Err(KptError::dtype(name, "i32 or i64 positions", pos.dtype));
+    }
+    let rank = x.shape.len();
+    if rank < 2 {
+        return Err(KptError::shape(
+            name,
+            format!("x must be [.., seq, heads*head_dim], got {:?}", x.shape),
+        ));
+    }
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(KptError::shape(
+            name,
+            format!("head_dim {head_dim} must be even and non-zero"),
+        ));
+    }
+    if theta.is_nan() || theta <= 0.0 {
+        return Err(KptError::InvalidArgument(format!(
+            "rotary theta must be > 0, got {theta}"
+        )));
+    }
+    if let Some(s) = scaling {
+        s.validate(head_dim, f64::from(theta))?;
+    }
+    let lead = &x.shape[..rank - 1];
+    if pos.shape != [x.shape[rank - 2]] && pos.shape != lead {
+        return Err(KptError::shape(
+            name,
+            format!(
+                "positions must be [{}] (shared by every sequence) or {lead:?} (one per \
+                 token), got {:?}",
+                x.shape[rank - 2],
+                pos.shape
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl Op {
     /// The op's kind.
     pub fn kind(&self) -> OpKind {
@@ -448,6 +525,7 @@ impl Op {
             Op::AddRmsNorm { .. } => OpKind::AddRmsNorm,
             Op::AddLayerNorm { .. } => OpKind::AddLayerNorm,
             Op::Rotary { .. } => OpKind::Rotary,
+            Op::SplitRotary { .. } => OpKind::SplitRotary,
             Op::Softmax => OpKind::Softmax,
             Op::Attention(_) => OpKind::Attention,
             Op::AttentionBackward(_) => OpKind::AttentionBackward,
@@ -475,7 +553,8 @@ impl Op {
             | Op::Split { .. }
             | Op::ActAndMul { .. }
             | Op::ArgMax => 1,
-            Op::Embedding | Op::MatMul | Op::RmsNorm { .. } | Op::Rotary { .. } => 2,
+            Op::Embedding | Op::MatMul | Op::RmsNorm { .. } => 2,
+            Op::Rotary { .. } | Op::SplitRotary { .. } => 2,
             Op::Add | Op::Mul | Op::Concat { .. } => 2,
             Op::Linear { bias } | Op::LinearAct { bias, .. } => 2 + usize::from(*bias),
             Op::LayerNorm { .. } | Op::AddRmsNorm { .. } | Op::CacheWrite => 3,
@@ -682,38 +761,48 @@ impl Op {
                 theta,
                 scaling,
             } => {
-                let pos = &inputs[1];
-                want_compute(x)?;
-                if !pos.dtype.is_index() {
-                    return Err(KptError::dtype(name, "i32 or i64 positions", pos.dtype));
-                }
-                if x.shape.len() != 3 {
+                check_rotary(name, x, &inputs[1], *head_dim, *theta, scaling.as_ref())?;
+                let width = x.shape[x.shape.len() - 1];
+                if !width.is_multiple_of(*head_dim) {
                     return Err(shape_err(format!(
-                        "x must be [batch, seq, heads*head_dim], got {:?}",
+                        "head_dim {head_dim} must divide the last dim of {:?}",
                         x.shape
                     )));
                 }
-                if *head_dim == 0 || head_dim % 2 != 0 || !x.shape[2].is_multiple_of(*head_dim) {
-                    return Err(shape_err(format!(
-                        "head_dim {head_dim} must be even, non-zero and divide {}",
-                        x.shape[2]
-                    )));
-                }
-                if theta.is_nan() || *theta <= 0.0 {
-                    return Err(KptError::InvalidArgument(format!(
-                        "rotary theta must be > 0, got {theta}"
-                    )));
-                }
-                if let Some(s) = scaling {
-                    s.validate(*head_dim, f64::from(*theta))?;
-                }
-                if pos.shape != [x.shape[1]] {
-                    return Err(shape_err(format!(
-                        "positions must be [{}], got {:?}",
-                        x.shape[1], pos.shape
-                    )));
-                }
                 Ok(vec![x.clone()])
+            }
+            Op::SplitRotary {
+                head_dim,
+                theta,
+                scaling,
+                sizes,
+            } => {
+                check_rotary(name, x, &inputs[1], *head_dim, *theta, scaling.as_ref())?;
+                let width = x.shape[x.shape.len() - 1];
+                let [q, k, _] = sizes[..] else {
+                    return Err(shape_err(format!(
+                        "sizes {sizes:?} must be three widths (q, k, v)"
+                    )));
+                };
+                if sizes.iter().sum::<usize>() != width {
+                    return Err(shape_err(format!(
+                        "sizes {sizes:?} must sum to the last dim of {:?}",
+                        x.shape
+                    )));
+                }
+                if !q.is_multiple_of(*head_dim) || !k.is_multiple_of(*head_dim) {
+                    return Err(shape_err(format!(
+                        "head_dim {head_dim} must divide the q and k widths {q} and {k}"
+                    )));
+                }
+                Ok(sizes
+                    .iter()
+                    .map(|&n| {
+                        let mut shape = x.shape.clone();
+                        *shape.last_mut().unwrap_or(&mut 0) = n;
+                        TensorSpec::new(&shape, x.dtype)
+                    })
+                    .collect())
             }
             Op::Attention(p) => {
                 let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
@@ -1462,5 +1551,77 @@ mod tests {
         assert!(err.to_string().contains("even"), "{err}");
         let err = op.infer(&[s(&[4, 8], DType::I8)]).unwrap_err();
         assert!(matches!(err, KptError::DTypeMismatch { .. }), "{err}");
+    }
+
+    #[test]
+    fn rotary_takes_shared_or_per_token_positions() {
+        let op = Op::Rotary {
+            head_dim: 4,
+            theta: 10000.0,
+            scaling: None,
+        };
+        let x = s(&[2, 3, 8], DType::BF16);
+        for pos in [s(&[3], DType::I64), s(&[2, 3], DType::I32)] {
+            assert_eq!(op.infer(&[x.clone(), pos]).unwrap(), vec![x.clone()]);
+        }
+        // Rank 2 (tokens, width) and rank 4 with matching leading dims.
+        let flat = s(&[5, 8], DType::F32);
+        assert!(op.infer(&[flat.clone(), s(&[5], DType::I64)]).is_ok());
+        let deep = s(&[2, 2, 3, 8], DType::F32);
+        assert!(op.infer(&[deep.clone(), s(&[3], DType::I64)]).is_ok());
+        assert!(op.infer(&[deep, s(&[2, 2, 3], DType::I64)]).is_ok());
+        for bad in [
+            s(&[2], DType::I64),
+            s(&[3, 2], DType::I64),
+            s(&[1, 3], DType::I64),
+            s(&[2, 3, 1], DType::I64),
+            s(&[], DType::I64),
+        ] {
+            let err = op.infer(&[x.clone(), bad.clone()]).unwrap_err();
+            assert!(matches!(err, KptError::Shape { .. }), "{bad}: {err}");
+            assert!(err.to_string().contains("positions"), "{err}");
+        }
+        let err = op.infer(&[s(&[8], DType::F32), s(&[1], DType::I64)]);
+        assert!(matches!(err, Err(KptError::Shape { .. })));
+        let err = op.infer(&[s(&[2, 3, 6], DType::F32), s(&[3], DType::I64)]);
+        assert!(matches!(err, Err(KptError::Shape { .. })));
+        let err = op.infer(&[x, s(&[3], DType::F32)]);
+        assert!(matches!(err, Err(KptError::DTypeMismatch { .. })));
+    }
+
+    #[test]
+    fn split_rotary_infers_q_k_v() {
+        let op = |sizes: Vec<usize>| Op::SplitRotary {
+            head_dim: 4,
+            theta: 10000.0,
+            scaling: None,
+            sizes,
+        };
+        let x = s(&[2, 3, 22], DType::F16);
+        let pos = s(&[2, 3], DType::I64);
+        let out = op(vec![8, 4, 10]).infer(&[x.clone(), pos.clone()]).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                s(&[2, 3, 8], DType::F16),
+                s(&[2, 3, 4], DType::F16),
+                s(&[2, 3, 10], DType::F16)
+            ]
+        );
+        assert_eq!(op(vec![8, 4, 10]).num_inputs(), 2);
+        assert_eq!(op(vec![8, 4, 10]).kind(), OpKind::SplitRotary);
+        for bad in [vec![8, 4], vec![8, 4, 9], vec![6, 6, 10], vec![8, 2, 12]] {
+            let err = op(bad.clone())
+                .infer(&[x.clone(), pos.clone()])
+                .unwrap_err();
+            assert!(matches!(err, KptError::Shape { .. }), "{bad:?}: {err}");
+        }
+        let err = op(vec![8, 4, 10])
+            .infer(&[x.clone(), s(&[3, 2], DType::I64)])
+            .unwrap_err();
+        assert!(err.to_string().contains("positions"), "{err}");
+        let json = serde_json::to_string(&op(vec![8, 4, 10])).unwrap();
+        let back: Op = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, op(vec![8, 4, 10]));
     }
 }

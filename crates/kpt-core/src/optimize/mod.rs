@@ -19,12 +19,14 @@ mod memory;
 mod merge;
 mod precision;
 mod rewrite;
+mod rotary;
 
 pub use activation::{apply_activation_precision, default_activation_dtype};
 pub use fusion::{fuse_add_layer_norm, fuse_add_rms_norm, fuse_linear_activation};
 pub use memory::{plan_memory, MemoryPlan};
 pub use merge::{fuse_gated_mlp, fuse_sibling_linears};
 pub use precision::apply_precision;
+pub use rotary::fuse_split_rotary;
 
 use serde::{Deserialize, Serialize};
 
@@ -166,6 +168,8 @@ pub fn auto_optimize(
     let (g, r) = fuse_linear_activation(&g)?;
     reports.push(r);
     let (g, r) = fuse_sibling_linears(&g)?;
+    reports.push(r);
+    let (g, r) = fuse_split_rotary(&g)?;
     reports.push(r);
     let (g, r) = fuse_add_rms_norm(&g)?;
     reports.push(r);

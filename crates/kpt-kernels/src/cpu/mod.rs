@@ -47,7 +47,7 @@ pub use elementwise::{
 pub use gemm::{matmul_bf16, matmul_f16, matmul_f32};
 pub use linear::{linear, WeightsRef};
 pub use norm::{add_layer_norm, add_rms_norm, layer_norm, rms_norm};
-pub use rotary::rotary;
+pub use rotary::{rotary, split_rotary};
 pub use shapes::{
     for_each_paged_sequence, for_each_sequence, varlen_segments, AttentionShape, PagedKv,
 };

@@ -224,6 +224,21 @@ pub fn add_layer_norm(
     layer_norm(sum_out, w, b, norm_out, rows, dim, eps)
 }
 
+/// Checks the positions of rotary embeddings over `batch × seq` tokens: `[seq]` (shared
+/// by every sequence) or `[batch, seq]` (one per token).
+fn check_positions(op: &str, positions: usize, batch: usize, seq: usize) -> Result<()> {
+    if positions == seq || Some(positions) == batch.checked_mul(seq) {
+        return Ok(());
+    }
+    Err(KptError::shape(
+        op,
+        format!(
+            "positions must have {seq} ([seq]) or {} ([batch, seq]) entries, got {positions}",
+            batch.saturating_mul(seq)
+        ),
+    ))
+}
+
 /// Checks the arguments of rotary embeddings (shared with the fast kernel).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_rotary(
@@ -248,14 +263,55 @@ pub(crate) fn check_rotary(
         &[batch, seq, heads, head_dim],
     )?;
     check_len(OP, "x [batch, seq, heads*head_dim]", x, total)?;
-    check_len(OP, "positions [seq]", positions, seq)?;
+    check_positions(OP, positions, batch, seq)?;
     check_len(OP, "out [batch, seq, heads*head_dim]", out, total)
+}
+
+/// Checks the arguments of the fused split + rotary (shared with the fast kernel):
+/// `qkv [batch, seq, q + k + v]` and outputs `[batch, seq, width]` for the widths of
+/// `sizes`, `head_dim` even and dividing q and k.
+pub(crate) fn check_split_rotary(
+    qkv: usize,
+    positions: usize,
+    outs: [usize; 3],
+    batch: usize,
+    seq: usize,
+    sizes: [usize; 3],
+    head_dim: usize,
+) -> Result<()> {
+    const OP: &str = "split_rotary";
+    if head_dim == 0
+        || !head_dim.is_multiple_of(2)
+        || !sizes[0].is_multiple_of(head_dim)
+        || !sizes[1].is_multiple_of(head_dim)
+    {
+        return Err(KptError::shape(
+            OP,
+            format!(
+                "head_dim {head_dim} must be even, non-zero and divide the q and k widths \
+                 {} and {}",
+                sizes[0], sizes[1]
+            ),
+        ));
+    }
+    let width = sizes
+        .iter()
+        .try_fold(0usize, |a, &w| a.checked_add(w))
+        .ok_or_else(|| KptError::shape(OP, format!("sizes {sizes:?} overflow")))?;
+    let total = checked_product(OP, "[batch, seq, q+k+v]", &[batch, seq, width])?;
+    check_len(OP, "qkv [batch, seq, q+k+v]", qkv, total)?;
+    check_positions(OP, positions, batch, seq)?;
+    for ((len, w), what) in outs.into_iter().zip(sizes).zip(["q", "k", "v"]) {
+        let want = checked_product(OP, "[batch, seq, width]", &[batch, seq, w])?;
+        check_len(OP, &format!("{what} [batch, seq, {w}]"), len, want)?;
+    }
+    Ok(())
 }
 
 /// Rotary position embedding, NeoX / LLaMA "rotate half" layout.
 ///
 /// `x` is `[batch, seq, heads * head_dim]`, `positions` is `[seq]` (the same for every
-/// batch). With `inv_freq` and `attention_factor` from
+/// batch) or `[batch, seq]` (one per token). With `inv_freq` and `attention_factor` from
 /// [`rope_frequencies`]`(head_dim, theta, scaling, rope_seq_len(positions))`, for
 /// `i < head_dim/2`, `angle = pos * inv_freq[i]`, `cos` and `sin` of it times the
 /// attention factor: `out[i] = x[i] cos - x[i + h/2] sin`,
@@ -286,12 +342,18 @@ pub fn rotary(
     }
     let table = rope_frequencies(head_dim, theta, scaling, rope_seq_len(positions))?;
     let half = head_dim / 2;
+    let per_token = positions.len() != seq;
     for b in 0..batch {
         for s in 0..seq {
+            let pos = if per_token {
+                positions[b * seq + s]
+            } else {
+                positions[s]
+            };
             for h in 0..heads {
                 let base = ((b * seq + s) * heads + h) * head_dim;
                 for (i, &freq) in table.inv_freq.iter().enumerate() {
-                    let angle = positions[s] as f64 * freq;
+                    let angle = pos as f64 * freq;
                     let (sin, cos) = angle.sin_cos();
                     let (cos, sin) = (cos * table.attention_factor, sin * table.attention_factor);
                     let (x0, x1) = (x[base + i], x[base + i + half]);
@@ -324,6 +386,48 @@ pub fn argmax(x: &[f64], out: &mut [f64], rows: usize, dim: usize) -> Result<()>
         };
     }
     Ok(())
+}
+
+/// The fused split + rotary, written as what it replaces: `qkv [batch, seq, q + k + v]`
+/// (`sizes = [q, k, v]`) is split along its last axis into q, k and v, then q and k go
+/// through [`rotary`] at `positions` (`[seq]` or `[batch, seq]`); v is the plain part.
+#[allow(clippy::too_many_arguments)]
+pub fn split_rotary(
+    qkv: &[f64],
+    positions: &[i64],
+    (q, k, v): (&mut [f64], &mut [f64], &mut [f64]),
+    batch: usize,
+    seq: usize,
+    sizes: [usize; 3],
+    head_dim: usize,
+    theta: f64,
+    scaling: Option<&RopeScaling>,
+) -> Result<()> {
+    check_split_rotary(
+        qkv.len(),
+        positions.len(),
+        [q.len(), k.len(), v.len()],
+        batch,
+        seq,
+        sizes,
+        head_dim,
+    )?;
+    let [wq, wk, wv] = sizes;
+    let width = wq + wk + wv;
+    let (mut q_in, mut k_in) = (vec![0.0; q.len()], vec![0.0; k.len()]);
+    for t in 0..batch * seq {
+        let row = &qkv[t * width..(t + 1) * width];
+        q_in[t * wq..(t + 1) * wq].copy_from_slice(&row[..wq]);
+        k_in[t * wk..(t + 1) * wk].copy_from_slice(&row[wq..wq + wk]);
+        v[t * wv..(t + 1) * wv].copy_from_slice(&row[wq + wk..]);
+    }
+    let (hq, hk) = (wq / head_dim, wk / head_dim);
+    rotary(
+        &q_in, positions, q, batch, seq, hq, head_dim, theta, scaling,
+    )?;
+    rotary(
+        &k_in, positions, k, batch, seq, hk, head_dim, theta, scaling,
+    )
 }
 
 /// Softmax over the last axis of `x [rows, dim]`, subtracting the row max first. A row
