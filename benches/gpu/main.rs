@@ -837,7 +837,12 @@ fn inner_calls(seconds_per_call: f64) -> usize {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let backend = CudaBackend::new(0, CudaOptions::default()).context("opening CUDA device 0")?;
+    // Kernels are timed by name: the GEMV kernel on every row class it has.
+    let options = CudaOptions {
+        gemv_rows: 32,
+        ..CudaOptions::default()
+    };
+    let backend = CudaBackend::new(0, options).context("opening CUDA device 0")?;
     let mut worker = TorchWorker::start(&args.python, &args.script, 1)?;
     let info = worker.info.clone();
     let text = |k: &str| info[k].as_str().unwrap_or("unknown").to_string();

@@ -41,6 +41,11 @@ pub struct CudaOptions {
     pub allow_tf32: bool,
     /// Time cuBLASLt's candidate algorithms on the first use of each GEMM shape.
     pub autotune: bool,
+    /// The most activation rows a `cuda.linear.gemv` node runs on the GEMV kernel; a run
+    /// with more (a plan selected for one sequence, run on a batch) goes to cuBLASLt.
+    /// 2 by default, the crossover measured on the H100 (docs/decisions.md, "Decode
+    /// kernels"); at most 32, the kernel's largest row class.
+    pub gemv_rows: usize,
 }
 
 impl Default for CudaOptions {
@@ -48,6 +53,7 @@ impl Default for CudaOptions {
         Self {
             allow_tf32: false,
             autotune: true,
+            gemv_rows: 2,
         }
     }
 }
@@ -62,6 +68,8 @@ pub struct CudaBackend {
     profiler: Arc<Profiler>,
     /// Scaled rotary tables on the device, by `(head_dim, theta, scaling)`.
     rope_tables: Mutex<HashMap<String, (Arc<DeviceBlock>, f64)>>,
+    /// [`CudaOptions::gemv_rows`], at most `GEMV_MAX_ROWS`.
+    gemv_rows: usize,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -157,6 +165,7 @@ impl CudaBackend {
             host: CpuBackend::new().map_err(|e| NvidiaError::Invalid(e.to_string()))?,
             profiler: Arc::default(),
             rope_tables: Mutex::default(),
+            gemv_rows: options.gemv_rows.min(GEMV_MAX_ROWS),
         })
     }
 
@@ -344,8 +353,8 @@ impl CudaBackend {
     }
 
     /// Linear on the GEMV kernel (`cuda.linear.gemv`) when the activations, weights and
-    /// output share one dtype and the call has at most `GEMV_MAX_ROWS` rows; anything
-    /// else (weights to convert, more rows) goes to cuBLASLt. The specs were checked
+    /// output share one dtype and the call has at most [`CudaOptions::gemv_rows`] rows;
+    /// anything else (weights to convert, more rows) goes to cuBLASLt. The specs were checked
     /// against the op's inference before this runs.
     fn gemv(&self, bias: bool, inputs: &[BufferRef<'_>], out: &mut BufferMut<'_>) -> Result<()> {
         let (a, w) = (inputs[0].spec, inputs[1].spec);
@@ -353,7 +362,7 @@ impl CudaBackend {
         let m: usize = a.shape[..a.shape.len().saturating_sub(1)].iter().product();
         let n = w.shape.first().copied().unwrap_or(0);
         let same = a.dtype == w.dtype && out.spec.dtype == a.dtype;
-        if !same || m > GEMV_MAX_ROWS || w.shape.len() != 2 {
+        if !same || m > self.gemv_rows || w.shape.len() != 2 {
             return self.gemm(&Op::Linear { bias }, inputs, out);
         }
         if m == 0 || n == 0 {
