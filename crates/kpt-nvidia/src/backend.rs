@@ -20,7 +20,7 @@ use kpt_kernels::CpuBackend;
 use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
 use crate::gpu::{Gpu, GpuGraph};
 use crate::kernels::{
-    AttentionDims, Binary, FlashBackward, Impl, PagedCache, QuantScale, GEMV_MAX_ROWS,
+    AttentionDims, Binary, FlashBackward, Impl, PagedCache, QuantScale, RowOp, GEMV_MAX_ROWS,
 };
 use crate::memory::DeviceBlock;
 use crate::profiler::Profiler;
@@ -440,14 +440,15 @@ impl CudaBackend {
                     *eps,
                 )?;
             }
-            Op::Softmax => {
+            Op::Softmax | Op::ArgMax => {
                 let (rows, dim) = rows_dim(&x.shape);
-                g.softmax(dt, ptr(&inputs[0])?, out_ptr(out0)?, rows, dim)?;
-            }
-            Op::ArgMax => {
-                let (rows, dim) = rows_dim(&x.shape);
+                let kind = if matches!(op, Op::Softmax) {
+                    RowOp::Softmax
+                } else {
+                    RowOp::ArgMax
+                };
                 if rows > 0 {
-                    g.argmax(dt, ptr(&inputs[0])?, out_ptr(out0)?, rows, dim)?;
+                    g.row_op(kind, dt, ptr(&inputs[0])?, out_ptr(out0)?, rows, dim)?;
                 }
             }
             Op::Activation { act } => {

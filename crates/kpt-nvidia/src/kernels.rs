@@ -317,6 +317,15 @@ const SPLIT_TARGET_BLOCKS: usize = 1024;
 /// each run pays a pipeline fill and a share of the combine pass.
 const SPLIT_WAVE_BLOCKS: usize = 528;
 
+/// The row reductions of `softmax.cu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RowOp {
+    /// Softmax over the row.
+    Softmax,
+    /// Index of the row's maximum.
+    ArgMax,
+}
+
 /// Row classes of `gemv.cu` (its kMaxM instantiations) and the largest.
 const GEMV_ROW_CLASSES: [usize; 6] = [1, 2, 4, 8, 16, 32];
 /// The most activation rows the GEMV kernel takes.
@@ -603,31 +612,22 @@ impl Gpu {
         Ok(())
     }
 
-    /// Softmax of `rows` rows of `dim`.
-    pub(crate) fn softmax(
+    /// A row reduction of `softmax.cu` over `rows` rows of `dim`: `Softmax` (out like
+    /// x) or `ArgMax` (i64 `out [rows]`, -1 for a row with a NaN).
+    pub(crate) fn row_op(
         &self,
+        op: RowOp,
         dtype: DType,
         x: u64,
         out: u64,
         rows: usize,
         dim: usize,
     ) -> Result<(), NvidiaError> {
-        let entry = format!("kpt_softmax_{}", float_name(dtype)?);
-        launch!(self, "softmax", entry, grid("rows", rows)?; x, out, int("dim", dim)?);
-        Ok(())
-    }
-
-    /// Index of each row's maximum, `rows` rows of `dim` into i64 `out [rows]` (-1 for
-    /// a row with a NaN).
-    pub(crate) fn argmax(
-        &self,
-        dtype: DType,
-        x: u64,
-        out: u64,
-        rows: usize,
-        dim: usize,
-    ) -> Result<(), NvidiaError> {
-        let entry = format!("kpt_argmax_{}", float_name(dtype)?);
+        let name = match op {
+            RowOp::Softmax => "softmax",
+            RowOp::ArgMax => "argmax",
+        };
+        let entry = format!("kpt_{name}_{}", float_name(dtype)?);
         launch!(self, "softmax", entry, grid("rows", rows)?; x, out, int("dim", dim)?);
         Ok(())
     }
