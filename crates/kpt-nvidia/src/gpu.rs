@@ -2,6 +2,7 @@
 //! allocator and the kernels loaded from `kpt_kernels::artifacts`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
@@ -67,11 +68,10 @@ pub struct LoadedFunction {
     pub function: CudaFunction,
     /// Block size, shared memory and grid of the entry point (its manifest line).
     pub meta: EntryPoint,
-    /// Whether it is launched with programmatic stream serialization (programmatic
-    /// dependent launch): its image waits for the previous kernel itself
-    /// ([`Artifact::waits_for_producer`]), the device is sm_90 or newer and
-    /// `KPT_CUDA_PDL` is not `0`.
-    pub programmatic: bool,
+    /// Whether its image waits for the previous kernel itself
+    /// ([`Artifact::waits_for_producer`]): then [`Gpu::launch`] uses programmatic stream
+    /// serialization where [`Gpu::programmatic_launches`] is on.
+    pub waits_for_producer: bool,
 }
 
 /// Whether kernels that wait for their producer are launched with programmatic stream
@@ -143,8 +143,8 @@ pub struct Gpu {
     /// While a capture records: the checks its launchers deferred.
     capture: Mutex<Option<Vec<DeferredCheck>>>,
     /// Whether kernels whose image waits for its producer get programmatic launches
-    /// (see [`LoadedFunction::programmatic`]).
-    programmatic: bool,
+    /// ([`Gpu::programmatic_launches`]).
+    programmatic: AtomicBool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -189,8 +189,23 @@ impl Gpu {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             capture: Mutex::new(None),
-            programmatic,
+            programmatic: AtomicBool::new(programmatic),
         })
+    }
+
+    /// Whether kernels whose image waits for the previous kernel
+    /// ([`LoadedFunction::waits_for_producer`]) are launched with programmatic stream
+    /// serialization (programmatic dependent launch): on sm_90 and newer unless
+    /// `KPT_CUDA_PDL=0`, or as last set by [`Gpu::set_programmatic_launches`].
+    pub fn programmatic_launches(&self) -> bool {
+        self.programmatic.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic launches on or off for the launches that follow (a captured
+    /// graph keeps the launches it recorded). On a device older than sm_90 they stay off.
+    pub fn set_programmatic_launches(&self, on: bool) {
+        let on = on && self.props.compute_capability.0 >= 9;
+        self.programmatic.store(on, Ordering::Relaxed);
     }
 
     /// What the device is.
@@ -463,7 +478,7 @@ impl Gpu {
         let loaded = LoadedFunction {
             function: f,
             meta,
-            programmatic: self.programmatic && artifact.waits_for_producer(),
+            waits_for_producer: artifact.waits_for_producer(),
         };
         functions
             .entry(artifact.kernel)
@@ -473,7 +488,8 @@ impl Gpu {
     }
 
     /// Launches `f` on `grid` blocks (its manifest's block size and shared memory) on the
-    /// stream, with programmatic stream serialization where `f.programmatic`: the kernel
+    /// stream, with programmatic stream serialization where `f` waits for its producer
+    /// and [`Gpu::programmatic_launches`] is on: the kernel
     /// may then start before the previous kernel on the stream has finished, and waits
     /// for it in its prologue (`kpt::wait_for_producer`). Stream capture records that as
     /// a programmatic edge of the graph.
@@ -490,7 +506,7 @@ impl Gpu {
     ) -> Result<(), NvidiaError> {
         self.bind()?;
         let (block, shared) = (f.meta.block, f.meta.shared_bytes);
-        if !f.programmatic {
+        if !(f.waits_for_producer && self.programmatic_launches()) {
             // SAFETY: the caller's contract.
             return unsafe {
                 result::launch_kernel(
