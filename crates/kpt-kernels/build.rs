@@ -48,9 +48,11 @@ fn main() {
             };
             writeln!(
                 code,
-                "    Artifact {{ kernel: {:?}, target: {:?}, format: {format}, sha256: {:?}, \
-                 toolchain: {:?}, entry_points: &[{entries}], bytes: include_bytes!({:?}) }},",
+                "    Artifact {{ kernel: {:?}, source: {:?}, target: {:?}, format: {format}, \
+                 sha256: {:?}, toolchain: {:?}, entry_points: &[{entries}], \
+                 bytes: include_bytes!({:?}) }},",
                 k.name,
+                k.source,
                 a.target,
                 a.sha256,
                 toolchain,

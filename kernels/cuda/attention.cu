@@ -110,6 +110,7 @@ __device__ void attention(const T* __restrict__ q, const T* __restrict__ k,
 #define KPT_ATTENTION(NAME, T)                                                              \
     extern "C" __global__ void __launch_bounds__(kWarps * 32) kpt_attention_##NAME(         \
         const T* q, const T* k, const T* v, const float* mask, T* out, const Dims p) {      \
+        kpt::dependent_launch_prologue();                                                   \
         attention<T>(q, k, v, mask, out, p);                                                \
     }
 

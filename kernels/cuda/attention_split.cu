@@ -650,22 +650,26 @@ __device__ void combine(const float* __restrict__ part, T* __restrict__ out, con
 #define KPT_ATTENTION_COMBINE(NAME, T)                                                      \
     extern "C" __global__ void __launch_bounds__(kThreads) kpt_attention_combine_##NAME(    \
         const float* part, T* out, const SplitDims sd) {                                    \
+        kpt::dependent_launch_prologue();                                                   \
         combine<T>(part, out, sd);                                                          \
     }
 
 extern "C" __global__ void __launch_bounds__(kThreads) kpt_attention_split_f32(
     const float* q, const float* k, const float* v, const float* mask, float* part,
     const SplitDims sd) {
+    kpt::dependent_launch_prologue();
     split<float, false>(q, k, v, mask, part, sd, Paged{});
 }
 extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_attention_split_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* mask,
     float* part, const SplitDims sd) {
+    kpt::dependent_launch_prologue();
     tc::split<__nv_bfloat16, false>(q, k, v, mask, part, sd, Paged{});
 }
 extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_attention_split_f16(
     const __half* q, const __half* k, const __half* v, const float* mask, float* part,
     const SplitDims sd) {
+    kpt::dependent_launch_prologue();
     tc::split<__half, false>(q, k, v, mask, part, sd, Paged{});
 }
 
@@ -673,17 +677,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_atten
 extern "C" __global__ void __launch_bounds__(kThreads) kpt_attention_split_paged_f32(
     const float* q, const float* k, const float* v, float* part, const SplitDims sd,
     const Paged pg) {
+    kpt::dependent_launch_prologue();
     split<float, true>(q, k, v, nullptr, part, sd, pg);
 }
 extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks)
     kpt_attention_split_paged_bf16(const __nv_bfloat16* q, const __nv_bfloat16* k,
                                    const __nv_bfloat16* v, float* part, const SplitDims sd,
                                    const Paged pg) {
+    kpt::dependent_launch_prologue();
     tc::split<__nv_bfloat16, true>(q, k, v, nullptr, part, sd, pg);
 }
 extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks)
     kpt_attention_split_paged_f16(const __half* q, const __half* k, const __half* v,
                                   float* part, const SplitDims sd, const Paged pg) {
+    kpt::dependent_launch_prologue();
     tc::split<__half, true>(q, k, v, nullptr, part, sd, pg);
 }
 

@@ -1,11 +1,41 @@
-// Shared device helpers of kpt's CUDA kernels: dtype conversion, 16-byte vector
-// loads and stores, warp and block reductions. Every kernel computes in f32.
+// Shared device helpers of kpt's CUDA kernels: programmatic dependent launch, dtype
+// conversion, 16-byte vector loads and stores, warp and block reductions. Every kernel
+// computes in f32.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 namespace kpt {
+
+// Programmatic dependent launch (Hopper and newer). On sm_90+ the host launches kpt's
+// kernels with programmatic stream serialization, so a kernel may start while the one
+// before it on the stream still runs. Every entry point therefore calls
+// `wait_for_producer()` first, before it reads or writes global memory: it returns once
+// the previous grid has completed and its writes are visible (at once when the launch was
+// an ordinary one). Because every kernel waits so, the grid before that one had also
+// completed, and so on down the stream. `let_dependents_launch()` then allows the next
+// kernel of the stream to be scheduled (it still waits for this whole grid in its own
+// `wait_for_producer()`), so its launch overlaps this kernel's work. Both compile to
+// nothing below sm_90 (the sm_80 cubin and the compute_80 PTX have neither).
+__device__ __forceinline__ void wait_for_producer() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void let_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The prologue of every kpt entry point: wait for the previous kernel, then let the next
+// one launch.
+__device__ __forceinline__ void dependent_launch_prologue() {
+    wait_for_producer();
+    let_dependents_launch();
+}
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -133,14 +133,17 @@ __device__ void cast(const S* __restrict__ x, D* __restrict__ out, long n) {
 #define KPT_ELEMENTWISE(NAME, T)                                                          \
     extern "C" __global__ void __launch_bounds__(kBlock)                                 \
         kpt_activation_##NAME(const T* x, T* out, long n, int act) {                     \
+        kpt::dependent_launch_prologue();                                                 \
         activation<T>(x, out, n, act);                                                    \
     }                                                                                     \
     extern "C" __global__ void __launch_bounds__(kBlock)                                 \
         kpt_act_and_mul_##NAME(const T* x, T* out, long rows, long d, int act) {         \
+        kpt::dependent_launch_prologue();                                                 \
         act_and_mul<T>(x, out, rows, d, act);                                             \
     }                                                                                     \
     extern "C" __global__ void __launch_bounds__(kBlock)                                 \
         kpt_binary_##NAME(const T* a, const T* b, T* out, long n, long nb, int op) {     \
+        kpt::dependent_launch_prologue();                                                 \
         binary<T>(a, b, out, n, nb, op);                                                  \
     }
 
@@ -151,6 +154,7 @@ KPT_ELEMENTWISE(f16, __half)
 #define KPT_CAST(SN, S, DN, D)                                                            \
     extern "C" __global__ void __launch_bounds__(kBlock)                                 \
         kpt_cast_##SN##_##DN(const S* x, D* out, long n) {                               \
+        kpt::dependent_launch_prologue();                                                 \
         cast<S, D>(x, out, n);                                                            \
     }
 

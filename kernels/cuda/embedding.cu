@@ -39,6 +39,7 @@ __device__ void embedding(const I* __restrict__ ids, const T* __restrict__ table
 #define KPT_EMBEDDING(NAME, T, INAME, I)                                                  \
     extern "C" __global__ void __launch_bounds__(kBlock) kpt_embedding_##NAME##_##INAME(  \
         const I* ids, const T* table, T* out, long vocab, int dim, int* bad) {           \
+        kpt::dependent_launch_prologue();                                                 \
         embedding<T, I>(ids, table, out, vocab, dim, bad);                                \
     }
 

@@ -251,6 +251,7 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
     extern "C" __global__ void __launch_bounds__(kThreads) kpt_flash_attention_##NAME##_d##D( \
         const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,         \
         const Dims p) {                                                                    \
+        kpt::dependent_launch_prologue();                                                  \
         flash<T, D>(q, k, v, mask, out, lse, p);                                           \
     }
 

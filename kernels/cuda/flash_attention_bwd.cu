@@ -554,6 +554,7 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
     extern "C" __global__ void __launch_bounds__(kThreads) kpt_flash_attention_bwd_dq_##NAME##_d##D( \
         const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,  \
         T* dq, float* lse, float* delta, const Dims p) {                                     \
+        kpt::dependent_launch_prologue();                                                    \
         dq_pass<T, D, false>(q, k, v, mask, out, dout, nullptr, dq, lse, delta, p);          \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(kThreads)                                   \
@@ -561,6 +562,7 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
             const T* q, const T* k, const T* v, const float* mask, const T* out,             \
             const T* dout, const float* lse_in, T* dq, float* lse, float* delta,             \
             const Dims p) {                                                                  \
+        kpt::dependent_launch_prologue();                                                    \
         dq_pass<T, D, true>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);            \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(kThreads)                                   \
@@ -568,6 +570,7 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                                                    const float* mask, const T* dout,          \
                                                    const float* lse, const float* delta,      \
                                                    T* dk, T* dv, const Dims p) {              \
+        kpt::dependent_launch_prologue();                                                    \
         kv_pass<T, D>(q, k, v, mask, dout, lse, delta, dk, dv, p);                           \
     }
 

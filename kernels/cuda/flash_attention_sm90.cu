@@ -758,6 +758,7 @@ __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const f
         kpt_flash_attention_sm90_##NAME##_d##D(const T* q, const T* k, const T* v,         \
                                                const float* mask, T* out, float* lse,      \
                                                const Dims p) {                             \
+        kpt::dependent_launch_prologue();                                                  \
         flash_sm90<T, D>(q, k, v, mask, out, lse, p, 1.0f);                                \
     }
 
@@ -772,6 +773,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     kpt_flash_attention_sm90_e4m3_d128(const E4M3* q, const E4M3* k, const E4M3* vt,
                                        const float* mask, __nv_bfloat16* out, const Dims p,
                                        float v_scale) {
+    kpt::dependent_launch_prologue();
     flash_sm90<E4M3, 128>(q, k, vt, mask, out, nullptr, p, v_scale);
 }
 
@@ -783,6 +785,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 extern "C" __global__ void __launch_bounds__(256)
     kpt_attention_fp8_v_transpose_d128(const uint8_t* __restrict__ v, uint8_t* __restrict__ vt,
                                        const Dims p) {
+    kpt::dependent_launch_prologue();
     constexpr int kD = 128, kKeys = 128, kPitch = kD + 1;
     __shared__ uint8_t tile[kKeys * kPitch];
     const int tiles = (p.seq_kv + kKeys - 1) / kKeys;

@@ -287,6 +287,7 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
 #define KPT_GEMV(NAME, T, M)                                                              \
     extern "C" __global__ void __launch_bounds__(kBlock)                                  \
         kpt_gemv_##NAME##_m##M(const T* x, const T* w, const T* bias, T* out, GemvDims d) { \
+        kpt::dependent_launch_prologue();                                                 \
         gemv<T, M>(x, w, bias, out, d);                                                   \
     }
 
@@ -295,6 +296,7 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
 #define KPT_GEMV_TC(NAME, T, M)                                                           \
     extern "C" __global__ void __launch_bounds__(kBlock, 2)                               \
         kpt_gemv_##NAME##_m##M(const T* x, const T* w, const T* bias, T* out, GemvDims d) { \
+        kpt::dependent_launch_prologue();                                                 \
         gemv_tc<T, M / 8>(x, w, bias, out, d);                                            \
     }
 

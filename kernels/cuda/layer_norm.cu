@@ -105,11 +105,13 @@ __device__ void layer_norm(const T* __restrict__ x, const T* __restrict__ residu
 #define KPT_LAYER_NORM(NAME, T)                                                            \
     extern "C" __global__ void __launch_bounds__(kBlock) kpt_layer_norm_##NAME(            \
         const T* x, const T* w, const T* b, T* out, int dim, float eps) {                  \
+        kpt::dependent_launch_prologue();                                                  \
         layer_norm<T>(x, nullptr, w, b, nullptr, out, dim, eps);                           \
     }                                                                                      \
     extern "C" __global__ void __launch_bounds__(kBlock) kpt_add_layer_norm_##NAME(        \
         const T* x, const T* residual, const T* w, const T* b, T* sum, T* out, int dim,    \
         float eps) {                                                                       \
+        kpt::dependent_launch_prologue();                                                  \
         layer_norm<T>(x, residual, w, b, sum, out, dim, eps);                              \
     }
 

@@ -19,6 +19,8 @@
 
 #include <cstdint>
 
+#include "common.cuh"
+
 namespace {
 
 template <typename U>
@@ -54,6 +56,7 @@ __device__ void write(const U* __restrict__ rows, U* __restrict__ cache, const v
     extern "C" __global__ void __launch_bounds__(256) kpt_paged_gather_##BYTES(            \
         const U* cache, U* out, const void* table, int table_i64, int len, int block_size, \
         int row_units) {                                                                    \
+        kpt::dependent_launch_prologue();                                                  \
         gather<U>(cache, out, table, table_i64, len, block_size, row_units);               \
     }
 
@@ -65,6 +68,7 @@ KPT_PAGED_GATHER(2, unsigned short)
     extern "C" __global__ void __launch_bounds__(256) kpt_cache_write_##BYTES(             \
         const U* rows, U* cache, const void* slots, int slots_i64, int n, long cache_rows, \
         int row_units) {                                                                   \
+        kpt::dependent_launch_prologue();                                                 \
         write<U>(rows, cache, slots, slots_i64, n, cache_rows, row_units);                \
     }
 

@@ -139,6 +139,7 @@ __device__ void dequantize(const typename F::Q* __restrict__ q, T* __restrict__ 
 }  // namespace
 
 extern "C" __global__ void kpt_amax_to_scale(float* amax_then_scale, float max_finite) {
+    kpt::dependent_launch_prologue();
     const float a = *amax_then_scale;
     *amax_then_scale = a > 0.0f && isfinite(a) ? a / max_finite : 1.0f;
 }
@@ -146,16 +147,19 @@ extern "C" __global__ void kpt_amax_to_scale(float* amax_then_scale, float max_f
 #define KPT_AMAX(NAME, T)                                                                \
     extern "C" __global__ void __launch_bounds__(kBlock)                                \
         kpt_amax_##NAME(const T* x, long n, float* out) {                               \
+        kpt::dependent_launch_prologue();                                                \
         amax<T>(x, n, out);                                                              \
     }
 
 #define KPT_QUANT(NAME, T, QNAME, F)                                                        \
     extern "C" __global__ void __launch_bounds__(kBlock) kpt_quantize_##NAME##_##QNAME(    \
         const T* x, F::Q* out, long n, const float* scale_ptr, float scale) {              \
+        kpt::dependent_launch_prologue();                                                   \
         quantize<T, F>(x, out, n, scale_ptr, scale);                                        \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(kBlock) kpt_dequantize_##QNAME##_##NAME(  \
         const F::Q* q, T* out, long n, float scale) {                                      \
+        kpt::dependent_launch_prologue();                                                   \
         dequantize<F, T>(q, out, n, scale);                                                 \
     }
 

@@ -86,10 +86,12 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ residual
 #define KPT_RMS_NORM(NAME, T)                                                              \
     extern "C" __global__ void __launch_bounds__(kBlock)                                  \
         kpt_rms_norm_##NAME(const T* x, const T* w, T* out, int dim, float eps) {         \
+        kpt::dependent_launch_prologue();                                                  \
         rms_norm<T>(x, nullptr, w, nullptr, out, dim, eps);                                \
     }                                                                                      \
     extern "C" __global__ void __launch_bounds__(kBlock) kpt_add_rms_norm_##NAME(          \
         const T* x, const T* residual, const T* w, T* sum, T* out, int dim, float eps) {   \
+        kpt::dependent_launch_prologue();                                                  \
         rms_norm<T>(x, residual, w, sum, out, dim, eps);                                   \
     }
 

@@ -164,6 +164,7 @@ __device__ void split_rotary(const T* __restrict__ qkv, const I* __restrict__ po
     extern "C" __global__ void __launch_bounds__(kBlock) kpt_rotary_##NAME##_##INAME(   \
         const T* x, const I* positions, T* out, int period, int heads, int head_dim,    \
         float theta, const double* inv_freq, double attention_factor) {                  \
+        kpt::dependent_launch_prologue();                                                \
         rotary<T, I>(x, positions, out, period, heads, head_dim, theta, inv_freq,        \
                      attention_factor);                                                  \
     }                                                                                    \
@@ -172,6 +173,7 @@ __device__ void split_rotary(const T* __restrict__ qkv, const I* __restrict__ po
             const T* qkv, const I* positions, T* q, T* k, T* v, int period, int q_heads, \
             int k_heads, int v_width, int head_dim, float theta, const double* inv_freq, \
             double attention_factor) {                                                   \
+        kpt::dependent_launch_prologue();                                                \
         split_rotary<T, I>(qkv, positions, q, k, v, period, q_heads, k_heads, v_width,   \
                            head_dim, theta, inv_freq, attention_factor);                 \
     }

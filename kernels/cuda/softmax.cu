@@ -133,6 +133,7 @@ __device__ void argmax(const T* __restrict__ x, long long* __restrict__ out, int
 #define KPT_ARGMAX(NAME, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(kArgBlock)                                \
         kpt_argmax_##NAME(const T* x, long long* out, int dim) {                           \
+        kpt::dependent_launch_prologue();                                                   \
         argmax<T>(x, out, dim);                                                             \
     }
 
@@ -143,6 +144,7 @@ KPT_ARGMAX(f16, __half)
 #define KPT_SOFTMAX(NAME, T)                                                                \
     extern "C" __global__ void __launch_bounds__(kBlock)                                   \
         kpt_softmax_##NAME(const T* x, T* out, int dim) {                                  \
+        kpt::dependent_launch_prologue();                                                   \
         softmax<T>(x, out, dim);                                                            \
     }
 

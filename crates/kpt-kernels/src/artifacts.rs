@@ -32,6 +32,8 @@ pub struct EntryPoint {
 pub struct Artifact {
     /// Kernel name (its source's file stem).
     pub kernel: &'static str,
+    /// Its source, relative to the repository root (`kernels/cuda/rms_norm.cu`).
+    pub source: &'static str,
     /// `sm_XY` / `sm_XYa` (cubin) or `compute_XY` (PTX).
     pub target: &'static str,
     /// Cubin or PTX.
@@ -74,6 +76,16 @@ impl Artifact {
             Format::Cubin => m == major && n <= minor,
             Format::Ptx => (m, n) <= (major, minor),
         }
+    }
+
+    /// Whether this artifact's entry points wait for the previous kernel on the stream
+    /// (`kpt::wait_for_producer` in `kernels/cuda/common.cuh`), so that they may be
+    /// launched with programmatic stream serialization: kpt's CUDA C++ kernels compiled
+    /// for sm_90 or newer. Not their PTX for `compute_80` (compiled without the wait, also
+    /// when the driver JIT-compiles it for a newer GPU), nor Triton's kernels.
+    pub fn waits_for_producer(&self) -> bool {
+        self.source.starts_with("kernels/cuda/")
+            && parse_target(self.target).is_some_and(|(major, _, _)| major >= 9)
     }
 }
 

@@ -116,3 +116,72 @@ fn ptx_is_at_an_isa_cuda_12_drivers_jit() {
         assert_eq!(version.trim(), "8.0", "{} {}", a.kernel, a.target);
     }
 }
+
+#[test]
+fn only_cuda_kernels_built_for_sm90_wait_for_their_producer() {
+    let waits = |kernel: &str, target: &str| {
+        embedded()
+            .iter()
+            .find(|a| a.kernel == kernel && a.target == target)
+            .unwrap_or_else(|| panic!("no {kernel} {target}"))
+            .waits_for_producer()
+    };
+    assert!(waits("rms_norm", "sm_90a"));
+    assert!(waits("gemv", "sm_90a"));
+    assert!(!waits("rms_norm", "sm_80"));
+    // PTX for compute_80 was compiled without the wait, also when JIT-compiled for 9.0.
+    assert!(!waits("rms_norm", "compute_80"));
+    for a in embedded()
+        .iter()
+        .filter(|a| a.source.starts_with("kernels/triton/"))
+    {
+        assert!(!a.waits_for_producer(), "{} {}", a.kernel, a.target);
+    }
+}
+
+#[test]
+fn ptx_artifacts_have_no_grid_dependency_control() {
+    // `griddepcontrol` needs sm_90; the compute_80 PTX must run without it.
+    for a in embedded().iter().filter(|a| a.format == Format::Ptx) {
+        let text = std::str::from_utf8(a.bytes).unwrap();
+        assert!(
+            !text.contains("griddepcontrol"),
+            "{} {}",
+            a.kernel,
+            a.target
+        );
+    }
+}
+
+#[test]
+fn every_cuda_entry_point_waits_for_its_producer_first() {
+    // Kernels launched with programmatic stream serialization may start before the
+    // previous kernel finished: each must wait before it touches global memory.
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/cuda");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("cu") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (at, _) in text.match_indices("extern \"C\" __global__") {
+            let body = &text[at..];
+            let open = body.find('{').unwrap();
+            let first = body[open + 1..]
+                .split(';')
+                .next()
+                .unwrap()
+                .replace(['\\', '\n', ' '], "");
+            assert_eq!(
+                first,
+                "kpt::dependent_launch_prologue()",
+                "{}: an entry point does not start with the prologue: {}",
+                path.display(),
+                &body[..open]
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 36, "only {checked} entry points found");
+}

@@ -2,6 +2,7 @@
 //! allocator and the kernels loaded from `kpt_kernels::artifacts`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
@@ -57,7 +58,28 @@ impl RawMemory for DriverMemory {
 }
 
 /// The loaded functions of one kernel, with their launch metadata, by entry point.
-type EntryPoints = HashMap<String, (CudaFunction, EntryPoint)>;
+type EntryPoints = HashMap<String, LoadedFunction>;
+
+/// One entry point of a loaded kernel module, ready to launch with
+/// [`Gpu::launch`].
+#[derive(Debug, Clone)]
+pub struct LoadedFunction {
+    /// The driver's function.
+    pub function: CudaFunction,
+    /// Block size, shared memory and grid of the entry point (its manifest line).
+    pub meta: EntryPoint,
+    /// Whether its image waits for the previous kernel itself
+    /// ([`Artifact::waits_for_producer`]): then [`Gpu::launch`] uses programmatic stream
+    /// serialization where [`Gpu::programmatic_launches`] is on.
+    pub waits_for_producer: bool,
+}
+
+/// Whether kernels that wait for their producer are launched with programmatic stream
+/// serialization on a device of compute capability `major`: from sm_90 (Hopper) on,
+/// unless `KPT_CUDA_PDL=0`.
+fn programmatic_launches(major: u32) -> bool {
+    major >= 9 && std::env::var("KPT_CUDA_PDL").map_or(true, |v| v != "0")
+}
 
 /// A check that a launcher would make on the host after its kernel (a flag the kernel
 /// sets on bad input), deferred to after each replay of a captured graph.
@@ -120,6 +142,9 @@ pub struct Gpu {
     functions: Mutex<HashMap<&'static str, EntryPoints>>,
     /// While a capture records: the checks its launchers deferred.
     capture: Mutex<Option<Vec<DeferredCheck>>>,
+    /// Whether kernels whose image waits for its producer get programmatic launches
+    /// ([`Gpu::programmatic_launches`]).
+    programmatic: AtomicBool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -149,7 +174,13 @@ impl Gpu {
             ctx: Arc::clone(&ctx),
             stream: Arc::clone(&stream),
         }));
-        tracing::info!(device = %props.name, arch = %props.arch(), "CUDA device opened");
+        let programmatic = programmatic_launches(props.compute_capability.0);
+        tracing::info!(
+            device = %props.name,
+            arch = %props.arch(),
+            programmatic_dependent_launch = programmatic,
+            "CUDA device opened"
+        );
         Ok(Self {
             ctx,
             stream,
@@ -158,7 +189,23 @@ impl Gpu {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             capture: Mutex::new(None),
+            programmatic: AtomicBool::new(programmatic),
         })
+    }
+
+    /// Whether kernels whose image waits for the previous kernel
+    /// ([`LoadedFunction::waits_for_producer`]) are launched with programmatic stream
+    /// serialization (programmatic dependent launch): on sm_90 and newer unless
+    /// `KPT_CUDA_PDL=0`, or as last set by [`Gpu::set_programmatic_launches`].
+    pub fn programmatic_launches(&self) -> bool {
+        self.programmatic.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic launches on or off for the launches that follow (a captured
+    /// graph keeps the launches it recorded). On a device older than sm_90 they stay off.
+    pub fn set_programmatic_launches(&self, on: bool) {
+        let on = on && self.props.compute_capability.0 >= 9;
+        self.programmatic.store(on, Ordering::Relaxed);
     }
 
     /// What the device is.
@@ -402,11 +449,7 @@ impl Gpu {
 
     /// Entry point `entry` of kernel source `kernel`, loaded from the artifact that fits
     /// this device (exact cubin first, then PTX for the driver to JIT) on first use.
-    pub fn function(
-        &self,
-        kernel: &str,
-        entry: &str,
-    ) -> Result<(CudaFunction, EntryPoint), NvidiaError> {
+    pub fn function(&self, kernel: &str, entry: &str) -> Result<LoadedFunction, NvidiaError> {
         let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = functions.get(kernel).and_then(|k| k.get(entry)) {
             return Ok(f.clone());
@@ -432,11 +475,83 @@ impl Gpu {
             )
             .map_err(|e| NvidiaError::driver("cuFuncSetAttribute", e))?;
         }
+        let loaded = LoadedFunction {
+            function: f,
+            meta,
+            waits_for_producer: artifact.waits_for_producer(),
+        };
         functions
             .entry(artifact.kernel)
             .or_default()
-            .insert(entry.to_string(), (f.clone(), meta));
-        Ok((f, meta))
+            .insert(entry.to_string(), loaded.clone());
+        Ok(loaded)
+    }
+
+    /// Launches `f` on `grid` blocks (its manifest's block size and shared memory) on the
+    /// stream, with programmatic stream serialization where `f` waits for its producer
+    /// and [`Gpu::programmatic_launches`] is on: the kernel
+    /// may then start before the previous kernel on the stream has finished, and waits
+    /// for it in its prologue (`kpt::wait_for_producer`). Stream capture records that as
+    /// a programmatic edge of the graph.
+    ///
+    /// # Safety
+    /// `params` holds one pointer per parameter of the entry point, in order, each to a
+    /// live value of the parameter's type and layout, and the device addresses among them
+    /// are valid for what the kernel reads and writes.
+    pub unsafe fn launch(
+        &self,
+        f: &LoadedFunction,
+        grid: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), NvidiaError> {
+        self.bind()?;
+        let (block, shared) = (f.meta.block, f.meta.shared_bytes);
+        if !(f.waits_for_producer && self.programmatic_launches()) {
+            // SAFETY: the caller's contract.
+            return unsafe {
+                result::launch_kernel(
+                    f.function.cu_function(),
+                    (grid, 1, 1),
+                    (block, 1, 1),
+                    shared,
+                    self.stream.cu_stream(),
+                    params,
+                )
+            }
+            .map_err(|e| NvidiaError::driver("cuLaunchKernel", e));
+        }
+        // SAFETY: an all-zero attribute value is valid (a union of plain integers).
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        // SAFETY: the caller's contract for `params`; `config` and `attribute` live
+        // across the call (the driver copies them).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.function.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| NvidiaError::driver("cuLaunchKernelEx", e))
     }
 
     /// The target of the image `kernel` runs from (`sm_90a`, `compute_80`, ...): the

@@ -2,7 +2,9 @@
 //! `kpt_kernels::artifacts`). Each takes device addresses and sizes; the backend checks
 //! buffers against shapes before it calls them.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+use cudarc::driver::DeviceRepr;
 use kpt_core::graph::Activation;
 use kpt_core::DType;
 
@@ -10,32 +12,33 @@ use crate::gpu::Gpu;
 use crate::NvidiaError;
 
 /// Launches `entry` of kernel source `kernel` on `grid` blocks with the block size and
-/// shared memory its manifest records, passing each argument by value.
+/// shared memory its manifest records, passing each argument by value ([`Gpu::launch`]:
+/// a programmatic launch where the kernel's image waits for its producer).
 macro_rules! launch {
     ($gpu:expr, $kernel:expr, $entry:expr, $grid:expr; $($arg:expr),* $(,)?) => {{
-        let (f, meta) = $gpu.function($kernel, &$entry)?;
-        let cfg = LaunchConfig {
-            grid_dim: ($grid, 1, 1),
-            block_dim: (meta.block, 1, 1),
-            shared_mem_bytes: meta.shared_bytes,
-        };
-        $gpu.bind()?;
-        let mut builder = $gpu.stream().launch_builder(&f);
-        launch!(@push builder, cfg; $($arg),*)
+        let f = $gpu.function($kernel, &$entry)?;
+        let grid: u32 = $grid;
+        launch!(@bind $gpu, f, grid; []; $($arg),*)
     }};
-    // Binds each argument to a local that outlives the launch, pushes a reference to it,
-    // then launches once all are pushed.
-    (@push $b:ident, $cfg:ident; $a:expr $(, $rest:expr)*) => {{
+    // Binds each argument to a local (each expansion's `arg` is a distinct variable) that
+    // lives until the launch has returned...
+    (@bind $gpu:expr, $f:ident, $grid:ident; [$($bound:ident)*]; $a:expr $(, $rest:expr)*) => {{
         let arg = $a;
-        $b.arg(&arg);
-        launch!(@push $b, $cfg; $($rest),*)
+        launch!(@bind $gpu, $f, $grid; [$($bound)* arg]; $($rest),*)
     }};
-    (@push $b:ident, $cfg:ident;) => {
+    // ...then passes the driver one pointer to each.
+    (@bind $gpu:expr, $f:ident, $grid:ident; [$($bound:ident)*];) => {{
+        let mut params = [$(kernel_param(&$bound)),*];
         // SAFETY: the entry point's parameters match the arguments in order and type
-        // (see the kernel source); the backend checked every buffer against the sizes
-        // passed.
-        unsafe { $b.launch($cfg) }.map_err(|e| NvidiaError::driver("cuLaunchKernel", e))?
-    };
+        // (see the kernel source), `params` points at locals that outlive the call, and
+        // the backend checked every buffer against the sizes passed.
+        unsafe { $gpu.launch(&$f, $grid, &mut params) }?
+    }};
+}
+
+/// The pointer the driver reads a kernel argument through.
+fn kernel_param<T: DeviceRepr>(value: &T) -> *mut c_void {
+    (value as *const T).cast_mut().cast()
 }
 
 /// Query rows per block of `flash_attention.cu` and `flash_attention_sm90.cu` (their

@@ -315,6 +315,47 @@ fn captured_decode_steps_match_plain_ones_bit_for_bit() {
 }
 
 #[test]
+fn programmatic_launches_give_the_same_bits() {
+    if backend().is_none() {
+        return;
+    }
+    let cuda = Arc::new(CudaBackend::new(0, CudaOptions::default()).unwrap());
+    let gpu = cuda.gpu();
+    let (major, _) = gpu.properties().compute_capability;
+    let jit = std::env::var("KPT_CUDA_JIT").is_ok_and(|v| v == "1");
+    let disabled = std::env::var("KPT_CUDA_PDL").is_ok_and(|v| v == "0");
+    assert_eq!(gpu.programmatic_launches(), major >= 9 && !disabled);
+    // kpt's sm_90a cubins wait for their producer; the compute_80 PTX does not.
+    let rms = gpu.function("rms_norm", "kpt_rms_norm_bf16").unwrap();
+    assert_eq!(rms.waits_for_producer, major == 9 && !jit);
+    let default = gpu.programmatic_launches();
+    let backend: Arc<dyn Backend> = cuda.clone();
+    let b = backend.as_ref();
+    // Plain steps, a capture and replays, with and without programmatic launches.
+    let mut logits = Vec::new();
+    for programmatic in [true, false] {
+        gpu.set_programmatic_launches(programmatic);
+        let mut exec = executor(&backend, true);
+        let mut state = State::new(b, 3);
+        let steps: Vec<_> = (0..5)
+            .map(|step| state.step(&mut exec, step, token(step)))
+            .collect();
+        assert_eq!(exec.graph_stats().replays, 3);
+        let caches: Vec<_> = state
+            .caches
+            .iter()
+            .map(|c| c.download(b).unwrap())
+            .collect();
+        logits.push((steps, caches));
+    }
+    gpu.set_programmatic_launches(default);
+    assert!(
+        logits[0] == logits[1],
+        "programmatic launches changed the results"
+    );
+}
+
+#[test]
 fn profiling_runs_are_not_captured() {
     let Some(backend) = backend() else { return };
     let b = backend.as_ref();
