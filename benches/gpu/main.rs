@@ -42,7 +42,7 @@ struct Args {
     /// Report name (files are NAME-latest.json etc.).
     #[arg(long, default_value = "nvidia-h100")]
     name: String,
-    /// Only cases whose name contains this.
+    /// Only cases whose name contains this (or one of several, separated by commas).
     #[arg(long)]
     filter: Option<String>,
     /// Which cases: the backend's kernels (`core`, the nvidia-h100 report) or attention
@@ -822,7 +822,11 @@ fn main() -> Result<()> {
     };
     let cases: Vec<Case> = all
         .into_iter()
-        .filter(|c| args.filter.as_deref().is_none_or(|f| c.name.contains(f)))
+        .filter(|c| {
+            args.filter
+                .as_deref()
+                .is_none_or(|f| f.split(',').any(|p| c.name.contains(p)))
+        })
         .collect();
     let bar = ProgressBar::new(cases.len() as u64).with_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
