@@ -1065,7 +1065,10 @@ mod tests {
             s(&[], DType::F32),
             s(&[3], DType::I64),
         ] {
-            assert!(Op::ArgMax.infer(std::slice::from_ref(&bad)).is_err(), "{bad:?}");
+            assert!(
+                Op::ArgMax.infer(std::slice::from_ref(&bad)).is_err(),
+                "{bad:?}"
+            );
         }
     }
 
