@@ -6,8 +6,12 @@
 // j <= i + seq_kv - seq_q; rows that see no key give zeros; q and out [batch, seq_q, heads * d],
 // k and v [batch, seq_kv, kv_heads * d]).
 //
-// Block: 384 threads = 3 warpgroups, one block per 128 query rows of one (batch, head).
-//   * Warpgroup 0 (producer, setmaxnreg down to 40 registers): copies the Q tile once, then
+// Block: one producer warpgroup and two consumer warpgroups of 64 query rows (384 threads,
+// 128 query rows of one (batch, head)), or for bf16/f16 at d = 64 three consumers (512
+// threads, 192 rows): there one exp2 per score costs as many cycles on the MUFU units as the
+// two matrix products take on the tensor cores, and a consumer's softmax has the GEMMs of two
+// others to hide under instead of one.
+//   * Warpgroup 0 (producer, setmaxnreg down to 40 or 32 registers): copies the Q tile once, then
 //     K(t) and V(t) tiles of 128 keys into a ring of kStages stages (3 for d = 128, 4 for
 //     d = 64) with 16-byte cp.async (rows past the end are zero-filled). Each copy lands in the
 //     128-byte-swizzled layout wgmma reads: a tile of R rows x d is d / 64 column blocks of
@@ -15,31 +19,37 @@
 //     (every block starts 1024-byte aligned, as the swizzle works on address bits). Completion
 //     is signalled with cp.async.mbarrier.arrive.noinc on the stage's "full" mbarrier (128
 //     arrivals), so the producer never waits for its own copies.
-//   * Warpgroups 1 and 2 (consumers, setmaxnreg up to 232): 64 query rows each. After an
+//   * Warpgroups 1.. (consumers, setmaxnreg up to 232, or 160 with three): 64 rows each. After an
 //     mbarrier wait, a fence.proxy.async makes the cp.async (generic proxy) data visible to
 //     wgmma (async proxy). S = Q K^T is wgmma m64n128k16 with both operands in shared memory
 //     (K-major descriptors, d / 16 instructions); O += P V is wgmma m64n{d}k16 with P from
 //     registers (the accumulator layout of S is the A-fragment layout, so P is S re-packed to
 //     16 bits) and V in shared memory read transposed (MN-major descriptor). Every consumer
 //     thread arrives on the stage's "empty" mbarrier (256 arrivals) once the wgmma that read
-//     it completed.
+//     it completed (128 per consumer).
 //   * Overlap inside a warpgroup (FA3's intra-warpgroup pipelining): iteration t issues
 //     S(t) = Q K(t)^T and O += P(t-1) V(t-1) back to back, waits for S(t) only
 //     (wgmma.wait_group 1) and runs the online softmax of tile t while P V still runs.
-//   * Overlap between the warpgroups (FA3's ping-pong): named barriers 1 and 2 make the two
-//     consumers issue their GEMMs in turn, so the softmax of one runs under the GEMMs of the
-//     other.
+//   * Overlap between the warpgroups (FA3's ping-pong): named barriers 1.. make the consumers
+//     issue their GEMMs in turn (round robin), so the softmax of one runs under the GEMMs of
+//     the others.
 // Online softmax in the log2 domain (exp2) as in flash_attention.cu; element masks only on
-// tiles that cross the diagonal or the end of the cache, or with an additive mask.
+// tiles that cross the diagonal or the end of the cache, or with an additive mask (a separate
+// instantiation, so that the mask's loads do not add to the registers of unmasked calls).
+// Query tiles end at seq_q, seq_q - kBlockM, ...: a partial tile is the first one (rows
+// before 0 are zeros, never stored). A consumer whose rows are all before 0, or, under a
+// causal mask, before the block's last key tiles, skips those tiles' GEMMs and softmax and
+// only takes its turns and releases the stages.
 // Block order (blocks start roughly in x order): x walks sections of G (batch, head) pairs
 // whose K and V together take about kL2Budget bytes, so that the blocks in flight read the
 // same few heads' K/V and find them in L2 (in (batch, head)-major order 132 blocks would
 // stream 132 heads' K/V from memory); inside a section, query tiles go last-first across its
 // heads, so that the longest causal blocks start first.
 //
-// Launch: grid = ceil(seq_q / 128) * batch * heads blocks (blocks past that return at once),
-// 384 threads, the `shared=` bytes below as dynamic shared memory (more than 48 KiB: the
-// function needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES set to it first). Only the
+// Launch: grid = ceil(seq_q / kBlockM) * batch * heads blocks (kBlockM = 192 for bf16/f16 at
+// d = 64, else 128; blocks past that return at once), the `block=` threads below, and the
+// `shared=` bytes as dynamic shared memory (more than 48 KiB: the function needs
+// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES set to it first). Only the
 // sm_90a cubin computes; the sm_80 cubin and the compute_80 PTX of this file trap.
 // When `lse` is not null (bf16/f16 entries), each row's log-sum-exp of the scaled scores
 // (natural log, f32 [batch, heads, seq_q], +inf for rows that see no key) is written there
@@ -47,9 +57,9 @@
 // Tuning switches for standalone builds (target/fa3test): KPT_FA3_STAGES_D64/_D128,
 // KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE; the artifacts use the defaults.
 //
-// kpt:launch kpt_flash_attention_sm90_bf16_d64 block=384 shared=148616 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_bf16_d64 block=512 shared=156808 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bf16_d128 block=384 shared=230504 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_f16_d64 block=384 shared=148616 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_f16_d64 block=512 shared=156808 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_f16_d128 block=384 shared=230504 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_e4m3_d128 block=384 shared=148616 grid=tiles
 // kpt:launch kpt_attention_fp8_v_transpose_d128 block=256 shared=0 grid=tiles
@@ -95,14 +105,33 @@ constexpr bool kFp8 = std::is_same_v<T, E4M3>;
 template <typename T>
 using OutT = std::conditional_t<kFp8<T>, __nv_bfloat16, T>;
 
-constexpr int kBlockM = 128;  // query rows per block, 64 per consumer warpgroup
 constexpr int kBlockN = 128;  // keys per K/V tile
-constexpr int kThreads = 384;
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
-// The launch gives every thread 168 registers (65536 / 384, rounded down to 8); setmaxnreg
-// moves them from the producer to the consumers.
-static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "register pool");
+
+// Consumer warpgroups (64 query rows each) per block: three for 16-bit d = 64, whose softmax
+// (one exp2 per score, as many MUFU cycles as the two matrix products take on the tensor
+// cores) needs the GEMMs of two other warpgroups to hide under; two otherwise.
+template <typename T, int D>
+constexpr int kConsumers = (sizeof(T) == 2 && D == 64) ? 3 : 2;
+// Threads per block: the producer warpgroup and the consumers.
+template <typename T, int D>
+constexpr int kThreads = 128 * (1 + kConsumers<T, D>);
+template <int C>
+struct Regs;
+// 384 threads: the launch gives every thread 168 registers (65536 / 384, rounded down to 8);
+// setmaxnreg moves them from the producer to the consumers.
+template <>
+struct Regs<2> {
+    static constexpr int kProducer = 40, kConsumer = 232, kLaunch = 168;
+};
+// 512 threads: 128 each at launch.
+template <>
+struct Regs<3> {
+    static constexpr int kProducer = 32, kConsumer = 160, kLaunch = 128;
+};
+static_assert(Regs<2>::kProducer * 128 + Regs<2>::kConsumer * 256 <= Regs<2>::kLaunch * 384,
+              "register pool");
+static_assert(Regs<3>::kProducer * 128 + Regs<3>::kConsumer * 384 <= Regs<3>::kLaunch * 512,
+              "register pool");
 
 // Ring depth and the ping-pong can be overridden when the file is compiled on its own for
 // tuning (target/fa3test); the artifacts use the defaults, which the kpt:launch lines match.
@@ -127,6 +156,8 @@ static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "regi
 // d = 128) or 256 (bf16/f16 at d = 128); the stage switches are named after the 16-bit sizes.
 template <typename T, int D>
 struct Config {
+    static constexpr int kConsumers = ::kConsumers<T, D>;
+    static constexpr int kBlockM = 64 * kConsumers;  // query rows per block
     static constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
     static constexpr int kStages = kRowBytes == 128 ? KPT_FA3_STAGES_D64 : KPT_FA3_STAGES_D128;
     static constexpr int kQBytes = kBlockM * kRowBytes;
@@ -140,7 +171,7 @@ struct Config {
     static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
 };
 #ifdef KPT_FA3_DEFAULT_CONFIG
-static_assert(Config<__nv_bfloat16, 64>::kSmemBytes == 148616,
+static_assert(Config<__nv_bfloat16, 64>::kSmemBytes == 156808,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<__nv_bfloat16, 128>::kSmemBytes == 230504,
               "keep the kpt:launch shared= values in step");
@@ -346,9 +377,11 @@ using kpt::pack2;
 // tile of kRows rows at shared address `tile`; rows past `rows` become zeros. Thread tp of
 // the producer warpgroup always copies the same 16-byte column chunk c of rows r0,
 // r0 + kStep, ...; kStep is a multiple of 8, so the swizzled chunk is the same for all.
+// Rows before `row_lo` are zeros too (the first query tile may start before row 0); their
+// source is never read (cp.async of 0 bytes from `safe`).
 template <typename T, int D, int kRows>
-__device__ __forceinline__ void load_tile(uint32_t tile, const T* src, long stride, int rows,
-                                          int tp) {
+__device__ __forceinline__ void load_tile(uint32_t tile, const T* src, const T* safe, long stride,
+                                          int row_lo, int rows, int tp) {
     constexpr int kElems = 16 / static_cast<int>(sizeof(T));  // elements per chunk
     constexpr int kChunks = D / kElems;   // 16-byte chunks per row
     constexpr int kStep = 128 / kChunks;  // rows per pass of the 128 producer threads
@@ -362,8 +395,8 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const T* src, long stri
     // and spill them at the producer's 40 registers.
 #pragma unroll 4
     for (int i = 0; i < kRows / kStep; ++i) {
-        const bool ok = r0 + i * kStep < rows;
-        cp_async16(dst + i * kStep * 128, ok ? s : src, ok);
+        const bool ok = r0 + i * kStep < rows && r0 + i * kStep >= row_lo;
+        cp_async16(dst + i * kStep * 128, ok ? s : safe, ok);
         s += step;
     }
 }
@@ -373,6 +406,7 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const T* src, long stri
 // S[64 x 128] = Q[64 x D] K[128 x D]^T, in k-steps of 32 bytes (16 or 32 elements).
 template <typename T, int D>
 __device__ __forceinline__ void gemm_qk(float (&s)[kBlockN / 2], uint64_t qdesc, uint64_t kdesc) {
+    constexpr int kBlockM = Config<T, D>::kBlockM;
     fence_regs(s);
     wgmma_fence();
 #pragma unroll
@@ -408,29 +442,49 @@ __device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kPStep
 // scale sign); otherwise the tile is fully visible and scale2 > 0, so the max of the raw
 // scores gives the max and one FMA per element scales and subtracts it. P is scaled by
 // 2^kPOffset (see the FP8 notes at the top).
-template <bool kEdge, int kPOffset>
+template <bool kEdge, bool kMask, int kPOffset>
 __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_run)[2],
                                              float (&l_run)[2], float (&alpha)[2], float scale2,
                                              int n0, int qi0, int tig, const Dims& p,
                                              const float* __restrict__ mask) {
     float mx[2] = {m_run[0], m_run[1]};
     if constexpr (kEdge) {
-        const int offset = p.seq_kv - p.seq_q;
+        // Element (j, e) is key n0 + 2 tig + c with c = 8 j + (e & 1), a constant: it is
+        // visible iff c < cols (end of the cache) and c <= lim[row] (causal diagonal).
+        const int cols = p.seq_kv - n0 - 2 * tig;
+        int lim[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            lim[r] = p.causal ? qi0 + 8 * r + (p.seq_kv - p.seq_q) - n0 - 2 * tig : cols;
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = n0 + j * 8 + tig * 2 + (e & 1);
-                const int qi = qi0 + (e >> 1) * 8;
-                bool visible = key < p.seq_kv;
-                if (p.causal) visible = visible && key <= qi + offset;
-                float x = s[4 * j + e] * scale2;
-                if (mask != nullptr && visible && qi < p.seq_q)
-                    x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
-                x = visible ? x : -INFINITY;
-                s[4 * j + e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                const int cc = 8 * j + (e & 1);
+                const bool visible = cc < cols && cc <= lim[e >> 1];
+                s[4 * j + e] = visible ? s[4 * j + e] * scale2 : -INFINITY;
             }
+        }
+        if constexpr (kMask) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int qi = qi0 + 8 * r;
+                if (qi < 0 || qi >= p.seq_q) continue;
+                const float* mrow = mask + static_cast<long>(qi) * p.seq_kv + n0 + 2 * tig;
+#pragma unroll
+                for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int cc = 8 * j + e;
+                        if (cc < cols && cc <= lim[r]) s[4 * j + 2 * r + e] += mrow[cc] * kLog2e;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
         }
     } else {
         float r[2] = {-INFINITY, -INFINITY};
@@ -513,7 +567,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha
 
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
 // the output (v_scale for FP8, 1 otherwise).
-template <typename T, int D>
+template <typename T, int D, bool kMask>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
@@ -521,6 +575,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                                            float* __restrict__ lse, const Dims& p,
                                            float out_scale) {
     using C = Config<T, D>;
+    constexpr int kBlockM = C::kBlockM;
+    constexpr int kConsumers = C::kConsumers;
+    using R = Regs<kConsumers>;
     constexpr int kPOffset = kFp8<T> ? 8 : 0;
     constexpr int kStages = C::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -549,7 +606,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const int in_section = min(pairs, bh_count - first);
     const int r = static_cast<int>(x % section);
     const int bh = first + r % in_section;
-    const int m0 = (tiles_m - 1 - r / in_section) * kBlockM;
+    // Query tiles end at seq_q - i * kBlockM: a partial tile is the first one, whose rows
+    // before 0 are zeros and never stored (under a causal mask it is also the shortest).
+    const int m0 = p.seq_q - (r / in_section + 1) * kBlockM;
     const int h = bh % p.heads, b = bh / p.heads;
     const int hk = h / (p.heads / p.kv_heads);
     const long q_stride = static_cast<long>(p.heads) * D;
@@ -564,16 +623,16 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // Keys j <= i + offset are visible to query i (causal, bottom-right aligned).
     const int offset = p.seq_kv - p.seq_q;
     int kv_end = p.seq_kv;
-    if (p.causal) kv_end = max(0, min(p.seq_kv, min(m0 + kBlockM, p.seq_q) + offset));
+    if (p.causal) kv_end = max(0, min(p.seq_kv, m0 + kBlockM + offset));
     const int n_tiles = (kv_end + kBlockN - 1) / kBlockN;
 
     if (threadIdx.x == 0) {
         mbar_init(full_q, 128);
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), 128);
-            mbar_init(empty_k(s), 256);
+            mbar_init(empty_k(s), 128 * kConsumers);
             mbar_init(full_v(s), 128);
-            mbar_init(empty_v(s), 256);
+            mbar_init(empty_v(s), 128 * kConsumers);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -582,10 +641,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         // ---- producer warpgroup ----
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
         const int tp = threadIdx.x;
         if (n_tiles > 0) {
-            load_tile<T, D, kBlockM>(sq, qb, q_stride, min(kBlockM, p.seq_q - m0), tp);
+            load_tile<T, D, kBlockM>(sq, qb, q, q_stride, max(0, -m0), kBlockM, tp);
             mbar_arrive_on_copies(full_q);
         }
         int s = 0;
@@ -593,17 +652,17 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         for (int t = 0; t < n_tiles; ++t) {
             const int n0 = t * kBlockN;
             const int rows = min(kBlockN, p.seq_kv - n0);
-            // Stage s is free once both consumers released its previous tile.
+            // Stage s is free once every consumer released its previous tile.
             mbar_wait(empty_k(s), phase ^ 1);
-            load_tile<T, D, kBlockN>(sk + s * C::kTileBytes, kb + n0 * kv_stride, kv_stride, rows,
-                                     tp);
+            load_tile<T, D, kBlockN>(sk + s * C::kTileBytes, kb + n0 * kv_stride, kb, kv_stride, 0,
+                                     rows, tp);
             mbar_arrive_on_copies(full_k(s));
             mbar_wait(empty_v(s), phase ^ 1);
             if constexpr (kFp8<T>) {
-                load_tile<T, kBlockN, D>(sv + s * C::kTileBytes, vb + n0, vt_stride, D, tp);
+                load_tile<T, kBlockN, D>(sv + s * C::kTileBytes, vb + n0, vb, vt_stride, 0, D, tp);
             } else {
-                load_tile<T, D, kBlockN>(sv + s * C::kTileBytes, vb + n0 * kv_stride, kv_stride,
-                                         rows, tp);
+                load_tile<T, D, kBlockN>(sv + s * C::kTileBytes, vb + n0 * kv_stride, vb, kv_stride,
+                                         0, rows, tp);
             }
             mbar_arrive_on_copies(full_v(s));
             if (++s == kStages) {
@@ -616,7 +675,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     }
 
     // ---- consumer warpgroups ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R::kConsumer));
     const int c = wg - 1;  // 64 rows each
     const int t128 = threadIdx.x % 128, warp = t128 / 32, lane = t128 % 32;
     const int g = lane / 4, tig = lane % 4;
@@ -635,7 +694,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         uint32_t pf[kPSteps<T>][4];
         float alpha[2];
         const float scale2 = p.scale * kLog2e;
-        const bool fast = scale2 > 0.0f && mask == nullptr;
+        const bool fast = scale2 > 0.0f && !kMask;
         const int row_first = m0 + c * 64;  // first query row of this warpgroup
         // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal).
         auto edge = [&](int n0) {
@@ -644,10 +703,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         };
         auto softmax = [&](int n0) {
             if (edge(n0)) {
-                softmax_tile<true, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p,
+                softmax_tile<true, kMask, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p,
                                              mask);
             } else {
-                softmax_tile<false, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p,
+                softmax_tile<false, false, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p,
                                               mask);
             }
         };
@@ -655,63 +714,92 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         const uint64_t kdesc = make_desc(kDescK, sk);
         const uint64_t vdesc = make_desc(kFp8<T> ? kDescK : kDescV, sv);
         constexpr uint32_t kStageDesc = C::kTileBytes >> 4;
-        // Ping-pong: warpgroup c issues its GEMMs after sync on barrier 1 + c and then lets
-        // the other go (arrive on 2 - c); consumer 0 starts. Every sync meets exactly one
-        // arrive: consumer 1 skips its arrive of the last tile.
+        // Ping-pong (round robin with three): warpgroup c issues its GEMMs after sync on
+        // barrier 1 + c and then lets the next go (arrive on 1 + (c + 1) % kConsumers);
+        // consumer 0 starts. Every sync meets exactly one arrive: the last consumer skips
+        // its arrive of the last tile.
         constexpr bool kPingPong = KPT_FA3_PINGPONG != 0;
-        const int my_turn = kSchedBarrier + c, other_turn = kSchedBarrier + 1 - c;
-        if (kPingPong && c == 1) named_arrive(kSchedBarrier, 256);
+        constexpr int kLast = kConsumers - 1;
+        const int my_turn = kSchedBarrier + c;
+        const int other_turn = kSchedBarrier + (c + 1) % kConsumers;
+        if (kPingPong && c == kLast) named_arrive(kSchedBarrier, 256);
 
-        mbar_wait(full_q, 0);
-        // Tile 0: S and the softmax only.
+        // Key tiles this warpgroup computes: under a causal mask the block's last tiles can be
+        // past every row of its lower warpgroups. Those skip the GEMMs and the softmax but
+        // still take their turns and release the stages (after the stage filled, so that the
+        // release counts for this round).
+        // Warpgroups whose rows all lie before row 0 (in a partial first tile) compute none.
+        int my_tiles = row_first + 64 > 0 ? n_tiles : 0;
+        if (p.causal) {
+            const int seen = max(0, min(p.seq_kv, row_first + 64 + offset));
+            my_tiles = min(my_tiles, (seen + kBlockN - 1) / kBlockN);
+        }
         int s = 0;
         unsigned phase = 0;
-        mbar_wait(full_k(0), 0);
-        fence_proxy_async();
-        if (kPingPong) named_sync(my_turn, 256);
-        gemm_qk<T, D>(s_acc, qdesc, kdesc);
-        if (kPingPong && !(c == 1 && n_tiles == 1)) named_arrive(other_turn, 256);
-        wgmma_wait<0>();
-        fence_regs(s_acc);
-        mbar_arrive(empty_k(0));
-        softmax(0);
-        pack_p<T>(s_acc, pf);
+        if (my_tiles > 0) {
+            mbar_wait(full_q, 0);
+            // Tile 0: S and the softmax only.
+            mbar_wait(full_k(0), 0);
+            fence_proxy_async();
+            if (kPingPong) named_sync(my_turn, 256);
+            gemm_qk<T, D>(s_acc, qdesc, kdesc);
+            if (kPingPong && !(c == kLast && n_tiles == 1)) named_arrive(other_turn, 256);
+            wgmma_wait<0>();
+            fence_regs(s_acc);
+            mbar_arrive(empty_k(0));
+            softmax(0);
+            pack_p<T>(s_acc, pf);
 
-        // Tile t: S(t) and P(t - 1) V(t - 1) in flight together; the softmax of t runs
-        // under P V.
-        for (int t = 1; t < n_tiles; ++t) {
-            const int sp = s;  // stage of tile t - 1
-            const unsigned pp = phase;
-            if (++s == kStages) {
+            // Tile t: S(t) and P(t - 1) V(t - 1) in flight together; the softmax of t runs
+            // under P V.
+            for (int t = 1; t < my_tiles; ++t) {
+                const int sp = s;  // stage of tile t - 1
+                const unsigned pp = phase;
+                if (++s == kStages) {
+                    s = 0;
+                    phase ^= 1;
+                }
+                mbar_wait(full_k(s), phase);
+                fence_proxy_async();
+                if (kPingPong) named_sync(my_turn, 256);
+                gemm_qk<T, D>(s_acc, qdesc, kdesc + s * kStageDesc);
+                rescale_o<D>(o, alpha);
+                mbar_wait(full_v(sp), pp);
+                fence_proxy_async();
+                gemm_pv<T, D>(o, pf, vdesc + sp * kStageDesc);
+                if (kPingPong && !(c == kLast && t == n_tiles - 1)) named_arrive(other_turn, 256);
+                wgmma_wait<1>();  // S(t) is done
+                fence_regs(s_acc);
+                mbar_arrive(empty_k(s));
+                softmax(t * kBlockN);
+                wgmma_wait<0>();  // P V of t - 1 is done
+                fence_regs(o);
+                fence_regs(pf);
+                mbar_arrive(empty_v(sp));
+                pack_p<T>(s_acc, pf);
+            }
+            rescale_o<D>(o, alpha);
+            mbar_wait(full_v(s), phase);
+            fence_proxy_async();
+            gemm_pv<T, D>(o, pf, vdesc + s * kStageDesc);
+            wgmma_wait<0>();
+            fence_regs(o);
+            fence_regs(pf);
+            mbar_arrive(empty_v(s));
+        }
+        // The tiles past this warpgroup's rows.
+        for (int t = my_tiles; t < n_tiles; ++t) {
+            if (t > 0 && ++s == kStages) {
                 s = 0;
                 phase ^= 1;
             }
             mbar_wait(full_k(s), phase);
-            fence_proxy_async();
             if (kPingPong) named_sync(my_turn, 256);
-            gemm_qk<T, D>(s_acc, qdesc, kdesc + s * kStageDesc);
-            rescale_o<D>(o, alpha);
-            mbar_wait(full_v(sp), pp);
-            fence_proxy_async();
-            gemm_pv<T, D>(o, pf, vdesc + sp * kStageDesc);
-            if (kPingPong && !(c == 1 && t == n_tiles - 1)) named_arrive(other_turn, 256);
-            wgmma_wait<1>();  // S(t) is done
-            fence_regs(s_acc);
+            if (kPingPong && !(c == kLast && t == n_tiles - 1)) named_arrive(other_turn, 256);
             mbar_arrive(empty_k(s));
-            softmax(t * kBlockN);
-            wgmma_wait<0>();  // P V of t - 1 is done
-            fence_regs(o);
-            fence_regs(pf);
-            mbar_arrive(empty_v(sp));
-            pack_p<T>(s_acc, pf);
+            mbar_wait(full_v(s), phase);
+            mbar_arrive(empty_v(s));
         }
-        rescale_o<D>(o, alpha);
-        mbar_wait(full_v(s), phase);
-        fence_proxy_async();
-        gemm_pv<T, D>(o, pf, vdesc + s * kStageDesc);
-        wgmma_wait<0>();
-        fence_regs(o);
-        fence_regs(pf);
     }
 
     // Normalize and store: the quad of lanes of a row holds its partial sums. Rows that saw
@@ -723,7 +811,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const float inv = l > 0.0f ? out_scale / l : 0.0f;
         const int qi = qi0 + r * 8;
-        if (qi >= p.seq_q) continue;
+        if (qi < 0 || qi >= p.seq_q) continue;
         if (lse != nullptr && tig == 0) {
             // m_run and the scores are in the log2 domain (P carries 2^kPOffset).
             lse[(static_cast<long>(b) * p.heads + h) * p.seq_q + qi] =
@@ -743,7 +831,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
 
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
-template <typename T, int D>
+template <typename T, int D, bool kMask>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
                                            float*, const Dims&, float) {
     __trap();
@@ -751,15 +839,28 @@ __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const f
 
 #endif
 
+// The masked and unmasked kernels are separate code: the mask's loads would otherwise add to
+// the register pressure of every call (at three consumer warpgroups, 160 registers each).
+template <typename T, int D>
+__device__ __forceinline__ void flash_sm90_entry(const T* q, const T* k, const T* v,
+                                                 const float* mask, OutT<T>* out, float* lse,
+                                                 const Dims& p, float out_scale) {
+    if (mask != nullptr) {
+        flash_sm90<T, D, true>(q, k, v, mask, out, lse, p, out_scale);
+    } else {
+        flash_sm90<T, D, false>(q, k, v, nullptr, out, lse, p, out_scale);
+    }
+}
+
 }  // namespace
 
 #define KPT_FLASH_SM90(NAME, T, D)                                                         \
-    extern "C" __global__ void __launch_bounds__(kThreads, 1)                              \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
         kpt_flash_attention_sm90_##NAME##_d##D(const T* q, const T* k, const T* v,         \
                                                const float* mask, T* out, float* lse,      \
                                                const Dims p) {                             \
         kpt::dependent_launch_prologue();                                                  \
-        flash_sm90<T, D>(q, k, v, mask, out, lse, p, 1.0f);                                \
+        flash_sm90_entry<T, D>(q, k, v, mask, out, lse, p, 1.0f);                          \
     }
 
 KPT_FLASH_SM90(bf16, __nv_bfloat16, 64)
@@ -769,12 +870,12 @@ KPT_FLASH_SM90(f16, __half, 128)
 
 // q, k [batch, seq, heads * 128] e4m3, vt from kpt_attention_fp8_v_transpose_d128, out bf16;
 // p.scale includes q_scale * k_scale.
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
+extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
     kpt_flash_attention_sm90_e4m3_d128(const E4M3* q, const E4M3* k, const E4M3* vt,
                                        const float* mask, __nv_bfloat16* out, const Dims p,
                                        float v_scale) {
     kpt::dependent_launch_prologue();
-    flash_sm90<E4M3, 128>(q, k, vt, mask, out, nullptr, p, v_scale);
+    flash_sm90_entry<E4M3, 128>(q, k, vt, mask, out, nullptr, p, v_scale);
 }
 
 // V [batch, seq_kv, kv_heads * 128] (bytes) -> V^T [batch, kv_heads, 128, seq_kv rounded up to

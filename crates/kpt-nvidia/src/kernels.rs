@@ -42,9 +42,10 @@ fn kernel_param<T: DeviceRepr>(value: &T) -> *mut c_void {
 }
 
 /// Query rows per block of `flash_attention.cu` and `flash_attention_sm90.cu` (their
-/// kBlockM).
+/// kBlockM; the sm90 kernel's 16-bit d = 64 entries run three consumer warpgroups, 192 rows).
 const FLASH_BLOCK_M: usize = 64;
 const FLASH_SM90_BLOCK_M: usize = 128;
+const FLASH_SM90_BLOCK_M_D64: usize = 192;
 /// Keys per K/V tile of `flash_attention_sm90.cu` (its kBlockN).
 const FLASH_SM90_BLOCK_N: usize = 128;
 
@@ -774,7 +775,12 @@ impl Gpu {
         };
         const SM90: &str = "flash_attention_sm90";
         if hopper && dims.window == 0 && dims.seq_kv > 0 && self.loaded_target(SM90)? == "sm_90a" {
-            let blocks = grid("flash attention tiles", tiles(FLASH_SM90_BLOCK_M))?;
+            let block_m = if d == 64 {
+                FLASH_SM90_BLOCK_M_D64
+            } else {
+                FLASH_SM90_BLOCK_M
+            };
+            let blocks = grid("flash attention tiles", tiles(block_m))?;
             let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
             launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims);
             return Ok(());
