@@ -27,7 +27,8 @@ use kpt_core::validate::run_reference;
 use kpt_core::{DType, Graph, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
 use kpt_models::generate::{
-    argmax, decode_inputs, device_cache_with_room, host_cache_with_room, picks_tokens,
+    argmax, decode_inputs, device_cache_with_room, host_cache_with_room, picked_tokens,
+    picks_tokens, resident_outputs,
 };
 use kpt_models::lower::pack_prompts;
 use kpt_models::{Checkpoint, Model, Phase};
@@ -303,23 +304,13 @@ impl Batch {
         // A plan that picks the tokens itself (`Phase::DecodeGreedy`) keeps its logits on
         // the device and sends one id per sequence; otherwise the logits come to the host.
         let picks = picks_tokens(&decode.plan().graph);
-        let outputs = decode.plan().graph.outputs().len();
-        let keep: Vec<bool> = (0..outputs)
-            .map(|i| if picks { i != 1 } else { i > 0 })
-            .collect();
+        let keep = resident_outputs(&decode.plan().graph, picks);
         let mut outs = decode.run_resident(inputs, &keep)?.into_iter();
         self.enqueue += decode.last_launch_seconds();
         let logits = outs.next().context("no logits")?;
         let next = if picks {
-            let ids = outs
-                .next()
-                .context("no tokens")?
-                .into_host(backend)?
-                .to_f64_vec();
-            if ids.iter().any(|&t| t < 0.0) {
-                bail!("the model produced a NaN logit");
-            }
-            ids.into_iter().map(|t| t as i64).collect()
+            let ids = outs.next().context("no tokens")?.into_host(backend)?;
+            picked_tokens(&ids)?.into_iter().map(i64::from).collect()
         } else {
             argmax_last(&logits.into_host(backend)?)?
         };

@@ -733,9 +733,7 @@ impl PlanRunner {
                 if greedy { ", next tokens" } else { "" }
             )));
         }
-        let keep: Vec<bool> = (0..outputs)
-            .map(|i| if i == 0 { greedy } else { i >= first_cache })
-            .collect();
+        let keep = resident_outputs(&exec.plan().graph, greedy);
         let mut outs = exec.run_resident(feed, &keep)?.into_iter();
         let logits = outs.next();
         let picked = if tokens { outs.next() } else { None };
@@ -780,13 +778,36 @@ impl PlanRunner {
     }
 }
 
-/// The token of a greedy pick `[1, 1]`; -1 (a NaN among the logits) is an error.
+/// The tokens a [`Phase::DecodeGreedy`] step picked, one per sequence; -1 (a NaN among
+/// a sequence's logits) is an error.
+pub fn picked_tokens(t: &Tensor) -> Result<Vec<u32>> {
+    t.to_f64_vec()
+        .into_iter()
+        .map(|id| {
+            if id >= 0.0 {
+                Ok(id as u32)
+            } else {
+                Err(ModelError::Generation(
+                    "the model produced a NaN logit (greedy pick on the device)".into(),
+                ))
+            }
+        })
+        .collect()
+}
+
+/// Which outputs of a decoder plan stay on the device in a run: the caches always, the
+/// logits when `greedy` (the plan's picked tokens come to the host instead).
+pub fn resident_outputs(graph: &Graph, greedy: bool) -> Vec<bool> {
+    let first_cache = 1 + usize::from(picks_tokens(graph));
+    (0..graph.outputs().len())
+        .map(|i| if i == 0 { greedy } else { i >= first_cache })
+        .collect()
+}
+
+/// The token of a greedy pick of one sequence `[1, 1]`.
 fn single_token(t: &Tensor) -> Result<u32> {
-    match t.to_f64_vec()[..] {
-        [id] if id >= 0.0 => Ok(id as u32),
-        [_] => Err(ModelError::Generation(
-            "the model produced a NaN logit (greedy pick on the device)".into(),
-        )),
+    match picked_tokens(t)?[..] {
+        [id] => Ok(id),
         _ => Err(ModelError::Generation(format!(
             "a greedy step of one sequence picked {:?} tokens",
             t.shape()
