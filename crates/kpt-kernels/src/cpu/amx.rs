@@ -19,7 +19,9 @@
 //! busy.
 //! Rayon tasks own a 128 × 128 output rectangle each (64 × 64 when that leaves fewer than
 //! eight tasks per thread), accumulated in f32 over passes of 512 k: within a pass one
-//! 32-row A block (32 KiB) stays in L1 while it meets the task's B blocks (in L2). Each
+//! 32-row A block (32 KiB) stays in L1 while it meets the task's B blocks (in L2). A 64 × 64
+//! task prefetches the next A block into L2 while the current one meets its two column
+//! blocks. Each
 //! task packs the B panels (and copies the A blocks) it needs that no other task did yet
 //! ([`LazyPanels`]), into [`Scratch`] buffers.
 //!
@@ -119,7 +121,7 @@ fn matmul_with<T: Encode>(
         n,
         packed: LazyPanels::new(&mut bp, kt * TILE),
     };
-    imp::run(&a, &b, out, m, n, kt, engine);
+    imp::run(&a, &b, out, (m, n, kt), engine);
 }
 
 /// What computes the 32 × 32 output blocks of [`matmul_bf16`].
@@ -828,74 +830,122 @@ mod imp {
         a: &ABlocks<'_>,
         b: &BPanels<'_>,
         out: &mut [T],
-        m: usize,
-        n: usize,
-        kt: usize,
+        (m, n, kt): (usize, usize, usize),
         engine: Engine,
     ) {
         let (mb, nb) = (m.next_multiple_of(MB), n.next_multiple_of(MB));
         assert!(out.len() >= m * n && kt >= 1);
-        let task = task_size(mb, nb, rayon::current_num_threads());
-        let (tr, tc) = (mb.div_ceil(task), nb.div_ceil(task));
         let dst = OutPtr(out.as_mut_ptr());
+        let threads = rayon::current_num_threads();
+        crate::cpu::team::rest();
+        let task = task_size(mb, nb, threads);
+        let (tr, tc) = (mb.div_ceil(task), nb.div_ceil(task));
         // Column-major task order: rayon hands each thread a run of consecutive tasks,
         // which then share their B panels (packed once, kept in that core's L2).
-        crate::cpu::team::rest();
         (0..tr * tc).into_par_iter().for_each(|t| {
             let (r0, c0) = ((t % tr) * task, (t / tr) * task);
             let (rows, cols) = (task.min(mb - r0), task.min(nb - c0));
-            let blocks: Vec<(&[u16], usize)> =
-                (r0 / MB..(r0 + rows) / MB).map(|i| a.block(i)).collect();
-            // The task's column panels (`panels` checks that they exist), kt tiles each.
             let bt = b.panels(c0 / 16..(c0 + cols) / 16);
-            // The task's f32 accumulators, [rows][task].
-            let mut acc = Scratch::<f32>::new(rows * task);
-            // `matmul_bf16` checked `available()`, so the configuration loads.
-            let amx = engine == Engine::Amx;
-            assert!(!amx || load(), "AMX tile configuration failed to load");
-            for k0 in (0..kt).step_by(KSTEPS) {
-                let steps = KSTEPS.min(kt - k0);
-                for (bi, &(ablk, lda)) in blocks.iter().enumerate() {
-                    assert!(ablk.len() >= (MB - 1) * lda + kt * KB);
-                    for j in (0..cols).step_by(MB) {
-                        // SAFETY: the A block has 32 rows of lda >= 32 kt elements, the
-                        // task's panels j / 16 and + 1 exist with kt k tiles each (j <
-                        // cols is a multiple of 32), k0 + steps <= kt; the block (32 bi,
-                        // j) of 32 × 32 lies in `acc`; the config is loaded for AMX, and
-                        // `dp_available` held for the other engine.
-                        unsafe {
-                            let kernel = match engine {
-                                Engine::Amx => block,
-                                Engine::Dp => dp_block,
-                                #[cfg(test)]
-                                Engine::Emulated => emulated_block,
-                            };
-                            kernel(
-                                ablk.as_ptr().add(k0 * KB),
-                                lda * 2,
-                                bt.as_ptr().add((j / 16 * kt + k0) * TILE),
-                                kt * TILE,
-                                steps,
-                                acc.as_mut_ptr().add(bi * MB * task + j),
-                                task * 4,
-                                k0 > 0,
-                            );
+            // In 64 × 64 tasks an A block meets only two column blocks, so the first
+            // tile loads of each block (from other cores' caches) are a large share of
+            // the task: those tasks prefetch the next block.
+            let prefetch = task < TASK;
+            let (rows, cols) = ((r0, rows), (c0, cols));
+            run_task(a, bt, &dst, (m, n, kt), rows, cols, engine, prefetch);
+        });
+    }
+
+    /// One task: output rows `r0..r0 + rows` and columns `c0..c0 + cols` (multiples of
+    /// 32, within the 32-padded output) of `out` (`m × n`, `kt` k tiles), with `bt` the
+    /// packed B panels of those columns. `prefetch`: each A block's tile products
+    /// prefetch the next block into L2, a share of its rows per column block.
+    #[allow(clippy::too_many_arguments)]
+    fn run_task<T: Encode>(
+        a: &ABlocks<'_>,
+        bt: &[u16],
+        dst: &OutPtr<T>,
+        (m, n, kt): (usize, usize, usize),
+        (r0, rows): (usize, usize),
+        (c0, cols): (usize, usize),
+        engine: Engine,
+        prefetch: bool,
+    ) {
+        assert!(bt.len() >= cols / 16 * kt * TILE);
+        let blocks: Vec<(&[u16], usize)> =
+            (r0 / MB..(r0 + rows) / MB).map(|i| a.block(i)).collect();
+        // The rectangle's f32 accumulators, [rows][cols].
+        let mut acc = Scratch::<f32>::new(rows * cols);
+        // `matmul_bf16` checked `available()`, so the configuration loads.
+        let amx = engine == Engine::Amx;
+        assert!(!amx || load(), "AMX tile configuration failed to load");
+        for k0 in (0..kt).step_by(KSTEPS) {
+            let steps = KSTEPS.min(kt - k0);
+            for (bi, &(ablk, lda)) in blocks.iter().enumerate() {
+                assert!(ablk.len() >= (MB - 1) * lda + kt * KB);
+                // The A block that comes next: the next block, or the first one of the
+                // next pass.
+                let next = if bi + 1 < blocks.len() {
+                    Some((blocks[bi + 1], k0))
+                } else if k0 + KSTEPS < kt {
+                    Some((blocks[0], k0 + KSTEPS))
+                } else {
+                    None
+                };
+                let jn = cols / MB;
+                for j in (0..cols).step_by(MB) {
+                    if let Some(((nblk, nlda), nk0)) = next.filter(|_| prefetch) {
+                        let jj = j / MB;
+                        let nsteps = KSTEPS.min(kt - nk0);
+                        for r in MB * jj / jn..MB * (jj + 1) / jn {
+                            for st in 0..nsteps {
+                                let line = &nblk[r * nlda + (nk0 + st) * KB];
+                                // SAFETY: a prefetch never faults; the address is in A.
+                                unsafe {
+                                    std::arch::x86_64::_mm_prefetch::<
+                                        { std::arch::x86_64::_MM_HINT_T1 },
+                                    >(
+                                        (line as *const u16).cast()
+                                    )
+                                };
+                            }
                         }
+                    }
+                    // SAFETY: the A block has 32 rows of lda >= 32 kt elements, the
+                    // panels j / 16 and + 1 exist with kt k tiles each (j < cols is a
+                    // multiple of 32, asserted above), k0 + steps <= kt; the block (32
+                    // bi, j) of 32 × 32 lies in `acc`; the config is loaded for AMX, and
+                    // `dp_available` held for the other engine.
+                    unsafe {
+                        let kernel = match engine {
+                            Engine::Amx => block,
+                            Engine::Dp => dp_block,
+                            #[cfg(test)]
+                            Engine::Emulated => emulated_block,
+                        };
+                        kernel(
+                            ablk.as_ptr().add(k0 * KB),
+                            lda * 2,
+                            bt.as_ptr().add((j / 16 * kt + k0) * TILE),
+                            kt * TILE,
+                            steps,
+                            acc.as_mut_ptr().add(bi * MB * cols + j),
+                            cols * 4,
+                            k0 > 0,
+                        );
                     }
                 }
             }
-            if amx {
-                release();
-            }
-            let width = cols.min(n - c0);
-            for r in 0..rows.min(m - r0) {
-                // SAFETY: row r0 + r, columns c0..c0 + width lie in `out` ((r0 + r, c0 +
-                // width - 1) < (m, n)), and no other task accesses them: tasks own
-                // disjoint rectangles.
-                let row = unsafe { dst.row((r0 + r) * n + c0, width) };
-                T::encode_slice(&acc[r * task..][..width], row);
-            }
-        });
+        }
+        if amx {
+            release();
+        }
+        let width = cols.min(n - c0);
+        for r in 0..rows.min(m - r0) {
+            // SAFETY: row r0 + r, columns c0..c0 + width lie in `out` ((r0 + r, c0 + width
+            // - 1) < (m, n)), and no other caller accesses them: rectangles are disjoint.
+            let row = unsafe { dst.row((r0 + r) * n + c0, width) };
+            T::encode_slice(&acc[r * cols..][..width], row);
+        }
     }
 
     /// Output rows / columns per task: 128, or 64 when that leaves fewer than eight
@@ -957,9 +1007,7 @@ mod imp {
         _: &ABlocks<'_>,
         _: &BPanels<'_>,
         _: &mut [T],
-        _: usize,
-        _: usize,
-        _: usize,
+        _: (usize, usize, usize),
         _: Engine,
     ) {
         unreachable!("AMX is never available on this target")
