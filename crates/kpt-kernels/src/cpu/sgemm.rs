@@ -247,24 +247,7 @@ unsafe fn rectangle<M: Micro>(
         let kc = M::KC.min(k - kb);
         for i in ip.clone() {
             let a = &ap[(i - ip.start) * mr * k + kb * mr..][..kc * mr];
-            // The A micro-panel that comes next (the next row panel, or the first one of
-            // the next k block), prefetched a share per column tile.
-            let next = if i + 1 < ip.end {
-                Some(&ap[(i + 1 - ip.start) * mr * k + kb * mr..][..kc * mr])
-            } else if kb + kc < k {
-                let kc2 = M::KC.min(k - kb - kc);
-                Some(&ap[(kb + kc) * mr..][..kc2 * mr])
-            } else {
-                None
-            };
             for j in jp.clone() {
-                if let Some(next) = next.filter(|_| prefetch_a()) {
-                    let lines = next.len().div_ceil(16);
-                    let (jj, jn) = (j - jp.start, jp.len());
-                    for l in lines * jj / jn..lines * (jj + 1) / jn {
-                        prefetch_l2(&next[l * 16]);
-                    }
-                }
                 let b = &bp[(j - jp.start) * nr * k + kb * nr..][..kc * nr];
                 // SAFETY: tile (i, j) is in this task's rectangle (caller).
                 unsafe { tile(mk, a, b, out, d, i, j, kb > 0) };
@@ -281,26 +264,6 @@ unsafe fn rectangle<M: Micro>(
             f(seg, c0);
         }
     }
-}
-
-/// Whether `KPT_SGEMM_PF=1` asks for the next A micro-panel to be prefetched.
-fn prefetch_a() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KPT_SGEMM_PF").is_ok_and(|v| v == "1"))
-}
-
-/// Prefetches the cache line holding `x` into L2 (nothing on other architectures).
-#[inline(always)]
-fn prefetch_l2(x: &f32) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch never faults.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-            (x as *const f32).cast(),
-        )
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
 }
 
 /// Runs the micro-kernel on output tile `(i, j)`; edge tiles go through a local buffer.
