@@ -155,6 +155,47 @@ pub(crate) fn gemm_f32_raw(
     true
 }
 
+/// `dst[m, n] (row stride dst_rs) = lhs[m, k] · B` with B's column `j` written by
+/// `rhs(j, dst)` (`k` values), then `epi` on every row segment, on kpt's own GEMM:
+/// a compact copy of B is widened as the tasks pack it, never whole. Returns false
+/// (and does nothing) where kpt's GEMM does not run (no AVX2, or `KPT_CPU_GEMM=crate`:
+/// widen B and call [`gemm_f32_raw`] instead), or if a view does not fit.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_f32_rhs_lines(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_rs: usize,
+    lhs: Strided<'_>,
+    rhs: sgemm::LineFn<'_>,
+    epi: Option<Epilogue<'_>>,
+) -> bool {
+    let dst_view = Strided {
+        data: dst,
+        rs: dst_rs,
+        cs: 1,
+    };
+    if m == 0 || n == 0 || k == 0 || !dst_view.fits(m, n) || !lhs.fits(m, k) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if gemm_choice() != GemmChoice::Crate {
+        if let Some(mk) = sgemm::Avx512::detect() {
+            sgemm::sgemm_rhs_lines(mk, m, n, k, dst, dst_rs, lhs, rhs, epi);
+            return true;
+        }
+        // Unlike f32 operands, on AVX2 too: widening B as it is packed beat widening
+        // tiles of it for the `gemm` crate (docs/decisions.md).
+        if let Some(mk) = sgemm::Avx2::detect() {
+            sgemm::sgemm_rhs_lines(mk, m, n, k, dst, dst_rs, lhs, rhs, epi);
+            return true;
+        }
+    }
+    let _ = (rhs, epi);
+    false
+}
+
 /// Validates the three operands of a matmul.
 fn check(op: &str, a: usize, b: usize, out: usize, m: usize, k: usize, n: usize) -> Result<()> {
     check_len(op, "a [m, k]", a, checked_product(op, "[m, k]", &[m, k])?)?;

@@ -6,16 +6,20 @@
 //!   reused by every row of `x`). The kernel is memory-bound, so 2-byte / 1-byte weights
 //!   cut the traffic by 2x / 4x. Scales are applied once per dot product; bias and
 //!   activation on the finished value.
-//! - Larger `m`: f32 weights go straight to `gemm` (`wᵀ` is just a stride swap);
-//!   other dtypes are widened tile by tile ([`TILE_N`] weight rows at a time, spread over
-//!   the threads) into an f32 buffer that `gemm` consumes, and bias + activation run
-//!   on each output tile right after its product, while it is still in cache.
+//! - Larger `m`: f32 weights go straight to `gemm` (`wᵀ` is just a stride swap).
+//!   Other dtypes run kpt's own GEMM (AVX-512 or AVX2), whose tasks widen each weight
+//!   row as they pack it into a micro-panel; without it (`KPT_CPU_GEMM=crate`, CPUs
+//!   without AVX2) they are widened tile by tile ([`TILE_N`] weight rows at a time,
+//!   spread over the threads) into an f32 buffer that `gemm` consumes. Bias +
+//!   activation run on each output segment right after its product, while it is
+//!   still in cache.
 
 use half::{bf16, f16};
 use kpt_core::{DType, KptError, Result};
 
-use super::gemm::{gemm_f32_raw, Strided};
+use super::gemm::{gemm_f32_raw, gemm_f32_rhs_lines, Strided};
 use super::par::for_each_row;
+use super::sgemm::Epilogue;
 use super::simd::{self, Decode, E4M3, E5M2};
 use super::wide::Widen;
 use super::{check_linear, Act};
@@ -382,10 +386,23 @@ simd::dispatch!(
         => decode_rows [true, T] [true, T] [false, T]
 );
 
-/// The large-`m` path for non-f32 weights: widen `TILE_N` weight rows at a time, `gemm`
-/// them into the output columns, then bias + activation on those columns.
+/// The large-`m` path for non-f32 weights. On kpt's own GEMM one product over all
+/// columns whose tasks widen each weight row as they pack it; elsewhere widen
+/// `TILE_N` weight rows at a time, `gemm` them into the output columns, then bias +
+/// activation on those columns.
 fn tiled<T: Decode>(p: &Problem<'_>, w: &[T], out: &mut [f32]) -> bool {
     let (m, k, n) = (p.m, p.k, p.n);
+    let x = Strided {
+        data: p.x,
+        rs: k,
+        cs: 1,
+    };
+    let row = |j: usize, dst: &mut [f32]| decode_rows_d(&w[j * k..][..k], p.scale, dst);
+    let epi = |seg: &mut [f32], c0: usize| finish_cols(seg, c0, p.bias, p.act);
+    let epi = (p.bias.is_some() || p.act.is_some()).then_some(&epi as Epilogue<'_>);
+    if gemm_f32_rhs_lines(m, n, k, out, n, x, &row, epi) {
+        return true;
+    }
     let tile_n = TILE_N.min(n);
     let mut tile = vec![0f32; tile_n * k];
     let mut j0 = 0;

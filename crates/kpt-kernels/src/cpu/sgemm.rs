@@ -88,7 +88,36 @@ pub(crate) fn sgemm<M: Micro>(
     rhs: Strided<'_>,
     epi: Option<Epilogue<'_>>,
 ) {
-    sgemm_chunked(mk, (m, n, k), dst, dst_rs, (lhs, rhs), epi, PACK_LIMIT);
+    let rhs = Operand::strided(rhs, n, rhs.cs, rhs.rs);
+    let operands = (Operand::strided(lhs, m, lhs.rs, lhs.cs), rhs);
+    sgemm_chunked(mk, (m, n, k), dst, dst_rs, operands, epi, PACK_LIMIT);
+}
+
+/// Writes line `l` of an operand (`k` values) into the slice it is given.
+pub(crate) type LineFn<'a> = &'a (dyn Fn(usize, &mut [f32]) + Sync);
+
+/// [`sgemm`] with B given by its columns: `rhs(j, dst)` writes column `j` (`k` values),
+/// as a linear layer's `[n, k]` weights in a compact dtype widen one row at a time.
+/// The columns are produced as the tasks pack them, so no f32 copy of B is made.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sgemm_rhs_lines<M: Micro>(
+    mk: M,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_rs: usize,
+    lhs: Strided<'_>,
+    rhs: LineFn<'_>,
+    epi: Option<Epilogue<'_>>,
+) {
+    let rhs = Operand {
+        src: Source::Lines(rhs),
+        lines: n,
+        k,
+    };
+    let operands = (Operand::strided(lhs, m, lhs.rs, lhs.cs), rhs);
+    sgemm_chunked(mk, (m, n, k), dst, dst_rs, operands, epi, PACK_LIMIT);
 }
 
 /// [`sgemm`] with operands packed at most `pack_limit` f32 at a time.
@@ -97,7 +126,7 @@ fn sgemm_chunked<M: Micro>(
     (m, n, k): (usize, usize, usize),
     dst: &mut [f32],
     dst_rs: usize,
-    (lhs, rhs): (Strided<'_>, Strided<'_>),
+    (a_op, b_op): (Operand<'_>, Operand<'_>),
     epi: Option<Epilogue<'_>>,
     pack_limit: usize,
 ) {
@@ -120,18 +149,6 @@ fn sgemm_chunked<M: Micro>(
         n,
         k,
         ldc: dst_rs,
-    };
-    let a_op = Operand {
-        data: lhs.data,
-        lines: m,
-        ls: lhs.rs,
-        ps: lhs.cs,
-    };
-    let b_op = Operand {
-        data: rhs.data,
-        lines: n,
-        ls: rhs.cs,
-        ps: rhs.rs,
     };
     for i0 in (0..mp).step_by(a_chunk) {
         let i1 = (i0 + a_chunk).min(mp);
@@ -164,29 +181,60 @@ fn sgemm_chunked<M: Micro>(
     }
 }
 
-/// An operand as lines (rows of A, columns of B) of k steps: element `(l, p)` at
-/// `data[l * ls + p * ps]`.
+/// An operand as `lines` lines (rows of A, columns of B) of `k` steps each.
 #[derive(Clone, Copy)]
 struct Operand<'a> {
-    data: &'a [f32],
+    src: Source<'a>,
     lines: usize,
-    ls: usize,
-    ps: usize,
+    k: usize,
 }
 
-impl Operand<'_> {
+/// Where an operand's elements come from.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// f32 in memory: element `(l, p)` at `data[l * ls + p * ps]`.
+    Strided {
+        data: &'a [f32],
+        ls: usize,
+        ps: usize,
+    },
+    /// Each line written by a function (`k` contiguous values).
+    Lines(LineFn<'a>),
+}
+
+impl<'a> Operand<'a> {
+    /// The f32 operand `view` with `lines` lines, `ls` apart, of k steps `ps` apart.
+    fn strided(view: Strided<'a>, lines: usize, ls: usize, ps: usize) -> Self {
+        Operand {
+            src: Source::Strided {
+                data: view.data,
+                ls,
+                ps,
+            },
+            lines,
+            k: 0,
+        }
+    }
+
     /// Packs the panel of `width` lines from line `panel * width` over all k steps into
     /// `out` (`k · width` f32).
     fn pack(&self, out: &mut [f32], width: usize, panel: usize) {
-        pack(
-            out,
-            width,
-            panel * width,
-            self.lines,
-            self.data,
-            self.ls,
-            self.ps,
-        );
+        let first = panel * width;
+        match self.src {
+            Source::Strided { data, ls, ps } => {
+                pack(out, width, first, self.lines, data, ls, ps);
+            }
+            Source::Lines(line) => {
+                // The panel's lines one after the other (each k-contiguous), then the
+                // transposing pack from there.
+                let live = width.min(self.lines - first);
+                let mut stage = Scratch::<f32>::new(live * self.k);
+                for (l, dst) in stage.chunks_exact_mut(self.k).enumerate() {
+                    line(first + l, dst);
+                }
+                pack(out, width, 0, live, &stage, self.k, 1);
+            }
+        }
     }
 }
 
@@ -699,8 +747,24 @@ mod tests {
                     rs: rhs.0,
                     cs: rhs.1,
                 };
-                // The default chunking, and operands packed a few panels at a time.
-                for limit in [PACK_LIMIT, 3 * k * 32] {
+                let column = |j: usize, dst: &mut [f32]| {
+                    for (p, d) in dst.iter_mut().enumerate() {
+                        *d = b[p * n + j];
+                    }
+                };
+                let by_lines = Operand {
+                    src: Source::Lines(&column),
+                    lines: n,
+                    k,
+                };
+                let lhs = Operand::strided(lhs, m, lhs.rs, lhs.cs);
+                // B as a strided view and as columns written by a function; the default
+                // chunking, and operands packed a few panels at a time.
+                let rhs_all = [Operand::strided(rhs, n, rhs.cs, rhs.rs), by_lines];
+                for (rhs, limit) in rhs_all
+                    .into_iter()
+                    .flat_map(|r| [(r, PACK_LIMIT), (r, 3 * k * 32)])
+                {
                     c.fill(f32::NAN);
                     sgemm_chunked(mk, (m, n, k), &mut c, ldc, (lhs, rhs), Some(&epi), limit);
                     for i in 0..m {
