@@ -14,6 +14,11 @@
 //! - `bench-cpu`: installs PyTorch (pinned in `benches/requirements-cpu.txt`) into a
 //!   virtual environment under `target/`, builds `kpt-bench-cpu` in release mode and runs
 //!   kpt and PyTorch side by side, writing `docs/reports/cpu-latest.{json,md,svg}`.
+//! - `pjrt-plugin`: installs XLA's CPU PJRT plugin (pinned in
+//!   `crates/kpt-tpu/requirements.txt`) into `target/pjrt-venv`; `test` does this first
+//!   and runs kpt-tpu's XLA tests on it.
+//! - `pjrt-bindings`: regenerates `crates/kpt-tpu/src/sys.rs` from the plugin's
+//!   `pjrt_c_api.h` with bindgen (needs libclang).
 //! - `gpu-bundle`: builds the GPU tests, `kpt` and `kpt-bench-cuda` in release mode into
 //!   `.gpu/` with `run.sh` (usage in `xtask/gpu/run.sh`), to copy to a GPU machine.
 
@@ -25,6 +30,7 @@ use clap::{Parser, Subcommand};
 
 mod bundle;
 mod kernels;
+mod pjrt;
 
 use bundle::gpu_bundle;
 use kernels::{build_kernels, check_kernels};
@@ -64,6 +70,10 @@ enum Task {
     },
     /// Build the GPU tests and kpt-bench-cuda into .gpu/ with run.sh, for a GPU machine.
     GpuBundle,
+    /// Install XLA's CPU PJRT plugin into target/pjrt-venv and print its path.
+    PjrtPlugin,
+    /// Regenerate crates/kpt-tpu/src/sys.rs from the plugin's pjrt_c_api.h (bindgen).
+    PjrtBindings,
 }
 
 fn main() -> Result<()> {
@@ -74,6 +84,11 @@ fn main() -> Result<()> {
         Task::BenchCpu { args } => bench_cpu(&args),
         Task::BenchModels { args } => bench_models(&args),
         Task::GpuBundle => gpu_bundle(),
+        Task::PjrtPlugin => {
+            println!("{}", pjrt::cpu_plugin()?.display());
+            Ok(())
+        }
+        Task::PjrtBindings => pjrt::pjrt_bindings(),
     }
 }
 
@@ -85,10 +100,16 @@ fn root() -> PathBuf {
 }
 
 fn cargo(args: &[&str]) -> Result<()> {
+    cargo_env(args, &[])
+}
+
+/// `cargo args` with extra environment variables.
+fn cargo_env(args: &[&str], envs: &[(&str, &Path)]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!("$ cargo {}", args.join(" "));
     let status = Command::new(&cargo)
         .args(args)
+        .envs(envs.iter().map(|&(k, v)| (k, v.as_os_str())))
         .current_dir(root())
         .status()
         .with_context(|| format!("cannot run {cargo}"))?;
@@ -108,7 +129,15 @@ fn test() -> Result<()> {
         "-D",
         "warnings",
     ])?;
-    cargo(&["test", "--workspace"])?;
+    // kpt-tpu's XLA tests run on the CPU plugin, and fail rather than skip without it.
+    let plugin = pjrt::cpu_plugin()?;
+    cargo_env(
+        &["test", "--workspace"],
+        &[
+            ("KPT_PJRT_PLUGIN", plugin.as_path()),
+            ("KPT_REQUIRE_PJRT", Path::new("1")),
+        ],
+    )?;
     check_kernels()?;
     eprintln!("xtask test: all checks passed");
     Ok(())

@@ -1,0 +1,150 @@
+//! Programs compiled by XLA for a client's devices, and their execution.
+
+use crate::buffer::Buffer;
+use crate::client::Client;
+use crate::error::{PjrtError, Result};
+use crate::options::CompileOptions;
+use crate::plugin::args;
+use crate::sys;
+
+/// A compiled program loaded on a client's devices (`PJRT_LoadedExecutable`), freed on
+/// drop.
+pub struct Executable<'c> {
+    client: &'c Client,
+    raw: *mut sys::PJRT_LoadedExecutable,
+    num_outputs: usize,
+}
+
+impl std::fmt::Debug for Executable<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executable")
+            .field("num_outputs", &self.num_outputs)
+            .finish()
+    }
+}
+
+impl Client {
+    /// Compiles a StableHLO (or MHLO) module, given as MLIR text or bytecode, with XLA.
+    ///
+    /// Errors: the plugin's message for a program that does not parse, verify or
+    /// compile ([`PjrtError::Call`]).
+    pub fn compile(&self, mlir: &[u8], options: &CompileOptions) -> Result<Executable<'_>> {
+        const FORMAT: &str = "mlir";
+        let plugin = self.plugin();
+        let api = plugin.api();
+        let mut program = args::<sys::PJRT_Program>();
+        // The plugin only reads `code` when compiling.
+        program.code = mlir.as_ptr().cast_mut().cast();
+        program.code_size = mlir.len();
+        program.format = FORMAT.as_ptr().cast();
+        program.format_size = FORMAT.len();
+        let opts = options.to_proto_bytes();
+        let mut a = args::<sys::PJRT_Client_Compile_Args>();
+        a.client = self.raw();
+        a.program = &program;
+        a.compile_options = opts.as_ptr().cast();
+        a.compile_options_size = opts.len();
+        plugin.call("PJRT_Client_Compile", api.PJRT_Client_Compile, &mut a)?;
+        let mut exe = Executable {
+            client: self,
+            raw: a.executable,
+            num_outputs: 0,
+        };
+        exe.num_outputs = exe.query_num_outputs()?;
+        Ok(exe)
+    }
+}
+
+impl<'c> Executable<'c> {
+    /// Outputs per execution (per device).
+    pub fn num_outputs(&self) -> usize {
+        self.num_outputs
+    }
+
+    fn query_num_outputs(&self) -> Result<usize> {
+        let plugin = self.client.plugin();
+        let api = plugin.api();
+        let mut g = args::<sys::PJRT_LoadedExecutable_GetExecutable_Args>();
+        g.loaded_executable = self.raw;
+        plugin.call(
+            "PJRT_LoadedExecutable_GetExecutable",
+            api.PJRT_LoadedExecutable_GetExecutable,
+            &mut g,
+        )?;
+        let mut n = args::<sys::PJRT_Executable_NumOutputs_Args>();
+        n.executable = g.executable;
+        let counted = plugin.call(
+            "PJRT_Executable_NumOutputs",
+            api.PJRT_Executable_NumOutputs,
+            &mut n,
+        );
+        let mut d = args::<sys::PJRT_Executable_Destroy_Args>();
+        d.executable = g.executable;
+        plugin.call(
+            "PJRT_Executable_Destroy",
+            api.PJRT_Executable_Destroy,
+            &mut d,
+        )?;
+        counted.map(|()| n.num_outputs)
+    }
+
+    /// Runs the program once on its device with `inputs` (in the order of the main
+    /// function's parameters) and waits for it; returns its outputs.
+    ///
+    /// Errors: the plugin's message for inputs that do not match the program's
+    /// parameters, or a failed run ([`PjrtError::Call`]).
+    pub fn execute(&self, inputs: &[&Buffer<'c>]) -> Result<Vec<Buffer<'c>>> {
+        let plugin = self.client.plugin();
+        let api = plugin.api();
+        let arg_ptrs: Vec<*mut sys::PJRT_Buffer> = inputs.iter().map(|b| b.raw()).collect();
+        let arg_lists = [arg_ptrs.as_ptr()];
+        let mut outs = vec![std::ptr::null_mut::<sys::PJRT_Buffer>(); self.num_outputs];
+        let out_lists = [outs.as_mut_ptr()];
+        let mut done = [std::ptr::null_mut::<sys::PJRT_Event>()];
+        let mut options = args::<sys::PJRT_ExecuteOptions>();
+        let mut a = args::<sys::PJRT_LoadedExecutable_Execute_Args>();
+        a.executable = self.raw;
+        a.options = &mut options;
+        a.argument_lists = arg_lists.as_ptr();
+        a.num_devices = 1;
+        a.num_args = inputs.len();
+        a.output_lists = out_lists.as_ptr();
+        a.device_complete_events = done.as_mut_ptr();
+        plugin.call(
+            "PJRT_LoadedExecutable_Execute",
+            api.PJRT_LoadedExecutable_Execute,
+            &mut a,
+        )?;
+        // Own the outputs first, so that they are freed even if the run failed.
+        let outputs: Vec<Buffer<'c>> = outs
+            .iter()
+            .filter(|p| !p.is_null())
+            .map(|&p| Buffer::from_raw(self.client, p))
+            .collect();
+        plugin.await_event("PJRT_LoadedExecutable_Execute", done[0])?;
+        if outputs.len() != self.num_outputs {
+            return Err(PjrtError::Invalid(format!(
+                "the program returned {} of its {} outputs",
+                outputs.len(),
+                self.num_outputs
+            )));
+        }
+        Ok(outputs)
+    }
+}
+
+impl Drop for Executable<'_> {
+    fn drop(&mut self) {
+        let plugin = self.client.plugin();
+        let mut a = args::<sys::PJRT_LoadedExecutable_Destroy_Args>();
+        a.executable = self.raw;
+        let api = plugin.api();
+        if let Err(e) = plugin.call(
+            "PJRT_LoadedExecutable_Destroy",
+            api.PJRT_LoadedExecutable_Destroy,
+            &mut a,
+        ) {
+            tracing::warn!("{e}");
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! kpt's XLA backend, on the PJRT C API: the interface JAX and PyTorch/XLA use to drive
+//! libtpu, and that XLA's CPU and CUDA plugins implement as well. The same code runs
+//! on a TPU VM (libtpu), on NVIDIA GPUs (the CUDA PJRT plugin) and on the CPU (the CPU
+//! plugin, which is how kpt tests it on every machine).
+//!
+//! - [`sys`]: the C API, generated from `pjrt_c_api.h` (`cargo xtask pjrt-bindings`).
+//! - [`Plugin`]: loads a plugin library by path ([`Plugin::load`]), from
+//!   `KPT_PJRT_PLUGIN` ([`Plugin::from_env`]) or from a Python environment
+//!   ([`find_plugin`]), and turns every C API error into a [`PjrtError`] with the
+//!   plugin's message.
+//! - [`Client`]: the plugin's devices ([`Device`], [`DeviceDescription`]), buffers
+//!   ([`Buffer`]: host to device and back), and programs: [`Client::compile`] hands a
+//!   StableHLO module to XLA and returns an [`Executable`].
+//!
+//! ```no_run
+//! # fn main() -> Result<(), kpt_tpu::PjrtError> {
+//! use kpt_tpu::{Client, CompileOptions, Plugin};
+//! let plugin = Plugin::load("xla_cpu_pjrt.so")?;
+//! let client = Client::new(&plugin)?;
+//! let device = client.devices()?[0];
+//! let program = "func.func @main(%x: tensor<2xf32>) -> tensor<2xf32> {
+//!   %y = stablehlo.add %x, %x : tensor<2xf32>
+//!   return %y : tensor<2xf32>
+//! }";
+//! let exe = client.compile(program.as_bytes(), &CompileOptions::default())?;
+//! let x = client.buffer(&[1.0f32, 2.0], &[2], &device)?;
+//! let y = exe.execute(&[&x])?;
+//! assert_eq!(y[0].to_vec::<f32>()?, [2.0, 4.0]);
+//! # Ok(())
+//! # }
+//! ```
+
+mod buffer;
+mod client;
+mod error;
+mod executable;
+mod locate;
+mod options;
+mod plugin;
+pub mod sys;
+
+pub use buffer::{dtype_of, element_type, Buffer, HostElement};
+pub use client::{AttrValue, Client, Device, DeviceDescription};
+pub use error::{PjrtError, Result};
+pub use executable::Executable;
+pub use locate::{find_plugin, PluginKind};
+pub use options::CompileOptions;
+pub use plugin::{Plugin, PLUGIN_ENV};

@@ -1,0 +1,230 @@
+//! kpt-tpu against XLA's CPU PJRT plugin: real compilation and execution.
+//!
+//! The plugin comes from `KPT_PJRT_PLUGIN` or from `target/pjrt-venv`, where
+//! `cargo xtask test` installs it. Without it each test says it was skipped, unless
+//! `KPT_REQUIRE_PJRT=1` (set by `cargo xtask test`), which makes that a failure.
+
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use half::bf16;
+use kpt_core::rand::SplitMix64;
+use kpt_core::DType;
+use kpt_tpu::{find_plugin, Client, CompileOptions, PjrtError, Plugin, PluginKind};
+use proptest::prelude::*;
+
+fn plugin() -> Option<Arc<Plugin>> {
+    static PLUGIN: OnceLock<Option<Arc<Plugin>>> = OnceLock::new();
+    PLUGIN
+        .get_or_init(|| {
+            let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/pjrt-venv");
+            let loaded = match Plugin::from_env() {
+                Some(p) => Some(p),
+                None => find_plugin(&venv, PluginKind::Cpu).map(Plugin::load),
+            };
+            match loaded {
+                Some(p) => Some(p.expect("the PJRT plugin loads")),
+                None if std::env::var("KPT_REQUIRE_PJRT").is_ok_and(|v| v == "1") => {
+                    panic!("KPT_REQUIRE_PJRT=1 but no PJRT plugin: set KPT_PJRT_PLUGIN or run `cargo xtask pjrt-plugin`")
+                }
+                None => None,
+            }
+        })
+        .clone()
+}
+
+/// The client, or `None` (with a note on stderr) when no plugin is installed.
+fn client(test: &str) -> Option<Client> {
+    match plugin() {
+        Some(p) => Some(Client::new(&p).expect("client")),
+        None => {
+            eprintln!("{test}: skipped, no PJRT plugin (run `cargo xtask pjrt-plugin`)");
+            None
+        }
+    }
+}
+
+fn tensor(dims: &[usize], ty: &str) -> String {
+    let d: Vec<String> = dims.iter().map(usize::to_string).collect();
+    format!("tensor<{}x{ty}>", d.join("x"))
+}
+
+/// `a[m, k] · b[k, n]` as a StableHLO module.
+fn matmul_program(m: usize, k: usize, n: usize, ty: &str) -> String {
+    let (ta, tb, tc) = (
+        tensor(&[m, k], ty),
+        tensor(&[k, n], ty),
+        tensor(&[m, n], ty),
+    );
+    format!(
+        "module @matmul {{
+  func.func @main(%a: {ta}, %b: {tb}) -> {tc} {{
+    %c = \"stablehlo.dot_general\"(%a, %b) {{dot_dimension_numbers = #stablehlo.dot<lhs_contracting_dimensions = [1], rhs_contracting_dimensions = [0]>}} : ({ta}, {tb}) -> {tc}
+    return %c : {tc}
+  }}
+}}"
+    )
+}
+
+#[test]
+fn the_cpu_plugin_lists_its_devices() {
+    let Some(client) = client("the_cpu_plugin_lists_its_devices") else {
+        return;
+    };
+    let (major, minor) = client.plugin().api_version();
+    assert_eq!(major, kpt_tpu::sys::API_MAJOR);
+    assert!(minor >= 1);
+    assert_eq!(client.platform_name().unwrap(), "cpu");
+    let devices = client.devices().unwrap();
+    assert!(!devices.is_empty());
+    let d = devices[0].description().unwrap();
+    assert!(!d.kind.is_empty() && !d.debug_string.is_empty(), "{d:?}");
+    let ids: Vec<i32> = devices
+        .iter()
+        .map(|d| d.description().unwrap().id)
+        .collect();
+    let mut unique = ids.clone();
+    unique.dedup();
+    assert_eq!(ids, unique, "device ids are distinct");
+}
+
+#[test]
+fn buffers_round_trip_every_dtype() {
+    let Some(client) = client("buffers_round_trip_every_dtype") else {
+        return;
+    };
+    let device = client.devices().unwrap()[0];
+    let f: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 3.0).collect();
+    let b = client.buffer(&f, &[3, 4], &device).unwrap();
+    assert_eq!(b.dims().unwrap(), [3, 4]);
+    assert_eq!(b.dtype().unwrap(), DType::F32);
+    assert_eq!(b.to_vec::<f32>().unwrap(), f);
+    let h: Vec<bf16> = f.iter().map(|&x| bf16::from_f32(x)).collect();
+    assert_eq!(
+        client
+            .buffer(&h, &[12], &device)
+            .unwrap()
+            .to_vec::<bf16>()
+            .unwrap(),
+        h
+    );
+    let i: Vec<i64> = (0..5).map(|x| x * 1_000_000_007).collect();
+    assert_eq!(
+        client
+            .buffer(&i, &[5], &device)
+            .unwrap()
+            .to_vec::<i64>()
+            .unwrap(),
+        i
+    );
+    let s = client.buffer(&[7i32], &[], &device).unwrap();
+    assert_eq!(
+        (s.dims().unwrap(), s.to_vec::<i32>().unwrap()),
+        (vec![], vec![7])
+    );
+    // Asking for another element type is a typed error, not a reinterpretation.
+    assert!(matches!(b.to_vec::<i32>(), Err(PjrtError::Invalid(_))));
+}
+
+#[test]
+fn bad_inputs_are_typed_errors_with_the_plugins_message() {
+    let Some(client) = client("bad_inputs_are_typed_errors_with_the_plugins_message") else {
+        return;
+    };
+    let device = client.devices().unwrap()[0];
+    // Wrong element count: caught before the plugin is called.
+    let e = client.buffer(&[1.0f32; 5], &[2, 3], &device).unwrap_err();
+    assert!(
+        matches!(e, PjrtError::Invalid(ref m) if m.contains("24 bytes")),
+        "{e}"
+    );
+    // A program that does not parse: XLA's own message.
+    let e = client
+        .compile(b"func.func @main( -> nonsense", &CompileOptions::default())
+        .unwrap_err();
+    match e {
+        PjrtError::Call { func, message, .. } => {
+            assert_eq!(func, "PJRT_Client_Compile");
+            assert!(!message.is_empty());
+        }
+        other => panic!("expected a call error, got {other}"),
+    }
+    // Inputs that do not match the parameters.
+    let exe = client
+        .compile(
+            matmul_program(2, 3, 4, "f32").as_bytes(),
+            &CompileOptions::default(),
+        )
+        .unwrap();
+    let a = client.buffer(&[0.0f32; 6], &[2, 3], &device).unwrap();
+    assert!(exe.execute(&[&a]).is_err(), "one input of two");
+    let b = client.buffer(&[0.0f32; 12], &[3, 4], &device).unwrap();
+    assert_eq!(exe.execute(&[&a, &b]).unwrap().len(), 1);
+}
+
+fn random(rng: &mut SplitMix64, len: usize) -> Vec<f32> {
+    (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect()
+}
+
+/// `a · b` in f64.
+fn reference(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut c = vec![0f64; m * n];
+    for i in 0..m {
+        for p in 0..k {
+            let x = f64::from(a[i * k + p]);
+            for j in 0..n {
+                c[i * n + j] += x * f64::from(b[p * n + j]);
+            }
+        }
+    }
+    c
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    /// A matmul compiled by XLA against the f64 reference, f32 and bf16, over shapes
+    /// with 1, odd and large sizes.
+    #[test]
+    fn xla_matmul_matches_the_f64_reference(
+        m in prop_oneof![Just(1usize), 2usize..40, Just(257)],
+        k in prop_oneof![Just(1usize), 2usize..70, Just(1024)],
+        n in prop_oneof![Just(1usize), 2usize..40, Just(129)],
+        seed in any::<u64>(),
+    ) {
+        let Some(client) = client("xla_matmul_matches_the_f64_reference") else {
+            return Ok(());
+        };
+        let device = client.devices().unwrap()[0];
+        let mut rng = SplitMix64::new(seed);
+        let (a, b) = (random(&mut rng, m * k), random(&mut rng, k * n));
+        let (ad, bd) = ([m as i64, k as i64], [k as i64, n as i64]);
+        // f32: a few f32 roundings of a k-term sum.
+        let exe = client.compile(matmul_program(m, k, n, "f32").as_bytes(), &CompileOptions::default()).unwrap();
+        let out = exe
+            .execute(&[&client.buffer(&a, &ad, &device).unwrap(), &client.buffer(&b, &bd, &device).unwrap()])
+            .unwrap();
+        prop_assert_eq!(out[0].dims().unwrap(), vec![m as i64, n as i64]);
+        let got = out[0].to_vec::<f32>().unwrap();
+        let want = reference(&a, &b, m, k, n);
+        let tol = 16.0 * f64::from(f32::EPSILON) * (k as f64).sqrt();
+        for (g, w) in got.iter().zip(&want) {
+            prop_assert!((f64::from(*g) - w).abs() <= tol * (1.0 + w.abs()), "f32 {m}x{k}x{n}: {g} vs {w}");
+        }
+        // bf16 inputs and output: the reference of the rounded inputs, one bf16 rounding.
+        let ah: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
+        let bh: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
+        let exe = client.compile(matmul_program(m, k, n, "bf16").as_bytes(), &CompileOptions::default()).unwrap();
+        let out = exe
+            .execute(&[&client.buffer(&ah, &ad, &device).unwrap(), &client.buffer(&bh, &bd, &device).unwrap()])
+            .unwrap();
+        let got = out[0].to_vec::<bf16>().unwrap();
+        let (af, bf): (Vec<f32>, Vec<f32>) = (ah.iter().map(|x| x.to_f32()).collect(), bh.iter().map(|x| x.to_f32()).collect());
+        let want = reference(&af, &bf, m, k, n);
+        let scale = want.iter().fold(1.0f64, |s, w| s.max(w.abs()));
+        let tol = 16.0 * DType::BF16.epsilon() * (k as f64).sqrt() * scale;
+        for (g, w) in got.iter().zip(&want) {
+            prop_assert!((g.to_f64() - w).abs() <= tol, "bf16 {m}x{k}x{n}: {g} vs {w}");
+        }
+    }
+}
