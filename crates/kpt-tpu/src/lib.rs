@@ -37,6 +37,7 @@ mod executable;
 mod locate;
 mod options;
 mod plugin;
+pub mod stablehlo;
 pub mod sys;
 
 pub use buffer::{dtype_of, element_type, Buffer, HostElement};

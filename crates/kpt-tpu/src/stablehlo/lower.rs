@@ -1,0 +1,466 @@
+//! Each op of kpt's graph IR in StableHLO, with the semantics of the f64 reference
+//! (`kpt_kernels::CpuReference`): f32 arithmetic for 16-bit floats (f64 for f64), one
+//! rounding to the output dtype.
+
+use kpt_core::graph::{rope_frequencies, Activation, AttentionParams, Op, RopeScaling};
+use kpt_core::{DType, KptError, Result};
+
+use super::builder::{Builder, Cmp, Reduce, Val};
+
+/// The dtype arithmetic runs in for values of `d`.
+fn compute(d: DType) -> DType {
+    if d == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+fn not_lowered(what: &str) -> KptError {
+    KptError::Backend {
+        backend: "xla".into(),
+        message: format!("{what} is not lowered to StableHLO yet"),
+    }
+}
+
+/// The outputs of `op` applied to `ins`.
+pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
+    Ok(match op {
+        Op::Add | Op::Mul => {
+            let name = if matches!(op, Op::Add) {
+                "add"
+            } else {
+                "multiply"
+            };
+            let out = ins[0].float();
+            let c = compute(out);
+            let x = b.convert(&ins[0], c);
+            let y = b.convert(&ins[1], c);
+            let y = b.broadcast_trailing(&y, &x.shape);
+            let r = b.binary(name, &x, &y);
+            vec![b.convert(&r, out)]
+        }
+        Op::MatMul => vec![matmul(b, &ins[0], &ins[1])],
+        Op::Linear { bias } => {
+            let bias = bias.then(|| &ins[2]);
+            vec![linear(b, &ins[0], &ins[1], bias, None)?]
+        }
+        Op::LinearAct { bias, act } => {
+            let bias = bias.then(|| &ins[2]);
+            vec![linear(b, &ins[0], &ins[1], bias, Some(*act))?]
+        }
+        Op::Activation { act } => {
+            let out = ins[0].float();
+            let x = b.convert(&ins[0], compute(out));
+            let r = activation(b, &x, *act)?;
+            vec![b.convert(&r, out)]
+        }
+        Op::ActAndMul { act } => {
+            let x = &ins[0];
+            let out = x.float();
+            let x = b.convert(x, compute(out));
+            let last = x.rank() - 1;
+            let n = x.shape[last] / 2;
+            let gate = b.slice_axis(&x, last, 0, n);
+            let up = b.slice_axis(&x, last, n, 2 * n);
+            let g = activation(b, &gate, *act)?;
+            let r = b.binary("multiply", &g, &up);
+            vec![b.convert(&r, out)]
+        }
+        Op::Softmax => {
+            let out = ins[0].float();
+            let x = b.convert(&ins[0], compute(out));
+            let r = softmax(b, &x)?;
+            vec![b.convert(&r, out)]
+        }
+        Op::RmsNorm { eps } => vec![rms_norm(b, &ins[0], &ins[1], *eps)?],
+        Op::LayerNorm { eps } => vec![layer_norm(b, &ins[0], &ins[1], &ins[2], *eps)?],
+        Op::AddRmsNorm { eps } => {
+            let sum = residual_sum(b, &ins[0], &ins[1]);
+            let norm = rms_norm(b, &sum, &ins[2], *eps)?;
+            vec![sum, norm]
+        }
+        Op::AddLayerNorm { eps } => {
+            let sum = residual_sum(b, &ins[0], &ins[1]);
+            let norm = layer_norm(b, &sum, &ins[2], &ins[3], *eps)?;
+            vec![sum, norm]
+        }
+        Op::Cast { dtype } => vec![b.convert(&ins[0], *dtype)],
+        Op::Concat { axis } => vec![b.concatenate(&[&ins[0], &ins[1]], *axis)],
+        Op::Split { axis, sizes } => {
+            let mut at = 0;
+            sizes
+                .iter()
+                .map(|&s| {
+                    let part = b.slice_axis(&ins[0], *axis, at, at + s);
+                    at += s;
+                    part
+                })
+                .collect()
+        }
+        Op::Embedding => {
+            let (ids, table) = (&ins[0], &ins[1]);
+            let n: usize = ids.shape.iter().product();
+            let flat = b.reshape(ids, &[n]);
+            let rows = b.gather_rows(table, &flat);
+            let mut shape = ids.shape.clone();
+            shape.push(table.shape[1]);
+            vec![b.reshape(&rows, &shape)]
+        }
+        Op::ArgMax => vec![argmax(b, &ins[0])?],
+        Op::Rotary {
+            head_dim,
+            theta,
+            scaling,
+        } => vec![rotary(
+            b,
+            &ins[0],
+            &ins[1],
+            *head_dim,
+            *theta,
+            scaling.as_ref(),
+        )?],
+        Op::SplitRotary {
+            head_dim,
+            theta,
+            scaling,
+            sizes,
+        } => {
+            let x = &ins[0];
+            let last = x.rank() - 1;
+            let q = b.slice_axis(x, last, 0, sizes[0]);
+            let k = b.slice_axis(x, last, sizes[0], sizes[0] + sizes[1]);
+            let v = b.slice_axis(x, last, sizes[0] + sizes[1], x.shape[last]);
+            let q = rotary(b, &q, &ins[1], *head_dim, *theta, scaling.as_ref())?;
+            let k = rotary(b, &k, &ins[1], *head_dim, *theta, scaling.as_ref())?;
+            vec![q, k, v]
+        }
+        Op::Attention(p) => {
+            if p.varlen || p.paged || p.lse {
+                return Err(not_lowered(
+                    "attention with varlen, paged caches or the log-sum-exp output",
+                ));
+            }
+            let mask = p.mask.then(|| &ins[3]);
+            vec![attention(b, p, &ins[0], &ins[1], &ins[2], mask)?]
+        }
+        Op::AttentionBackward(_) => return Err(not_lowered("attention backward")),
+        Op::Quantize { .. } | Op::Dequantize { .. } => {
+            return Err(not_lowered("FP8 / int8 quantization"))
+        }
+        Op::CacheWrite => return Err(not_lowered("cache_write")),
+    })
+}
+
+/// `a · b` for a `[.., M, K]` and b `[K, N]` or `[.., K, N]`, f32 accumulation.
+fn matmul(b: &mut Builder, x: &Val, y: &Val) -> Val {
+    let out = x.float();
+    let r = x.rank();
+    let acc = if y.rank() == 2 {
+        b.dot_general(x, y, (&[], &[]), (&[r - 1], &[0]), compute(out))
+    } else {
+        let batch: Vec<usize> = (0..r - 2).collect();
+        b.dot_general(x, y, (&batch, &batch), (&[r - 1], &[r - 2]), compute(out))
+    };
+    b.convert(&acc, out)
+}
+
+/// `act(x · wᵀ + bias)`.
+fn linear(
+    b: &mut Builder,
+    x: &Val,
+    w: &Val,
+    bias: Option<&Val>,
+    act: Option<Activation>,
+) -> Result<Val> {
+    let out = x.float();
+    let c = compute(out);
+    // Weights in another float dtype than x (bf16 weights, f32 activations) are widened.
+    let w = if w.dtype == x.dtype {
+        w.clone()
+    } else {
+        b.convert(w, c)
+    };
+    let xv = if w.dtype == x.dtype {
+        x.clone()
+    } else {
+        b.convert(x, c)
+    };
+    let mut y = b.dot_general(&xv, &w, (&[], &[]), (&[x.rank() - 1], &[1]), c);
+    if let Some(bias) = bias {
+        let bias = b.convert(bias, c);
+        let bias = b.broadcast_trailing(&bias, &y.shape);
+        y = b.binary("add", &y, &bias);
+    }
+    if let Some(act) = act {
+        y = activation(b, &y, act)?;
+    }
+    Ok(b.convert(&y, out))
+}
+
+/// An activation in the dtype of `x`.
+fn activation(b: &mut Builder, x: &Val, act: Activation) -> Result<Val> {
+    let d = x.float();
+    Ok(match act {
+        Activation::Relu => {
+            let zero = b.splat(0.0, &x.shape, d)?;
+            b.binary("maximum", x, &zero)
+        }
+        Activation::Silu => {
+            let s = b.unary("logistic", x);
+            b.binary("multiply", x, &s)
+        }
+        Activation::GeluTanh => {
+            // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            let x3 = b.binary("multiply", x, x);
+            let x3 = b.binary("multiply", &x3, x);
+            let c = b.splat(0.044715, &x.shape, d)?;
+            let t = b.binary("multiply", &x3, &c);
+            let t = b.binary("add", x, &t);
+            let k = b.splat((2.0 / std::f64::consts::PI).sqrt(), &x.shape, d)?;
+            let t = b.binary("multiply", &t, &k);
+            let t = b.unary("tanh", &t);
+            half_x_one_plus(b, x, &t)?
+        }
+        Activation::GeluErf => {
+            // 0.5 x (1 + erf(x / sqrt 2))
+            let k = b.splat(std::f64::consts::FRAC_1_SQRT_2, &x.shape, d)?;
+            let t = b.binary("multiply", x, &k);
+            let t = b.chlo_unary("erf", &t);
+            half_x_one_plus(b, x, &t)?
+        }
+    })
+}
+
+/// `0.5 x (1 + t)`.
+fn half_x_one_plus(b: &mut Builder, x: &Val, t: &Val) -> Result<Val> {
+    let d = x.float();
+    let one = b.splat(1.0, &x.shape, d)?;
+    let half = b.splat(0.5, &x.shape, d)?;
+    let t = b.binary("add", t, &one);
+    let t = b.binary("multiply", &t, x);
+    Ok(b.binary("multiply", &t, &half))
+}
+
+/// Softmax over the last dim of `x` (in its dtype).
+fn softmax(b: &mut Builder, x: &Val) -> Result<Val> {
+    let max = b.reduce_last_keep(x, Reduce::Max)?;
+    let e = b.binary("subtract", x, &max);
+    let e = b.unary("exponential", &e);
+    let sum = b.reduce_last_keep(&e, Reduce::Sum)?;
+    Ok(b.binary("divide", &e, &sum))
+}
+
+/// Mean over the last dim, broadcast back.
+fn mean_last(b: &mut Builder, x: &Val) -> Result<Val> {
+    let n = x.shape[x.rank() - 1];
+    let sum = b.reduce_last_keep(x, Reduce::Sum)?;
+    let inv = b.splat(1.0 / n as f64, &x.shape, x.float())?;
+    Ok(b.binary("multiply", &sum, &inv))
+}
+
+/// `x / sqrt(mean(x²) + eps) * w`.
+fn rms_norm(b: &mut Builder, x: &Val, w: &Val, eps: f32) -> Result<Val> {
+    let out = x.float();
+    let c = compute(out);
+    let xc = b.convert(x, c);
+    let sq = b.binary("multiply", &xc, &xc);
+    let ms = mean_last(b, &sq)?;
+    let e = b.splat(f64::from(eps), &xc.shape, c)?;
+    let ms = b.binary("add", &ms, &e);
+    let r = b.unary("rsqrt", &ms);
+    let y = b.binary("multiply", &xc, &r);
+    let wc = b.convert(w, c);
+    let wc = b.broadcast_trailing(&wc, &xc.shape);
+    let y = b.binary("multiply", &y, &wc);
+    Ok(b.convert(&y, out))
+}
+
+/// `(x - mean) / sqrt(var + eps) * w + bias`.
+fn layer_norm(b: &mut Builder, x: &Val, w: &Val, bias: &Val, eps: f32) -> Result<Val> {
+    let out = x.float();
+    let c = compute(out);
+    let xc = b.convert(x, c);
+    let mean = mean_last(b, &xc)?;
+    let d = b.binary("subtract", &xc, &mean);
+    let sq = b.binary("multiply", &d, &d);
+    let var = mean_last(b, &sq)?;
+    let e = b.splat(f64::from(eps), &xc.shape, c)?;
+    let var = b.binary("add", &var, &e);
+    let r = b.unary("rsqrt", &var);
+    let y = b.binary("multiply", &d, &r);
+    let wc = b.convert(w, c);
+    let wc = b.broadcast_trailing(&wc, &xc.shape);
+    let bc = b.convert(bias, c);
+    let bc = b.broadcast_trailing(&bc, &xc.shape);
+    let y = b.binary("multiply", &y, &wc);
+    let y = b.binary("add", &y, &bc);
+    Ok(b.convert(&y, out))
+}
+
+/// `x + residual`, rounded to x's dtype (the first output of the fused norms).
+fn residual_sum(b: &mut Builder, x: &Val, r: &Val) -> Val {
+    let out = x.float();
+    let c = compute(out);
+    let xc = b.convert(x, c);
+    let rc = b.convert(r, c);
+    let s = b.binary("add", &xc, &rc);
+    b.convert(&s, out)
+}
+
+/// Index of the largest element of each last-dim row, the lowest on ties, -1 for a row
+/// with a NaN (i64).
+fn argmax(b: &mut Builder, x: &Val) -> Result<Val> {
+    let last = x.rank() - 1;
+    let n = x.shape[last];
+    let max = b.reduce_last_keep(x, Reduce::Max)?;
+    let is_max = b.compare(x, &max, Cmp::Eq);
+    let idx = b.iota(&x.shape, last, DType::I64);
+    let none = b.splat_int(n as i64, &x.shape, DType::I64);
+    let cand = b.select(&is_max, &idx, &none);
+    let first = b.reduce(&cand, &[last], Reduce::Min)?;
+    let nan = b.compare(x, x, Cmp::Ne);
+    let any_nan = b.reduce(&nan, &[last], Reduce::Or)?;
+    let minus_one = b.splat_int(-1, &first.shape, DType::I64);
+    Ok(b.select(&any_nan, &minus_one, &first))
+}
+
+/// Rotary embedding ("rotate half") of x `[.., S, H*D]` at `positions` (`[S]` or x's
+/// leading dims).
+fn rotary(
+    b: &mut Builder,
+    x: &Val,
+    positions: &Val,
+    head_dim: usize,
+    theta: f32,
+    scaling: Option<&RopeScaling>,
+) -> Result<Val> {
+    if matches!(scaling, Some(RopeScaling::Dynamic { .. })) {
+        return Err(not_lowered(
+            "dynamic NTK rope scaling (its base depends on the positions' values)",
+        ));
+    }
+    let out = x.float();
+    let c = compute(out);
+    let table = rope_frequencies(head_dim, f64::from(theta), scaling, 0)?;
+    let half = head_dim / 2;
+    let r = x.rank();
+    let seq = x.shape[r - 2];
+    let heads = x.shape[r - 1] / head_dim;
+    // x as [lead.., S, H, D].
+    let mut split = x.shape[..r - 1].to_vec();
+    split.extend([heads, head_dim]);
+    let xc = b.convert(x, c);
+    let xh = b.reshape(&xc, &split);
+    // Angles [lead.., S, 1, D/2] from positions ([S] shared or per token).
+    let mut ang_shape = x.shape[..r - 1].to_vec();
+    ang_shape.extend([1, half]);
+    let pos = b.convert(positions, c);
+    let pos_dims: Vec<usize> = if positions.rank() == 1 {
+        vec![r - 2]
+    } else {
+        (0..r - 1).collect()
+    };
+    debug_assert_eq!(positions.shape.last(), Some(&seq));
+    let pos = b.broadcast(&pos, &ang_shape, &pos_dims);
+    let freq = b.vector(&table.inv_freq, c)?;
+    let freq = b.broadcast(&freq, &ang_shape, &[r]);
+    let ang = b.binary("multiply", &pos, &freq);
+    let factor = b.splat(table.attention_factor, &ang_shape, c)?;
+    let cos = b.unary("cosine", &ang);
+    let cos = b.binary("multiply", &cos, &factor);
+    let sin = b.unary("sine", &ang);
+    let sin = b.binary("multiply", &sin, &factor);
+    let mut half_shape = split.clone();
+    half_shape[r] = half;
+    let dims: Vec<usize> = (0..=r).collect();
+    let cos = b.broadcast(&cos, &half_shape, &dims);
+    let sin = b.broadcast(&sin, &half_shape, &dims);
+    let x0 = b.slice_axis(&xh, r, 0, half);
+    let x1 = b.slice_axis(&xh, r, half, head_dim);
+    let a = b.binary("multiply", &x0, &cos);
+    let s = b.binary("multiply", &x1, &sin);
+    let y0 = b.binary("subtract", &a, &s);
+    let a = b.binary("multiply", &x1, &cos);
+    let s = b.binary("multiply", &x0, &sin);
+    let y1 = b.binary("add", &a, &s);
+    let y = b.concatenate(&[&y0, &y1], r);
+    let y = b.reshape(&y, &x.shape);
+    Ok(b.convert(&y, out))
+}
+
+/// Dense scaled dot-product attention: q `[B, S, Hq*D]`, k and v `[B, T, Hkv*D]`,
+/// GQA, bottom-right causal masking, sliding window, additive mask `[S, T]`; a row
+/// that sees no key gives zeros.
+fn attention(
+    b: &mut Builder,
+    p: &AttentionParams,
+    q: &Val,
+    k: &Val,
+    v: &Val,
+    mask: Option<&Val>,
+) -> Result<Val> {
+    let out = q.float();
+    let c = compute(out);
+    let (bs, s, t) = (q.shape[0], q.shape[1], k.shape[1]);
+    let (hq, hkv, d) = (p.num_heads, p.num_kv_heads, p.head_dim);
+    let g = hq / hkv;
+    // [B, H, S, D] layouts; kv heads repeated for their query groups.
+    let heads = |b: &mut Builder, x: &Val, h: usize, len: usize| {
+        let x = b.convert(x, c);
+        let x = b.reshape(&x, &[bs, len, h, d]);
+        b.transpose(&x, &[0, 2, 1, 3])
+    };
+    let qh = heads(b, q, hq, s);
+    let group = |b: &mut Builder, x: &Val| {
+        let x = heads(b, x, hkv, t);
+        let x = b.broadcast(&x, &[bs, hkv, g, t, d], &[0, 1, 3, 4]);
+        b.reshape(&x, &[bs, hq, t, d])
+    };
+    let kh = group(b, k);
+    let vh = group(b, v);
+    let scores = b.dot_general(&qh, &kh, (&[0, 1], &[0, 1]), (&[3], &[3]), c);
+    let scale = b.splat(f64::from(p.effective_scale()), &scores.shape, c)?;
+    let mut scores = b.binary("multiply", &scores, &scale);
+    let shape = scores.shape.clone();
+    if let Some(m) = mask {
+        let m = b.convert(m, c);
+        let m = b.broadcast(&m, &shape, &[2, 3]);
+        scores = b.binary("add", &scores, &m);
+    }
+    if p.causal || p.window.is_some() {
+        // Query i sees key j when j <= i + T - S (causal) and j > i + T - S - w (window).
+        let i = b.iota(&shape, 2, DType::I64);
+        let j = b.iota(&shape, 3, DType::I64);
+        let off = b.splat_int(t as i64 - s as i64, &shape, DType::I64);
+        let aligned = b.binary("add", &i, &off);
+        let ninf = b.splat(f64::NEG_INFINITY, &shape, c)?;
+        if p.causal {
+            let ok = b.compare(&j, &aligned, Cmp::Le);
+            scores = b.select(&ok, &scores, &ninf);
+        }
+        if let Some(w) = p.window {
+            let wv = b.splat_int(w as i64, &shape, DType::I64);
+            let low = b.binary("subtract", &aligned, &wv);
+            let ok = b.compare(&j, &low, Cmp::Gt);
+            scores = b.select(&ok, &scores, &ninf);
+        }
+    }
+    // Softmax whose all-masked rows give zeros.
+    let max = b.reduce_last_keep(&scores, Reduce::Max)?;
+    let ninf = b.splat(f64::NEG_INFINITY, &shape, c)?;
+    let zero = b.splat(0.0, &shape, c)?;
+    let dead = b.compare(&max, &ninf, Cmp::Eq);
+    let max = b.select(&dead, &zero, &max);
+    let e = b.binary("subtract", &scores, &max);
+    let e = b.unary("exponential", &e);
+    let sum = b.reduce_last_keep(&e, Reduce::Sum)?;
+    let one = b.splat(1.0, &shape, c)?;
+    let empty = b.compare(&sum, &zero, Cmp::Eq);
+    let sum = b.select(&empty, &one, &sum);
+    let probs = b.binary("divide", &e, &sum);
+    let o = b.dot_general(&probs, &vh, (&[0, 1], &[0, 1]), (&[3], &[2]), c);
+    let o = b.transpose(&o, &[0, 2, 1, 3]);
+    let o = b.reshape(&o, &[bs, s, hq * d]);
+    Ok(b.convert(&o, out))
+}

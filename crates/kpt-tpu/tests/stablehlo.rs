@@ -1,0 +1,360 @@
+//! Every lowered op, compiled by XLA on the CPU plugin, against the f64 reference
+//! (`CpuReference`) within the validator's per-op tolerance, over random shapes.
+//! Skipped (with a note) where no plugin is installed; see `tests/cpu_plugin.rs`.
+
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use kpt_core::graph::{Activation, AttentionParams, Op};
+use kpt_core::rand::SplitMix64;
+use kpt_core::validate::{reduction_len, tolerance, ReferenceOps};
+use kpt_core::{DType, Graph, KptError, Tensor, TensorSpec};
+use kpt_kernels::CpuReference;
+use kpt_tpu::stablehlo::emit_graph;
+use kpt_tpu::{find_plugin, Client, Plugin, PluginKind};
+use proptest::prelude::*;
+
+fn client() -> Option<Client> {
+    static PLUGIN: OnceLock<Option<Arc<Plugin>>> = OnceLock::new();
+    let plugin = PLUGIN.get_or_init(|| {
+        let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/pjrt-venv");
+        match Plugin::from_env().or_else(|| find_plugin(&venv, PluginKind::Cpu).map(Plugin::load)) {
+            Some(p) => Some(p.expect("the PJRT plugin loads")),
+            None if std::env::var("KPT_REQUIRE_PJRT").is_ok_and(|v| v == "1") => {
+                panic!("KPT_REQUIRE_PJRT=1 but no PJRT plugin")
+            }
+            None => {
+                eprintln!("skipped: no PJRT plugin (run `cargo xtask pjrt-plugin`)");
+                None
+            }
+        }
+    });
+    plugin.as_ref().map(|p| Client::new(p).expect("client"))
+}
+
+fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| f64::from(rng.uniform(-1.0, 1.0))).collect();
+    Tensor::from_f64(&v, shape, dtype).unwrap()
+}
+
+fn ints(values: &[i64], shape: &[usize], dtype: DType) -> Tensor {
+    let v: Vec<f64> = values.iter().map(|&x| x as f64).collect();
+    Tensor::from_f64(&v, shape, dtype).unwrap()
+}
+
+/// Runs `op` on `inputs` through XLA and through the reference; compares every output.
+fn check(op: Op, inputs: Vec<Tensor>) -> Result<(), TestCaseError> {
+    let Some(client) = client() else {
+        return Ok(());
+    };
+    let mut g = Graph::new();
+    let specs: Vec<TensorSpec> = inputs
+        .iter()
+        .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+        .collect();
+    let ids: Vec<_> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| g.input(format!("in{i}"), s.dtype, &s.shape))
+        .collect();
+    let outs = g.op_multi("node", op.clone(), &ids).unwrap();
+    for &o in &outs {
+        g.output(o).unwrap();
+    }
+    let program = emit_graph(&g, &specs).unwrap();
+    let got = client
+        .run_program(&program, &g, &inputs)
+        .map_err(|e| TestCaseError::fail(format!("{op:?}: {e}\n{}", program.mlir)))?;
+    let want = CpuReference.eval(&op, &inputs).unwrap();
+    let k = reduction_len(&op, &specs);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        prop_assert_eq!(g.shape(), w.shape(), "output {} shape", i);
+        let (gv, wv) = (g.to_f64_vec(), w.to_f64_vec());
+        if g.dtype().is_float() {
+            let scale = wv.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
+            let tol = tolerance(&op, g.dtype(), k);
+            for (j, (a, b)) in gv.iter().zip(&wv).enumerate() {
+                prop_assert!(
+                    (a - b).abs() <= tol.abs * scale + tol.rel * b.abs()
+                        || (a.is_nan() && b.is_nan()),
+                    "{:?} output {} element {}: {} vs {} (tol {:?}, scale {})",
+                    op,
+                    i,
+                    j,
+                    a,
+                    b,
+                    tol,
+                    scale
+                );
+            }
+        } else {
+            prop_assert_eq!(gv, wv, "{:?} output {}", op, i);
+        }
+    }
+    Ok(())
+}
+
+fn float_dtype() -> impl Strategy<Value = DType> {
+    prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)]
+}
+
+fn activation() -> impl Strategy<Value = Activation> {
+    prop_oneof![
+        Just(Activation::Relu),
+        Just(Activation::GeluErf),
+        Just(Activation::GeluTanh),
+        Just(Activation::Silu)
+    ]
+}
+
+/// Sizes that include 1, odd and larger values.
+fn dim() -> impl Strategy<Value = usize> {
+    prop_oneof![Just(1usize), 2usize..9, Just(33), Just(130)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(10))]
+
+    #[test]
+    fn elementwise_and_rows(rows in dim(), cols in dim(), dt in float_dtype(), act in activation(), seed in any::<u64>()) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[rows, cols], dt);
+        let y = random(&mut rng, &[cols], dt);
+        let w = random(&mut rng, &[cols], dt);
+        let bias = random(&mut rng, &[cols], dt);
+        let r = random(&mut rng, &[rows, cols], dt);
+        check(Op::Add, vec![x.clone(), y.clone()])?;
+        check(Op::Mul, vec![x.clone(), r.clone()])?;
+        check(Op::Activation { act }, vec![x.clone()])?;
+        check(Op::Softmax, vec![x.clone()])?;
+        check(Op::RmsNorm { eps: 1e-5 }, vec![x.clone(), w.clone()])?;
+        check(Op::LayerNorm { eps: 1e-5 }, vec![x.clone(), w.clone(), bias.clone()])?;
+        check(Op::AddRmsNorm { eps: 1e-6 }, vec![x.clone(), r.clone(), w.clone()])?;
+        check(Op::AddLayerNorm { eps: 1e-6 }, vec![x.clone(), r.clone(), w.clone(), bias])?;
+        check(Op::ArgMax, vec![x.clone()])?;
+        let other = if dt == DType::F32 { DType::BF16 } else { DType::F32 };
+        check(Op::Cast { dtype: other }, vec![x.clone()])?;
+        check(Op::Concat { axis: 1 }, vec![x.clone(), r])?;
+        if cols % 2 == 0 {
+            check(Op::ActAndMul { act }, vec![x.clone()])?;
+        }
+        check(Op::Split { axis: 1, sizes: vec![cols / 2, cols - cols / 2] }, vec![x])?;
+    }
+
+    #[test]
+    fn products(m in dim(), k in dim(), n in dim(), batch in 1usize..4, dt in float_dtype(), act in activation(), seed in any::<u64>()) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[batch, m, k], dt);
+        let w = random(&mut rng, &[n, k], dt);
+        let bias = random(&mut rng, &[n], dt);
+        check(Op::Linear { bias: false }, vec![x.clone(), w.clone()])?;
+        check(Op::LinearAct { bias: true, act }, vec![x.clone(), w.clone(), bias])?;
+        // f32 activations with bf16 weights (the balanced level's linears).
+        let xf = random(&mut rng, &[m, k], DType::F32);
+        check(Op::Linear { bias: false }, vec![xf, random(&mut rng, &[n, k], DType::BF16)])?;
+        check(Op::MatMul, vec![x.clone(), random(&mut rng, &[k, n], dt)])?;
+        check(Op::MatMul, vec![x, random(&mut rng, &[batch, k, n], dt)])?;
+    }
+
+    #[test]
+    fn embedding_and_rotary(
+        seq in 1usize..9, heads in 1usize..4, half in 1usize..9, vocab in 1usize..50,
+        dt in float_dtype(), per_token in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let d = 2 * half;
+        let table = random(&mut rng, &[vocab, d], dt);
+        let ids: Vec<i64> = (0..2 * seq).map(|_| (rng.next_u64() % vocab as u64) as i64).collect();
+        check(Op::Embedding, vec![ints(&ids, &[2, seq], DType::I64), table])?;
+        let x = random(&mut rng, &[2, seq, heads * d], dt);
+        let (pos, shape): (Vec<i64>, Vec<usize>) = if per_token {
+            ((0..2 * seq).map(|_| (rng.next_u64() % 4096) as i64).collect(), vec![2, seq])
+        } else {
+            ((0..seq as i64).map(|p| p + 7).collect(), vec![seq])
+        };
+        let positions = ints(&pos, &shape, DType::I32);
+        check(Op::Rotary { head_dim: d, theta: 10000.0, scaling: None }, vec![x.clone(), positions.clone()])?;
+        let qkv = random(&mut rng, &[2, seq, (heads + 2) * d], dt);
+        check(
+            Op::SplitRotary { head_dim: d, theta: 500000.0, scaling: None, sizes: vec![heads * d, d, d] },
+            vec![qkv, positions],
+        )?;
+    }
+
+    #[test]
+    fn attention(
+        batch in 1usize..3, s in 1usize..20, extra in 0usize..20, kv in 1usize..3, group in 1usize..3,
+        d in prop_oneof![Just(8usize), Just(16), Just(64)], causal in any::<bool>(),
+        window in prop_oneof![Just(None), (1usize..8).prop_map(Some)], mask in any::<bool>(),
+        dt in float_dtype(), seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let t = s + extra;
+        let hq = kv * group;
+        let mut p = AttentionParams::new(hq, kv, d, causal);
+        p.window = window;
+        p.mask = mask;
+        let mut ins = vec![
+            random(&mut rng, &[batch, s, hq * d], dt),
+            random(&mut rng, &[batch, t, kv * d], dt),
+            random(&mut rng, &[batch, t, kv * d], dt),
+        ];
+        if mask {
+            // Some -inf entries, so that a row can see no key.
+            let m: Vec<f64> = (0..s * t)
+                .map(|_| if rng.next_u64().is_multiple_of(4) { f64::NEG_INFINITY } else { f64::from(rng.uniform(-1.0, 1.0)) })
+                .collect();
+            ins.push(Tensor::from_f64(&m, &[s, t], dt).unwrap());
+        }
+        check(Op::Attention(p), ins)?;
+    }
+}
+
+#[test]
+fn ops_not_lowered_yet_are_named_in_the_error() {
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[4]);
+    let q = g
+        .op(
+            "quant",
+            Op::Quantize {
+                dtype: DType::I8,
+                scale: 0.1,
+            },
+            &[x],
+        )
+        .unwrap();
+    g.output(q).unwrap();
+    let e = emit_graph(&g, &[TensorSpec::new(&[4], DType::F32)]).unwrap_err();
+    assert!(
+        matches!(&e, KptError::Backend { message, .. } if message.contains("`quant`") && message.contains("not lowered")),
+        "{e}"
+    );
+}
+
+/// A LLaMA-shaped decoder block with its weights as graph parameters, written as one
+/// StableHLO module and compiled by XLA into one executable, against the f64 reference
+/// run of the same graph.
+#[test]
+fn a_transformer_block_is_one_executable() {
+    let Some(client) = client() else {
+        return;
+    };
+    let (seq, hidden, heads, kv, d, inter, vocab) = (7usize, 64, 4, 2, 16, 96, 50);
+    let mut rng = SplitMix64::new(5);
+    let mut g = Graph::new();
+    let mut param = |g: &mut Graph, name: &str, shape: &[usize]| {
+        let mut t = random(&mut rng, shape, DType::F32);
+        if shape.len() == 2 {
+            // Scale weights so activations stay O(1) through the block.
+            let s = 1.0 / (shape[1] as f64).sqrt();
+            let v: Vec<f64> = t.to_f64_vec().iter().map(|x| x * s).collect();
+            t = Tensor::from_f64(&v, shape, DType::F32).unwrap();
+        }
+        g.param(name, t)
+    };
+    let ids = g.input("ids", DType::I64, &[1, seq]);
+    let pos = g.input("positions", DType::I64, &[seq]);
+    let table = param(&mut g, "embed", &[vocab, hidden]);
+    let norm1 = param(&mut g, "norm1", &[hidden]);
+    let wqkv = param(&mut g, "wqkv", &[(heads + 2 * kv) * d, hidden]);
+    let wo = param(&mut g, "wo", &[hidden, heads * d]);
+    let norm2 = param(&mut g, "norm2", &[hidden]);
+    let wgu = param(&mut g, "wgate_up", &[2 * inter, hidden]);
+    let wdown = param(&mut g, "wdown", &[hidden, inter]);
+    let norm3 = param(&mut g, "norm3", &[hidden]);
+    let head = param(&mut g, "lm_head", &[vocab, hidden]);
+    let x = g.op("embed", Op::Embedding, &[ids, table]).unwrap();
+    let h = g
+        .op("norm1", Op::RmsNorm { eps: 1e-5 }, &[x, norm1])
+        .unwrap();
+    let qkv = g.op("qkv", Op::Linear { bias: false }, &[h, wqkv]).unwrap();
+    let parts = g
+        .op_multi(
+            "rope",
+            Op::SplitRotary {
+                head_dim: d,
+                theta: 10000.0,
+                scaling: None,
+                sizes: vec![heads * d, kv * d, kv * d],
+            },
+            &[qkv, pos],
+        )
+        .unwrap();
+    let att = g
+        .op(
+            "attn",
+            Op::Attention(AttentionParams::new(heads, kv, d, true)),
+            &[parts[0], parts[1], parts[2]],
+        )
+        .unwrap();
+    let o = g.op("o", Op::Linear { bias: false }, &[att, wo]).unwrap();
+    let sums = g
+        .op_multi("norm2", Op::AddRmsNorm { eps: 1e-5 }, &[o, x, norm2])
+        .unwrap();
+    let gu = g
+        .op("gate_up", Op::Linear { bias: false }, &[sums[1], wgu])
+        .unwrap();
+    let act = g
+        .op(
+            "swiglu",
+            Op::ActAndMul {
+                act: Activation::Silu,
+            },
+            &[gu],
+        )
+        .unwrap();
+    let down = g
+        .op("down", Op::Linear { bias: false }, &[act, wdown])
+        .unwrap();
+    let out = g
+        .op_multi(
+            "norm3",
+            Op::AddRmsNorm { eps: 1e-5 },
+            &[down, sums[0], norm3],
+        )
+        .unwrap();
+    let logits = g
+        .op("lm_head", Op::Linear { bias: false }, &[out[1], head])
+        .unwrap();
+    let next = g.op("argmax", Op::ArgMax, &[logits]).unwrap();
+    g.output(logits).unwrap();
+    g.output(next).unwrap();
+
+    let id_values: Vec<i64> = (0..seq as i64)
+        .map(|i| (i * 7 + 3) % vocab as i64)
+        .collect();
+    let inputs = vec![
+        ints(&id_values, &[1, seq], DType::I64),
+        ints(&(0..seq as i64).collect::<Vec<_>>(), &[seq], DType::I64),
+    ];
+    let specs: Vec<TensorSpec> = inputs
+        .iter()
+        .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+        .collect();
+    let program = emit_graph(&g, &specs).unwrap();
+    assert_eq!(program.args.len(), 2 + 9, "inputs, then the nine weights");
+    let got = client.run_program(&program, &g, &inputs).unwrap();
+    let want = kpt_core::validate::run_reference(&g, &CpuReference, &inputs).unwrap();
+    let (gl, wl) = (got[0].to_f64_vec(), want[0].to_f64_vec());
+    let scale = wl.iter().fold(0f64, |m, x| m.max(x.abs()));
+    let err = gl
+        .iter()
+        .zip(&wl)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        err <= 1e-4 * scale,
+        "logits: max error {err:e} at scale {scale}"
+    );
+    // Greedy tokens agree wherever the reference's top two logits are not a near-tie.
+    let (gt, wt) = (got[1].to_f64_vec(), want[1].to_f64_vec());
+    for (row, (a, b)) in gt.iter().zip(&wt).enumerate() {
+        let r = &wl[row * vocab..(row + 1) * vocab];
+        let mut sorted = r.to_vec();
+        sorted.sort_by(|x, y| y.total_cmp(x));
+        if sorted[0] - sorted[1] > 1e-3 * scale {
+            assert_eq!(a, b, "token of row {row}");
+        }
+    }
+}
