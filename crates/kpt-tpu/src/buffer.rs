@@ -56,12 +56,18 @@ macro_rules! host_element {
 host_element!(f64 => F64, f32 => F32, f16 => F16, bf16 => BF16, i8 => I8, i32 => I32, i64 => I64);
 
 /// A buffer on a device of a [`Client`], freed on drop.
-pub struct Buffer<'c> {
-    client: &'c Client,
+pub struct Buffer {
+    client: Client,
     raw: *mut sys::PJRT_Buffer,
 }
 
-impl std::fmt::Debug for Buffer<'_> {
+// SAFETY: a PJRT buffer may be used and freed from any thread (the C API is
+// thread-safe); the handle keeps its client alive.
+unsafe impl Send for Buffer {}
+// SAFETY: as above; `&Buffer` only reads.
+unsafe impl Sync for Buffer {}
+
+impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Buffer")
             .field("dtype", &self.dtype().ok())
@@ -74,23 +80,23 @@ impl Client {
     /// Copies `data` (row-major, `dims`) to `device`.
     ///
     /// Errors: `data` does not hold `product(dims)` elements ([`PjrtError::Invalid`]).
-    pub fn buffer<'c, T: HostElement>(
-        &'c self,
+    pub fn buffer<T: HostElement>(
+        &self,
         data: &[T],
         dims: &[i64],
-        device: &Device<'c>,
-    ) -> Result<Buffer<'c>> {
+        device: &Device,
+    ) -> Result<Buffer> {
         self.buffer_from_bytes(bytemuck::cast_slice(data), T::DTYPE, dims, device)
     }
 
     /// Copies `bytes` (row-major elements of `dtype`, `dims`) to `device`.
-    pub fn buffer_from_bytes<'c>(
-        &'c self,
+    pub fn buffer_from_bytes(
+        &self,
         bytes: &[u8],
         dtype: DType,
         dims: &[i64],
-        device: &Device<'c>,
-    ) -> Result<Buffer<'c>> {
+        device: &Device,
+    ) -> Result<Buffer> {
         let numel = dims.iter().try_fold(1usize, |n, &d| {
             usize::try_from(d).ok().and_then(|d| n.checked_mul(d))
         });
@@ -118,7 +124,7 @@ impl Client {
             &mut a,
         )?;
         let buffer = Buffer {
-            client: self,
+            client: self.clone(),
             raw: a.buffer,
         };
         plugin.await_event("PJRT_Client_BufferFromHostBuffer", a.done_with_host_buffer)?;
@@ -126,10 +132,13 @@ impl Client {
     }
 }
 
-impl<'c> Buffer<'c> {
+impl Buffer {
     /// Wraps a buffer the plugin returned (owned from now on).
-    pub(crate) fn from_raw(client: &'c Client, raw: *mut sys::PJRT_Buffer) -> Self {
-        Buffer { client, raw }
+    pub(crate) fn from_raw(client: &Client, raw: *mut sys::PJRT_Buffer) -> Self {
+        Buffer {
+            client: client.clone(),
+            raw,
+        }
     }
 
     pub(crate) fn raw(&self) -> *mut sys::PJRT_Buffer {
@@ -221,7 +230,7 @@ impl<'c> Buffer<'c> {
     }
 }
 
-impl Drop for Buffer<'_> {
+impl Drop for Buffer {
     fn drop(&mut self) {
         let plugin = self.client.plugin();
         let mut a = args::<sys::PJRT_Buffer_Destroy_Args>();

@@ -7,21 +7,27 @@ use crate::error::{PjrtError, Result};
 use crate::plugin::{args, lossy, Plugin};
 use crate::sys;
 
-/// A client of one plugin (`PJRT_Client`), destroyed on drop.
+/// A client of one plugin (`PJRT_Client`): a shared handle, destroyed with its last
+/// clone and with the last buffer or executable made from it.
+#[derive(Clone)]
 pub struct Client {
+    inner: Arc<ClientInner>,
+}
+
+struct ClientInner {
     plugin: Arc<Plugin>,
     raw: *mut sys::PJRT_Client,
 }
 
 // SAFETY: a PJRT client may be used from any thread (the C API is thread-safe).
-unsafe impl Send for Client {}
+unsafe impl Send for ClientInner {}
 // SAFETY: as above.
-unsafe impl Sync for Client {}
+unsafe impl Sync for ClientInner {}
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
-            .field("plugin", &self.plugin)
+            .field("plugin", self.plugin())
             .field("platform", &self.platform_name().unwrap_or_default())
             .finish()
     }
@@ -42,26 +48,28 @@ impl Client {
             ));
         }
         Ok(Client {
-            plugin: plugin.clone(),
-            raw: a.client,
+            inner: Arc::new(ClientInner {
+                plugin: plugin.clone(),
+                raw: a.client,
+            }),
         })
     }
 
     /// The plugin this client runs on.
     pub fn plugin(&self) -> &Arc<Plugin> {
-        &self.plugin
+        &self.inner.plugin
     }
 
     pub(crate) fn raw(&self) -> *mut sys::PJRT_Client {
-        self.raw
+        self.inner.raw
     }
 
     /// The platform's name (`cpu`, `cuda`, `tpu`, ...).
     pub fn platform_name(&self) -> Result<String> {
         let mut a = args::<sys::PJRT_Client_PlatformName_Args>();
-        a.client = self.raw;
-        let api = self.plugin.api();
-        self.plugin.call(
+        a.client = self.raw();
+        let api = self.plugin().api();
+        self.plugin().call(
             "PJRT_Client_PlatformName",
             api.PJRT_Client_PlatformName,
             &mut a,
@@ -73,9 +81,9 @@ impl Client {
     /// The platform's version string (the plugin's build, driver or libtpu version).
     pub fn platform_version(&self) -> Result<String> {
         let mut a = args::<sys::PJRT_Client_PlatformVersion_Args>();
-        a.client = self.raw;
-        let api = self.plugin.api();
-        self.plugin.call(
+        a.client = self.raw();
+        let api = self.plugin().api();
+        self.plugin().call(
             "PJRT_Client_PlatformVersion",
             api.PJRT_Client_PlatformVersion,
             &mut a,
@@ -85,11 +93,11 @@ impl Client {
     }
 
     /// The devices this process can run programs on, in the plugin's order.
-    pub fn devices(&self) -> Result<Vec<Device<'_>>> {
+    pub fn devices(&self) -> Result<Vec<Device>> {
         let mut a = args::<sys::PJRT_Client_AddressableDevices_Args>();
-        a.client = self.raw;
-        let api = self.plugin.api();
-        self.plugin.call(
+        a.client = self.raw();
+        let api = self.plugin().api();
+        self.plugin().call(
             "PJRT_Client_AddressableDevices",
             api.PJRT_Client_AddressableDevices,
             &mut a,
@@ -103,12 +111,15 @@ impl Client {
             unsafe { std::slice::from_raw_parts(a.addressable_devices, a.num_addressable_devices) };
         Ok(raw
             .iter()
-            .map(|&raw| Device { client: self, raw })
+            .map(|&raw| Device {
+                client: self.clone(),
+                raw,
+            })
             .collect())
     }
 }
 
-impl Drop for Client {
+impl Drop for ClientInner {
     fn drop(&mut self) {
         let mut a = args::<sys::PJRT_Client_Destroy_Args>();
         a.client = self.raw;
@@ -123,13 +134,19 @@ impl Drop for Client {
 }
 
 /// A device of a [`Client`].
-#[derive(Clone, Copy)]
-pub struct Device<'c> {
-    client: &'c Client,
+#[derive(Clone)]
+pub struct Device {
+    client: Client,
     raw: *mut sys::PJRT_Device,
 }
 
-impl std::fmt::Debug for Device<'_> {
+// SAFETY: a device handle is an immutable pointer owned by the client, usable from any
+// thread.
+unsafe impl Send for Device {}
+// SAFETY: as above.
+unsafe impl Sync for Device {}
+
+impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.description() {
             Ok(d) => d.fmt(f),
@@ -178,19 +195,19 @@ impl DeviceDescription {
     }
 }
 
-impl<'c> Device<'c> {
+impl Device {
     pub(crate) fn raw(&self) -> *mut sys::PJRT_Device {
         self.raw
     }
 
     /// The client the device belongs to.
-    pub fn client(&self) -> &'c Client {
-        self.client
+    pub fn client(&self) -> &Client {
+        &self.client
     }
 
     /// The device's description: id, kind and attributes.
     pub fn description(&self) -> Result<DeviceDescription> {
-        let plugin = &self.client.plugin;
+        let plugin = self.client.plugin();
         let api = plugin.api();
         let mut g = args::<sys::PJRT_Device_GetDescription_Args>();
         g.device = self.raw;

@@ -9,13 +9,19 @@ use crate::sys;
 
 /// A compiled program loaded on a client's devices (`PJRT_LoadedExecutable`), freed on
 /// drop.
-pub struct Executable<'c> {
-    client: &'c Client,
+pub struct Executable {
+    client: Client,
     raw: *mut sys::PJRT_LoadedExecutable,
     num_outputs: usize,
 }
 
-impl std::fmt::Debug for Executable<'_> {
+// SAFETY: a loaded executable may be run and freed from any thread (the C API is
+// thread-safe); the handle keeps its client alive.
+unsafe impl Send for Executable {}
+// SAFETY: as above.
+unsafe impl Sync for Executable {}
+
+impl std::fmt::Debug for Executable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Executable")
             .field("num_outputs", &self.num_outputs)
@@ -28,7 +34,7 @@ impl Client {
     ///
     /// Errors: the plugin's message for a program that does not parse, verify or
     /// compile ([`PjrtError::Call`]).
-    pub fn compile(&self, mlir: &[u8], options: &CompileOptions) -> Result<Executable<'_>> {
+    pub fn compile(&self, mlir: &[u8], options: &CompileOptions) -> Result<Executable> {
         const FORMAT: &str = "mlir";
         let plugin = self.plugin();
         let api = plugin.api();
@@ -46,7 +52,7 @@ impl Client {
         a.compile_options_size = opts.len();
         plugin.call("PJRT_Client_Compile", api.PJRT_Client_Compile, &mut a)?;
         let mut exe = Executable {
-            client: self,
+            client: self.clone(),
             raw: a.executable,
             num_outputs: 0,
         };
@@ -55,7 +61,7 @@ impl Client {
     }
 }
 
-impl<'c> Executable<'c> {
+impl Executable {
     /// Outputs per execution (per device).
     pub fn num_outputs(&self) -> usize {
         self.num_outputs
@@ -93,7 +99,7 @@ impl<'c> Executable<'c> {
     ///
     /// Errors: the plugin's message for inputs that do not match the program's
     /// parameters, or a failed run ([`PjrtError::Call`]).
-    pub fn execute(&self, inputs: &[&Buffer<'c>]) -> Result<Vec<Buffer<'c>>> {
+    pub fn execute(&self, inputs: &[&Buffer]) -> Result<Vec<Buffer>> {
         let plugin = self.client.plugin();
         let api = plugin.api();
         let arg_ptrs: Vec<*mut sys::PJRT_Buffer> = inputs.iter().map(|b| b.raw()).collect();
@@ -116,10 +122,10 @@ impl<'c> Executable<'c> {
             &mut a,
         )?;
         // Own the outputs first, so that they are freed even if the run failed.
-        let outputs: Vec<Buffer<'c>> = outs
+        let outputs: Vec<Buffer> = outs
             .iter()
             .filter(|p| !p.is_null())
-            .map(|&p| Buffer::from_raw(self.client, p))
+            .map(|&p| Buffer::from_raw(&self.client, p))
             .collect();
         plugin.await_event("PJRT_LoadedExecutable_Execute", done[0])?;
         if outputs.len() != self.num_outputs {
@@ -133,7 +139,7 @@ impl<'c> Executable<'c> {
     }
 }
 
-impl Drop for Executable<'_> {
+impl Drop for Executable {
     fn drop(&mut self) {
         let plugin = self.client.plugin();
         let mut a = args::<sys::PJRT_LoadedExecutable_Destroy_Args>();

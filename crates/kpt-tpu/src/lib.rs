@@ -17,7 +17,7 @@
 //! use kpt_tpu::{Client, CompileOptions, Plugin};
 //! let plugin = Plugin::load("xla_cpu_pjrt.so")?;
 //! let client = Client::new(&plugin)?;
-//! let device = client.devices()?[0];
+//! let device = client.devices()?.remove(0);
 //! let program = "func.func @main(%x: tensor<2xf32>) -> tensor<2xf32> {
 //!   %y = stablehlo.add %x, %x : tensor<2xf32>
 //!   return %y : tensor<2xf32>

@@ -93,7 +93,7 @@ fn buffers_round_trip_every_dtype() {
     let Some(client) = client("buffers_round_trip_every_dtype") else {
         return;
     };
-    let device = client.devices().unwrap()[0];
+    let device = client.devices().unwrap().remove(0);
     let f: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 3.0).collect();
     let b = client.buffer(&f, &[3, 4], &device).unwrap();
     assert_eq!(b.dims().unwrap(), [3, 4]);
@@ -131,7 +131,7 @@ fn bad_inputs_are_typed_errors_with_the_plugins_message() {
     let Some(client) = client("bad_inputs_are_typed_errors_with_the_plugins_message") else {
         return;
     };
-    let device = client.devices().unwrap()[0];
+    let device = client.devices().unwrap().remove(0);
     // Wrong element count: caught before the plugin is called.
     let e = client.buffer(&[1.0f32; 5], &[2, 3], &device).unwrap_err();
     assert!(
@@ -195,7 +195,7 @@ proptest! {
         let Some(client) = client("xla_matmul_matches_the_f64_reference") else {
             return Ok(());
         };
-        let device = client.devices().unwrap()[0];
+        let device = client.devices().unwrap().remove(0);
         let mut rng = SplitMix64::new(seed);
         let (a, b) = (random(&mut rng, m * k), random(&mut rng, k * n));
         let (ad, bd) = ([m as i64, k as i64], [k as i64, n as i64]);

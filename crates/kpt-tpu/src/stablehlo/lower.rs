@@ -355,7 +355,9 @@ fn rotary(
     // Angles [lead.., S, 1, D/2] from positions ([S] shared or per token).
     let mut ang_shape = x.shape[..r - 1].to_vec();
     ang_shape.extend([1, half]);
-    let pos = b.convert(positions, c);
+    // The angles and their cos / sin in f64, as kpt's CUDA kernels build their tables:
+    // in f32, `position * inv_freq` loses ~1e-3 rad at position 32K.
+    let pos = b.convert(positions, DType::F64);
     let pos_dims: Vec<usize> = if positions.rank() == 1 {
         vec![r - 2]
     } else {
@@ -363,14 +365,16 @@ fn rotary(
     };
     debug_assert_eq!(positions.shape.last(), Some(&seq));
     let pos = b.broadcast(&pos, &ang_shape, &pos_dims);
-    let freq = b.vector(&table.inv_freq, c)?;
+    let freq = b.vector(&table.inv_freq, DType::F64)?;
     let freq = b.broadcast(&freq, &ang_shape, &[r]);
     let ang = b.binary("multiply", &pos, &freq);
-    let factor = b.splat(table.attention_factor, &ang_shape, c)?;
+    let factor = b.splat(table.attention_factor, &ang_shape, DType::F64)?;
     let cos = b.unary("cosine", &ang);
     let cos = b.binary("multiply", &cos, &factor);
+    let cos = b.convert(&cos, c);
     let sin = b.unary("sine", &ang);
     let sin = b.binary("multiply", &sin, &factor);
+    let sin = b.convert(&sin, c);
     let mut half_shape = split.clone();
     half_shape[r] = half;
     let dims: Vec<usize> = (0..=r).collect();

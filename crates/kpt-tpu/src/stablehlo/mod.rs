@@ -142,7 +142,7 @@ impl crate::Client {
             let dims: Vec<i64> = t.shape().iter().map(|&d| d as i64).collect();
             buffers.push(self.buffer_from_bytes(t.as_bytes()?, t.dtype(), &dims, device)?);
         }
-        let refs: Vec<&crate::Buffer<'_>> = buffers.iter().collect();
+        let refs: Vec<&crate::Buffer> = buffers.iter().collect();
         let outs = exe.execute(&refs)?;
         outs.iter()
             .zip(&program.outputs)
