@@ -51,9 +51,35 @@ impl Client {
         a.compile_options = opts.as_ptr().cast();
         a.compile_options_size = opts.len();
         plugin.call("PJRT_Client_Compile", api.PJRT_Client_Compile, &mut a)?;
+        self.loaded(a.executable)
+    }
+
+    /// Loads a program [`Executable::serialize`] wrote (by a plugin of the same version
+    /// for the same devices).
+    pub fn deserialize(&self, bytes: &[u8]) -> Result<Executable> {
+        let plugin = self.plugin();
+        let mut a = args::<sys::PJRT_Executable_DeserializeAndLoad_Args>();
+        a.client = self.raw();
+        a.serialized_executable = bytes.as_ptr().cast();
+        a.serialized_executable_size = bytes.len();
+        let api = plugin.api();
+        plugin.call(
+            "PJRT_Executable_DeserializeAndLoad",
+            api.PJRT_Executable_DeserializeAndLoad,
+            &mut a,
+        )?;
+        self.loaded(a.loaded_executable)
+    }
+
+    fn loaded(&self, raw: *mut sys::PJRT_LoadedExecutable) -> Result<Executable> {
+        if raw.is_null() {
+            return Err(PjrtError::Invalid(
+                "the plugin returned no executable".into(),
+            ));
+        }
         let mut exe = Executable {
             client: self.clone(),
-            raw: a.executable,
+            raw,
             num_outputs: 0,
         };
         exe.num_outputs = exe.query_num_outputs()?;
@@ -68,6 +94,77 @@ impl Executable {
     }
 
     fn query_num_outputs(&self) -> Result<usize> {
+        self.with_executable(|plugin, exe| {
+            let mut n = args::<sys::PJRT_Executable_NumOutputs_Args>();
+            n.executable = exe;
+            let api = plugin.api();
+            plugin.call(
+                "PJRT_Executable_NumOutputs",
+                api.PJRT_Executable_NumOutputs,
+                &mut n,
+            )?;
+            Ok(n.num_outputs)
+        })
+    }
+
+    /// Bytes of generated code, or `None` where the plugin does not say.
+    pub fn code_size(&self) -> Option<usize> {
+        self.with_executable(|plugin, exe| {
+            let mut n = args::<sys::PJRT_Executable_SizeOfGeneratedCodeInBytes_Args>();
+            n.executable = exe;
+            let api = plugin.api();
+            plugin.call(
+                "PJRT_Executable_SizeOfGeneratedCodeInBytes",
+                api.PJRT_Executable_SizeOfGeneratedCodeInBytes,
+                &mut n,
+            )?;
+            Ok(usize::try_from(n.size_in_bytes).ok())
+        })
+        .ok()
+        .flatten()
+    }
+
+    /// The compiled program in the plugin's serialized form, for
+    /// [`Client::deserialize`] (an on-disk compile cache).
+    ///
+    /// Errors: plugins that cannot serialize ([`PjrtError::Call`], `UNIMPLEMENTED`).
+    pub fn serialize(&self) -> Result<Vec<u8>> {
+        self.with_executable(|plugin, exe| {
+            let mut a = args::<sys::PJRT_Executable_Serialize_Args>();
+            a.executable = exe;
+            let api = plugin.api();
+            plugin.call(
+                "PJRT_Executable_Serialize",
+                api.PJRT_Executable_Serialize,
+                &mut a,
+            )?;
+            let bytes = if a.serialized_bytes.is_null() {
+                Vec::new()
+            } else {
+                // SAFETY: the bytes are backed by `serialized_executable` until its
+                // deleter runs, below.
+                unsafe {
+                    std::slice::from_raw_parts(
+                        a.serialized_bytes.cast::<u8>(),
+                        a.serialized_bytes_size,
+                    )
+                }
+                .to_vec()
+            };
+            if let Some(delete) = a.serialized_executable_deleter {
+                // SAFETY: the deleter frees the serialized executable once; the bytes were
+                // copied above.
+                unsafe { delete(a.serialized_executable) };
+            }
+            Ok(bytes)
+        })
+    }
+
+    /// Runs `f` on this program's `PJRT_Executable`, freed afterwards.
+    fn with_executable<T>(
+        &self,
+        f: impl FnOnce(&crate::Plugin, *mut sys::PJRT_Executable) -> Result<T>,
+    ) -> Result<T> {
         let plugin = self.client.plugin();
         let api = plugin.api();
         let mut g = args::<sys::PJRT_LoadedExecutable_GetExecutable_Args>();
@@ -77,13 +174,7 @@ impl Executable {
             api.PJRT_LoadedExecutable_GetExecutable,
             &mut g,
         )?;
-        let mut n = args::<sys::PJRT_Executable_NumOutputs_Args>();
-        n.executable = g.executable;
-        let counted = plugin.call(
-            "PJRT_Executable_NumOutputs",
-            api.PJRT_Executable_NumOutputs,
-            &mut n,
-        );
+        let out = f(plugin, g.executable);
         let mut d = args::<sys::PJRT_Executable_Destroy_Args>();
         d.executable = g.executable;
         plugin.call(
@@ -91,7 +182,7 @@ impl Executable {
             api.PJRT_Executable_Destroy,
             &mut d,
         )?;
-        counted.map(|()| n.num_outputs)
+        out
     }
 
     /// Runs the program once on its device with `inputs` (in the order of the main

@@ -31,6 +31,7 @@
 //! ```
 
 mod buffer;
+mod cache;
 mod client;
 mod error;
 mod executable;
@@ -41,6 +42,7 @@ pub mod stablehlo;
 pub mod sys;
 
 pub use buffer::{dtype_of, element_type, Buffer, HostElement};
+pub use cache::{CacheStats, CompileCache};
 pub use client::{AttrValue, Client, Device, DeviceDescription};
 pub use error::{PjrtError, Result};
 pub use executable::Executable;

@@ -228,3 +228,74 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn the_compile_cache_hits_evicts_and_persists() {
+    let Some(client) = client("the_compile_cache_hits_evicts_and_persists") else {
+        return;
+    };
+    let opts = CompileOptions::default();
+    let programs: Vec<String> = (1..=3).map(|n| matmul_program(n, 4, 2, "f32")).collect();
+    let cache = kpt_tpu::CompileCache::new(&client, usize::MAX);
+    let a = cache.get_or_compile(programs[0].as_bytes(), &opts).unwrap();
+    let b = cache.get_or_compile(programs[0].as_bytes(), &opts).unwrap();
+    assert!(
+        Arc::ptr_eq(&a, &b),
+        "the second request is the same executable"
+    );
+    let other = CompileOptions {
+        num_replicas: 1,
+        num_partitions: 1,
+        use_spmd_partitioning: true,
+    };
+    let c = cache
+        .get_or_compile(programs[0].as_bytes(), &other)
+        .unwrap();
+    assert!(!Arc::ptr_eq(&a, &c), "other options are another entry");
+    let s = cache.stats();
+    assert_eq!((s.hits, s.misses, s.entries, s.evictions), (1, 2, 2, 0));
+    assert!((s.hit_rate() - 1.0 / 3.0).abs() < 1e-12);
+
+    // A limit that holds one program: each new one evicts the least recently used.
+    let one = s.bytes / 2;
+    let small = kpt_tpu::CompileCache::new(&client, one);
+    for p in &programs {
+        small.get_or_compile(p.as_bytes(), &opts).unwrap();
+    }
+    let s = small.stats();
+    assert_eq!((s.misses, s.entries, s.evictions), (3, 1, 2), "{s:?}");
+    small.get_or_compile(programs[2].as_bytes(), &opts).unwrap();
+    assert_eq!(small.stats().hits, 1, "the most recent entry stayed");
+
+    // On disk: a second cache (a later process) loads what the first one compiled.
+    let dir = std::env::temp_dir().join(format!("kpt-xla-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let first = kpt_tpu::CompileCache::new(&client, usize::MAX).with_dir(&dir);
+    let exe = first.get_or_compile(programs[1].as_bytes(), &opts).unwrap();
+    let serializes = exe.serialize().is_ok();
+    let files = std::fs::read_dir(&dir).map_or(0, |d| d.count());
+    assert_eq!(files, usize::from(serializes));
+    let second = kpt_tpu::CompileCache::new(&client, usize::MAX).with_dir(&dir);
+    let loaded = second
+        .get_or_compile(programs[1].as_bytes(), &opts)
+        .unwrap();
+    assert_eq!(second.stats().disk_hits, u64::from(serializes));
+    let device = client.devices().unwrap().remove(0);
+    let x = client
+        .buffer(
+            &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+            &[2, 4],
+            &device,
+        )
+        .unwrap();
+    let w = client
+        .buffer(
+            &[1.0f32, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0],
+            &[4, 2],
+            &device,
+        )
+        .unwrap();
+    let out = loaded.execute(&[&x, &w]).unwrap();
+    assert_eq!(out[0].to_vec::<f32>().unwrap(), [4.0, 6.0, 12.0, 14.0]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
