@@ -537,6 +537,50 @@ pub fn reference_kernels() -> Vec<KernelDef> {
         .collect()
 }
 
+/// The XLA kernels (kpt-tpu): each op compiled by XLA through a PJRT plugin (libtpu on
+/// TPUs), one program per op and shapes, kept in the backend's compile cache.
+pub fn xla_kernels() -> Vec<KernelDef> {
+    use OpKind::*;
+    const XLA_FLOATS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
+    let desc = "StableHLO compiled by XLA through the PJRT plugin (f32 arithmetic for \
+                16-bit floats)";
+    [
+        (Embedding, "embedding"),
+        (MatMul, "matmul"),
+        (Linear, "linear"),
+        (Activation, "activation"),
+        (LinearAct, "linear_act"),
+        (RmsNorm, "rms_norm"),
+        (LayerNorm, "layer_norm"),
+        (AddRmsNorm, "add_rms_norm"),
+        (AddLayerNorm, "add_layer_norm"),
+        (Rotary, "rotary"),
+        (SplitRotary, "split_rotary"),
+        (Softmax, "softmax"),
+        (Attention, "attention"),
+        (Add, "add"),
+        (Mul, "mul"),
+        (Cast, "cast"),
+        (Concat, "concat"),
+        (Split, "split"),
+        (ActAndMul, "act_and_mul"),
+        (ArgMax, "argmax"),
+    ]
+    .into_iter()
+    .map(|(op, name)| {
+        KernelDef::new(
+            &format!("xla.{name}"),
+            op,
+            DeviceKind::Tpu,
+            XLA_FLOATS,
+            100,
+            desc,
+        )
+        .weights(XLA_FLOATS)
+    })
+    .collect()
+}
+
 impl KernelRegistry {
     /// A registry with every built-in kernel.
     pub fn with_builtin() -> Self {
@@ -544,6 +588,7 @@ impl KernelRegistry {
         for def in cpu_kernels()
             .into_iter()
             .chain(cuda_kernels())
+            .chain(xla_kernels())
             .chain(reference_kernels())
         {
             r.register(def);

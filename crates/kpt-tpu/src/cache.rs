@@ -32,7 +32,7 @@ pub struct CacheStats {
     /// Entries held now.
     pub entries: usize,
     /// Their size now (generated code, or the program's length where the plugin does
-    /// not report it).
+    /// not report a size).
     pub bytes: usize,
 }
 
@@ -131,7 +131,11 @@ impl CompileCache {
                 (exe, false)
             }
         };
-        let bytes = exe.code_size().unwrap_or(program.len()).max(1);
+        let bytes = exe
+            .code_size()
+            .filter(|&n| n > 0)
+            .unwrap_or(program.len())
+            .max(1);
         let exe = Arc::new(exe);
         let mut st = self.lock();
         st.clock += 1;

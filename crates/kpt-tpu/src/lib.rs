@@ -30,6 +30,7 @@
 //! # }
 //! ```
 
+mod backend;
 mod buffer;
 mod cache;
 mod client;
@@ -41,6 +42,7 @@ mod plugin;
 pub mod stablehlo;
 pub mod sys;
 
+pub use backend::XlaBackend;
 pub use buffer::{dtype_of, element_type, Buffer, HostElement};
 pub use cache::{CacheStats, CompileCache};
 pub use client::{AttrValue, Client, Device, DeviceDescription};

@@ -4,44 +4,19 @@
 //! `cargo xtask test` installs it. Without it each test says it was skipped, unless
 //! `KPT_REQUIRE_PJRT=1` (set by `cargo xtask test`), which makes that a failure.
 
-use std::path::Path;
-use std::sync::{Arc, OnceLock};
+mod common;
+
+use std::sync::Arc;
 
 use half::bf16;
 use kpt_core::rand::SplitMix64;
 use kpt_core::DType;
-use kpt_tpu::{find_plugin, Client, CompileOptions, PjrtError, Plugin, PluginKind};
+use kpt_tpu::{Client, CompileOptions, PjrtError};
 use proptest::prelude::*;
 
-fn plugin() -> Option<Arc<Plugin>> {
-    static PLUGIN: OnceLock<Option<Arc<Plugin>>> = OnceLock::new();
-    PLUGIN
-        .get_or_init(|| {
-            let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/pjrt-venv");
-            let loaded = match Plugin::from_env() {
-                Some(p) => Some(p),
-                None => find_plugin(&venv, PluginKind::Cpu).map(Plugin::load),
-            };
-            match loaded {
-                Some(p) => Some(p.expect("the PJRT plugin loads")),
-                None if std::env::var("KPT_REQUIRE_PJRT").is_ok_and(|v| v == "1") => {
-                    panic!("KPT_REQUIRE_PJRT=1 but no PJRT plugin: set KPT_PJRT_PLUGIN or run `cargo xtask pjrt-plugin`")
-                }
-                None => None,
-            }
-        })
-        .clone()
-}
-
 /// The client, or `None` (with a note on stderr) when no plugin is installed.
-fn client(test: &str) -> Option<Client> {
-    match plugin() {
-        Some(p) => Some(Client::new(&p).expect("client")),
-        None => {
-            eprintln!("{test}: skipped, no PJRT plugin (run `cargo xtask pjrt-plugin`)");
-            None
-        }
-    }
+fn client(_test: &str) -> Option<Client> {
+    common::client()
 }
 
 fn tensor(dims: &[usize], ty: &str) -> String {

@@ -2,46 +2,16 @@
 //! (`CpuReference`) within the validator's per-op tolerance, over random shapes.
 //! Skipped (with a note) where no plugin is installed; see `tests/cpu_plugin.rs`.
 
-use std::path::Path;
-use std::sync::{Arc, OnceLock};
+mod common;
 
+use common::{client, ints, random};
 use kpt_core::graph::{Activation, AttentionParams, Op};
 use kpt_core::rand::SplitMix64;
 use kpt_core::validate::{reduction_len, tolerance, ReferenceOps};
 use kpt_core::{DType, Graph, KptError, Tensor, TensorSpec};
 use kpt_kernels::CpuReference;
 use kpt_tpu::stablehlo::emit_graph;
-use kpt_tpu::{find_plugin, Client, Plugin, PluginKind};
 use proptest::prelude::*;
-
-fn client() -> Option<Client> {
-    static PLUGIN: OnceLock<Option<Arc<Plugin>>> = OnceLock::new();
-    let plugin = PLUGIN.get_or_init(|| {
-        let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/pjrt-venv");
-        match Plugin::from_env().or_else(|| find_plugin(&venv, PluginKind::Cpu).map(Plugin::load)) {
-            Some(p) => Some(p.expect("the PJRT plugin loads")),
-            None if std::env::var("KPT_REQUIRE_PJRT").is_ok_and(|v| v == "1") => {
-                panic!("KPT_REQUIRE_PJRT=1 but no PJRT plugin")
-            }
-            None => {
-                eprintln!("skipped: no PJRT plugin (run `cargo xtask pjrt-plugin`)");
-                None
-            }
-        }
-    });
-    plugin.as_ref().map(|p| Client::new(p).expect("client"))
-}
-
-fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f64> = (0..n).map(|_| f64::from(rng.uniform(-1.0, 1.0))).collect();
-    Tensor::from_f64(&v, shape, dtype).unwrap()
-}
-
-fn ints(values: &[i64], shape: &[usize], dtype: DType) -> Tensor {
-    let v: Vec<f64> = values.iter().map(|&x| x as f64).collect();
-    Tensor::from_f64(&v, shape, dtype).unwrap()
-}
 
 /// Runs `op` on `inputs` through XLA and through the reference; compares every output.
 fn check(op: Op, inputs: Vec<Tensor>) -> Result<(), TestCaseError> {
@@ -241,94 +211,8 @@ fn a_transformer_block_is_one_executable() {
     let Some(client) = client() else {
         return;
     };
-    let (seq, hidden, heads, kv, d, inter, vocab) = (7usize, 64, 4, 2, 16, 96, 50);
-    let mut rng = SplitMix64::new(5);
-    let mut g = Graph::new();
-    let mut param = |g: &mut Graph, name: &str, shape: &[usize]| {
-        let mut t = random(&mut rng, shape, DType::F32);
-        if shape.len() == 2 {
-            // Scale weights so activations stay O(1) through the block.
-            let s = 1.0 / (shape[1] as f64).sqrt();
-            let v: Vec<f64> = t.to_f64_vec().iter().map(|x| x * s).collect();
-            t = Tensor::from_f64(&v, shape, DType::F32).unwrap();
-        }
-        g.param(name, t)
-    };
-    let ids = g.input("ids", DType::I64, &[1, seq]);
-    let pos = g.input("positions", DType::I64, &[seq]);
-    let table = param(&mut g, "embed", &[vocab, hidden]);
-    let norm1 = param(&mut g, "norm1", &[hidden]);
-    let wqkv = param(&mut g, "wqkv", &[(heads + 2 * kv) * d, hidden]);
-    let wo = param(&mut g, "wo", &[hidden, heads * d]);
-    let norm2 = param(&mut g, "norm2", &[hidden]);
-    let wgu = param(&mut g, "wgate_up", &[2 * inter, hidden]);
-    let wdown = param(&mut g, "wdown", &[hidden, inter]);
-    let norm3 = param(&mut g, "norm3", &[hidden]);
-    let head = param(&mut g, "lm_head", &[vocab, hidden]);
-    let x = g.op("embed", Op::Embedding, &[ids, table]).unwrap();
-    let h = g
-        .op("norm1", Op::RmsNorm { eps: 1e-5 }, &[x, norm1])
-        .unwrap();
-    let qkv = g.op("qkv", Op::Linear { bias: false }, &[h, wqkv]).unwrap();
-    let parts = g
-        .op_multi(
-            "rope",
-            Op::SplitRotary {
-                head_dim: d,
-                theta: 10000.0,
-                scaling: None,
-                sizes: vec![heads * d, kv * d, kv * d],
-            },
-            &[qkv, pos],
-        )
-        .unwrap();
-    let att = g
-        .op(
-            "attn",
-            Op::Attention(AttentionParams::new(heads, kv, d, true)),
-            &[parts[0], parts[1], parts[2]],
-        )
-        .unwrap();
-    let o = g.op("o", Op::Linear { bias: false }, &[att, wo]).unwrap();
-    let sums = g
-        .op_multi("norm2", Op::AddRmsNorm { eps: 1e-5 }, &[o, x, norm2])
-        .unwrap();
-    let gu = g
-        .op("gate_up", Op::Linear { bias: false }, &[sums[1], wgu])
-        .unwrap();
-    let act = g
-        .op(
-            "swiglu",
-            Op::ActAndMul {
-                act: Activation::Silu,
-            },
-            &[gu],
-        )
-        .unwrap();
-    let down = g
-        .op("down", Op::Linear { bias: false }, &[act, wdown])
-        .unwrap();
-    let out = g
-        .op_multi(
-            "norm3",
-            Op::AddRmsNorm { eps: 1e-5 },
-            &[down, sums[0], norm3],
-        )
-        .unwrap();
-    let logits = g
-        .op("lm_head", Op::Linear { bias: false }, &[out[1], head])
-        .unwrap();
-    let next = g.op("argmax", Op::ArgMax, &[logits]).unwrap();
-    g.output(logits).unwrap();
-    g.output(next).unwrap();
-
-    let id_values: Vec<i64> = (0..seq as i64)
-        .map(|i| (i * 7 + 3) % vocab as i64)
-        .collect();
-    let inputs = vec![
-        ints(&id_values, &[1, seq], DType::I64),
-        ints(&(0..seq as i64).collect::<Vec<_>>(), &[seq], DType::I64),
-    ];
+    let (g, inputs) = common::decoder_block();
+    let vocab = common::VOCAB;
     let specs: Vec<TensorSpec> = inputs
         .iter()
         .map(|t| TensorSpec::new(t.shape(), t.dtype()))

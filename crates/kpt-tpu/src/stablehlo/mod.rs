@@ -11,6 +11,7 @@ mod lower;
 use kpt_core::graph::ValueSource;
 use kpt_core::{Graph, KptError, Result, TensorSpec, ValueId};
 
+pub(crate) use builder::tensor_type;
 use builder::{Builder, Val};
 
 /// A graph written as a StableHLO module.

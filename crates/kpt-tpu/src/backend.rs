@@ -1,0 +1,477 @@
+//! [`XlaBackend`]: kpt's `Backend` on one PJRT device. Each op runs as a program that
+//! XLA compiled for its shapes ([`stablehlo::emit_graph`] of a one-node graph, kept in a
+//! [`CompileCache`]); `cpu.*` kernels (the registry's host fallback) run on the host
+//! with copies over and back. Device memory is counted per backend, with an optional
+//! limit that allocations and op outputs are checked against first.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats};
+use kpt_core::hardware::{DeviceInfo, DeviceKind};
+use kpt_core::{DType, Graph, KptError, Op, Result, Tensor, TensorSpec};
+use kpt_kernels::CpuBackend;
+
+use crate::buffer::Buffer;
+use crate::cache::{CacheStats, CompileCache};
+use crate::client::{Client, Device};
+use crate::executable::Executable;
+use crate::options::CompileOptions;
+use crate::stablehlo::{self, Program};
+
+/// Compiled programs kept per backend by default (generated code, bytes).
+const CACHE_BYTES: usize = 256 << 20;
+
+/// Device bytes held by a backend's buffers.
+#[derive(Debug, Default)]
+struct Memory {
+    live: AtomicU64,
+    peak: AtomicU64,
+    limit: Option<u64>,
+}
+
+impl Memory {
+    /// Fails when `bytes` more would pass the limit.
+    fn check(&self, device: &str, bytes: u64) -> Result<()> {
+        let live = self.live.load(Ordering::Relaxed);
+        match self.limit {
+            Some(limit) if live.saturating_add(bytes) > limit => Err(KptError::Backend {
+                backend: device.into(),
+                message: format!(
+                    "out of device memory: {bytes} more bytes with {live} in use pass the limit of {limit}"
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn add(&self, bytes: u64) {
+        let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+}
+
+/// A device buffer of the backend: the PJRT buffer, counted while it lives.
+struct XlaBuf {
+    buf: Buffer,
+    bytes: u64,
+    memory: Arc<Memory>,
+}
+
+impl Drop for XlaBuf {
+    fn drop(&mut self) {
+        self.memory.live.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// kpt's backend on one device of a PJRT plugin.
+pub struct XlaBackend {
+    client: Client,
+    device: Device,
+    info: DeviceInfo,
+    name: String,
+    cache: CompileCache,
+    /// Programs by op and input specs, so that a repeated launch skips emission.
+    programs: Mutex<HashMap<String, (Arc<Executable>, Program)>>,
+    memory: Arc<Memory>,
+    host: CpuBackend,
+}
+
+impl std::fmt::Debug for XlaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XlaBackend")
+            .field("name", &self.name)
+            .field("device", &self.info.name)
+            .finish()
+    }
+}
+
+impl XlaBackend {
+    /// The backend on device `index` of `client`'s addressable devices.
+    pub fn new(client: &Client, index: usize) -> Result<Self> {
+        let devices = client.devices()?;
+        let count = devices.len();
+        let device = devices.into_iter().nth(index).ok_or_else(|| {
+            KptError::InvalidArgument(format!("device {index} of {count} PJRT devices"))
+        })?;
+        let desc = device.description()?;
+        let platform = client.platform_name()?;
+        let mut properties = std::collections::BTreeMap::new();
+        properties.insert("pjrt_platform".into(), platform.clone());
+        properties.insert("pjrt_platform_version".into(), client.platform_version()?);
+        let (major, minor) = client.plugin().api_version();
+        properties.insert("pjrt_c_api".into(), format!("{major}.{minor}"));
+        properties.insert(
+            "pjrt_plugin".into(),
+            client.plugin().path().display().to_string(),
+        );
+        for (k, v) in &desc.attributes {
+            properties.insert(format!("attr.{k}"), format!("{v:?}"));
+        }
+        let name = if platform == "tpu" {
+            format!("tpu:{index}")
+        } else {
+            format!("xla-{platform}:{index}")
+        };
+        let info = DeviceInfo {
+            kind: DeviceKind::Tpu,
+            index,
+            name: format!(
+                "{} ({}, XLA {platform} plugin)",
+                desc.kind, desc.debug_string
+            ),
+            memory_bytes: None,
+            compute_units: None,
+            arch: (platform == "tpu").then(|| desc.kind.clone()),
+            features: vec!["xla".into()],
+            properties,
+        };
+        Ok(XlaBackend {
+            client: client.clone(),
+            device,
+            info,
+            name,
+            cache: CompileCache::new(client, CACHE_BYTES),
+            programs: Mutex::new(HashMap::new()),
+            memory: Arc::new(Memory::default()),
+            host: CpuBackend::new()?,
+        })
+    }
+
+    /// Limits the bytes this backend's buffers may hold; allocations and op outputs
+    /// past it fail with an out-of-memory error instead of reaching the device.
+    pub fn with_memory_limit(mut self, bytes: u64) -> Self {
+        self.memory = Arc::new(Memory {
+            limit: Some(bytes),
+            ..Memory::default()
+        });
+        self
+    }
+
+    /// The compile cache's counters.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.stats()
+    }
+
+    fn wrap(&self, buf: Buffer, dtype: DType, len: usize, bytes: u64) -> DeviceBuffer {
+        self.memory.add(bytes);
+        let inner = XlaBuf {
+            buf,
+            bytes,
+            memory: self.memory.clone(),
+        };
+        DeviceBuffer::new(dtype, len, Box::new(inner))
+    }
+
+    fn xla_buf<'a>(&self, b: &'a DeviceBuffer) -> Result<&'a XlaBuf> {
+        b.inner::<XlaBuf>().ok_or_else(|| KptError::Backend {
+            backend: self.name.clone(),
+            message: "a buffer of another backend".into(),
+        })
+    }
+
+    /// The program of `op` on inputs of `specs`, compiled once.
+    fn program(&self, op: &Op, specs: &[TensorSpec]) -> Result<(Arc<Executable>, Program)> {
+        let key = format!("{op:?}|{specs:?}");
+        if let Some(hit) = self
+            .programs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(hit.clone());
+        }
+        let mut g = Graph::new();
+        let ids: Vec<_> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| g.input(format!("in{i}"), s.dtype, &s.shape))
+            .collect();
+        for o in g.op_multi("op", op.clone(), &ids)? {
+            g.output(o)?;
+        }
+        let program = stablehlo::emit_graph(&g, specs)?;
+        let exe = self
+            .cache
+            .get_or_compile(program.mlir.as_bytes(), &CompileOptions::default())?;
+        let entry = (exe, program);
+        self.programs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, entry.clone());
+        Ok(entry)
+    }
+
+    /// The buffer of `r` shaped as its spec: as stored, or a reshaped / leading slice of
+    /// it (a buffer allocated larger than the value, or flat).
+    fn shaped(&self, r: &BufferRef<'_>) -> Result<Option<Buffer>> {
+        let buf = &self.xla_buf(r.buffer)?.buf;
+        let dims = buf.dims()?;
+        let want: Vec<i64> = r.spec.shape.iter().map(|&d| d as i64).collect();
+        if dims == want {
+            return Ok(None);
+        }
+        let have: i64 = dims.iter().product();
+        let need = r.spec.numel() as i64;
+        if have < need {
+            return Err(KptError::Backend {
+                backend: self.name.clone(),
+                message: format!("a buffer of {have} elements holds no {}", r.spec),
+            });
+        }
+        let ty = |d: &[i64]| {
+            let s: Vec<usize> = d.iter().map(|&x| x as usize).collect();
+            stablehlo::tensor_type(&s, Some(r.spec.dtype))
+        };
+        let (src, flat, out) = (ty(&dims), ty(&[have]), ty(&want));
+        let part = ty(&[need]);
+        let mlir = format!(
+            "module @reshape {{\n  func.func public @main(%a: {src}) -> ({out}) {{\n    %f = \"stablehlo.reshape\"(%a) : ({src}) -> {flat}\n    %s = \"stablehlo.slice\"(%f) {{start_indices = array<i64: 0>, limit_indices = array<i64: {need}>, strides = array<i64: 1>}} : ({flat}) -> {part}\n    %r = \"stablehlo.reshape\"(%s) : ({part}) -> {out}\n    \"func.return\"(%r) : ({out}) -> ()\n  }}\n}}\n"
+        );
+        let exe = self
+            .cache
+            .get_or_compile(mlir.as_bytes(), &CompileOptions::default())?;
+        Ok(exe.execute(&[buf])?.into_iter().next())
+    }
+
+    fn run_on_host(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        tracing::debug!(kernel, %op, "running on the host (fallback)");
+        let host_in = inputs
+            .iter()
+            .map(|r| self.host.upload(&self.download(r.buffer, r.spec)?))
+            .collect::<Result<Vec<_>>>()?;
+        let mut host_out = outputs
+            .iter()
+            .map(|m| self.host.allocate(m.spec.dtype, m.spec.numel()))
+            .collect::<Result<Vec<_>>>()?;
+        {
+            let refs: Vec<_> = host_in
+                .iter()
+                .zip(inputs)
+                .map(|(b, r)| BufferRef {
+                    buffer: b,
+                    spec: r.spec,
+                })
+                .collect();
+            let mut muts: Vec<_> = host_out
+                .iter_mut()
+                .zip(outputs.iter())
+                .map(|(b, m)| BufferMut {
+                    buffer: b,
+                    spec: m.spec,
+                })
+                .collect();
+            self.host.execute(kernel, op, &refs, &mut muts)?;
+        }
+        for (h, m) in host_out.iter().zip(outputs.iter_mut()) {
+            let t = self.host.download(h, m.spec)?;
+            self.write(&t, m.buffer)?;
+        }
+        Ok(())
+    }
+
+    /// Replaces the contents of `dst` with `buf`.
+    fn replace(&self, dst: &mut DeviceBuffer, buf: Buffer, spec: &TensorSpec) -> Result<()> {
+        let bytes = (spec.numel() * spec.dtype.size_in_bytes()) as u64;
+        let old = self.xla_buf(dst)?.bytes;
+        self.memory.check(&self.name, bytes.saturating_sub(old))?;
+        self.memory.add(bytes);
+        let slot = dst.inner_mut::<XlaBuf>().ok_or_else(|| KptError::Backend {
+            backend: self.name.clone(),
+            message: "a buffer of another backend".into(),
+        })?;
+        // The old buffer's bytes are released when it drops, here.
+        *slot = XlaBuf {
+            buf,
+            bytes,
+            memory: self.memory.clone(),
+        };
+        Ok(())
+    }
+}
+
+impl Backend for XlaBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Tpu
+    }
+
+    fn device(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn allocate(&self, dtype: DType, len: usize) -> Result<DeviceBuffer> {
+        let bytes = len * dtype.size_in_bytes();
+        self.memory.check(&self.name, bytes as u64)?;
+        let zeros = vec![0u8; bytes];
+        let buf = self
+            .client
+            .buffer_from_bytes(&zeros, dtype, &[len as i64], &self.device)?;
+        Ok(self.wrap(buf, dtype, len, bytes as u64))
+    }
+
+    fn upload(&self, tensor: &Tensor) -> Result<DeviceBuffer> {
+        let t = tensor.contiguous();
+        let bytes = t.as_bytes()?;
+        self.memory.check(&self.name, bytes.len() as u64)?;
+        let dims: Vec<i64> = t.shape().iter().map(|&d| d as i64).collect();
+        let buf = self
+            .client
+            .buffer_from_bytes(bytes, t.dtype(), &dims, &self.device)?;
+        let mut out = self.wrap(buf, t.dtype(), t.numel(), bytes.len() as u64);
+        out.scale = t.scale();
+        Ok(out)
+    }
+
+    fn download(&self, buffer: &DeviceBuffer, spec: &TensorSpec) -> Result<Tensor> {
+        let bytes = self.xla_buf(buffer)?.buf.to_bytes()?;
+        let n = spec.numel() * spec.dtype.size_in_bytes();
+        if bytes.len() < n {
+            return Err(KptError::Backend {
+                backend: self.name.clone(),
+                message: format!("a buffer of {} bytes holds no {spec}", bytes.len()),
+            });
+        }
+        Ok(Tensor::from_bytes(&bytes[..n], spec.dtype, &spec.shape)?.with_scale(buffer.scale))
+    }
+
+    fn copy_into(
+        &self,
+        src: BufferRef<'_>,
+        dst: &mut DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()> {
+        let (offset, len) = kpt_core::backend::copy_extent(src, dst, dst_offset)?;
+        // Through the host: read both, splice, write the result back.
+        let mut whole = self.xla_buf(dst)?.buf.to_bytes()?;
+        let part = self.xla_buf(src.buffer)?.buf.to_bytes()?;
+        whole[offset..offset + len].copy_from_slice(&part[..len]);
+        let dims = self.xla_buf(dst)?.buf.dims()?;
+        let dtype = dst.dtype();
+        let buf = self
+            .client
+            .buffer_from_bytes(&whole, dtype, &dims, &self.device)?;
+        let spec = TensorSpec::new(&dims.iter().map(|&d| d as usize).collect::<Vec<_>>(), dtype);
+        self.replace(dst, buf, &spec)
+    }
+
+    fn write_rows(
+        &self,
+        rows: BufferRef<'_>,
+        slots: BufferRef<'_>,
+        cache: BufferMut<'_>,
+    ) -> Result<()> {
+        // On the host: the cache, the rows and the slots over, the cache back.
+        let mut host_cache = self
+            .host
+            .upload(&self.download(cache.buffer, cache.spec)?)?;
+        let host_rows = self.host.upload(&self.download(rows.buffer, rows.spec)?)?;
+        let host_slots = self
+            .host
+            .upload(&self.download(slots.buffer, slots.spec)?)?;
+        self.host.write_rows(
+            BufferRef {
+                buffer: &host_rows,
+                spec: rows.spec,
+            },
+            BufferRef {
+                buffer: &host_slots,
+                spec: slots.spec,
+            },
+            BufferMut {
+                buffer: &mut host_cache,
+                spec: cache.spec,
+            },
+        )?;
+        let t = self.host.download(&host_cache, cache.spec)?;
+        self.write(&t, cache.buffer)
+    }
+
+    fn execute(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+    ) -> Result<()> {
+        if kernel.starts_with("cpu.") {
+            return self.run_on_host(kernel, op, inputs, outputs);
+        }
+        if !kernel.starts_with("xla.") {
+            return Err(KptError::Backend {
+                backend: self.name.clone(),
+                message: format!("kernel {kernel} does not run on XLA"),
+            });
+        }
+        let specs: Vec<TensorSpec> = inputs.iter().map(|r| r.spec.clone()).collect();
+        let (exe, program) = self.program(op, &specs)?;
+        if program.outputs.len() != outputs.len() {
+            return Err(KptError::Backend {
+                backend: self.name.clone(),
+                message: format!(
+                    "{op} gives {} outputs, {} buffers given",
+                    program.outputs.len(),
+                    outputs.len()
+                ),
+            });
+        }
+        let need: u64 = program
+            .outputs
+            .iter()
+            .map(|s| (s.numel() * s.dtype.size_in_bytes()) as u64)
+            .sum();
+        self.memory.check(&self.name, need)?;
+        let adapted = inputs
+            .iter()
+            .map(|r| self.shaped(r))
+            .collect::<Result<Vec<_>>>()?;
+        let args: Vec<&Buffer> = inputs
+            .iter()
+            .zip(&adapted)
+            .map(|(r, a)| match a {
+                Some(b) => Ok(b),
+                None => Ok(&self.xla_buf(r.buffer)?.buf),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let results = exe.execute(&args)?;
+        for ((m, buf), spec) in outputs.iter_mut().zip(results).zip(&program.outputs) {
+            self.replace(m.buffer, buf, spec)?;
+            m.buffer.scale = 1.0;
+        }
+        Ok(())
+    }
+
+    fn write(&self, tensor: &Tensor, dst: &mut DeviceBuffer) -> Result<()> {
+        let t = tensor.contiguous();
+        let dims: Vec<i64> = t.shape().iter().map(|&d| d as i64).collect();
+        let buf = self
+            .client
+            .buffer_from_bytes(t.as_bytes()?, t.dtype(), &dims, &self.device)?;
+        self.replace(dst, buf, &TensorSpec::new(t.shape(), t.dtype()))?;
+        dst.scale = t.scale();
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        // Every call above waits for its program or copy.
+        Ok(())
+    }
+
+    fn memory_stats(&self) -> MemoryStats {
+        MemoryStats {
+            allocated_bytes: self.memory.live.load(Ordering::Relaxed),
+            peak_bytes: self.memory.peak.load(Ordering::Relaxed),
+            total_bytes: self.memory.limit,
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! `XlaBackend` under kpt's manager and executor: a decoder block optimized at every
+//! level, validated op by op against the f64 reference and run again, on XLA's CPU
+//! plugin. Skipped (with a note) where no plugin is installed.
+
+mod common;
+
+use std::sync::Arc;
+
+use kpt_core::backend::Backend;
+use kpt_core::exec::Executor;
+use kpt_core::optimize::{auto_optimize, PrecisionPolicy};
+use kpt_core::validate::{run_reference, validate_plan};
+use kpt_core::{DType, OptLevel, Tensor};
+use kpt_kernels::{CpuReference, KernelRegistry};
+use kpt_tpu::XlaBackend;
+
+fn backend() -> Option<Arc<XlaBackend>> {
+    common::client().map(|c| Arc::new(XlaBackend::new(&c, 0).expect("backend")))
+}
+
+#[test]
+fn a_decoder_block_runs_on_xla_at_every_level() {
+    let Some(backend) = backend() else {
+        return;
+    };
+    let (graph, inputs) = common::decoder_block();
+    let want = run_reference(&graph, &CpuReference, &inputs).unwrap();
+    let registry = KernelRegistry::with_builtin();
+    for level in OptLevel::ALL {
+        let plan = auto_optimize(
+            &graph,
+            level,
+            &PrecisionPolicy::default(),
+            &registry,
+            backend.device(),
+        )
+        .unwrap_or_else(|e| panic!("{level}: {e}"));
+        let kernels: Vec<&str> = plan.kernels.iter().map(|k| k.kernel.as_str()).collect();
+        let on_xla = kernels.iter().filter(|k| k.starts_with("xla.")).count();
+        assert!(on_xla > 0, "{level}: {kernels:?}");
+        let dyn_backend: Arc<dyn Backend> = backend.clone();
+        let mut exec = Executor::new(plan, dyn_backend).unwrap();
+        let report = validate_plan(&mut exec, &graph, &CpuReference, &inputs, 1.0).unwrap();
+        assert!(report.passed(), "{level}: {report:#?}");
+        let got = exec.run(&inputs).unwrap();
+        let (g, w) = (got[0].to_f64_vec(), want[0].to_f64_vec());
+        let scale = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let err = g
+            .iter()
+            .zip(&w)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+        let budget = if level == OptLevel::Conservative {
+            1e-4
+        } else {
+            5e-2
+        };
+        assert!(
+            err <= budget * scale,
+            "{level}: error {err:e} at scale {scale}"
+        );
+    }
+    // One compile per distinct op and shapes, not per launch.
+    let stats = backend.cache_stats();
+    assert!(
+        stats.misses > 0 && stats.entries as u64 == stats.misses,
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn buffers_are_counted_and_a_limit_is_a_typed_error() {
+    let Some(client) = common::client() else {
+        return;
+    };
+    let backend = XlaBackend::new(&client, 0).unwrap().with_memory_limit(4096);
+    let a = backend.allocate(DType::F32, 512).unwrap();
+    assert_eq!(backend.memory_stats().allocated_bytes, 2048);
+    let t = Tensor::from_f64(&[1.0; 256], &[16, 16], DType::F32).unwrap();
+    let b = backend.upload(&t).unwrap();
+    assert_eq!(backend.memory_stats().allocated_bytes, 3072);
+    let e = backend.allocate(DType::F32, 512).unwrap_err();
+    assert!(e.to_string().contains("out of device memory"), "{e}");
+    drop(a);
+    assert_eq!(backend.memory_stats().allocated_bytes, 1024);
+    assert_eq!(backend.memory_stats().peak_bytes, 3072);
+    let back = backend
+        .download(&b, &kpt_core::TensorSpec::new(&[16, 16], DType::F32))
+        .unwrap();
+    assert_eq!(back.to_f64_vec(), t.to_f64_vec());
+    assert!(
+        backend.device().name.contains("XLA cpu plugin"),
+        "{}",
+        backend.device().name
+    );
+}
