@@ -28,18 +28,40 @@ impl PluginKind {
 }
 
 /// The plugin library of `kind` installed in the Python environment at `env` (a
-/// virtual environment or a prefix: `env/lib/python3.*/site-packages/...`), if any.
+/// virtual environment or a prefix: `env/lib/python3*/{site,dist}-packages/...`), if
+/// any.
 pub fn find_plugin(env: &Path, kind: PluginKind) -> Option<PathBuf> {
     let lib = std::fs::read_dir(env.join("lib")).ok()?;
     let mut site: Vec<PathBuf> = lib
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().starts_with("python"))
-        .map(|e| e.path().join("site-packages"))
+        .flat_map(|e| {
+            [
+                e.path().join("site-packages"),
+                e.path().join("dist-packages"),
+            ]
+        })
         .collect();
     site.sort();
     site.iter()
         .flat_map(|s| kind.candidates().iter().map(move |c| s.join(c)))
         .find(|p| p.is_file())
+}
+
+/// libtpu where pip puts it: the active virtual environment, the user's and the
+/// system's Python prefixes.
+pub fn find_libtpu() -> Option<PathBuf> {
+    let mut prefixes: Vec<PathBuf> = Vec::new();
+    if let Some(v) = std::env::var_os("VIRTUAL_ENV") {
+        prefixes.push(v.into());
+    }
+    if let Some(h) = std::env::var_os("HOME") {
+        prefixes.push(Path::new(&h).join(".local"));
+    }
+    prefixes.extend(["/usr/local", "/usr"].map(PathBuf::from));
+    prefixes
+        .iter()
+        .find_map(|p| find_plugin(p, PluginKind::Tpu))
 }
 
 #[cfg(test)]

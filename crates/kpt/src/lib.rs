@@ -34,6 +34,8 @@ pub use kpt_kernels as kernels;
 pub use kpt_models as models;
 #[cfg(feature = "cuda")]
 pub use kpt_nvidia as nvidia;
+#[cfg(feature = "tpu")]
+pub use kpt_tpu as tpu;
 
 use kpt_core::backend::{Backend, BackendRegistry};
 use kpt_core::config::BackendChoice;
@@ -44,12 +46,15 @@ use kpt_core::optimize::{auto_optimize, Plan, PrecisionPolicy};
 use kpt_kernels::{CpuBackend, CpuTuning, KernelRegistry};
 
 /// A detector for every device kind built into this binary (the one place that lists
-/// the backend crates): the CPU, and CUDA with the `cuda` feature.
+/// the backend crates): the CPU, CUDA with the `cuda` feature, PJRT devices (XLA) with
+/// the `tpu` feature.
 pub fn detectors() -> Vec<Box<dyn HardwareDetector>> {
     vec![
         Box::new(CpuDetector),
         #[cfg(feature = "cuda")]
         Box::new(kpt_nvidia::CudaDetector),
+        #[cfg(feature = "tpu")]
+        Box::new(kpt_tpu::PjrtDetector),
     ]
 }
 
@@ -136,16 +141,28 @@ impl Runtime {
             block_kv: config.kernel.attention_block_kv,
         };
         backends.register(Arc::new(CpuBackend::with_tuning(tuning)?));
-        let mut missing = vec![
-            (
-                DeviceKind::Rocm,
-                "kpt has no ROCm backend yet (kpt-amd is planned)".to_string(),
-            ),
-            (
-                DeviceKind::Tpu,
-                "kpt has no TPU backend yet (kpt-tpu is planned)".to_string(),
-            ),
-        ];
+        let mut missing = vec![(
+            DeviceKind::Rocm,
+            "kpt has no ROCm backend yet (kpt-amd is planned)".to_string(),
+        )];
+        #[cfg(feature = "tpu")]
+        {
+            let requested = config.hardware.backend == BackendChoice::Tpu;
+            match kpt_tpu::backends(&config.tpu, requested) {
+                Ok(found) => {
+                    for backend in found {
+                        backends.register(backend);
+                    }
+                }
+                Err(why) => missing.push((DeviceKind::Tpu, why)),
+            }
+        }
+        #[cfg(not(feature = "tpu"))]
+        missing.push((
+            DeviceKind::Tpu,
+            "this kpt binary was built without the `tpu` cargo feature (rebuild with `cargo build --release -p kpt --features tpu`)"
+                .to_string(),
+        ));
         #[cfg(feature = "cuda")]
         match cuda_backends(&config) {
             Ok(found) => {
@@ -283,14 +300,34 @@ mod tests {
 
     #[test]
     fn a_missing_backend_says_why_and_what_is_present() {
-        for (choice, why) in [
-            (BackendChoice::Rocm, "no ROCm backend yet"),
-            (BackendChoice::Tpu, "no TPU backend yet"),
-        ] {
-            let m = missing(&runtime(choice), choice.name());
-            assert!(m.contains(why), "{m}");
-            assert!(m.contains("Devices present: cpu ("), "{m}");
-            assert!(m.contains("--device") && m.contains("kpt detect"), "{m}");
+        let m = missing(&runtime(BackendChoice::Rocm), "rocm");
+        assert!(m.contains("no ROCm backend yet"), "{m}");
+        assert!(m.contains("Devices present: cpu ("), "{m}");
+        assert!(m.contains("--device") && m.contains("kpt detect"), "{m}");
+    }
+
+    #[test]
+    fn the_tpu_backend_runs_on_a_named_plugin_or_says_there_is_none() {
+        let rt = runtime(BackendChoice::Tpu);
+        match rt.backend() {
+            // `KPT_PJRT_PLUGIN` names a plugin (XLA's CPU plugin under `cargo xtask test`).
+            Ok(b) => {
+                assert_eq!(b.kind(), DeviceKind::Tpu);
+                assert!(b.device().has_feature("xla"), "{:?}", b.device());
+            }
+            Err(e) => {
+                let m = e.to_string();
+                assert!(
+                    m.contains("no PJRT plugin") || m.contains("tpu.enabled"),
+                    "{m}"
+                );
+                assert!(m.contains("Devices present: cpu ("), "{m}");
+            }
+        }
+        // Under `auto`, a named plugin never replaces the CPU backend.
+        if std::env::var_os("KPT_PJRT_PLUGIN").is_some() {
+            let auto = runtime(BackendChoice::Auto);
+            assert!(auto.backends().by_kind(DeviceKind::Tpu).is_err());
         }
     }
 

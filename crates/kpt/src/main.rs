@@ -254,7 +254,10 @@ fn device_parser() -> impl TypedValueParser<Value = BackendChoice> {
                 &["nvidia"],
             ),
             BackendChoice::Rocm => ("an AMD GPU (no backend yet)", &["hip", "amd"]),
-            BackendChoice::Tpu => ("a Google TPU (no backend yet)", &["xla"]),
+            BackendChoice::Tpu => (
+                "XLA through a PJRT plugin: libtpu on a TPU VM, or the plugin KPT_PJRT_PLUGIN names",
+                &["xla"],
+            ),
         };
         PossibleValue::new(choice.name())
             .help(help)
@@ -412,9 +415,15 @@ fn detect(json: bool) -> anyhow::Result<()> {
         println!("{t}");
     }
     for kind in none_found {
-        println!("{kind}: no device found (no driver, or the driver sees none)");
+        if kind == kpt::core::hardware::DeviceKind::Tpu.to_string() {
+            println!(
+                "{kind}: no PJRT plugin found (libtpu on a TPU VM; KPT_PJRT_PLUGIN names another, e.g. XLA's CPU plugin)"
+            );
+        } else {
+            println!("{kind}: no device found (no driver, or the driver sees none)");
+        }
     }
-    println!("AMD and TPU backends: not built yet (see README, status table).");
+    println!("AMD backend: not built yet (see README, status table).");
     Ok(())
 }
 

@@ -400,7 +400,21 @@ fn device_without_a_backend_yet_says_so() {
     assert!(err.contains("no ROCm backend yet"), "{err}");
     assert!(err.contains("Devices present: cpu ("), "{err}");
     let err = fails(&mut kpt(&["--device", "tpu", "validate"]));
-    assert!(err.contains("no TPU backend yet"), "{err}");
+    assert!(err.contains("no PJRT plugin"), "{err}");
+}
+
+/// With a PJRT plugin named (XLA's CPU plugin under `cargo xtask test`), the demo model
+/// validates on XLA.
+#[test]
+fn validate_runs_on_a_named_pjrt_plugin() {
+    let Some(plugin) = std::env::var_os("KPT_PJRT_PLUGIN") else {
+        eprintln!("skipped: KPT_PJRT_PLUGIN is not set");
+        return;
+    };
+    let o = run(kpt(&["--device", "tpu", "validate"]).env("KPT_PJRT_PLUGIN", plugin));
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(out.contains("xla.rms_norm"), "{out}");
 }
 
 #[test]
