@@ -191,20 +191,44 @@ impl Executable {
     /// Errors: the plugin's message for inputs that do not match the program's
     /// parameters, or a failed run ([`PjrtError::Call`]).
     pub fn execute(&self, inputs: &[&Buffer]) -> Result<Vec<Buffer>> {
+        Ok(self.execute_on_devices(&[inputs.to_vec()])?.remove(0))
+    }
+
+    /// Runs a program compiled for several devices (`num_replicas` or
+    /// `num_partitions` in its [`CompileOptions`]) once: `inputs[d]` are the arguments
+    /// on device `d` of the compiled device assignment (each on that device; sharded
+    /// parameters take that device's shard), and the result holds each device's
+    /// outputs. Collectives in the program (all-reduce, and those the SPMD partitioner
+    /// inserts) run between the devices.
+    pub fn execute_on_devices(&self, inputs: &[Vec<&Buffer>]) -> Result<Vec<Vec<Buffer>>> {
+        let devices = inputs.len();
+        let num_args = inputs.first().map_or(0, Vec::len);
+        if devices == 0 || inputs.iter().any(|a| a.len() != num_args) {
+            return Err(PjrtError::Invalid(format!(
+                "every device needs the same number of arguments, got {:?}",
+                inputs.iter().map(Vec::len).collect::<Vec<_>>()
+            )));
+        }
         let plugin = self.client.plugin();
         let api = plugin.api();
-        let arg_ptrs: Vec<*mut sys::PJRT_Buffer> = inputs.iter().map(|b| b.raw()).collect();
-        let arg_lists = [arg_ptrs.as_ptr()];
-        let mut outs = vec![std::ptr::null_mut::<sys::PJRT_Buffer>(); self.num_outputs];
-        let out_lists = [outs.as_mut_ptr()];
-        let mut done = [std::ptr::null_mut::<sys::PJRT_Event>()];
+        let arg_ptrs: Vec<Vec<*mut sys::PJRT_Buffer>> = inputs
+            .iter()
+            .map(|a| a.iter().map(|b| b.raw()).collect())
+            .collect();
+        let arg_lists: Vec<*const *mut sys::PJRT_Buffer> =
+            arg_ptrs.iter().map(|a| a.as_ptr()).collect();
+        let mut outs: Vec<Vec<*mut sys::PJRT_Buffer>> =
+            vec![vec![std::ptr::null_mut(); self.num_outputs]; devices];
+        let out_lists: Vec<*mut *mut sys::PJRT_Buffer> =
+            outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
+        let mut done = vec![std::ptr::null_mut::<sys::PJRT_Event>(); devices];
         let mut options = args::<sys::PJRT_ExecuteOptions>();
         let mut a = args::<sys::PJRT_LoadedExecutable_Execute_Args>();
         a.executable = self.raw;
         a.options = &mut options;
         a.argument_lists = arg_lists.as_ptr();
-        a.num_devices = 1;
-        a.num_args = inputs.len();
+        a.num_devices = devices;
+        a.num_args = num_args;
         a.output_lists = out_lists.as_ptr();
         a.device_complete_events = done.as_mut_ptr();
         plugin.call(
@@ -213,16 +237,25 @@ impl Executable {
             &mut a,
         )?;
         // Own the outputs first, so that they are freed even if the run failed.
-        let outputs: Vec<Buffer> = outs
+        let outputs: Vec<Vec<Buffer>> = outs
             .iter()
-            .filter(|p| !p.is_null())
-            .map(|&p| Buffer::from_raw(&self.client, p))
+            .map(|o| {
+                o.iter()
+                    .filter(|p| !p.is_null())
+                    .map(|&p| Buffer::from_raw(&self.client, p))
+                    .collect()
+            })
             .collect();
-        plugin.await_event("PJRT_LoadedExecutable_Execute", done[0])?;
-        if outputs.len() != self.num_outputs {
+        let mut waited = Ok(());
+        for &event in &done {
+            let r = plugin.await_event("PJRT_LoadedExecutable_Execute", event);
+            waited = waited.and(r);
+        }
+        waited?;
+        if let Some(short) = outputs.iter().find(|o| o.len() != self.num_outputs) {
             return Err(PjrtError::Invalid(format!(
                 "the program returned {} of its {} outputs",
-                outputs.len(),
+                short.len(),
                 self.num_outputs
             )));
         }
