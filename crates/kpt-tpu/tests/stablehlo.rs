@@ -1,6 +1,6 @@
 //! Every lowered op, compiled by XLA on the CPU plugin, against the f64 reference
 //! (`CpuReference`) within the validator's per-op tolerance, over random shapes.
-//! Skipped (with a note) where no plugin is installed; see `tests/cpu_plugin.rs`.
+//! Skipped (with a note) where no plugin is installed; see `tests/plugin.rs`.
 
 mod common;
 

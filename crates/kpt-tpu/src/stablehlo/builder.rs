@@ -371,8 +371,15 @@ impl Builder {
         let mut shape: Vec<usize> = a_batch.iter().map(|&i| a.shape[i]).collect();
         shape.extend(free(a, a_batch, a_contract));
         shape.extend(free(b, b_batch, b_contract));
+        // f32 / f64 products at full precision: XLA's GPU backend otherwise may run f32
+        // dots on TF32 tensor cores (10-bit mantissas).
+        let precision = if matches!(a.dtype, Some(DType::F32 | DType::F64)) {
+            ", precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]"
+        } else {
+            ""
+        };
         let attrs = format!(
-            "dot_dimension_numbers = #stablehlo.dot<lhs_batching_dimensions = {}, rhs_batching_dimensions = {}, lhs_contracting_dimensions = {}, rhs_contracting_dimensions = {}>",
+            "dot_dimension_numbers = #stablehlo.dot<lhs_batching_dimensions = {}, rhs_batching_dimensions = {}, lhs_contracting_dimensions = {}, rhs_contracting_dimensions = {}>{precision}",
             list(a_batch),
             list(b_batch),
             list(a_contract),
