@@ -32,10 +32,16 @@ fn matmul_program(m: usize, k: usize, n: usize, ty: &str) -> String {
         tensor(&[k, n], ty),
         tensor(&[m, n], ty),
     );
+    // f32 at full precision: GPU plugins may otherwise run it on TF32 tensor cores.
+    let precision = if ty == "f32" {
+        ", precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]"
+    } else {
+        ""
+    };
     format!(
         "module @matmul {{
   func.func @main(%a: {ta}, %b: {tb}) -> {tc} {{
-    %c = \"stablehlo.dot_general\"(%a, %b) {{dot_dimension_numbers = #stablehlo.dot<lhs_contracting_dimensions = [1], rhs_contracting_dimensions = [0]>}} : ({ta}, {tb}) -> {tc}
+    %c = \"stablehlo.dot_general\"(%a, %b) {{dot_dimension_numbers = #stablehlo.dot<lhs_contracting_dimensions = [1], rhs_contracting_dimensions = [0]>{precision}}} : ({ta}, {tb}) -> {tc}
     return %c : {tc}
   }}
 }}"
