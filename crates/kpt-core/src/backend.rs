@@ -372,6 +372,13 @@ pub trait Backend: Send + Sync {
     fn profile(&self) -> Result<Vec<KernelProfile>> {
         Ok(Vec::new())
     }
+
+    /// Counters of this backend's own machinery (an XLA backend's compile cache hits,
+    /// misses and sizes, say), as `(name, value)` pairs for display and metrics. The
+    /// default has none.
+    fn counters(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
 }
 
 /// The backends available in this process, chosen at run time.

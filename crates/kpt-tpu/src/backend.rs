@@ -467,6 +467,25 @@ impl Backend for XlaBackend {
         Ok(())
     }
 
+    fn counters(&self) -> Vec<(String, u64)> {
+        let s = self.cache.stats();
+        [
+            ("xla_compile_cache_hits", s.hits),
+            ("xla_compile_cache_misses", s.misses),
+            ("xla_compile_cache_disk_hits", s.disk_hits),
+            ("xla_compile_cache_evictions", s.evictions),
+            ("xla_compile_cache_entries", s.entries as u64),
+            ("xla_compile_cache_bytes", s.bytes as u64),
+            (
+                "xla_programs",
+                self.programs.lock().map_or(0, |p| p.len() as u64),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
     fn memory_stats(&self) -> MemoryStats {
         MemoryStats {
             allocated_bytes: self.memory.live.load(Ordering::Relaxed),

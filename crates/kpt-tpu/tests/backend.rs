@@ -59,12 +59,18 @@ fn a_decoder_block_runs_on_xla_at_every_level() {
             "{level}: error {err:e} at scale {scale}"
         );
     }
-    // One compile per distinct op and shapes, not per launch.
+    // One compile per distinct op and shapes, not per launch; the counters say so.
     let stats = backend.cache_stats();
     assert!(
         stats.misses > 0 && stats.entries as u64 == stats.misses,
         "{stats:?}"
     );
+    let counters = backend.counters();
+    let misses = counters
+        .iter()
+        .find(|(k, _)| k == "xla_compile_cache_misses")
+        .map(|(_, v)| *v);
+    assert_eq!(misses, Some(stats.misses), "{counters:?}");
 }
 
 #[test]

@@ -1069,6 +1069,14 @@ fn demo(
             ]);
         }
         println!("{t}");
+        let counters = rt.backend()?.counters();
+        if !counters.is_empty() {
+            let mut t = Table::new(["backend counter", "value"]);
+            for (name, value) in counters {
+                t.row([name, value.to_string()]);
+            }
+            println!("{t}");
+        }
     }
     if profiling {
         print_profile(&rt)?;
