@@ -19,6 +19,9 @@
 //!   and runs kpt-tpu's XLA tests on it.
 //! - `pjrt-bindings`: regenerates `crates/kpt-tpu/src/sys.rs` from the plugin's
 //!   `pjrt_c_api.h` with bindgen (needs libclang).
+//! - `bench-xla`: the 124M checkpoint of `bench-models` through kpt-tpu on XLA's CPU
+//!   plugin against the same model in JAX (pinned in `benches/requirements-xla.txt`,
+//!   installed into `target/jax-venv`), writing `docs/reports/tpu-xla-cpu-*`.
 //! - `gpu-bundle`: builds the GPU tests, `kpt` and `kpt-bench-cuda` in release mode into
 //!   `.gpu/` with `run.sh` (usage in `xtask/gpu/run.sh`), to copy to a GPU machine.
 
@@ -68,6 +71,13 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The 124M checkpoint through kpt-tpu on XLA's CPU plugin vs the same model in JAX,
+    /// same run; writes docs/reports/tpu-xla-cpu-* (run bench-models first).
+    BenchXla {
+        /// Extra arguments for kpt-bench-xla (e.g. `--seq 256`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Build the GPU tests and kpt-bench-cuda into .gpu/ with run.sh, for a GPU machine.
     GpuBundle,
     /// Install XLA's CPU PJRT plugin into target/pjrt-venv and print its path.
@@ -83,6 +93,7 @@ fn main() -> Result<()> {
         Task::BuildKernels { force } => build_kernels(force),
         Task::BenchCpu { args } => bench_cpu(&args),
         Task::BenchModels { args } => bench_models(&args),
+        Task::BenchXla { args } => bench_xla(&args),
         Task::GpuBundle => gpu_bundle(),
         Task::PjrtPlugin => {
             println!("{}", pjrt::cpu_plugin()?.display());
@@ -215,6 +226,50 @@ fn bench_models(extra: &[String]) -> Result<()> {
         "cargo xtask bench-models",
     ];
     run_bench("kpt-bench-models", &args, extra)
+}
+
+fn bench_xla(extra: &[String]) -> Result<()> {
+    let checkpoint = root().join("target/bench-models/llama-100m");
+    if !checkpoint.join("config.json").is_file() {
+        bail!(
+            "bench-xla runs the 124M checkpoint that `cargo xtask bench-models` writes to {}: run that first",
+            checkpoint.display()
+        );
+    }
+    let python = python_env("jax-venv", "benches/requirements-xla.txt")?;
+    let plugin = pjrt::cpu_plugin()?;
+    cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "kpt-benches",
+        "--bin",
+        "kpt-bench-xla",
+    ])?;
+    let exe = root().join("target/release/kpt-bench-xla");
+    let (python, plugin, checkpoint) = (
+        python.to_string_lossy().into_owned(),
+        plugin.to_string_lossy().into_owned(),
+        checkpoint.to_string_lossy().into_owned(),
+    );
+    let mut all = vec![
+        "--python",
+        &python,
+        "--plugin",
+        &plugin,
+        "--dir",
+        &checkpoint,
+        "--seq",
+        "128",
+        "--dtype",
+        "f32",
+        "--name",
+        "tpu-xla-cpu",
+        "--command",
+        "cargo xtask bench-xla",
+    ];
+    all.extend(extra.iter().map(String::as_str));
+    run(&exe, &all)
 }
 
 /// Builds the side-by-side harness `bin` in release mode and runs it with the bench
