@@ -409,33 +409,32 @@ fn attention(
     let (bs, s, t) = (q.shape[0], q.shape[1], k.shape[1]);
     let (hq, hkv, d) = (p.num_heads, p.num_kv_heads, p.head_dim);
     let g = hq / hkv;
-    // [B, H, S, D] layouts; kv heads repeated for their query groups.
-    let heads = |b: &mut Builder, x: &Val, h: usize, len: usize| {
+    // Queries as [B, Hkv, G, S, D] (query head h = kv head h / G, member h % G), keys
+    // and values as [B, Hkv, T, D]: each kv head meets its group without being copied.
+    let qc = b.convert(q, c);
+    let qh = b.reshape(&qc, &[bs, s, hkv, g, d]);
+    let qh = b.transpose(&qh, &[0, 2, 3, 1, 4]);
+    let kv_heads = |b: &mut Builder, x: &Val| {
         let x = b.convert(x, c);
-        let x = b.reshape(&x, &[bs, len, h, d]);
+        let x = b.reshape(&x, &[bs, t, hkv, d]);
         b.transpose(&x, &[0, 2, 1, 3])
     };
-    let qh = heads(b, q, hq, s);
-    let group = |b: &mut Builder, x: &Val| {
-        let x = heads(b, x, hkv, t);
-        let x = b.broadcast(&x, &[bs, hkv, g, t, d], &[0, 1, 3, 4]);
-        b.reshape(&x, &[bs, hq, t, d])
-    };
-    let kh = group(b, k);
-    let vh = group(b, v);
-    let scores = b.dot_general(&qh, &kh, (&[0, 1], &[0, 1]), (&[3], &[3]), c);
+    let kh = kv_heads(b, k);
+    let vh = kv_heads(b, v);
+    // Scores [B, Hkv, G, S, T].
+    let scores = b.dot_general(&qh, &kh, (&[0, 1], &[0, 1]), (&[4], &[3]), c);
     let scale = b.splat(f64::from(p.effective_scale()), &scores.shape, c)?;
     let mut scores = b.binary("multiply", &scores, &scale);
     let shape = scores.shape.clone();
     if let Some(m) = mask {
         let m = b.convert(m, c);
-        let m = b.broadcast(&m, &shape, &[2, 3]);
+        let m = b.broadcast(&m, &shape, &[3, 4]);
         scores = b.binary("add", &scores, &m);
     }
     if p.causal || p.window.is_some() {
         // Query i sees key j when j <= i + T - S (causal) and j > i + T - S - w (window).
-        let i = b.iota(&shape, 2, DType::I64);
-        let j = b.iota(&shape, 3, DType::I64);
+        let i = b.iota(&shape, 3, DType::I64);
+        let j = b.iota(&shape, 4, DType::I64);
         let off = b.splat_int(t as i64 - s as i64, &shape, DType::I64);
         let aligned = b.binary("add", &i, &off);
         let ninf = b.splat(f64::NEG_INFINITY, &shape, c)?;
@@ -463,8 +462,9 @@ fn attention(
     let empty = b.compare(&sum, &zero, Cmp::Eq);
     let sum = b.select(&empty, &one, &sum);
     let probs = b.binary("divide", &e, &sum);
-    let o = b.dot_general(&probs, &vh, (&[0, 1], &[0, 1]), (&[3], &[2]), c);
-    let o = b.transpose(&o, &[0, 2, 1, 3]);
+    // [B, Hkv, G, S, D] -> [B, S, Hkv, G, D] -> [B, S, Hq*D].
+    let o = b.dot_general(&probs, &vh, (&[0, 1], &[0, 1]), (&[4], &[2]), c);
+    let o = b.transpose(&o, &[0, 3, 1, 2, 4]);
     let o = b.reshape(&o, &[bs, s, hq * d]);
     Ok(b.convert(&o, out))
 }
