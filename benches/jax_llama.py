@@ -46,7 +46,7 @@ def main():
     rope = cfg.get("rope_parameters") or {}
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     vocab = cfg["vocab_size"]
-    head_w = p.get("lm_head.weight", p["model.embed_tokens.weight"])
+    head_name = "lm_head.weight" if "lm_head.weight" in p else "model.embed_tokens.weight"
 
     def rms(x, w):
         x32 = x.astype(jnp.float32)
@@ -63,7 +63,9 @@ def main():
         x0, x1 = x32[..., : hd // 2], x32[..., hd // 2 :]
         return jnp.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1).astype(dt)
 
-    def forward(ids):
+    # The weights are arguments of the jitted function, as a JAX program holds its
+    # parameters (closed over, they would be constants that XLA folds transposes into).
+    def forward(p, ids):
         x = p["model.embed_tokens.weight"][ids]
         s = ids.shape[0]
         for i in range(layers):
@@ -80,15 +82,15 @@ def main():
             u = h @ p[pre + "mlp.up_proj.weight"].T
             x = x + (g * u) @ p[pre + "mlp.down_proj.weight"].T
         x = rms(x, p["model.norm.weight"])
-        return (x @ head_w.T).astype(jnp.float32)
+        return (x @ p[head_name].T).astype(jnp.float32)
 
     f = jax.jit(forward)
     ids = jnp.asarray((np.arange(a.seq) * 7 + 3) % vocab, dtype=jnp.int32)
-    out = f(ids).block_until_ready()
+    out = f(p, ids).block_until_ready()
     times = []
     for _ in range(a.reps):
         t = time.perf_counter()
-        f(ids).block_until_ready()
+        f(p, ids).block_until_ready()
         times.append((time.perf_counter() - t) * 1e3)
     np.asarray(out[-1], dtype=np.float32).tofile(a.logits)
     print(json.dumps({
