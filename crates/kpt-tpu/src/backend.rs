@@ -72,8 +72,9 @@ pub struct XlaBackend {
     info: DeviceInfo,
     name: String,
     cache: CompileCache,
-    /// Programs by op and input specs, so that a repeated launch skips emission.
-    programs: Mutex<HashMap<String, (Arc<Executable>, Program)>>,
+    /// Programs by op and input specs, so that a repeated launch skips emission; their
+    /// executables live in `cache` (within its size limit).
+    programs: Mutex<HashMap<String, Program>>,
     memory: Arc<Memory>,
     host: CpuBackend,
 }
@@ -171,36 +172,40 @@ impl XlaBackend {
         })
     }
 
-    /// The program of `op` on inputs of `specs`, compiled once.
+    /// The program of `op` on inputs of `specs`, emitted once, and its executable from
+    /// the compile cache.
     fn program(&self, op: &Op, specs: &[TensorSpec]) -> Result<(Arc<Executable>, Program)> {
         let key = format!("{op:?}|{specs:?}");
-        if let Some(hit) = self
+        let known = self
             .programs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&key)
-        {
-            return Ok(hit.clone());
-        }
-        let mut g = Graph::new();
-        let ids: Vec<_> = specs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| g.input(format!("in{i}"), s.dtype, &s.shape))
-            .collect();
-        for o in g.op_multi("op", op.clone(), &ids)? {
-            g.output(o)?;
-        }
-        let program = stablehlo::emit_graph(&g, specs)?;
+            .cloned();
+        let program = match known {
+            Some(p) => p,
+            None => {
+                let mut g = Graph::new();
+                let ids: Vec<_> = specs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| g.input(format!("in{i}"), s.dtype, &s.shape))
+                    .collect();
+                for o in g.op_multi("op", op.clone(), &ids)? {
+                    g.output(o)?;
+                }
+                let p = stablehlo::emit_graph(&g, specs)?;
+                self.programs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(key, p.clone());
+                p
+            }
+        };
         let exe = self
             .cache
             .get_or_compile(program.mlir.as_bytes(), &CompileOptions::default())?;
-        let entry = (exe, program);
-        self.programs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, entry.clone());
-        Ok(entry)
+        Ok((exe, program))
     }
 
     /// The buffer of `r` shaped as its spec: as stored, or a reshaped / leading slice of

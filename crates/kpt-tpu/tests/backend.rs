@@ -62,7 +62,7 @@ fn a_decoder_block_runs_on_xla_at_every_level() {
     // One compile per distinct op and shapes, not per launch; the counters say so.
     let stats = backend.cache_stats();
     assert!(
-        stats.misses > 0 && stats.entries as u64 == stats.misses,
+        stats.misses > 0 && stats.entries as u64 == stats.misses && stats.hits > stats.misses,
         "{stats:?}"
     );
     let counters = backend.counters();
