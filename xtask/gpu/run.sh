@@ -3,7 +3,11 @@
 # `cargo xtask gpu-bundle`. Needs only the NVIDIA driver, cuBLASLt and (for the
 # benchmark) a python3 with CUDA PyTorch.
 #
-#   run.sh OUT_DIR [all|tests|bench|models] [extra kpt-bench-cuda arguments...]
+#   run.sh OUT_DIR [all|tests|bench|models|xla] [extra kpt-bench-cuda arguments...]
+#
+# `xla`: kpt-tpu's tests (xla-tests/) on the CUDA PJRT plugin of the machine's JAX, then
+# kpt-bench-xla (kpt-tpu vs JAX jit) on the 1.1B checkpoint that `models` writes (run
+# `models` first in the same session).
 #
 # Test logs, `kpt detect --json`, the logs of `kpt --device cuda validate|demo|bench`
 # and the report go to OUT_DIR; the exit status is
@@ -88,5 +92,39 @@ if [ "$what" = models ] || [ "$what" = all ]; then
   # A 1.1B LLaMA-shaped checkpoint through kpt-models and HF transformers.
   "$here/bin/kpt-bench-models" --python python3 --script "$here/hf_models.py" \
     --dir "${TMPDIR:-/tmp}/kpt-bench-llama" --out "$out/reports" || status=1
+fi
+if [ "$what" = xla ]; then
+  plugin="$(python3 - <<'PY'
+import glob, os, site, sys
+for d in site.getsitepackages() + [site.getusersitepackages()]:
+    for f in sorted(glob.glob(os.path.join(d, "jax_plugins", "xla_cuda*", "*.so"))):
+        print(f)
+        sys.exit(0)
+PY
+)"
+  if [ -z "$plugin" ]; then
+    echo "FAIL xla: no JAX CUDA PJRT plugin in python3's site-packages"
+    exit 1
+  fi
+  echo "PJRT plugin: $plugin"
+  for t in "$here"/xla-tests/*; do
+    name="$(basename "$t")"
+    if KPT_PJRT_PLUGIN="$plugin" KPT_REQUIRE_PJRT=1 PROPTEST_CASES="${PROPTEST_CASES:-3}" \
+        "$t" --test-threads=1 > "$out/xla-$name.log" 2>&1; then
+      echo "PASS xla $name: $(grep -E '^test result' "$out/xla-$name.log" | tail -n 1)"
+    else
+      status=1
+      echo "FAIL xla $name"
+      grep -E "panicked|FAILED|Test failed" "$out/xla-$name.log" | head -n 20
+    fi
+  done
+  ckpt="${TMPDIR:-/tmp}/kpt-bench-llama"
+  if [ -f "$ckpt/config.json" ]; then
+    "$here/bin/kpt-bench-xla" --plugin "$plugin" --python python3 \
+      --script "$here/jax_llama.py" --dir "$ckpt" --seq 2048 --dtype bf16 \
+      --name tpu-xla --out "$out/reports" --command "gpu-bundle run.sh xla" || status=1
+  else
+    echo "kpt-bench-xla skipped: no checkpoint at $ckpt (run \`run.sh OUT models\` first)"
+  fi
 fi
 exit $status

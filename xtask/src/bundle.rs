@@ -1,6 +1,7 @@
 //! `gpu-bundle`: builds the GPU test and benchmark binaries here (no GPU or CUDA
-//! toolkit needed: CUDA is loaded at run time) and packs them with `run.sh` and the
-//! PyTorch worker into `.gpu/`, a folder to copy to a GPU machine and run there.
+//! toolkit needed: CUDA is loaded at run time) and packs them with `run.sh`, the
+//! PyTorch and JAX workers and kpt-tpu's tests (`xla-tests/`, run on the machine's
+//! PJRT plugin) into `.gpu/`, a folder to copy to a GPU machine and run there.
 
 use std::path::Path;
 use std::process::Command;
@@ -48,7 +49,7 @@ pub fn gpu_bundle() -> Result<()> {
     if dir.exists() {
         std::fs::remove_dir_all(&dir)?;
     }
-    for sub in ["bin", "tests"] {
+    for sub in ["bin", "tests", "xla-tests"] {
         std::fs::create_dir_all(dir.join(sub))?;
     }
     cargo(&["build", "--release", "-p", "kpt", "--bin", "kpt"])?;
@@ -63,6 +64,8 @@ pub fn gpu_bundle() -> Result<()> {
         "kpt-bench-models",
         "--bin",
         "kpt-bench-graphs",
+        "--bin",
+        "kpt-bench-xla",
     ])?;
     let release = root.join("target/release");
     for bin in [
@@ -70,18 +73,22 @@ pub fn gpu_bundle() -> Result<()> {
         "kpt-bench-cuda",
         "kpt-bench-models",
         "kpt-bench-graphs",
+        "kpt-bench-xla",
     ] {
         install(&release.join(bin), &dir.join("bin").join(bin))?;
     }
-    for exe in test_executables("kpt-nvidia")? {
-        let name = exe
-            .file_name()
-            .and_then(|n| n.to_str())
-            .context("test executable name")?
-            .to_string();
-        install(&exe, &dir.join("tests").join(name))?;
+    // kpt-nvidia's tests run as they are; kpt-tpu's on the machine's PJRT plugin.
+    for (package, sub) in [("kpt-nvidia", "tests"), ("kpt-tpu", "xla-tests")] {
+        for exe in test_executables(package)? {
+            let name = exe
+                .file_name()
+                .and_then(|n| n.to_str())
+                .context("test executable name")?
+                .to_string();
+            install(&exe, &dir.join(sub).join(name))?;
+        }
     }
-    for script in ["torch_cuda.py", "hf_models.py"] {
+    for script in ["torch_cuda.py", "hf_models.py", "jax_llama.py"] {
         std::fs::copy(root.join("benches").join(script), dir.join(script))?;
     }
     std::fs::copy(root.join("xtask/gpu/run.sh"), dir.join("run.sh"))?;
