@@ -240,6 +240,47 @@ impl XlaBackend {
         Ok(exe.execute(&[buf])?.into_iter().next())
     }
 
+    /// Runs `op`'s program on `inputs` (with `outputs` results expected); returns the
+    /// result buffers and the program (whose `outputs` are their specs).
+    fn run_op(
+        &self,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: usize,
+    ) -> Result<(Vec<Buffer>, Program)> {
+        let specs: Vec<TensorSpec> = inputs.iter().map(|r| r.spec.clone()).collect();
+        let (exe, program) = self.program(op, &specs)?;
+        if program.outputs.len() != outputs {
+            return Err(KptError::Backend {
+                backend: self.name.clone(),
+                message: format!(
+                    "{op} gives {} outputs, {outputs} buffers given",
+                    program.outputs.len()
+                ),
+            });
+        }
+        let need: u64 = program
+            .outputs
+            .iter()
+            .map(|s| (s.numel() * s.dtype.size_in_bytes()) as u64)
+            .sum();
+        self.memory.check(&self.name, need)?;
+        let adapted = inputs
+            .iter()
+            .map(|r| self.shaped(r))
+            .collect::<Result<Vec<_>>>()?;
+        let args: Vec<&Buffer> = inputs
+            .iter()
+            .zip(&adapted)
+            .map(|(r, a)| match a {
+                Some(b) => Ok(b),
+                None => Ok(&self.xla_buf(r.buffer)?.buf),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let results = exe.execute(&args)?;
+        Ok((results, program))
+    }
+
     fn run_on_host(
         &self,
         kernel: &str,
@@ -376,30 +417,25 @@ impl Backend for XlaBackend {
         slots: BufferRef<'_>,
         cache: BufferMut<'_>,
     ) -> Result<()> {
-        // On the host: the cache, the rows and the slots over, the cache back.
-        let mut host_cache = self
-            .host
-            .upload(&self.download(cache.buffer, cache.spec)?)?;
-        let host_rows = self.host.upload(&self.download(rows.buffer, rows.spec)?)?;
-        let host_slots = self
-            .host
-            .upload(&self.download(slots.buffer, slots.spec)?)?;
-        self.host.write_rows(
-            BufferRef {
-                buffer: &host_rows,
-                spec: rows.spec,
-            },
-            BufferRef {
-                buffer: &host_slots,
-                spec: slots.spec,
-            },
-            BufferMut {
-                buffer: &mut host_cache,
+        // The slots (a few ids) are checked on the host, so that one past the cache is
+        // an error as everywhere else (XLA's scatter would skip it); the rows go into
+        // the cache on the device, by the cache_write program.
+        let extent = kpt_core::backend::row_write_extent(rows, slots, &cache)?;
+        for slot in self.download(slots.buffer, slots.spec)?.to_f64_vec() {
+            extent.cache_row(slot as i64)?;
+        }
+        let (mut results, program) = {
+            let current = BufferRef {
+                buffer: &*cache.buffer,
                 spec: cache.spec,
-            },
-        )?;
-        let t = self.host.download(&host_cache, cache.spec)?;
-        self.write(&t, cache.buffer)
+            };
+            self.run_op(&Op::CacheWrite, &[current, rows, slots], 1)?
+        };
+        let out = results.pop().ok_or_else(|| KptError::Backend {
+            backend: self.name.clone(),
+            message: "cache_write gave no output".into(),
+        })?;
+        self.replace(cache.buffer, out, &program.outputs[0])
     }
 
     fn execute(
@@ -418,37 +454,7 @@ impl Backend for XlaBackend {
                 message: format!("kernel {kernel} does not run on XLA"),
             });
         }
-        let specs: Vec<TensorSpec> = inputs.iter().map(|r| r.spec.clone()).collect();
-        let (exe, program) = self.program(op, &specs)?;
-        if program.outputs.len() != outputs.len() {
-            return Err(KptError::Backend {
-                backend: self.name.clone(),
-                message: format!(
-                    "{op} gives {} outputs, {} buffers given",
-                    program.outputs.len(),
-                    outputs.len()
-                ),
-            });
-        }
-        let need: u64 = program
-            .outputs
-            .iter()
-            .map(|s| (s.numel() * s.dtype.size_in_bytes()) as u64)
-            .sum();
-        self.memory.check(&self.name, need)?;
-        let adapted = inputs
-            .iter()
-            .map(|r| self.shaped(r))
-            .collect::<Result<Vec<_>>>()?;
-        let args: Vec<&Buffer> = inputs
-            .iter()
-            .zip(&adapted)
-            .map(|(r, a)| match a {
-                Some(b) => Ok(b),
-                None => Ok(&self.xla_buf(r.buffer)?.buf),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let results = exe.execute(&args)?;
+        let (results, program) = self.run_op(op, inputs, outputs.len())?;
         for ((m, buf), spec) in outputs.iter_mut().zip(results).zip(&program.outputs) {
             self.replace(m.buffer, buf, spec)?;
             m.buffer.scale = 1.0;

@@ -99,3 +99,55 @@ fn buffers_are_counted_and_a_limit_is_a_typed_error() {
         backend.device().name
     );
 }
+
+#[test]
+fn cache_rows_are_written_in_place_and_a_slot_past_the_end_is_an_error() {
+    let Some(client) = common::client() else {
+        return;
+    };
+    use kpt_core::backend::{BufferMut, BufferRef};
+    use kpt_core::TensorSpec;
+    let backend = XlaBackend::new(&client, 0).unwrap();
+    let cache_spec = TensorSpec::new(&[2, 3, 4], DType::F32);
+    let rows_spec = TensorSpec::new(&[3, 4], DType::F32);
+    let slots_spec = TensorSpec::new(&[3], DType::I64);
+    let cache_vals: Vec<f64> = (0..24).map(f64::from).collect();
+    let mut cache = backend
+        .upload(&Tensor::from_f64(&cache_vals, &[2, 3, 4], DType::F32).unwrap())
+        .unwrap();
+    let rows = backend
+        .upload(&Tensor::from_f64(&[-1.0; 12], &[3, 4], DType::F32).unwrap())
+        .unwrap();
+    let write = |cache: &mut kpt_core::backend::DeviceBuffer, slots: &[f64]| {
+        let s = backend
+            .upload(&Tensor::from_f64(slots, &[3], DType::I64).unwrap())
+            .unwrap();
+        backend.write_rows(
+            BufferRef {
+                buffer: &rows,
+                spec: &rows_spec,
+            },
+            BufferRef {
+                buffer: &s,
+                spec: &slots_spec,
+            },
+            BufferMut {
+                buffer: cache,
+                spec: &cache_spec,
+            },
+        )
+    };
+    // Rows 4 and 0 of the six are replaced; -1 (padding) is skipped.
+    write(&mut cache, &[4.0, -1.0, 0.0]).unwrap();
+    let got = backend.download(&cache, &cache_spec).unwrap().to_f64_vec();
+    for (r, row) in got.chunks(4).enumerate() {
+        let want: Vec<f64> = if r == 4 || r == 0 {
+            vec![-1.0; 4]
+        } else {
+            cache_vals[r * 4..r * 4 + 4].to_vec()
+        };
+        assert_eq!(row, want.as_slice(), "row {r}");
+    }
+    let e = write(&mut cache, &[6.0, 0.0, 1.0]).unwrap_err();
+    assert!(e.to_string().contains("past the cache"), "{e}");
+}

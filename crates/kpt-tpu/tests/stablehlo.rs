@@ -153,6 +153,29 @@ proptest! {
     }
 
     #[test]
+    fn cache_write(
+        blocks in 1usize..4, block in 1usize..6, width in dim(), n in 1usize..5,
+        dt in float_dtype(), seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let capacity = blocks * block;
+        let cache = random(&mut rng, &[blocks, block, width], dt);
+        let rows = random(&mut rng, &[n, width], dt);
+        // Distinct slots inside the cache, some of them -1 (padding, skipped).
+        let mut free: Vec<i64> = (0..capacity as i64).collect();
+        let slots: Vec<i64> = (0..n)
+            .map(|_| {
+                if free.is_empty() || rng.next_u64().is_multiple_of(4) {
+                    -1
+                } else {
+                    free.swap_remove((rng.next_u64() % free.len() as u64) as usize)
+                }
+            })
+            .collect();
+        check(Op::CacheWrite, vec![cache, rows, ints(&slots, &[n], DType::I64)])?;
+    }
+
+    #[test]
     fn attention(
         batch in 1usize..3, s in 1usize..20, extra in 0usize..20, kv in 1usize..3, group in 1usize..3,
         d in prop_oneof![Just(8usize), Just(16), Just(64)], causal in any::<bool>(),
@@ -197,6 +220,7 @@ fn ops_not_lowered_yet_are_named_in_the_error() {
         .unwrap();
     g.output(q).unwrap();
     let e = emit_graph(&g, &[TensorSpec::new(&[4], DType::F32)]).unwrap_err();
+    // (Quantization carries its scale in the tensor, which a program does not see.)
     assert!(
         matches!(&e, KptError::Backend { message, .. } if message.contains("`quant`") && message.contains("not lowered")),
         "{e}"

@@ -420,6 +420,26 @@ impl Builder {
         self.op("concatenate", parts, &attrs, &shape, dtype)
     }
 
+    /// `target` (`[c, r]`) with row `idx[i]` (`idx` `[n, 1]`, integer) replaced by row
+    /// `i` of `rows` (`[n, r]`); XLA skips an index outside `0..c`.
+    pub fn scatter_rows(&mut self, target: &Val, idx: &Val, rows: &Val) -> Val {
+        let r = self.fresh(&target.shape, target.dtype);
+        let st = tensor_type(&[], target.dtype);
+        let _ = writeln!(
+            self.body,
+            "    {r} = \"stablehlo.scatter\"({t}, {i}, {u}) ({{\n    ^bb0(%old: {st}, %new: {st}):\n      \"stablehlo.return\"(%new) : ({st}) -> ()\n    }}) {{scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [1], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = false, unique_indices = false}} : ({tt}, {it}, {ut}) -> {rt}",
+            r = r.name,
+            t = target.name,
+            i = idx.name,
+            u = rows.name,
+            tt = target.ty(),
+            it = idx.ty(),
+            ut = rows.ty(),
+            rt = r.ty(),
+        );
+        r
+    }
+
     /// Rows `ids` (`[n]`, integer) of `table` (`[v, d]`) -> `[n, d]`.
     pub fn gather_rows(&mut self, table: &Val, ids: &Val) -> Val {
         let (n, d) = (ids.shape[0], table.shape[1]);

@@ -148,7 +148,21 @@ pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
         Op::Quantize { .. } | Op::Dequantize { .. } => {
             return Err(not_lowered("FP8 / int8 quantization"))
         }
-        Op::CacheWrite => return Err(not_lowered("cache_write")),
+        Op::CacheWrite => {
+            // The cache as rows; a negative slot (padding) is skipped, as XLA skips every
+            // index outside the cache (the reference rejects one past its end).
+            let (cache, rows, slots) = (&ins[0], &ins[1], &ins[2]);
+            let width = cache.shape.last().copied().unwrap_or(1).max(1);
+            let count = cache.shape.iter().product::<usize>() / width;
+            let n = slots.shape.iter().product::<usize>();
+            let c2 = b.reshape(cache, &[count, width]);
+            let r2 = b.convert(rows, cache.float());
+            let r2 = b.reshape(&r2, &[n, width]);
+            let idx = b.convert(slots, DType::I64);
+            let idx = b.reshape(&idx, &[n, 1]);
+            let out = b.scatter_rows(&c2, &idx, &r2);
+            vec![b.reshape(&out, &cache.shape)]
+        }
     })
 }
 
