@@ -233,6 +233,54 @@ fn weights<'a>(r: &BufferRef<'a>) -> Result<WeightsRef<'a>> {
 }
 
 impl CpuBackend {
+    /// Runs CPU kernel `kernel` for another backend, the last step of its fallback
+    /// chain: each input is read with `download` and copied here, and each result,
+    /// a host tensor with the kernel's scale, is handed to `store` for its output.
+    pub fn run_for_device(
+        &self,
+        kernel: &str,
+        op: &Op,
+        inputs: &[BufferRef<'_>],
+        outputs: &mut [BufferMut<'_>],
+        download: impl Fn(&DeviceBuffer, &TensorSpec) -> Result<Tensor>,
+        mut store: impl FnMut(&Tensor, &mut BufferMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        tracing::debug!(kernel, %op, "running on the host (fallback)");
+        let host_in = inputs
+            .iter()
+            .map(|r| self.upload(&download(r.buffer, r.spec)?))
+            .collect::<Result<Vec<_>>>()?;
+        let mut host_out = outputs
+            .iter()
+            .map(|m| self.allocate(m.spec.dtype, m.spec.numel()))
+            .collect::<Result<Vec<_>>>()?;
+        {
+            let refs: Vec<_> = host_in
+                .iter()
+                .zip(inputs)
+                .map(|(b, r)| BufferRef {
+                    buffer: b,
+                    spec: r.spec,
+                })
+                .collect();
+            let mut muts: Vec<_> = host_out
+                .iter_mut()
+                .zip(outputs.iter())
+                .map(|(b, m)| BufferMut {
+                    buffer: b,
+                    spec: m.spec,
+                })
+                .collect();
+            self.execute(kernel, op, &refs, &mut muts)?;
+        }
+        for (h, m) in host_out.iter().zip(outputs.iter_mut()) {
+            store(&self.download(h, m.spec)?, m)?;
+        }
+        Ok(())
+    }
+}
+
+impl CpuBackend {
     /// Runs the f64 reference and writes its results in the output dtypes.
     fn run_reference(
         &self,

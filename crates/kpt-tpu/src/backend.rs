@@ -288,39 +288,14 @@ impl XlaBackend {
         inputs: &[BufferRef<'_>],
         outputs: &mut [BufferMut<'_>],
     ) -> Result<()> {
-        tracing::debug!(kernel, %op, "running on the host (fallback)");
-        let host_in = inputs
-            .iter()
-            .map(|r| self.host.upload(&self.download(r.buffer, r.spec)?))
-            .collect::<Result<Vec<_>>>()?;
-        let mut host_out = outputs
-            .iter()
-            .map(|m| self.host.allocate(m.spec.dtype, m.spec.numel()))
-            .collect::<Result<Vec<_>>>()?;
-        {
-            let refs: Vec<_> = host_in
-                .iter()
-                .zip(inputs)
-                .map(|(b, r)| BufferRef {
-                    buffer: b,
-                    spec: r.spec,
-                })
-                .collect();
-            let mut muts: Vec<_> = host_out
-                .iter_mut()
-                .zip(outputs.iter())
-                .map(|(b, m)| BufferMut {
-                    buffer: b,
-                    spec: m.spec,
-                })
-                .collect();
-            self.host.execute(kernel, op, &refs, &mut muts)?;
-        }
-        for (h, m) in host_out.iter().zip(outputs.iter_mut()) {
-            let t = self.host.download(h, m.spec)?;
-            self.write(&t, m.buffer)?;
-        }
-        Ok(())
+        self.host.run_for_device(
+            kernel,
+            op,
+            inputs,
+            outputs,
+            |b, spec| self.download(b, spec),
+            |t, m| self.write(t, m.buffer),
+        )
     }
 
     /// Replaces the contents of `dst` with `buf`.
