@@ -25,19 +25,7 @@ pub fn element_type(dtype: DType) -> sys::PJRT_Buffer_Type {
 
 /// The kpt dtype of a PJRT element type, if kpt has one.
 pub fn dtype_of(ty: sys::PJRT_Buffer_Type) -> Option<DType> {
-    [
-        DType::F64,
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::F8E4M3,
-        DType::F8E5M2,
-        DType::I8,
-        DType::I32,
-        DType::I64,
-    ]
-    .into_iter()
-    .find(|&d| element_type(d) == ty)
+    DType::ALL.into_iter().find(|&d| element_type(d) == ty)
 }
 
 /// Host element types that buffers are made from and read into.

@@ -12,14 +12,10 @@ use std::sync::Arc;
 use half::bf16;
 use kpt_core::rand::SplitMix64;
 use kpt_core::DType;
-use kpt_tpu::{Client, CompileOptions, PjrtError};
+use kpt_tpu::{CompileOptions, PjrtError};
 use proptest::prelude::*;
 
 /// The client, or `None` (with a note on stderr) when no plugin is installed.
-fn client(_test: &str) -> Option<Client> {
-    common::client()
-}
-
 fn tensor(dims: &[usize], ty: &str) -> String {
     let d: Vec<String> = dims.iter().map(usize::to_string).collect();
     format!("tensor<{}x{ty}>", d.join("x"))
@@ -50,7 +46,7 @@ fn matmul_program(m: usize, k: usize, n: usize, ty: &str) -> String {
 
 #[test]
 fn the_plugin_lists_its_devices() {
-    let Some(client) = client("the_plugin_lists_its_devices") else {
+    let Some(client) = common::client() else {
         return;
     };
     let (major, minor) = client.plugin().api_version();
@@ -76,7 +72,7 @@ fn the_plugin_lists_its_devices() {
 
 #[test]
 fn buffers_round_trip_every_dtype() {
-    let Some(client) = client("buffers_round_trip_every_dtype") else {
+    let Some(client) = common::client() else {
         return;
     };
     let device = client.devices().unwrap().remove(0);
@@ -114,7 +110,7 @@ fn buffers_round_trip_every_dtype() {
 
 #[test]
 fn bad_inputs_are_typed_errors_with_the_plugins_message() {
-    let Some(client) = client("bad_inputs_are_typed_errors_with_the_plugins_message") else {
+    let Some(client) = common::client() else {
         return;
     };
     let device = client.devices().unwrap().remove(0);
@@ -178,7 +174,7 @@ proptest! {
         n in prop_oneof![Just(1usize), 2usize..40, Just(129)],
         seed in any::<u64>(),
     ) {
-        let Some(client) = client("xla_matmul_matches_the_f64_reference") else {
+        let Some(client) = common::client() else {
             return Ok(());
         };
         let device = client.devices().unwrap().remove(0);
@@ -217,7 +213,7 @@ proptest! {
 
 #[test]
 fn the_compile_cache_hits_evicts_and_persists() {
-    let Some(client) = client("the_compile_cache_hits_evicts_and_persists") else {
+    let Some(client) = common::client() else {
         return;
     };
     let opts = CompileOptions::default();
