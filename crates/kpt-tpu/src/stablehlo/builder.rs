@@ -274,6 +274,13 @@ impl Builder {
         self.op("transpose", &[a], &attrs, &shape, dtype)
     }
 
+    /// `a` with the order of its elements along `dims` reversed.
+    pub fn reverse(&mut self, a: &Val, dims: &[usize]) -> Val {
+        let attrs = format!("dimensions = {}", i64_array(dims));
+        let (shape, dtype) = (a.shape.clone(), a.dtype);
+        self.op("reverse", &[a], &attrs, &shape, dtype)
+    }
+
     /// `a` broadcast to `shape`, its dim `i` becoming dim `dims[i]` of the result.
     pub fn broadcast(&mut self, a: &Val, shape: &[usize], dims: &[usize]) -> Val {
         if a.shape == shape {

@@ -389,20 +389,28 @@ fn rotary(
     let sin = b.unary("sine", &ang);
     let sin = b.binary("multiply", &sin, &factor);
     let sin = b.convert(&sin, c);
-    let mut half_shape = split.clone();
-    half_shape[r] = half;
-    let dims: Vec<usize> = (0..=r).collect();
-    let cos = b.broadcast(&cos, &half_shape, &dims);
-    let sin = b.broadcast(&sin, &half_shape, &dims);
-    let x0 = b.slice_axis(&xh, r, 0, half);
-    let x1 = b.slice_axis(&xh, r, half, head_dim);
-    let a = b.binary("multiply", &x0, &cos);
-    let s = b.binary("multiply", &x1, &sin);
-    let y0 = b.binary("subtract", &a, &s);
-    let a = b.binary("multiply", &x1, &cos);
-    let s = b.binary("multiply", &x0, &sin);
-    let y1 = b.binary("add", &a, &s);
-    let y = b.concatenate(&[&y0, &y1], r);
+    // x as [lead.., S, H, 2, D/2]: y = x · cos + swap_halves(x) · (-sin, +sin), with no
+    // slices of x (a reverse of the size-2 dim fuses into the elementwise loop).
+    let mut pair_shape = split.clone();
+    pair_shape[r] = 2;
+    pair_shape.push(half);
+    let xp = b.reshape(&xh, &pair_shape);
+    let swapped = b.reverse(&xp, &[r]);
+    let neg = b.unary("negate", &sin);
+    let signed = b.concatenate(&[&neg, &sin], r);
+    let mut table_shape = ang_shape.clone();
+    table_shape[r] = 1;
+    table_shape.push(half);
+    let mut signed_shape = table_shape.clone();
+    signed_shape[r] = 2;
+    let signed = b.reshape(&signed, &signed_shape);
+    let cos = b.reshape(&cos, &table_shape);
+    let dims: Vec<usize> = (0..=r + 1).collect();
+    let cos = b.broadcast(&cos, &pair_shape, &dims);
+    let signed = b.broadcast(&signed, &pair_shape, &dims);
+    let a = b.binary("multiply", &xp, &cos);
+    let s = b.binary("multiply", &swapped, &signed);
+    let y = b.binary("add", &a, &s);
     let y = b.reshape(&y, &x.shape);
     Ok(b.convert(&y, out))
 }
@@ -423,13 +431,21 @@ fn attention(
     let (bs, s, t) = (q.shape[0], q.shape[1], k.shape[1]);
     let (hq, hkv, d) = (p.num_heads, p.num_kv_heads, p.head_dim);
     let g = hq / hkv;
+    // Both products read q, k, v in their own dtype and accumulate in f32 (16-bit
+    // operands run on the matrix units; their products are exact in f32). As in flash
+    // attention kernels, the probabilities are rounded to v's dtype before `P · V`.
     // Queries as [B, Hkv, G, S, D] (query head h = kv head h / G, member h % G), keys
     // and values as [B, Hkv, T, D]: each kv head meets its group without being copied.
-    let qc = b.convert(q, c);
+    let operand = if k.dtype == q.dtype && v.dtype == q.dtype {
+        out
+    } else {
+        c
+    };
+    let qc = b.convert(q, operand);
     let qh = b.reshape(&qc, &[bs, s, hkv, g, d]);
     let qh = b.transpose(&qh, &[0, 2, 3, 1, 4]);
     let kv_heads = |b: &mut Builder, x: &Val| {
-        let x = b.convert(x, c);
+        let x = b.convert(x, operand);
         let x = b.reshape(&x, &[bs, t, hkv, d]);
         b.transpose(&x, &[0, 2, 1, 3])
     };
@@ -476,6 +492,7 @@ fn attention(
     let empty = b.compare(&sum, &zero, Cmp::Eq);
     let sum = b.select(&empty, &one, &sum);
     let probs = b.binary("divide", &e, &sum);
+    let probs = b.convert(&probs, operand);
     // [B, Hkv, G, S, D] -> [B, S, Hkv, G, D] -> [B, S, Hq*D].
     let o = b.dot_general(&probs, &vh, (&[0, 1], &[0, 1]), (&[4], &[2]), c);
     let o = b.transpose(&o, &[0, 3, 1, 2, 4]);
