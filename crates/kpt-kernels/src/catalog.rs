@@ -558,6 +558,7 @@ pub fn xla_kernels() -> Vec<KernelDef> {
         (SplitRotary, "split_rotary"),
         (Softmax, "softmax"),
         (Attention, "attention"),
+        (AttentionBackward, "attention_backward"),
         (Add, "add"),
         (Mul, "mul"),
         (Cast, "cast"),
@@ -568,7 +569,7 @@ pub fn xla_kernels() -> Vec<KernelDef> {
     ]
     .into_iter()
     .map(|(op, name)| {
-        KernelDef::new(
+        let def = KernelDef::new(
             &format!("xla.{name}"),
             op,
             DeviceKind::Tpu,
@@ -576,7 +577,12 @@ pub fn xla_kernels() -> Vec<KernelDef> {
             100,
             desc,
         )
-        .weights(XLA_FLOATS)
+        .weights(XLA_FLOATS);
+        match op {
+            Attention => def.limits(ANY_ATTENTION),
+            AttentionBackward => def.limits(ANY_ATTENTION_BACKWARD),
+            _ => def,
+        }
     })
     .collect()
 }

@@ -98,6 +98,8 @@ pub(crate) enum Cmp {
     Eq,
     Ne,
     Gt,
+    Ge,
+    Lt,
     Le,
 }
 
@@ -235,6 +237,8 @@ impl Builder {
             Cmp::Eq => "EQ",
             Cmp::Ne => "NE",
             Cmp::Gt => "GT",
+            Cmp::Ge => "GE",
+            Cmp::Lt => "LT",
             Cmp::Le => "LE",
         };
         let attrs = format!("comparison_direction = #stablehlo<comparison_direction {d}>");

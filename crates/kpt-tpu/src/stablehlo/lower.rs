@@ -2,13 +2,14 @@
 //! (`kpt_kernels::CpuReference`): f32 arithmetic for 16-bit floats (f64 for f64), one
 //! rounding to the output dtype.
 
-use kpt_core::graph::{rope_frequencies, Activation, AttentionParams, Op, RopeScaling};
+use kpt_core::graph::{rope_frequencies, Activation, Op, RopeScaling};
 use kpt_core::{DType, KptError, Result};
 
+use super::attention;
 use super::builder::{Builder, Cmp, Reduce, Val};
 
 /// The dtype arithmetic runs in for values of `d`.
-fn compute(d: DType) -> DType {
+pub(super) fn compute(d: DType) -> DType {
     if d == DType::F64 {
         DType::F64
     } else {
@@ -135,16 +136,8 @@ pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
             let k = rotary(b, &k, &ins[1], *head_dim, *theta, scaling.as_ref())?;
             vec![q, k, v]
         }
-        Op::Attention(p) => {
-            if p.varlen || p.paged || p.lse {
-                return Err(not_lowered(
-                    "attention with varlen, paged caches or the log-sum-exp output",
-                ));
-            }
-            let mask = p.mask.then(|| &ins[3]);
-            vec![attention(b, p, &ins[0], &ins[1], &ins[2], mask)?]
-        }
-        Op::AttentionBackward(_) => return Err(not_lowered("attention backward")),
+        Op::Attention(p) => attention::forward(b, p, ins)?,
+        Op::AttentionBackward(p) => attention::backward(b, p, ins)?,
         Op::Quantize { .. } | Op::Dequantize { .. } => {
             return Err(not_lowered("FP8 / int8 quantization"))
         }
@@ -349,11 +342,6 @@ fn rotary(
     theta: f32,
     scaling: Option<&RopeScaling>,
 ) -> Result<Val> {
-    if matches!(scaling, Some(RopeScaling::Dynamic { .. })) {
-        return Err(not_lowered(
-            "dynamic NTK rope scaling (its base depends on the positions' values)",
-        ));
-    }
     let out = x.float();
     let c = compute(out);
     let table = rope_frequencies(head_dim, f64::from(theta), scaling, 0)?;
@@ -379,7 +367,18 @@ fn rotary(
     };
     debug_assert_eq!(positions.shape.last(), Some(&seq));
     let pos = b.broadcast(&pos, &ang_shape, &pos_dims);
-    let freq = b.vector(&table.inv_freq, DType::F64)?;
+    let freq = match scaling {
+        Some(&RopeScaling::Dynamic {
+            factor,
+            max_position_embeddings,
+        }) => dynamic_inv_freq(
+            b,
+            positions,
+            (head_dim, f64::from(theta)),
+            (factor, max_position_embeddings),
+        )?,
+        _ => b.vector(&table.inv_freq, DType::F64)?,
+    };
     let freq = b.broadcast(&freq, &ang_shape, &[r]);
     let ang = b.binary("multiply", &pos, &freq);
     let factor = b.splat(table.attention_factor, &ang_shape, DType::F64)?;
@@ -415,87 +414,39 @@ fn rotary(
     Ok(b.convert(&y, out))
 }
 
-/// Dense scaled dot-product attention: q `[B, S, Hq*D]`, k and v `[B, T, Hkv*D]`,
-/// GQA, bottom-right causal masking, sliding window, additive mask `[S, T]`; a row
-/// that sees no key gives zeros.
-fn attention(
+/// Dynamic NTK's inverse frequencies `[D/2]` (f64), computed in the program from the
+/// call's positions as `rope_frequencies` does on the host: `len = max(max position +
+/// 1, max_position_embeddings)`, `base = theta * (factor * len / max - (factor - 1))^(d /
+/// (d - 2))`, `inv_freq[i] = base^(-2i / d)`.
+fn dynamic_inv_freq(
     b: &mut Builder,
-    p: &AttentionParams,
-    q: &Val,
-    k: &Val,
-    v: &Val,
-    mask: Option<&Val>,
+    positions: &Val,
+    (head_dim, theta): (usize, f64),
+    (factor, max): (f64, usize),
 ) -> Result<Val> {
-    let out = q.float();
-    let c = compute(out);
-    let (bs, s, t) = (q.shape[0], q.shape[1], k.shape[1]);
-    let (hq, hkv, d) = (p.num_heads, p.num_kv_heads, p.head_dim);
-    let g = hq / hkv;
-    // Both products read q, k, v in their own dtype and accumulate in f32 (16-bit
-    // operands run on the matrix units; their products are exact in f32). As in flash
-    // attention kernels, the probabilities are rounded to v's dtype before `P · V`.
-    // Queries as [B, Hkv, G, S, D] (query head h = kv head h / G, member h % G), keys
-    // and values as [B, Hkv, T, D]: each kv head meets its group without being copied.
-    let operand = if k.dtype == q.dtype && v.dtype == q.dtype {
-        out
-    } else {
-        c
-    };
-    let qc = b.convert(q, operand);
-    let qh = b.reshape(&qc, &[bs, s, hkv, g, d]);
-    let qh = b.transpose(&qh, &[0, 2, 3, 1, 4]);
-    let kv_heads = |b: &mut Builder, x: &Val| {
-        let x = b.convert(x, operand);
-        let x = b.reshape(&x, &[bs, t, hkv, d]);
-        b.transpose(&x, &[0, 2, 1, 3])
-    };
-    let kh = kv_heads(b, k);
-    let vh = kv_heads(b, v);
-    // Scores [B, Hkv, G, S, T].
-    let scores = b.dot_general(&qh, &kh, (&[0, 1], &[0, 1]), (&[4], &[3]), c);
-    let scale = b.splat(f64::from(p.effective_scale()), &scores.shape, c)?;
-    let mut scores = b.binary("multiply", &scores, &scale);
-    let shape = scores.shape.clone();
-    if let Some(m) = mask {
-        let m = b.convert(m, c);
-        let m = b.broadcast(&m, &shape, &[3, 4]);
-        scores = b.binary("add", &scores, &m);
-    }
-    if p.causal || p.window.is_some() {
-        // Query i sees key j when j <= i + T - S (causal) and j > i + T - S - w (window).
-        let i = b.iota(&shape, 3, DType::I64);
-        let j = b.iota(&shape, 4, DType::I64);
-        let off = b.splat_int(t as i64 - s as i64, &shape, DType::I64);
-        let aligned = b.binary("add", &i, &off);
-        let ninf = b.splat(f64::NEG_INFINITY, &shape, c)?;
-        if p.causal {
-            let ok = b.compare(&j, &aligned, Cmp::Le);
-            scores = b.select(&ok, &scores, &ninf);
-        }
-        if let Some(w) = p.window {
-            let wv = b.splat_int(w as i64, &shape, DType::I64);
-            let low = b.binary("subtract", &aligned, &wv);
-            let ok = b.compare(&j, &low, Cmp::Gt);
-            scores = b.select(&ok, &scores, &ninf);
-        }
-    }
-    // Softmax whose all-masked rows give zeros.
-    let max = b.reduce_last_keep(&scores, Reduce::Max)?;
-    let ninf = b.splat(f64::NEG_INFINITY, &shape, c)?;
-    let zero = b.splat(0.0, &shape, c)?;
-    let dead = b.compare(&max, &ninf, Cmp::Eq);
-    let max = b.select(&dead, &zero, &max);
-    let e = b.binary("subtract", &scores, &max);
-    let e = b.unary("exponential", &e);
-    let sum = b.reduce_last_keep(&e, Reduce::Sum)?;
-    let one = b.splat(1.0, &shape, c)?;
-    let empty = b.compare(&sum, &zero, Cmp::Eq);
-    let sum = b.select(&empty, &one, &sum);
-    let probs = b.binary("divide", &e, &sum);
-    let probs = b.convert(&probs, operand);
-    // [B, Hkv, G, S, D] -> [B, S, Hkv, G, D] -> [B, S, Hq*D].
-    let o = b.dot_general(&probs, &vh, (&[0, 1], &[0, 1]), (&[4], &[2]), c);
-    let o = b.transpose(&o, &[0, 3, 1, 2, 4]);
-    let o = b.reshape(&o, &[bs, s, hq * d]);
-    Ok(b.convert(&o, out))
+    let d = head_dim as f64;
+    let all: Vec<usize> = (0..positions.rank()).collect();
+    let pos = b.convert(positions, DType::I64);
+    let top = b.reduce(&pos, &all, Reduce::Max)?;
+    let one = b.splat_int(1, &[], DType::I64);
+    let len = b.binary("add", &top, &one);
+    let len = b.convert(&len, DType::F64);
+    let max = b.splat(max as f64, &[], DType::F64)?;
+    let len = b.binary("maximum", &len, &max);
+    let per = b.binary("divide", &len, &max);
+    let f = b.splat(factor, &[], DType::F64)?;
+    let ratio = b.binary("multiply", &per, &f);
+    let f1 = b.splat(factor - 1.0, &[], DType::F64)?;
+    let ratio = b.binary("subtract", &ratio, &f1);
+    let ln_ratio = b.unary("log", &ratio);
+    let power = b.splat(d / (d - 2.0), &[], DType::F64)?;
+    let ln_base = b.binary("multiply", &ln_ratio, &power);
+    let ln_theta = b.splat(theta.ln(), &[], DType::F64)?;
+    let ln_base = b.binary("add", &ln_base, &ln_theta);
+    let half = head_dim / 2;
+    let exps: Vec<f64> = (0..half).map(|i| -2.0 * i as f64 / d).collect();
+    let exps = b.vector(&exps, DType::F64)?;
+    let ln_base = b.broadcast(&ln_base, &[half], &[]);
+    let x = b.binary("multiply", &exps, &ln_base);
+    Ok(b.unary("exponential", &x))
 }

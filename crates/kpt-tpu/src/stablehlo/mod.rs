@@ -5,6 +5,7 @@
 //! buffers, not constants in the program), and returns the graph's outputs. Shapes are
 //! static: a graph is emitted for one set of input shapes.
 
+mod attention;
 mod builder;
 mod lower;
 
