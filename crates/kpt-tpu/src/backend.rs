@@ -302,6 +302,16 @@ impl XlaBackend {
             .iter()
             .map(|r| self.shaped(r))
             .collect::<Result<Vec<_>>>()?;
+        // FP8 / int8 inputs pass their scale as a scalar after the arguments.
+        let scales = program
+            .scale_args
+            .iter()
+            .map(|&i| {
+                Ok(self
+                    .client
+                    .buffer(&[inputs[i].buffer.scale], &[], &self.device)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let args: Vec<&Buffer> = inputs
             .iter()
             .zip(&adapted)
@@ -309,6 +319,7 @@ impl XlaBackend {
                 Some(b) => Ok(b),
                 None => Ok(&self.xla_buf(r.buffer)?.buf),
             })
+            .chain(scales.iter().map(Ok))
             .collect::<Result<Vec<_>>>()?;
         let results = exe.execute(&args)?;
         Ok((results, program))
@@ -464,9 +475,14 @@ impl Backend for XlaBackend {
         }
         self.check_indices(op, inputs)?;
         let (results, program) = self.run_op(op, inputs, outputs.len())?;
-        for ((m, buf), spec) in outputs.iter_mut().zip(results).zip(&program.outputs) {
+        for (((m, buf), spec), &scale) in outputs
+            .iter_mut()
+            .zip(results)
+            .zip(&program.outputs)
+            .zip(&program.output_scales)
+        {
             self.replace(m.buffer, buf, spec)?;
-            m.buffer.scale = 1.0;
+            m.buffer.scale = scale;
         }
         Ok(())
     }

@@ -38,6 +38,12 @@ fn a_decoder_block_runs_on_xla_at_every_level() {
         let kernels: Vec<&str> = plan.kernels.iter().map(|k| k.kernel.as_str()).collect();
         let on_xla = kernels.iter().filter(|k| k.starts_with("xla.")).count();
         assert!(on_xla > 0, "{level}: {kernels:?}");
+        // Every op of the block runs on XLA, the aggressive level's FP8 / int8 weights
+        // included (dequantized in the programs).
+        assert!(
+            kernels.iter().all(|k| k.starts_with("xla.")),
+            "{level}: {kernels:?}"
+        );
         let dyn_backend: Arc<dyn Backend> = backend.clone();
         let mut exec = Executor::new(plan, dyn_backend).unwrap();
         let report = validate_plan(&mut exec, &graph, &CpuReference, &inputs, 1.0).unwrap();

@@ -8,7 +8,7 @@ use common::{client, ints, random};
 use kpt_core::graph::{Activation, AttentionParams, Op, RopeScaling};
 use kpt_core::rand::SplitMix64;
 use kpt_core::validate::{reduction_len, tolerance, ReferenceOps};
-use kpt_core::{DType, Graph, KptError, Tensor, TensorSpec};
+use kpt_core::{DType, Graph, Tensor, TensorSpec};
 use kpt_kernels::CpuReference;
 use kpt_tpu::stablehlo::emit_graph;
 use proptest::prelude::*;
@@ -41,7 +41,7 @@ fn check(op: Op, inputs: Vec<Tensor>) -> Result<(), TestCaseError> {
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         prop_assert_eq!(g.shape(), w.shape(), "output {} shape", i);
         let (gv, wv) = (g.to_f64_vec(), w.to_f64_vec());
-        if g.dtype().is_float() {
+        if g.dtype().is_float() || g.dtype().is_quantized() {
             let scale = wv.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
             let tol = tolerance(&op, g.dtype(), k);
             for (j, (a, b)) in gv.iter().zip(&wv).enumerate() {
@@ -310,6 +310,23 @@ proptest! {
     }
 
     #[test]
+    fn quantization(
+        rows in dim(), cols in dim(), n in 1usize..9, dt in float_dtype(),
+        q in prop_oneof![Just(DType::F8E4M3), Just(DType::F8E5M2), Just(DType::I8)],
+        small in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[rows, cols], dt);
+        // The scale that maps |x| <= 1 onto the dtype's range, or one that saturates.
+        let scale = if small { 1e-3 } else { kpt_core::dtype::quant_scale(1.0, q) };
+        check(Op::Quantize { dtype: q, scale }, vec![x.clone()])?;
+        // Stored values with their own scale (an argument of the program).
+        check(Op::Dequantize { dtype: dt }, vec![random(&mut rng, &[rows, cols], q)])?;
+        // FP8 / int8 weights, as the aggressive level makes them.
+        check(Op::Linear { bias: false }, vec![x, random(&mut rng, &[n, cols], q)])?;
+    }
+
+    #[test]
     fn dynamic_ntk_rotary(
         seq in 1usize..6, heads in 1usize..3, half in 2usize..9, start in 0i64..40,
         dt in float_dtype(), seed in any::<u64>(),
@@ -323,29 +340,6 @@ proptest! {
         let positions = ints(&pos, &[seq], DType::I64);
         check(Op::Rotary { head_dim: d, theta: 10000.0, scaling: Some(scaling) }, vec![x, positions])?;
     }
-}
-
-#[test]
-fn ops_not_lowered_yet_are_named_in_the_error() {
-    let mut g = Graph::new();
-    let x = g.input("x", DType::F32, &[4]);
-    let q = g
-        .op(
-            "quant",
-            Op::Quantize {
-                dtype: DType::I8,
-                scale: 0.1,
-            },
-            &[x],
-        )
-        .unwrap();
-    g.output(q).unwrap();
-    let e = emit_graph(&g, &[TensorSpec::new(&[4], DType::F32)]).unwrap_err();
-    // (Quantization carries its scale in the tensor, which a program does not see.)
-    assert!(
-        matches!(&e, KptError::Backend { message, .. } if message.contains("`quant`") && message.contains("not lowered")),
-        "{e}"
-    );
 }
 
 /// A LLaMA-shaped decoder block with its weights as graph parameters, written as one

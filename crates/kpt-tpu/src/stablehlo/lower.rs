@@ -17,13 +17,6 @@ pub(super) fn compute(d: DType) -> DType {
     }
 }
 
-fn not_lowered(what: &str) -> KptError {
-    KptError::Backend {
-        backend: "xla".into(),
-        message: format!("{what} is not lowered to StableHLO yet"),
-    }
-}
-
 /// The outputs of `op` applied to `ins`.
 pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
     Ok(match op {
@@ -138,9 +131,9 @@ pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
         }
         Op::Attention(p) => attention::forward(b, p, ins)?,
         Op::AttentionBackward(p) => attention::backward(b, p, ins)?,
-        Op::Quantize { .. } | Op::Dequantize { .. } => {
-            return Err(not_lowered("FP8 / int8 quantization"))
-        }
+        Op::Quantize { dtype, scale } => vec![quantize(b, &ins[0], *dtype, *scale)?],
+        // The scale of the input comes after it (see `emit_graph`).
+        Op::Dequantize { dtype } => vec![dequantize(b, &ins[0], &ins[1], *dtype)],
         Op::CacheWrite => {
             // The cache as rows; a negative slot (padding) is skipped, as XLA skips every
             // index outside the cache (the reference rejects one past its end).
@@ -449,4 +442,38 @@ fn dynamic_inv_freq(
     let ln_base = b.broadcast(&ln_base, &[half], &[]);
     let x = b.binary("multiply", &exps, &ln_base);
     Ok(b.unary("exponential", &x))
+}
+
+/// `x / scale` stored as `dtype` (FP8 or int8), as kpt quantizes everywhere: saturated
+/// to the largest finite value, rounded to nearest even; int8 maps NaN to 0, FP8 keeps
+/// it.
+fn quantize(b: &mut Builder, x: &Val, dtype: DType, scale: f32) -> Result<Val> {
+    if !dtype.is_quantized() {
+        return Err(KptError::dtype("quantize", "f8e4m3, f8e5m2 or i8", dtype));
+    }
+    let shape = x.shape.clone();
+    let xc = b.convert(x, DType::F32);
+    let s = b.splat(f64::from(scale), &shape, DType::F32)?;
+    let q = b.binary("divide", &xc, &s);
+    let max = dtype.max_finite();
+    let lo = b.splat(-max, &shape, DType::F32)?;
+    let hi = b.splat(max, &shape, DType::F32)?;
+    let q = b.binary("maximum", &q, &lo);
+    let mut q = b.binary("minimum", &q, &hi);
+    if dtype == DType::I8 {
+        // `convert` to an integer truncates: round first.
+        let r = b.unary("round_nearest_even", &q);
+        let nan = b.compare(&q, &q, Cmp::Ne);
+        let zero = b.splat(0.0, &shape, DType::F32)?;
+        q = b.select(&nan, &zero, &r);
+    }
+    Ok(b.convert(&q, dtype))
+}
+
+/// Stored FP8 / int8 values times their `scale` (an f32 scalar), as `dtype`.
+pub(super) fn dequantize(b: &mut Builder, x: &Val, scale: &Val, dtype: DType) -> Val {
+    let xc = b.convert(x, DType::F32);
+    let s = b.broadcast(scale, &x.shape, &[]);
+    let y = b.binary("multiply", &xc, &s);
+    b.convert(&y, dtype)
 }
