@@ -148,7 +148,8 @@ struct Families {
 ///
 /// Fails with [`KptError::InvalidArgument`] on a counter name that is no valid
 /// metric name, on a name given twice by one backend, on a name that is a derived
-/// `_hit_ratio` gauge as well, and on two backends with the same name and device.
+/// `_hit_ratio` gauge as well, on names that would export a counter and a gauge of one
+/// name (`x_total` and `x`), and on two backends with the same name and device.
 pub fn openmetrics(backends: &[BackendCounters]) -> Result<String> {
     let mut families = Families::default();
     let mut seen_labels = BTreeSet::new();
@@ -224,6 +225,21 @@ pub fn openmetrics(backends: &[BackendCounters]) -> Result<String> {
                     .get_or_create(&labels)
                     .set(hits as f64 / requests as f64);
             }
+        }
+    }
+    // One family per exported name: a counter `x_total` and a gauge `x` (or a gauge
+    // and another backend's derived ratio) would be two families of one name.
+    let mut names = BTreeSet::new();
+    for name in families
+        .counters
+        .keys()
+        .chain(families.gauges.keys())
+        .chain(families.ratios.keys())
+    {
+        if !names.insert(name) {
+            return Err(KptError::InvalidArgument(format!(
+                "counters export two metrics named {PREFIX}_{name} (a counter and a gauge)"
+            )));
         }
     }
     let mut registry = Registry::with_prefix(PREFIX);
@@ -518,6 +534,16 @@ mod tests {
                 Err(KptError::InvalidArgument(m)) => assert!(m.contains(want), "{m}"),
                 other => panic!("{counters:?}: {other:?}"),
             }
+        }
+        match openmetrics(&[bad(vec![("launches_total", 1), ("launches", 2)])]) {
+            Err(KptError::InvalidArgument(m)) => assert!(m.contains("kpt_launches"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        let mut other = bad(vec![("c_hit_ratio", 1)]);
+        other.backend = "y".into();
+        match openmetrics(&[bad(vec![("c_hits", 1), ("c_misses", 1)]), other]) {
+            Err(KptError::InvalidArgument(m)) => assert!(m.contains("kpt_c_hit_ratio"), "{m}"),
+            other => panic!("{other:?}"),
         }
         match openmetrics(&[bad(vec![]), bad(vec![])]) {
             Err(KptError::InvalidArgument(m)) => assert!(m.contains("given twice"), "{m}"),

@@ -94,9 +94,13 @@ impl TpuGeneration {
     /// The published facts of one chip of this generation.
     ///
     /// From the Cloud TPU pages of each version ("Each v4 chip contains two
-    /// TensorCores", "Peak compute per chip (bf16)", "HBM capacity"): v2 2 cores,
-    /// 16 GiB, 45 TFLOP/s; v3 2, 32 GiB, 123; v4 2, 32 GiB, 275; v5e 1, 16 GiB, 197;
-    /// v5p 2, 95 GiB, 459; v6e 1, 32 GiB, 918; TPU7x 2, 192 GiB, 2307.
+    /// TensorCores", "Peak compute per chip (bf16)", "HBM capacity"): v3 2 cores,
+    /// 32 GiB, 123 TFLOP/s; v4 2, 32 GiB, 275; v5e 1, 16 GiB, 197; v5p 2, 95 GiB, 459;
+    /// v6e 1, 32 GiB, 918; TPU7x 2, 192 GiB, 2307 (the TPU7x page's table). The v2 page
+    /// no longer lists per-chip values: two TensorCores with 8 GiB of HBM each (XLA's
+    /// `GetDeviceMemoryInBytes` gives 8 GiB per "TPU v2" device, one per core), and
+    /// 45 TFLOP/s, a quarter of the 180 TFLOP/s Google gave for a four-chip Cloud TPU
+    /// v2 board.
     pub fn chip(self) -> TpuChipSpecs {
         let (tensorcores, hbm_gib, peak_bf16_tflops) = match self {
             TpuGeneration::V2 => (2, 16, 45.0),
