@@ -1,4 +1,4 @@
-//! kpt-monitor: performance reports.
+//! kpt-monitor: performance reports, and backend counters as metrics.
 //!
 //! Every performance claim of kpt is a [`Report`]: rows that compare kpt with the
 //! strongest alternative measured in the same run, written as JSON (one schema for all
@@ -9,6 +9,10 @@
 //! A ratio above 1 always means kpt is ahead: it is kpt over the baseline for
 //! higher-is-better metrics (throughput) and the baseline over kpt for
 //! lower-is-better ones (times).
+//!
+//! [`metrics`] turns the counters a backend reports (`Backend::counters`: an XLA
+//! backend's compile cache hits, misses and sizes) into OpenMetrics text, the format
+//! Prometheus reads ([`metrics::openmetrics`], [`metrics::write_openmetrics`]).
 //!
 //! ```
 //! use kpt_monitor::{Machine, Report, Row};
@@ -43,6 +47,7 @@
 //! # Ok::<(), kpt_core::KptError>(())
 //! ```
 
+pub mod metrics;
 pub mod plot;
 pub mod report;
 mod stats;

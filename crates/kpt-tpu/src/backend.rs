@@ -15,8 +15,9 @@ use kpt_kernels::CpuBackend;
 
 use crate::buffer::Buffer;
 use crate::cache::{CacheStats, CompileCache};
-use crate::client::{Client, Device};
+use crate::client::{AttrValue, Client, Device, DeviceDescription, DeviceMemoryStats, Topology};
 use crate::executable::Executable;
+use crate::generation::TpuGeneration;
 use crate::options::CompileOptions;
 use crate::stablehlo::{self, Program};
 
@@ -62,6 +63,119 @@ struct XlaBuf {
 impl Drop for XlaBuf {
     fn drop(&mut self) {
         self.memory.live.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// What the plugin and Google's published chip facts say about one device, for its
+/// [`DeviceInfo`].
+#[derive(Debug)]
+struct DeviceFacts {
+    /// The TPU generation, on the `tpu` platform with a known device kind.
+    generation: Option<TpuGeneration>,
+    /// The plugin's memory statistics, or why there are none.
+    memory: std::result::Result<DeviceMemoryStats, String>,
+    /// The topology, or why there is none.
+    topology: std::result::Result<Topology, String>,
+    /// Devices on this device's chip: from the topology where the device gives its
+    /// chip's `coords`, else `None` (taken as 1).
+    devices_on_chip: Option<usize>,
+}
+
+impl DeviceFacts {
+    fn gather(client: &Client, device: &Device, desc: &DeviceDescription, platform: &str) -> Self {
+        let generation = if platform == "tpu" {
+            TpuGeneration::from_device_kind(&desc.kind)
+        } else {
+            None
+        };
+        DeviceFacts::new(
+            generation,
+            device.memory_stats().map_err(|e| e.to_string()),
+            client.topology().map_err(|e| e.to_string()),
+            desc,
+        )
+    }
+
+    fn new(
+        generation: Option<TpuGeneration>,
+        memory: std::result::Result<DeviceMemoryStats, String>,
+        topology: std::result::Result<Topology, String>,
+        desc: &DeviceDescription,
+    ) -> Self {
+        let devices_on_chip = match (&topology, desc.attribute("coords")) {
+            (Ok(t), Some(AttrValue::Ints(c))) => Some(t.devices_on_chip(c).max(1)),
+            _ => None,
+        };
+        DeviceFacts {
+            generation,
+            memory,
+            topology,
+            devices_on_chip,
+        }
+    }
+
+    fn sharing(&self) -> usize {
+        self.devices_on_chip.unwrap_or(1)
+    }
+
+    /// The device's memory: the plugin's limit, else its share of the chip's HBM.
+    fn memory_bytes(&self) -> Option<u64> {
+        let limit = self.memory.as_ref().ok().and_then(|m| m.bytes_limit);
+        limit.or_else(|| {
+            self.generation
+                .map(|g| g.chip().hbm_bytes / self.sharing() as u64)
+        })
+    }
+
+    /// The device's TensorCores: its share of the chip's.
+    fn compute_units(&self) -> Option<usize> {
+        self.generation
+            .map(|g| (g.chip().tensorcores / self.sharing()).max(1))
+    }
+
+    /// Adds what is known as `DeviceInfo` properties.
+    fn record(&self, properties: &mut std::collections::BTreeMap<String, String>) {
+        if let Some(g) = self.generation {
+            let chip = g.chip();
+            properties.insert("tpu_generation".into(), g.name().into());
+            properties.insert("tpu_chip_tensorcores".into(), chip.tensorcores.to_string());
+            properties.insert(
+                "tpu_chip_hbm_gib".into(),
+                (chip.hbm_bytes >> 30).to_string(),
+            );
+            properties.insert(
+                "tpu_chip_peak_bf16_tflops".into(),
+                format!("{}", chip.peak_bf16_tflops),
+            );
+        }
+        match &self.memory {
+            Ok(m) => {
+                properties.insert("memory_bytes_in_use".into(), m.bytes_in_use.to_string());
+                if let Some(v) = m.peak_bytes_in_use {
+                    properties.insert("memory_peak_bytes_in_use".into(), v.to_string());
+                }
+                if let Some(v) = m.bytes_limit {
+                    properties.insert("memory_bytes_limit".into(), v.to_string());
+                }
+            }
+            Err(e) => {
+                properties.insert("memory_stats".into(), format!("not reported: {e}"));
+            }
+        }
+        match &self.topology {
+            Ok(t) => {
+                properties.insert("topology_devices".into(), t.devices.len().to_string());
+                if let Some(b) = t.chip_bounds_string() {
+                    properties.insert("topology_chips".into(), format!("{} ({b})", t.chips()));
+                }
+                if let Some(n) = self.devices_on_chip {
+                    properties.insert("topology_devices_per_chip".into(), n.to_string());
+                }
+            }
+            Err(e) => {
+                properties.insert("topology".into(), format!("not reported: {e}"));
+            }
+        }
     }
 }
 
@@ -148,6 +262,8 @@ impl XlaBackend {
         } else {
             format!("xla-{platform}:{index}")
         };
+        let facts = DeviceFacts::gather(client, &device, &desc, &platform);
+        facts.record(&mut properties);
         let info = DeviceInfo {
             kind: DeviceKind::Tpu,
             index,
@@ -155,9 +271,12 @@ impl XlaBackend {
                 "{} ({}, XLA {platform} plugin)",
                 desc.kind, desc.debug_string
             ),
-            memory_bytes: None,
-            compute_units: None,
-            arch: (platform == "tpu").then(|| desc.kind.clone()),
+            memory_bytes: facts.memory_bytes(),
+            compute_units: facts.compute_units(),
+            arch: match facts.generation {
+                Some(g) => Some(g.name().to_string()),
+                None => (platform == "tpu").then(|| desc.kind.clone()),
+            },
             features: vec!["xla".into()],
             properties,
         };
@@ -526,7 +645,100 @@ impl Backend for XlaBackend {
         MemoryStats {
             allocated_bytes: self.memory.live.load(Ordering::Relaxed),
             peak_bytes: self.memory.peak.load(Ordering::Relaxed),
-            total_bytes: self.memory.limit,
+            // The smaller of the backend's own limit and the device's memory.
+            total_bytes: match (self.memory.limit, self.info.memory_bytes) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::tests::{topology, tpu_device};
+
+    fn stats(limit: Option<u64>) -> std::result::Result<DeviceMemoryStats, String> {
+        Ok(DeviceMemoryStats {
+            bytes_in_use: 1 << 20,
+            peak_bytes_in_use: Some(2 << 20),
+            bytes_limit: limit,
+            ..DeviceMemoryStats::default()
+        })
+    }
+
+    #[test]
+    fn a_megacore_chip_is_one_device_with_the_whole_chip() {
+        let dev = tpu_device(0, "TPU v5", &[0, 0, 0], 0);
+        let t = topology(vec![dev.clone(), tpu_device(1, "TPU v5", &[1, 0, 0], 0)]);
+        let f = DeviceFacts::new(Some(TpuGeneration::V5p), stats(None), Ok(t), &dev);
+        assert_eq!(f.compute_units(), Some(2));
+        assert_eq!(f.memory_bytes(), Some(95 << 30));
+        let mut p = std::collections::BTreeMap::new();
+        f.record(&mut p);
+        assert_eq!(p["tpu_generation"], "v5p");
+        assert_eq!(p["tpu_chip_tensorcores"], "2");
+        assert_eq!(p["tpu_chip_hbm_gib"], "95");
+        assert_eq!(p["tpu_chip_peak_bf16_tflops"], "459");
+        assert_eq!(p["memory_bytes_in_use"], "1048576");
+        assert_eq!(p["memory_peak_bytes_in_use"], "2097152");
+        assert!(!p.contains_key("memory_bytes_limit"));
+        assert_eq!(p["topology_devices"], "2");
+        assert_eq!(p["topology_chips"], "2 (2x1x1)");
+        assert_eq!(p["topology_devices_per_chip"], "1");
+    }
+
+    #[test]
+    fn devices_sharing_a_chip_get_their_share() {
+        // v2: one device per TensorCore, two on each chip.
+        let a = tpu_device(0, "TPU v2", &[0, 0, 0], 0);
+        let b = tpu_device(1, "TPU v2", &[0, 0, 0], 1);
+        let t = topology(vec![a.clone(), b]);
+        let f = DeviceFacts::new(Some(TpuGeneration::V2), stats(None), Ok(t), &a);
+        assert_eq!(f.compute_units(), Some(1));
+        assert_eq!(f.memory_bytes(), Some(8 << 30));
+    }
+
+    #[test]
+    fn the_plugins_limit_wins_over_the_chips_hbm() {
+        let dev = tpu_device(0, "TPU v5 lite", &[0, 0, 0], 0);
+        let t = topology(vec![dev.clone()]);
+        let limit = 15_000_000_000;
+        let f = DeviceFacts::new(Some(TpuGeneration::V5e), stats(Some(limit)), Ok(t), &dev);
+        assert_eq!(f.memory_bytes(), Some(limit));
+        assert_eq!(f.compute_units(), Some(1));
+        let mut p = std::collections::BTreeMap::new();
+        f.record(&mut p);
+        assert_eq!(p["memory_bytes_limit"], limit.to_string());
+    }
+
+    #[test]
+    fn without_a_generation_or_reports_nothing_is_made_up() {
+        let cpu = DeviceDescription {
+            id: 0,
+            process_index: 0,
+            kind: "cpu".into(),
+            debug_string: "TFRT_CPU_0".into(),
+            attributes: Vec::new(),
+        };
+        let f = DeviceFacts::new(
+            None,
+            Err("UNIMPLEMENTED".into()),
+            Err("no topology".into()),
+            &cpu,
+        );
+        assert_eq!(f.compute_units(), None);
+        assert_eq!(f.memory_bytes(), None);
+        let mut p = std::collections::BTreeMap::new();
+        f.record(&mut p);
+        assert_eq!(p["memory_stats"], "not reported: UNIMPLEMENTED");
+        assert_eq!(p["topology"], "not reported: no topology");
+        assert!(!p.contains_key("tpu_generation"));
+        assert!(!p.contains_key("topology_devices_per_chip"));
+        // A TPU of a generation kpt does not know gets the plugin's limit only.
+        let f = DeviceFacts::new(None, stats(Some(1 << 30)), Err(String::new()), &cpu);
+        assert_eq!(f.memory_bytes(), Some(1 << 30));
+        assert_eq!(f.compute_units(), None);
     }
 }

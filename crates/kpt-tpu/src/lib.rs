@@ -10,7 +10,10 @@
 //!   plugin's message.
 //! - [`Client`]: the plugin's devices ([`Device`], [`DeviceDescription`]), buffers
 //!   ([`Buffer`]: host to device and back), and programs: [`Client::compile`] hands a
-//!   StableHLO module to XLA and returns an [`Executable`].
+//!   StableHLO module to XLA and returns an [`Executable`]. [`Client::topology`] and
+//!   [`Device::memory_stats`] describe the devices further.
+//! - [`TpuGeneration`]: a TPU's generation from its device kind (`TPU v5 lite` is a
+//!   v5e), with the chip's published TensorCores, HBM and peak bf16 compute.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), kpt_tpu::PjrtError> {
@@ -37,6 +40,7 @@ mod client;
 mod detect;
 mod error;
 mod executable;
+mod generation;
 mod locate;
 mod options;
 mod plugin;
@@ -46,10 +50,11 @@ pub mod sys;
 pub use backend::XlaBackend;
 pub use buffer::{dtype_of, element_type, Buffer, HostElement};
 pub use cache::{CacheStats, CompileCache};
-pub use client::{AttrValue, Client, Device, DeviceDescription};
+pub use client::{AttrValue, Client, Device, DeviceDescription, DeviceMemoryStats, Topology};
 pub use detect::{backends, plugin_path, PjrtDetector};
 pub use error::{PjrtError, Result};
 pub use executable::Executable;
+pub use generation::{TpuChipSpecs, TpuGeneration};
 pub use locate::{find_libtpu, find_plugin, PluginKind};
 pub use options::CompileOptions;
 pub use plugin::{Plugin, PLUGIN_ENV};

@@ -122,6 +122,14 @@ impl Plugin {
         unsafe { &*self.api }
     }
 
+    /// Whether the plugin's API table reaches the entry at byte `offset`
+    /// (`std::mem::offset_of!(sys::PJRT_Api, ...)`): a plugin built for an earlier
+    /// minor version of the C API has a shorter table, whose later entries must not be
+    /// read.
+    pub(crate) fn has_entry(&self, offset: usize) -> bool {
+        self.api().struct_size >= offset + std::mem::size_of::<usize>()
+    }
+
     /// Calls `func` (the table entry named `name`) with `args`, turning a returned error
     /// into [`PjrtError::Call`].
     pub(crate) fn call<A>(

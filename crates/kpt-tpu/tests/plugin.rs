@@ -281,3 +281,107 @@ fn the_compile_cache_hits_evicts_and_persists() {
     assert_eq!(out[0].to_vec::<f32>().unwrap(), [4.0, 6.0, 12.0, 14.0]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The topology holds every addressable device with the same description, and the
+/// memory statistics are what the platform offers: none on XLA's CPU plugin (an
+/// `UNIMPLEMENTED` error with its message), in-use within the limit elsewhere.
+#[test]
+fn topology_and_memory_describe_the_devices() {
+    let Some(client) = common::client() else {
+        return;
+    };
+    let platform = client.platform_name().unwrap();
+    let topology = client.topology().unwrap();
+    assert_eq!(topology.platform_name, platform);
+    assert_eq!(
+        topology.platform_version,
+        client.platform_version().unwrap()
+    );
+    let devices = client.devices().unwrap();
+    assert!(topology.devices.len() >= devices.len(), "{topology:?}");
+    for d in &devices {
+        let desc = d.description().unwrap();
+        let same = topology
+            .devices
+            .iter()
+            .find(|t| t.id == desc.id)
+            .unwrap_or_else(|| panic!("device {} is not in the topology", desc.id));
+        assert_eq!(same.kind, desc.kind);
+        assert_eq!(same.process_index, desc.process_index);
+    }
+    let has_coords = topology
+        .devices
+        .iter()
+        .any(|d| d.attribute("coords").is_some());
+    assert_eq!(topology.chip_bounds().is_some(), has_coords, "{topology:?}");
+    for d in &devices {
+        match (platform.as_str(), d.memory_stats()) {
+            (
+                "cpu",
+                Err(PjrtError::Call {
+                    func,
+                    code,
+                    message,
+                }),
+            ) => {
+                assert_eq!(func, "PJRT_Device_MemoryStats");
+                assert_eq!(code, "UNIMPLEMENTED");
+                assert!(!message.is_empty());
+            }
+            ("cpu", other) => panic!("the CPU plugin now reports memory: {other:?}"),
+            (_, Ok(m)) => {
+                if let Some(limit) = m.bytes_limit {
+                    assert!(m.bytes_in_use <= limit, "{m:?}");
+                }
+                if let Some(peak) = m.peak_bytes_in_use {
+                    assert!(m.bytes_in_use <= peak, "{m:?}");
+                }
+            }
+            (_, Err(e)) => panic!("{platform}: {e}"),
+        }
+    }
+}
+
+/// `XlaBackend`'s `DeviceInfo` carries the topology and says why memory is unknown
+/// where the plugin keeps no statistics; a TPU gets its generation as `arch`.
+#[test]
+fn the_backends_device_info_describes_the_device() {
+    use kpt_core::backend::Backend;
+    let Some(client) = common::client() else {
+        return;
+    };
+    let platform = client.platform_name().unwrap();
+    let n = client.topology().unwrap().devices.len();
+    for i in 0..client.devices().unwrap().len() {
+        let b = kpt_tpu::XlaBackend::new(&client, i).unwrap();
+        let info = b.device();
+        let p = &info.properties;
+        assert_eq!(p["topology_devices"], n.to_string(), "{info:?}");
+        let desc = client.devices().unwrap()[i].description().unwrap();
+        match platform.as_str() {
+            "cpu" => {
+                assert!(
+                    p["memory_stats"].starts_with(
+                        "not reported: PJRT_Device_MemoryStats failed (UNIMPLEMENTED)"
+                    ),
+                    "{info:?}"
+                );
+                assert_eq!(info.memory_bytes, None);
+                assert_eq!(info.compute_units, None);
+                assert_eq!(info.arch, None);
+                assert!(!p.contains_key("tpu_generation"));
+            }
+            "tpu" => {
+                let g = kpt_tpu::TpuGeneration::from_device_kind(&desc.kind);
+                assert_eq!(
+                    info.arch.as_deref(),
+                    Some(g.map_or(desc.kind.as_str(), |g| g.name()))
+                );
+                assert!(info.memory_bytes.is_some() || g.is_none(), "{info:?}");
+            }
+            _ => assert!(p.contains_key("memory_bytes_in_use") || p.contains_key("memory_stats")),
+        }
+        // The backend's capacity is the device's memory where known.
+        assert_eq!(b.memory_stats().total_bytes, info.memory_bytes);
+    }
+}

@@ -32,6 +32,7 @@ pub use kpt_core as core;
 pub use kpt_core::{KptConfig, KptError, OptLevel, Result};
 pub use kpt_kernels as kernels;
 pub use kpt_models as models;
+pub use kpt_monitor as monitor;
 #[cfg(feature = "cuda")]
 pub use kpt_nvidia as nvidia;
 #[cfg(feature = "tpu")]

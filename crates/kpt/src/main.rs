@@ -18,6 +18,7 @@ use kpt::kernels::CpuReference;
 use kpt::model::{bench_model, plan_runner, require_decoder, ModelBenchOptions};
 use kpt::models::generate::{Generator, SamplingParams, StopCondition};
 use kpt::models::{ModelError, Phase};
+use kpt::monitor::metrics::{write_openmetrics, BackendCounters};
 use kpt::table::Table;
 use kpt::Runtime;
 
@@ -80,6 +81,10 @@ enum Command {
         /// Greedy tokens compared per level.
         #[arg(long, default_value_t = 16)]
         tokens: usize,
+        /// After the run, write the backend's counters (an XLA backend's compile
+        /// cache) to this file as OpenMetrics text.
+        #[arg(long, value_name = "FILE")]
+        metrics: Option<PathBuf>,
     },
     /// Generate text with a checkpoint, streaming it as it comes.
     Run(RunArgs),
@@ -134,6 +139,10 @@ enum Command {
         /// Only these levels (repeatable; default: all three).
         #[arg(long = "level", value_enum)]
         levels: Vec<OptLevel>,
+        /// After the run, write the backend's counters (an XLA backend's compile
+        /// cache) to this file as OpenMetrics text.
+        #[arg(long, value_name = "FILE")]
+        metrics: Option<PathBuf>,
     },
 }
 
@@ -308,7 +317,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             level,
             model,
             tokens,
-        } => validate(load_config(config_path, device)?, level, model, tokens),
+            metrics,
+        } => validate(
+            load_config(config_path, device)?,
+            level,
+            model,
+            tokens,
+            metrics.as_deref(),
+        ),
         Command::Run(args) => run_model(load_config(config_path, device)?, args),
         Command::Embed {
             model,
@@ -367,6 +383,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             json,
             profile,
             levels,
+            metrics,
         } => demo(
             load_config(config_path, device)?,
             model,
@@ -374,6 +391,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             json,
             profile,
             levels,
+            metrics.as_deref(),
         ),
     }
 }
@@ -637,6 +655,7 @@ fn validate(
     level: Option<OptLevel>,
     model: Option<PathBuf>,
     tokens: usize,
+    metrics: Option<&Path>,
 ) -> anyhow::Result<()> {
     let level = level.unwrap_or(cfg.precision.level);
     let scale = cfg.precision.tolerance_scale;
@@ -729,6 +748,9 @@ fn validate(
         ]);
     }
     println!("{c}");
+    if let Some(path) = metrics {
+        write_metrics(&rt, path)?;
+    }
     report.into_result()?;
     if let Some(bad) = compared.rows.iter().find(|r| !r.passed) {
         anyhow::bail!("level {} failed validation", bad.level);
@@ -999,6 +1021,21 @@ fn print_profile(rt: &Runtime) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Writes the backend's counters to `path` as OpenMetrics text (a note on stderr, so
+/// that `--json` output stays one document).
+fn write_metrics(rt: &Runtime, path: &Path) -> anyhow::Result<()> {
+    let backend = rt.backend()?;
+    let counters = BackendCounters::of(backend.as_ref());
+    write_openmetrics(path, std::slice::from_ref(&counters))?;
+    eprintln!(
+        "wrote {} ({} counters of {})",
+        path.display(),
+        counters.counters.len(),
+        counters.backend
+    );
+    Ok(())
+}
+
 fn demo(
     cfg: KptConfig,
     model: Option<PathBuf>,
@@ -1006,6 +1043,7 @@ fn demo(
     json: bool,
     profile: bool,
     levels: Vec<OptLevel>,
+    metrics: Option<&Path>,
 ) -> anyhow::Result<()> {
     let rt = runtime(cfg)?;
     let profiling = start_profile(&rt, profile)?;
@@ -1080,6 +1118,9 @@ fn demo(
     }
     if profiling {
         print_profile(&rt)?;
+    }
+    if let Some(path) = metrics {
+        write_metrics(&rt, path)?;
     }
     if let Some(bad) = rows.iter().find(|r| !r.passed) {
         anyhow::bail!("level {} failed validation", bad.level);

@@ -417,6 +417,108 @@ fn validate_runs_on_a_named_pjrt_plugin() {
     assert!(out.contains("xla.rms_norm"), "{out}");
 }
 
+/// `kpt detect` describes the devices of a named PJRT plugin: the topology's device
+/// count in the table, and in JSON the same with the reason memory is not known (XLA's
+/// CPU plugin keeps no memory statistics).
+#[test]
+fn detect_describes_the_devices_of_a_named_pjrt_plugin() {
+    let Some(plugin) = std::env::var_os("KPT_PJRT_PLUGIN") else {
+        eprintln!("skipped: KPT_PJRT_PLUGIN is not set");
+        return;
+    };
+    let out = ok(kpt(&["detect"]).env("KPT_PJRT_PLUGIN", &plugin));
+    assert!(out.contains("topology_devices"), "{out}");
+    let out = ok(kpt(&["detect", "--json"]).env("KPT_PJRT_PLUGIN", &plugin));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let xla: Vec<_> = v
+        .as_array()
+        .expect("a JSON array of devices")
+        .iter()
+        .filter(|d| d["kind"] == "tpu")
+        .collect();
+    assert!(!xla.is_empty(), "{out}");
+    for d in &xla {
+        let p = &d["properties"];
+        let n: usize = p["topology_devices"]
+            .as_str()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no topology_devices: {d}"));
+        assert!(n >= xla.len(), "{out}");
+        if p["pjrt_platform"] == "cpu" {
+            assert!(
+                p["memory_stats"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("UNIMPLEMENTED")),
+                "{d}"
+            );
+            assert!(d["memory_bytes"].is_null(), "{d}");
+        }
+    }
+}
+
+/// The value of the sample `name` in OpenMetrics `text` (one backend, so one sample).
+fn metric(text: &str, name: &str) -> f64 {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}{{")))
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{text}"));
+    assert!(line.contains("backend=\"xla-cpu:0\""), "{line}");
+    line.rsplit_once(' ')
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or_else(|| panic!("no value in {line}"))
+}
+
+/// `kpt demo --metrics` on the XLA backend writes the compile cache's counters as
+/// OpenMetrics text: the demo compiles each op's program once and reuses it, so there
+/// are hits and misses, and the hit ratio is hits over both.
+#[test]
+fn demo_writes_compile_cache_metrics_on_a_named_pjrt_plugin() {
+    let Some(plugin) = std::env::var_os("KPT_PJRT_PLUGIN") else {
+        eprintln!("skipped: KPT_PJRT_PLUGIN is not set");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kpt.prom");
+    let out = ok(kpt(&[
+        "--device",
+        "tpu",
+        "demo",
+        "--tokens",
+        "3",
+        "--level",
+        "conservative",
+        "--metrics",
+        path_str(&path),
+    ])
+    .env("KPT_PJRT_PLUGIN", plugin));
+    assert!(out.contains("xla_compile_cache_hits"), "{out}");
+    let text = std::fs::read_to_string(&path).expect("the metrics file");
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    assert!(
+        text.contains("# TYPE kpt_xla_compile_cache_hits counter"),
+        "{text}"
+    );
+    assert!(
+        text.contains("# TYPE kpt_xla_compile_cache_entries gauge"),
+        "{text}"
+    );
+    assert!(
+        text.contains("# UNIT kpt_xla_compile_cache_bytes bytes"),
+        "{text}"
+    );
+    let hits = metric(&text, "kpt_xla_compile_cache_hits_total");
+    let misses = metric(&text, "kpt_xla_compile_cache_misses_total");
+    assert!(hits > 0.0 && misses > 0.0, "{text}");
+    assert!(
+        metric(&text, "kpt_xla_compile_cache_entries") > 0.0,
+        "{text}"
+    );
+    assert!(metric(&text, "kpt_xla_compile_cache_bytes") > 0.0, "{text}");
+    assert!(metric(&text, "kpt_xla_programs") > 0.0, "{text}");
+    let ratio = metric(&text, "kpt_xla_compile_cache_hit_ratio");
+    assert!((ratio - hits / (hits + misses)).abs() < 1e-12, "{text}");
+}
+
 #[test]
 fn an_unknown_device_is_a_usage_error() {
     let o = run(&mut kpt(&["demo", "--device", "gpu"]));
@@ -718,4 +820,59 @@ fn validate_and_demo_take_a_checkpoint() {
     ]));
     assert!(out.contains("llama decoder, 2 layers"), "{out}");
     assert!(out.contains("= ref tokens"), "{out}");
+}
+
+/// `--metrics` writes a valid (here empty: the CPU backend keeps no counters)
+/// OpenMetrics file after `demo` (also with `--json`, whose stdout stays one JSON
+/// document) and `validate`; an unwritable path is an error naming it.
+#[test]
+fn demo_and_validate_write_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_checkpoint(dir.path());
+    let model = path_str(dir.path());
+    let path = dir.path().join("demo.prom");
+    let out = ok(&mut kpt(&[
+        "demo",
+        "--model",
+        model,
+        "--tokens",
+        "2",
+        "--device",
+        "cpu",
+        "--level",
+        "conservative",
+        "--json",
+        "--metrics",
+        path_str(&path),
+    ]));
+    serde_json::from_str::<serde_json::Value>(&out).expect("stdout is one JSON document");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "# EOF\n");
+    let path = dir.path().join("validate.prom");
+    ok(&mut kpt(&[
+        "validate",
+        "--model",
+        model,
+        "--tokens",
+        "2",
+        "--device",
+        "cpu",
+        "--metrics",
+        path_str(&path),
+    ]));
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "# EOF\n");
+    let bad = dir.path().join("no-such-dir").join("x.prom");
+    let err = fails(&mut kpt(&[
+        "demo",
+        "--model",
+        model,
+        "--tokens",
+        "2",
+        "--device",
+        "cpu",
+        "--level",
+        "conservative",
+        "--metrics",
+        path_str(&bad),
+    ]));
+    assert!(err.contains("no-such-dir"), "{err}");
 }
