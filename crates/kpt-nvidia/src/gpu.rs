@@ -589,6 +589,8 @@ impl Gpu {
             let image = match artifact.format {
                 Format::Cubin => Ptx::from_binary(artifact.bytes.to_vec()),
                 Format::Ptx => Ptx::from_src(String::from_utf8_lossy(artifact.bytes).into_owned()),
+                // `cuda_candidates` never lists AMD code objects.
+                Format::Hsaco => continue,
             };
             match self.ctx.load_module(image) {
                 Ok(m) => {
