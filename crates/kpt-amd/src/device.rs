@@ -148,6 +148,42 @@ impl AmdDevice {
     }
 }
 
+/// The recorded property tables (`crates/kpt-amd/devices/*.json`, each with the public
+/// sources of its numbers): name and JSON.
+const RECORDED: [(&str, &str); 3] = [
+    ("mi250x", include_str!("../devices/mi250x.json")),
+    ("mi300x", include_str!("../devices/mi300x.json")),
+    ("rx7900xtx", include_str!("../devices/rx7900xtx.json")),
+];
+
+/// The names of the recorded devices: `mi250x` (one die of an Instinct MI250X),
+/// `mi300x` (Instinct MI300X), `rx7900xtx` (Radeon RX 7900 XTX).
+pub fn recorded_devices() -> Vec<&'static str> {
+    RECORDED.iter().map(|(name, _)| *name).collect()
+}
+
+/// A recorded device as kpt would see it (what `kpt kernels --explain --on mi300x`
+/// explains against); [`AmdError::Recorded`] for another name.
+pub fn recorded_device(name: &str) -> Result<AmdDevice, AmdError> {
+    #[derive(Deserialize)]
+    struct Recorded {
+        properties: DeviceProperties,
+    }
+    let known = recorded_devices().join(", ");
+    let err = |reason: String| AmdError::Recorded {
+        name: name.to_string(),
+        reason,
+        known: known.clone(),
+    };
+    let key = name.to_ascii_lowercase().replace([' ', '-', '_'], "");
+    let (_, json) = RECORDED
+        .iter()
+        .find(|(n, _)| *n == key)
+        .ok_or_else(|| err("not recorded".into()))?;
+    let r: Recorded = serde_json::from_str(json).map_err(|e| err(e.to_string()))?;
+    AmdDevice::new(0, r.properties)
+}
+
 /// Whether the HIP runtime library can be loaded on this machine.
 pub fn runtime_present() -> bool {
     HipRuntime::present()
@@ -262,6 +298,28 @@ mod tests {
             integrated: false,
             pci: (0, 0x2f, 0),
         }
+    }
+
+    #[test]
+    fn recorded_devices_parse_and_unknown_names_are_errors() {
+        for name in recorded_devices() {
+            let d = recorded_device(name).unwrap();
+            assert_eq!(d.properties.warp_size, d.arch.wave_size(), "{name}");
+        }
+        assert_eq!(
+            recorded_device("MI300X").unwrap().arch.processor(),
+            "gfx942"
+        );
+        assert_eq!(
+            recorded_device("rx-7900-xtx").unwrap().arch.processor(),
+            "gfx1100"
+        );
+        let err = recorded_device("mi100").unwrap_err();
+        assert!(matches!(err, AmdError::Recorded { .. }), "{err:?}");
+        assert!(
+            err.to_string().contains("mi250x, mi300x, rx7900xtx"),
+            "{err}"
+        );
     }
 
     #[test]

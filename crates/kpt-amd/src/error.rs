@@ -58,6 +58,16 @@ pub enum AmdError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A name that is not one of the recorded devices (`kpt_amd::recorded_device`).
+    #[error("no recorded AMD device `{name}` ({reason}); recorded: {known}")]
+    Recorded {
+        /// The name asked for.
+        name: String,
+        /// Why it could not be given.
+        reason: String,
+        /// The recorded names.
+        known: String,
+    },
     /// A code object (HSACO) that is not a valid AMDGPU ELF or lacks what it should hold.
     #[error("invalid AMDGPU code object: {0}")]
     CodeObject(String),

@@ -8,7 +8,8 @@
 //!   `hipDeviceProp_t` layouts (ROCm 5 and ROCm 6+).
 //! - [`devices`], [`RocmDetector`]: discovery for `kpt detect`; [`DeviceProperties`]
 //!   (what the runtime reports, serde-serializable so recorded tables of real devices
-//!   test the same code) and [`AmdDevice`].
+//!   test the same code) and [`AmdDevice`]; [`recorded_device`], the recorded tables of
+//!   an MI250X die, an MI300X and an RX 7900 XTX (`devices/*.json`, with their sources).
 //! - [`GcnArch`]: a target ID such as `gfx942:sramecc+:xnack-` parsed into processor and
 //!   features, with its [`Family`] (CDNA2, CDNA3, RDNA3, ...), wave size, LDS, matrix
 //!   cores, FP8 encoding and [`Tuning`] table.
@@ -41,8 +42,8 @@ pub mod sys;
 
 pub use arch::{Family, FeatureSetting, Fp8Format, GcnArch, MatrixCores, Tuning};
 pub use device::{
-    devices, devices_of, read_properties, runtime_present, AmdDevice, DeviceProperties,
-    RocmDetector,
+    devices, devices_of, read_properties, recorded_device, recorded_devices, runtime_present,
+    AmdDevice, DeviceProperties, RocmDetector,
 };
 pub use error::AmdError;
 pub use hsaco::{processor_of_mach, CodeObject, FeatureFlag, KernelMetadata};

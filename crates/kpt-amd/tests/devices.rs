@@ -1,5 +1,5 @@
 //! Device-family detection, tuning and kernel selection on the recorded property tables
-//! of real devices (`tests/fixtures/*.json`: an MI250X die, an MI300X and an RX 7900 XTX,
+//! of real devices (`devices/*.json`: an MI250X die, an MI300X and an RX 7900 XTX,
 //! each with the public sources of its numbers), through the same code `kpt detect` runs
 //! on what the HIP runtime reports.
 
@@ -14,7 +14,7 @@ struct Fixture {
 }
 
 fn device(file: &str) -> AmdDevice {
-    let path = format!("{}/tests/fixtures/{file}", env!("CARGO_MANIFEST_DIR"));
+    let path = format!("{}/devices/{file}", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     let f: Fixture = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
     assert!(!f.sources.is_empty(), "{path}: no source");
@@ -97,7 +97,11 @@ fn tuning_tables_agree_with_the_recorded_limits() {
         // rocminfo's "Max Waves Per CU" is 32 on all three.
         assert_eq!(t.max_waves_per_cu(), 32, "{file}");
         // Resident threads per CU: 32 waves of 64 on CDNA (2048), of 32 on RDNA 3 (1024).
-        assert_eq!(t.max_waves_per_cu() * t.wave_size, p.max_threads_per_cu, "{file}");
+        assert_eq!(
+            t.max_waves_per_cu() * t.wave_size,
+            p.max_threads_per_cu,
+            "{file}"
+        );
         // A row kernel's block fits, with its 16 bytes of static LDS.
         assert!(t.blocks_per_cu(t.row_block, 16) >= 4, "{file}");
     }
@@ -123,4 +127,34 @@ fn kernel_selection_follows_the_processor() {
             );
         }
     }
+}
+
+#[test]
+fn the_registry_explains_what_would_run_on_each_recorded_device() {
+    use kpt_core::graph::{Op, TensorSpec};
+    use kpt_core::DType;
+    use kpt_kernels::{KernelRegistry, CPU_REFERENCE};
+
+    let registry = KernelRegistry::with_builtin();
+    let inputs = [TensorSpec::new(&[8, 4096], DType::BF16)];
+    let op = Op::RmsNorm { eps: 1e-6 };
+    let mi250x = kpt_amd::recorded_device("mi250x").unwrap().device_info();
+    assert_eq!(
+        registry.fallback_chain(
+            &op,
+            &[inputs[0].clone(), TensorSpec::new(&[4096], DType::BF16)],
+            &mi250x
+        ),
+        ["amd.rms_norm", CPU_REFERENCE]
+    );
+    let mi300x = kpt_amd::recorded_device("mi300x").unwrap().device_info();
+    let why = registry
+        .explain(&Op::Softmax, &inputs, &mi300x)
+        .into_iter()
+        .find(|c| c.kernel == "amd.softmax")
+        .unwrap();
+    assert_eq!(
+        why.reason,
+        "built for gfx90a/gfx940/gfx1030 only, device is gfx942"
+    );
 }

@@ -20,7 +20,9 @@ fn the_runtime_of_this_machine_is_understood_or_reported_missing() {
         Ok(rt) => {
             let v = rt.version().expect("hipRuntimeGetVersion");
             assert!(v.major >= 5, "{v}");
-            let layout = rt.props_layout().expect("no hipGetDeviceProperties* kpt knows");
+            let layout = rt
+                .props_layout()
+                .expect("no hipGetDeviceProperties* kpt knows");
             assert_eq!(layout == PropsLayout::R0600, v.major >= 6, "{v} {layout:?}");
             let found = devices_of(rt).unwrap();
             assert_eq!(RocmDetector.detect().unwrap().len(), found.len());
@@ -34,8 +36,8 @@ fn the_runtime_of_this_machine_is_understood_or_reported_missing() {
 
 #[test]
 fn an_explicit_library_that_is_not_there_is_no_runtime() {
-    let err = HipRuntime::load_first(&[PathBuf::from("/opt/nowhere/libamdhip64.so.6")])
-        .unwrap_err();
+    let err =
+        HipRuntime::load_first(&[PathBuf::from("/opt/nowhere/libamdhip64.so.6")]).unwrap_err();
     assert!(
         matches!(&err, AmdError::NoRuntime { reason, .. } if reason.contains("/opt/nowhere")),
         "{err:?}"

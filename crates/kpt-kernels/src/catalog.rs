@@ -162,6 +162,57 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
     ]
 }
 
+/// The CUDA kernels whose sources `kernels/hip/*.hip` compile for AMD GPUs, and the
+/// artifact (source file stem) that holds each.
+const AMD_SHARED: &[(&str, &str)] = &[
+    ("cuda.rms_norm", "rms_norm"),
+    ("cuda.add_rms_norm", "rms_norm"),
+    ("cuda.layer_norm", "layer_norm"),
+    ("cuda.add_layer_norm", "layer_norm"),
+    ("cuda.softmax", "softmax"),
+    ("cuda.argmax", "softmax"),
+    ("cuda.rotary", "rotary"),
+    ("cuda.split_rotary", "rotary"),
+    ("cuda.activation", "elementwise"),
+    ("cuda.act_and_mul", "elementwise"),
+    ("cuda.add", "elementwise"),
+    ("cuda.mul", "elementwise"),
+    ("cuda.cast", "elementwise"),
+    ("cuda.embedding", "embedding"),
+];
+
+/// The AMD kernels: each of [`AMD_SHARED`]'s CUDA kernels as `amd.*`, for the ROCm
+/// backend, restricted to the processors its embedded code objects were built for
+/// (`artifacts::hsaco_targets`), so a device of another processor (an MI300X, gfx942,
+/// while only gfx940 code exists) passes over it.
+pub fn amd_kernels() -> Vec<KernelDef> {
+    cuda_kernels()
+        .into_iter()
+        .filter_map(|def| {
+            let &(_, source) = AMD_SHARED.iter().find(|(name, _)| *name == def.name)?;
+            let targets = crate::artifacts::hsaco_targets(source);
+            if targets.is_empty() {
+                return None;
+            }
+            let name = def.name.replacen("cuda.", "amd.", 1);
+            let description = format!(
+                "{} (kernels/cuda/{source}.cu built by hipcc for AMD)",
+                def.description
+            );
+            Some(
+                KernelDef {
+                    name,
+                    backend: DeviceKind::Rocm,
+                    min_arch: None,
+                    description,
+                    ..def
+                }
+                .targets(&targets),
+            )
+        })
+        .collect()
+}
+
 /// The CUDA kernels: cuBLASLt GEMMs and kpt's own kernels (`kernels/cuda/`), all
 /// built for sm_80 and newer.
 pub fn cuda_kernels() -> Vec<KernelDef> {
@@ -588,6 +639,7 @@ impl KernelRegistry {
         for def in cpu_kernels()
             .into_iter()
             .chain(cuda_kernels())
+            .chain(amd_kernels())
             .chain(xla_kernels())
             .chain(reference_kernels())
         {
