@@ -318,12 +318,14 @@ fn artifact(
 /// The entries of `old` built from `source` when they are still current: the source (with
 /// its headers) hashes as recorded and every artifact exists with its recorded hash. Reusing
 /// them keeps unchanged artifacts byte-identical (nvcc's PTX symbol names differ per run).
-fn current_entries(old: &Manifest, source: &Path) -> Result<Option<Vec<KernelEntry>>> {
+/// Only the entries for AMD (`hip`, every artifact an HSACO) or only the others: a Triton
+/// source has both, built by different steps.
+fn current_entries(old: &Manifest, source: &Path, hip: bool) -> Result<Option<Vec<KernelEntry>>> {
     let path = rel(source);
     let entries: Vec<_> = old
         .kernels
         .iter()
-        .filter(|e| e.source == path)
+        .filter(|e| e.source == path && is_hip(e) == hip)
         .cloned()
         .collect();
     if entries.is_empty() {
@@ -368,7 +370,11 @@ fn build_cuda(
         if src.extension().and_then(|e| e.to_str()) != Some("cu") {
             continue;
         }
-        if let Some(entries) = old.map(|m| current_entries(m, &src)).transpose()?.flatten() {
+        if let Some(entries) = old
+            .map(|m| current_entries(m, &src, false))
+            .transpose()?
+            .flatten()
+        {
             manifest.kernels.extend(entries);
             continue;
         }
@@ -446,7 +452,11 @@ fn build_triton(
     std::fs::create_dir_all(&out_dir)?;
     let driver = root().join("xtask/triton/aot.py");
     for src in list_sources(&root().join("kernels/triton"))? {
-        if let Some(entries) = old.map(|m| current_entries(m, &src)).transpose()?.flatten() {
+        if let Some(entries) = old
+            .map(|m| current_entries(m, &src, false))
+            .transpose()?
+            .flatten()
+        {
             manifest.kernels.extend(entries);
             continue;
         }
@@ -594,7 +604,11 @@ fn build_hip(old: Option<&Manifest>, manifest: &mut Manifest) -> Result<()> {
     let include = root().join("kernels/hip/include");
     let mut toolchain = None;
     for src in sources {
-        if let Some(entries) = old.map(|m| current_entries(m, &src)).transpose()?.flatten() {
+        if let Some(entries) = old
+            .map(|m| current_entries(m, &src, true))
+            .transpose()?
+            .flatten()
+        {
             manifest.kernels.extend(entries);
             continue;
         }
@@ -656,18 +670,97 @@ pub enum Toolchain {
     Cuda,
     /// Triton: `kernels/triton/*.py`.
     Triton,
-    /// hipcc: `kernels/hip/*.hip`.
+    /// AMD code objects: hipcc for `kernels/hip/*.hip`, Triton for `kernels/triton/*.py`.
     Hip,
 }
 
-/// The entries of `old` whose source is under `prefix`, unchanged.
-fn keep(old: &Manifest, prefix: &str, manifest: &mut Manifest) {
+/// Whether `entry` is built for AMD GPUs (its artifacts are HSACO code objects).
+fn is_hip(entry: &KernelEntry) -> bool {
+    !entry.artifacts.is_empty() && entry.artifacts.iter().all(|a| a.format == "hsaco")
+}
+
+/// The entries of `old` whose source is under `prefix` and that are (`hip`) or are not
+/// built for AMD GPUs, unchanged.
+fn keep(old: &Manifest, prefix: &str, hip: bool, manifest: &mut Manifest) {
     manifest.kernels.extend(
         old.kernels
             .iter()
-            .filter(|e| e.source.starts_with(prefix))
+            .filter(|e| e.source.starts_with(prefix) && is_hip(e) == hip)
             .cloned(),
     );
+}
+
+/// Compiles the specializations of every `kernels/triton/*.py` for the AMD processors of
+/// `xtask/triton/aot.py`'s `HIP_TARGETS` with the pinned Triton of
+/// `kernels/requirements-hip.txt` (in `target/triton-hip-venv`): one entry per
+/// specialization and processor, since the launch block is waves × wave size.
+fn build_triton_hip(old: Option<&Manifest>, manifest: &mut Manifest) -> Result<()> {
+    let out_dir = artifacts_dir().join("hip");
+    let driver = root().join("xtask/triton/aot.py");
+    let mut python = None;
+    for src in list_sources(&root().join("kernels/triton"))? {
+        if let Some(entries) = old
+            .map(|m| current_entries(m, &src, true))
+            .transpose()?
+            .flatten()
+        {
+            manifest.kernels.extend(entries);
+            continue;
+        }
+        if python.is_none() {
+            python = Some(python_env(
+                "triton-hip-venv",
+                "kernels/requirements-hip.txt",
+            )?);
+            std::fs::create_dir_all(&out_dir)?;
+        }
+        let python = python.as_ref().context("python")?;
+        eprintln!("triton (AMD): compiling {}", rel(&src));
+        let out = Command::new(python)
+            .arg(&driver)
+            .arg(&src)
+            .arg(&out_dir)
+            .arg("hip")
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("running {}", driver.display()))?;
+        if !out.status.success() {
+            bail!("Triton failed on {} for AMD", rel(&src));
+        }
+        let build: TritonBuild = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("reading what {} reported", rel(&driver)))?;
+        manifest
+            .toolchains
+            .insert("triton".into(), build.triton.clone());
+        let source_sha256 = source_sha256(&src)?;
+        for k in build.kernels {
+            let entry_points = vec![EntryPoint {
+                name: k.entry,
+                block: k.block,
+                shared_bytes: k.shared,
+                grid: k.grid,
+            }];
+            let artifacts = k
+                .artifacts
+                .iter()
+                .map(|a| {
+                    let file = out_dir.join(&a.file);
+                    if !std::fs::read(&file)?.starts_with(b"\x7fELF") {
+                        bail!("{}: not an ELF code object", rel(&file));
+                    }
+                    artifact(&file, &a.target, &a.format, &entry_points)
+                })
+                .collect::<Result<_>>()?;
+            manifest.kernels.push(KernelEntry {
+                name: k.kernel,
+                source: rel(&src),
+                source_sha256: source_sha256.clone(),
+                entry_points,
+                artifacts,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Compiles the kernels whose sources changed (every kernel with `force`) with every
@@ -684,21 +777,22 @@ pub fn build_kernels(force: bool, only: Option<Toolchain>) -> Result<()> {
         if wants(Toolchain::Cuda) {
             build_cuda(&python, &ptxas, old, &mut manifest)?;
         } else {
-            keep(&previous, "kernels/cuda/", &mut manifest);
+            keep(&previous, "kernels/cuda/", false, &mut manifest);
         }
         if wants(Toolchain::Triton) {
             build_triton(&python, &ptxas, old, &mut manifest)?;
         } else {
-            keep(&previous, "kernels/triton/", &mut manifest);
+            keep(&previous, "kernels/triton/", false, &mut manifest);
         }
     } else {
-        keep(&previous, "kernels/cuda/", &mut manifest);
-        keep(&previous, "kernels/triton/", &mut manifest);
+        keep(&previous, "kernels/cuda/", false, &mut manifest);
+        keep(&previous, "kernels/triton/", false, &mut manifest);
     }
     if wants(Toolchain::Hip) {
         build_hip(old, &mut manifest)?;
+        build_triton_hip(old, &mut manifest)?;
     } else {
-        keep(&previous, "kernels/hip/", &mut manifest);
+        keep(&previous, "kernels/", true, &mut manifest);
     }
     if !force || only.is_some() {
         // Toolchain versions of reused entries stay as recorded.

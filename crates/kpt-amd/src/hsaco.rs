@@ -267,10 +267,11 @@ impl CodeObject {
         self.kernels.iter().find(|k| k.name == name)
     }
 
-    /// Checks that this code object is one kpt can launch `entry_points` from on
-    /// `processor` with blocks of the given sizes: built for that processor (also in
-    /// `amdhsa.target`), each entry point present as function and kernel descriptor with
-    /// metadata, at most `lds_limit` bytes of static LDS, at most 512 VGPRs (256
+    /// Checks that this code object is one kpt can launch `entry_points` (name, threads
+    /// per block, dynamic LDS bytes) from on `processor`: built for that processor (also
+    /// in `amdhsa.target`), each entry point present as function and kernel descriptor
+    /// with metadata, at most `lds_limit` bytes of static and dynamic LDS together
+    /// (Triton asks for its LDS at launch), at most 512 VGPRs (256
     /// architected + 256 AGPRs on CDNA), at most 112 SGPRs, the wave size `wave_size`,
     /// no scratch and no VGPR spills, and a `max_flat_workgroup_size` that admits the
     /// block. SGPR spills are allowed: without scratch they go to VGPR lanes
@@ -280,7 +281,7 @@ impl CodeObject {
         processor: &str,
         wave_size: u32,
         lds_limit: u32,
-        entry_points: &[(&str, u32)],
+        entry_points: &[(&str, u32, u32)],
     ) -> Result<(), AmdError> {
         let mut problems = Vec::new();
         if self.processor != processor {
@@ -295,7 +296,7 @@ impl CodeObject {
                 problems.push(format!("amdhsa.target is {t}, not {processor}"));
             }
         }
-        for &(name, block) in entry_points {
+        for &(name, block, dynamic_lds) in entry_points {
             let kd = format!("{name}.kd");
             if !self.has_symbol(name) {
                 problems.push(format!("no symbol {name}"));
@@ -317,9 +318,11 @@ impl CodeObject {
             if k.sgpr_count == 0 || k.sgpr_count > 112 {
                 problems.push(format!("{name}: {} SGPRs (1..=112)", k.sgpr_count));
             }
-            if k.group_segment_fixed_size > lds_limit {
+            let lds = u64::from(k.group_segment_fixed_size) + u64::from(dynamic_lds);
+            if lds > u64::from(lds_limit) {
                 problems.push(format!(
-                    "{name}: {} bytes of LDS, more than {lds_limit}",
+                    "{name}: {} bytes of static and {dynamic_lds} of dynamic LDS, more than \
+                     {lds_limit}",
                     k.group_segment_fixed_size
                 ));
             }

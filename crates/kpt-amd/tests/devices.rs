@@ -117,7 +117,7 @@ fn kernel_selection_follows_the_processor() {
     }
     // ROCm 5.2's hipcc builds gfx940, not gfx942, and gfx1030, not gfx1100: code objects
     // load only on the processor they were built for, so MI300X and RX 7900 XTX get none
-    // and their row ops fall back down the kernel chain.
+    // of the hipcc builds; Triton's RMSNorm is built for both.
     for file in ["mi300x.json", "rx7900xtx.json"] {
         let d = device(file);
         for kernel in ROW_KERNELS {
@@ -126,6 +126,13 @@ fn kernel_selection_follows_the_processor() {
                 "{file} {kernel}"
             );
         }
+        let triton = hsaco_candidates("triton_rms_norm_bf16_4096", d.arch.processor());
+        assert_eq!(triton.len(), 1, "{file}");
+        assert_eq!(
+            triton[0].entry_points[0].block,
+            8 * d.arch.wave_size(),
+            "{file}: 8 waves"
+        );
     }
 }
 
@@ -145,9 +152,18 @@ fn the_registry_explains_what_would_run_on_each_recorded_device() {
             &[inputs[0].clone(), TensorSpec::new(&[4096], DType::BF16)],
             &mi250x
         ),
-        ["amd.rms_norm", CPU_REFERENCE]
+        ["amd.triton.rms_norm", "amd.rms_norm", CPU_REFERENCE]
     );
+    // MI300X: Triton's gfx942 build of the RMSNorm, nothing from hipcc 5.2.
     let mi300x = kpt_amd::recorded_device("mi300x").unwrap().device_info();
+    assert_eq!(
+        registry.fallback_chain(
+            &op,
+            &[inputs[0].clone(), TensorSpec::new(&[4096], DType::BF16)],
+            &mi300x
+        ),
+        ["amd.triton.rms_norm", CPU_REFERENCE]
+    );
     let why = registry
         .explain(&Op::Softmax, &inputs, &mi300x)
         .into_iter()

@@ -162,43 +162,81 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
     ]
 }
 
-/// The CUDA kernels whose sources `kernels/hip/*.hip` compile for AMD GPUs, and the
-/// artifact (source file stem) that holds each.
-const AMD_SHARED: &[(&str, &str)] = &[
-    ("cuda.rms_norm", "rms_norm"),
-    ("cuda.add_rms_norm", "rms_norm"),
-    ("cuda.layer_norm", "layer_norm"),
-    ("cuda.add_layer_norm", "layer_norm"),
-    ("cuda.softmax", "softmax"),
-    ("cuda.argmax", "softmax"),
-    ("cuda.rotary", "rotary"),
-    ("cuda.split_rotary", "rotary"),
-    ("cuda.activation", "elementwise"),
-    ("cuda.act_and_mul", "elementwise"),
-    ("cuda.add", "elementwise"),
-    ("cuda.mul", "elementwise"),
-    ("cuda.cast", "elementwise"),
-    ("cuda.embedding", "embedding"),
+/// The NVIDIA kernels whose sources are also compiled for AMD GPUs: the kernel, an
+/// embedded artifact that holds it (every specialization of a source is built for the same
+/// processors) and how it was built.
+const AMD_SHARED: &[(&str, &str, &str)] = &[
+    ("cuda.rms_norm", "rms_norm", HIPCC_RMS),
+    ("cuda.add_rms_norm", "rms_norm", HIPCC_RMS),
+    (
+        "cuda.layer_norm",
+        "layer_norm",
+        "kernels/cuda/layer_norm.cu built by hipcc",
+    ),
+    (
+        "cuda.add_layer_norm",
+        "layer_norm",
+        "kernels/cuda/layer_norm.cu built by hipcc",
+    ),
+    (
+        "cuda.softmax",
+        "softmax",
+        "kernels/cuda/softmax.cu built by hipcc",
+    ),
+    (
+        "cuda.argmax",
+        "softmax",
+        "kernels/cuda/softmax.cu built by hipcc",
+    ),
+    (
+        "cuda.rotary",
+        "rotary",
+        "kernels/cuda/rotary.cu built by hipcc",
+    ),
+    (
+        "cuda.split_rotary",
+        "rotary",
+        "kernels/cuda/rotary.cu built by hipcc",
+    ),
+    ("cuda.activation", "elementwise", HIPCC_ELEMENTWISE),
+    ("cuda.act_and_mul", "elementwise", HIPCC_ELEMENTWISE),
+    ("cuda.add", "elementwise", HIPCC_ELEMENTWISE),
+    ("cuda.mul", "elementwise", HIPCC_ELEMENTWISE),
+    ("cuda.cast", "elementwise", HIPCC_ELEMENTWISE),
+    (
+        "cuda.embedding",
+        "embedding",
+        "kernels/cuda/embedding.cu built by hipcc",
+    ),
+    ("triton.rms_norm", "triton_rms_norm_f32_1024", TRITON_RMS),
+    (
+        "triton.add_rms_norm",
+        "triton_add_rms_norm_f32_1024",
+        TRITON_RMS,
+    ),
 ];
+const HIPCC_RMS: &str = "kernels/cuda/rms_norm.cu built by hipcc";
+const HIPCC_ELEMENTWISE: &str = "kernels/cuda/elementwise.cu built by hipcc";
+const TRITON_RMS: &str = "kernels/triton/rms_norm.py built by Triton";
 
-/// The AMD kernels: each of [`AMD_SHARED`]'s CUDA kernels as `amd.*`, for the ROCm
-/// backend, restricted to the processors its embedded code objects were built for
-/// (`artifacts::hsaco_targets`), so a device of another processor (an MI300X, gfx942,
-/// while only gfx940 code exists) passes over it.
+/// The AMD kernels: each of [`AMD_SHARED`]'s kernels for the ROCm backend (`cuda.x` as
+/// `amd.x`, `triton.x` as `amd.triton.x`), with the NVIDIA kernel's dtypes and limits,
+/// restricted to the processors its embedded code objects were built for
+/// (`artifacts::hsaco_targets`), so that a device of another processor passes over it.
 pub fn amd_kernels() -> Vec<KernelDef> {
     cuda_kernels()
         .into_iter()
         .filter_map(|def| {
-            let &(_, source) = AMD_SHARED.iter().find(|(name, _)| *name == def.name)?;
-            let targets = crate::artifacts::hsaco_targets(source);
+            let &(_, artifact, how) = AMD_SHARED.iter().find(|(name, _, _)| *name == def.name)?;
+            let targets = crate::artifacts::hsaco_targets(artifact);
             if targets.is_empty() {
                 return None;
             }
-            let name = def.name.replacen("cuda.", "amd.", 1);
-            let description = format!(
-                "{} (kernels/cuda/{source}.cu built by hipcc for AMD)",
-                def.description
-            );
+            let name = match def.name.strip_prefix("cuda.") {
+                Some(rest) => format!("amd.{rest}"),
+                None => format!("amd.{}", def.name),
+            };
+            let description = format!("{} ({how} for AMD)", def.description);
             Some(
                 KernelDef {
                     name,

@@ -915,8 +915,22 @@ fn amd_kernels_run_only_on_the_processors_they_were_built_for() {
     let h100 = fake_device(DeviceKind::Cuda, "sm_90");
     let chain = registry.fallback_chain(&Op::Softmax, &inputs, &h100);
     assert!(chain.iter().all(|k| !k.starts_with("amd.")), "{chain:?}");
-    let chain = registry.fallback_chain(&Op::RmsNorm { eps: 1e-6 }, &inputs, &mi200);
-    assert_eq!(chain.first().map(String::as_str), Some("amd.rms_norm"));
+    // RMSNorm: the Triton build first (as on CUDA), then the CUDA source's.
+    let norm = [f32s(&[4, 4096]), f32s(&[4096])];
+    let op = Op::RmsNorm { eps: 1e-6 };
+    assert_eq!(
+        registry.fallback_chain(&op, &norm, &mi200),
+        ["amd.triton.rms_norm", "amd.rms_norm", CPU_REFERENCE]
+    );
+    // MI300X has Triton's gfx942 build, RX 7900 XTX its gfx1100 one.
+    for arch in ["gfx942", "gfx1100"] {
+        let device = fake_device(DeviceKind::Rocm, arch);
+        assert_eq!(
+            registry.fallback_chain(&op, &norm, &device),
+            ["amd.triton.rms_norm", CPU_REFERENCE],
+            "{arch}"
+        );
+    }
 }
 
 #[test]
