@@ -22,6 +22,8 @@ struct DriverMemory {
 }
 
 impl RawMemory for DriverMemory {
+    type Error = NvidiaError;
+
     fn alloc(&self, bytes: usize) -> Result<Option<u64>, NvidiaError> {
         self.ctx
             .bind_to_thread()
