@@ -1,5 +1,6 @@
 //! Errors of the AMD backend.
 
+use kpt_core::memory::{format_bytes, MemoryError};
 use kpt_core::KptError;
 
 /// A failure of the AMD backend, with the HIP call or the input that failed.
@@ -50,6 +51,32 @@ pub enum AmdError {
         /// What did not match.
         detail: String,
     },
+    /// No device of that ordinal.
+    #[error("no ROCm device {index}: the HIP runtime sees {found}")]
+    NoDevice {
+        /// The ordinal asked for.
+        index: usize,
+        /// How many devices the runtime sees.
+        found: usize,
+    },
+    /// The device could not hold an allocation even after kpt released its cache.
+    #[error(
+        "out of GPU memory: asked for {} but only {} are free on the device \
+         ({} reserved by kpt, cached blocks already released)",
+        format_bytes(*requested), format_bytes(*free), format_bytes(*reserved)
+    )]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes the runtime reports free.
+        free: u64,
+        /// Bytes kpt's allocator holds from the runtime.
+        reserved: u64,
+    },
+    /// Arguments the backend cannot take (a capture already recording, a size that
+    /// overflows).
+    #[error("{0}")]
+    Invalid(String),
     /// A string that is not an AMD GPU target such as `gfx90a:sramecc+:xnack-`.
     #[error("`{text}` is not an AMD GPU target: {reason}")]
     InvalidArch {
@@ -71,6 +98,24 @@ pub enum AmdError {
     /// A code object (HSACO) that is not a valid AMDGPU ELF or lacks what it should hold.
     #[error("invalid AMDGPU code object: {0}")]
     CodeObject(String),
+}
+
+impl From<MemoryError> for AmdError {
+    /// The shared allocator's errors as the AMD backend reports them.
+    fn from(e: MemoryError) -> Self {
+        match e {
+            MemoryError::OutOfMemory {
+                requested,
+                free,
+                reserved,
+            } => AmdError::OutOfMemory {
+                requested,
+                free,
+                reserved,
+            },
+            other => AmdError::Invalid(other.to_string()),
+        }
+    }
 }
 
 impl From<AmdError> for KptError {
@@ -110,5 +155,15 @@ mod tests {
             h.to_string(),
             "hipInit failed: hipErrorNoDevice (100): no ROCm-capable device is detected"
         );
+        let oom = MemoryError::OutOfMemory {
+            requested: 3 << 30,
+            free: 512 << 20,
+            reserved: 1536 << 20,
+        };
+        assert_eq!(AmdError::from(oom.clone()).to_string(), oom.to_string());
+        assert!(matches!(
+            AmdError::from(MemoryError::CaptureActive),
+            AmdError::Invalid(_)
+        ));
     }
 }

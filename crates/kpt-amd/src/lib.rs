@@ -13,6 +13,10 @@
 //! - [`GcnArch`]: a target ID such as `gfx942:sramecc+:xnack-` parsed into processor and
 //!   features, with its [`Family`] (CDNA2, CDNA3, RDNA3, ...), wave size, LDS, matrix
 //!   cores, FP8 encoding and [`Tuning`] table.
+//! - [`AmdGpu`]: a device in use: one stream, kpt-core's shared caching allocator over
+//!   [`HipMemory`] (`hipMalloc` / `hipFree`), copies, and the code objects of
+//!   `kpt_kernels::artifacts` for its processor loaded with `hipModuleLoadData` after
+//!   [`CodeObject::check`].
 //! - [`CodeObject`]: an HSACO (AMDGPU ELF code object) parsed and checked: machine,
 //!   processor from `e_flags`, kernel symbols and descriptors, and the kernels'
 //!   metadata (registers, LDS, wave size) from the `NT_AMDGPU_METADATA` note.
@@ -36,7 +40,9 @@
 mod arch;
 mod device;
 mod error;
+mod gpu;
 mod hsaco;
+mod memory;
 mod runtime;
 pub mod sys;
 
@@ -46,5 +52,7 @@ pub use device::{
     AmdDevice, DeviceProperties, RocmDetector,
 };
 pub use error::AmdError;
+pub use gpu::AmdGpu;
 pub use hsaco::{processor_of_mach, CodeObject, FeatureFlag, KernelMetadata};
-pub use runtime::{library_candidates, HipRuntime, HipVersion, LIBRARY_ENV};
+pub use memory::{CachingAllocator, DeviceBlock, HipMemory};
+pub use runtime::{library_candidates, Handle, HipRuntime, HipVersion, LIBRARY_ENV};

@@ -83,6 +83,29 @@ pub struct HipRuntime {
     error_name: sys::HipErrorText,
     error_string: sys::HipErrorText,
     props: Option<(PropsLayout, sys::HipGetDeviceProperties)>,
+    set_device: sys::HipSetDevice,
+    malloc: sys::HipMalloc,
+    free: sys::HipFree,
+    mem_get_info: sys::HipMemGetInfo,
+    stream_create: sys::HipStreamCreate,
+    stream_synchronize: sys::HipHandleOp,
+    stream_destroy: sys::HipHandleOp,
+    memcpy_async: sys::HipMemcpyAsync,
+    module_load_data: sys::HipModuleLoadData,
+    module_get_function: sys::HipModuleGetFunction,
+    module_unload: sys::HipHandleOp,
+    module_launch_kernel: sys::HipModuleLaunchKernel,
+}
+
+/// A HIP stream, module or function handle (`hipStream_t`, `hipModule_t`,
+/// `hipFunction_t`). A plain value: the owner of the object destroys it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handle(pub(crate) usize);
+
+impl Handle {
+    fn raw(self) -> sys::HipHandle {
+        self.0 as sys::HipHandle
+    }
 }
 
 impl std::fmt::Debug for HipRuntime {
@@ -183,6 +206,18 @@ impl HipRuntime {
             error_name: load!("hipGetErrorName", sys::HipErrorText),
             error_string: load!("hipGetErrorString", sys::HipErrorText),
             props,
+            set_device: load!("hipSetDevice", sys::HipSetDevice),
+            malloc: load!("hipMalloc", sys::HipMalloc),
+            free: load!("hipFree", sys::HipFree),
+            mem_get_info: load!("hipMemGetInfo", sys::HipMemGetInfo),
+            stream_create: load!("hipStreamCreate", sys::HipStreamCreate),
+            stream_synchronize: load!("hipStreamSynchronize", sys::HipHandleOp),
+            stream_destroy: load!("hipStreamDestroy", sys::HipHandleOp),
+            memcpy_async: load!("hipMemcpyAsync", sys::HipMemcpyAsync),
+            module_load_data: load!("hipModuleLoadData", sys::HipModuleLoadData),
+            module_get_function: load!("hipModuleGetFunction", sys::HipModuleGetFunction),
+            module_unload: load!("hipModuleUnload", sys::HipHandleOp),
+            module_launch_kernel: load!("hipModuleLaunchKernel", sys::HipModuleLaunchKernel),
             version,
             path,
             _lib: ManuallyDrop::new(lib),
@@ -295,6 +330,191 @@ impl HipRuntime {
             (self.device_get_attribute)(&mut v, attr, device)
         })?;
         Ok(v)
+    }
+
+    /// `hipSetDevice`: the device later calls of this thread use.
+    pub fn set_device(&self, device: i32) -> Result<(), AmdError> {
+        // SAFETY: no pointer arguments.
+        self.check("hipSetDevice", unsafe { (self.set_device)(device) })
+    }
+
+    /// `hipMalloc` of `bytes` on the current device: `None` when the device is out of
+    /// memory (`hipErrorOutOfMemory`).
+    pub fn malloc(&self, bytes: usize) -> Result<Option<u64>, AmdError> {
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: the pointer is to a local.
+        match unsafe { (self.malloc)(&mut ptr, bytes) } {
+            sys::HIP_ERROR_OUT_OF_MEMORY => Ok(None),
+            code => self.check("hipMalloc", code).map(|()| Some(ptr as u64)),
+        }
+    }
+
+    /// `hipFree`.
+    ///
+    /// # Safety
+    /// `ptr` came from [`HipRuntime::malloc`] and no queued work uses it any more.
+    pub unsafe fn free(&self, ptr: u64) -> Result<(), AmdError> {
+        // SAFETY: the caller's contract.
+        self.check("hipFree", unsafe { (self.free)(ptr as *mut _) })
+    }
+
+    /// `hipMemGetInfo`: `(free, total)` bytes of the current device.
+    pub fn mem_get_info(&self) -> Result<(u64, u64), AmdError> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: the pointers are to locals.
+        self.check("hipMemGetInfo", unsafe {
+            (self.mem_get_info)(&mut free, &mut total)
+        })?;
+        Ok((free as u64, total as u64))
+    }
+
+    /// `hipStreamCreate` on the current device.
+    pub fn stream_create(&self) -> Result<Handle, AmdError> {
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: the pointer is to a local.
+        self.check("hipStreamCreate", unsafe {
+            (self.stream_create)(&mut stream)
+        })?;
+        Ok(Handle(stream as usize))
+    }
+
+    /// `hipStreamSynchronize`.
+    pub fn stream_synchronize(&self, stream: Handle) -> Result<(), AmdError> {
+        // SAFETY: a stream handle (an invalid one is an error code, not undefined).
+        self.check("hipStreamSynchronize", unsafe {
+            (self.stream_synchronize)(stream.raw())
+        })
+    }
+
+    /// `hipStreamDestroy`.
+    ///
+    /// # Safety
+    /// `stream` came from [`HipRuntime::stream_create`] and is not used afterwards.
+    pub unsafe fn stream_destroy(&self, stream: Handle) -> Result<(), AmdError> {
+        // SAFETY: the caller's contract.
+        self.check("hipStreamDestroy", unsafe {
+            (self.stream_destroy)(stream.raw())
+        })
+    }
+
+    /// `hipMemcpyAsync` of `src` to device address `dst` on `stream`.
+    ///
+    /// # Safety
+    /// `dst` is a device allocation of at least `src.len()` bytes, and `src` stays
+    /// alive and unchanged until `stream` has run the copy.
+    pub unsafe fn copy_to_device(
+        &self,
+        dst: u64,
+        src: &[u8],
+        stream: Handle,
+    ) -> Result<(), AmdError> {
+        // SAFETY: the caller's contract.
+        self.check("hipMemcpyAsync", unsafe {
+            (self.memcpy_async)(
+                dst as *mut _,
+                src.as_ptr().cast(),
+                src.len(),
+                sys::HIP_MEMCPY_HOST_TO_DEVICE,
+                stream.raw(),
+            )
+        })
+    }
+
+    /// `hipMemcpyAsync` of device address `src` to `dst` on `stream`, then
+    /// `hipStreamSynchronize`: `dst` holds the bytes when this returns.
+    ///
+    /// # Safety
+    /// `src` is a device allocation of at least `dst.len()` bytes.
+    pub unsafe fn copy_to_host(
+        &self,
+        dst: &mut [u8],
+        src: u64,
+        stream: Handle,
+    ) -> Result<(), AmdError> {
+        // SAFETY: the caller's contract; `dst` is borrowed until the stream drained.
+        self.check("hipMemcpyAsync", unsafe {
+            (self.memcpy_async)(
+                dst.as_mut_ptr().cast(),
+                src as *const _,
+                dst.len(),
+                sys::HIP_MEMCPY_DEVICE_TO_HOST,
+                stream.raw(),
+            )
+        })?;
+        self.stream_synchronize(stream)
+    }
+
+    /// `hipModuleLoadData`: a code object loaded on the current device.
+    pub fn module_load(&self, image: &[u8]) -> Result<Handle, AmdError> {
+        if !image.starts_with(b"\x7fELF") {
+            return Err(AmdError::CodeObject(
+                "hipModuleLoadData takes an ELF code object".into(),
+            ));
+        }
+        let mut module = std::ptr::null_mut();
+        // SAFETY: `image` is a whole ELF file in host memory, read during the call.
+        self.check("hipModuleLoadData", unsafe {
+            (self.module_load_data)(&mut module, image.as_ptr().cast())
+        })?;
+        Ok(Handle(module as usize))
+    }
+
+    /// `hipModuleGetFunction`.
+    pub fn module_function(&self, module: Handle, name: &str) -> Result<Handle, AmdError> {
+        let name = std::ffi::CString::new(name)
+            .map_err(|_| AmdError::CodeObject(format!("kernel name {name:?} has a NUL")))?;
+        let mut function = std::ptr::null_mut();
+        // SAFETY: the pointers are to a local and to a NUL-terminated string.
+        self.check("hipModuleGetFunction", unsafe {
+            (self.module_get_function)(&mut function, module.raw(), name.as_ptr())
+        })?;
+        Ok(Handle(function as usize))
+    }
+
+    /// `hipModuleUnload`.
+    ///
+    /// # Safety
+    /// `module` came from [`HipRuntime::module_load`], and no launch of its functions is
+    /// queued or follows.
+    pub unsafe fn module_unload(&self, module: Handle) -> Result<(), AmdError> {
+        // SAFETY: the caller's contract.
+        self.check("hipModuleUnload", unsafe {
+            (self.module_unload)(module.raw())
+        })
+    }
+
+    /// `hipModuleLaunchKernel` of `function` on `stream` with `params` (one pointer per
+    /// kernel argument, to the argument's value).
+    ///
+    /// # Safety
+    /// `params` match the kernel's parameters in number, order and type, every device
+    /// address among them is valid for what the kernel does with it, and the pointed-to
+    /// values live until the call returns.
+    pub unsafe fn launch(
+        &self,
+        function: Handle,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: u32,
+        stream: Handle,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), AmdError> {
+        // SAFETY: the caller's contract.
+        self.check("hipModuleLaunchKernel", unsafe {
+            (self.module_launch_kernel)(
+                function.raw(),
+                grid[0],
+                grid[1],
+                grid[2],
+                block[0],
+                block[1],
+                block[2],
+                shared_bytes,
+                stream.raw(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
     }
 
     /// The device's `gcnArchName` (e.g. `gfx942:sramecc+:xnack-`) from

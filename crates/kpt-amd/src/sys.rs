@@ -26,6 +26,8 @@ pub type HipError = c_int;
 pub const HIP_SUCCESS: HipError = 0;
 /// `hipErrorNoDevice`: the runtime sees no GPU.
 pub const HIP_ERROR_NO_DEVICE: HipError = 100;
+/// `hipErrorOutOfMemory`.
+pub const HIP_ERROR_OUT_OF_MEMORY: HipError = 2;
 /// `hipErrorInvalidDevice`. ROCm 5.2's `hipInit` returns it on a machine without a GPU
 /// or `/dev/kfd` (seen on kpt's CI machine with Debian's libamdhip64 5.2.3 installed).
 pub const HIP_ERROR_INVALID_DEVICE: HipError = 101;
@@ -52,6 +54,60 @@ pub type HipErrorText = unsafe extern "C" fn(error: HipError) -> *const c_char;
 /// and the ROCm 5 `hipGetDeviceProperties` with the `R0000` struct.
 pub type HipGetDeviceProperties =
     unsafe extern "C" fn(props: *mut c_void, device: c_int) -> HipError;
+
+/// `hipStream_t`, `hipModule_t`, `hipFunction_t`: opaque handles.
+pub type HipHandle = *mut c_void;
+/// `hipError_t hipSetDevice(int deviceId)`.
+pub type HipSetDevice = unsafe extern "C" fn(device: c_int) -> HipError;
+/// `hipError_t hipMalloc(void** ptr, size_t size)`.
+pub type HipMalloc = unsafe extern "C" fn(ptr: *mut *mut c_void, bytes: usize) -> HipError;
+/// `hipError_t hipFree(void* ptr)`.
+pub type HipFree = unsafe extern "C" fn(ptr: *mut c_void) -> HipError;
+/// `hipError_t hipMemGetInfo(size_t* free, size_t* total)`.
+pub type HipMemGetInfo = unsafe extern "C" fn(free: *mut usize, total: *mut usize) -> HipError;
+/// `hipError_t hipStreamCreate(hipStream_t* stream)`.
+pub type HipStreamCreate = unsafe extern "C" fn(stream: *mut HipHandle) -> HipError;
+/// `hipError_t hipStreamSynchronize(hipStream_t)`, `hipStreamDestroy`, `hipModuleUnload`.
+pub type HipHandleOp = unsafe extern "C" fn(handle: HipHandle) -> HipError;
+/// `hipError_t hipMemcpyAsync(void* dst, const void* src, size_t sizeBytes,
+/// hipMemcpyKind kind, hipStream_t stream)`.
+pub type HipMemcpyAsync = unsafe extern "C" fn(
+    dst: *mut c_void,
+    src: *const c_void,
+    bytes: usize,
+    kind: c_int,
+    stream: HipHandle,
+) -> HipError;
+/// `hipMemcpyHostToDevice`.
+pub const HIP_MEMCPY_HOST_TO_DEVICE: c_int = 1;
+/// `hipMemcpyDeviceToHost`.
+pub const HIP_MEMCPY_DEVICE_TO_HOST: c_int = 2;
+/// `hipError_t hipModuleLoadData(hipModule_t* module, const void* image)`.
+pub type HipModuleLoadData =
+    unsafe extern "C" fn(module: *mut HipHandle, image: *const c_void) -> HipError;
+/// `hipError_t hipModuleGetFunction(hipFunction_t* function, hipModule_t module,
+/// const char* kname)`.
+pub type HipModuleGetFunction = unsafe extern "C" fn(
+    function: *mut HipHandle,
+    module: HipHandle,
+    name: *const c_char,
+) -> HipError;
+/// `hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned gridDimX, gridDimY,
+/// gridDimZ, blockDimX, blockDimY, blockDimZ, unsigned sharedMemBytes, hipStream_t
+/// stream, void** kernelParams, void** extra)`.
+pub type HipModuleLaunchKernel = unsafe extern "C" fn(
+    function: HipHandle,
+    grid_x: c_uint,
+    grid_y: c_uint,
+    grid_z: c_uint,
+    block_x: c_uint,
+    block_y: c_uint,
+    block_z: c_uint,
+    shared_bytes: c_uint,
+    stream: HipHandle,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> HipError;
 
 /// The `hipDeviceAttribute_t` values kpt reads (identical in ROCm 5.2 and 7.x headers).
 pub mod attr {
