@@ -219,7 +219,7 @@ const HIPCC_RMS: &str = "kernels/cuda/rms_norm.cu built by hipcc";
 const HIPCC_ELEMENTWISE: &str = "kernels/cuda/elementwise.cu built by hipcc";
 const TRITON_RMS: &str = "kernels/triton/rms_norm.py built by Triton";
 
-/// The AMD kernels: each of [`AMD_SHARED`]'s kernels for the ROCm backend (`cuda.x` as
+/// The AMD kernels: each of `AMD_SHARED`'s kernels for the ROCm backend (`cuda.x` as
 /// `amd.x`, `triton.x` as `amd.triton.x`), with the NVIDIA kernel's dtypes and limits,
 /// restricted to the processors its embedded code objects were built for
 /// (`artifacts::hsaco_targets`), so that a device of another processor passes over it.
