@@ -21,14 +21,15 @@ fn device(file: &str) -> AmdDevice {
     AmdDevice::new(0, f.properties).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
-/// The kernels compiled from the CUDA sources for AMD.
-const ROW_KERNELS: [&str; 6] = [
+/// The kernels compiled by hipcc from the CUDA sources for AMD.
+const ROW_KERNELS: [&str; 7] = [
     "rms_norm",
     "layer_norm",
     "softmax",
     "rotary",
     "elementwise",
     "embedding",
+    "attention",
 ];
 
 #[test]

@@ -73,6 +73,7 @@ fn the_shared_row_kernels_are_built_for_every_amd_target() {
         "rotary",
         "elementwise",
         "embedding",
+        "attention",
     ] {
         let targets: Vec<_> = hsaco()
             .into_iter()
@@ -128,6 +129,28 @@ fn metadata_shows_the_wave_size_and_launch_bounds() {
     assert_eq!(rdna.group_segment_fixed_size, block / 32 * 4);
     // gfx90a reports AGPRs separately (unified register file); gfx1030 has none.
     assert!(cdna.agpr_count.is_some());
+}
+
+#[test]
+fn attention_keeps_its_query_tile_in_static_lds() {
+    // kWarps = 4 warps of 32 lanes, each with a query row of up to 256 f32 in LDS: 4 KiB,
+    // the same on wave64 and wave32 (one CUDA warp is 32 lanes of a wave).
+    for target in ["gfx90a", "gfx940", "gfx1030"] {
+        let a = hsaco()
+            .into_iter()
+            .find(|a| a.kernel == "attention" && a.target == target)
+            .unwrap_or_else(|| panic!("no attention for {target}"));
+        let co = CodeObject::parse(a.bytes).unwrap();
+        for name in [
+            "kpt_attention_f32",
+            "kpt_attention_bf16",
+            "kpt_attention_f16",
+        ] {
+            let k = co.kernel(name).unwrap();
+            assert_eq!(k.group_segment_fixed_size, 4 * 256 * 4, "{target} {name}");
+            assert_eq!(k.max_flat_workgroup_size, 128, "{target} {name}");
+        }
+    }
 }
 
 #[test]

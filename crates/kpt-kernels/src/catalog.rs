@@ -208,6 +208,11 @@ const AMD_SHARED: &[(&str, &str, &str)] = &[
         "embedding",
         "kernels/cuda/embedding.cu built by hipcc",
     ),
+    (
+        "cuda.attention",
+        "attention",
+        "kernels/cuda/attention.cu built by hipcc",
+    ),
     ("triton.rms_norm", "triton_rms_norm_f32_1024", TRITON_RMS),
     (
         "triton.add_rms_norm",
@@ -237,16 +242,23 @@ pub fn amd_kernels() -> Vec<KernelDef> {
                 None => format!("amd.{}", def.name),
             };
             let description = format!("{} ({how} for AMD)", def.description);
-            Some(
-                KernelDef {
-                    name,
-                    backend: DeviceKind::Rocm,
-                    min_arch: None,
-                    description,
-                    ..def
-                }
-                .targets(&targets),
-            )
+            let mut amd = KernelDef {
+                name,
+                backend: DeviceKind::Rocm,
+                min_arch: None,
+                description,
+                ..def
+            }
+            .targets(&targets);
+            if amd.op == OpKind::Attention {
+                // What the CUDA backend adds around the kernel (FP8 inputs dequantized,
+                // variable-length batches one sequence per launch, paged caches gathered)
+                // has no ROCm counterpart yet: the kernel alone, on dense batches.
+                amd.dtypes.retain(|d| *d != DType::F8E4M3);
+                amd.limits.varlen = false;
+                amd.limits.paged = false;
+            }
+            Some(amd)
         })
         .collect()
 }

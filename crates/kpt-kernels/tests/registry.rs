@@ -968,3 +968,36 @@ fn exact_targets_are_enforced() {
         .unwrap_err();
     assert!(err.to_string().contains("device arch unknown"), "{err}");
 }
+
+#[test]
+fn amd_attention_takes_dense_batches_only() {
+    let registry = KernelRegistry::with_builtin();
+    let mi200 = fake_device(DeviceKind::Rocm, "gfx90a");
+    let (op, inputs) = attention(64);
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &mi200)[0],
+        "amd.attention"
+    );
+    let def = registry
+        .for_op(OpKind::Attention)
+        .find(|k| k.name == "amd.attention")
+        .unwrap();
+    assert!(!def.dtypes.contains(&DType::F8E4M3), "{:?}", def.dtypes);
+    assert!(!def.limits.varlen && !def.limits.paged);
+    // The CUDA kernel it comes from takes both (its backend does the work around it).
+    let cuda = registry
+        .for_op(OpKind::Attention)
+        .find(|k| k.name == "cuda.attention")
+        .unwrap();
+    assert!(cuda.limits.varlen && cuda.dtypes.contains(&DType::F8E4M3));
+    let p = AttentionParams {
+        varlen: true,
+        ..AttentionParams::new(4, 2, 64, true)
+    };
+    let why = registry
+        .explain(&Op::Attention(p), &inputs, &mi200)
+        .into_iter()
+        .find(|c| c.kernel == "amd.attention")
+        .unwrap();
+    assert_eq!(why.reason, "no variable-length sequences");
+}

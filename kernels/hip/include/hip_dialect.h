@@ -41,9 +41,19 @@ __device__ __host__ __forceinline__ float __bfloat162float(__nv_bfloat16 b) {
     return __builtin_bit_cast(float, static_cast<unsigned int>(b.__x) << 16);
 }
 
-// CUDA's warp shuffles with a lane mask. kpt's kernels pass the full mask and xor
-// offsets below 32, so every exchange stays inside an aligned group of 32 lanes: the
-// same lanes meet on a wave of 64 (CDNA) as on a warp of 32 (RDNA in wave32, NVIDIA).
-#define __shfl_xor_sync(mask, var, lane_mask) __shfl_xor((var), (lane_mask))
-#define __shfl_sync(mask, var, src_lane) __shfl((var), (src_lane))
-#define __shfl_down_sync(mask, var, delta) __shfl_down((var), (delta))
+// CUDA's warp shuffles with a lane mask, on HIP's with a width of 32: a CUDA warp is 32
+// lanes, and HIP's shuffles then work within aligned groups of 32 lanes of the wave, so
+// a source lane `t` or an xor offset below 32 means the same lanes on a wave of 64 (CDNA)
+// as on a warp of 32 (NVIDIA) or a wave of 32 (RDNA). kpt's kernels pass the full mask.
+#define __shfl_xor_sync(mask, var, lane_mask) __shfl_xor((var), (lane_mask), 32)
+#define __shfl_sync(mask, var, src_lane) __shfl((var), (src_lane), 32)
+#define __shfl_down_sync(mask, var, delta) __shfl_down((var), (delta), 32)
+
+// `__syncwarp()`: the lanes of a warp see each other's shared-memory writes. A warp is
+// part of one wavefront, which runs in lockstep; the fences keep the compiler and the
+// LDS queue from reordering across the point (as later ROCm releases define it).
+__device__ __forceinline__ void __syncwarp() {
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+    __builtin_amdgcn_wave_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}
