@@ -22,7 +22,7 @@ fn device(file: &str) -> AmdDevice {
 }
 
 /// The kernels compiled by hipcc from the CUDA sources for AMD.
-const ROW_KERNELS: [&str; 7] = [
+const ROW_KERNELS: [&str; 8] = [
     "rms_norm",
     "layer_norm",
     "softmax",
@@ -30,6 +30,7 @@ const ROW_KERNELS: [&str; 7] = [
     "elementwise",
     "embedding",
     "attention",
+    "quantize",
 ];
 
 #[test]

@@ -74,6 +74,7 @@ fn the_shared_row_kernels_are_built_for_every_amd_target() {
         "elementwise",
         "embedding",
         "attention",
+        "quantize",
     ] {
         let targets: Vec<_> = hsaco()
             .into_iter()

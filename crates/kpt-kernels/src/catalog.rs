@@ -213,6 +213,8 @@ const AMD_SHARED: &[(&str, &str, &str)] = &[
         "attention",
         "kernels/cuda/attention.cu built by hipcc",
     ),
+    ("cuda.quantize", "quantize", HIPCC_QUANTIZE),
+    ("cuda.dequantize", "quantize", HIPCC_QUANTIZE),
     ("triton.rms_norm", "triton_rms_norm_f32_1024", TRITON_RMS),
     (
         "triton.add_rms_norm",
@@ -222,6 +224,7 @@ const AMD_SHARED: &[(&str, &str, &str)] = &[
 ];
 const HIPCC_RMS: &str = "kernels/cuda/rms_norm.cu built by hipcc";
 const HIPCC_ELEMENTWISE: &str = "kernels/cuda/elementwise.cu built by hipcc";
+const HIPCC_QUANTIZE: &str = "kernels/cuda/quantize.cu built by hipcc";
 const TRITON_RMS: &str = "kernels/triton/rms_norm.py built by Triton";
 
 /// The AMD kernels: each of `AMD_SHARED`'s kernels for the ROCm backend (`cuda.x` as

@@ -1001,3 +1001,22 @@ fn amd_attention_takes_dense_batches_only() {
         .unwrap();
     assert_eq!(why.reason, "no variable-length sequences");
 }
+
+#[test]
+fn amd_quantize_and_dequantize_come_from_the_cuda_source() {
+    let registry = KernelRegistry::with_builtin();
+    let mi200 = fake_device(DeviceKind::Rocm, "gfx90a");
+    let mi300 = fake_device(DeviceKind::Rocm, "gfx942");
+    for kind in [OpKind::Quantize, OpKind::Dequantize] {
+        let (op, inputs) = sample(kind);
+        assert_eq!(
+            registry.fallback_chain(&op, &inputs, &mi200)[0],
+            format!("amd.{kind}")
+        );
+        assert_eq!(
+            registry.fallback_chain(&op, &inputs, &mi300)[0],
+            CPU_REFERENCE,
+            "no gfx942 build"
+        );
+    }
+}
