@@ -95,6 +95,26 @@ pub enum AmdError {
         /// The recorded names.
         known: String,
     },
+    /// The compiler at hand cannot build for the processor.
+    #[error("{compiler} cannot build code for {processor}; {needs} does")]
+    Unsupported {
+        /// The processor asked for.
+        processor: String,
+        /// The compiler (`hiprtc 5.2.21153`).
+        compiler: String,
+        /// What would build it.
+        needs: String,
+    },
+    /// hiprtc did not compile a kernel.
+    #[error("hiprtc could not compile {kernel} with `{options}`:\n{log}")]
+    Compile {
+        /// The kernel's source name.
+        kernel: String,
+        /// The options given.
+        options: String,
+        /// The compiler's log.
+        log: String,
+    },
     /// A code object (HSACO) that is not a valid AMDGPU ELF or lacks what it should hold.
     #[error("invalid AMDGPU code object: {0}")]
     CodeObject(String),

@@ -1,6 +1,7 @@
 //! [`AmdGpu`]: one ROCm device in use: its properties, the one stream all its work goes
 //! to, the shared caching allocator over it, copies, and the kernels' code objects loaded
-//! from `kpt_kernels::artifacts` for its processor (checked by [`CodeObject`] first).
+//! from `kpt_kernels::artifacts` for its processor, or compiled by hiprtc for it when none
+//! was shipped (checked by [`CodeObject`] first).
 //!
 //! Written against the HIP runtime API; no AMD GPU was available, so on the machines kpt
 //! is tested on, opening a device returns [`AmdError::NoRuntime`] or
@@ -10,11 +11,12 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use kpt_core::memory::MemoryStatistics;
-use kpt_kernels::artifacts::{self, Artifact};
+use kpt_kernels::artifacts::{self, EntryPoint, Format};
 
 use crate::device::{devices_of, AmdDevice};
 use crate::hsaco::CodeObject;
 use crate::memory::{CachingAllocator, DeviceBlock, HipMemory};
+use crate::rtc::{CompileCache, Hiprtc};
 use crate::runtime::{Handle, HipRuntime};
 use crate::AmdError;
 
@@ -24,8 +26,10 @@ pub struct AmdGpu {
     device: AmdDevice,
     stream: Handle,
     memory: CachingAllocator,
-    /// Loaded code objects by artifact kernel name: the artifact and its module.
-    modules: Mutex<HashMap<&'static str, (&'static Artifact, Handle)>>,
+    /// Loaded code objects by kernel name: its entry points and its module.
+    modules: Mutex<HashMap<String, (&'static [EntryPoint], Handle)>>,
+    /// Code objects compiled at run time for a processor nothing was shipped for.
+    cache: CompileCache,
 }
 
 impl std::fmt::Debug for AmdGpu {
@@ -64,6 +68,7 @@ impl AmdGpu {
             stream,
             memory,
             modules: Mutex::new(HashMap::new()),
+            cache: CompileCache::from_env(),
         })
     }
 
@@ -113,49 +118,75 @@ impl AmdGpu {
         self.memory.check_memory_available(bytes)
     }
 
-    /// The function `entry` of the code object of `kernel` built for this device's
-    /// processor, loaded on first use after [`CodeObject::check`] accepts it;
-    /// [`AmdError::CodeObject`] when no code object of `kernel` was built for it.
+    /// The function `entry` of `kernel`'s code object for this device's processor, with
+    /// its launch block and dynamic LDS bytes: the shipped one built for the processor,
+    /// else one hiprtc compiles from `kernels/hip` (through the compile cache; a
+    /// processor the installed ROCm cannot build for is [`AmdError::Unsupported`]).
+    /// Either is loaded after [`CodeObject::check`] accepts it.
     pub fn function(&self, kernel: &str, entry: &str) -> Result<(Handle, u32, u32), AmdError> {
         let processor = self.device.arch.processor();
         let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
-        let (artifact, module) = match modules.get(kernel) {
+        let (entries, module) = match modules.get(kernel) {
             Some(&loaded) => loaded,
             None => {
-                let artifact = artifacts::hsaco_candidates(kernel, processor)
+                let shipped = artifacts::hsaco_candidates(kernel, processor)
                     .into_iter()
-                    .next()
-                    .ok_or_else(|| {
-                        AmdError::CodeObject(format!(
-                            "no code object of {kernel} was built for {processor} (built: {})",
-                            artifacts::hsaco_targets(kernel).join(", ")
-                        ))
-                    })?;
-                let entries: Vec<(&str, u32, u32)> = artifact
-                    .entry_points
+                    .next();
+                let (entries, compiled);
+                let bytes: &[u8] = match shipped {
+                    Some(a) => {
+                        entries = a.entry_points;
+                        a.bytes
+                    }
+                    None => {
+                        entries = artifacts::embedded()
+                            .iter()
+                            .find(|a| {
+                                a.kernel == kernel
+                                    && a.format == Format::Hsaco
+                                    && a.source.starts_with("kernels/hip/")
+                            })
+                            .map(|a| a.entry_points)
+                            .ok_or_else(|| {
+                                AmdError::CodeObject(format!(
+                                    "no HIP build of {kernel} (built: {})",
+                                    artifacts::hsaco_targets(kernel).join(", ")
+                                ))
+                            })?;
+                        compiled = self
+                            .cache
+                            .code_object(Hiprtc::global()?, kernel, processor)?;
+                        &compiled
+                    }
+                };
+                let launch: Vec<(&str, u32, u32)> = entries
                     .iter()
                     .map(|e| (e.name, e.block, e.shared_bytes))
                     .collect();
                 let tuning = self.device.tuning();
-                CodeObject::parse(artifact.bytes)?.check(
+                CodeObject::parse(bytes)?.check(
                     processor,
                     tuning.wave_size,
                     tuning.lds_bytes,
-                    &entries,
+                    &launch,
                 )?;
                 self.runtime.set_device(self.ordinal())?;
-                let module = self.runtime.module_load(artifact.bytes)?;
-                modules.insert(artifact.kernel, (artifact, module));
-                (artifact, module)
+                let module = self.runtime.module_load(bytes)?;
+                modules.insert(kernel.to_string(), (entries, module));
+                (entries, module)
             }
         };
-        let ep = artifact
-            .entry_points
+        let ep = entries
             .iter()
             .find(|e| e.name == entry)
             .ok_or_else(|| AmdError::CodeObject(format!("{kernel} has no entry point {entry}")))?;
         let function = self.runtime.module_function(module, entry)?;
         Ok((function, ep.block, ep.shared_bytes))
+    }
+
+    /// The run-time compile cache's statistics.
+    pub fn compile_stats(&self) -> crate::rtc::CacheStats {
+        self.cache.stats()
     }
 
     fn ordinal(&self) -> i32 {

@@ -17,6 +17,9 @@
 //!   [`HipMemory`] (`hipMalloc` / `hipFree`), copies, and the code objects of
 //!   `kpt_kernels::artifacts` for its processor loaded with `hipModuleLoadData` after
 //!   [`CodeObject::check`].
+//! - [`Hiprtc`], [`CompileCache`]: run-time compilation of `kernels/hip/*.hip` for a
+//!   processor no shipped code object was built for, cached by source, options and
+//!   compiler (in memory, and in `KPT_ROCM_CACHE_DIR` when set).
 //! - [`CodeObject`]: an HSACO (AMDGPU ELF code object) parsed and checked: machine,
 //!   processor from `e_flags`, kernel symbols and descriptors, and the kernels'
 //!   metadata (registers, LDS, wave size) from the `NT_AMDGPU_METADATA` note.
@@ -43,6 +46,7 @@ mod error;
 mod gpu;
 mod hsaco;
 mod memory;
+mod rtc;
 mod runtime;
 pub mod sys;
 
@@ -55,4 +59,7 @@ pub use error::AmdError;
 pub use gpu::AmdGpu;
 pub use hsaco::{processor_of_mach, CodeObject, FeatureFlag, KernelMetadata};
 pub use memory::{CachingAllocator, DeviceBlock, HipMemory};
+pub use rtc::{
+    first_rocm_for, rtc_kernels, rtc_source, CacheStats, CompileCache, Hiprtc, CACHE_DIR_ENV,
+};
 pub use runtime::{library_candidates, Handle, HipRuntime, HipVersion, LIBRARY_ENV};

@@ -231,6 +231,11 @@ impl HipRuntime {
         Ok(runtime)
     }
 
+    /// The loaded library (hiprtc's functions are in it up to ROCm 5).
+    pub(crate) fn library(&self) -> &libloading::Library {
+        &self._lib
+    }
+
     /// The library that was loaded.
     pub fn path(&self) -> &std::path::Path {
         &self.path

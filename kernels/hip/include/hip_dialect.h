@@ -11,9 +11,18 @@
 // have neither `__hip_bfloat16` nor the `*_sync` shuffles of later ROCm releases.
 #pragma once
 
+// hiprtc (run-time compilation, `__HIPCC_RTC__`) provides the HIP headers itself.
+#ifndef __HIPCC_RTC__
 #include <hip/hip_runtime.h>
 #include <hip/hip_fp16.h>
 #include <cstdint>
+#else
+// What the host's <cmath> and <cstdint> give and hiprtc's headers do not.
+#ifndef INFINITY
+#define INFINITY __builtin_huge_valf()
+#endif
+typedef __UINTPTR_TYPE__ uintptr_t;
+#endif
 
 // CUDA's 16-bit float is HIP's `__half`, with the same conversions.
 
