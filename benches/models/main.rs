@@ -71,6 +71,9 @@ struct Args {
     /// The command recorded in the report.
     #[arg(long, default_value = "kpt-bench-models (cargo xtask gpu-bundle)")]
     command: String,
+    /// Only write the checkpoint to `--dir` (for benchmarks that read it), then exit.
+    #[arg(long)]
+    checkpoint_only: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
@@ -447,6 +450,11 @@ fn main() -> Result<()> {
         "op": "create", "config": args.size.config(), "dtype": dname,
         "dir": dir, "seed": 0,
     }))?;
+    if args.checkpoint_only {
+        progress.finish_and_clear();
+        eprintln!("wrote the checkpoint to {}", dir.display());
+        return Ok(());
+    }
     progress.inc(1);
     progress.set_message("loading it in kpt");
     let ckpt = Checkpoint::open(&dir)?;

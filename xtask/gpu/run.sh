@@ -6,8 +6,8 @@
 #   run.sh OUT_DIR [all|tests|bench|models|xla] [extra kpt-bench-cuda arguments...]
 #
 # `xla`: kpt-tpu's tests (xla-tests/) on the CUDA PJRT plugin of the machine's JAX, then
-# kpt-bench-xla (kpt-tpu vs JAX jit) on the 1.1B checkpoint that `models` writes (run
-# `models` first in the same session).
+# kpt-bench-xla (kpt-tpu vs JAX jit) on the 1.1B checkpoint of `models` (written first
+# when it is not there).
 #
 # Test logs, `kpt detect --json`, the logs of `kpt --device cuda validate|demo|bench`
 # and the report go to OUT_DIR; the exit status is
@@ -119,12 +119,12 @@ PY
     fi
   done
   ckpt="${TMPDIR:-/tmp}/kpt-bench-llama"
-  if [ -f "$ckpt/config.json" ]; then
-    "$here/bin/kpt-bench-xla" --plugin "$plugin" --python python3 \
-      --script "$here/jax_llama.py" --dir "$ckpt" --seq 2048 --dtype bf16 \
-      --name tpu-xla --out "$out/reports" --command "gpu-bundle run.sh xla" || status=1
-  else
-    echo "kpt-bench-xla skipped: no checkpoint at $ckpt (run \`run.sh OUT models\` first)"
+  if [ ! -f "$ckpt/config.json" ]; then
+    "$here/bin/kpt-bench-models" --python python3 --script "$here/hf_models.py" \
+      --dir "$ckpt" --checkpoint-only || status=1
   fi
+  "$here/bin/kpt-bench-xla" --plugin "$plugin" --python python3 \
+    --script "$here/jax_llama.py" --dir "$ckpt" --seq 2048 --dtype bf16 \
+    --name tpu-xla --out "$out/reports" --command "gpu-bundle run.sh xla" "$@" || status=1
 fi
 exit $status

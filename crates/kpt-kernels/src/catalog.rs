@@ -662,6 +662,7 @@ pub fn xla_kernels() -> Vec<KernelDef> {
         (SplitRotary, "split_rotary"),
         (Softmax, "softmax"),
         (Attention, "attention"),
+        (AttentionBackward, "attention_backward"),
         (Add, "add"),
         (Mul, "mul"),
         (Cast, "cast"),
@@ -669,18 +670,34 @@ pub fn xla_kernels() -> Vec<KernelDef> {
         (Split, "split"),
         (ActAndMul, "act_and_mul"),
         (ArgMax, "argmax"),
+        (Quantize, "quantize"),
+        (Dequantize, "dequantize"),
     ]
     .into_iter()
     .map(|(op, name)| {
-        KernelDef::new(
+        let def = KernelDef::new(
             &format!("xla.{name}"),
             op,
             DeviceKind::Tpu,
             XLA_FLOATS,
             100,
             desc,
-        )
-        .weights(XLA_FLOATS)
+        );
+        match op {
+            Attention => def.limits(ANY_ATTENTION),
+            AttentionBackward => def.limits(ANY_ATTENTION_BACKWARD),
+            // FP8 / int8 weights are dequantized in the program (their scale an argument).
+            Linear | LinearAct => def.weights(&[
+                DType::F32,
+                DType::BF16,
+                DType::F16,
+                DType::F8E4M3,
+                DType::F8E5M2,
+                DType::I8,
+            ]),
+            Quantize => def.weights(QUANTIZED),
+            _ => def.weights(XLA_FLOATS),
+        }
     })
     .collect()
 }

@@ -89,6 +89,39 @@ impl std::fmt::Debug for XlaBackend {
 }
 
 impl XlaBackend {
+    /// Checks the index inputs of packed and paged attention on the host (a few ids), so
+    /// that bad offsets, lengths or block ids are the reference's errors: in a program,
+    /// XLA would clamp them.
+    fn check_indices(&self, op: &Op, inputs: &[BufferRef<'_>]) -> Result<()> {
+        let Op::Attention(p) = op else {
+            return Ok(());
+        };
+        if !(p.varlen || p.paged) || inputs.len() < 5 {
+            return Ok(());
+        }
+        let ids = |i: usize| -> Result<Vec<i64>> {
+            let t = self.download(inputs[i].buffer, inputs[i].spec)?;
+            Ok(t.to_f64_vec().into_iter().map(|x| x as i64).collect())
+        };
+        let (a, b) = (ids(3)?, ids(4)?);
+        if p.varlen {
+            let (q, k) = (inputs[0].spec, inputs[1].spec);
+            kpt_kernels::cpu::varlen_segments(&a, &b, q.shape[1], k.shape[1])?;
+        } else {
+            let cache = &inputs[1].spec.shape;
+            let paged = kpt_kernels::cpu::PagedKv {
+                block_size: cache[1],
+                num_blocks: cache[0],
+                block_table: &a,
+                seq_lens: &b,
+            };
+            for seq in 0..b.len() {
+                paged.checked_len(seq)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The backend on device `index` of `client`'s addressable devices.
     pub fn new(client: &Client, index: usize) -> Result<Self> {
         let devices = client.devices()?;
@@ -269,6 +302,16 @@ impl XlaBackend {
             .iter()
             .map(|r| self.shaped(r))
             .collect::<Result<Vec<_>>>()?;
+        // FP8 / int8 inputs pass their scale as a scalar after the arguments.
+        let scales = program
+            .scale_args
+            .iter()
+            .map(|&i| {
+                Ok(self
+                    .client
+                    .buffer(&[inputs[i].buffer.scale], &[], &self.device)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let args: Vec<&Buffer> = inputs
             .iter()
             .zip(&adapted)
@@ -276,6 +319,7 @@ impl XlaBackend {
                 Some(b) => Ok(b),
                 None => Ok(&self.xla_buf(r.buffer)?.buf),
             })
+            .chain(scales.iter().map(Ok))
             .collect::<Result<Vec<_>>>()?;
         let results = exe.execute(&args)?;
         Ok((results, program))
@@ -429,10 +473,16 @@ impl Backend for XlaBackend {
                 message: format!("kernel {kernel} does not run on XLA"),
             });
         }
+        self.check_indices(op, inputs)?;
         let (results, program) = self.run_op(op, inputs, outputs.len())?;
-        for ((m, buf), spec) in outputs.iter_mut().zip(results).zip(&program.outputs) {
+        for (((m, buf), spec), &scale) in outputs
+            .iter_mut()
+            .zip(results)
+            .zip(&program.outputs)
+            .zip(&program.output_scales)
+        {
             self.replace(m.buffer, buf, spec)?;
-            m.buffer.scale = 1.0;
+            m.buffer.scale = scale;
         }
         Ok(())
     }

@@ -38,6 +38,12 @@ fn a_decoder_block_runs_on_xla_at_every_level() {
         let kernels: Vec<&str> = plan.kernels.iter().map(|k| k.kernel.as_str()).collect();
         let on_xla = kernels.iter().filter(|k| k.starts_with("xla.")).count();
         assert!(on_xla > 0, "{level}: {kernels:?}");
+        // Every op of the block runs on XLA, the aggressive level's FP8 / int8 weights
+        // included (dequantized in the programs).
+        assert!(
+            kernels.iter().all(|k| k.starts_with("xla.")),
+            "{level}: {kernels:?}"
+        );
         let dyn_backend: Arc<dyn Backend> = backend.clone();
         let mut exec = Executor::new(plan, dyn_backend).unwrap();
         let report = validate_plan(&mut exec, &graph, &CpuReference, &inputs, 1.0).unwrap();
@@ -150,4 +156,72 @@ fn cache_rows_are_written_in_place_and_a_slot_past_the_end_is_an_error() {
     }
     let e = write(&mut cache, &[6.0, 0.0, 1.0]).unwrap_err();
     assert!(e.to_string().contains("past the cache"), "{e}");
+}
+
+/// Packed and paged attention read their offsets, lengths and block ids on the host
+/// first: a bad one is the reference's typed error, not a clamped index in XLA.
+#[test]
+fn bad_attention_indices_are_typed_errors() {
+    let Some(client) = common::client() else {
+        return;
+    };
+    use kpt_core::backend::{BufferMut, BufferRef};
+    use kpt_core::graph::{AttentionParams, Op};
+    use kpt_core::TensorSpec;
+    let backend = XlaBackend::new(&client, 0).unwrap();
+    let run = |p: AttentionParams, tensors: Vec<Tensor>| {
+        let specs: Vec<TensorSpec> = tensors
+            .iter()
+            .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+            .collect();
+        let bufs: Vec<_> = tensors.iter().map(|t| backend.upload(t).unwrap()).collect();
+        let ins: Vec<BufferRef<'_>> = bufs
+            .iter()
+            .zip(&specs)
+            .map(|(buffer, spec)| BufferRef { buffer, spec })
+            .collect();
+        let out_spec = Op::Attention(p).infer(&specs).unwrap().remove(0);
+        let mut out = backend.allocate(out_spec.dtype, out_spec.numel()).unwrap();
+        backend.execute(
+            "xla.attention",
+            &Op::Attention(p),
+            &ins,
+            &mut [BufferMut {
+                buffer: &mut out,
+                spec: &out_spec,
+            }],
+        )
+    };
+    let zeros = |shape: &[usize]| Tensor::zeros(DType::F32, shape);
+    let ids = |v: &[f64]| Tensor::from_f64(v, &[v.len()], DType::I64).unwrap();
+    let mut varlen = AttentionParams::new(2, 1, 8, true);
+    varlen.varlen = true;
+    let packed = |cu_q: &[f64]| {
+        vec![
+            zeros(&[1, 5, 16]),
+            zeros(&[1, 5, 8]),
+            zeros(&[1, 5, 8]),
+            ids(cu_q),
+            ids(&[0.0, 2.0, 5.0]),
+        ]
+    };
+    run(varlen, packed(&[0.0, 2.0, 5.0])).unwrap();
+    let e = run(varlen, packed(&[0.0, 3.0, 2.0])).unwrap_err();
+    assert!(e.to_string().contains("decreases"), "{e}");
+    let mut paged = AttentionParams::new(2, 1, 8, true);
+    paged.paged = true;
+    let cache = |table: &[f64], lens: &[f64]| {
+        vec![
+            zeros(&[2, 1, 16]),
+            zeros(&[3, 2, 8]),
+            zeros(&[3, 2, 8]),
+            Tensor::from_f64(table, &[2, 2], DType::I64).unwrap(),
+            ids(lens),
+        ]
+    };
+    run(paged, cache(&[0.0, 1.0, 2.0, 0.0], &[4.0, 3.0])).unwrap();
+    let e = run(paged, cache(&[0.0, 7.0, 2.0, 0.0], &[4.0, 3.0])).unwrap_err();
+    assert!(e.to_string().contains("block_table[0][1] = 7"), "{e}");
+    let e = run(paged, cache(&[0.0, 1.0, 2.0, 0.0], &[5.0, 3.0])).unwrap_err();
+    assert!(e.to_string().contains("seq_lens[0] = 5"), "{e}");
 }

@@ -5,10 +5,10 @@
 mod common;
 
 use common::{client, ints, random};
-use kpt_core::graph::{Activation, AttentionParams, Op};
+use kpt_core::graph::{Activation, AttentionParams, Op, RopeScaling};
 use kpt_core::rand::SplitMix64;
 use kpt_core::validate::{reduction_len, tolerance, ReferenceOps};
-use kpt_core::{DType, Graph, KptError, Tensor, TensorSpec};
+use kpt_core::{DType, Graph, Tensor, TensorSpec};
 use kpt_kernels::CpuReference;
 use kpt_tpu::stablehlo::emit_graph;
 use proptest::prelude::*;
@@ -41,7 +41,7 @@ fn check(op: Op, inputs: Vec<Tensor>) -> Result<(), TestCaseError> {
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         prop_assert_eq!(g.shape(), w.shape(), "output {} shape", i);
         let (gv, wv) = (g.to_f64_vec(), w.to_f64_vec());
-        if g.dtype().is_float() {
+        if g.dtype().is_float() || g.dtype().is_quantized() {
             let scale = wv.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
             let tol = tolerance(&op, g.dtype(), k);
             for (j, (a, b)) in gv.iter().zip(&wv).enumerate() {
@@ -180,7 +180,7 @@ proptest! {
         batch in 1usize..3, s in 1usize..20, extra in 0usize..20, kv in 1usize..3, group in 1usize..3,
         d in prop_oneof![Just(8usize), Just(16), Just(64)], causal in any::<bool>(),
         window in prop_oneof![Just(None), (1usize..8).prop_map(Some)], mask in any::<bool>(),
-        dt in float_dtype(), seed in any::<u64>(),
+        lse in any::<bool>(), dt in float_dtype(), seed in any::<u64>(),
     ) {
         let mut rng = SplitMix64::new(seed);
         let t = s + extra;
@@ -188,6 +188,7 @@ proptest! {
         let mut p = AttentionParams::new(hq, kv, d, causal);
         p.window = window;
         p.mask = mask;
+        p.lse = lse;
         let mut ins = vec![
             random(&mut rng, &[batch, s, hq * d], dt),
             random(&mut rng, &[batch, t, kv * d], dt),
@@ -202,29 +203,143 @@ proptest! {
         }
         check(Op::Attention(p), ins)?;
     }
-}
 
-#[test]
-fn ops_not_lowered_yet_are_named_in_the_error() {
-    let mut g = Graph::new();
-    let x = g.input("x", DType::F32, &[4]);
-    let q = g
-        .op(
-            "quant",
-            Op::Quantize {
-                dtype: DType::I8,
-                scale: 0.1,
-            },
-            &[x],
-        )
-        .unwrap();
-    g.output(q).unwrap();
-    let e = emit_graph(&g, &[TensorSpec::new(&[4], DType::F32)]).unwrap_err();
-    // (Quantization carries its scale in the tensor, which a program does not see.)
-    assert!(
-        matches!(&e, KptError::Backend { message, .. } if message.contains("`quant`") && message.contains("not lowered")),
-        "{e}"
-    );
+    #[test]
+    fn attention_backward(
+        batch in 1usize..3, s in 1usize..12, extra in 0usize..12, kv in 1usize..3, group in 1usize..3,
+        d in prop_oneof![Just(8usize), Just(16)], causal in any::<bool>(),
+        window in prop_oneof![Just(None), (1usize..6).prop_map(Some)], mask in any::<bool>(),
+        lse in any::<bool>(), dt in float_dtype(), seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let t = s + extra;
+        let hq = kv * group;
+        let mut p = AttentionParams::new(hq, kv, d, causal);
+        p.window = window;
+        p.mask = mask;
+        let (q, k, v) = (
+            random(&mut rng, &[batch, s, hq * d], dt),
+            random(&mut rng, &[batch, t, kv * d], dt),
+            random(&mut rng, &[batch, t, kv * d], dt),
+        );
+        let mut forward = vec![q.clone(), k.clone(), v.clone()];
+        if mask {
+            let m: Vec<f64> = (0..s * t)
+                .map(|_| if rng.next_u64().is_multiple_of(5) { f64::NEG_INFINITY } else { f64::from(rng.uniform(-1.0, 1.0)) })
+                .collect();
+            forward.push(Tensor::from_f64(&m, &[s, t], dt).unwrap());
+        }
+        // The forward's output and log-sum-exp from the reference, as training has them.
+        let mut fp = p;
+        fp.lse = true;
+        let outs = CpuReference.eval(&Op::Attention(fp), &forward).unwrap();
+        let o = outs[0].to_dtype(dt).unwrap();
+        let mut ins = vec![q, k, v, o, random(&mut rng, &[batch, s, hq * d], dt)];
+        if mask {
+            ins.push(forward[3].clone());
+        }
+        if lse {
+            p.lse = true;
+            ins.push(outs[1].to_dtype(DType::F32).unwrap());
+        }
+        check(Op::AttentionBackward(p), ins)?;
+    }
+
+    #[test]
+    fn attention_varlen(
+        lens in proptest::collection::vec((0usize..7, 0usize..7), 1..4), kv in 1usize..3,
+        group in 1usize..3, d in prop_oneof![Just(8usize), Just(16)], causal in any::<bool>(),
+        window in prop_oneof![Just(None), (1usize..5).prop_map(Some)], dt in float_dtype(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let hq = kv * group;
+        let mut p = AttentionParams::new(hq, kv, d, causal);
+        p.window = window;
+        p.varlen = true;
+        // Sequences with as many or more keys than queries (a cache before new tokens),
+        // some of them empty.
+        let (mut cu_q, mut cu_k) = (vec![0i64], vec![0i64]);
+        for &(sq, extra) in &lens {
+            cu_q.push(cu_q.last().unwrap() + sq as i64);
+            cu_k.push(cu_k.last().unwrap() + (sq + extra) as i64);
+        }
+        let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
+        let n = cu_q.len();
+        let ins = vec![
+            random(&mut rng, &[1, tq, hq * d], dt),
+            random(&mut rng, &[1, tk, kv * d], dt),
+            random(&mut rng, &[1, tk, kv * d], dt),
+            ints(&cu_q, &[n], DType::I32),
+            ints(&cu_k, &[n], DType::I64),
+        ];
+        check(Op::Attention(p), ins)?;
+    }
+
+    #[test]
+    fn attention_paged(
+        batch in 1usize..4, s in 1usize..4, block in 1usize..5, max_blocks in 1usize..4,
+        kv in 1usize..3, group in 1usize..3, causal in any::<bool>(),
+        window in prop_oneof![Just(None), (1usize..5).prop_map(Some)], dt in float_dtype(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let (hq, d) = (kv * group, 8);
+        let mut p = AttentionParams::new(hq, kv, d, causal);
+        p.window = window;
+        p.paged = true;
+        // Every sequence owns `max_blocks` distinct blocks of a shuffled cache, plus one
+        // spare block nobody reads.
+        let blocks = batch * max_blocks + 1;
+        let mut order: Vec<i64> = (0..blocks as i64).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        let table = &order[..batch * max_blocks];
+        let lens: Vec<i64> = (0..batch)
+            .map(|_| (rng.next_u64() % (max_blocks * block) as u64) as i64 + 1)
+            .collect();
+        let ins = vec![
+            random(&mut rng, &[batch, s, hq * d], dt),
+            random(&mut rng, &[blocks, block, kv * d], dt),
+            random(&mut rng, &[blocks, block, kv * d], dt),
+            ints(table, &[batch, max_blocks], DType::I32),
+            ints(&lens, &[batch], DType::I64),
+        ];
+        check(Op::Attention(p), ins)?;
+    }
+
+    #[test]
+    fn quantization(
+        rows in dim(), cols in dim(), n in 1usize..9, dt in float_dtype(),
+        q in prop_oneof![Just(DType::F8E4M3), Just(DType::F8E5M2), Just(DType::I8)],
+        small in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let x = random(&mut rng, &[rows, cols], dt);
+        // The scale that maps |x| <= 1 onto the dtype's range, or one that saturates.
+        let scale = if small { 1e-3 } else { kpt_core::dtype::quant_scale(1.0, q) };
+        check(Op::Quantize { dtype: q, scale }, vec![x.clone()])?;
+        // Stored values with their own scale (an argument of the program).
+        check(Op::Dequantize { dtype: dt }, vec![random(&mut rng, &[rows, cols], q)])?;
+        // FP8 / int8 weights, as the aggressive level makes them.
+        check(Op::Linear { bias: false }, vec![x, random(&mut rng, &[n, cols], q)])?;
+    }
+
+    #[test]
+    fn dynamic_ntk_rotary(
+        seq in 1usize..6, heads in 1usize..3, half in 2usize..9, start in 0i64..40,
+        dt in float_dtype(), seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let d = 2 * half;
+        let scaling = RopeScaling::Dynamic { factor: 2.0, max_position_embeddings: 16 };
+        let x = random(&mut rng, &[1, seq, heads * d], dt);
+        // Positions below and past the trained length: the base grows with the largest.
+        let pos: Vec<i64> = (0..seq as i64).map(|i| start + 3 * i).collect();
+        let positions = ints(&pos, &[seq], DType::I64);
+        check(Op::Rotary { head_dim: d, theta: 10000.0, scaling: Some(scaling) }, vec![x, positions])?;
+    }
 }
 
 /// A LLaMA-shaped decoder block with its weights as graph parameters, written as one

@@ -98,6 +98,8 @@ pub(crate) enum Cmp {
     Eq,
     Ne,
     Gt,
+    Ge,
+    Lt,
     Le,
 }
 
@@ -235,6 +237,8 @@ impl Builder {
             Cmp::Eq => "EQ",
             Cmp::Ne => "NE",
             Cmp::Gt => "GT",
+            Cmp::Ge => "GE",
+            Cmp::Lt => "LT",
             Cmp::Le => "LE",
         };
         let attrs = format!("comparison_direction = #stablehlo<comparison_direction {d}>");
@@ -272,6 +276,13 @@ impl Builder {
         let attrs = format!("permutation = {}", i64_array(perm));
         let dtype = a.dtype;
         self.op("transpose", &[a], &attrs, &shape, dtype)
+    }
+
+    /// `a` with the order of its elements along `dims` reversed.
+    pub fn reverse(&mut self, a: &Val, dims: &[usize]) -> Val {
+        let attrs = format!("dimensions = {}", i64_array(dims));
+        let (shape, dtype) = (a.shape.clone(), a.dtype);
+        self.op("reverse", &[a], &attrs, &shape, dtype)
     }
 
     /// `a` broadcast to `shape`, its dim `i` becoming dim `dims[i]` of the result.

@@ -2,24 +2,18 @@
 //! (`kpt_kernels::CpuReference`): f32 arithmetic for 16-bit floats (f64 for f64), one
 //! rounding to the output dtype.
 
-use kpt_core::graph::{rope_frequencies, Activation, AttentionParams, Op, RopeScaling};
+use kpt_core::graph::{rope_frequencies, Activation, Op, RopeScaling};
 use kpt_core::{DType, KptError, Result};
 
+use super::attention;
 use super::builder::{Builder, Cmp, Reduce, Val};
 
 /// The dtype arithmetic runs in for values of `d`.
-fn compute(d: DType) -> DType {
+pub(super) fn compute(d: DType) -> DType {
     if d == DType::F64 {
         DType::F64
     } else {
         DType::F32
-    }
-}
-
-fn not_lowered(what: &str) -> KptError {
-    KptError::Backend {
-        backend: "xla".into(),
-        message: format!("{what} is not lowered to StableHLO yet"),
     }
 }
 
@@ -135,19 +129,11 @@ pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
             let k = rotary(b, &k, &ins[1], *head_dim, *theta, scaling.as_ref())?;
             vec![q, k, v]
         }
-        Op::Attention(p) => {
-            if p.varlen || p.paged || p.lse {
-                return Err(not_lowered(
-                    "attention with varlen, paged caches or the log-sum-exp output",
-                ));
-            }
-            let mask = p.mask.then(|| &ins[3]);
-            vec![attention(b, p, &ins[0], &ins[1], &ins[2], mask)?]
-        }
-        Op::AttentionBackward(_) => return Err(not_lowered("attention backward")),
-        Op::Quantize { .. } | Op::Dequantize { .. } => {
-            return Err(not_lowered("FP8 / int8 quantization"))
-        }
+        Op::Attention(p) => attention::forward(b, p, ins)?,
+        Op::AttentionBackward(p) => attention::backward(b, p, ins)?,
+        Op::Quantize { dtype, scale } => vec![quantize(b, &ins[0], *dtype, *scale)?],
+        // The scale of the input comes after it (see `emit_graph`).
+        Op::Dequantize { dtype } => vec![dequantize(b, &ins[0], &ins[1], *dtype)],
         Op::CacheWrite => {
             // The cache as rows; a negative slot (padding) is skipped, as XLA skips every
             // index outside the cache (the reference rejects one past its end).
@@ -349,11 +335,6 @@ fn rotary(
     theta: f32,
     scaling: Option<&RopeScaling>,
 ) -> Result<Val> {
-    if matches!(scaling, Some(RopeScaling::Dynamic { .. })) {
-        return Err(not_lowered(
-            "dynamic NTK rope scaling (its base depends on the positions' values)",
-        ));
-    }
     let out = x.float();
     let c = compute(out);
     let table = rope_frequencies(head_dim, f64::from(theta), scaling, 0)?;
@@ -379,7 +360,18 @@ fn rotary(
     };
     debug_assert_eq!(positions.shape.last(), Some(&seq));
     let pos = b.broadcast(&pos, &ang_shape, &pos_dims);
-    let freq = b.vector(&table.inv_freq, DType::F64)?;
+    let freq = match scaling {
+        Some(&RopeScaling::Dynamic {
+            factor,
+            max_position_embeddings,
+        }) => dynamic_inv_freq(
+            b,
+            positions,
+            (head_dim, f64::from(theta)),
+            (factor, max_position_embeddings),
+        )?,
+        _ => b.vector(&table.inv_freq, DType::F64)?,
+    };
     let freq = b.broadcast(&freq, &ang_shape, &[r]);
     let ang = b.binary("multiply", &pos, &freq);
     let factor = b.splat(table.attention_factor, &ang_shape, DType::F64)?;
@@ -389,96 +381,99 @@ fn rotary(
     let sin = b.unary("sine", &ang);
     let sin = b.binary("multiply", &sin, &factor);
     let sin = b.convert(&sin, c);
-    let mut half_shape = split.clone();
-    half_shape[r] = half;
-    let dims: Vec<usize> = (0..=r).collect();
-    let cos = b.broadcast(&cos, &half_shape, &dims);
-    let sin = b.broadcast(&sin, &half_shape, &dims);
-    let x0 = b.slice_axis(&xh, r, 0, half);
-    let x1 = b.slice_axis(&xh, r, half, head_dim);
-    let a = b.binary("multiply", &x0, &cos);
-    let s = b.binary("multiply", &x1, &sin);
-    let y0 = b.binary("subtract", &a, &s);
-    let a = b.binary("multiply", &x1, &cos);
-    let s = b.binary("multiply", &x0, &sin);
-    let y1 = b.binary("add", &a, &s);
-    let y = b.concatenate(&[&y0, &y1], r);
+    // x as [lead.., S, H, 2, D/2]: y = x · cos + swap_halves(x) · (-sin, +sin), with no
+    // slices of x (a reverse of the size-2 dim fuses into the elementwise loop).
+    let mut pair_shape = split.clone();
+    pair_shape[r] = 2;
+    pair_shape.push(half);
+    let xp = b.reshape(&xh, &pair_shape);
+    let swapped = b.reverse(&xp, &[r]);
+    let neg = b.unary("negate", &sin);
+    let signed = b.concatenate(&[&neg, &sin], r);
+    let mut table_shape = ang_shape.clone();
+    table_shape[r] = 1;
+    table_shape.push(half);
+    let mut signed_shape = table_shape.clone();
+    signed_shape[r] = 2;
+    let signed = b.reshape(&signed, &signed_shape);
+    let cos = b.reshape(&cos, &table_shape);
+    let dims: Vec<usize> = (0..=r + 1).collect();
+    let cos = b.broadcast(&cos, &pair_shape, &dims);
+    let signed = b.broadcast(&signed, &pair_shape, &dims);
+    let a = b.binary("multiply", &xp, &cos);
+    let s = b.binary("multiply", &swapped, &signed);
+    let y = b.binary("add", &a, &s);
     let y = b.reshape(&y, &x.shape);
     Ok(b.convert(&y, out))
 }
 
-/// Dense scaled dot-product attention: q `[B, S, Hq*D]`, k and v `[B, T, Hkv*D]`,
-/// GQA, bottom-right causal masking, sliding window, additive mask `[S, T]`; a row
-/// that sees no key gives zeros.
-fn attention(
+/// Dynamic NTK's inverse frequencies `[D/2]` (f64), computed in the program from the
+/// call's positions as `rope_frequencies` does on the host: `len = max(max position +
+/// 1, max_position_embeddings)`, `base = theta * (factor * len / max - (factor - 1))^(d /
+/// (d - 2))`, `inv_freq[i] = base^(-2i / d)`.
+fn dynamic_inv_freq(
     b: &mut Builder,
-    p: &AttentionParams,
-    q: &Val,
-    k: &Val,
-    v: &Val,
-    mask: Option<&Val>,
+    positions: &Val,
+    (head_dim, theta): (usize, f64),
+    (factor, max): (f64, usize),
 ) -> Result<Val> {
-    let out = q.float();
-    let c = compute(out);
-    let (bs, s, t) = (q.shape[0], q.shape[1], k.shape[1]);
-    let (hq, hkv, d) = (p.num_heads, p.num_kv_heads, p.head_dim);
-    let g = hq / hkv;
-    // Queries as [B, Hkv, G, S, D] (query head h = kv head h / G, member h % G), keys
-    // and values as [B, Hkv, T, D]: each kv head meets its group without being copied.
-    let qc = b.convert(q, c);
-    let qh = b.reshape(&qc, &[bs, s, hkv, g, d]);
-    let qh = b.transpose(&qh, &[0, 2, 3, 1, 4]);
-    let kv_heads = |b: &mut Builder, x: &Val| {
-        let x = b.convert(x, c);
-        let x = b.reshape(&x, &[bs, t, hkv, d]);
-        b.transpose(&x, &[0, 2, 1, 3])
-    };
-    let kh = kv_heads(b, k);
-    let vh = kv_heads(b, v);
-    // Scores [B, Hkv, G, S, T].
-    let scores = b.dot_general(&qh, &kh, (&[0, 1], &[0, 1]), (&[4], &[3]), c);
-    let scale = b.splat(f64::from(p.effective_scale()), &scores.shape, c)?;
-    let mut scores = b.binary("multiply", &scores, &scale);
-    let shape = scores.shape.clone();
-    if let Some(m) = mask {
-        let m = b.convert(m, c);
-        let m = b.broadcast(&m, &shape, &[3, 4]);
-        scores = b.binary("add", &scores, &m);
+    let d = head_dim as f64;
+    let all: Vec<usize> = (0..positions.rank()).collect();
+    let pos = b.convert(positions, DType::I64);
+    let top = b.reduce(&pos, &all, Reduce::Max)?;
+    let one = b.splat_int(1, &[], DType::I64);
+    let len = b.binary("add", &top, &one);
+    let len = b.convert(&len, DType::F64);
+    let max = b.splat(max as f64, &[], DType::F64)?;
+    let len = b.binary("maximum", &len, &max);
+    let per = b.binary("divide", &len, &max);
+    let f = b.splat(factor, &[], DType::F64)?;
+    let ratio = b.binary("multiply", &per, &f);
+    let f1 = b.splat(factor - 1.0, &[], DType::F64)?;
+    let ratio = b.binary("subtract", &ratio, &f1);
+    let ln_ratio = b.unary("log", &ratio);
+    let power = b.splat(d / (d - 2.0), &[], DType::F64)?;
+    let ln_base = b.binary("multiply", &ln_ratio, &power);
+    let ln_theta = b.splat(theta.ln(), &[], DType::F64)?;
+    let ln_base = b.binary("add", &ln_base, &ln_theta);
+    let half = head_dim / 2;
+    let exps: Vec<f64> = (0..half).map(|i| -2.0 * i as f64 / d).collect();
+    let exps = b.vector(&exps, DType::F64)?;
+    let ln_base = b.broadcast(&ln_base, &[half], &[]);
+    let x = b.binary("multiply", &exps, &ln_base);
+    Ok(b.unary("exponential", &x))
+}
+
+/// `x / scale` stored as `dtype` (FP8 or int8), as kpt quantizes everywhere: saturated
+/// to the largest finite value, rounded to nearest even; int8 maps NaN to 0, FP8 keeps
+/// it.
+fn quantize(b: &mut Builder, x: &Val, dtype: DType, scale: f32) -> Result<Val> {
+    if !dtype.is_quantized() {
+        return Err(KptError::dtype("quantize", "f8e4m3, f8e5m2 or i8", dtype));
     }
-    if p.causal || p.window.is_some() {
-        // Query i sees key j when j <= i + T - S (causal) and j > i + T - S - w (window).
-        let i = b.iota(&shape, 3, DType::I64);
-        let j = b.iota(&shape, 4, DType::I64);
-        let off = b.splat_int(t as i64 - s as i64, &shape, DType::I64);
-        let aligned = b.binary("add", &i, &off);
-        let ninf = b.splat(f64::NEG_INFINITY, &shape, c)?;
-        if p.causal {
-            let ok = b.compare(&j, &aligned, Cmp::Le);
-            scores = b.select(&ok, &scores, &ninf);
-        }
-        if let Some(w) = p.window {
-            let wv = b.splat_int(w as i64, &shape, DType::I64);
-            let low = b.binary("subtract", &aligned, &wv);
-            let ok = b.compare(&j, &low, Cmp::Gt);
-            scores = b.select(&ok, &scores, &ninf);
-        }
+    let shape = x.shape.clone();
+    let xc = b.convert(x, DType::F32);
+    let s = b.splat(f64::from(scale), &shape, DType::F32)?;
+    let q = b.binary("divide", &xc, &s);
+    let max = dtype.max_finite();
+    let lo = b.splat(-max, &shape, DType::F32)?;
+    let hi = b.splat(max, &shape, DType::F32)?;
+    let q = b.binary("maximum", &q, &lo);
+    let mut q = b.binary("minimum", &q, &hi);
+    if dtype == DType::I8 {
+        // `convert` to an integer truncates: round first.
+        let r = b.unary("round_nearest_even", &q);
+        let nan = b.compare(&q, &q, Cmp::Ne);
+        let zero = b.splat(0.0, &shape, DType::F32)?;
+        q = b.select(&nan, &zero, &r);
     }
-    // Softmax whose all-masked rows give zeros.
-    let max = b.reduce_last_keep(&scores, Reduce::Max)?;
-    let ninf = b.splat(f64::NEG_INFINITY, &shape, c)?;
-    let zero = b.splat(0.0, &shape, c)?;
-    let dead = b.compare(&max, &ninf, Cmp::Eq);
-    let max = b.select(&dead, &zero, &max);
-    let e = b.binary("subtract", &scores, &max);
-    let e = b.unary("exponential", &e);
-    let sum = b.reduce_last_keep(&e, Reduce::Sum)?;
-    let one = b.splat(1.0, &shape, c)?;
-    let empty = b.compare(&sum, &zero, Cmp::Eq);
-    let sum = b.select(&empty, &one, &sum);
-    let probs = b.binary("divide", &e, &sum);
-    // [B, Hkv, G, S, D] -> [B, S, Hkv, G, D] -> [B, S, Hq*D].
-    let o = b.dot_general(&probs, &vh, (&[0, 1], &[0, 1]), (&[4], &[2]), c);
-    let o = b.transpose(&o, &[0, 3, 1, 2, 4]);
-    let o = b.reshape(&o, &[bs, s, hq * d]);
-    Ok(b.convert(&o, out))
+    Ok(b.convert(&q, dtype))
+}
+
+/// Stored FP8 / int8 values times their `scale` (an f32 scalar), as `dtype`.
+pub(super) fn dequantize(b: &mut Builder, x: &Val, scale: &Val, dtype: DType) -> Val {
+    let xc = b.convert(x, DType::F32);
+    let s = b.broadcast(scale, &x.shape, &[]);
+    let y = b.binary("multiply", &xc, &s);
+    b.convert(&y, dtype)
 }

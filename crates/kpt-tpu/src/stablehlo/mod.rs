@@ -5,11 +5,12 @@
 //! buffers, not constants in the program), and returns the graph's outputs. Shapes are
 //! static: a graph is emitted for one set of input shapes.
 
+mod attention;
 mod builder;
 mod lower;
 
 use kpt_core::graph::ValueSource;
-use kpt_core::{Graph, KptError, Result, TensorSpec, ValueId};
+use kpt_core::{DType, Graph, KptError, Op, Result, TensorSpec, ValueId};
 
 pub(crate) use builder::tensor_type;
 use builder::{Builder, Val};
@@ -22,8 +23,13 @@ pub struct Program {
     /// The values passed as the function's arguments, in order: the graph's inputs, then
     /// its parameters.
     pub args: Vec<ValueId>,
+    /// The arguments (indices into `args`) holding FP8 / int8 values: the scale of each
+    /// is passed too, as an f32 scalar argument after `args`, in this order.
+    pub scale_args: Vec<usize>,
     /// The specs of the function's results (the graph's outputs).
     pub outputs: Vec<TensorSpec>,
+    /// The quantization scale of each result (that of its `Quantize`; 1 for the rest).
+    pub output_scales: Vec<f32>,
 }
 
 /// Writes `graph`, with its inputs of `input_specs`, as a StableHLO module.
@@ -41,7 +47,8 @@ pub fn emit_graph(graph: &Graph, input_specs: &[TensorSpec]) -> Result<Program> 
             .filter(|(_, v)| matches!(v.source, ValueSource::Param(_)))
             .map(|(i, _)| ValueId(i)),
     );
-    let mut vals: Vec<Option<Val>> = vec![None; graph.values().len()];
+    let n = graph.values().len();
+    let mut vals: Vec<Option<Val>> = vec![None; n];
     let mut params = Vec::with_capacity(args.len());
     for (i, &id) in args.iter().enumerate() {
         let s = &specs[id.0];
@@ -49,9 +56,28 @@ pub fn emit_graph(graph: &Graph, input_specs: &[TensorSpec]) -> Result<Program> 
         params.push(format!("{}: {}", v.name, v.ty()));
         vals[id.0] = Some(v);
     }
+    // Scales of FP8 / int8 values: arguments for quantized inputs and parameters,
+    // constants for the results of `Quantize`.
     let mut b = Builder::default();
+    let mut scales: Vec<Option<Val>> = vec![None; n];
+    let mut known: Vec<Option<f32>> = vec![None; n];
+    let scale_args: Vec<usize> = (0..args.len())
+        .filter(|&i| specs[args[i].0].dtype.is_quantized())
+        .collect();
+    for &i in &scale_args {
+        let v = Builder::arg(format!("%arg{}", params.len()), &[], DType::F32);
+        params.push(format!("{}: {}", v.name, v.ty()));
+        scales[args[i].0] = Some(v);
+    }
     for node in graph.nodes() {
-        let ins = node
+        let named = |e: KptError| match e {
+            KptError::Backend { backend, message } => KptError::Backend {
+                backend,
+                message: format!("node `{}`: {message}", node.name),
+            },
+            other => other,
+        };
+        let mut ins = node
             .inputs
             .iter()
             .map(|v| {
@@ -60,13 +86,40 @@ pub fn emit_graph(graph: &Graph, input_specs: &[TensorSpec]) -> Result<Program> 
                     .ok_or_else(|| KptError::Graph(format!("value {} used before it is made", v.0)))
             })
             .collect::<Result<Vec<_>>>()?;
-        let outs = lower::lower(&mut b, &node.op, &ins).map_err(|e| match e {
-            KptError::Backend { backend, message } => KptError::Backend {
-                backend,
-                message: format!("node `{}`: {message}", node.name),
-            },
-            other => other,
-        })?;
+        let scale_of = |v: ValueId| {
+            scales[v.0].clone().ok_or_else(|| {
+                named(KptError::Backend {
+                    backend: "xla".into(),
+                    message: format!("value {} is quantized but its scale is unknown", v.0),
+                })
+            })
+        };
+        match &node.op {
+            Op::Dequantize { .. } => ins.push(scale_of(node.inputs[0])?),
+            // FP8 / int8 weights are dequantized to the activations' dtype first.
+            Op::Linear { .. } | Op::LinearAct { .. } if ins[1].float().is_quantized() => {
+                let s = scale_of(node.inputs[1])?;
+                ins[1] = lower::dequantize(&mut b, &ins[1], &s, ins[0].float());
+            }
+            Op::Quantize { .. } => {}
+            op => {
+                if let Some(i) = ins.iter().position(|v| v.float().is_quantized()) {
+                    return Err(named(KptError::Backend {
+                        backend: "xla".into(),
+                        message: format!(
+                            "{op} reads the {} input {i}; dequantize it first",
+                            ins[i].float()
+                        ),
+                    }));
+                }
+            }
+        }
+        let outs = lower::lower(&mut b, &node.op, &ins).map_err(named)?;
+        if let Op::Quantize { scale, .. } = node.op {
+            let o = node.outputs[0].0;
+            scales[o] = Some(b.splat(f64::from(scale), &[], DType::F32)?);
+            known[o] = Some(scale);
+        }
         for (&o, v) in node.outputs.iter().zip(outs) {
             let want = &specs[o.0];
             if v.shape != want.shape || v.dtype != Some(want.dtype) {
@@ -94,6 +147,21 @@ pub fn emit_graph(graph: &Graph, input_specs: &[TensorSpec]) -> Result<Program> 
     let names: Vec<&str> = results.iter().map(|v| v.name.as_str()).collect();
     let types: Vec<String> = results.iter().map(Val::ty).collect();
     let outputs = graph.outputs().iter().map(|o| specs[o.0].clone()).collect();
+    let output_scales = graph
+        .outputs()
+        .iter()
+        .map(|o| match known[o.0] {
+            Some(scale) => Ok(scale),
+            None if specs[o.0].dtype.is_quantized() => Err(KptError::Backend {
+                backend: "xla".into(),
+                message: format!(
+                    "output value {} is quantized but not made by a quantize op",
+                    o.0
+                ),
+            }),
+            None => Ok(1.0),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mlir = format!(
         "module @kpt {{\n  func.func public @main({}) -> ({}) {{\n{}    \"func.return\"({}) : ({}) -> ()\n  }}\n}}\n",
         params.join(", "),
@@ -105,7 +173,9 @@ pub fn emit_graph(graph: &Graph, input_specs: &[TensorSpec]) -> Result<Program> 
     Ok(Program {
         mlir,
         args,
+        scale_args,
         outputs,
+        output_scales,
     })
 }
 
@@ -131,6 +201,7 @@ impl crate::Client {
             )));
         }
         let mut buffers = Vec::with_capacity(program.args.len());
+        let mut scales = Vec::with_capacity(program.args.len());
         for (i, &id) in program.args.iter().enumerate() {
             let t = if i < n_in {
                 inputs[i].contiguous()
@@ -142,12 +213,22 @@ impl crate::Client {
             };
             let dims: Vec<i64> = t.shape().iter().map(|&d| d as i64).collect();
             buffers.push(self.buffer_from_bytes(t.as_bytes()?, t.dtype(), &dims, device)?);
+            scales.push(t.scale());
+        }
+        for &i in &program.scale_args {
+            buffers.push(self.buffer(&[scales[i]], &[], device)?);
         }
         let refs: Vec<&crate::Buffer> = buffers.iter().collect();
         let outs = exe.execute(&refs)?;
         outs.iter()
             .zip(&program.outputs)
-            .map(|(o, spec)| kpt_core::Tensor::from_bytes(&o.to_bytes()?, spec.dtype, &spec.shape))
+            .zip(&program.output_scales)
+            .map(|((o, spec), &scale)| {
+                Ok(
+                    kpt_core::Tensor::from_bytes(&o.to_bytes()?, spec.dtype, &spec.shape)?
+                        .with_scale(scale),
+                )
+            })
             .collect()
     }
 }
