@@ -44,6 +44,7 @@ fn main() {
             let format = match a.format.as_str() {
                 "cubin" => "Format::Cubin",
                 "ptx" => "Format::Ptx",
+                "hsaco" => "Format::Hsaco",
                 other => panic!("{}: unknown artifact format {other:?}", a.path),
             };
             writeln!(

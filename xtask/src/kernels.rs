@@ -1,9 +1,9 @@
-//! `build-kernels` (compile `kernels/cuda/*.cu` with a pinned nvcc and
-//! `kernels/triton/*.py` with a pinned Triton into committed artifacts and their
-//! manifest) and `check-kernels` (the committed artifacts match their sources and
-//! hashes; needs no toolchain, runs in CI).
+//! `build-kernels` (compile `kernels/cuda/*.cu` with a pinned nvcc,
+//! `kernels/triton/*.py` with a pinned Triton and `kernels/hip/*.hip` with a pinned hipcc
+//! into committed artifacts and their manifest) and `check-kernels` (the committed
+//! artifacts match their sources and hashes; needs no toolchain, runs in CI).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -68,7 +68,17 @@ fn hex_digest(bytes: &[u8]) -> String {
 
 /// sha256 of a kernel source followed by every local header it includes
 /// (`#include "x.cuh"`, next to it), so a header change also marks its kernels stale.
+/// A `.hip` source hashes as [`hip_sources`] lists it.
 fn source_sha256(src: &Path) -> Result<String> {
+    if src.extension().and_then(|e| e.to_str()) == Some("hip") {
+        let mut all = Vec::new();
+        for path in hip_sources(src)? {
+            all.extend(
+                std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
+            );
+        }
+        return Ok(hex_digest(&all));
+    }
     let text = std::fs::read(src).with_context(|| format!("reading {}", src.display()))?;
     let mut all = text.clone();
     let dir = src.parent().context("kernel source has no folder")?;
@@ -85,6 +95,49 @@ fn source_sha256(src: &Path) -> Result<String> {
         );
     }
     Ok(hex_digest(&all))
+}
+
+/// The files a `kernels/hip/*.hip` source is compiled from, in a fixed order: the source,
+/// the local files it includes (`#include "path"`, relative to the including file, followed
+/// recursively: the CUDA source and its headers), then every header of
+/// `kernels/hip/include/` (the dialect and the `cuda_*.h` shims that CUDA's
+/// `#include <cuda_bf16.h>` resolves to through `-I`).
+fn hip_sources(src: &Path) -> Result<Vec<PathBuf>> {
+    fn walk(path: &Path, seen: &mut BTreeSet<PathBuf>, out: &mut Vec<PathBuf>) -> Result<()> {
+        let canonical = path
+            .canonicalize()
+            .with_context(|| format!("reading {}", path.display()))?;
+        if !seen.insert(canonical.clone()) {
+            return Ok(());
+        }
+        out.push(canonical.clone());
+        let text = std::fs::read_to_string(&canonical)?;
+        let dir = canonical.parent().context("kernel source has no folder")?;
+        for line in text.lines() {
+            if let Some(rest) = line.trim().strip_prefix("#include \"") {
+                let header = rest.split('"').next().unwrap_or_default();
+                walk(&dir.join(header), seen, out)?;
+            }
+        }
+        Ok(())
+    }
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    walk(src, &mut seen, &mut out)?;
+    let include = root().join("kernels/hip/include");
+    let mut headers: Vec<PathBuf> = std::fs::read_dir(&include)
+        .with_context(|| format!("reading {}", include.display()))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    headers.retain(|p| p.extension().and_then(|e| e.to_str()) == Some("h"));
+    headers.sort();
+    for h in headers {
+        let h = h.canonicalize()?;
+        if seen.insert(h.clone()) {
+            out.push(h);
+        }
+    }
+    Ok(out)
 }
 
 /// `path` relative to the repository root, with `/` separators.
@@ -265,12 +318,14 @@ fn artifact(
 /// The entries of `old` built from `source` when they are still current: the source (with
 /// its headers) hashes as recorded and every artifact exists with its recorded hash. Reusing
 /// them keeps unchanged artifacts byte-identical (nvcc's PTX symbol names differ per run).
-fn current_entries(old: &Manifest, source: &Path) -> Result<Option<Vec<KernelEntry>>> {
+/// Only the entries for AMD (`hip`, every artifact an HSACO) or only the others: a Triton
+/// source has both, built by different steps.
+fn current_entries(old: &Manifest, source: &Path, hip: bool) -> Result<Option<Vec<KernelEntry>>> {
     let path = rel(source);
     let entries: Vec<_> = old
         .kernels
         .iter()
-        .filter(|e| e.source == path)
+        .filter(|e| e.source == path && is_hip(e) == hip)
         .cloned()
         .collect();
     if entries.is_empty() {
@@ -315,7 +370,11 @@ fn build_cuda(
         if src.extension().and_then(|e| e.to_str()) != Some("cu") {
             continue;
         }
-        if let Some(entries) = old.map(|m| current_entries(m, &src)).transpose()?.flatten() {
+        if let Some(entries) = old
+            .map(|m| current_entries(m, &src, false))
+            .transpose()?
+            .flatten()
+        {
             manifest.kernels.extend(entries);
             continue;
         }
@@ -393,7 +452,11 @@ fn build_triton(
     std::fs::create_dir_all(&out_dir)?;
     let driver = root().join("xtask/triton/aot.py");
     for src in list_sources(&root().join("kernels/triton"))? {
-        if let Some(entries) = old.map(|m| current_entries(m, &src)).transpose()?.flatten() {
+        if let Some(entries) = old
+            .map(|m| current_entries(m, &src, false))
+            .transpose()?
+            .flatten()
+        {
             manifest.kernels.extend(entries);
             continue;
         }
@@ -442,18 +505,298 @@ fn build_triton(
     Ok(())
 }
 
-/// Compiles the CUDA and Triton kernels whose sources changed (every kernel with `force`)
-/// and rewrites the manifest.
-pub fn build_kernels(force: bool) -> Result<()> {
-    let python = toolchain_python()?;
-    let old = if force { None } else { Some(read_manifest()?) };
+/// Debian 12's ROCm 5.2 packages whose hipcc (clang 15 with ROCm's device libraries)
+/// builds the HSACO artifacts, pinned to the versions the committed artifacts came from.
+const HIP_PACKAGES: [(&str, &str); 3] = [
+    ("hipcc", "5.2.3-8"),
+    ("libamdhip64-dev", "5.2.3-8"),
+    ("rocm-device-libs", "5.2.3-2"),
+];
+
+/// The processors every `kernels/hip/*.hip` is compiled for: CDNA 2 (MI200), CDNA 3 as
+/// ROCm 5.2 names it (gfx940; MI300X is gfx942, which this clang does not know) and
+/// RDNA 2 (gfx1030). ROCm 5.2's device libraries have no gfx1100 (RDNA 3).
+const HIP_TARGETS: [&str; 3] = ["gfx90a", "gfx940", "gfx1030"];
+
+/// The installed version of Debian package `name`, if it is installed.
+fn deb_version(name: &str) -> Option<String> {
+    let out = Command::new("dpkg-query")
+        .args(["-W", "-f=${Version}", name])
+        .output()
+        .ok()?;
+    let v = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (out.status.success() && !v.is_empty()).then_some(v)
+}
+
+/// The pinned hipcc and the toolchain string the manifest records; installs
+/// [`HIP_PACKAGES`] with apt-get first when one is missing or at another version.
+fn hipcc() -> Result<(PathBuf, String)> {
+    let pins: Vec<String> = HIP_PACKAGES
+        .iter()
+        .map(|(p, v)| format!("{p}={v}"))
+        .collect();
+    if HIP_PACKAGES
+        .iter()
+        .any(|(p, v)| deb_version(p).as_deref() != Some(*v))
+    {
+        eprintln!("build-kernels: installing {}", pins.join(" "));
+        let status = Command::new("apt-get")
+            .args([
+                "install",
+                "-y",
+                "--no-install-recommends",
+                "--allow-downgrades",
+            ])
+            .args(&pins)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .context("running apt-get (the HIP toolchain comes from Debian 12's packages)")?;
+        if !status.success() {
+            bail!(
+                "could not install the HIP toolchain; on Debian 12 run as root: \
+                 apt-get install {}",
+                pins.join(" ")
+            );
+        }
+    }
+    for (p, v) in HIP_PACKAGES {
+        let found = deb_version(p);
+        if found.as_deref() != Some(v) {
+            bail!("{p} is at {found:?} after installing, not {v}");
+        }
+    }
+    let hipcc = PathBuf::from("/usr/bin/hipcc");
+    // stdout only: hipcc also runs rocm_agent_enumerator, which complains on stderr
+    // when the machine has no GPU.
+    let out = Command::new(&hipcc)
+        .arg("--version")
+        .output()
+        .with_context(|| format!("running {}", hipcc.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let field = |prefix: &str| {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(prefix))
+            .map(str::trim)
+            .map(str::to_string)
+    };
+    let hip = field("HIP version:").context("no `HIP version:` in `hipcc --version`")?;
+    let clang = text
+        .lines()
+        .find(|l| l.contains("clang version"))
+        .map(|l| l.trim().to_string())
+        .context("no clang version in `hipcc --version`")?;
+    let version = format!(
+        "{} (HIP {hip}, {clang}, rocm-device-libs {})",
+        HIP_PACKAGES[0].1, HIP_PACKAGES[2].1
+    );
+    Ok((hipcc, version))
+}
+
+/// Compiles every `kernels/hip/*.hip` for [`HIP_TARGETS`] into `manifest` (unchanged
+/// sources keep their entries). A `.hip` source includes `include/hip_dialect.h` and then
+/// a CUDA source of `kernels/cuda/`, whose `// kpt:launch` lines name its entry points.
+fn build_hip(old: Option<&Manifest>, manifest: &mut Manifest) -> Result<()> {
+    let sources: Vec<PathBuf> = list_sources(&root().join("kernels/hip"))?
+        .into_iter()
+        .filter(|p| p.extension().and_then(|e| e.to_str()) == Some("hip"))
+        .collect();
+    let out_dir = artifacts_dir().join("hip");
+    let include = root().join("kernels/hip/include");
+    let mut toolchain = None;
+    for src in sources {
+        if let Some(entries) = old
+            .map(|m| current_entries(m, &src, true))
+            .transpose()?
+            .flatten()
+        {
+            manifest.kernels.extend(entries);
+            continue;
+        }
+        if toolchain.is_none() {
+            std::fs::create_dir_all(&out_dir)?;
+            let (path, version) = hipcc()?;
+            manifest.toolchains.insert("hipcc".into(), version);
+            toolchain = Some(path);
+        }
+        let hipcc = toolchain.as_ref().context("hipcc")?;
+        let name = src
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .context("kernel file name")?
+            .to_string();
+        let mut text = String::new();
+        for path in hip_sources(&src)? {
+            text.push_str(&std::fs::read_to_string(&path)?);
+            text.push('\n');
+        }
+        let entry_points = launch_lines(&text, &rel(&src))?;
+        let mut artifacts = Vec::new();
+        for target in HIP_TARGETS {
+            let out = out_dir.join(format!("{name}.{target}.hsaco"));
+            let status = Command::new(hipcc)
+                .args(["--genco", "--no-gpu-bundle-output"])
+                .arg(format!("--offload-arch={target}"))
+                .args(["-O3", "-std=c++17"])
+                .arg(format!("-I{}", include.display()))
+                .arg("-o")
+                .arg(&out)
+                .arg(&src)
+                .status()
+                .with_context(|| format!("running {}", hipcc.display()))?;
+            if !status.success() {
+                bail!("hipcc failed on {} for {target}", rel(&src));
+            }
+            let bytes = std::fs::read(&out)?;
+            if !bytes.starts_with(b"\x7fELF") {
+                bail!("{}: not an ELF code object (an offload bundle?)", rel(&out));
+            }
+            artifacts.push(artifact(&out, target, "hsaco", &entry_points)?);
+        }
+        manifest.kernels.push(KernelEntry {
+            name,
+            source: rel(&src),
+            source_sha256: source_sha256(&src)?,
+            entry_points,
+            artifacts,
+        });
+    }
+    Ok(())
+}
+
+/// A kernel toolchain of `build-kernels`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Toolchain {
+    /// nvcc: `kernels/cuda/*.cu`.
+    Cuda,
+    /// Triton: `kernels/triton/*.py`.
+    Triton,
+    /// AMD code objects: hipcc for `kernels/hip/*.hip`, Triton for `kernels/triton/*.py`.
+    Hip,
+}
+
+/// Whether `entry` is built for AMD GPUs (its artifacts are HSACO code objects).
+fn is_hip(entry: &KernelEntry) -> bool {
+    !entry.artifacts.is_empty() && entry.artifacts.iter().all(|a| a.format == "hsaco")
+}
+
+/// The entries of `old` whose source is under `prefix` and that are (`hip`) or are not
+/// built for AMD GPUs, unchanged.
+fn keep(old: &Manifest, prefix: &str, hip: bool, manifest: &mut Manifest) {
+    manifest.kernels.extend(
+        old.kernels
+            .iter()
+            .filter(|e| e.source.starts_with(prefix) && is_hip(e) == hip)
+            .cloned(),
+    );
+}
+
+/// Compiles the specializations of every `kernels/triton/*.py` for the AMD processors of
+/// `xtask/triton/aot.py`'s `HIP_TARGETS` with the pinned Triton of
+/// `kernels/requirements-hip.txt` (in `target/triton-hip-venv`): one entry per
+/// specialization and processor, since the launch block is waves × wave size.
+fn build_triton_hip(old: Option<&Manifest>, manifest: &mut Manifest) -> Result<()> {
+    let out_dir = artifacts_dir().join("hip");
+    let driver = root().join("xtask/triton/aot.py");
+    let mut python = None;
+    for src in list_sources(&root().join("kernels/triton"))? {
+        if let Some(entries) = old
+            .map(|m| current_entries(m, &src, true))
+            .transpose()?
+            .flatten()
+        {
+            manifest.kernels.extend(entries);
+            continue;
+        }
+        if python.is_none() {
+            python = Some(python_env(
+                "triton-hip-venv",
+                "kernels/requirements-hip.txt",
+            )?);
+            std::fs::create_dir_all(&out_dir)?;
+        }
+        let python = python.as_ref().context("python")?;
+        eprintln!("triton (AMD): compiling {}", rel(&src));
+        let out = Command::new(python)
+            .arg(&driver)
+            .arg(&src)
+            .arg(&out_dir)
+            .arg("hip")
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("running {}", driver.display()))?;
+        if !out.status.success() {
+            bail!("Triton failed on {} for AMD", rel(&src));
+        }
+        let build: TritonBuild = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("reading what {} reported", rel(&driver)))?;
+        manifest
+            .toolchains
+            .insert("triton".into(), build.triton.clone());
+        let source_sha256 = source_sha256(&src)?;
+        for k in build.kernels {
+            let entry_points = vec![EntryPoint {
+                name: k.entry,
+                block: k.block,
+                shared_bytes: k.shared,
+                grid: k.grid,
+            }];
+            let artifacts = k
+                .artifacts
+                .iter()
+                .map(|a| {
+                    let file = out_dir.join(&a.file);
+                    if !std::fs::read(&file)?.starts_with(b"\x7fELF") {
+                        bail!("{}: not an ELF code object", rel(&file));
+                    }
+                    artifact(&file, &a.target, &a.format, &entry_points)
+                })
+                .collect::<Result<_>>()?;
+            manifest.kernels.push(KernelEntry {
+                name: k.kernel,
+                source: rel(&src),
+                source_sha256: source_sha256.clone(),
+                entry_points,
+                artifacts,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Compiles the kernels whose sources changed (every kernel with `force`) with every
+/// toolchain, or only with `only` (the others' entries are kept as they are), and
+/// rewrites the manifest.
+pub fn build_kernels(force: bool, only: Option<Toolchain>) -> Result<()> {
+    let previous = read_manifest()?;
+    let old = (!force).then_some(&previous);
+    let wants = |t: Toolchain| only.is_none_or(|o| o == t);
     let mut manifest = Manifest::default();
-    let ptxas = ptxas12(&python)?;
-    build_cuda(&python, &ptxas, old.as_ref(), &mut manifest)?;
-    build_triton(&python, &ptxas, old.as_ref(), &mut manifest)?;
-    if let Some(old) = &old {
+    if wants(Toolchain::Cuda) || wants(Toolchain::Triton) {
+        let python = toolchain_python()?;
+        let ptxas = ptxas12(&python)?;
+        if wants(Toolchain::Cuda) {
+            build_cuda(&python, &ptxas, old, &mut manifest)?;
+        } else {
+            keep(&previous, "kernels/cuda/", false, &mut manifest);
+        }
+        if wants(Toolchain::Triton) {
+            build_triton(&python, &ptxas, old, &mut manifest)?;
+        } else {
+            keep(&previous, "kernels/triton/", false, &mut manifest);
+        }
+    } else {
+        keep(&previous, "kernels/cuda/", false, &mut manifest);
+        keep(&previous, "kernels/triton/", false, &mut manifest);
+    }
+    if wants(Toolchain::Hip) {
+        build_hip(old, &mut manifest)?;
+        build_triton_hip(old, &mut manifest)?;
+    } else {
+        keep(&previous, "kernels/", true, &mut manifest);
+    }
+    if !force || only.is_some() {
         // Toolchain versions of reused entries stay as recorded.
-        for (k, v) in &old.toolchains {
+        for (k, v) in &previous.toolchains {
             manifest
                 .toolchains
                 .entry(k.clone())

@@ -7,8 +7,11 @@
 //!   not record its current hash, or an artifact does not match its recorded hash.
 //! - `build-kernels`: installs the pinned nvcc and Triton (`kernels/requirements.txt`)
 //!   into `target/kernels-venv`, compiles `kernels/cuda/*.cu` and the specializations
-//!   of `kernels/triton/*.py` to cubin (sm_80, sm_90a) and PTX (compute_80) and
-//!   rewrites the manifest.
+//!   of `kernels/triton/*.py` to cubin (sm_80, sm_90a) and PTX (compute_80), has the
+//!   pinned hipcc (Debian's ROCm 5.2 packages, installed with apt when missing) compile
+//!   `kernels/hip/*.hip` to HSACO code objects (gfx90a, gfx940, gfx1030), and rewrites
+//!   the manifest; `--only cuda|triton|hip` builds one toolchain's kernels and keeps the
+//!   others' entries as they are.
 //! - `bench-models`: the same environment (with HF transformers), then
 //!   `kpt-bench-models` on the CPU with a ~100M-parameter LLaMA-shaped model.
 //! - `bench-cpu`: installs PyTorch (pinned in `benches/requirements-cpu.txt`) into a
@@ -51,12 +54,16 @@ enum Task {
     Test,
     /// Verify that committed kernel artifacts match their sources.
     CheckKernels,
-    /// Compile kernels/cuda/*.cu and kernels/triton/*.py into crates/kpt-kernels/artifacts
-    /// (only sources that changed since their artifacts were built, unless --force).
+    /// Compile kernels/cuda/*.cu, kernels/triton/*.py and kernels/hip/*.hip into
+    /// crates/kpt-kernels/artifacts (only sources that changed since their artifacts were
+    /// built, unless --force).
     BuildKernels {
         /// Rebuild every kernel.
         #[arg(long)]
         force: bool,
+        /// Build only this toolchain's kernels; the manifest keeps the others' entries.
+        #[arg(long, value_enum)]
+        only: Option<kernels::Toolchain>,
     },
     /// kpt's CPU kernels vs PyTorch on this machine, same run; writes docs/reports/cpu-*.
     BenchCpu {
@@ -90,7 +97,7 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Test => test(),
         Task::CheckKernels => check_kernels(),
-        Task::BuildKernels { force } => build_kernels(force),
+        Task::BuildKernels { force, only } => build_kernels(force, only),
         Task::BenchCpu { args } => bench_cpu(&args),
         Task::BenchModels { args } => bench_models(&args),
         Task::BenchXla { args } => bench_xla(&args),

@@ -1,10 +1,11 @@
 """Ahead-of-time compilation of kpt's Triton kernels (run by `cargo xtask build-kernels`).
 
-Usage: aot.py SOURCE OUT_DIR
+Usage: aot.py SOURCE OUT_DIR [cuda|hip]
 
 Imports SOURCE (a file under kernels/triton/), compiles every specialization its
-`kpt_entry_points()` lists for each target below, writes the binaries into OUT_DIR
-and prints one JSON document describing them on stdout. Needs no GPU.
+`kpt_entry_points()` lists for each target below (NVIDIA's by default, AMD's with
+`hip`), writes the binaries into OUT_DIR and prints one JSON document describing them on
+stdout. Needs no GPU.
 """
 
 import importlib.util
@@ -19,6 +20,11 @@ from triton.compiler import ASTSource, make_backend
 # (manifest target, format, compute capability): cubins for Ampere and Hopper (Triton
 # compiles 90 as sm_90a), PTX for Ampere and newer (taken from the sm_80 compile).
 TARGETS = [("sm_80", "cubin", 80), ("sm_90a", "cubin", 90), ("compute_80", "ptx", 80)]
+
+# AMD processors and their wave sizes: CDNA 2 (MI200), CDNA 3 (MI300X) and RDNA 3 (RX 7900).
+# A program of `num_warps` waves has wave * num_warps threads, so the launch block
+# differs per processor and each gets its own manifest entry.
+HIP_TARGETS = [("gfx90a", 64), ("gfx942", 64), ("gfx1100", 32)]
 
 
 def parse_signature(fn, signature):
@@ -75,13 +81,48 @@ def compile_entry(entry, out_dir):
     }
 
 
+def compile_entry_hip(entry, out_dir):
+    """One record per AMD processor: the HSACO and the launch block for its wave size."""
+    fn = entry["fn"]
+    types, attrs = parse_signature(fn, entry["signature"])
+    for name in entry["constexprs"]:
+        types[name] = "constexpr"
+    src = ASTSource(fn=fn, signature=types, constexprs=entry["constexprs"], attrs=attrs)
+    out = []
+    for arch, wave in HIP_TARGETS:
+        gpu = GPUTarget("hip", arch, wave)
+        opts = {"num_warps": entry["num_warps"], "num_stages": entry.get("num_stages", 2)}
+        options = make_backend(gpu).parse_options(opts)
+        k = triton.compile(src, target=gpu, options=options.__dict__)
+        meta = k.metadata
+        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+            raise RuntimeError(f"{entry['kernel']}: kernels needing scratch memory are not supported")
+        file = out_dir / f"{entry['kernel']}.{arch}.hsaco"
+        file.write_bytes(k.asm["hsaco"])
+        out.append({
+            "kernel": entry["kernel"],
+            "entry": meta.name,
+            "block": wave * entry["num_warps"],
+            "shared": meta.shared,
+            "grid": entry["grid"],
+            "artifacts": [{"target": arch, "format": "hsaco", "file": file.name}],
+        })
+    return out
+
+
 def main():
     source, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    mode = sys.argv[3] if len(sys.argv) > 3 else "cuda"
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = importlib.util.spec_from_file_location(source.stem, source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    kernels = [compile_entry(e, out_dir) for e in module.kpt_entry_points()]
+    if mode == "hip":
+        kernels = [k for e in module.kpt_entry_points() for k in compile_entry_hip(e, out_dir)]
+    elif mode == "cuda":
+        kernels = [compile_entry(e, out_dir) for e in module.kpt_entry_points()]
+    else:
+        raise ValueError(f"unknown mode {mode!r} (cuda or hip)")
     json.dump({"triton": triton.__version__, "kernels": kernels}, sys.stdout)
 
 

@@ -26,6 +26,7 @@ pub mod error;
 pub mod exec;
 pub mod graph;
 pub mod hardware;
+pub mod memory;
 pub mod optimize;
 pub mod profile;
 pub mod rand;

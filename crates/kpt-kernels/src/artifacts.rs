@@ -1,7 +1,8 @@
-//! Compiled GPU kernels shipped inside the crate: the cubins and PTX that
-//! `cargo xtask build-kernels` wrote under `crates/kpt-kernels/artifacts/` (listed in its
-//! `manifest.json`), embedded at build time, and the choice of the artifact that fits a
-//! device: an exact cubin first, then PTX for the driver to JIT.
+//! Compiled GPU kernels shipped inside the crate: the cubins, PTX and AMD code objects
+//! (HSACO) that `cargo xtask build-kernels` wrote under `crates/kpt-kernels/artifacts/`
+//! (listed in its `manifest.json`), embedded at build time, and the choice of the
+//! artifact that fits a device: for CUDA an exact cubin first, then PTX for the driver to
+//! JIT; for AMD the code object built for the device's processor.
 
 pub mod manifest;
 
@@ -12,6 +13,8 @@ pub enum Format {
     Cubin,
     /// PTX, compiled by the driver for the device at load time.
     Ptx,
+    /// An AMDGPU ELF code object for one processor (`gfx90a`), for `hipModuleLoadData`.
+    Hsaco,
 }
 
 /// How to launch one entry point of an artifact.
@@ -34,9 +37,10 @@ pub struct Artifact {
     pub kernel: &'static str,
     /// Its source, relative to the repository root (`kernels/cuda/rms_norm.cu`).
     pub source: &'static str,
-    /// `sm_XY` / `sm_XYa` (cubin) or `compute_XY` (PTX).
+    /// `sm_XY` / `sm_XYa` (cubin), `compute_XY` (PTX) or an AMD processor such as
+    /// `gfx90a` (HSACO).
     pub target: &'static str,
-    /// Cubin or PTX.
+    /// Cubin, PTX or HSACO.
     pub format: Format,
     /// sha256 of `bytes`, as the manifest records it.
     pub sha256: &'static str,
@@ -64,9 +68,9 @@ fn parse_target(target: &str) -> Option<(u32, u32, bool)> {
 }
 
 impl Artifact {
-    /// Whether this artifact runs on a device of compute capability `major.minor`: a
+    /// Whether this artifact runs on a CUDA device of compute capability `major.minor`: a
     /// cubin for `sm_XY` on X.Y and later minors of X, one for `sm_XYa` only on X.Y; PTX
-    /// for `compute_XY` on X.Y and every newer device.
+    /// for `compute_XY` on X.Y and every newer device; an AMD code object never.
     pub fn runs_on(&self, major: u32, minor: u32) -> bool {
         let Some((m, n, specific)) = parse_target(self.target) else {
             return false;
@@ -75,6 +79,7 @@ impl Artifact {
             Format::Cubin if specific => (m, n) == (major, minor),
             Format::Cubin => m == major && n <= minor,
             Format::Ptx => (m, n) <= (major, minor),
+            Format::Hsaco => false,
         }
     }
 
@@ -126,4 +131,28 @@ pub fn select_cuda(kernel: &str, major: u32, minor: u32) -> Option<&'static Arti
         tracing::debug!(kernel, target = a.target, "selected CUDA artifact");
     }
     chosen
+}
+
+/// The AMD code objects of `kernel` that load on a device whose processor is
+/// `processor` (`gfx90a`, the part of `gcnArchName` before the first `:`). A code object
+/// runs only on the processor it was built for (gfx940 code does not load on a gfx942),
+/// so at most one fits.
+pub fn hsaco_candidates(kernel: &str, processor: &str) -> Vec<&'static Artifact> {
+    let fits: Vec<&'static Artifact> = EMBEDDED
+        .iter()
+        .filter(|a| a.kernel == kernel && a.format == Format::Hsaco && a.target == processor)
+        .collect();
+    if fits.is_empty() {
+        tracing::debug!(kernel, processor, "no AMD code object fits this device");
+    }
+    fits
+}
+
+/// The processors `kernel` has AMD code objects for, in the manifest's order.
+pub fn hsaco_targets(kernel: &str) -> Vec<&'static str> {
+    EMBEDDED
+        .iter()
+        .filter(|a| a.kernel == kernel && a.format == Format::Hsaco)
+        .map(|a| a.target)
+        .collect()
 }

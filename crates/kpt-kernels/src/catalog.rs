@@ -162,6 +162,110 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
     ]
 }
 
+/// The NVIDIA kernels whose sources are also compiled for AMD GPUs: the kernel, an
+/// embedded artifact that holds it (every specialization of a source is built for the same
+/// processors) and how it was built.
+const AMD_SHARED: &[(&str, &str, &str)] = &[
+    ("cuda.rms_norm", "rms_norm", HIPCC_RMS),
+    ("cuda.add_rms_norm", "rms_norm", HIPCC_RMS),
+    (
+        "cuda.layer_norm",
+        "layer_norm",
+        "kernels/cuda/layer_norm.cu built by hipcc",
+    ),
+    (
+        "cuda.add_layer_norm",
+        "layer_norm",
+        "kernels/cuda/layer_norm.cu built by hipcc",
+    ),
+    (
+        "cuda.softmax",
+        "softmax",
+        "kernels/cuda/softmax.cu built by hipcc",
+    ),
+    (
+        "cuda.argmax",
+        "softmax",
+        "kernels/cuda/softmax.cu built by hipcc",
+    ),
+    (
+        "cuda.rotary",
+        "rotary",
+        "kernels/cuda/rotary.cu built by hipcc",
+    ),
+    (
+        "cuda.split_rotary",
+        "rotary",
+        "kernels/cuda/rotary.cu built by hipcc",
+    ),
+    ("cuda.activation", "elementwise", HIPCC_ELEMENTWISE),
+    ("cuda.act_and_mul", "elementwise", HIPCC_ELEMENTWISE),
+    ("cuda.add", "elementwise", HIPCC_ELEMENTWISE),
+    ("cuda.mul", "elementwise", HIPCC_ELEMENTWISE),
+    ("cuda.cast", "elementwise", HIPCC_ELEMENTWISE),
+    (
+        "cuda.embedding",
+        "embedding",
+        "kernels/cuda/embedding.cu built by hipcc",
+    ),
+    (
+        "cuda.attention",
+        "attention",
+        "kernels/cuda/attention.cu built by hipcc",
+    ),
+    ("cuda.quantize", "quantize", HIPCC_QUANTIZE),
+    ("cuda.dequantize", "quantize", HIPCC_QUANTIZE),
+    ("triton.rms_norm", "triton_rms_norm_f32_1024", TRITON_RMS),
+    (
+        "triton.add_rms_norm",
+        "triton_add_rms_norm_f32_1024",
+        TRITON_RMS,
+    ),
+];
+const HIPCC_RMS: &str = "kernels/cuda/rms_norm.cu built by hipcc";
+const HIPCC_ELEMENTWISE: &str = "kernels/cuda/elementwise.cu built by hipcc";
+const HIPCC_QUANTIZE: &str = "kernels/cuda/quantize.cu built by hipcc";
+const TRITON_RMS: &str = "kernels/triton/rms_norm.py built by Triton";
+
+/// The AMD kernels: each of `AMD_SHARED`'s kernels for the ROCm backend (`cuda.x` as
+/// `amd.x`, `triton.x` as `amd.triton.x`), with the NVIDIA kernel's dtypes and limits,
+/// restricted to the processors its embedded code objects were built for
+/// (`artifacts::hsaco_targets`), so that a device of another processor passes over it.
+pub fn amd_kernels() -> Vec<KernelDef> {
+    cuda_kernels()
+        .into_iter()
+        .filter_map(|def| {
+            let &(_, artifact, how) = AMD_SHARED.iter().find(|(name, _, _)| *name == def.name)?;
+            let targets = crate::artifacts::hsaco_targets(artifact);
+            if targets.is_empty() {
+                return None;
+            }
+            let name = match def.name.strip_prefix("cuda.") {
+                Some(rest) => format!("amd.{rest}"),
+                None => format!("amd.{}", def.name),
+            };
+            let description = format!("{} ({how} for AMD)", def.description);
+            let mut amd = KernelDef {
+                name,
+                backend: DeviceKind::Rocm,
+                min_arch: None,
+                description,
+                ..def
+            }
+            .targets(&targets);
+            if amd.op == OpKind::Attention {
+                // What the CUDA backend adds around the kernel (FP8 inputs dequantized,
+                // variable-length batches one sequence per launch, paged caches gathered)
+                // has no ROCm counterpart yet: the kernel alone, on dense batches.
+                amd.dtypes.retain(|d| *d != DType::F8E4M3);
+                amd.limits.varlen = false;
+                amd.limits.paged = false;
+            }
+            Some(amd)
+        })
+        .collect()
+}
+
 /// The CUDA kernels: cuBLASLt GEMMs and kpt's own kernels (`kernels/cuda/`), all
 /// built for sm_80 and newer.
 pub fn cuda_kernels() -> Vec<KernelDef> {
@@ -605,6 +709,7 @@ impl KernelRegistry {
         for def in cpu_kernels()
             .into_iter()
             .chain(cuda_kernels())
+            .chain(amd_kernels())
             .chain(xla_kernels())
             .chain(reference_kernels())
         {

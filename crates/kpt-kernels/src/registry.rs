@@ -56,6 +56,10 @@ pub struct KernelDef {
     pub weight_dtypes: Vec<DType>,
     /// Minimum architecture, e.g. `sm_80` or `gfx90a`; `None` = any.
     pub min_arch: Option<String>,
+    /// The exact architectures it was built for (AMD code objects load only on their
+    /// own processor: `gfx90a`, `gfx940`, ...); empty = any.
+    #[serde(default)]
+    pub targets: Vec<String>,
     /// Device features it needs (e.g. `avx2`, `fp8`).
     pub features: Vec<String>,
     /// Shape limits.
@@ -87,6 +91,7 @@ impl KernelDef {
             dtypes: dtypes.to_vec(),
             weight_dtypes: Vec::new(),
             min_arch: None,
+            targets: Vec::new(),
             features: Vec::new(),
             limits: ShapeLimits::default(),
             priority,
@@ -110,6 +115,13 @@ impl KernelDef {
     /// Requires a minimum architecture.
     pub fn min_arch(mut self, arch: &str) -> Self {
         self.min_arch = Some(arch.to_string());
+        self
+    }
+
+    /// Restricts the kernel to the architectures it was built for (see
+    /// [`KernelDef::targets`]).
+    pub fn targets(mut self, targets: &[&str]) -> Self {
+        self.targets = targets.iter().map(|t| t.to_string()).collect();
         self
     }
 
@@ -183,6 +195,14 @@ impl KernelDef {
                 Some(arch) if arch_at_least(arch, min) => {}
                 Some(arch) => return Some(format!("needs {min}, device is {arch}")),
                 None => return Some(format!("needs {min}, device arch unknown")),
+            }
+        }
+        if !self.targets.is_empty() {
+            let built = self.targets.join("/");
+            match device.arch.as_deref() {
+                Some(arch) if self.targets.iter().any(|t| t == arch) => {}
+                Some(arch) => return Some(format!("built for {built} only, device is {arch}")),
+                None => return Some(format!("built for {built} only, device arch unknown")),
             }
         }
         if let Some(f) = self.features.iter().find(|f| !device.features.contains(f)) {

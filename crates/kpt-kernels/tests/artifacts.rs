@@ -3,7 +3,9 @@
 //! rules.
 
 use kpt_kernels::artifacts::manifest::Manifest;
-use kpt_kernels::artifacts::{cuda_candidates, embedded, select_cuda, Format};
+use kpt_kernels::artifacts::{
+    cuda_candidates, embedded, hsaco_candidates, hsaco_targets, select_cuda, Format,
+};
 use sha2::Digest;
 
 fn manifest() -> Manifest {
@@ -35,7 +37,10 @@ fn embedded_artifacts_are_the_manifest() {
             "{}: bytes differ from the manifest",
             a.path
         );
-        assert!(e.toolchain.starts_with("nvcc "), "{}", e.toolchain);
+        assert!(e.toolchain.contains("nvcc "), "{}", e.toolchain);
+        if e.format == Format::Hsaco {
+            assert!(e.toolchain.contains("hipcc "), "{}", e.toolchain);
+        }
     }
 }
 
@@ -44,7 +49,9 @@ fn artifacts_are_well_formed_with_their_entry_points() {
     for a in embedded() {
         assert!(!a.entry_points.is_empty());
         match a.format {
-            Format::Cubin => assert_eq!(&a.bytes[..4], b"\x7fELF", "{} {}", a.kernel, a.target),
+            Format::Cubin | Format::Hsaco => {
+                assert_eq!(&a.bytes[..4], b"\x7fELF", "{} {}", a.kernel, a.target)
+            }
             Format::Ptx => {
                 let text = std::str::from_utf8(a.bytes).unwrap();
                 // CUDA 13.0 drivers JIT PTX up to ISA 9.0 (nvcc 13.0 writes 9.0,
@@ -184,4 +191,31 @@ fn every_cuda_entry_point_waits_for_its_producer_first() {
         }
     }
     assert!(checked >= 36, "only {checked} entry points found");
+}
+
+#[test]
+fn amd_code_objects_are_chosen_by_exact_processor() {
+    let pick = |p: &str| -> Vec<_> {
+        hsaco_candidates("rms_norm", p)
+            .iter()
+            .map(|a| (a.target, a.format, a.source))
+            .collect()
+    };
+    assert_eq!(
+        pick("gfx90a"),
+        [("gfx90a", Format::Hsaco, "kernels/hip/rms_norm.hip")]
+    );
+    assert_eq!(pick("gfx1030").len(), 1);
+    // gfx940 code does not load on gfx942 (MI300X), nor gfx1030 code on gfx1100.
+    assert!(pick("gfx942").is_empty());
+    assert!(pick("gfx1100").is_empty());
+    assert!(pick("sm_90a").is_empty());
+    assert_eq!(hsaco_targets("rms_norm"), ["gfx90a", "gfx940", "gfx1030"]);
+    // CUDA selection never hands out an AMD code object, nor AMD selection a cubin.
+    for a in cuda_candidates("rms_norm", 9, 0) {
+        assert_ne!(a.format, Format::Hsaco);
+    }
+    assert!(!embedded()
+        .iter()
+        .any(|a| a.format == Format::Hsaco && a.runs_on(9, 0)));
 }

@@ -600,8 +600,8 @@ fn registering_a_kernel_again_replaces_it() {
     assert_eq!(registry.kernels().len(), before);
     assert_eq!(
         registry.for_op(OpKind::Softmax).count(),
-        4,
-        "cpu, cuda, xla, reference"
+        5,
+        "cpu, cuda, amd, xla, reference"
     );
     let chain = registry.fallback_chain(&Op::Softmax, &[f32s(&[2, 4])], &cpu());
     assert_eq!(chain, [CPU_REFERENCE, "cpu.softmax"], "priority 0 beats -5");
@@ -872,4 +872,151 @@ fn decode_sized_linears_take_the_gemv_kernel_and_larger_ones_cublaslt() {
         gemv.rank.is_none() && gemv.reason.contains("M = 18 > 2"),
         "{gemv:?}"
     );
+}
+
+#[test]
+fn amd_kernels_run_only_on_the_processors_they_were_built_for() {
+    let registry = KernelRegistry::with_builtin();
+    let inputs = [f32s(&[4, 4096])];
+    // MI200: the CUDA softmax compiled for gfx90a, then the host reference.
+    let mi200 = fake_device(DeviceKind::Rocm, "gfx90a");
+    assert_eq!(
+        registry.fallback_chain(&Op::Softmax, &inputs, &mi200),
+        ["amd.softmax", CPU_REFERENCE]
+    );
+    let def = registry
+        .for_op(OpKind::Softmax)
+        .into_iter()
+        .find(|k| k.name == "amd.softmax")
+        .unwrap();
+    assert_eq!(def.targets, ["gfx90a", "gfx940", "gfx1030"]);
+    assert_eq!(def.backend, DeviceKind::Rocm);
+    // MI300X (gfx942) and RX 7900 XTX (gfx1100): no code object of theirs, so the
+    // explanation says what it was built for.
+    for arch in ["gfx942", "gfx1100"] {
+        let device = fake_device(DeviceKind::Rocm, arch);
+        assert_eq!(
+            registry.fallback_chain(&Op::Softmax, &inputs, &device),
+            [CPU_REFERENCE],
+            "{arch}"
+        );
+        let why = registry
+            .explain(&Op::Softmax, &inputs, &device)
+            .into_iter()
+            .find(|c| c.kernel == "amd.softmax")
+            .unwrap();
+        assert_eq!(why.rank, None);
+        assert_eq!(
+            why.reason,
+            format!("built for gfx90a/gfx940/gfx1030 only, device is {arch}")
+        );
+    }
+    // The AMD kernels never run on a CUDA device, nor the CUDA ones on AMD.
+    let h100 = fake_device(DeviceKind::Cuda, "sm_90");
+    let chain = registry.fallback_chain(&Op::Softmax, &inputs, &h100);
+    assert!(chain.iter().all(|k| !k.starts_with("amd.")), "{chain:?}");
+    // RMSNorm: the Triton build first (as on CUDA), then the CUDA source's.
+    let norm = [f32s(&[4, 4096]), f32s(&[4096])];
+    let op = Op::RmsNorm { eps: 1e-6 };
+    assert_eq!(
+        registry.fallback_chain(&op, &norm, &mi200),
+        ["amd.triton.rms_norm", "amd.rms_norm", CPU_REFERENCE]
+    );
+    // MI300X has Triton's gfx942 build, RX 7900 XTX its gfx1100 one.
+    for arch in ["gfx942", "gfx1100"] {
+        let device = fake_device(DeviceKind::Rocm, arch);
+        assert_eq!(
+            registry.fallback_chain(&op, &norm, &device),
+            ["amd.triton.rms_norm", CPU_REFERENCE],
+            "{arch}"
+        );
+    }
+}
+
+#[test]
+fn exact_targets_are_enforced() {
+    let mut registry = KernelRegistry::new();
+    registry.register(
+        KernelDef::new(
+            "amd.softmax.test",
+            OpKind::Softmax,
+            DeviceKind::Rocm,
+            &[DType::F32],
+            1,
+            "test",
+        )
+        .targets(&["gfx90a"]),
+    );
+    let inputs = [f32s(&[2, 8])];
+    let ok = fake_device(DeviceKind::Rocm, "gfx90a");
+    assert_eq!(
+        registry.select(&Op::Softmax, &inputs, &ok).unwrap().kernel,
+        "amd.softmax.test"
+    );
+    // A newer processor is not "at least" gfx90a for a code object.
+    let newer = fake_device(DeviceKind::Rocm, "gfx942");
+    let err = registry.select(&Op::Softmax, &inputs, &newer).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("built for gfx90a only, device is gfx942"),
+        "{err}"
+    );
+    let mut unknown = ok.clone();
+    unknown.arch = None;
+    let err = registry
+        .select(&Op::Softmax, &inputs, &unknown)
+        .unwrap_err();
+    assert!(err.to_string().contains("device arch unknown"), "{err}");
+}
+
+#[test]
+fn amd_attention_takes_dense_batches_only() {
+    let registry = KernelRegistry::with_builtin();
+    let mi200 = fake_device(DeviceKind::Rocm, "gfx90a");
+    let (op, inputs) = attention(64);
+    assert_eq!(
+        registry.fallback_chain(&op, &inputs, &mi200)[0],
+        "amd.attention"
+    );
+    let def = registry
+        .for_op(OpKind::Attention)
+        .find(|k| k.name == "amd.attention")
+        .unwrap();
+    assert!(!def.dtypes.contains(&DType::F8E4M3), "{:?}", def.dtypes);
+    assert!(!def.limits.varlen && !def.limits.paged);
+    // The CUDA kernel it comes from takes both (its backend does the work around it).
+    let cuda = registry
+        .for_op(OpKind::Attention)
+        .find(|k| k.name == "cuda.attention")
+        .unwrap();
+    assert!(cuda.limits.varlen && cuda.dtypes.contains(&DType::F8E4M3));
+    let p = AttentionParams {
+        varlen: true,
+        ..AttentionParams::new(4, 2, 64, true)
+    };
+    let why = registry
+        .explain(&Op::Attention(p), &inputs, &mi200)
+        .into_iter()
+        .find(|c| c.kernel == "amd.attention")
+        .unwrap();
+    assert_eq!(why.reason, "no variable-length sequences");
+}
+
+#[test]
+fn amd_quantize_and_dequantize_come_from_the_cuda_source() {
+    let registry = KernelRegistry::with_builtin();
+    let mi200 = fake_device(DeviceKind::Rocm, "gfx90a");
+    let mi300 = fake_device(DeviceKind::Rocm, "gfx942");
+    for kind in [OpKind::Quantize, OpKind::Dequantize] {
+        let (op, inputs) = sample(kind);
+        assert_eq!(
+            registry.fallback_chain(&op, &inputs, &mi200)[0],
+            format!("amd.{kind}")
+        );
+        assert_eq!(
+            registry.fallback_chain(&op, &inputs, &mi300)[0],
+            CPU_REFERENCE,
+            "no gfx942 build"
+        );
+    }
 }

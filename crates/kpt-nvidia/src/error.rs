@@ -1,5 +1,6 @@
 //! Errors of the NVIDIA backend.
 
+use kpt_core::memory::MemoryError;
 use kpt_core::KptError;
 
 /// A failure of the NVIDIA backend, with the CUDA call that failed.
@@ -55,17 +56,24 @@ pub enum NvidiaError {
 
 /// `1.50 GiB`-style size for messages.
 pub(crate) fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit + 1 < UNITS.len() {
-        v /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.2} {}", UNITS[unit])
+    kpt_core::memory::format_bytes(n)
+}
+
+impl From<MemoryError> for NvidiaError {
+    /// The shared allocator's errors as the NVIDIA backend reports them.
+    fn from(e: MemoryError) -> Self {
+        match e {
+            MemoryError::OutOfMemory {
+                requested,
+                free,
+                reserved,
+            } => NvidiaError::OutOfMemory {
+                requested,
+                free,
+                reserved,
+            },
+            other => NvidiaError::Invalid(other.to_string()),
+        }
     }
 }
 
@@ -118,5 +126,17 @@ mod tests {
             "{m}"
         );
         assert_eq!(bytes(100), "100 B");
+        // The shared allocator's errors keep the backend's variants and messages.
+        let shared = MemoryError::OutOfMemory {
+            requested: 3 << 30,
+            free: 512 << 20,
+            reserved: 1536 << 20,
+        };
+        assert_eq!(NvidiaError::from(shared.clone()).to_string(), m);
+        assert_eq!(shared.to_string(), m);
+        assert_eq!(
+            NvidiaError::from(MemoryError::CaptureActive).to_string(),
+            "a capture is already recording on this device"
+        );
     }
 }

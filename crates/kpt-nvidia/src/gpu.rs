@@ -22,6 +22,8 @@ struct DriverMemory {
 }
 
 impl RawMemory for DriverMemory {
+    type Error = NvidiaError;
+
     fn alloc(&self, bytes: usize) -> Result<Option<u64>, NvidiaError> {
         self.ctx
             .bind_to_thread()
@@ -589,6 +591,8 @@ impl Gpu {
             let image = match artifact.format {
                 Format::Cubin => Ptx::from_binary(artifact.bytes.to_vec()),
                 Format::Ptx => Ptx::from_src(String::from_utf8_lossy(artifact.bytes).into_owned()),
+                // `cuda_candidates` never lists AMD code objects.
+                Format::Hsaco => continue,
             };
             match self.ctx.load_module(image) {
                 Ok(m) => {

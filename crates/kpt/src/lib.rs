@@ -28,6 +28,8 @@ pub mod table;
 
 use std::sync::Arc;
 
+#[cfg(feature = "rocm")]
+pub use kpt_amd as amd;
 pub use kpt_core as core;
 pub use kpt_core::{KptConfig, KptError, OptLevel, Result};
 pub use kpt_kernels as kernels;
@@ -47,13 +49,15 @@ use kpt_core::optimize::{auto_optimize, Plan, PrecisionPolicy};
 use kpt_kernels::{CpuBackend, CpuTuning, KernelRegistry};
 
 /// A detector for every device kind built into this binary (the one place that lists
-/// the backend crates): the CPU, CUDA with the `cuda` feature, PJRT devices (XLA) with
-/// the `tpu` feature.
+/// the backend crates): the CPU, CUDA with the `cuda` feature, ROCm with the `rocm`
+/// feature, PJRT devices (XLA) with the `tpu` feature.
 pub fn detectors() -> Vec<Box<dyn HardwareDetector>> {
     vec![
         Box::new(CpuDetector),
         #[cfg(feature = "cuda")]
         Box::new(kpt_nvidia::CudaDetector),
+        #[cfg(feature = "rocm")]
+        Box::new(kpt_amd::RocmDetector),
         #[cfg(feature = "tpu")]
         Box::new(kpt_tpu::PjrtDetector),
     ]
@@ -144,7 +148,9 @@ impl Runtime {
         backends.register(Arc::new(CpuBackend::with_tuning(tuning)?));
         let mut missing = vec![(
             DeviceKind::Rocm,
-            "kpt has no ROCm backend yet (kpt-amd is planned)".to_string(),
+            "kpt has no ROCm backend yet (kpt-amd finds AMD devices and ships their \
+             kernels' code objects, but does not run them; see docs/backends/amd.md)"
+                .to_string(),
         )];
         #[cfg(feature = "tpu")]
         {

@@ -59,7 +59,8 @@ enum Command {
         #[command(subcommand)]
         action: ConfigAction,
     },
-    /// List kernels; with --explain, show the selection for a sample shape on this machine.
+    /// List kernels; with --explain, show the selection for a sample shape on this machine
+    /// (or, with --on, on a recorded device).
     Kernels {
         /// Only this op (e.g. linear, attention).
         #[arg(long)]
@@ -67,6 +68,10 @@ enum Command {
         /// Explain which kernel is selected and why the others are not.
         #[arg(long)]
         explain: bool,
+        /// Explain for a recorded device instead of this machine's: mi250x, mi300x or
+        /// rx7900xtx (AMD property tables kpt-amd ships; needs the `rocm` feature).
+        #[arg(long, requires = "explain", value_name = "DEVICE")]
+        on: Option<String>,
     },
     /// Optimize a model (the demo checkpoint, or --model) and validate every op against
     /// the f64 reference; then compare every level's logits and greedy tokens with the
@@ -262,7 +267,10 @@ fn device_parser() -> impl TypedValueParser<Value = BackendChoice> {
                 "an NVIDIA GPU (needs the `cuda` feature and the NVIDIA driver)",
                 &["nvidia"],
             ),
-            BackendChoice::Rocm => ("an AMD GPU (no backend yet)", &["hip", "amd"]),
+            BackendChoice::Rocm => (
+                "an AMD GPU (found by `kpt detect`; no backend runs on it yet)",
+                &["hip", "amd"],
+            ),
             BackendChoice::Tpu => (
                 "XLA through a PJRT plugin: libtpu on a TPU VM, or the plugin KPT_PJRT_PLUGIN names",
                 &["xla"],
@@ -310,9 +318,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Detect { json } => detect(json),
         Command::Config { action } => config(action, config_path, device),
-        Command::Kernels { op, explain } => {
-            kernels(load_config(config_path, device)?, op.as_deref(), explain)
-        }
+        Command::Kernels { op, explain, on } => kernels(
+            load_config(config_path, device)?,
+            op.as_deref(),
+            explain,
+            on.as_deref(),
+        ),
         Command::Validate {
             level,
             model,
@@ -441,7 +452,9 @@ fn detect(json: bool) -> anyhow::Result<()> {
             println!("{kind}: no device found (no driver, or the driver sees none)");
         }
     }
-    println!("AMD backend: not built yet (see README, status table).");
+    if cfg!(feature = "rocm") {
+        println!("AMD: devices are found, but kpt cannot run on them yet (docs/backends/amd.md).");
+    }
     Ok(())
 }
 
@@ -590,7 +603,26 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
     }
 }
 
-fn kernels(cfg: KptConfig, op: Option<&str>, explain: bool) -> anyhow::Result<()> {
+/// The device `kpt kernels --explain --on NAME` explains against: a recorded AMD device.
+#[cfg(feature = "rocm")]
+fn recorded_device(name: &str) -> anyhow::Result<kpt::core::hardware::DeviceInfo> {
+    Ok(kpt::amd::recorded_device(name)?.device_info())
+}
+
+#[cfg(not(feature = "rocm"))]
+fn recorded_device(name: &str) -> anyhow::Result<kpt::core::hardware::DeviceInfo> {
+    anyhow::bail!(
+        "`--on {name}` needs the AMD device tables of the `rocm` cargo feature \
+         (rebuild with `cargo build --release -p kpt --features rocm`)"
+    )
+}
+
+fn kernels(
+    cfg: KptConfig,
+    op: Option<&str>,
+    explain: bool,
+    on: Option<&str>,
+) -> anyhow::Result<()> {
     let rt = Runtime::new(cfg)?;
     let ops: Vec<OpKind> = match op {
         Some(name) => vec![name.parse()?],
@@ -627,17 +659,24 @@ fn kernels(cfg: KptConfig, op: Option<&str>, explain: bool) -> anyhow::Result<()
         println!("{t}");
         return Ok(());
     }
-    let backend = rt.backend()?;
+    let device = match on {
+        Some(name) => recorded_device(name)?,
+        None => rt.backend()?.device().clone(),
+    };
+    if on.is_some() {
+        println!(
+            "{} ({}, recorded: kpt has no backend for it, so nothing runs; this is what \
+             would be chosen)",
+            device.name,
+            device.arch.as_deref().unwrap_or("-")
+        );
+    }
     for &k in &ops {
         let (op, specs) = sample(k);
         let sig: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
-        println!(
-            "{op} on {} with [{}]:",
-            backend.device().name,
-            sig.join(", ")
-        );
+        println!("{op} on {} with [{}]:", device.name, sig.join(", "));
         let mut t = Table::new(["rank", "kernel", "priority", "reason"]);
-        for c in rt.kernels().explain(&op, &specs, backend.device()) {
+        for c in rt.kernels().explain(&op, &specs, &device) {
             t.row([
                 c.rank.map_or("-".into(), |r| r.to_string()),
                 c.kernel,
@@ -1161,6 +1200,32 @@ mod tests {
         assert_eq!(cli.device, Some(BackendChoice::Cuda));
         let cli = parse(&["demo", "--device", "nvidia"]).expect("alias");
         assert_eq!(cli.device, Some(BackendChoice::Cuda));
+    }
+
+    #[test]
+    fn kernels_explain_on_a_recorded_device() {
+        let cli = parse(&["kernels", "--explain", "--on", "mi300x"]).expect("parses");
+        match cli.command {
+            Command::Kernels { on, explain, .. } => {
+                assert!(explain);
+                assert_eq!(on.as_deref(), Some("mi300x"));
+            }
+            _ => panic!("not the kernels command"),
+        }
+        assert!(
+            parse(&["kernels", "--on", "mi300x"]).is_err(),
+            "--on needs --explain"
+        );
+        let cfg = KptConfig::default();
+        let ok = kernels(cfg.clone(), Some("softmax"), true, Some("mi300x"));
+        let unknown = kernels(cfg, Some("softmax"), true, Some("mi100"));
+        if cfg!(feature = "rocm") {
+            ok.unwrap();
+            let e = unknown.unwrap_err().to_string();
+            assert!(e.contains("no recorded AMD device `mi100`"), "{e}");
+        } else {
+            assert!(ok.unwrap_err().to_string().contains("rocm"));
+        }
     }
 
     #[test]

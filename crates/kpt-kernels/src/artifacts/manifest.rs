@@ -50,10 +50,10 @@ pub struct EntryPoint {
 pub struct ArtifactEntry {
     /// Path relative to the manifest's folder.
     pub path: String,
-    /// `sm_80`, `sm_90a` (cubin: that architecture) or `compute_80` (PTX: JIT for it
-    /// and newer).
+    /// `sm_80`, `sm_90a` (cubin: that architecture), `compute_80` (PTX: JIT for it
+    /// and newer) or an AMD processor such as `gfx90a` (HSACO: that processor only).
     pub target: String,
-    /// `cubin` or `ptx`.
+    /// `cubin`, `ptx` or `hsaco`.
     pub format: String,
     /// sha256 of the artifact.
     pub sha256: String,
