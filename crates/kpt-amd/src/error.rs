@@ -1,6 +1,6 @@
 //! Errors of the AMD backend.
 
-use kpt_core::memory::{format_bytes, MemoryError};
+use kpt_core::memory::MemoryError;
 use kpt_core::KptError;
 
 /// A failure of the AMD backend, with the HIP call or the input that failed.
@@ -60,11 +60,7 @@ pub enum AmdError {
         found: usize,
     },
     /// The device could not hold an allocation even after kpt released its cache.
-    #[error(
-        "out of GPU memory: asked for {} but only {} are free on the device \
-         ({} reserved by kpt, cached blocks already released)",
-        format_bytes(*requested), format_bytes(*free), format_bytes(*reserved)
-    )]
+    #[error("{}", kpt_core::memory::out_of_memory_message(*requested, *free, *reserved))]
     OutOfMemory {
         /// Bytes asked for.
         requested: u64,

@@ -66,16 +66,24 @@ pub fn format_bytes(n: u64) -> String {
     }
 }
 
+/// The message of an allocation the device cannot hold even after the cache was
+/// released (the allocator's error and the backends' own say the same).
+pub fn out_of_memory_message(requested: u64, free: u64, reserved: u64) -> String {
+    format!(
+        "out of GPU memory: asked for {} but only {} are free on the device \
+         ({} reserved by kpt, cached blocks already released)",
+        format_bytes(requested),
+        format_bytes(free),
+        format_bytes(reserved)
+    )
+}
+
 /// What the allocator itself can fail with; a backend's error type converts it
 /// ([`DeviceError`]) so that callers see one error type per backend.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MemoryError {
     /// The device could not hold an allocation even after the cache was released.
-    #[error(
-        "out of GPU memory: asked for {} but only {} are free on the device \
-         ({} reserved by kpt, cached blocks already released)",
-        format_bytes(*requested), format_bytes(*free), format_bytes(*reserved)
-    )]
+    #[error("{}", out_of_memory_message(*requested, *free, *reserved))]
     OutOfMemory {
         /// Bytes asked for.
         requested: u64,

@@ -28,11 +28,7 @@ pub enum NvidiaError {
         status: String,
     },
     /// The device could not hold an allocation even after kpt released its cache.
-    #[error(
-        "out of GPU memory: asked for {} but only {} are free on the device \
-         ({} reserved by kpt, cached blocks already released)",
-        bytes(*requested), bytes(*free), bytes(*reserved)
-    )]
+    #[error("{}", kpt_core::memory::out_of_memory_message(*requested, *free, *reserved))]
     OutOfMemory {
         /// Bytes asked for.
         requested: u64,
@@ -52,11 +48,6 @@ pub enum NvidiaError {
     /// Arguments the backend cannot run (shapes, dtypes, sizes).
     #[error("{0}")]
     Invalid(String),
-}
-
-/// `1.50 GiB`-style size for messages.
-pub(crate) fn bytes(n: u64) -> String {
-    kpt_core::memory::format_bytes(n)
 }
 
 impl From<MemoryError> for NvidiaError {
@@ -125,7 +116,6 @@ mod tests {
             m.contains("3.00 GiB") && m.contains("512.00 MiB") && m.contains("1.50 GiB"),
             "{m}"
         );
-        assert_eq!(bytes(100), "100 B");
         // The shared allocator's errors keep the backend's variants and messages.
         let shared = MemoryError::OutOfMemory {
             requested: 3 << 30,

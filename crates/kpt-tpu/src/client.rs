@@ -279,7 +279,8 @@ pub struct DeviceMemoryStats {
 pub struct Topology {
     /// The platform (`cpu`, `cuda`, `tpu`, ...).
     pub platform_name: String,
-    /// The platform's version.
+    /// The topology's version string, as the plugin gives it (XLA's CUDA plugin: the
+    /// device name; not always the client's `platform_version`).
     pub platform_version: String,
     /// Every device of the topology.
     pub devices: Vec<DeviceDescription>,

@@ -293,10 +293,9 @@ fn topology_and_memory_describe_the_devices() {
     let platform = client.platform_name().unwrap();
     let topology = client.topology().unwrap();
     assert_eq!(topology.platform_name, platform);
-    assert_eq!(
-        topology.platform_version,
-        client.platform_version().unwrap()
-    );
+    // Not always the client's version string: XLA's CUDA plugin gives the device name
+    // ("NVIDIA H100 80GB HBM3") where the client says "cuda 13000".
+    assert!(!topology.platform_version.is_empty(), "{topology:?}");
     let devices = client.devices().unwrap();
     assert!(topology.devices.len() >= devices.len(), "{topology:?}");
     for d in &devices {

@@ -65,6 +65,21 @@ fn check(op: Op, inputs: Vec<Tensor>) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// An additive attention mask `[s, t]` with some -inf entries, so that a row can see no
+/// key.
+fn additive_mask(rng: &mut SplitMix64, s: usize, t: usize, dt: DType) -> Tensor {
+    let m: Vec<f64> = (0..s * t)
+        .map(|_| {
+            if rng.next_u64().is_multiple_of(4) {
+                f64::NEG_INFINITY
+            } else {
+                f64::from(rng.uniform(-1.0, 1.0))
+            }
+        })
+        .collect();
+    Tensor::from_f64(&m, &[s, t], dt).unwrap()
+}
+
 fn float_dtype() -> impl Strategy<Value = DType> {
     prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)]
 }
@@ -195,11 +210,7 @@ proptest! {
             random(&mut rng, &[batch, t, kv * d], dt),
         ];
         if mask {
-            // Some -inf entries, so that a row can see no key.
-            let m: Vec<f64> = (0..s * t)
-                .map(|_| if rng.next_u64().is_multiple_of(4) { f64::NEG_INFINITY } else { f64::from(rng.uniform(-1.0, 1.0)) })
-                .collect();
-            ins.push(Tensor::from_f64(&m, &[s, t], dt).unwrap());
+            ins.push(additive_mask(&mut rng, s, t, dt));
         }
         check(Op::Attention(p), ins)?;
     }
@@ -224,10 +235,7 @@ proptest! {
         );
         let mut forward = vec![q.clone(), k.clone(), v.clone()];
         if mask {
-            let m: Vec<f64> = (0..s * t)
-                .map(|_| if rng.next_u64().is_multiple_of(5) { f64::NEG_INFINITY } else { f64::from(rng.uniform(-1.0, 1.0)) })
-                .collect();
-            forward.push(Tensor::from_f64(&m, &[s, t], dt).unwrap());
+            forward.push(additive_mask(&mut rng, s, t, dt));
         }
         // The forward's output and log-sum-exp from the reference, as training has them.
         let mut fp = p;
