@@ -189,6 +189,8 @@ pub struct XlaBackend {
     /// Programs by op and input specs, so that a repeated launch skips emission; their
     /// executables live in `cache` (within its size limit).
     programs: Mutex<HashMap<String, Program>>,
+    /// What the platform's XLA offers (f64 or not).
+    target: stablehlo::Target,
     memory: Arc<Memory>,
     host: CpuBackend,
 }
@@ -287,6 +289,7 @@ impl XlaBackend {
             name,
             cache: CompileCache::new(client, CACHE_BYTES),
             programs: Mutex::new(HashMap::new()),
+            target: stablehlo::Target::of_platform(&platform),
             memory: Arc::new(Memory::default()),
             host: CpuBackend::new()?,
         })
@@ -346,7 +349,7 @@ impl XlaBackend {
                 for o in g.op_multi("op", op.clone(), &ids)? {
                     g.output(o)?;
                 }
-                let p = stablehlo::emit_graph(&g, specs)?;
+                let p = stablehlo::emit_graph_for(&g, specs, self.target)?;
                 self.programs
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())

@@ -10,11 +10,16 @@ use kpt_core::rand::SplitMix64;
 use kpt_core::validate::{reduction_len, tolerance, ReferenceOps};
 use kpt_core::{DType, Graph, Tensor, TensorSpec};
 use kpt_kernels::CpuReference;
-use kpt_tpu::stablehlo::emit_graph;
+use kpt_tpu::stablehlo::{emit_graph, emit_graph_for, Target};
 use proptest::prelude::*;
 
 /// Runs `op` on `inputs` through XLA and through the reference; compares every output.
 fn check(op: Op, inputs: Vec<Tensor>) -> Result<(), TestCaseError> {
+    check_for(op, inputs, Target::default())
+}
+
+/// [`check`] with the program written for `target`.
+fn check_for(op: Op, inputs: Vec<Tensor>, target: Target) -> Result<(), TestCaseError> {
     let Some(client) = client() else {
         return Ok(());
     };
@@ -32,7 +37,10 @@ fn check(op: Op, inputs: Vec<Tensor>) -> Result<(), TestCaseError> {
     for &o in &outs {
         g.output(o).unwrap();
     }
-    let program = emit_graph(&g, &specs).unwrap();
+    let program = emit_graph_for(&g, &specs, target).unwrap();
+    if target.no_f64 {
+        prop_assert!(!program.mlir.contains("f64"), "{}", program.mlir);
+    }
     let got = client
         .run_program(&program, &g, &inputs)
         .map_err(|e| TestCaseError::fail(format!("{op:?}: {e}\n{}", program.mlir)))?;
@@ -334,6 +342,37 @@ proptest! {
         check(Op::Linear { bias: false }, vec![x, random(&mut rng, &[n, cols], q)])?;
     }
 
+    /// The f32 rotary of targets without f64 (TPUs), at positions up to 2^22.
+    #[test]
+    fn rotary_without_f64(
+        seq in 1usize..6, heads in 1usize..3, half in 1usize..33, far in 0i64..(1 << 22),
+        yarn in any::<bool>(), dt in float_dtype(), seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let d = 2 * half;
+        let x = random(&mut rng, &[2, seq, heads * d], dt);
+        let pos: Vec<i64> = (0..2 * seq as i64).map(|i| if i % 2 == 0 { far + i } else { i }).collect();
+        let positions = ints(&pos, &[2, seq], DType::I64);
+        let scaling = yarn.then_some(RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: true,
+        });
+        let tpu = Target::of_platform("tpu");
+        check_for(Op::Rotary { head_dim: d, theta: 500000.0, scaling }, vec![x, positions.clone()], tpu)?;
+        let qkv = random(&mut rng, &[2, seq, (heads + 2) * d], dt);
+        check_for(
+            Op::SplitRotary { head_dim: d, theta: 10000.0, scaling: None, sizes: vec![heads * d, d, d] },
+            vec![qkv, positions],
+            tpu,
+        )?;
+    }
+
     #[test]
     fn dynamic_ntk_rotary(
         seq in 1usize..6, heads in 1usize..3, half in 2usize..9, start in 0i64..40,
@@ -388,4 +427,39 @@ fn a_transformer_block_is_one_executable() {
             assert_eq!(a, b, "token of row {row}");
         }
     }
+}
+
+/// Dynamic NTK's base comes from the positions in the program, in f64: a target
+/// without f64 gets an error that says so instead of a program XLA:TPU would reject.
+#[test]
+fn dynamic_ntk_needs_f64() {
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[1, 3, 8]);
+    let p = g.input("p", DType::I64, &[3]);
+    let scaling = Some(RopeScaling::Dynamic {
+        factor: 2.0,
+        max_position_embeddings: 16,
+    });
+    let y = g
+        .op(
+            "rope",
+            Op::Rotary {
+                head_dim: 8,
+                theta: 10000.0,
+                scaling,
+            },
+            &[x, p],
+        )
+        .unwrap();
+    g.output(y).unwrap();
+    let specs = [
+        TensorSpec::new(&[1, 3, 8], DType::F32),
+        TensorSpec::new(&[3], DType::I64),
+    ];
+    assert!(emit_graph(&g, &specs).is_ok());
+    let e = emit_graph_for(&g, &specs, Target::of_platform("tpu")).unwrap_err();
+    assert!(
+        e.to_string().contains("`rope`") && e.to_string().contains("f64"),
+        "{e}"
+    );
 }

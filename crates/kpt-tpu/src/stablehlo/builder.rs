@@ -117,6 +117,8 @@ pub(crate) enum Reduce {
 pub(crate) struct Builder {
     body: String,
     next: usize,
+    /// The target has no f64 arithmetic (XLA:TPU): lowerings use f32 forms.
+    pub no_f64: bool,
 }
 
 impl Builder {

@@ -350,36 +350,55 @@ fn rotary(
     // Angles [lead.., S, 1, D/2] from positions ([S] shared or per token).
     let mut ang_shape = x.shape[..r - 1].to_vec();
     ang_shape.extend([1, half]);
-    // The angles and their cos / sin in f64, as kpt's CUDA kernels build their tables:
-    // in f32, `position * inv_freq` loses ~1e-3 rad at position 32K.
-    let pos = b.convert(positions, DType::F64);
     let pos_dims: Vec<usize> = if positions.rank() == 1 {
         vec![r - 2]
     } else {
         (0..r - 1).collect()
     };
     debug_assert_eq!(positions.shape.last(), Some(&seq));
-    let pos = b.broadcast(&pos, &ang_shape, &pos_dims);
-    let freq = match scaling {
-        Some(&RopeScaling::Dynamic {
-            factor,
-            max_position_embeddings,
-        }) => dynamic_inv_freq(
-            b,
-            positions,
-            (head_dim, f64::from(theta)),
-            (factor, max_position_embeddings),
-        )?,
-        _ => b.vector(&table.inv_freq, DType::F64)?,
+    let (cos, sin) = if b.no_f64 {
+        if scaling.is_some_and(RopeScaling::depends_on_positions) {
+            return Err(KptError::Backend {
+                backend: "xla".into(),
+                message: "dynamic NTK rope scaling needs f64 arithmetic, which this XLA target \
+                          lacks"
+                    .into(),
+            });
+        }
+        let (cos, sin) = angles_f32(b, positions, &pos_dims, &ang_shape, &table.inv_freq)?;
+        let factor = b.splat(table.attention_factor, &ang_shape, DType::F32)?;
+        (
+            b.binary("multiply", &cos, &factor),
+            b.binary("multiply", &sin, &factor),
+        )
+    } else {
+        // The angles and their cos / sin in f64, as kpt's CUDA kernels build their
+        // tables: in f32, `position * inv_freq` loses ~1e-3 rad at position 32K.
+        let pos = b.convert(positions, DType::F64);
+        let pos = b.broadcast(&pos, &ang_shape, &pos_dims);
+        let freq = match scaling {
+            Some(&RopeScaling::Dynamic {
+                factor,
+                max_position_embeddings,
+            }) => dynamic_inv_freq(
+                b,
+                positions,
+                (head_dim, f64::from(theta)),
+                (factor, max_position_embeddings),
+            )?,
+            _ => b.vector(&table.inv_freq, DType::F64)?,
+        };
+        let freq = b.broadcast(&freq, &ang_shape, &[r]);
+        let ang = b.binary("multiply", &pos, &freq);
+        let factor = b.splat(table.attention_factor, &ang_shape, DType::F64)?;
+        let cos = b.unary("cosine", &ang);
+        let sin = b.unary("sine", &ang);
+        (
+            b.binary("multiply", &cos, &factor),
+            b.binary("multiply", &sin, &factor),
+        )
     };
-    let freq = b.broadcast(&freq, &ang_shape, &[r]);
-    let ang = b.binary("multiply", &pos, &freq);
-    let factor = b.splat(table.attention_factor, &ang_shape, DType::F64)?;
-    let cos = b.unary("cosine", &ang);
-    let cos = b.binary("multiply", &cos, &factor);
     let cos = b.convert(&cos, c);
-    let sin = b.unary("sine", &ang);
-    let sin = b.binary("multiply", &sin, &factor);
     let sin = b.convert(&sin, c);
     // x as [lead.., S, H, 2, D/2]: y = x · cos + swap_halves(x) · (-sin, +sin), with no
     // slices of x (a reverse of the size-2 dim fuses into the elementwise loop).
@@ -476,4 +495,91 @@ pub(super) fn dequantize(b: &mut Builder, x: &Val, scale: &Val, dtype: DType) ->
     let s = b.broadcast(scale, &x.shape, &[]);
     let y = b.binary("multiply", &xc, &s);
     b.convert(&y, dtype)
+}
+
+/// `x` rounded to its 12 leading significant bits (so that the product with an integer
+/// below 2^12 is exact in f32).
+fn leading_12_bits(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    let e = x.abs().log2().floor() as i32;
+    let unit = 2f64.powi(e - 11);
+    (x / unit).round() * unit
+}
+
+/// `x` as three f32 values whose sum is `x` to ~2^-36 relative: two of 12 significant
+/// bits, then the f32 rounding of the rest.
+fn split3(x: f64) -> [f64; 3] {
+    let a = leading_12_bits(x);
+    let b = leading_12_bits(x - a);
+    [a, b, f64::from((x - a - b) as f32)]
+}
+
+/// cos and sin `[lead.., S, 1, D/2]` (f32) of `position * inv_freq` without f64 (XLA:TPU
+/// has none), accurate to ~1e-6 rad for positions below 2^24 where plain f32 loses ~1e-3
+/// rad at 32K: angles are taken in turns (`g = inv_freq / 2π`); a position splits exactly
+/// into `4096 p_hi + p_lo` (integer ops) and each constant into pieces of 12 significant
+/// bits, so the large products are exact in f32; each is reduced to its centered
+/// fraction of a turn (`x - round(x)`, exact) and the fractions are summed with a
+/// reduction after every step, so no sum grows past one turn.
+fn angles_f32(
+    b: &mut Builder,
+    positions: &Val,
+    pos_dims: &[usize],
+    ang_shape: &[usize],
+    inv_freq: &[f64],
+) -> Result<(Val, Val)> {
+    let r = ang_shape.len() - 1;
+    let pos = b.convert(positions, DType::I64);
+    let shift = b.splat_int(12, &pos.shape, DType::I64);
+    let low_mask = b.splat_int(4095, &pos.shape, DType::I64);
+    let hi = b.binary("shift_right_arithmetic", &pos, &shift);
+    let lo = b.binary("and", &pos, &low_mask);
+    let as_f32 = |b: &mut Builder, v: &Val| {
+        let v = b.convert(v, DType::F32);
+        b.broadcast(&v, ang_shape, pos_dims)
+    };
+    let (hi, lo) = (as_f32(b, &hi), as_f32(b, &lo));
+    let turns: Vec<f64> = inv_freq.iter().map(|w| w / std::f64::consts::TAU).collect();
+    let piece = |b: &mut Builder, scale: f64, k: usize| -> Result<Val> {
+        let v: Vec<f64> = turns.iter().map(|g| split3(g * scale)[k]).collect();
+        let v = b.vector(&v, DType::F32)?;
+        Ok(b.broadcast(&v, ang_shape, &[r]))
+    };
+    let frac = |b: &mut Builder, x: &Val| {
+        let n = b.unary("round_nearest_even", x);
+        b.binary("subtract", x, &n)
+    };
+    let mut t: Option<Val> = None;
+    let mut small: Option<Val> = None;
+    for (p, scale) in [(&hi, 4096.0), (&lo, 1.0)] {
+        for k in 0..3 {
+            let c = piece(b, scale, k)?;
+            let prod = b.binary("multiply", p, &c);
+            if k == 2 {
+                small = Some(match small {
+                    Some(s) => b.binary("add", &s, &prod),
+                    None => prod,
+                });
+                continue;
+            }
+            let f = frac(b, &prod);
+            t = Some(match t {
+                Some(acc) => {
+                    let sum = b.binary("add", &acc, &f);
+                    frac(b, &sum)
+                }
+                None => f,
+            });
+        }
+    }
+    let (t, small) = (
+        t.expect("two exact products per part"),
+        small.expect("one small product per part"),
+    );
+    let t = b.binary("add", &t, &small);
+    let tau = b.splat(std::f64::consts::TAU, ang_shape, DType::F32)?;
+    let ang = b.binary("multiply", &t, &tau);
+    Ok((b.unary("cosine", &ang), b.unary("sine", &ang)))
 }

@@ -32,11 +32,41 @@ pub struct Program {
     pub output_scales: Vec<f32>,
 }
 
-/// Writes `graph`, with its inputs of `input_specs`, as a StableHLO module.
+/// What the XLA backend that compiles a program offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Target {
+    /// No f64 arithmetic (XLA:TPU): rotary angles are computed in f32 with an exact
+    /// range reduction instead of in f64, and dynamic NTK rope scaling (its base computed
+    /// from the positions) is not lowered.
+    pub no_f64: bool,
+}
+
+impl Target {
+    /// The target of a PJRT platform (`cpu`, `cuda`, `tpu`, ...): only TPUs lack f64.
+    pub fn of_platform(platform: &str) -> Target {
+        Target {
+            no_f64: platform.eq_ignore_ascii_case("tpu"),
+        }
+    }
+}
+
+/// Writes `graph`, with its inputs of `input_specs`, as a StableHLO module for XLA's CPU
+/// and GPU backends ([`emit_graph_for`] with the default [`Target`]).
 ///
 /// Errors: input specs the graph does not accept, or an op (or op variant) that is not
-/// lowered yet ([`KptError::Backend`] naming it).
+/// lowered ([`KptError::Backend`] naming it).
 pub fn emit_graph(graph: &Graph, input_specs: &[TensorSpec]) -> Result<Program> {
+    emit_graph_for(graph, input_specs, Target::default())
+}
+
+/// Writes `graph`, with its inputs of `input_specs`, as a StableHLO module for `target`.
+///
+/// Errors: as [`emit_graph`].
+pub fn emit_graph_for(
+    graph: &Graph,
+    input_specs: &[TensorSpec],
+    target: Target,
+) -> Result<Program> {
     let specs = graph.infer_specs(input_specs)?;
     let mut args: Vec<ValueId> = graph.inputs().to_vec();
     args.extend(
@@ -59,6 +89,7 @@ pub fn emit_graph(graph: &Graph, input_specs: &[TensorSpec]) -> Result<Program> 
     // Scales of FP8 / int8 values: arguments for quantized inputs and parameters,
     // constants for the results of `Quantize`.
     let mut b = Builder::default();
+    b.no_f64 = target.no_f64;
     let mut scales: Vec<Option<Val>> = vec![None; n];
     let mut known: Vec<Option<f32>> = vec![None; n];
     let scale_args: Vec<usize> = (0..args.len())
