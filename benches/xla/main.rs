@@ -121,24 +121,7 @@ fn main() -> Result<()> {
 
     progress.set_message("kpt: timing the prefill");
     let device = client.devices()?.remove(0);
-    let mut buffers = Vec::new();
-    let mut scales = Vec::new();
-    for (i, &id) in program.args.iter().enumerate() {
-        let t = if i < inputs.len() {
-            inputs[i].clone()
-        } else {
-            plan.graph
-                .param_tensor(id)
-                .context("a program argument is not a parameter")?
-                .contiguous()
-        };
-        let dims: Vec<i64> = t.shape().iter().map(|&d| d as i64).collect();
-        buffers.push(client.buffer_from_bytes(t.as_bytes()?, t.dtype(), &dims, &device)?);
-        scales.push(t.scale());
-    }
-    for &i in &program.scale_args {
-        buffers.push(client.buffer(&[scales[i]], &[], &device)?);
-    }
+    let buffers = client.program_arguments(&program, &plan.graph, &inputs, &device)?;
     let refs: Vec<_> = buffers.iter().collect();
     let mut outs = exe.execute(&refs)?;
     let mut times = Vec::with_capacity(args.reps);

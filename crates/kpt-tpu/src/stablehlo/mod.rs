@@ -211,19 +211,15 @@ pub fn emit_graph_for(
 }
 
 impl crate::Client {
-    /// Compiles `program` and runs it once on the first device: `inputs` are the
-    /// graph's inputs (in order), the parameters come from `graph`. Returns the outputs.
-    pub fn run_program(
+    /// The argument buffers of `program` on `device`: the graph's `inputs` (in order),
+    /// its parameters from `graph`, then the scale of each FP8 / int8 argument.
+    pub fn program_arguments(
         &self,
         program: &Program,
         graph: &Graph,
         inputs: &[kpt_core::Tensor],
-    ) -> Result<Vec<kpt_core::Tensor>> {
-        let exe = self.compile(program.mlir.as_bytes(), &crate::CompileOptions::default())?;
-        let devices = self.devices()?;
-        let device = devices
-            .first()
-            .ok_or_else(|| KptError::InvalidArgument("the plugin has no device".into()))?;
+        device: &crate::Device,
+    ) -> Result<Vec<crate::Buffer>> {
         let n_in = graph.inputs().len();
         if inputs.len() != n_in {
             return Err(KptError::InvalidArgument(format!(
@@ -231,7 +227,7 @@ impl crate::Client {
                 inputs.len()
             )));
         }
-        let mut buffers = Vec::with_capacity(program.args.len());
+        let mut buffers = Vec::with_capacity(program.args.len() + program.scale_args.len());
         let mut scales = Vec::with_capacity(program.args.len());
         for (i, &id) in program.args.iter().enumerate() {
             let t = if i < n_in {
@@ -249,6 +245,23 @@ impl crate::Client {
         for &i in &program.scale_args {
             buffers.push(self.buffer(&[scales[i]], &[], device)?);
         }
+        Ok(buffers)
+    }
+
+    /// Compiles `program` and runs it once on the first device: `inputs` are the
+    /// graph's inputs (in order), the parameters come from `graph`. Returns the outputs.
+    pub fn run_program(
+        &self,
+        program: &Program,
+        graph: &Graph,
+        inputs: &[kpt_core::Tensor],
+    ) -> Result<Vec<kpt_core::Tensor>> {
+        let exe = self.compile(program.mlir.as_bytes(), &crate::CompileOptions::default())?;
+        let devices = self.devices()?;
+        let device = devices
+            .first()
+            .ok_or_else(|| KptError::InvalidArgument("the plugin has no device".into()))?;
+        let buffers = self.program_arguments(program, graph, inputs, device)?;
         let refs: Vec<&crate::Buffer> = buffers.iter().collect();
         let outs = exe.execute(&refs)?;
         outs.iter()
