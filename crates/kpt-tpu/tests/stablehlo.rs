@@ -497,3 +497,22 @@ fn dynamic_ntk_needs_f64() {
         "{e}"
     );
 }
+
+/// One query against one key under a sliding window: the visibility test folds to
+/// constants there, and XLA's CPU plugin folds a comparison against a negative i64
+/// constant wrongly (`0 > -1` gave false), so the rule is written without negative
+/// constants.
+#[test]
+fn one_query_one_key_with_a_window() {
+    for causal in [false, true] {
+        let mut rng = SplitMix64::new(3);
+        let mut p = AttentionParams::new(1, 1, 16, causal);
+        p.window = Some(1);
+        let ins = vec![
+            random(&mut rng, &[1, 1, 16], DType::F32),
+            random(&mut rng, &[1, 1, 16], DType::F32),
+            random(&mut rng, &[1, 1, 16], DType::F32),
+        ];
+        check(Op::Attention(p), ins).unwrap();
+    }
+}

@@ -114,13 +114,38 @@ fn and(b: &mut Builder, x: Val, y: Option<Val>) -> Val {
     }
 }
 
-/// A dense batch: bottom-right causal masking and the window over `[S, T]`.
+/// `j + max(-c, 0) <dir> i + max(c, 0)`, i.e. `j <dir> i + c` with no negative constant:
+/// XLA's CPU plugin folds a comparison of constants against a negative i64 wrongly
+/// (`0 > -1` gave false for `[1, 1]` tensors, where every operand is a constant).
+fn compare_shifted(b: &mut Builder, j: &Val, i: &Val, c: i64, dir: Cmp) -> Val {
+    let shift = |b: &mut Builder, x: &Val, by: i64| {
+        if by > 0 {
+            let k = b.splat_int(by, &x.shape, DType::I64);
+            b.binary("add", x, &k)
+        } else {
+            x.clone()
+        }
+    };
+    let (lhs, rhs) = (shift(b, j, -c), shift(b, i, c));
+    b.compare(&lhs, &rhs, dir)
+}
+
+/// A dense batch: bottom-right causal masking (`j <= i + T - S`) and the window
+/// (`j > i + T - S - w`) over `[S, T]`.
 fn dense_visible(b: &mut Builder, p: &AttentionParams, s: usize, t: usize) -> Option<Visible> {
     let shape = [s, t];
     let i = b.iota(&shape, 0, DType::I64);
     let j = b.iota(&shape, 1, DType::I64);
-    let off = b.splat_int(t as i64 - s as i64, &shape, DType::I64);
-    window_rule(b, p, &i, &j, &off).map(|mask| Visible {
+    let off = t as i64 - s as i64;
+    let causal = p.causal.then(|| compare_shifted(b, &j, &i, off, Cmp::Le));
+    let window = p
+        .window
+        .map(|w| compare_shifted(b, &j, &i, off - w as i64, Cmp::Gt));
+    let mask = match (causal, window) {
+        (Some(c), Some(w)) => b.binary("and", &c, &w),
+        (c, w) => c.or(w)?,
+    };
+    Some(Visible {
         mask,
         per_batch: false,
     })
