@@ -9,6 +9,11 @@
 //! splits the same weights the same way on every call finds its slice in that core's
 //! private cache.
 //!
+//! A helper that the OS has not scheduled (a busy machine, a preempted virtual CPU)
+//! must not stall the job: every part is claimed before it runs, by its helper or, once
+//! the caller has finished its own part, by the caller, which then runs it in place.
+//! The caller waits only for parts that a running helper has claimed.
+//!
 //! `KPT_CPU_TEAM=off` (or `0`) turns the team off (rayon runs every loop);
 //! `KPT_CPU_SPIN_US` sets how long helpers spin before parking (default 1000).
 
@@ -21,6 +26,10 @@ use std::time::{Duration, Instant};
 
 /// Small loops in a row after which a resting team wakes (see [`Team::awake`]).
 const WAKE_AFTER: usize = 8;
+
+/// Spins after which a caller waiting for a helper's part yields its core each round
+/// (the helper may be waiting for one).
+const YIELD_AFTER: u32 = 4096;
 
 /// A job: calls part `i` for `i` in `0..parts`.
 type Job = dyn Fn(usize) + Sync;
@@ -51,7 +60,11 @@ struct Shared {
 /// costs no contended read-modify-write on a shared counter.
 #[repr(align(128))]
 struct Slot {
-    /// The last epoch this helper finished.
+    /// The last epoch whose part of this slot was claimed, by the helper or by the
+    /// caller (`fetch_max`: whoever raises it to the job's epoch runs the part).
+    claim: AtomicUsize,
+    /// The last epoch whose part the helper finished (parts the caller took are not
+    /// recorded here).
     done: AtomicUsize,
     /// Whether the helper is parked (or about to park).
     parked: AtomicBool,
@@ -113,11 +126,21 @@ pub(crate) fn global() -> Option<&'static Team> {
 impl Team {
     /// Starts `helpers` threads; `None` if the OS refuses a thread.
     fn new(helpers: usize, spin: Duration) -> Option<Self> {
+        Self::with_start(helpers, spin, Arc::new(|| {}))
+    }
+
+    /// [`Team::new`] whose helpers each call `start` before they take part in jobs.
+    fn with_start(
+        helpers: usize,
+        spin: Duration,
+        start: Arc<dyn Fn() + Send + Sync>,
+    ) -> Option<Self> {
         let shared = Arc::new(Shared {
             epoch: AtomicUsize::new(0),
             job: UnsafeCell::new((std::ptr::null::<fn(usize)>() as *const Job, 0)),
             slots: (0..helpers)
                 .map(|_| Slot {
+                    claim: AtomicUsize::new(0),
                     done: AtomicUsize::new(0),
                     parked: AtomicBool::new(false),
                 })
@@ -135,10 +158,14 @@ impl Team {
         };
         for h in 0..helpers {
             let s = Arc::clone(&team.shared);
+            let start = Arc::clone(&start);
             // On failure, dropping `team` stops the helpers already started.
             let handle = std::thread::Builder::new()
                 .name(format!("kpt-team-{}", h + 1))
-                .spawn(move || helper_loop(&s, h))
+                .spawn(move || {
+                    start();
+                    helper_loop(&s, h)
+                })
                 .ok()?;
             team.threads.push(handle);
         }
@@ -187,9 +214,10 @@ impl Team {
             return false;
         };
         let s = &*self.shared;
-        // SAFETY: the helpers are idle (each finished the previous job before its
-        // caller released the lock), and they dereference the pointer only until they
-        // store the new epoch to their `done`, which this function waits for below, so
+        // SAFETY: no helper reads the job now: a helper reads it only after winning
+        // the claim of a job's epoch and until it stores that epoch to `done`, and the
+        // previous caller settled every slot's claim (and waited for `done` where a
+        // helper won) before releasing the lock. This function does the same below, so
         // `f` outlives every use.
         unsafe {
             // Erases the lifetime only.
@@ -206,9 +234,26 @@ impl Team {
             }
         }
         let own = run_part(f, 0);
-        for slot in &s.slots {
+        for (h, slot) in s.slots.iter().enumerate() {
+            if slot.done.load(Ordering::Acquire) == epoch {
+                continue;
+            }
+            if claim(slot, epoch) {
+                // The helper has not reached this job (not scheduled, or still waking):
+                // its part runs here, and the helper skips the job when it gets there.
+                if h + 1 < parts && run_part(f, h + 1).is_err() {
+                    s.panicked.store(true, Ordering::Relaxed);
+                }
+                continue;
+            }
+            // The helper runs its part; if the OS takes its core meanwhile, let it back.
+            let mut spins = 0u32;
             while slot.done.load(Ordering::Acquire) != epoch {
                 std::hint::spin_loop();
+                spins = spins.saturating_add(1);
+                if spins >= YIELD_AFTER {
+                    std::thread::yield_now();
+                }
             }
         }
         let helper_panicked = s.panicked.swap(false, Ordering::Relaxed);
@@ -236,6 +281,14 @@ impl Drop for Team {
             let _ = t.join();
         }
     }
+}
+
+/// Claims `slot`'s part of job `epoch`; true for the one caller that raised the claim.
+/// Every slot is claimed (by its helper or by the job's caller) before the job ends, so
+/// a helper that wakes late finds a claim at or past the epoch it saw and skips it.
+fn claim(slot: &Slot, epoch: usize) -> bool {
+    slot.claim.load(Ordering::Acquire) < epoch
+        && slot.claim.fetch_max(epoch, Ordering::AcqRel) < epoch
 }
 
 /// Runs one part with the nested-loop flag set.
@@ -277,7 +330,10 @@ fn helper_loop(s: &Shared, h: usize) {
         if s.stop.load(Ordering::Acquire) {
             return;
         }
-        // SAFETY: read after the acquire load of the bumped epoch; the caller keeps
+        if !claim(slot, seen) {
+            continue; // the caller ran this part (or the job is long over)
+        }
+        // SAFETY: read after winning the claim of the current epoch: the caller keeps
         // the job alive until this helper stores the epoch to `done`.
         let (job, parts) = unsafe { *s.job.get() };
         if h + 1 < parts {
@@ -295,7 +351,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_part_runs_once_on_its_helper() {
+    fn every_part_runs_once() {
         let team = Team::new(3, Duration::from_micros(50)).unwrap();
         for round in 0..200 {
             let parts = 1 + round % team.size();
@@ -312,13 +368,63 @@ mod tests {
                     "part {i}"
                 );
             }
+            // A part runs on its helper, or on the caller when the helper was late.
+            let caller = std::thread::current().name().unwrap_or("").to_string();
             for (i, n) in names.iter().enumerate().take(parts).skip(1) {
-                assert_eq!(*n.lock().unwrap(), format!("kpt-team-{i}"));
+                let n = n.lock().unwrap();
+                assert!(
+                    *n == format!("kpt-team-{i}") || *n == caller,
+                    "part {i} on {n}"
+                );
             }
             if round % 50 == 0 {
                 // Long enough for the helpers to park: the next job must wake them.
                 std::thread::sleep(Duration::from_millis(2));
             }
+        }
+    }
+
+    #[test]
+    fn jobs_finish_without_helpers_that_do_not_run_and_late_helpers_skip_them() {
+        // Helpers held at their start stand for threads the OS does not schedule: the
+        // caller runs their parts, and once they run, they must not run those again.
+        let gate = Arc::new(std::sync::Barrier::new(4));
+        let g = Arc::clone(&gate);
+        let team = Team::with_start(
+            3,
+            Duration::from_secs(1),
+            Arc::new(move || {
+                g.wait();
+            }),
+        )
+        .unwrap();
+        let me = std::thread::current().id();
+        let runs: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
+        for _ in 0..50 {
+            assert!(team.run(4, &|i| {
+                assert_eq!(std::thread::current().id(), me);
+                runs[i].fetch_add(1, Ordering::Relaxed);
+            }));
+        }
+        gate.wait();
+        let on_helper = AtomicBool::new(false);
+        let t = Instant::now();
+        let mut jobs = 50;
+        while !on_helper.load(Ordering::Relaxed) {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "helpers never ran a part"
+            );
+            assert!(team.run(4, &|i| {
+                if std::thread::current().id() != me {
+                    on_helper.store(true, Ordering::Relaxed);
+                }
+                runs[i].fetch_add(1, Ordering::Relaxed);
+            }));
+            jobs += 1;
+        }
+        for (i, r) in runs.iter().enumerate() {
+            assert_eq!(r.load(Ordering::Relaxed), jobs, "part {i}");
         }
     }
 
