@@ -107,6 +107,24 @@ fn the_shared_row_kernels_are_built_for_every_amd_target() {
 }
 
 #[test]
+fn mi300_and_rdna3_objects_of_the_shared_sources_come_from_clang_19() {
+    // The compiler's `llvm.ident` stays in the object's `.comment`: clang 19 built the
+    // gfx942 and gfx1100 objects of `kernels/hip`, hipcc 5.2's clang 15 the others.
+    let has = |bytes: &[u8], text: &str| bytes.windows(text.len()).any(|w| w == text.as_bytes());
+    let shared: Vec<_> = hsaco()
+        .into_iter()
+        .filter(|a| a.source.starts_with("kernels/hip/"))
+        .collect();
+    assert_eq!(shared.len(), 8 * 5);
+    for a in shared {
+        let what = format!("{} {}", a.kernel, a.target);
+        let clang19 = matches!(a.target, "gfx942" | "gfx1100");
+        assert_eq!(has(a.bytes, "clang version 19.1.7"), clang19, "{what}");
+        assert_eq!(has(a.bytes, "clang version 15.0.6"), !clang19, "{what}");
+    }
+}
+
+#[test]
 fn metadata_shows_the_wave_size_and_launch_bounds() {
     let get = |kernel: &str, target: &str, entry: &str| {
         let a = hsaco()
