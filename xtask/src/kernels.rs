@@ -1,7 +1,8 @@
 //! `build-kernels` (compile `kernels/cuda/*.cu` with a pinned nvcc,
 //! `kernels/triton/*.py` with a pinned Triton and `kernels/hip/*.hip` with a pinned hipcc
-//! and a pinned clang into committed artifacts and their manifest) and `check-kernels` (the committed
-//! artifacts match their sources and hashes; needs no toolchain, runs in CI).
+//! and a pinned clang into committed artifacts and their manifest) and `check-kernels`
+//! (the committed artifacts match their sources and hashes; needs no toolchain, runs in
+//! CI).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -673,9 +674,10 @@ fn clang_hip() -> Result<(PathBuf, String)> {
 /// A device library folder for clang 19 in `target/hip-device-libs`: links to every
 /// library of Debian's `rocm-device-libs` 5.2, plus the `oclc_isa_version_N.bc` of each
 /// processor in [`CLANG_HIP_TARGETS`], assembled by llvm-as from the one constant that
-/// ROCm's file of that name holds (laid out as 5.2's `oclc_isa_version_940.bc` is). Only
-/// ockl and ocml read it, to pick between code paths for GCN before gfx8, gfx8 and gfx9,
-/// and gfx10 and later; gfx942 takes gfx940's and gfx1100 gfx1030's.
+/// ROCm's file of that name holds (laid out as 5.2's `oclc_isa_version_940.bc` is). In
+/// kpt's kernels only `__ockl_wfred_or_i32` and `__ocml_exp_f32` read it, to choose
+/// between code paths for gfx7, gfx8, gfx9 and gfx10+: gfx942 takes gfx940's and gfx1100
+/// gfx1030's (`docs/backends/amd.md`).
 fn device_libs() -> Result<PathBuf> {
     let dir = root().join("target/hip-device-libs");
     if dir.exists() {
@@ -739,6 +741,9 @@ fn hip_command(hipcc: &Path, clang: Option<&(PathBuf, PathBuf)>, target: &str) -
         let (clang, libs) = clang.context("clang 19 is not set up")?;
         cmd = Command::new(clang);
         cmd.args(["-x", "hip", "--cuda-device-only"])
+            // Debian's HIP 5.2 headers under /usr, as hipcc 5.2 passes, even where another
+            // ROCm is installed in /opt/rocm.
+            .arg("--rocm-path=/usr")
             .arg(format!("--rocm-device-lib-path={}", libs.display()))
             // Code object v5, as Triton's objects for the same processors; ROCm 5.2's
             // ockl reads v5's implicit kernel arguments when `__oclc_ABI_version` is 500.
