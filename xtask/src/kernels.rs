@@ -554,7 +554,7 @@ const DEVICE_LIBS: &str = "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode";
 /// gfx1100). ROCm 5.2's device libraries have no `oclc_isa_version_942.bc` or
 /// `oclc_isa_version_1100.bc`, the one-constant library that tells ockl and ocml the
 /// processor; [`device_libs`] writes them (major·1000 + minor·100 + stepping, the values
-/// of later ROCm releases' `isa_version_942.cl` and `isa_version_1100.cl`).
+/// that later ROCm device libraries define for these processors).
 const CLANG_HIP_TARGETS: [(&str, u32); 2] = [("gfx942", 9402), ("gfx1100", 11000)];
 
 /// Every processor a `kernels/hip/*.hip` source is built for, in the manifest's order.
