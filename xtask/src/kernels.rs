@@ -1089,6 +1089,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn amd_targets_and_their_isa_versions() {
+        assert_eq!(
+            hip_targets().collect::<Vec<_>>(),
+            ["gfx90a", "gfx940", "gfx1030", "gfx942", "gfx1100"]
+        );
+        // `__oclc_ISA_version` is major·1000 + minor·100 + stepping, the last two
+        // digits of the processor name in hex (gfx90a is 9.0.10).
+        for (target, isa) in CLANG_HIP_TARGETS {
+            let digits = target.strip_prefix("gfx").unwrap();
+            let (major, rest) = digits.split_at(digits.len() - 2);
+            let minor = u32::from_str_radix(&rest[..1], 16).unwrap();
+            let stepping = u32::from_str_radix(&rest[1..], 16).unwrap();
+            let major: u32 = major.parse().unwrap();
+            assert_eq!(isa, major * 1000 + minor * 100 + stepping, "{target}");
+        }
+    }
+
+    #[test]
     fn launch_lines_are_parsed_and_checked() {
         let src = "// kpt:launch k_a block=256 shared=0 grid=rows\n\
                    int x;\n  // kpt:launch k_b block=128 shared=4096 grid=tiles\n";
