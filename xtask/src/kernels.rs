@@ -1,7 +1,8 @@
 //! `build-kernels` (compile `kernels/cuda/*.cu` with a pinned nvcc,
 //! `kernels/triton/*.py` with a pinned Triton and `kernels/hip/*.hip` with a pinned hipcc
-//! into committed artifacts and their manifest) and `check-kernels` (the committed
-//! artifacts match their sources and hashes; needs no toolchain, runs in CI).
+//! and a pinned clang into committed artifacts and their manifest) and `check-kernels`
+//! (the committed artifacts match their sources and hashes; needs no toolchain, runs in
+//! CI).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -314,13 +315,18 @@ fn artifact(
     })
 }
 
-/// Compiles every `kernels/cuda/*.cu` for [`CUDA_TARGETS`] into `manifest`.
 /// The entries of `old` built from `source` when they are still current: the source (with
-/// its headers) hashes as recorded and every artifact exists with its recorded hash. Reusing
-/// them keeps unchanged artifacts byte-identical (nvcc's PTX symbol names differ per run).
+/// its headers) hashes as recorded, every artifact exists with its recorded hash and, with
+/// `targets`, the artifacts are for exactly those targets. Reusing them keeps unchanged
+/// artifacts byte-identical (nvcc's PTX symbol names differ per run).
 /// Only the entries for AMD (`hip`, every artifact an HSACO) or only the others: a Triton
 /// source has both, built by different steps.
-fn current_entries(old: &Manifest, source: &Path, hip: bool) -> Result<Option<Vec<KernelEntry>>> {
+fn current_entries(
+    old: &Manifest,
+    source: &Path,
+    hip: bool,
+    targets: Option<&[&str]>,
+) -> Result<Option<Vec<KernelEntry>>> {
     let path = rel(source);
     let entries: Vec<_> = old
         .kernels
@@ -336,6 +342,14 @@ fn current_entries(old: &Manifest, source: &Path, hip: bool) -> Result<Option<Ve
         if e.source_sha256 != sha {
             return Ok(None);
         }
+        if targets.is_some_and(|t| {
+            !e.artifacts
+                .iter()
+                .map(|a| a.target.as_str())
+                .eq(t.iter().copied())
+        }) {
+            return Ok(None);
+        }
         for a in &e.artifacts {
             let file = artifacts_dir().join(&a.path);
             if !file.exists() || sha256_hex(&file)? != a.sha256 {
@@ -347,6 +361,7 @@ fn current_entries(old: &Manifest, source: &Path, hip: bool) -> Result<Option<Ve
     Ok(Some(entries))
 }
 
+/// Compiles every `kernels/cuda/*.cu` for [`CUDA_TARGETS`] into `manifest`.
 fn build_cuda(
     python: &Path,
     ptxas: &Path,
@@ -371,7 +386,7 @@ fn build_cuda(
             continue;
         }
         if let Some(entries) = old
-            .map(|m| current_entries(m, &src, false))
+            .map(|m| current_entries(m, &src, false, None))
             .transpose()?
             .flatten()
         {
@@ -453,7 +468,7 @@ fn build_triton(
     let driver = root().join("xtask/triton/aot.py");
     for src in list_sources(&root().join("kernels/triton"))? {
         if let Some(entries) = old
-            .map(|m| current_entries(m, &src, false))
+            .map(|m| current_entries(m, &src, false, None))
             .transpose()?
             .flatten()
         {
@@ -513,10 +528,41 @@ const HIP_PACKAGES: [(&str, &str); 3] = [
     ("rocm-device-libs", "5.2.3-2"),
 ];
 
-/// The processors every `kernels/hip/*.hip` is compiled for: CDNA 2 (MI200), CDNA 3 as
-/// ROCm 5.2 names it (gfx940; MI300X is gfx942, which this clang does not know) and
-/// RDNA 2 (gfx1030). ROCm 5.2's device libraries have no gfx1100 (RDNA 3).
+/// The processors hipcc 5.2 compiles every `kernels/hip/*.hip` for: CDNA 2 (MI200), CDNA 3
+/// as ROCm 5.2 names it (gfx940) and RDNA 2 (gfx1030). Its clang 15 does not know gfx942
+/// (MI300X), and ROCm 5.2's device libraries have no gfx1100 (RDNA 3): see
+/// [`CLANG_HIP_TARGETS`].
 const HIP_TARGETS: [&str; 3] = ["gfx90a", "gfx940", "gfx1030"];
+
+/// Debian 12's LLVM 19 (bookworm main): clang, the lld that links AMDGPU code objects,
+/// and llvm-as. It builds the processors of [`CLANG_HIP_TARGETS`] from the same sources,
+/// against the same HIP 5.2 headers and ROCm 5.2 device libraries as [`HIP_PACKAGES`].
+const CLANG_PACKAGES: [(&str, &str); 3] = [
+    ("clang-19", "1:19.1.7-3~deb12u1"),
+    ("lld-19", "1:19.1.7-3~deb12u1"),
+    ("llvm-19", "1:19.1.7-3~deb12u1"),
+];
+
+/// The folder of the pinned LLVM 19's programs.
+const CLANG_BIN: &str = "/usr/lib/llvm-19/bin";
+
+/// Where Debian's `rocm-device-libs` puts ROCm's device libraries (LLVM bitcode).
+const DEVICE_LIBS: &str = "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode";
+
+/// The processors that clang 19 compiles every `kernels/hip/*.hip` for, with the value of
+/// ROCm's `__oclc_ISA_version` for each: CDNA 3 (MI300X, gfx942) and RDNA 3 (RX 7900,
+/// gfx1100). ROCm 5.2's device libraries have no `oclc_isa_version_942.bc` or
+/// `oclc_isa_version_1100.bc`, the one-constant library that tells ockl and ocml the
+/// processor; [`device_libs`] writes them (major·1000 + minor·100 + stepping, the values
+/// that later ROCm device libraries define for these processors).
+const CLANG_HIP_TARGETS: [(&str, u32); 2] = [("gfx942", 9402), ("gfx1100", 11000)];
+
+/// Every processor a `kernels/hip/*.hip` source is built for, in the manifest's order.
+fn hip_targets() -> impl Iterator<Item = &'static str> {
+    HIP_TARGETS
+        .into_iter()
+        .chain(CLANG_HIP_TARGETS.iter().map(|(t, _)| *t))
+}
 
 /// The installed version of Debian package `name`, if it is installed.
 fn deb_version(name: &str) -> Option<String> {
@@ -528,14 +574,11 @@ fn deb_version(name: &str) -> Option<String> {
     (out.status.success() && !v.is_empty()).then_some(v)
 }
 
-/// The pinned hipcc and the toolchain string the manifest records; installs
-/// [`HIP_PACKAGES`] with apt-get first when one is missing or at another version.
-fn hipcc() -> Result<(PathBuf, String)> {
-    let pins: Vec<String> = HIP_PACKAGES
-        .iter()
-        .map(|(p, v)| format!("{p}={v}"))
-        .collect();
-    if HIP_PACKAGES
+/// Installs the Debian `packages` at their pinned versions with apt-get when one is
+/// missing or at another version.
+fn apt_install(packages: &[(&str, &str)]) -> Result<()> {
+    let pins: Vec<String> = packages.iter().map(|(p, v)| format!("{p}={v}")).collect();
+    if packages
         .iter()
         .any(|(p, v)| deb_version(p).as_deref() != Some(*v))
     {
@@ -550,41 +593,55 @@ fn hipcc() -> Result<(PathBuf, String)> {
             .args(&pins)
             .env("DEBIAN_FRONTEND", "noninteractive")
             .status()
-            .context("running apt-get (the HIP toolchain comes from Debian 12's packages)")?;
+            .context("running apt-get (the HIP toolchains come from Debian 12's packages)")?;
         if !status.success() {
             bail!(
-                "could not install the HIP toolchain; on Debian 12 run as root: \
+                "could not install a HIP toolchain; on Debian 12 run as root: \
                  apt-get install {}",
                 pins.join(" ")
             );
         }
     }
-    for (p, v) in HIP_PACKAGES {
+    for (p, v) in packages {
         let found = deb_version(p);
-        if found.as_deref() != Some(v) {
+        if found.as_deref() != Some(*v) {
             bail!("{p} is at {found:?} after installing, not {v}");
         }
     }
-    let hipcc = PathBuf::from("/usr/bin/hipcc");
+    Ok(())
+}
+
+/// The first line of `program --version` that contains `clang version`.
+fn clang_version(program: &Path) -> Result<String> {
     // stdout only: hipcc also runs rocm_agent_enumerator, which complains on stderr
     // when the machine has no GPU.
+    let out = Command::new(program)
+        .arg("--version")
+        .output()
+        .with_context(|| format!("running {}", program.display()))?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.contains("clang version"))
+        .map(|l| l.trim().to_string())
+        .with_context(|| format!("no clang version in `{} --version`", program.display()))
+}
+
+/// The pinned hipcc and the toolchain string the manifest records; installs
+/// [`HIP_PACKAGES`] with apt-get first when one is missing or at another version.
+fn hipcc() -> Result<(PathBuf, String)> {
+    apt_install(&HIP_PACKAGES)?;
+    let hipcc = PathBuf::from("/usr/bin/hipcc");
     let out = Command::new(&hipcc)
         .arg("--version")
         .output()
         .with_context(|| format!("running {}", hipcc.display()))?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let field = |prefix: &str| {
-        text.lines()
-            .find_map(|l| l.trim().strip_prefix(prefix))
-            .map(str::trim)
-            .map(str::to_string)
-    };
-    let hip = field("HIP version:").context("no `HIP version:` in `hipcc --version`")?;
-    let clang = text
+    let hip = text
         .lines()
-        .find(|l| l.contains("clang version"))
-        .map(|l| l.trim().to_string())
-        .context("no clang version in `hipcc --version`")?;
+        .find_map(|l| l.trim().strip_prefix("HIP version:"))
+        .map(str::trim)
+        .context("no `HIP version:` in `hipcc --version`")?;
+    let clang = clang_version(&hipcc)?;
     let version = format!(
         "{} (HIP {hip}, {clang}, rocm-device-libs {})",
         HIP_PACKAGES[0].1, HIP_PACKAGES[2].1
@@ -592,8 +649,125 @@ fn hipcc() -> Result<(PathBuf, String)> {
     Ok((hipcc, version))
 }
 
-/// Compiles every `kernels/hip/*.hip` for [`HIP_TARGETS`] into `manifest` (unchanged
-/// sources keep their entries). A `.hip` source includes `include/hip_dialect.h` and then
+/// The pinned clang 19 and the toolchain string the manifest records; installs
+/// [`HIP_PACKAGES`] (HIP headers, device libraries) and [`CLANG_PACKAGES`] first.
+fn clang_hip() -> Result<(PathBuf, String)> {
+    apt_install(&HIP_PACKAGES)?;
+    apt_install(&CLANG_PACKAGES)?;
+    let clang = Path::new(CLANG_BIN).join("clang++");
+    let version = format!(
+        "{} ({}, HIP headers of libamdhip64-dev {}, rocm-device-libs {} with \
+         oclc_isa_version for {})",
+        CLANG_PACKAGES[0].1,
+        clang_version(&clang)?,
+        HIP_PACKAGES[1].1,
+        HIP_PACKAGES[2].1,
+        CLANG_HIP_TARGETS
+            .iter()
+            .map(|(t, v)| format!("{t} = {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok((clang, version))
+}
+
+/// A device library folder for clang 19 in `target/hip-device-libs`: links to every
+/// library of Debian's `rocm-device-libs` 5.2, plus the `oclc_isa_version_N.bc` of each
+/// processor in [`CLANG_HIP_TARGETS`], assembled by llvm-as from the one constant that
+/// ROCm's file of that name holds (laid out as 5.2's `oclc_isa_version_940.bc` is). In
+/// kpt's kernels only `__ockl_wfred_or_i32` and `__ocml_exp_f32` read it, to choose
+/// between code paths for gfx7, gfx8, gfx9 and gfx10+: gfx942 takes gfx940's and gfx1100
+/// gfx1030's (`docs/backends/amd.md`).
+fn device_libs() -> Result<PathBuf> {
+    let dir = root().join("target/hip-device-libs");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    let mut libs: Vec<PathBuf> = std::fs::read_dir(DEVICE_LIBS)
+        .with_context(|| format!("reading {DEVICE_LIBS}"))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    libs.sort();
+    for lib in libs {
+        let name = lib.file_name().context("device library name")?;
+        std::os::unix::fs::symlink(&lib, dir.join(name))?;
+    }
+    for (target, isa) in CLANG_HIP_TARGETS {
+        let suffix = target.strip_prefix("gfx").context("processor name")?;
+        let bc = dir.join(format!("oclc_isa_version_{suffix}.bc"));
+        if bc.exists() {
+            bail!("{DEVICE_LIBS} has its own {target} library, unlike ROCm 5.2's");
+        }
+        let ll = dir.join(format!("oclc_isa_version_{suffix}.ll"));
+        std::fs::write(
+            &ll,
+            format!(
+                "target datalayout = \"{AMDGPU_DATALAYOUT}\"\n\
+                 target triple = \"amdgcn-amd-amdhsa\"\n\n\
+                 @__oclc_ISA_version = linkonce_odr protected local_unnamed_addr \
+                 addrspace(4) constant i32 {isa}, align 4\n"
+            ),
+        )?;
+        let llvm_as = Path::new(CLANG_BIN).join("llvm-as");
+        let status = Command::new(&llvm_as)
+            .arg(&ll)
+            .arg("-o")
+            .arg(&bc)
+            .status()
+            .with_context(|| format!("running {}", llvm_as.display()))?;
+        if !status.success() {
+            bail!("llvm-as failed on {}", ll.display());
+        }
+    }
+    Ok(dir)
+}
+
+/// The data layout of ROCm 5.2's device libraries (that of `oclc_isa_version_940.bc`).
+const AMDGPU_DATALAYOUT: &str = "e-p:64:64-p1:64:64-p2:32:32-p3:32:32-p4:64:64-p5:32:32-\
+     p6:32:32-i64:64-v16:16-v24:32-v32:32-v48:64-v96:128-v192:256-v256:256-v512:512-\
+     v1024:1024-v2048:2048-n32:64-S32-A5-G1-ni:7";
+
+/// The command that compiles a `kernels/hip/*.hip` for `target` into a code object:
+/// hipcc 5.2 for [`HIP_TARGETS`], clang 19 with the device libraries of `libs` for
+/// [`CLANG_HIP_TARGETS`]. Both compile for the device only, into a plain ELF code object
+/// (`--no-gpu-bundle-output`), at -O3 without fast-math.
+fn hip_command(hipcc: &Path, clang: Option<&(PathBuf, PathBuf)>, target: &str) -> Result<Command> {
+    let mut cmd;
+    if HIP_TARGETS.contains(&target) {
+        cmd = Command::new(hipcc);
+        cmd.arg("--genco");
+    } else {
+        let (clang, libs) = clang.context("clang 19 is not set up")?;
+        cmd = Command::new(clang);
+        cmd.args(["-x", "hip", "--cuda-device-only"])
+            // Debian's HIP 5.2 headers under /usr, as hipcc 5.2 passes, even where another
+            // ROCm is installed in /opt/rocm.
+            .arg("--rocm-path=/usr")
+            .arg(format!("--rocm-device-lib-path={}", libs.display()))
+            // Code object v5, as Triton's objects for the same processors; ROCm 5.2's
+            // ockl reads v5's implicit kernel arguments when `__oclc_ABI_version` is 500.
+            .arg("-mcode-object-version=5")
+            // No `__hip_cuid_HASH` symbol whose hash depends on the source's path.
+            .arg("-fuse-cuid=none")
+            // What hipcc 5.2 passes to its clang: inline every device function into the
+            // kernels, as in the hipcc builds (a call would need a stack in scratch).
+            .args(["-mllvm", "-amdgpu-early-inline-all=true"])
+            .args(["-mllvm", "-amdgpu-function-calls=false"]);
+    }
+    cmd.arg("--no-gpu-bundle-output")
+        .arg(format!("--offload-arch={target}"))
+        .args(["-O3", "-std=c++17"])
+        .arg(format!(
+            "-I{}",
+            root().join("kernels/hip/include").display()
+        ));
+    Ok(cmd)
+}
+
+/// Compiles every `kernels/hip/*.hip` for [`HIP_TARGETS`] (hipcc 5.2) and
+/// [`CLANG_HIP_TARGETS`] (clang 19) into `manifest` (unchanged sources keep their entries
+/// when they have every target). A `.hip` source includes `include/hip_dialect.h` and then
 /// a CUDA source of `kernels/cuda/`, whose `// kpt:launch` lines name its entry points.
 fn build_hip(old: Option<&Manifest>, manifest: &mut Manifest) -> Result<()> {
     let sources: Vec<PathBuf> = list_sources(&root().join("kernels/hip"))?
@@ -601,24 +775,28 @@ fn build_hip(old: Option<&Manifest>, manifest: &mut Manifest) -> Result<()> {
         .filter(|p| p.extension().and_then(|e| e.to_str()) == Some("hip"))
         .collect();
     let out_dir = artifacts_dir().join("hip");
-    let include = root().join("kernels/hip/include");
-    let mut toolchain = None;
+    let mut hipcc_path = None;
+    let mut clang = None;
     for src in sources {
+        let targets: Vec<&str> = hip_targets().collect();
         if let Some(entries) = old
-            .map(|m| current_entries(m, &src, true))
+            .map(|m| current_entries(m, &src, true, Some(&targets)))
             .transpose()?
             .flatten()
         {
             manifest.kernels.extend(entries);
             continue;
         }
-        if toolchain.is_none() {
+        if hipcc_path.is_none() {
             std::fs::create_dir_all(&out_dir)?;
             let (path, version) = hipcc()?;
             manifest.toolchains.insert("hipcc".into(), version);
-            toolchain = Some(path);
+            hipcc_path = Some(path);
+            let (path, version) = clang_hip()?;
+            manifest.toolchains.insert("hip-clang".into(), version);
+            clang = Some((path, device_libs()?));
         }
-        let hipcc = toolchain.as_ref().context("hipcc")?;
+        let hipcc = hipcc_path.as_ref().context("hipcc")?;
         let name = src
             .file_stem()
             .and_then(|s| s.to_str())
@@ -631,20 +809,21 @@ fn build_hip(old: Option<&Manifest>, manifest: &mut Manifest) -> Result<()> {
         }
         let entry_points = launch_lines(&text, &rel(&src))?;
         let mut artifacts = Vec::new();
-        for target in HIP_TARGETS {
+        for target in hip_targets() {
             let out = out_dir.join(format!("{name}.{target}.hsaco"));
-            let status = Command::new(hipcc)
-                .args(["--genco", "--no-gpu-bundle-output"])
-                .arg(format!("--offload-arch={target}"))
-                .args(["-O3", "-std=c++17"])
-                .arg(format!("-I{}", include.display()))
+            let mut cmd = hip_command(hipcc, clang.as_ref(), target)?;
+            let status = cmd
                 .arg("-o")
                 .arg(&out)
                 .arg(&src)
                 .status()
-                .with_context(|| format!("running {}", hipcc.display()))?;
+                .with_context(|| format!("running {:?}", cmd.get_program()))?;
             if !status.success() {
-                bail!("hipcc failed on {} for {target}", rel(&src));
+                bail!(
+                    "{:?} failed on {} for {target}",
+                    cmd.get_program(),
+                    rel(&src)
+                );
             }
             let bytes = std::fs::read(&out)?;
             if !bytes.starts_with(b"\x7fELF") {
@@ -670,7 +849,8 @@ pub enum Toolchain {
     Cuda,
     /// Triton: `kernels/triton/*.py`.
     Triton,
-    /// AMD code objects: hipcc for `kernels/hip/*.hip`, Triton for `kernels/triton/*.py`.
+    /// AMD code objects: hipcc 5.2 and clang 19 for `kernels/hip/*.hip`, Triton for
+    /// `kernels/triton/*.py`.
     Hip,
 }
 
@@ -700,7 +880,7 @@ fn build_triton_hip(old: Option<&Manifest>, manifest: &mut Manifest) -> Result<(
     let mut python = None;
     for src in list_sources(&root().join("kernels/triton"))? {
         if let Some(entries) = old
-            .map(|m| current_entries(m, &src, true))
+            .map(|m| current_entries(m, &src, true, None))
             .transpose()?
             .flatten()
         {
@@ -848,7 +1028,26 @@ pub fn check_kernels() -> Result<()> {
                 "{path}: changed since its artifacts were built (run `cargo xtask build-kernels`)"
             ));
         } else {
+            let hip_source = src.extension().and_then(|e| e.to_str()) == Some("hip");
             for e in entries {
+                // Every `.hip` source is built for every AMD processor of the build.
+                if hip_source
+                    && !e
+                        .artifacts
+                        .iter()
+                        .map(|a| a.target.as_str())
+                        .eq(hip_targets())
+                {
+                    problems.push(format!(
+                        "{path}: built for {}, not for {} (run `cargo xtask build-kernels`)",
+                        e.artifacts
+                            .iter()
+                            .map(|a| a.target.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        hip_targets().collect::<Vec<_>>().join(", ")
+                    ));
+                }
                 for a in &e.artifacts {
                     let file = artifacts_dir().join(&a.path);
                     if !file.exists() {
@@ -888,6 +1087,24 @@ pub fn check_kernels() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn amd_targets_and_their_isa_versions() {
+        assert_eq!(
+            hip_targets().collect::<Vec<_>>(),
+            ["gfx90a", "gfx940", "gfx1030", "gfx942", "gfx1100"]
+        );
+        // `__oclc_ISA_version` is major·1000 + minor·100 + stepping, the last two
+        // digits of the processor name in hex (gfx90a is 9.0.10).
+        for (target, isa) in CLANG_HIP_TARGETS {
+            let digits = target.strip_prefix("gfx").unwrap();
+            let (major, rest) = digits.split_at(digits.len() - 2);
+            let minor = u32::from_str_radix(&rest[..1], 16).unwrap();
+            let stepping = u32::from_str_radix(&rest[1..], 16).unwrap();
+            let major: u32 = major.parse().unwrap();
+            assert_eq!(isa, major * 1000 + minor * 100 + stepping, "{target}");
+        }
+    }
 
     #[test]
     fn launch_lines_are_parsed_and_checked() {

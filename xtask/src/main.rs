@@ -9,8 +9,9 @@
 //!   into `target/kernels-venv`, compiles `kernels/cuda/*.cu` and the specializations
 //!   of `kernels/triton/*.py` to cubin (sm_80, sm_90a) and PTX (compute_80), has the
 //!   pinned hipcc (Debian's ROCm 5.2 packages, installed with apt when missing) compile
-//!   `kernels/hip/*.hip` to HSACO code objects (gfx90a, gfx940, gfx1030), and rewrites
-//!   the manifest; `--only cuda|triton|hip` builds one toolchain's kernels and keeps the
+//!   `kernels/hip/*.hip` to HSACO code objects for gfx90a, gfx940 and gfx1030, and
+//!   Debian 12's clang 19 (also installed with apt) the same sources for gfx942 and
+//!   gfx1100, and rewrites the manifest; `--only cuda|triton|hip` builds one toolchain's kernels and keeps the
 //!   others' entries as they are.
 //! - `bench-models`: the same environment (with HF transformers), then
 //!   `kpt-bench-models` on the CPU with a ~100M-parameter LLaMA-shaped model.

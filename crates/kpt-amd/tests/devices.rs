@@ -117,18 +117,23 @@ fn kernel_selection_follows_the_processor() {
         assert_eq!(picked.len(), 1, "{kernel}");
         assert_eq!(picked[0].target, "gfx90a", "{kernel}");
     }
-    // ROCm 5.2's hipcc builds gfx940, not gfx942, and gfx1030, not gfx1100: code objects
-    // load only on the processor they were built for, so MI300X and RX 7900 XTX get none
-    // of the hipcc builds; Triton's RMSNorm is built for both.
+    // MI300X and RX 7900 XTX get the code objects built for exactly their processors
+    // (clang 19's gfx942 and gfx1100 builds), never gfx940's or gfx1030's; Triton's
+    // RMSNorm is built for both as well.
     for file in ["mi300x.json", "rx7900xtx.json"] {
         let d = device(file);
+        let processor = d.arch.processor();
         for kernel in ROW_KERNELS {
-            assert!(
-                hsaco_candidates(kernel, d.arch.processor()).is_empty(),
-                "{file} {kernel}"
+            let picked = hsaco_candidates(kernel, processor);
+            assert_eq!(picked.len(), 1, "{file} {kernel}");
+            assert_eq!(picked[0].target, processor, "{file} {kernel}");
+            assert_eq!(
+                picked[0].source,
+                format!("kernels/hip/{kernel}.hip"),
+                "{file}"
             );
         }
-        let triton = hsaco_candidates("triton_rms_norm_bf16_4096", d.arch.processor());
+        let triton = hsaco_candidates("triton_rms_norm_bf16_4096", processor);
         assert_eq!(triton.len(), 1, "{file}");
         assert_eq!(
             triton[0].entry_points[0].block,
@@ -156,23 +161,22 @@ fn the_registry_explains_what_would_run_on_each_recorded_device() {
         ),
         ["amd.triton.rms_norm", "amd.rms_norm", CPU_REFERENCE]
     );
-    // MI300X: Triton's gfx942 build of the RMSNorm, nothing from hipcc 5.2.
-    let mi300x = kpt_amd::recorded_device("mi300x").unwrap().device_info();
-    assert_eq!(
-        registry.fallback_chain(
-            &op,
-            &[inputs[0].clone(), TensorSpec::new(&[4096], DType::BF16)],
-            &mi300x
-        ),
-        ["amd.triton.rms_norm", CPU_REFERENCE]
-    );
-    let why = registry
-        .explain(&Op::Softmax, &inputs, &mi300x)
-        .into_iter()
-        .find(|c| c.kernel == "amd.softmax")
-        .unwrap();
-    assert_eq!(
-        why.reason,
-        "built for gfx90a/gfx940/gfx1030 only, device is gfx942"
-    );
+    // MI300X and RX 7900 XTX: the same chain, from their own builds.
+    for name in ["mi300x", "rx7900xtx"] {
+        let d = kpt_amd::recorded_device(name).unwrap().device_info();
+        assert_eq!(
+            registry.fallback_chain(
+                &op,
+                &[inputs[0].clone(), TensorSpec::new(&[4096], DType::BF16)],
+                &d
+            ),
+            ["amd.triton.rms_norm", "amd.rms_norm", CPU_REFERENCE],
+            "{name}"
+        );
+        assert_eq!(
+            registry.fallback_chain(&Op::Softmax, &inputs, &d),
+            ["amd.softmax", CPU_REFERENCE],
+            "{name}"
+        );
+    }
 }

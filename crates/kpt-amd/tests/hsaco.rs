@@ -21,8 +21,11 @@ fn every_code_object_is_valid_for_its_processor() {
         let co = CodeObject::parse(a.bytes).unwrap_or_else(|e| panic!("{what}: {e}"));
         let arch = GcnArch::parse(a.target).unwrap();
         assert_eq!(co.processor, a.target, "{what}: e_flags");
-        // hipcc 5.2 writes code object v4, Triton 3.6 v5.
-        let version = if a.source.starts_with("kernels/triton/") {
+        // hipcc 5.2 writes code object v4; clang 19 (gfx942 and gfx1100 of the shared
+        // sources) and Triton 3.6 write v5.
+        let version = if a.source.starts_with("kernels/triton/")
+            || matches!(a.target, "gfx942" | "gfx1100")
+        {
             5
         } else {
             4
@@ -81,19 +84,43 @@ fn the_shared_row_kernels_are_built_for_every_amd_target() {
             .filter(|a| a.kernel == kernel)
             .map(|a| a.target)
             .collect();
-        assert_eq!(targets, ["gfx90a", "gfx940", "gfx1030"], "{kernel}");
+        // hipcc 5.2 builds the first three, clang 19 MI300X's and RDNA 3's.
+        assert_eq!(
+            targets,
+            ["gfx90a", "gfx940", "gfx1030", "gfx942", "gfx1100"],
+            "{kernel}"
+        );
         // The AMD build has the same entry points as the CUDA one: same source.
         let cuda = embedded()
             .iter()
             .find(|a| a.kernel == kernel && a.format == Format::Cubin)
             .unwrap_or_else(|| panic!("{kernel}: no cubin"));
-        let amd = hsaco().into_iter().find(|a| a.kernel == kernel).unwrap();
-        assert_eq!(cuda.entry_points, amd.entry_points, "{kernel}");
-        assert_eq!(
-            amd.source,
-            format!("kernels/hip/{kernel}.hip"),
-            "{kernel}: source"
-        );
+        for amd in hsaco().into_iter().filter(|a| a.kernel == kernel) {
+            assert_eq!(cuda.entry_points, amd.entry_points, "{kernel}");
+            assert_eq!(
+                amd.source,
+                format!("kernels/hip/{kernel}.hip"),
+                "{kernel}: source"
+            );
+        }
+    }
+}
+
+#[test]
+fn mi300_and_rdna3_objects_of_the_shared_sources_come_from_clang_19() {
+    // The compiler's `llvm.ident` stays in the object's `.comment`: clang 19 built the
+    // gfx942 and gfx1100 objects of `kernels/hip`, hipcc 5.2's clang 15 the others.
+    let has = |bytes: &[u8], text: &str| bytes.windows(text.len()).any(|w| w == text.as_bytes());
+    let shared: Vec<_> = hsaco()
+        .into_iter()
+        .filter(|a| a.source.starts_with("kernels/hip/"))
+        .collect();
+    assert_eq!(shared.len(), 8 * 5);
+    for a in shared {
+        let what = format!("{} {}", a.kernel, a.target);
+        let clang19 = matches!(a.target, "gfx942" | "gfx1100");
+        assert_eq!(has(a.bytes, "clang version 19.1.7"), clang19, "{what}");
+        assert_eq!(has(a.bytes, "clang version 15.0.6"), !clang19, "{what}");
     }
 }
 
@@ -110,10 +137,13 @@ fn metadata_shows_the_wave_size_and_launch_bounds() {
             .cloned()
             .unwrap_or_else(|| panic!("no {entry}"))
     };
-    // CDNA builds are wave64, RDNA 2 builds wave32, from one source.
+    // CDNA builds are wave64, RDNA builds wave32, from one source.
     let cdna = get("rms_norm", "gfx90a", "kpt_rms_norm_f32");
     let rdna = get("rms_norm", "gfx1030", "kpt_rms_norm_f32");
+    let mi300 = get("rms_norm", "gfx942", "kpt_rms_norm_f32");
+    let rdna3 = get("rms_norm", "gfx1100", "kpt_rms_norm_f32");
     assert_eq!((cdna.wavefront_size, rdna.wavefront_size), (64, 32));
+    assert_eq!((mi300.wavefront_size, rdna3.wavefront_size), (64, 32));
     // `__launch_bounds__(kBlock)` reaches the metadata as the largest workgroup.
     let sm = get("softmax", "gfx90a", "kpt_softmax_bf16");
     assert!(sm.max_flat_workgroup_size <= 1024 && sm.max_flat_workgroup_size >= 128);
@@ -125,18 +155,20 @@ fn metadata_shows_the_wave_size_and_launch_bounds() {
         .and_then(|a| a.entry_points.iter().find(|e| e.name == "kpt_rms_norm_f32"))
         .unwrap()
         .block;
-    assert_eq!(cdna.max_flat_workgroup_size, block);
-    assert_eq!(cdna.group_segment_fixed_size, block / 32 * 4);
-    assert_eq!(rdna.group_segment_fixed_size, block / 32 * 4);
-    // gfx90a reports AGPRs separately (unified register file); gfx1030 has none.
+    for k in [&cdna, &rdna, &mi300, &rdna3] {
+        assert_eq!(k.max_flat_workgroup_size, block);
+        assert_eq!(k.group_segment_fixed_size, block / 32 * 4);
+    }
+    // gfx90a and gfx942 report AGPRs separately (unified register file); RDNA has none.
     assert!(cdna.agpr_count.is_some());
+    assert!(mi300.agpr_count.is_some());
 }
 
 #[test]
 fn attention_keeps_its_query_tile_in_static_lds() {
     // kWarps = 4 warps of 32 lanes, each with a query row of up to 256 f32 in LDS: 4 KiB,
     // the same on wave64 and wave32 (one CUDA warp is 32 lanes of a wave).
-    for target in ["gfx90a", "gfx940", "gfx1030"] {
+    for target in ["gfx90a", "gfx940", "gfx1030", "gfx942", "gfx1100"] {
         let a = hsaco()
             .into_iter()
             .find(|a| a.kernel == "attention" && a.target == target)

@@ -206,11 +206,19 @@ fn amd_code_objects_are_chosen_by_exact_processor() {
         [("gfx90a", Format::Hsaco, "kernels/hip/rms_norm.hip")]
     );
     assert_eq!(pick("gfx1030").len(), 1);
-    // gfx940 code does not load on gfx942 (MI300X), nor gfx1030 code on gfx1100.
-    assert!(pick("gfx942").is_empty());
-    assert!(pick("gfx1100").is_empty());
+    // gfx940 code does not load on gfx942 (MI300X), nor gfx1030 code on gfx1100: each
+    // gets the code object built for it.
+    for p in ["gfx942", "gfx1100"] {
+        assert_eq!(pick(p), [(p, Format::Hsaco, "kernels/hip/rms_norm.hip")]);
+    }
+    // No code object for RDNA 3's gfx1101 or MI200's gfx908.
+    assert!(pick("gfx1101").is_empty());
+    assert!(pick("gfx908").is_empty());
     assert!(pick("sm_90a").is_empty());
-    assert_eq!(hsaco_targets("rms_norm"), ["gfx90a", "gfx940", "gfx1030"]);
+    assert_eq!(
+        hsaco_targets("rms_norm"),
+        ["gfx90a", "gfx940", "gfx1030", "gfx942", "gfx1100"]
+    );
     // CUDA selection never hands out an AMD code object, nor AMD selection a cubin.
     for a in cuda_candidates("rms_norm", 9, 0) {
         assert_ne!(a.format, Format::Hsaco);

@@ -889,11 +889,23 @@ fn amd_kernels_run_only_on_the_processors_they_were_built_for() {
         .into_iter()
         .find(|k| k.name == "amd.softmax")
         .unwrap();
-    assert_eq!(def.targets, ["gfx90a", "gfx940", "gfx1030"]);
+    assert_eq!(
+        def.targets,
+        ["gfx90a", "gfx940", "gfx1030", "gfx942", "gfx1100"]
+    );
     assert_eq!(def.backend, DeviceKind::Rocm);
-    // MI300X (gfx942) and RX 7900 XTX (gfx1100): no code object of theirs, so the
-    // explanation says what it was built for.
+    // MI300X (gfx942) and RX 7900 XTX (gfx1100) have code objects of their own.
     for arch in ["gfx942", "gfx1100"] {
+        let device = fake_device(DeviceKind::Rocm, arch);
+        assert_eq!(
+            registry.fallback_chain(&Op::Softmax, &inputs, &device),
+            ["amd.softmax", CPU_REFERENCE],
+            "{arch}"
+        );
+    }
+    // RX 7800 XT (gfx1101) and MI100 (gfx908) have none, so the explanation says what it
+    // was built for.
+    for arch in ["gfx1101", "gfx908"] {
         let device = fake_device(DeviceKind::Rocm, arch);
         assert_eq!(
             registry.fallback_chain(&Op::Softmax, &inputs, &device),
@@ -908,7 +920,7 @@ fn amd_kernels_run_only_on_the_processors_they_were_built_for() {
         assert_eq!(why.rank, None);
         assert_eq!(
             why.reason,
-            format!("built for gfx90a/gfx940/gfx1030 only, device is {arch}")
+            format!("built for gfx90a/gfx940/gfx1030/gfx942/gfx1100 only, device is {arch}")
         );
     }
     // The AMD kernels never run on a CUDA device, nor the CUDA ones on AMD.
@@ -922,12 +934,12 @@ fn amd_kernels_run_only_on_the_processors_they_were_built_for() {
         registry.fallback_chain(&op, &norm, &mi200),
         ["amd.triton.rms_norm", "amd.rms_norm", CPU_REFERENCE]
     );
-    // MI300X has Triton's gfx942 build, RX 7900 XTX its gfx1100 one.
+    // MI300X has Triton's gfx942 build and clang 19's, RX 7900 XTX their gfx1100 ones.
     for arch in ["gfx942", "gfx1100"] {
         let device = fake_device(DeviceKind::Rocm, arch);
         assert_eq!(
             registry.fallback_chain(&op, &norm, &device),
-            ["amd.triton.rms_norm", CPU_REFERENCE],
+            ["amd.triton.rms_norm", "amd.rms_norm", CPU_REFERENCE],
             "{arch}"
         );
     }
@@ -1015,8 +1027,8 @@ fn amd_quantize_and_dequantize_come_from_the_cuda_source() {
         );
         assert_eq!(
             registry.fallback_chain(&op, &inputs, &mi300)[0],
-            CPU_REFERENCE,
-            "no gfx942 build"
+            format!("amd.{kind}"),
+            "gfx942 build"
         );
     }
 }
