@@ -23,7 +23,6 @@ pub mod reference;
 pub mod rotary;
 pub mod shapes;
 pub mod softmax;
-pub mod special;
 
 mod panels;
 mod par;
@@ -86,7 +85,7 @@ impl Act {
                 }
             }
             // erfc(-t) = 1 + erf(t), without the cancellation for negative x.
-            Act::GeluErf => 0.5 * x * special::erfc(-x * std::f64::consts::FRAC_1_SQRT_2),
+            Act::GeluErf => 0.5 * x * libm::erfc(-x * std::f64::consts::FRAC_1_SQRT_2),
             // (1 + tanh(u)) / 2 = sigmoid(2u), again cancellation-free.
             Act::GeluTanh => {
                 let u = GELU_TANH_K * (x + GELU_TANH_C * x * x * x);
@@ -108,7 +107,7 @@ impl Act {
                     x
                 }
             }
-            Act::GeluErf => 0.5 * x * special::erfcf(-x * std::f32::consts::FRAC_1_SQRT_2),
+            Act::GeluErf => 0.5 * x * libm::erfcf(-x * std::f32::consts::FRAC_1_SQRT_2),
             Act::GeluTanh => {
                 let u = GELU_TANH_K as f32 * (x + GELU_TANH_C as f32 * x * x * x);
                 x / (1.0 + simd::exp_f32(-2.0 * u))
@@ -239,4 +238,42 @@ pub(crate) fn checked_product(op: &str, desc: &str, dims: &[usize]) -> kpt_core:
         .ok_or_else(|| {
             kpt_core::KptError::shape(op, format!("{desc} = {dims:?} overflows the address space"))
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Act;
+
+    /// erf by the everywhere-positive series `2/√π e^(-x²) Σ 2ⁿ x^(2n+1) / (2n+1)!!`.
+    fn erf_series(x: f64) -> f64 {
+        let (mut term, mut sum, mut n) = (x, x, 0.0);
+        while term.abs() > 1e-18 * sum.abs() {
+            n += 1.0;
+            term *= 2.0 * x * x / (2.0 * n + 1.0);
+            sum += term;
+        }
+        2.0 / std::f64::consts::PI.sqrt() * (-x * x).exp() * sum
+    }
+
+    /// Exact GELU, `x Φ(x) = x (1 + erf(x / √2)) / 2`, in f64 and f32 against the series.
+    #[test]
+    fn gelu_erf_matches_the_erf_series() {
+        for i in -6000..=6000 {
+            let x = f64::from(i) * 1e-3;
+            let want = 0.5 * x * (1.0 + erf_series(x * std::f64::consts::FRAC_1_SQRT_2));
+            let got = Act::GeluErf.apply_f64(x);
+            assert!(
+                (got - want).abs() <= 1e-14 * x.abs().max(1.0),
+                "f64 gelu({x})"
+            );
+            // f32: a few roundings, and that of x / √2 moves erfc's tail by ~x² of it.
+            let got32 = f64::from(Act::GeluErf.apply_f32(x as f32));
+            let want32 = Act::GeluErf.apply_f64(f64::from(x as f32));
+            let tol = 3e-7 * (1.0 + x * x) * want32.abs() + 1e-30;
+            assert!(
+                (got32 - want32).abs() <= tol,
+                "f32 gelu({x}): {got32:e} vs {want32:e}"
+            );
+        }
+    }
 }
