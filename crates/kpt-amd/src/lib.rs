@@ -41,23 +41,28 @@
 //! ```
 
 mod arch;
+mod backend;
+pub mod blas;
 mod device;
 mod error;
 mod gpu;
 mod hsaco;
+pub mod kernels;
 mod memory;
 mod rtc;
 mod runtime;
 pub mod sys;
 
 pub use arch::{Family, FeatureSetting, Fp8Format, GcnArch, MatrixCores, Tuning};
+pub use backend::{backend_device_info, RocmBackend, RocmOptions, ROCBLAS_FEATURE};
+pub use blas::{rocblas_present, Rocblas, ROCBLAS_ENV};
 pub use device::{
     devices, devices_of, read_properties, recorded_device, recorded_devices, runtime_present,
     AmdDevice, DeviceProperties, RocmDetector,
 };
 pub use error::AmdError;
-pub use gpu::AmdGpu;
-pub use hsaco::{processor_of_mach, CodeObject, FeatureFlag, KernelMetadata};
+pub use gpu::{AmdGpu, Function};
+pub use hsaco::{processor_of_mach, CodeObject, FeatureFlag, KernelArgMetadata, KernelMetadata};
 pub use memory::{CachingAllocator, DeviceBlock, HipMemory};
 pub use rtc::{
     first_rocm_for, rtc_kernels, rtc_source, CacheStats, CompileCache, Hiprtc, CACHE_DIR_ENV,
