@@ -18,38 +18,84 @@ use kpt_core::{DType, KptError, Result};
 use kpt_kernels::artifacts;
 use kpt_kernels::CpuBackend;
 
+use crate::arch::Fp8Format;
 use crate::blas::{one_bytes, BlasHandle, GemmArgs, GemmPlan, Layout, Rocblas};
 use crate::device::AmdDevice;
+use crate::fp8;
 use crate::gpu::AmdGpu;
+use crate::hipblaslt::{Fp8Args, Fp8Linear, HipBlasLt, LtHandle, WORKSPACE_BYTES};
 use crate::kernels::{AttentionDims, Binary, Launch, NormImpl, Planner, QuantScale, RowOp};
 use crate::memory::DeviceBlock;
+use crate::rtc::{first_rocm_for, Hiprtc};
 use crate::AmdError;
 
 /// The device feature the registry's rocBLAS kernels need (`amd.*.rocblas`).
 pub const ROCBLAS_FEATURE: &str = "rocblas";
+/// The device feature of `amd.linear.hipblaslt_fp8`: hipBLASLt loaded on an FNUZ FP8
+/// processor (MI300) with a hiprtc that builds for it (the activations' quantization
+/// and the OCP -> FNUZ conversion are compiled at run time there).
+pub const HIPBLASLT_FP8_FEATURE: &str = "hipblaslt_fp8";
 
-/// What `kpt detect` and the kernel registry see of `device` under a backend: its
-/// [`AmdDevice::device_info`], plus [`ROCBLAS_FEATURE`] when rocBLAS is loaded. The one
+/// The libraries a backend found for a device, besides the HIP runtime.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Libraries {
+    /// rocBLAS is loaded.
+    pub rocblas: bool,
+    /// hipBLASLt is loaded, and hiprtc can build kpt's kernels for the processor.
+    pub hipblaslt_fp8: bool,
+}
+
+impl Libraries {
+    /// Both, as a machine with a complete ROCm installation has them.
+    pub const ALL: Libraries = Libraries {
+        rocblas: true,
+        hipblaslt_fp8: true,
+    };
+}
+
+/// What `kpt detect` and the kernel registry see of `device` under a backend with
+/// `libraries`: its [`AmdDevice::device_info`], plus [`ROCBLAS_FEATURE`] with rocBLAS and
+/// [`HIPBLASLT_FP8_FEATURE`] with hipBLASLt on a processor whose FP8 is FNUZ. The one
 /// place the backend's features are decided, so that an explanation on a recorded device
 /// (`kpt kernels --explain --on mi300x`) selects what the backend would launch.
-pub fn backend_device_info(device: &AmdDevice, rocblas: bool) -> DeviceInfo {
+pub fn backend_device_info(device: &AmdDevice, libraries: Libraries) -> DeviceInfo {
     let mut info = device.device_info();
-    if rocblas {
+    if libraries.rocblas {
         info.features.push(ROCBLAS_FEATURE.into());
+    }
+    if libraries.hipblaslt_fp8 && device.arch.fp8() == Some(Fp8Format::Fnuz) {
+        info.features.push(HIPBLASLT_FP8_FEATURE.into());
     }
     info
 }
 
-/// Options of the ROCm backend.
+/// Whether hiprtc (of the loaded runtime) can build kpt's kernels for `processor`.
+pub(crate) fn hiprtc_builds(processor: &str) -> bool {
+    let Ok(rtc) = Hiprtc::global() else {
+        return false;
+    };
+    let has = rtc.version().map(|v| (v.major, v.minor));
+    matches!((first_rocm_for(processor), has), (Some(needs), Some(has)) if has >= needs)
+}
+
+/// The FP8 linear's registry name.
+const HIPBLASLT_FP8: &str = "amd.linear.hipblaslt_fp8";
+
+/// Options of the ROCm backend (from `KptConfig`'s `amd` section).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RocmOptions {
     /// Load rocBLAS for GEMMs (without it, GEMMs fall back down the kernel chain).
     pub rocblas: bool,
+    /// Load hipBLASLt for FP8 linears on MI300 (`amd.use_hipblaslt`).
+    pub hipblaslt: bool,
 }
 
 impl Default for RocmOptions {
     fn default() -> Self {
-        Self { rocblas: true }
+        Self {
+            rocblas: true,
+            hipblaslt: true,
+        }
     }
 }
 
@@ -57,6 +103,8 @@ impl Default for RocmOptions {
 pub struct RocmBackend {
     gpu: Arc<AmdGpu>,
     blas: Option<Mutex<BlasHandle>>,
+    /// hipBLASLt with its workspace, where the device has the FP8 path.
+    lt: Option<Mutex<(LtHandle, DeviceBlock)>>,
     info: DeviceInfo,
     name: String,
     host: CpuBackend,
@@ -147,7 +195,27 @@ impl RocmBackend {
         } else {
             None
         };
-        let info = backend_device_info(gpu.device(), blas.is_some());
+        let fnuz = gpu.device().arch.fp8() == Some(Fp8Format::Fnuz);
+        let processor = gpu.device().arch.processor();
+        let lt = if options.hipblaslt && fnuz && hiprtc_builds(processor) {
+            match HipBlasLt::global() {
+                Ok(lib) => {
+                    let workspace = gpu.alloc(WORKSPACE_BYTES)?;
+                    Some(Mutex::new((LtHandle::new(lib)?, workspace)))
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "hipBLASLt not loaded; FP8 linears are dequantized for rocBLAS");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let libraries = Libraries {
+            rocblas: blas.is_some(),
+            hipblaslt_fp8: lt.is_some(),
+        };
+        let info = backend_device_info(gpu.device(), libraries);
         let planner = Planner {
             compute_units: gpu.device().properties.compute_units,
         };
@@ -155,6 +223,7 @@ impl RocmBackend {
             name: format!("rocm:{index}"),
             gpu,
             blas,
+            lt,
             info,
             host: CpuBackend::new().map_err(|e| AmdError::Invalid(e.to_string()))?,
             planner,
@@ -320,6 +389,81 @@ impl RocmBackend {
         Ok(())
     }
 
+    /// Linear with FP8 e4m3 weights on hipBLASLt (MI300): the activations are quantized
+    /// to e4m3 with a scale from their amax (all on the device), both operands converted
+    /// to FNUZ (half the value per byte, so each scale doubles), then one FP8 GEMM with
+    /// f32 compute, the scales and the bias applied by hipBLASLt.
+    fn fp8_linear(
+        &self,
+        bias: bool,
+        inputs: &[BufferRef<'_>],
+        out: &mut BufferMut<'_>,
+    ) -> Result<()> {
+        let lt = self
+            .lt
+            .as_ref()
+            .ok_or_else(|| err("hipBLASLt's FP8 path is not available on this device"))?;
+        let (a, w) = (inputs[0].spec, inputs[1].spec);
+        let fp8 = DType::F8E4M3;
+        if w.dtype != fp8 || w.shape.len() != 2 || out.spec.dtype != a.dtype {
+            return Err(err(format!(
+                "{HIPBLASLT_FP8} takes f8e4m3 weights [N, K] and writes the activations' \
+                 dtype, not {} -> {}",
+                w, out.spec
+            )));
+        }
+        let (m, k) = rows_dim(&a.shape);
+        let n = w.shape[0];
+        if m * n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            return self.gemm(&Op::Linear { bias }, inputs, out);
+        }
+        let p = &self.planner;
+        let g = &self.gpu;
+        // Scales on the device: [activations, 2 * activations, 2 * weights].
+        let slots = g.alloc_zeroed(12)?;
+        let (sx, sx2, sw2) = (slots.ptr(), slots.ptr() + 4, slots.ptr() + 8);
+        let x = ptr(&inputs[0])?;
+        let xq = g.alloc(m * k)?;
+        self.launch_kernel(p.amax(a.dtype, x, m * k, sx))?;
+        g.copy(sx, sx2, 4)?;
+        let max = fp8.max_finite() as f32;
+        self.launch_kernel(p.amax_to_scale_of(sx, max))?;
+        self.launch_kernel(p.amax_to_scale_of(sx2, max / 2.0))?;
+        let q = QuantScale::OnDevice(sx);
+        self.launch_kernel(p.quantize(a.dtype, fp8, [x, xq.ptr()], m * k, q))?;
+        self.launch_kernel(fp8::plan(p, fp8, [xq.ptr(), xq.ptr()], m * k))?;
+        let wq = g.alloc(n * k)?;
+        self.launch_kernel(fp8::plan(p, fp8, [ptr(&inputs[1])?, wq.ptr()], n * k))?;
+        let w_scale = 2.0 * inputs[1].buffer.scale;
+        let scale = g.upload(&w_scale.to_le_bytes())?;
+        g.copy(scale.ptr(), sw2, 4)?;
+        let shape = Fp8Linear {
+            m,
+            n,
+            k,
+            out: out.spec.dtype,
+            bias,
+        };
+        let guard = lt.lock().unwrap_or_else(|p| p.into_inner());
+        let (handle, workspace) = &*guard;
+        let args = Fp8Args {
+            x: xq.ptr(),
+            w: wq.ptr(),
+            y: out_ptr(out)?,
+            bias: if bias { ptr(&inputs[2])? } else { 0 },
+            x_scale: sx2,
+            w_scale: sw2,
+            workspace: workspace.ptr(),
+        };
+        // SAFETY: the operands were sized above from the checked specs; the temporaries
+        // go back to the allocator, which drains the stream before reusing memory.
+        unsafe { handle.fp8_linear(&shape, &args, g.stream())? };
+        Ok(())
+    }
+
     /// The device copy of a scaled rotary's inverse frequencies (f64) and its cos/sin
     /// factor, cached per `(head_dim, theta, scaling)` unless it depends on the positions.
     fn rope_table(
@@ -380,6 +524,9 @@ impl RocmBackend {
         let x = inputs[0].spec;
         let dt = x.dtype;
         match op {
+            Op::Linear { bias } if kernel == HIPBLASLT_FP8 => {
+                return self.fp8_linear(*bias, inputs, out0)
+            }
             Op::MatMul | Op::Linear { .. } | Op::LinearAct { .. } => {
                 return self.gemm(op, inputs, out0)
             }

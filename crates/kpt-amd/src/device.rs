@@ -274,8 +274,16 @@ impl HardwareDetector for RocmDetector {
             Ok(d) if d.is_empty() => Ok(Vec::new()),
             Ok(d) => {
                 let rocblas = crate::blas::rocblas_present();
+                let hipblaslt = crate::hipblaslt::hipblaslt_present();
                 Ok(d.iter()
-                    .map(|d| crate::backend_device_info(d, rocblas))
+                    .map(|d| {
+                        let libraries = crate::Libraries {
+                            rocblas,
+                            hipblaslt_fp8: hipblaslt
+                                && crate::backend::hiprtc_builds(d.arch.processor()),
+                        };
+                        crate::backend_device_info(d, libraries)
+                    })
                     .collect())
             }
             Err(AmdError::NoRuntime { .. }) => Ok(Vec::new()),

@@ -14,6 +14,7 @@ use kpt_core::memory::MemoryStatistics;
 use kpt_kernels::artifacts::{self, EntryPoint, Format};
 
 use crate::device::{devices_of, AmdDevice};
+use crate::fp8;
 use crate::hsaco::CodeObject;
 use crate::kernels::Launch;
 use crate::memory::{CachingAllocator, DeviceBlock, HipMemory};
@@ -167,6 +168,17 @@ impl AmdGpu {
                     Some(a) => {
                         entries = a.entry_points;
                         a.bytes
+                    }
+                    // kpt-amd's own run-time kernel (FP8 OCP -> FNUZ), never shipped.
+                    None if kernel == fp8::KERNEL => {
+                        entries = &fp8::ENTRY_POINTS;
+                        compiled = self.cache.code_object_of_source(
+                            Hiprtc::global()?,
+                            kernel,
+                            fp8::SOURCE,
+                            processor,
+                        )?;
+                        &compiled
                     }
                     None => {
                         entries = artifacts::embedded()

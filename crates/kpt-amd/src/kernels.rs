@@ -743,11 +743,20 @@ impl Planner {
     /// Turns the amax at `slot` into the scale `amax / max_finite(target)` in place.
     pub fn amax_to_scale(&self, slot: u64, target: DType) -> Result<Launch, AmdError> {
         quant_name(target)?;
+        self.amax_to_scale_of(slot, target.max_finite() as f32)
+    }
+
+    /// Turns the amax at `slot` into `amax / max` in place (1 for a zero or non-finite
+    /// amax).
+    pub fn amax_to_scale_of(&self, slot: u64, max: f32) -> Result<Launch, AmdError> {
+        if !(max > 0.0 && max.is_finite()) {
+            return Err(invalid(format!("amax_to_scale divides by {max}")));
+        }
         Ok(Launch::new(
             "quantize",
             "kpt_amax_to_scale",
             1,
-            vec![Arg::Ptr(slot), Arg::F32(target.max_finite() as f32)],
+            vec![Arg::Ptr(slot), Arg::F32(max)],
         ))
     }
 

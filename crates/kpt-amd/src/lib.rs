@@ -45,7 +45,9 @@ mod backend;
 pub mod blas;
 mod device;
 mod error;
+pub mod fp8;
 mod gpu;
+pub mod hipblaslt;
 mod hsaco;
 pub mod kernels;
 mod memory;
@@ -54,7 +56,10 @@ mod runtime;
 pub mod sys;
 
 pub use arch::{Family, FeatureSetting, Fp8Format, GcnArch, MatrixCores, Tuning};
-pub use backend::{backend_device_info, RocmBackend, RocmOptions, ROCBLAS_FEATURE};
+pub use backend::{
+    backend_device_info, Libraries, RocmBackend, RocmOptions, HIPBLASLT_FP8_FEATURE,
+    ROCBLAS_FEATURE,
+};
 pub use blas::{rocblas_present, Rocblas, ROCBLAS_ENV};
 pub use device::{
     devices, devices_of, read_properties, recorded_device, recorded_devices, runtime_present,
@@ -62,6 +67,7 @@ pub use device::{
 };
 pub use error::AmdError;
 pub use gpu::{AmdGpu, Function};
+pub use hipblaslt::{hipblaslt_present, HipBlasLt, HIPBLASLT_ENV};
 pub use hsaco::{processor_of_mach, CodeObject, FeatureFlag, KernelArgMetadata, KernelMetadata};
 pub use memory::{CachingAllocator, DeviceBlock, HipMemory};
 pub use rtc::{

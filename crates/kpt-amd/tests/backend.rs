@@ -108,7 +108,8 @@ fn check(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
     prop_assert!(!chain.is_empty(), "{op} on {specs:?}: no kernel");
     let want = CpuReference.eval(op, inputs).unwrap();
     let k = reduction_len(op, &specs);
-    for kernel in &chain {
+    // The FP8 GEMM quantizes the activations: checked with its own bound below.
+    for kernel in chain.iter().filter(|k| *k != FP8_LINEAR) {
         let got = run_kernel(b, kernel, op, inputs)
             .map_err(|e| TestCaseError::fail(format!("{kernel}: {e}")))?;
         for (g, w) in got.iter().zip(&want) {
@@ -120,6 +121,46 @@ fn check(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
                 g.dtype()
             );
         }
+    }
+    Ok(())
+}
+
+/// The registry name of the FP8 linear on hipBLASLt (MI300).
+const FP8_LINEAR: &str = "amd.linear.hipblaslt_fp8";
+
+/// A linear with e4m3 weights on `amd.linear.hipblaslt_fp8`, where the registry offers it
+/// (an MI300 with hipBLASLt): it must be the first choice there, and each output within
+/// the activations' e4m3 rounding (at most 1/16 of each |x·w| term) plus the output
+/// dtype's tolerance of the reference.
+fn check_fp8_linear(inputs: &[Tensor], bias: bool) -> Result<(), TestCaseError> {
+    let Some(b) = backend() else { return Ok(()) };
+    let op = Op::Linear { bias };
+    let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
+    let chain = registry().fallback_chain(&op, &specs, b.device());
+    if !chain.iter().any(|k| k == FP8_LINEAR) {
+        prop_assert!(!b.device().has_feature("hipblaslt_fp8"), "{chain:?}");
+        return Ok(());
+    }
+    prop_assert_eq!(chain[0].as_str(), FP8_LINEAR);
+    let want = CpuReference.eval(&op, inputs).unwrap()[0].to_f64_vec();
+    let got = run_kernel(b, FP8_LINEAR, &op, inputs)
+        .map_err(|e| TestCaseError::fail(format!("{FP8_LINEAR}: {e}")))?;
+    let out = got[0].dtype();
+    let got = got[0].to_f64_vec();
+    let (x, w) = (inputs[0].to_f64_vec(), inputs[1].to_f64_vec());
+    let k = inputs[0].shape()[1];
+    let n = inputs[1].shape()[0];
+    let tol = tolerance(&op, out, k);
+    for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+        let (row, col) = (i / n, i % n);
+        let terms: f64 = (0..k)
+            .map(|j| (x[row * k + j] * w[col * k + j]).abs())
+            .sum();
+        let bound = terms / 16.0 + tol.abs + tol.rel * r.abs();
+        prop_assert!(
+            (g - r).abs() <= bound,
+            "{FP8_LINEAR}: element {i} is {g}, reference {r} (bound {bound})"
+        );
     }
     Ok(())
 }
@@ -192,6 +233,9 @@ proptest! {
         }
         check(&Op::Linear { bias }, &inputs)?;
         check(&Op::LinearAct { bias, act: a }, &inputs)?;
+        if wdt == DType::F8E4M3 {
+            check_fp8_linear(&inputs, bias)?;
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! chain ends at the host reference.
 
 use kpt_amd::kernels::{every_launch, Planner};
-use kpt_amd::{backend_device_info, recorded_device, recorded_devices, CodeObject};
+use kpt_amd::{backend_device_info, recorded_device, recorded_devices, CodeObject, Libraries};
 use kpt_core::graph::{Activation, AttentionParams, Op, TensorSpec};
 use kpt_core::hardware::DeviceInfo;
 use kpt_core::DType;
@@ -84,11 +84,15 @@ fn samples() -> Vec<(Op, Vec<TensorSpec>, Option<&'static str>)> {
 }
 
 fn devices(rocblas: bool) -> Vec<(&'static str, DeviceInfo)> {
+    let libraries = Libraries {
+        rocblas,
+        hipblaslt_fp8: rocblas,
+    };
     recorded_devices()
         .into_iter()
         .map(|name| {
             let d = recorded_device(name).unwrap();
-            (name, backend_device_info(&d, rocblas))
+            (name, backend_device_info(&d, libraries))
         })
         .collect()
 }
@@ -214,4 +218,61 @@ fn selected_kernels_launch_code_objects_of_the_device() {
             }
         }
     }
+}
+
+/// FP8 e4m3 weights: hipBLASLt's FP8 GEMM on the MI300X (FNUZ, gfx942) where hipBLASLt
+/// is loaded, rocBLAS on dequantized weights elsewhere and without it.
+#[test]
+fn fp8_linears_take_hipblaslt_on_mi300_only() {
+    let registry = KernelRegistry::with_builtin();
+    let bf = DType::BF16;
+    let op = Op::Linear { bias: true };
+    let specs = [
+        t(&[8, 4096], bf),
+        t(&[1024, 4096], DType::F8E4M3),
+        t(&[1024], bf),
+    ];
+    for (name, info) in devices(true) {
+        let chain = registry.fallback_chain(&op, &specs, &info);
+        if name == "mi300x" {
+            assert!(info.has_feature("hipblaslt_fp8"));
+            assert_eq!(
+                chain,
+                [
+                    "amd.linear.hipblaslt_fp8",
+                    "amd.linear.rocblas",
+                    CPU_REFERENCE
+                ]
+            );
+        } else {
+            assert!(!info.has_feature("hipblaslt_fp8"), "{name}");
+            assert_eq!(chain, ["amd.linear.rocblas", CPU_REFERENCE], "{name}");
+        }
+    }
+    // Without hipBLASLt on the MI300X: rocBLAS on the dequantized weights.
+    let d = recorded_device("mi300x").unwrap();
+    let info = backend_device_info(
+        &d,
+        Libraries {
+            rocblas: true,
+            hipblaslt_fp8: false,
+        },
+    );
+    let chain = registry.fallback_chain(&op, &specs, &info);
+    assert_eq!(chain, ["amd.linear.rocblas", CPU_REFERENCE]);
+    // e5m2 weights are not the FP8 GEMM's (its operands are e4m3).
+    let e5m2 = [
+        specs[0].clone(),
+        t(&[1024, 4096], DType::F8E5M2),
+        specs[2].clone(),
+    ];
+    let mi300x = devices(true)
+        .into_iter()
+        .find(|(n, _)| *n == "mi300x")
+        .unwrap()
+        .1;
+    assert_eq!(
+        registry.fallback_chain(&op, &e5m2, &mi300x)[0],
+        "amd.linear.rocblas"
+    );
 }

@@ -295,6 +295,18 @@ fn amd_device_kernels() -> Vec<KernelDef> {
              weights of another dtype converted (FP8 and int8 dequantized) by amd.cast / \
              amd.dequantize where the processor has them, else on the host",
         ),
+        k(
+            "amd.linear.hipblaslt_fp8",
+            Linear,
+            AMD_FLOATS,
+            "hipBLASLt FP8 GEMM on MI300's matrix cores (FNUZ e4m3, f32 compute): \
+             activations quantized on the device with their amax scale, both operands \
+             converted from OCP to FNUZ (a kernel hiprtc builds), bias in the epilogue",
+        )
+        .with_priority(110)
+        .weights(&[DType::F8E4M3])
+        .targets(&["gfx940", "gfx941", "gfx942"])
+        .needs(&["hipblaslt_fp8"]),
         gemm(
             "amd.linear_act.rocblas",
             LinearAct,

@@ -601,12 +601,12 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
 }
 
 /// The device `kpt kernels --explain --on NAME` explains against: a recorded AMD device
-/// as the ROCm backend would present it with rocBLAS installed.
+/// as the ROCm backend would present it with rocBLAS and hipBLASLt installed.
 #[cfg(feature = "rocm")]
 fn recorded_device(name: &str) -> anyhow::Result<kpt::core::hardware::DeviceInfo> {
     Ok(kpt::amd::backend_device_info(
         &kpt::amd::recorded_device(name)?,
-        true,
+        kpt::amd::Libraries::ALL,
     ))
 }
 
@@ -666,7 +666,8 @@ fn kernels(
     };
     if on.is_some() {
         println!(
-            "{} ({}, recorded: what the ROCm backend would run there with rocBLAS installed)",
+            "{} ({}, recorded: what the ROCm backend would run there with rocBLAS and \
+             hipBLASLt installed)",
             device.name,
             device.arch.as_deref().unwrap_or("-")
         );
