@@ -109,6 +109,9 @@ impl AmdGpu {
     /// A block holding `bytes`.
     pub fn upload(&self, bytes: &[u8]) -> Result<DeviceBlock, AmdError> {
         let block = self.alloc(bytes.len())?;
+        if bytes.is_empty() {
+            return Ok(block);
+        }
         // SAFETY: the block holds `bytes.len()` bytes; the copy is waited for below, so
         // `bytes` outlives it.
         unsafe {
@@ -127,6 +130,9 @@ impl AmdGpu {
                 out.len(),
                 block.bytes()
             )));
+        }
+        if out.is_empty() {
+            return self.runtime.stream_synchronize(self.stream);
         }
         // SAFETY: the block holds at least `out.len()` bytes (checked above).
         unsafe { self.runtime.copy_to_host(out, block.ptr(), self.stream) }
@@ -336,11 +342,13 @@ impl AmdGpu {
                 block.bytes()
             )));
         }
-        // SAFETY: the block holds `bytes.len()` bytes; the copy is waited for below.
-        unsafe {
-            self.runtime
-                .copy_to_device(block.ptr(), bytes, self.stream)?
-        };
+        if !bytes.is_empty() {
+            // SAFETY: the block holds `bytes.len()` bytes; the copy is waited for below.
+            unsafe {
+                self.runtime
+                    .copy_to_device(block.ptr(), bytes, self.stream)?
+            };
+        }
         self.runtime.stream_synchronize(self.stream)
     }
 

@@ -20,6 +20,14 @@
 //! - [`Hiprtc`], [`CompileCache`]: run-time compilation of `kernels/hip/*.hip` for a
 //!   processor no shipped code object was built for, cached by source, options and
 //!   compiler (in memory, and in `KPT_ROCM_CACHE_DIR` when set).
+//! - [`RocmBackend`]: kpt-core's `Backend` on an [`AmdGpu`]. `amd.*` kernels launch the
+//!   code objects through [`kernels`]' launch plans, whose argument layouts are checked
+//!   against each code object's metadata before every launch (and by the tests, for
+//!   every shipped object, without a GPU); GEMMs go to rocBLAS ([`blas`]) and FP8
+//!   linears on MI300 to hipBLASLt ([`hipblaslt`], with the OCP -> FNUZ conversion of
+//!   [`fp8`]), both loaded at run time; `cpu.*` kernels, the end of every fallback
+//!   chain, run on the host with the data copied over and back.
+//!   [`backend_device_info`] is what the registry sees of a device under the backend.
 //! - [`CodeObject`]: an HSACO (AMDGPU ELF code object) parsed and checked: machine,
 //!   processor from `e_flags`, kernel symbols and descriptors, and the kernels'
 //!   metadata (registers, LDS, wave size) from the `NT_AMDGPU_METADATA` note.

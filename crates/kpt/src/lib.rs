@@ -155,7 +155,11 @@ fn rocm_backends(config: &KptConfig) -> std::result::Result<Vec<Arc<dyn Backend>
                 continue;
             }
         }
-        match kpt_amd::RocmBackend::new(d.index, kpt_amd::RocmOptions::default()) {
+        let options = kpt_amd::RocmOptions {
+            hipblaslt: config.amd.use_hipblaslt,
+            ..kpt_amd::RocmOptions::default()
+        };
+        match kpt_amd::RocmBackend::new(d.index, options) {
             Ok(b) => opened.push(Arc::new(b) as Arc<dyn Backend>),
             Err(e) => {
                 tracing::warn!(device = d.index, error = %e, "ROCm device skipped");
