@@ -176,6 +176,15 @@ fn rocm_backends(config: &KptConfig) -> std::result::Result<Vec<Arc<dyn Backend>
     Ok(opened)
 }
 
+/// Without the `rocm` feature there is no ROCm backend; the error says how to get one.
+#[cfg(not(feature = "rocm"))]
+fn rocm_backends(_config: &KptConfig) -> std::result::Result<Vec<Arc<dyn Backend>>, String> {
+    Err(
+        "this kpt binary was built without the `rocm` cargo feature (rebuild with `cargo build --release -p kpt --features rocm`)"
+            .into(),
+    )
+}
+
 /// Backends, kernels and configuration of one process.
 #[derive(Debug)]
 pub struct Runtime {
@@ -203,7 +212,6 @@ impl Runtime {
         };
         backends.register(Arc::new(CpuBackend::with_tuning(tuning)?));
         let mut missing = Vec::new();
-        #[cfg(feature = "rocm")]
         match rocm_backends(&config) {
             Ok(found) => {
                 for backend in found {
@@ -212,12 +220,6 @@ impl Runtime {
             }
             Err(why) => missing.push((DeviceKind::Rocm, why)),
         }
-        #[cfg(not(feature = "rocm"))]
-        missing.push((
-            DeviceKind::Rocm,
-            "this kpt binary was built without the `rocm` cargo feature (rebuild with `cargo build --release -p kpt --features rocm`)"
-                .to_string(),
-        ));
         #[cfg(feature = "tpu")]
         {
             let requested = config.hardware.backend == BackendChoice::Tpu;

@@ -399,6 +399,11 @@ fn device_cuda_without_a_gpu_fails_with_a_clear_error() {
 /// a GPU), and either way the error says so.
 #[test]
 fn device_without_hardware_says_why() {
+    if !cfg!(feature = "rocm") {
+        let err = fails(&mut kpt(&["bench", "--quick", "--device", "rocm"]));
+        assert!(err.contains("without the `rocm` cargo feature"), "{err}");
+        return;
+    }
     let err = fails(
         kpt(&["bench", "--quick", "--device", "rocm"])
             .env("KPT_HIP_LIBRARY", "/nonexistent/libamdhip64.so"),
@@ -420,6 +425,9 @@ fn device_without_hardware_says_why() {
 /// code object for gfx942 until one is shipped.
 #[test]
 fn kernels_explain_on_a_recorded_mi300x() {
+    if !cfg!(feature = "rocm") {
+        return;
+    }
     let out = ok(&mut kpt(&[
         "kernels",
         "--explain",
