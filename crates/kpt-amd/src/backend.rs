@@ -177,6 +177,32 @@ fn code_object_of(op: &Op) -> Option<&'static str> {
     })
 }
 
+/// Whether [`RocmBackend`] runs `kernel` (a registry name) for `op` on `processor` with
+/// what kpt ships: a `cpu.*` kernel on the host; an `amd.*` kernel of kpt's code objects
+/// where one was built for the processor (Triton's norms: the specialization's object);
+/// the rocBLAS, hipBLASLt and copy kernels, which launch no code object of kpt's, on any
+/// processor. Run-time compilation is not counted: this is what works without it.
+pub fn launches_on(kernel: &str, op: &Op, processor: &str) -> bool {
+    if kernel.starts_with("cpu.") {
+        return true;
+    }
+    if !kernel.starts_with("amd.") {
+        return false;
+    }
+    if kernel.starts_with("amd.triton.") {
+        // Every specialization is built for the same processors.
+        return matches!(op, Op::RmsNorm { .. } | Op::AddRmsNorm { .. })
+            && artifacts::hsaco_targets("triton_rms_norm_f32_1024").contains(&processor);
+    }
+    match op {
+        Op::Linear { .. } if kernel == HIPBLASLT_FP8 => true,
+        Op::MatMul | Op::Linear { .. } | Op::LinearAct { .. } => kernel.ends_with(".rocblas"),
+        Op::Concat { .. } | Op::Split { .. } | Op::CacheWrite => true,
+        op => code_object_of(op)
+            .is_some_and(|object| !artifacts::hsaco_candidates(object, processor).is_empty()),
+    }
+}
+
 impl RocmBackend {
     /// Opens device `index`: [`AmdError::NoRuntime`] without a HIP runtime,
     /// [`AmdError::NoDevice`] without such a device. rocBLAS is optional: without it GEMMs

@@ -65,7 +65,7 @@ pub mod sys;
 
 pub use arch::{Family, FeatureSetting, Fp8Format, GcnArch, MatrixCores, Tuning};
 pub use backend::{
-    backend_device_info, Libraries, RocmBackend, RocmOptions, HIPBLASLT_FP8_FEATURE,
+    backend_device_info, launches_on, Libraries, RocmBackend, RocmOptions, HIPBLASLT_FP8_FEATURE,
     ROCBLAS_FEATURE,
 };
 pub use blas::{rocblas_present, Rocblas, ROCBLAS_ENV};

@@ -276,3 +276,72 @@ fn fp8_linears_take_hipblaslt_on_mi300_only() {
         "amd.linear.rocblas"
     );
 }
+
+#[allow(dead_code)]
+#[path = "../../kpt-kernels/tests/support/decoder.rs"]
+mod decoder;
+
+/// Whole plans: a LLaMA-style decoder (prefill and decode) optimized at every level for
+/// each recorded device, with and without the BLAS libraries, selects for every node a
+/// kernel the backend launches on that processor with what kpt ships.
+#[test]
+fn every_planned_kernel_is_one_the_backend_launches_there() {
+    use kpt_core::optimize::{auto_optimize, PrecisionPolicy};
+    use kpt_core::OptLevel;
+
+    let registry = KernelRegistry::with_builtin();
+    for rocblas in [true, false] {
+        for (name, info) in devices(rocblas) {
+            let processor = info.arch.clone().unwrap();
+            for graph in [decoder::decoder(false), decoder::decoder(true)] {
+                for level in [
+                    OptLevel::Conservative,
+                    OptLevel::Balanced,
+                    OptLevel::Aggressive,
+                ] {
+                    let plan =
+                        auto_optimize(&graph, level, &PrecisionPolicy::default(), &registry, &info)
+                            .unwrap_or_else(|e| panic!("{name} {level:?}: {e}"));
+                    for (node, choice) in plan.graph.nodes().iter().zip(&plan.kernels) {
+                        assert!(
+                            kpt_amd::launches_on(&choice.kernel, &node.op, &processor),
+                            "{name} ({processor}, rocBLAS {rocblas}) {level:?}: {} runs {} \
+                             for {}",
+                            node.name,
+                            choice.kernel,
+                            node.op
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn launches_on_follows_the_shipped_code_objects() {
+    for p in ["gfx90a", "gfx940", "gfx942", "gfx1030", "gfx1100"] {
+        assert_eq!(
+            kpt_amd::launches_on("amd.softmax", &Op::Softmax, p),
+            hsaco_targets("softmax").contains(&p),
+            "{p}"
+        );
+        assert_eq!(
+            kpt_amd::launches_on("amd.triton.rms_norm", &Op::RmsNorm { eps: 1e-6 }, p),
+            hsaco_targets("triton_rms_norm_bf16_1024").contains(&p),
+            "{p}"
+        );
+        assert!(kpt_amd::launches_on(
+            "amd.linear.rocblas",
+            &Op::Linear { bias: true },
+            p
+        ));
+        assert!(kpt_amd::launches_on(CPU_REFERENCE, &Op::Softmax, p));
+        assert!(!kpt_amd::launches_on("cuda.softmax", &Op::Softmax, p));
+        assert!(!kpt_amd::launches_on(
+            "amd.triton.rms_norm",
+            &Op::Softmax,
+            p
+        ));
+    }
+}
