@@ -486,8 +486,20 @@ impl RocmBackend {
         };
         // SAFETY: the operands were sized above from the checked specs; the temporaries
         // go back to the allocator, which drains the stream before reusing memory.
-        unsafe { handle.fp8_linear(&shape, &args, g.stream())? };
-        Ok(())
+        if unsafe { handle.fp8_linear(&shape, &args, g.stream())? } {
+            return Ok(());
+        }
+        drop(guard);
+        // No FP8 algorithm for this shape: rocBLAS on the dequantized weights, else the
+        // host reference.
+        tracing::debug!(m, n, k, "no hipBLASLt FP8 algorithm for this linear");
+        let op = Op::Linear { bias };
+        if self.blas.is_some() {
+            self.gemm(&op, inputs, out)
+        } else {
+            let reference = kpt_kernels::catalog::CPU_REFERENCE;
+            self.run_on_host(reference, &op, inputs, std::slice::from_mut(out))
+        }
     }
 
     /// The device copy of a scaled rotary's inverse frequencies (f64) and its cos/sin

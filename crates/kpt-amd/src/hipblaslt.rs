@@ -388,7 +388,9 @@ impl LtHandle {
         Ok(LtHandle { lib, handle })
     }
 
-    /// Queues the FP8 linear `shape` on `stream`.
+    /// Queues the FP8 linear `shape` on `stream`; `Ok(false)` (nothing queued) when
+    /// hipBLASLt has no algorithm for it (FP8 kernels want K and N in multiples of their
+    /// tiles), for the caller to take another path.
     ///
     /// # Safety
     /// Every address of `args` is a device allocation holding what `shape` reads or
@@ -398,7 +400,7 @@ impl LtHandle {
         shape: &Fp8Linear,
         args: &Fp8Args,
         stream: Handle,
-    ) -> Result<(), AmdError> {
+    ) -> Result<bool, AmdError> {
         let lib = self.lib;
         let [la, lb, ld] = layouts(shape)?;
         let mut desc = std::ptr::null_mut();
@@ -489,11 +491,12 @@ impl LtHandle {
             )
         })?;
         if returned < 1 || result.state != 0 {
-            return Err(AmdError::Blas {
-                call: "hipblasLtMatmulAlgoGetHeuristic",
-                status: if result.state != 0 { result.state } else { 7 },
-                name: "no algorithm for this FP8 GEMM",
-            });
+            tracing::debug!(
+                ?shape,
+                state = result.state,
+                "hipBLASLt has no FP8 algorithm"
+            );
+            return Ok(false);
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the caller's contract for the device addresses; alpha and beta are
@@ -517,7 +520,8 @@ impl LtHandle {
                 WORKSPACE_BYTES.min(result.workspace_size.max(1)),
                 stream.raw(),
             )
-        })
+        })?;
+        Ok(true)
     }
 }
 
