@@ -347,3 +347,41 @@ fn bad_input_is_a_typed_error() {
     );
     assert!(r.is_err());
 }
+
+/// Opening the backend on this machine: "no ROCm runtime found" without a runtime,
+/// `NoDevice` with one that sees no GPU (Debian's libamdhip64 5.2 without `/dev/kfd`),
+/// a backend with a device; never a panic. A device index past the last is `NoDevice`
+/// everywhere.
+#[test]
+fn opening_the_backend_is_typed_on_every_machine() {
+    match kpt_amd::HipRuntime::global() {
+        Err(e) => {
+            assert!(matches!(e, AmdError::NoRuntime { .. }), "{e}");
+            let b = RocmBackend::new(0, RocmOptions::default()).unwrap_err();
+            assert!(b.to_string().starts_with("no ROCm runtime found ("), "{b}");
+        }
+        Ok(rt) => {
+            let found = kpt_amd::devices_of(rt).unwrap().len();
+            match RocmBackend::new(0, RocmOptions::default()) {
+                Ok(b) => {
+                    assert!(found > 0);
+                    assert_eq!(b.kind(), kpt_core::hardware::DeviceKind::Rocm);
+                    assert_eq!(b.name(), "rocm:0");
+                }
+                Err(e) => {
+                    assert_eq!(found, 0, "{e}");
+                    assert_eq!(e, AmdError::NoDevice { index: 0, found: 0 });
+                    assert_eq!(e.to_string(), "no ROCm device 0: the HIP runtime sees 0");
+                }
+            }
+            let past = RocmBackend::new(found, RocmOptions::default()).unwrap_err();
+            assert_eq!(
+                past,
+                AmdError::NoDevice {
+                    index: found,
+                    found
+                }
+            );
+        }
+    }
+}
