@@ -5,6 +5,7 @@
 //! copied over and back, as on the CUDA backend.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kpt_core::backend::{
@@ -113,6 +114,8 @@ pub struct RocmBackend {
     rope_tables: Mutex<HashMap<String, (Arc<DeviceBlock>, f64)>>,
     /// A vector of ones per dtype (its length in elements) for the bias's rank-1 update.
     ones: Mutex<HashMap<DType, (Arc<DeviceBlock>, usize)>>,
+    /// Kernels and steps run on the host (copied over and back) since the backend opened.
+    host_runs: AtomicU64,
 }
 
 impl std::fmt::Debug for RocmBackend {
@@ -255,6 +258,7 @@ impl RocmBackend {
             planner,
             rope_tables: Mutex::default(),
             ones: Mutex::default(),
+            host_runs: AtomicU64::new(0),
         })
     }
 
@@ -874,6 +878,7 @@ impl RocmBackend {
         inputs: &[BufferRef<'_>],
         outputs: &mut [BufferMut<'_>],
     ) -> Result<()> {
+        self.host_runs.fetch_add(1, Ordering::Relaxed);
         self.host.run_for_device(
             kernel,
             op,
@@ -1008,6 +1013,25 @@ impl Backend for RocmBackend {
 
     fn synchronize(&self) -> Result<()> {
         Ok(self.gpu.synchronize()?)
+    }
+
+    /// The run-time compile cache's hits, disk hits and misses (hiprtc builds for a
+    /// processor without shipped code objects, and the FP8 conversion), and how many
+    /// kernels ran on the host.
+    fn counters(&self) -> Vec<(String, u64)> {
+        let c = self.gpu.compile_stats();
+        [
+            ("rocm_compile_cache_hits", c.hits),
+            ("rocm_compile_cache_disk_hits", c.disk_hits),
+            ("rocm_compile_cache_misses", c.misses),
+            (
+                "rocm_host_runs_total",
+                self.host_runs.load(Ordering::Relaxed),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
     }
 
     fn memory_stats(&self) -> MemoryStats {

@@ -385,3 +385,24 @@ fn opening_the_backend_is_typed_on_every_machine() {
         }
     }
 }
+
+/// The backend's counters: host runs count each `cpu.*` kernel it ran.
+#[test]
+fn host_runs_are_counted() {
+    let Some(b) = backend() else { return };
+    let count = |b: &RocmBackend| {
+        b.counters()
+            .into_iter()
+            .find(|(k, _)| k == "rocm_host_runs_total")
+            .map(|(_, v)| v)
+            .unwrap()
+    };
+    let before = count(b);
+    let x = Tensor::from_vec(vec![1f32, 2.0, 3.0], &[1, 3]).unwrap();
+    let got = run_kernel(b, kpt_kernels::CPU_REFERENCE, &Op::Softmax, &[x]).unwrap();
+    assert!((got[0].to_f64_vec().iter().sum::<f64>() - 1.0).abs() < 1e-6);
+    assert!(count(b) > before);
+    for name in ["rocm_compile_cache_hits", "rocm_compile_cache_misses"] {
+        assert!(b.counters().iter().any(|(k, _)| k == name), "{name}");
+    }
+}
