@@ -51,22 +51,43 @@ fn every_launch_matches_the_metadata_of_every_code_object_it_runs() {
             checked += 1;
         }
     }
-    // At least one launch per entry point of every code object (the next test says
-    // which entry point would lack one).
-    let entries: usize = hsaco().iter().map(|a| a.entry_points.len()).sum();
+    // At least one launch per entry point of every code object launched from (the next
+    // test says which entry point would lack one).
+    let entries: usize = hsaco()
+        .iter()
+        .filter(|a| launches.iter().any(|l| l.kernel == a.kernel))
+        .map(|a| a.entry_points.len())
+        .sum();
     assert!(
         checked >= entries,
         "{checked} launches checked, {entries} entry points"
     );
 }
 
+/// Every entry point of every code object the launchers use (a source kpt launches from
+/// on AMD) has a launcher; code objects of sources the backend does not launch yet are
+/// not selected by the registry either.
 #[test]
 fn every_entry_point_of_every_code_object_has_a_launcher() {
     let launched: BTreeSet<(String, String)> = launches()
         .into_iter()
         .map(|l| (l.kernel, l.entry))
         .collect();
-    for a in hsaco() {
+    let objects: BTreeSet<&str> = launched.iter().map(|(k, _)| k.as_str()).collect();
+    for name in [
+        "rms_norm",
+        "layer_norm",
+        "softmax",
+        "rotary",
+        "elementwise",
+        "embedding",
+    ] {
+        assert!(objects.contains(name), "no launcher of {name}");
+    }
+    for name in ["attention", "quantize", "triton_rms_norm_bf16_4096"] {
+        assert!(objects.contains(name), "no launcher of {name}");
+    }
+    for a in hsaco().into_iter().filter(|a| objects.contains(a.kernel)) {
         for e in a.entry_points {
             assert!(
                 launched.contains(&(a.kernel.to_string(), e.name.to_string())),
