@@ -258,7 +258,9 @@ pub fn devices() -> Result<Vec<AmdDevice>, AmdError> {
     devices_of(HipRuntime::global()?)
 }
 
-/// Finds ROCm devices for `kpt detect`; none (not an error) without a runtime.
+/// Finds ROCm devices for `kpt detect`; none (not an error) without a runtime. Each is
+/// shown as the backend presents it ([`crate::backend_device_info`]: with the `rocblas`
+/// feature when rocBLAS loads), so that `kpt detect` and kernel selection agree.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RocmDetector;
 
@@ -269,7 +271,21 @@ impl HardwareDetector for RocmDetector {
 
     fn detect(&self) -> kpt_core::Result<Vec<DeviceInfo>> {
         match devices() {
-            Ok(d) => Ok(d.iter().map(AmdDevice::device_info).collect()),
+            Ok(d) if d.is_empty() => Ok(Vec::new()),
+            Ok(d) => {
+                let rocblas = crate::blas::rocblas_present();
+                let hipblaslt = crate::hipblaslt::hipblaslt_present();
+                Ok(d.iter()
+                    .map(|d| {
+                        let libraries = crate::Libraries {
+                            rocblas,
+                            hipblaslt_fp8: hipblaslt
+                                && crate::backend::hiprtc_builds(d.arch.processor()),
+                        };
+                        crate::backend_device_info(d, libraries)
+                    })
+                    .collect())
+            }
             Err(AmdError::NoRuntime { .. }) => Ok(Vec::new()),
             Err(e) => Err(e.into()),
         }

@@ -17,8 +17,34 @@ pub enum AmdError {
         /// The environment variable that names the library directly.
         env: &'static str,
     },
-    /// The HIP runtime was loaded but lacks a function kpt needs.
-    #[error("the HIP runtime at {library} has no `{symbol}` ({reason})")]
+    /// A ROCm library other than the runtime (rocBLAS, hipBLASLt) could not be loaded.
+    #[error(
+        "no {library} found ({reason}); install it (ROCm's {package} package) or set {env} \
+         to the library's path"
+    )]
+    NoLibrary {
+        /// The library, e.g. `rocBLAS`.
+        library: &'static str,
+        /// Its ROCm package, e.g. `rocblas`.
+        package: &'static str,
+        /// What was tried and why each attempt failed.
+        reason: String,
+        /// The environment variable that names the library directly.
+        env: &'static str,
+    },
+    /// A rocBLAS or hipBLASLt call returned an error status.
+    #[error("{call} failed: {name} ({status})")]
+    Blas {
+        /// The function, e.g. `rocblas_gemm_ex`.
+        call: &'static str,
+        /// The `rocblas_status` / `hipblasStatus_t` value.
+        status: i32,
+        /// Its name, e.g. `rocblas_status_invalid_size`.
+        name: &'static str,
+    },
+    /// A ROCm library (the HIP runtime, rocBLAS, hipBLASLt) was loaded but lacks a
+    /// function kpt needs.
+    #[error("the ROCm library at {library} has no `{symbol}` ({reason})")]
     MissingSymbol {
         /// The library that was loaded.
         library: String,

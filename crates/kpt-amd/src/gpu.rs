@@ -14,11 +14,34 @@ use kpt_core::memory::MemoryStatistics;
 use kpt_kernels::artifacts::{self, EntryPoint, Format};
 
 use crate::device::{devices_of, AmdDevice};
+use crate::fp8;
 use crate::hsaco::CodeObject;
+use crate::kernels::Launch;
 use crate::memory::{CachingAllocator, DeviceBlock, HipMemory};
 use crate::rtc::{CompileCache, Hiprtc};
 use crate::runtime::{Handle, HipRuntime};
 use crate::AmdError;
+
+/// A loaded code object.
+#[derive(Clone)]
+struct Module {
+    entries: &'static [EntryPoint],
+    module: Handle,
+    args: HashMap<String, Vec<(u32, u32)>>,
+}
+
+/// A kernel function ready to launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Function {
+    /// The `hipFunction_t`.
+    pub handle: Handle,
+    /// Threads per block (the manifest's launch block).
+    pub block: u32,
+    /// Dynamic LDS bytes.
+    pub shared_bytes: u32,
+    /// `(offset, size)` of each explicit argument, from the code object's metadata.
+    pub args: Vec<(u32, u32)>,
+}
 
 /// One ROCm device in use.
 pub struct AmdGpu {
@@ -26,8 +49,9 @@ pub struct AmdGpu {
     device: AmdDevice,
     stream: Handle,
     memory: CachingAllocator,
-    /// Loaded code objects by kernel name: its entry points and its module.
-    modules: Mutex<HashMap<String, (&'static [EntryPoint], Handle)>>,
+    /// Loaded code objects by kernel name: its entry points, its module, and each
+    /// kernel's explicit arguments `(offset, size)` from its metadata.
+    modules: Mutex<HashMap<String, Module>>,
     /// Code objects compiled at run time for a processor nothing was shipped for.
     cache: CompileCache,
 }
@@ -85,6 +109,9 @@ impl AmdGpu {
     /// A block holding `bytes`.
     pub fn upload(&self, bytes: &[u8]) -> Result<DeviceBlock, AmdError> {
         let block = self.alloc(bytes.len())?;
+        if bytes.is_empty() {
+            return Ok(block);
+        }
         // SAFETY: the block holds `bytes.len()` bytes; the copy is waited for below, so
         // `bytes` outlives it.
         unsafe {
@@ -103,6 +130,9 @@ impl AmdGpu {
                 out.len(),
                 block.bytes()
             )));
+        }
+        if out.is_empty() {
+            return self.runtime.stream_synchronize(self.stream);
         }
         // SAFETY: the block holds at least `out.len()` bytes (checked above).
         unsafe { self.runtime.copy_to_host(out, block.ptr(), self.stream) }
@@ -124,10 +154,17 @@ impl AmdGpu {
     /// processor the installed ROCm cannot build for is [`AmdError::Unsupported`]).
     /// Either is loaded after [`CodeObject::check`] accepts it.
     pub fn function(&self, kernel: &str, entry: &str) -> Result<(Handle, u32, u32), AmdError> {
+        let f = self.kernel_function(kernel, entry)?;
+        Ok((f.handle, f.block, f.shared_bytes))
+    }
+
+    /// [`AmdGpu::function`] with the entry point's argument layout from the code
+    /// object's metadata.
+    pub fn kernel_function(&self, kernel: &str, entry: &str) -> Result<Function, AmdError> {
         let processor = self.device.arch.processor();
         let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
-        let (entries, module) = match modules.get(kernel) {
-            Some(&loaded) => loaded,
+        let loaded = match modules.get(kernel) {
+            Some(loaded) => loaded.clone(),
             None => {
                 let shipped = artifacts::hsaco_candidates(kernel, processor)
                     .into_iter()
@@ -137,6 +174,17 @@ impl AmdGpu {
                     Some(a) => {
                         entries = a.entry_points;
                         a.bytes
+                    }
+                    // kpt-amd's own run-time kernel (FP8 OCP -> FNUZ), never shipped.
+                    None if kernel == fp8::KERNEL => {
+                        entries = &fp8::ENTRY_POINTS;
+                        compiled = self.cache.code_object_of_source(
+                            Hiprtc::global()?,
+                            kernel,
+                            fp8::SOURCE,
+                            processor,
+                        )?;
+                        &compiled
                     }
                     None => {
                         entries = artifacts::embedded()
@@ -164,24 +212,159 @@ impl AmdGpu {
                     .map(|e| (e.name, e.block, e.shared_bytes))
                     .collect();
                 let tuning = self.device.tuning();
-                CodeObject::parse(bytes)?.check(
-                    processor,
-                    tuning.wave_size,
-                    tuning.lds_bytes,
-                    &launch,
-                )?;
+                let object = CodeObject::parse(bytes)?;
+                object.check(processor, tuning.wave_size, tuning.lds_bytes, &launch)?;
                 self.runtime.set_device(self.ordinal())?;
                 let module = self.runtime.module_load(bytes)?;
-                modules.insert(kernel.to_string(), (entries, module));
-                (entries, module)
+                let args = object
+                    .kernels
+                    .iter()
+                    .map(|k| (k.name.clone(), k.explicit_args()))
+                    .collect();
+                let loaded = Module {
+                    entries,
+                    module,
+                    args,
+                };
+                modules.insert(kernel.to_string(), loaded.clone());
+                loaded
             }
         };
-        let ep = entries
+        let ep = loaded
+            .entries
             .iter()
             .find(|e| e.name == entry)
             .ok_or_else(|| AmdError::CodeObject(format!("{kernel} has no entry point {entry}")))?;
-        let function = self.runtime.module_function(module, entry)?;
-        Ok((function, ep.block, ep.shared_bytes))
+        let args = loaded.args.get(entry).cloned().ok_or_else(|| {
+            AmdError::CodeObject(format!("{kernel}: no metadata for entry point {entry}"))
+        })?;
+        let handle = self.runtime.module_function(loaded.module, entry)?;
+        Ok(Function {
+            handle,
+            block: ep.block,
+            shared_bytes: ep.shared_bytes,
+            args,
+        })
+    }
+
+    /// Queues `launch` on the device's stream: the entry point of the code object for
+    /// this processor, with the manifest's block and dynamic LDS, after checking the
+    /// launch's argument layout against the code object's metadata (a code object whose
+    /// kernel takes other arguments is an error, not a launch).
+    pub fn launch(&self, launch: &Launch) -> Result<(), AmdError> {
+        let f = self.kernel_function(&launch.kernel, &launch.entry)?;
+        let ours = launch.layout();
+        if ours != f.args {
+            return Err(AmdError::CodeObject(format!(
+                "{} of {}: the launcher passes arguments at (offset, size) {ours:?}, the code \
+                 object declares {:?}",
+                launch.entry, launch.kernel, f.args
+            )));
+        }
+        let mut params = launch.params();
+        tracing::trace!(kernel = %launch.kernel, entry = %launch.entry, grid = launch.grid, "launch");
+        // SAFETY: the arguments match the entry point's metadata in number, offset and
+        // size (checked above); `params` points into `launch`, which outlives the call
+        // (HIP copies the values when the launch is queued); the backend checked every
+        // buffer against the sizes passed.
+        unsafe {
+            self.runtime.launch(
+                f.handle,
+                [launch.grid, 1, 1],
+                [f.block, 1, 1],
+                f.shared_bytes,
+                self.stream,
+                &mut params,
+            )
+        }
+    }
+
+    /// A zeroed block of at least `bytes`.
+    pub fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBlock, AmdError> {
+        let block = self.alloc(bytes)?;
+        // SAFETY: the block holds at least `bytes`; it lives until the caller drops it,
+        // and the allocator drains the stream before reusing its memory.
+        unsafe { self.runtime.memset(block.ptr(), 0, bytes, self.stream)? };
+        Ok(block)
+    }
+
+    /// Queues zeroing `bytes` at device address `dst`, which must lie in a live block of
+    /// this device holding `bytes` from there (the backend checks buffer sizes).
+    pub(crate) fn zero(&self, dst: u64, bytes: usize) -> Result<(), AmdError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: see above.
+        unsafe { self.runtime.memset(dst, 0, bytes, self.stream) }
+    }
+
+    /// Queues a copy of `bytes` from device address `src` to `dst`.
+    ///
+    /// Both addresses must lie in live blocks of this device holding `bytes` from there;
+    /// the backend checks buffer sizes before it calls this.
+    pub(crate) fn copy(&self, src: u64, dst: u64, bytes: usize) -> Result<(), AmdError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: see above.
+        unsafe { self.runtime.copy_on_device(dst, src, bytes, self.stream) }
+    }
+
+    /// Queues `rows` copies of `width` bytes between rows `pitch` apart on each side.
+    pub(crate) fn copy_2d(
+        &self,
+        (src, src_pitch): (u64, usize),
+        (dst, dst_pitch): (u64, usize),
+        width: usize,
+        rows: usize,
+    ) -> Result<(), AmdError> {
+        if width == 0 || rows == 0 {
+            return Ok(());
+        }
+        // SAFETY: the backend computed both regions from buffers it checked.
+        unsafe {
+            self.runtime.copy_2d_on_device(
+                (dst, dst_pitch),
+                (src, src_pitch),
+                width,
+                rows,
+                self.stream,
+            )
+        }
+    }
+
+    /// Copies `bytes` into the start of `block` and waits for the copy.
+    pub fn write(&self, block: &DeviceBlock, bytes: &[u8]) -> Result<(), AmdError> {
+        if bytes.len() > block.bytes() {
+            return Err(AmdError::Invalid(format!(
+                "writing {} bytes into a block of {}",
+                bytes.len(),
+                block.bytes()
+            )));
+        }
+        if !bytes.is_empty() {
+            // SAFETY: the block holds `bytes.len()` bytes; the copy is waited for below.
+            unsafe {
+                self.runtime
+                    .copy_to_device(block.ptr(), bytes, self.stream)?
+            };
+        }
+        self.runtime.stream_synchronize(self.stream)
+    }
+
+    /// Waits for the work queued on the stream.
+    pub fn synchronize(&self) -> Result<(), AmdError> {
+        self.runtime.stream_synchronize(self.stream)
+    }
+
+    /// The stream all of this device's work goes to.
+    pub fn stream(&self) -> Handle {
+        self.stream
+    }
+
+    /// The HIP runtime.
+    pub fn runtime(&self) -> &'static HipRuntime {
+        self.runtime
     }
 
     /// The run-time compile cache's statistics.
@@ -200,7 +383,7 @@ impl Drop for AmdGpu {
             tracing::warn!(error = %e, "could not drain the ROCm stream");
         }
         let modules = self.modules.get_mut().unwrap_or_else(|p| p.into_inner());
-        for (_, (_, module)) in modules.drain() {
+        for (_, Module { module, .. }) in modules.drain() {
             // SAFETY: the stream is drained and the module's functions are not used again.
             if let Err(e) = unsafe { self.runtime.module_unload(module) } {
                 tracing::warn!(error = %e, "could not unload a ROCm module");

@@ -128,6 +128,49 @@ pub struct KernelMetadata {
     /// Largest workgroup the kernel may be launched with (`__launch_bounds__`).
     #[serde(rename = ".max_flat_workgroup_size")]
     pub max_flat_workgroup_size: u32,
+    /// The kernel's arguments in order: the source's explicit ones, then the hidden ones
+    /// the compiler appends (`hidden_block_count_x`, ...), which the runtime fills.
+    #[serde(rename = ".args", default)]
+    pub args: Vec<KernelArgMetadata>,
+}
+
+/// One entry of a kernel's `.args`: where an argument sits in the kernel argument
+/// segment. `hipModuleLaunchKernel` copies each value the caller points to into
+/// `offset..offset + size`, so the explicit arguments are the layout a launcher must
+/// match.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct KernelArgMetadata {
+    /// The source's parameter name, when the compiler recorded it.
+    #[serde(rename = ".name", default)]
+    pub name: Option<String>,
+    /// Byte offset in the kernel argument segment.
+    #[serde(rename = ".offset")]
+    pub offset: u32,
+    /// Size in bytes.
+    #[serde(rename = ".size")]
+    pub size: u32,
+    /// `by_value`, `global_buffer`, `hidden_*`, ...
+    #[serde(rename = ".value_kind")]
+    pub value_kind: String,
+}
+
+impl KernelArgMetadata {
+    /// Whether the compiler added this argument (the runtime fills it, the caller does
+    /// not pass it).
+    pub fn is_hidden(&self) -> bool {
+        self.value_kind.starts_with("hidden_")
+    }
+}
+
+impl KernelMetadata {
+    /// The arguments a launcher passes: `(offset, size)` of each non-hidden one.
+    pub fn explicit_args(&self) -> Vec<(u32, u32)> {
+        self.args
+            .iter()
+            .filter(|a| !a.is_hidden())
+            .map(|a| (a.offset, a.size))
+            .collect()
+    }
 }
 
 #[derive(Deserialize)]

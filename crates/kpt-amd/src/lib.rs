@@ -20,6 +20,14 @@
 //! - [`Hiprtc`], [`CompileCache`]: run-time compilation of `kernels/hip/*.hip` for a
 //!   processor no shipped code object was built for, cached by source, options and
 //!   compiler (in memory, and in `KPT_ROCM_CACHE_DIR` when set).
+//! - [`RocmBackend`]: kpt-core's `Backend` on an [`AmdGpu`]. `amd.*` kernels launch the
+//!   code objects through [`kernels`]' launch plans, whose argument layouts are checked
+//!   against each code object's metadata before every launch (and by the tests, for
+//!   every shipped object, without a GPU); GEMMs go to rocBLAS ([`blas`]) and FP8
+//!   linears on MI300 to hipBLASLt ([`hipblaslt`], with the OCP -> FNUZ conversion of
+//!   [`fp8`]), both loaded at run time; `cpu.*` kernels, the end of every fallback
+//!   chain, run on the host with the data copied over and back.
+//!   [`backend_device_info`] is what the registry sees of a device under the backend.
 //! - [`CodeObject`]: an HSACO (AMDGPU ELF code object) parsed and checked: machine,
 //!   processor from `e_flags`, kernel symbols and descriptors, and the kernels'
 //!   metadata (registers, LDS, wave size) from the `NT_AMDGPU_METADATA` note.
@@ -41,23 +49,34 @@
 //! ```
 
 mod arch;
+mod backend;
+pub mod blas;
 mod device;
 mod error;
+pub mod fp8;
 mod gpu;
+pub mod hipblaslt;
 mod hsaco;
+pub mod kernels;
 mod memory;
 mod rtc;
 mod runtime;
 pub mod sys;
 
 pub use arch::{Family, FeatureSetting, Fp8Format, GcnArch, MatrixCores, Tuning};
+pub use backend::{
+    backend_device_info, launches_on, Libraries, RocmBackend, RocmOptions, HIPBLASLT_FP8_FEATURE,
+    ROCBLAS_FEATURE,
+};
+pub use blas::{rocblas_present, Rocblas, ROCBLAS_ENV};
 pub use device::{
     devices, devices_of, read_properties, recorded_device, recorded_devices, runtime_present,
     AmdDevice, DeviceProperties, RocmDetector,
 };
 pub use error::AmdError;
-pub use gpu::AmdGpu;
-pub use hsaco::{processor_of_mach, CodeObject, FeatureFlag, KernelMetadata};
+pub use gpu::{AmdGpu, Function};
+pub use hipblaslt::{hipblaslt_present, HipBlasLt, HIPBLASLT_ENV};
+pub use hsaco::{processor_of_mach, CodeObject, FeatureFlag, KernelArgMetadata, KernelMetadata};
 pub use memory::{CachingAllocator, DeviceBlock, HipMemory};
 pub use rtc::{
     first_rocm_for, rtc_kernels, rtc_source, CacheStats, CompileCache, Hiprtc, CACHE_DIR_ENV,

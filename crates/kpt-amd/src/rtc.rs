@@ -180,6 +180,11 @@ impl Hiprtc {
         })
     }
 
+    /// The HIP version of the runtime hiprtc came with.
+    pub fn version(&self) -> Option<crate::runtime::HipVersion> {
+        self.version
+    }
+
     /// What compiles: `hiprtc` and the HIP version (part of the cache key).
     pub fn compiler(&self) -> &str {
         &self.compiler
@@ -221,6 +226,10 @@ impl Hiprtc {
             .map(|o| CString::new(o.as_str()).map_err(|_| bad("an option")))
             .collect::<Result<Vec<_>, _>>()?;
         let option_ptrs: Vec<*const c_char> = c_options.iter().map(|o| o.as_ptr()).collect();
+        // One compile at a time in the process: ROCm 5.2's hiprtc (through comgr) crashed
+        // with SIGSEGV here when two threads compiled at once.
+        static COMPILING: Mutex<()> = Mutex::new(());
+        let _one = COMPILING.lock().unwrap_or_else(|p| p.into_inner());
         let mut prog: Program = std::ptr::null_mut();
         // SAFETY: the strings are NUL-terminated and outlive the call; no headers.
         self.check("hiprtcCreateProgram", unsafe {
@@ -371,6 +380,18 @@ impl CompileCache {
                 rtc_kernels().join(", ")
             ))
         })?;
+        self.code_object_of_source(rtc, kernel, source, processor)
+    }
+
+    /// The code object of `source` (one translation unit, named `kernel` in messages)
+    /// for `processor`, compiled by `rtc` on a miss; cached like [`CompileCache::code_object`].
+    pub fn code_object_of_source(
+        &self,
+        rtc: &Hiprtc,
+        kernel: &str,
+        source: &str,
+        processor: &str,
+    ) -> Result<Arc<Vec<u8>>, AmdError> {
         let key = Self::key(source, processor, rtc.compiler());
         if let Some(code) = self.lock_entries().get(&key) {
             self.bump(|s| s.hits += 1);

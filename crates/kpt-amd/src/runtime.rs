@@ -91,6 +91,8 @@ pub struct HipRuntime {
     stream_synchronize: sys::HipHandleOp,
     stream_destroy: sys::HipHandleOp,
     memcpy_async: sys::HipMemcpyAsync,
+    memcpy_2d_async: sys::HipMemcpy2DAsync,
+    memset_async: sys::HipMemsetAsync,
     module_load_data: sys::HipModuleLoadData,
     module_get_function: sys::HipModuleGetFunction,
     module_unload: sys::HipHandleOp,
@@ -103,7 +105,7 @@ pub struct HipRuntime {
 pub struct Handle(pub(crate) usize);
 
 impl Handle {
-    fn raw(self) -> sys::HipHandle {
+    pub(crate) fn raw(self) -> sys::HipHandle {
         self.0 as sys::HipHandle
     }
 }
@@ -214,6 +216,8 @@ impl HipRuntime {
             stream_synchronize: load!("hipStreamSynchronize", sys::HipHandleOp),
             stream_destroy: load!("hipStreamDestroy", sys::HipHandleOp),
             memcpy_async: load!("hipMemcpyAsync", sys::HipMemcpyAsync),
+            memcpy_2d_async: load!("hipMemcpy2DAsync", sys::HipMemcpy2DAsync),
+            memset_async: load!("hipMemsetAsync", sys::HipMemsetAsync),
             module_load_data: load!("hipModuleLoadData", sys::HipModuleLoadData),
             module_get_function: load!("hipModuleGetFunction", sys::HipModuleGetFunction),
             module_unload: load!("hipModuleUnload", sys::HipHandleOp),
@@ -447,6 +451,79 @@ impl HipRuntime {
             )
         })?;
         self.stream_synchronize(stream)
+    }
+
+    /// `hipMemcpyAsync` of `bytes` from device address `src` to device address `dst`,
+    /// queued on `stream`.
+    ///
+    /// # Safety
+    /// Both are device allocations holding at least `bytes` from the given addresses,
+    /// alive until `stream` has run the copy.
+    pub unsafe fn copy_on_device(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        stream: Handle,
+    ) -> Result<(), AmdError> {
+        // SAFETY: the caller's contract.
+        self.check("hipMemcpyAsync", unsafe {
+            (self.memcpy_async)(
+                dst as *mut _,
+                src as *const _,
+                bytes,
+                sys::HIP_MEMCPY_DEVICE_TO_DEVICE,
+                stream.raw(),
+            )
+        })
+    }
+
+    /// `hipMemcpy2DAsync` on the device: `height` rows of `width` bytes from rows
+    /// `src_pitch` apart to rows `dst_pitch` apart, queued on `stream`.
+    ///
+    /// # Safety
+    /// Both regions lie inside device allocations alive until `stream` has run the copy.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_2d_on_device(
+        &self,
+        (dst, dst_pitch): (u64, usize),
+        (src, src_pitch): (u64, usize),
+        width: usize,
+        height: usize,
+        stream: Handle,
+    ) -> Result<(), AmdError> {
+        // SAFETY: the caller's contract.
+        self.check("hipMemcpy2DAsync", unsafe {
+            (self.memcpy_2d_async)(
+                dst as *mut _,
+                dst_pitch,
+                src as *const _,
+                src_pitch,
+                width,
+                height,
+                sys::HIP_MEMCPY_DEVICE_TO_DEVICE,
+                stream.raw(),
+            )
+        })
+    }
+
+    /// `hipMemsetAsync`: `bytes` bytes at device address `dst` set to `value`, queued
+    /// on `stream`.
+    ///
+    /// # Safety
+    /// `dst` is a device allocation of at least `bytes` bytes, alive until `stream` has
+    /// run the fill.
+    pub unsafe fn memset(
+        &self,
+        dst: u64,
+        value: u8,
+        bytes: usize,
+        stream: Handle,
+    ) -> Result<(), AmdError> {
+        // SAFETY: the caller's contract.
+        self.check("hipMemsetAsync", unsafe {
+            (self.memset_async)(dst as *mut _, c_int::from(value), bytes, stream.raw())
+        })
     }
 
     /// `hipModuleLoadData`: a code object loaded on the current device.

@@ -78,6 +78,27 @@ pub type HipMemcpyAsync = unsafe extern "C" fn(
     kind: c_int,
     stream: HipHandle,
 ) -> HipError;
+/// `hipError_t hipMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
+/// size_t width, size_t height, hipMemcpyKind kind, hipStream_t stream)`.
+pub type HipMemcpy2DAsync = unsafe extern "C" fn(
+    dst: *mut c_void,
+    dpitch: usize,
+    src: *const c_void,
+    spitch: usize,
+    width: usize,
+    height: usize,
+    kind: c_int,
+    stream: HipHandle,
+) -> HipError;
+/// `hipError_t hipMemsetAsync(void* dst, int value, size_t sizeBytes, hipStream_t stream)`.
+pub type HipMemsetAsync = unsafe extern "C" fn(
+    dst: *mut c_void,
+    value: c_int,
+    bytes: usize,
+    stream: HipHandle,
+) -> HipError;
+/// `hipMemcpyDeviceToDevice`.
+pub const HIP_MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
 /// `hipMemcpyHostToDevice`.
 pub const HIP_MEMCPY_HOST_TO_DEVICE: c_int = 1;
 /// `hipMemcpyDeviceToHost`.

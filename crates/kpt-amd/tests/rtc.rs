@@ -118,3 +118,41 @@ fn mi300x_kernels_compile_where_the_compiler_knows_gfx942() {
             .unwrap();
     }
 }
+
+/// kpt-amd's own run-time kernel, the FP8 OCP -> FNUZ conversion of the MI300 FP8 path:
+/// hiprtc builds it (here for gfx90a, the newest processor ROCm 5.2 knows; on a machine
+/// with ROCm 6 for gfx942 as well), it passes the shipped objects' checks, and its
+/// arguments are where `fp8::plan` puts them.
+#[test]
+fn hiprtc_builds_the_fp8_conversion_with_the_launchers_layout() {
+    let Some(rtc) = rtc() else { return };
+    let cache = CompileCache::new(None);
+    let planner = kpt_amd::kernels::Planner { compute_units: 104 };
+    for processor in ["gfx90a", "gfx942"] {
+        let built =
+            cache.code_object_of_source(rtc, kpt_amd::fp8::KERNEL, kpt_amd::fp8::SOURCE, processor);
+        let code = match built {
+            Ok(code) => code,
+            // ROCm 5.2 does not know gfx942: refused before hiprtc is called.
+            Err(AmdError::Unsupported { .. }) if processor == "gfx942" => continue,
+            Err(e) => panic!("{processor}: {e}"),
+        };
+        let arch = GcnArch::parse(processor).unwrap();
+        let entries: Vec<_> = kpt_amd::fp8::ENTRY_POINTS
+            .iter()
+            .map(|e| (e.name, e.block, e.shared_bytes))
+            .collect();
+        let co = CodeObject::parse(&code).unwrap();
+        co.check(
+            processor,
+            arch.wave_size(),
+            arch.lds_bytes_per_workgroup(),
+            &entries,
+        )
+        .unwrap();
+        for dtype in [kpt_core::DType::F8E4M3, kpt_core::DType::F8E5M2] {
+            let l = kpt_amd::fp8::plan(&planner, dtype, [256, 512], 1000).unwrap();
+            l.check_layout(co.kernel(&l.entry).unwrap()).unwrap();
+        }
+    }
+}

@@ -263,7 +263,76 @@ pub fn amd_kernels() -> Vec<KernelDef> {
             }
             Some(amd)
         })
+        .chain(amd_device_kernels())
         .collect()
+}
+
+/// The AMD kernels that launch no code object of kpt's: rocBLAS GEMMs (on every
+/// processor where the backend loaded rocBLAS, its `rocblas` feature) and device copies.
+fn amd_device_kernels() -> Vec<KernelDef> {
+    use OpKind::*;
+    const AMD_FLOATS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
+    const COPY: &[DType] = &[DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64];
+    let k = |name: &str, op: OpKind, dtypes: &[DType], desc: &str| {
+        KernelDef::new(name, op, DeviceKind::Rocm, dtypes, 100, desc)
+    };
+    let gemm = |name: &str, op: OpKind, desc: &str| {
+        k(name, op, AMD_FLOATS, desc)
+            .needs(&["rocblas"])
+            .weights(LINEAR_WEIGHTS)
+    };
+    vec![
+        gemm(
+            "amd.matmul.rocblas",
+            MatMul,
+            "rocBLAS gemm_ex / gemm_strided_batched_ex, f32 compute",
+        )
+        .weights(AMD_FLOATS),
+        gemm(
+            "amd.linear.rocblas",
+            Linear,
+            "rocBLAS gemm_ex, f32 compute; the bias as a rank-1 update (a second GEMM); \
+             weights of another dtype converted (FP8 and int8 dequantized) by amd.cast / \
+             amd.dequantize where the processor has them, else on the host",
+        ),
+        k(
+            "amd.linear.hipblaslt_fp8",
+            Linear,
+            AMD_FLOATS,
+            "hipBLASLt FP8 GEMM on MI300's matrix cores (FNUZ e4m3, f32 compute): \
+             activations quantized on the device with their amax scale, both operands \
+             converted from OCP to FNUZ (a kernel hiprtc builds), bias in the epilogue",
+        )
+        .with_priority(110)
+        .weights(&[DType::F8E4M3])
+        .targets(&["gfx940", "gfx941", "gfx942"])
+        .needs(&["hipblaslt_fp8"]),
+        gemm(
+            "amd.linear_act.rocblas",
+            LinearAct,
+            "amd.linear.rocblas, then amd.activation (on the host where the processor \
+             has no elementwise code object)",
+        ),
+        k(
+            "amd.concat",
+            Concat,
+            COPY,
+            "one strided 2D device copy per input (hipMemcpy2DAsync)",
+        ),
+        k(
+            "amd.split",
+            Split,
+            COPY,
+            "one strided 2D device copy per output (hipMemcpy2DAsync)",
+        ),
+        k(
+            "amd.cache_write",
+            CacheWrite,
+            AMD_FLOATS,
+            "slots read on the host, one device copy per written row, in place when the \
+             executor owns the cache",
+        ),
+    ]
 }
 
 /// The CUDA kernels: cuBLASLt GEMMs and kpt's own kernels (`kernels/cuda/`), all

@@ -268,7 +268,7 @@ fn device_parser() -> impl TypedValueParser<Value = BackendChoice> {
                 &["nvidia"],
             ),
             BackendChoice::Rocm => (
-                "an AMD GPU (found by `kpt detect`; no backend runs on it yet)",
+                "an AMD GPU (needs the `rocm` feature and ROCm's HIP runtime; GEMMs need rocBLAS)",
                 &["hip", "amd"],
             ),
             BackendChoice::Tpu => (
@@ -452,9 +452,6 @@ fn detect(json: bool) -> anyhow::Result<()> {
             println!("{kind}: no device found (no driver, or the driver sees none)");
         }
     }
-    if cfg!(feature = "rocm") {
-        println!("AMD: devices are found, but kpt cannot run on them yet (docs/backends/amd.md).");
-    }
     Ok(())
 }
 
@@ -603,10 +600,14 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
     }
 }
 
-/// The device `kpt kernels --explain --on NAME` explains against: a recorded AMD device.
+/// The device `kpt kernels --explain --on NAME` explains against: a recorded AMD device
+/// as the ROCm backend would present it with rocBLAS and hipBLASLt installed.
 #[cfg(feature = "rocm")]
 fn recorded_device(name: &str) -> anyhow::Result<kpt::core::hardware::DeviceInfo> {
-    Ok(kpt::amd::recorded_device(name)?.device_info())
+    Ok(kpt::amd::backend_device_info(
+        &kpt::amd::recorded_device(name)?,
+        kpt::amd::Libraries::ALL,
+    ))
 }
 
 #[cfg(not(feature = "rocm"))]
@@ -665,8 +666,8 @@ fn kernels(
     };
     if on.is_some() {
         println!(
-            "{} ({}, recorded: kpt has no backend for it, so nothing runs; this is what \
-             would be chosen)",
+            "{} ({}, recorded: what the ROCm backend would run there with rocBLAS and \
+             hipBLASLt installed)",
             device.name,
             device.arch.as_deref().unwrap_or("-")
         );

@@ -394,13 +394,57 @@ fn device_cuda_without_a_gpu_fails_with_a_clear_error() {
     }
 }
 
+/// `--device rocm` on a machine without an AMD GPU: the runtime is missing (here forced
+/// with `KPT_HIP_LIBRARY`), or loaded and seeing no device (Debian's libamdhip64 without
+/// a GPU), and either way the error says so.
 #[test]
-fn device_without_a_backend_yet_says_so() {
-    let err = fails(&mut kpt(&["bench", "--quick", "--device", "rocm"]));
-    assert!(err.contains("no ROCm backend yet"), "{err}");
+fn device_without_hardware_says_why() {
+    if !cfg!(feature = "rocm") {
+        let err = fails(&mut kpt(&["bench", "--quick", "--device", "rocm"]));
+        assert!(err.contains("without the `rocm` cargo feature"), "{err}");
+        return;
+    }
+    let err = fails(
+        kpt(&["bench", "--quick", "--device", "rocm"])
+            .env("KPT_HIP_LIBRARY", "/nonexistent/libamdhip64.so"),
+    );
+    assert!(err.contains("no ROCm runtime found ("), "{err}");
+    assert!(err.contains("/nonexistent/libamdhip64.so"), "{err}");
     assert!(err.contains("Devices present: cpu ("), "{err}");
+    let err = fails(&mut kpt(&["bench", "--quick", "--device", "rocm"]));
+    assert!(
+        err.contains("no ROCm runtime found (") || err.contains("sees no AMD GPU"),
+        "{err}"
+    );
     let err = fails(&mut kpt(&["--device", "tpu", "validate"]));
     assert!(err.contains("no PJRT plugin"), "{err}");
+}
+
+/// `kpt kernels --explain --on mi300x` shows what the ROCm backend would run on an
+/// MI300X with rocBLAS: its GEMM for linear layers, the host reference for an op with no
+/// code object for gfx942 until one is shipped.
+#[test]
+fn kernels_explain_on_a_recorded_mi300x() {
+    if !cfg!(feature = "rocm") {
+        return;
+    }
+    let out = ok(&mut kpt(&[
+        "kernels",
+        "--explain",
+        "--on",
+        "mi300x",
+        "--op",
+        "linear",
+    ]));
+    assert!(
+        out.contains("AMD Instinct MI300X (gfx942, recorded"),
+        "{out}"
+    );
+    let selected = out
+        .lines()
+        .find(|l| l.contains("selected"))
+        .unwrap_or_else(|| panic!("nothing selected:\n{out}"));
+    assert!(selected.contains("amd.linear.rocblas"), "{out}");
 }
 
 /// With a PJRT plugin named (XLA's CPU plugin under `cargo xtask test`), the demo model
