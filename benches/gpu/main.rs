@@ -52,6 +52,10 @@ struct Args {
     /// Timed repetitions per side.
     #[arg(long, default_value_t = 15)]
     reps: usize,
+    /// Time only the kernel the registry picks, not every other device kernel it accepts
+    /// (those are still checked against the reference).
+    #[arg(long)]
+    chosen_only: bool,
     /// The command recorded in the report.
     #[arg(long, default_value = "cargo xtask gpu-bundle (run.sh)")]
     command: String,
@@ -68,8 +72,9 @@ enum Suite {
 const CHECK_ROWS: usize = 2;
 /// The device kernels of `Op::Linear` timed on every linear case.
 const LINEAR_KERNELS: [&str; 2] = ["cuda.linear.gemv", "cuda.linear.cublaslt"];
-/// Copy bandwidth of the H100 (TB/s) that the bandwidth targets are fractions of.
-const COPY_TBPS: f64 = 3.0;
+/// Bytes of the device-to-device copy whose bandwidth the bandwidth targets are
+/// fractions of (large enough to stream from memory, not L2).
+const COPY_BYTES: usize = 1 << 30;
 
 /// What kpt runs for a case.
 enum Work {
@@ -91,6 +96,8 @@ struct Case {
     torch: Value,
     target_ratio: Option<f64>,
     target: Option<f64>,
+    /// A target of this fraction of the device's copy bandwidth, measured in the run.
+    target_of_copy: Option<f64>,
     /// A target of this factor times kpt's rate on the named case of the same run.
     target_vs_case: Option<(String, f64)>,
     note: &'static str,
@@ -134,6 +141,7 @@ fn attention_cases() -> Vec<Case> {
                               "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
                 target_ratio: Some(1.0),
                 target: None,
+                target_of_copy: None,
                 target_vs_case: None,
                 note: "FLOPs = 4 b h s² d (half when causal)",
             });
@@ -165,6 +173,7 @@ fn attention_cases() -> Vec<Case> {
                 torch: torch.clone(),
                 target_ratio: None,
                 target: None,
+                target_of_copy: None,
                 target_vs_case: fp8.then(|| (bf16_name.clone(), 1.3)),
                 note: if fp8 {
                     "e4m3 q, k, v with per-tensor scales, bf16 output; torch runs bf16"
@@ -208,6 +217,7 @@ fn attention_cases() -> Vec<Case> {
                               "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
                 target_ratio: lse.then_some(1.0),
                 target: None,
+                target_of_copy: None,
                 target_vs_case: None,
                 note: if lse {
                     "FLOPs = 2.5 x the forward's (half when causal); out and lse from kpt's \
@@ -256,7 +266,8 @@ fn attention_cases() -> Vec<Case> {
             inputs,
             torch: torch.clone(),
             target_ratio: None,
-            target: Some(0.8 * COPY_TBPS),
+            target: None,
+            target_of_copy: Some(0.8),
             target_vs_case: None,
             note: "bytes = K and V read once; split-KV kernel",
         });
@@ -272,7 +283,8 @@ fn attention_cases() -> Vec<Case> {
             inputs: paged_inputs,
             torch,
             target_ratio: None,
-            target: Some(0.8 * COPY_TBPS),
+            target: None,
+            target_of_copy: Some(0.8),
             target_vs_case: None,
             note: "bytes = K and V read once; paged cache, blocks of 16 scattered, split-KV \
                    kernel reading the block table and lengths on the device (no host \
@@ -299,6 +311,7 @@ fn cases() -> Vec<Case> {
             torch: json!({"kind": "gemm", "m": n, "k": n, "n": n, "dtype": "bf16"}),
             target_ratio: Some(1.03),
             target: None,
+            target_of_copy: None,
             target_vs_case: None,
             note: "cuBLASLt, autotuned algorithm",
         });
@@ -320,6 +333,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "linear_gelu", "m": m, "k": k, "n": n, "dtype": "bf16"}),
         target_ratio: Some(1.1),
         target: None,
+        target_of_copy: None,
         target_vs_case: None,
         note: "bias + GELU(tanh) in the cuBLASLt epilogue",
     });
@@ -336,6 +350,7 @@ fn cases() -> Vec<Case> {
             torch: json!({"kind": "fp8_gemm", "m": n, "k": n, "n": n}),
             target_ratio: Some(1.0),
             target: None,
+            target_of_copy: None,
             target_vs_case: None,
             note: "e4m3 x e4m3 -> bf16, per-tensor scales, no fast accumulation (torch's default)",
         });
@@ -363,6 +378,7 @@ fn cases() -> Vec<Case> {
                               "compile": m == 1}),
                 target_ratio: None,
                 target: Some(2.5),
+                target_of_copy: None,
                 target_vs_case: None,
                 note: "bytes = read weights, x + write out; cuda.linear.gemv and \
                        cuda.linear.cublaslt both timed",
@@ -386,6 +402,7 @@ fn cases() -> Vec<Case> {
                       "compile": false}),
             target_ratio: None,
             target: None,
+            target_of_copy: None,
             target_vs_case: None,
             note: "bytes = read weights, x + write out; no target: the f32 GEMV against \
                cuBLASLt (no TF32)",
@@ -405,6 +422,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
         target_ratio: None,
         target: Some(2.8),
+        target_of_copy: None,
         target_vs_case: None,
         note: "bytes = read x + write out",
     });
@@ -421,6 +439,7 @@ fn cases() -> Vec<Case> {
         torch: json!({"kind": "add_rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
         target_ratio: Some(1.2),
         target: None,
+        target_of_copy: None,
         target_vs_case: None,
         note: "bytes = read x, residual + write sum, out",
     });
@@ -432,7 +451,8 @@ fn cases() -> Vec<Case> {
         inputs: vec![random(&mut rng, &[rows, dim], bf, -4.0, 4.0)],
         torch: json!({"kind": "softmax", "rows": rows, "dim": dim, "dtype": "bf16"}),
         target_ratio: None,
-        target: Some(0.85 * COPY_TBPS),
+        target: None,
+        target_of_copy: Some(0.85),
         target_vs_case: None,
         note: "",
     });
@@ -453,7 +473,8 @@ fn cases() -> Vec<Case> {
         ],
         torch: json!({"kind": "rotary", "batch": b, "seq": s, "heads": h, "head_dim": d, "dtype": "bf16"}),
         target_ratio: None,
-        target: Some(0.85 * COPY_TBPS),
+        target: None,
+        target_of_copy: Some(0.85),
         target_vs_case: None,
         note: "torch uses a precomputed cos/sin table; kpt computes it per row",
     });
@@ -466,7 +487,8 @@ fn cases() -> Vec<Case> {
         inputs: vec![random(&mut rng, &[rows, 2 * d], bf, -3.0, 3.0)],
         torch: json!({"kind": "swiglu", "rows": rows, "d": d, "dtype": "bf16"}),
         target_ratio: None,
-        target: Some(0.85 * COPY_TBPS),
+        target: None,
+        target_of_copy: Some(0.85),
         target_vs_case: None,
         note: "",
     });
@@ -482,7 +504,8 @@ fn cases() -> Vec<Case> {
         inputs: vec![random(&mut rng, &[n], bf, -10.0, 10.0)],
         torch: json!({"kind": "quantize", "n": n, "dtype": "bf16"}),
         target_ratio: None,
-        target: Some(0.85 * COPY_TBPS),
+        target: None,
+        target_of_copy: Some(0.85),
         target_vs_case: None,
         note: "static per-tensor scale",
     });
@@ -871,12 +894,17 @@ fn main() -> Result<()> {
                 .is_none_or(|f| f.split(',').any(|f| c.name.contains(f)))
         })
         .collect();
+    let copy_tbps = if cases.iter().any(|c| c.target_of_copy.is_some()) {
+        copy_bandwidth(&backend)?
+    } else {
+        f64::NAN
+    };
     let bar = ProgressBar::new(cases.len() as u64).with_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
     );
     for case in &cases {
         bar.set_message(case.name.clone());
-        let row = run_case(&backend, &mut worker, case, args.reps).unwrap_or_else(|e| {
+        let row = run_case(&backend, &mut worker, case, &args, copy_tbps).unwrap_or_else(|e| {
             Row::not_run(&case.name, case.metric, true, "torch", format!("{e:#}"))
         });
         println!(
@@ -922,8 +950,10 @@ fn run_case(
     backend: &CudaBackend,
     worker: &mut TorchWorker,
     case: &Case,
-    reps: usize,
+    args: &Args,
+    copy_tbps: f64,
 ) -> Result<Row> {
+    let reps = args.reps;
     let mut p = prepare(backend, case)?;
     // Every device kernel the registry accepts (its choice first), each checked first.
     let kernels: Vec<Option<String>> = std::iter::once(p.kernel.clone())
@@ -936,6 +966,11 @@ fn run_case(
         checks.push(check(case, &p)?);
     }
     p.kernel = kernels[0].clone();
+    let (kernels, checks) = if args.chosen_only {
+        (kernels[..1].to_vec(), checks[..1].to_vec())
+    } else {
+        (kernels, checks)
+    };
     let inner = inner_calls(timed(&mut p, case, 3)?);
     let mut request = case.torch.clone();
     request["inner"] = json!(inner);
@@ -999,11 +1034,31 @@ fn run_case(
     if let Some(t) = case.target {
         row = row.with_target(t);
     }
+    if let Some(f) = case.target_of_copy {
+        row = row.with_target(f * copy_tbps).with_note(format!(
+            "target {f} x the copy bandwidth measured in this run ({copy_tbps:.2} TB/s, \
+             bytes read + written)"
+        ));
+    }
     if !within {
         row.met = false;
         row = row.with_note("ACCURACY CHECK FAILED on the first rows");
     }
     Ok(row)
+}
+
+/// Device-to-device copy bandwidth in TB/s (bytes read + written), the median of 9
+/// timings of 10 back-to-back copies of [`COPY_BYTES`].
+fn copy_bandwidth(backend: &CudaBackend) -> Result<f64> {
+    let gpu = backend.gpu();
+    let (src, dst) = (gpu.alloc_zeroed(COPY_BYTES)?, gpu.alloc(COPY_BYTES)?);
+    let copy = || gpu.copy(src.ptr(), dst.ptr(), COPY_BYTES);
+    copy()?;
+    let times = (0..9)
+        .map(|_| gpu.time_per_call(10, copy))
+        .collect::<Result<Vec<_>, _>>()?;
+    let t = median(&times).context("no copy timing")?;
+    Ok(2.0 * COPY_BYTES as f64 / t / 1e12)
 }
 
 /// Seconds per call of the prepared work, over `calls` back-to-back calls.

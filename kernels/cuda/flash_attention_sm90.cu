@@ -46,8 +46,16 @@
 // stream 132 heads' K/V from memory); inside a section, query tiles go last-first across its
 // heads, so that the longest causal blocks start first.
 //
-// Launch: grid = ceil(seq_q / kBlockM) * batch * heads blocks (kBlockM = 192 for bf16/f16 at
-// d = 64, else 128; blocks past that return at once), the `block=` threads below, and the
+// Persistent grid: a block runs work tiles x = blockIdx.x, blockIdx.x + gridDim.x, ... in the
+// order above, and the producer and the consumers carry the K/V ring from one work tile to the
+// next, so the next tile's Q and K/V copies run while the consumers finish the last tile and
+// store its output. The Q tile has its own "empty" mbarrier: the consumers release it once
+// their last Q K^T of the work tile completed. A grid of one block per tile (causal calls,
+// whose blocks differ in length and balance best on the hardware's own scheduler) runs one
+// work tile per block.
+//
+// Launch: grid = at most ceil(seq_q / kBlockM) * batch * heads blocks (kBlockM = 192 for
+// bf16/f16 at d = 64, else 128; blocks past that return at once), the `block=` threads below, and the
 // `shared=` bytes as dynamic shared memory (more than 48 KiB: the function needs
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES set to it first). Only the
 // sm_90a cubin computes; the sm_80 cubin and the compute_80 PTX of this file trap.
@@ -57,11 +65,11 @@
 // Tuning switches for standalone builds (target/fa3test): KPT_FA3_STAGES_D64/_D128,
 // KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE; the artifacts use the defaults.
 //
-// kpt:launch kpt_flash_attention_sm90_bf16_d64 block=512 shared=156808 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_bf16_d128 block=384 shared=230504 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_f16_d64 block=512 shared=156808 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_f16_d128 block=384 shared=230504 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_e4m3_d128 block=384 shared=148616 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_bf16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_bf16_d128 block=384 shared=230512 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_f16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_f16_d128 block=384 shared=230512 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_e4m3_d128 block=384 shared=148624 grid=tiles
 // kpt:launch kpt_attention_fp8_v_transpose_d128 block=256 shared=0 grid=tiles
 //
 // FP8 (e4m3) inputs, head dim 128, bf16 output (kpt_flash_attention_sm90_e4m3_d128): the same
@@ -164,18 +172,18 @@ struct Config {
     // A K tile; a V tile has the same size (an FP8 V^T tile is D rows of kBlockN keys).
     static constexpr int kTileBytes = kBlockN * kRowBytes;
     static_assert(!kFp8<T> || D == kBlockN, "the FP8 V^T tile is laid out like a K tile");
-    // full_q, then full_k, empty_k, full_v, empty_v of each stage.
-    static constexpr int kBarriers = 1 + 4 * kStages;
+    // full_q, empty_q, then full_k, empty_k, full_v, empty_v of each stage.
+    static constexpr int kBarriers = 2 + 4 * kStages;
     static constexpr int kBarOffset = kQBytes + 2 * kStages * kTileBytes;
     // + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time.
     static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
 };
 #ifdef KPT_FA3_DEFAULT_CONFIG
-static_assert(Config<__nv_bfloat16, 64>::kSmemBytes == 156808,
+static_assert(Config<__nv_bfloat16, 64>::kSmemBytes == 156816,
               "keep the kpt:launch shared= values in step");
-static_assert(Config<__nv_bfloat16, 128>::kSmemBytes == 230504,
+static_assert(Config<__nv_bfloat16, 128>::kSmemBytes == 230512,
               "keep the kpt:launch shared= values in step");
-static_assert(Config<E4M3, 128>::kSmemBytes == 148616,
+static_assert(Config<E4M3, 128>::kSmemBytes == 148624,
               "keep the kpt:launch shared= values in step");
 #endif
 static_assert(Config<__nv_bfloat16, 128>::kSmemBytes <= 227 * 1024,
@@ -565,6 +573,36 @@ __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha
     }
 }
 
+// One work tile: query rows [m0, m0 + kBlockM) of (batch b, head h), which walks n_tiles
+// key tiles.
+struct Work {
+    int m0, b, h, n_tiles;
+};
+
+// Work tile x of the block order (see the top): a section of `pairs` (batch, head) pairs, then
+// the query tile counted from the last (major) and the pair in the section (minor); the last
+// section may hold fewer pairs.
+template <int kBlockM>
+__device__ __forceinline__ Work work_tile(long x, const Dims& p, int tiles_m, int pairs) {
+    const int bh_count = p.batch * p.heads;
+    const long section = static_cast<long>(pairs) * tiles_m;
+    const int first = static_cast<int>(x / section) * pairs;
+    const int in_section = min(pairs, bh_count - first);
+    const int r = static_cast<int>(x % section);
+    const int bh = first + r % in_section;
+    Work w;
+    // Query tiles end at seq_q - i * kBlockM: a partial tile is the first one, whose rows
+    // before 0 are zeros and never stored (under a causal mask it is also the shortest).
+    w.m0 = p.seq_q - (r / in_section + 1) * kBlockM;
+    w.h = bh % p.heads;
+    w.b = bh / p.heads;
+    // Keys j <= i + seq_kv - seq_q are visible to query i (causal, bottom-right aligned).
+    int kv_end = p.seq_kv;
+    if (p.causal) kv_end = max(0, min(p.seq_kv, w.m0 + kBlockM + p.seq_kv - p.seq_q));
+    w.n_tiles = (kv_end + kBlockN - 1) / kBlockN;
+    return w;
+}
+
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
 // the output (v_scale for FP8, 1 otherwise).
 template <typename T, int D, bool kMask>
@@ -587,47 +625,29 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const uint32_t sv = sk + kStages * C::kTileBytes;
     const uint32_t bars = base + C::kBarOffset;
     const uint32_t full_q = bars;
-    auto full_k = [&](int s) { return bars + 8u * (1 + s); };
-    auto empty_k = [&](int s) { return bars + 8u * (1 + kStages + s); };
-    auto full_v = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
-    auto empty_v = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
+    const uint32_t empty_q = bars + 8u;
+    auto full_k = [&](int s) { return bars + 8u * (2 + s); };
+    auto empty_k = [&](int s) { return bars + 8u * (2 + kStages + s); };
+    auto full_v = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
+    auto empty_v = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
 
-    // Block x -> section of G (batch, head) pairs, then tile counted from the last
-    // (major) and pair in the section (minor); the last section may hold fewer pairs.
     const int bh_count = p.batch * p.heads;
     const int tiles_m = (p.seq_q + kBlockM - 1) / kBlockM;
-    const long x = blockIdx.x;
-    if (x >= static_cast<long>(tiles_m) * bh_count) return;
+    const long total = static_cast<long>(tiles_m) * bh_count;
+    if (blockIdx.x >= total) return;
     const long kv_bytes = 2L * p.seq_kv * D * static_cast<long>(sizeof(T));
     const int pairs = static_cast<int>(
         max(1L, min(static_cast<long>(bh_count), kL2Budget / max(kv_bytes, 1L))));
-    const long section = static_cast<long>(pairs) * tiles_m;
-    const int first = static_cast<int>(x / section) * pairs;
-    const int in_section = min(pairs, bh_count - first);
-    const int r = static_cast<int>(x % section);
-    const int bh = first + r % in_section;
-    // Query tiles end at seq_q - i * kBlockM: a partial tile is the first one, whose rows
-    // before 0 are zeros and never stored (under a causal mask it is also the shortest).
-    const int m0 = p.seq_q - (r / in_section + 1) * kBlockM;
-    const int h = bh % p.heads, b = bh / p.heads;
-    const int hk = h / (p.heads / p.kv_heads);
+    const int group = p.heads / p.kv_heads;
+    const int offset = p.seq_kv - p.seq_q;
     const long q_stride = static_cast<long>(p.heads) * D;
     const long kv_stride = static_cast<long>(p.kv_heads) * D;
-    const T* qb = q + (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
-    const T* kb = k + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
-    // FP8: V^T of this (batch, kv head), D rows of seq_kv rounded up to kBlockN keys.
+    // FP8: V^T of a (batch, kv head), D rows of seq_kv rounded up to kBlockN keys.
     const long vt_stride = static_cast<long>((p.seq_kv + kBlockN - 1) / kBlockN) * kBlockN;
-    const T* vb = kFp8<T> ? v + (static_cast<long>(b) * p.kv_heads + hk) * D * vt_stride
-                          : v + static_cast<long>(b) * p.seq_kv * kv_stride +
-                                static_cast<long>(hk) * D;
-    // Keys j <= i + offset are visible to query i (causal, bottom-right aligned).
-    const int offset = p.seq_kv - p.seq_q;
-    int kv_end = p.seq_kv;
-    if (p.causal) kv_end = max(0, min(p.seq_kv, m0 + kBlockM + offset));
-    const int n_tiles = (kv_end + kBlockN - 1) / kBlockN;
 
     if (threadIdx.x == 0) {
         mbar_init(full_q, 128);
+        mbar_init(empty_q, 128 * kConsumers);
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), 128);
             mbar_init(empty_k(s), 128 * kConsumers);
@@ -643,31 +663,47 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         // ---- producer warpgroup ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
         const int tp = threadIdx.x;
-        if (n_tiles > 0) {
-            load_tile<T, D, kBlockM>(sq, qb, q, q_stride, max(0, -m0), kBlockM, tp);
-            mbar_arrive_on_copies(full_q);
-        }
         int s = 0;
-        unsigned phase = 0;
-        for (int t = 0; t < n_tiles; ++t) {
-            const int n0 = t * kBlockN;
-            const int rows = min(kBlockN, p.seq_kv - n0);
-            // Stage s is free once every consumer released its previous tile.
-            mbar_wait(empty_k(s), phase ^ 1);
-            load_tile<T, D, kBlockN>(sk + s * C::kTileBytes, kb + n0 * kv_stride, kb, kv_stride, 0,
-                                     rows, tp);
-            mbar_arrive_on_copies(full_k(s));
-            mbar_wait(empty_v(s), phase ^ 1);
-            if constexpr (kFp8<T>) {
-                load_tile<T, kBlockN, D>(sv + s * C::kTileBytes, vb + n0, vb, vt_stride, 0, D, tp);
-            } else {
-                load_tile<T, D, kBlockN>(sv + s * C::kTileBytes, vb + n0 * kv_stride, vb, kv_stride,
-                                         0, rows, tp);
-            }
-            mbar_arrive_on_copies(full_v(s));
-            if (++s == kStages) {
-                s = 0;
-                phase ^= 1;
+        unsigned phase = 0, q_phase = 0;
+        for (long x = blockIdx.x; x < total; x += gridDim.x) {
+            const Work w = work_tile<kBlockM>(x, p, tiles_m, pairs);
+            const int hk = w.h / group;
+            const T* qb = q + (static_cast<long>(w.b) * p.seq_q + w.m0) * q_stride +
+                          static_cast<long>(w.h) * D;
+            const T* kb =
+                k + static_cast<long>(w.b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+            const T* vb = kFp8<T> ? v + (static_cast<long>(w.b) * p.kv_heads + hk) * D * vt_stride
+                                  : v + static_cast<long>(w.b) * p.seq_kv * kv_stride +
+                                        static_cast<long>(hk) * D;
+            for (int t = 0; t < w.n_tiles; ++t) {
+                const int n0 = t * kBlockN;
+                const int rows = min(kBlockN, p.seq_kv - n0);
+                // Stage s is free once every consumer released its previous tile.
+                mbar_wait(empty_k(s), phase ^ 1);
+                load_tile<T, D, kBlockN>(sk + s * C::kTileBytes, kb + n0 * kv_stride, kb,
+                                         kv_stride, 0, rows, tp);
+                mbar_arrive_on_copies(full_k(s));
+                if (t == 0) {
+                    // The Q tile is free once every consumer finished its Q K^T products of
+                    // the previous work tile (K(0) is already on its way).
+                    mbar_wait(empty_q, q_phase ^ 1);
+                    load_tile<T, D, kBlockM>(sq, qb, q, q_stride, max(0, -w.m0), kBlockM, tp);
+                    mbar_arrive_on_copies(full_q);
+                    q_phase ^= 1;
+                }
+                mbar_wait(empty_v(s), phase ^ 1);
+                if constexpr (kFp8<T>) {
+                    load_tile<T, kBlockN, D>(sv + s * C::kTileBytes, vb + n0, vb, vt_stride, 0, D,
+                                             tp);
+                } else {
+                    load_tile<T, D, kBlockN>(sv + s * C::kTileBytes, vb + n0 * kv_stride, vb,
+                                             kv_stride, 0, rows, tp);
+                }
+                mbar_arrive_on_copies(full_v(s));
+                if (++s == kStages) {
+                    s = 0;
+                    phase ^= 1;
+                }
             }
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -679,152 +715,167 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const int c = wg - 1;  // 64 rows each
     const int t128 = threadIdx.x % 128, warp = t128 / 32, lane = t128 % 32;
     const int g = lane / 4, tig = lane % 4;
-    // The two query rows of this thread's accumulators: qi0 and qi0 + 8.
-    const int qi0 = m0 + c * 64 + warp * 16 + g;
-
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-
-    if (n_tiles > 0) {
-        float s_acc[kBlockN / 2];
-#pragma unroll
-        for (int i = 0; i < kBlockN / 2; ++i) s_acc[i] = 0.0f;
-        uint32_t pf[kPSteps<T>][4];
-        float alpha[2];
-        const float scale2 = p.scale * kLog2e;
-        const bool fast = scale2 > 0.0f && !kMask;
-        const int row_first = m0 + c * 64;  // first query row of this warpgroup
-        // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal).
-        auto edge = [&](int n0) {
-            return !fast || n0 + kBlockN > p.seq_kv ||
-                   (p.causal && n0 + kBlockN - 1 > row_first + offset);
-        };
-        auto softmax = [&](int n0) {
-            if (edge(n0)) {
-                softmax_tile<true, kMask, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p,
-                                             mask);
-            } else {
-                softmax_tile<false, false, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p,
-                                              mask);
-            }
-        };
-        const uint64_t qdesc = make_desc(kDescK, sq + c * 64 * 128);
-        const uint64_t kdesc = make_desc(kDescK, sk);
-        const uint64_t vdesc = make_desc(kFp8<T> ? kDescK : kDescV, sv);
-        constexpr uint32_t kStageDesc = C::kTileBytes >> 4;
-        // Ping-pong (round robin with three): warpgroup c issues its GEMMs after sync on
-        // barrier 1 + c and then lets the next go (arrive on 1 + (c + 1) % kConsumers);
-        // consumer 0 starts. Every sync meets exactly one arrive: the last consumer skips
-        // its arrive of the last tile.
-        constexpr bool kPingPong = KPT_FA3_PINGPONG != 0;
-        constexpr int kLast = kConsumers - 1;
-        const int my_turn = kSchedBarrier + c;
-        const int other_turn = kSchedBarrier + (c + 1) % kConsumers;
-        if (kPingPong && c == kLast) named_arrive(kSchedBarrier, 256);
-
-        // Key tiles this warpgroup computes: under a causal mask the block's last tiles can be
-        // past every row of its lower warpgroups. Those skip the GEMMs and the softmax but
-        // still take their turns and release the stages (after the stage filled, so that the
-        // release counts for this round).
-        // Warpgroups whose rows all lie before row 0 (in a partial first tile) compute none.
-        int my_tiles = row_first + 64 > 0 ? n_tiles : 0;
-        if (p.causal) {
-            const int seen = max(0, min(p.seq_kv, row_first + 64 + offset));
-            my_tiles = min(my_tiles, (seen + kBlockN - 1) / kBlockN);
+    const float scale2 = p.scale * kLog2e;
+    const bool fast = scale2 > 0.0f && !kMask;
+    const uint64_t qdesc = make_desc(kDescK, sq + c * 64 * 128);
+    const uint64_t kdesc = make_desc(kDescK, sk);
+    const uint64_t vdesc = make_desc(kFp8<T> ? kDescK : kDescV, sv);
+    constexpr uint32_t kStageDesc = C::kTileBytes >> 4;
+    // Ping-pong (round robin with three): warpgroup c issues its GEMMs after sync on
+    // barrier 1 + c and then lets the next go (arrive on 1 + (c + 1) % kConsumers);
+    // consumer 0 starts. Every sync meets exactly one arrive: the last consumer skips
+    // its arrive of the last tile. Each work tile starts and ends the round anew.
+    constexpr bool kPingPong = KPT_FA3_PINGPONG != 0;
+    constexpr int kLast = kConsumers - 1;
+    const int my_turn = kSchedBarrier + c;
+    const int other_turn = kSchedBarrier + (c + 1) % kConsumers;
+    // The ring position, carried across work tiles: advanced before every key tile.
+    int s = kStages - 1;
+    unsigned phase = 1, q_phase = 0;
+    auto advance = [&] {
+        if (++s == kStages) {
+            s = 0;
+            phase ^= 1;
         }
-        int s = 0;
-        unsigned phase = 0;
-        if (my_tiles > 0) {
-            mbar_wait(full_q, 0);
-            // Tile 0: S and the softmax only.
-            mbar_wait(full_k(0), 0);
-            fence_proxy_async();
-            if (kPingPong) named_sync(my_turn, 256);
-            gemm_qk<T, D>(s_acc, qdesc, kdesc);
-            if (kPingPong && !(c == kLast && n_tiles == 1)) named_arrive(other_turn, 256);
-            wgmma_wait<0>();
-            fence_regs(s_acc);
-            mbar_arrive(empty_k(0));
-            softmax(0);
-            pack_p<T>(s_acc, pf);
+    };
 
-            // Tile t: S(t) and P(t - 1) V(t - 1) in flight together; the softmax of t runs
-            // under P V.
-            for (int t = 1; t < my_tiles; ++t) {
-                const int sp = s;  // stage of tile t - 1
-                const unsigned pp = phase;
-                if (++s == kStages) {
-                    s = 0;
-                    phase ^= 1;
+    for (long x = blockIdx.x; x < total; x += gridDim.x) {
+        const Work w = work_tile<kBlockM>(x, p, tiles_m, pairs);
+        const int n_tiles = w.n_tiles;
+        // The two query rows of this thread's accumulators: qi0 and qi0 + 8.
+        const int qi0 = w.m0 + c * 64 + warp * 16 + g;
+
+        float o[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+        float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+        if (n_tiles > 0) {
+            float s_acc[kBlockN / 2];
+#pragma unroll
+            for (int i = 0; i < kBlockN / 2; ++i) s_acc[i] = 0.0f;
+            uint32_t pf[kPSteps<T>][4];
+            float alpha[2];
+            const int row_first = w.m0 + c * 64;  // first query row of this warpgroup
+            // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal).
+            auto edge = [&](int n0) {
+                return !fast || n0 + kBlockN > p.seq_kv ||
+                       (p.causal && n0 + kBlockN - 1 > row_first + offset);
+            };
+            auto softmax = [&](int n0) {
+                if (edge(n0)) {
+                    softmax_tile<true, kMask, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0,
+                                                        qi0, tig, p, mask);
+                } else {
+                    softmax_tile<false, false, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0,
+                                                         qi0, tig, p, mask);
                 }
+            };
+            if (kPingPong && c == kLast) named_arrive(kSchedBarrier, 256);
+
+            // Key tiles this warpgroup computes: under a causal mask the block's last tiles can
+            // be past every row of its lower warpgroups. Those skip the GEMMs and the softmax but
+            // still take their turns and release the stages (after the stage filled, so that the
+            // release counts for this round).
+            // Warpgroups whose rows all lie before row 0 (in a partial first tile) compute none.
+            int my_tiles = row_first + 64 > 0 ? n_tiles : 0;
+            if (p.causal) {
+                const int seen = max(0, min(p.seq_kv, row_first + 64 + offset));
+                my_tiles = min(my_tiles, (seen + kBlockN - 1) / kBlockN);
+            }
+            // Every consumer waits for this work tile's Q before it releases it, so that a
+            // release never counts for the previous one.
+            mbar_wait(full_q, q_phase);
+            q_phase ^= 1;
+            if (my_tiles > 0) {
+                // Tile 0: S and the softmax only.
+                advance();
                 mbar_wait(full_k(s), phase);
                 fence_proxy_async();
                 if (kPingPong) named_sync(my_turn, 256);
                 gemm_qk<T, D>(s_acc, qdesc, kdesc + s * kStageDesc);
-                rescale_o<D>(o, alpha);
-                mbar_wait(full_v(sp), pp);
-                fence_proxy_async();
-                gemm_pv<T, D>(o, pf, vdesc + sp * kStageDesc);
-                if (kPingPong && !(c == kLast && t == n_tiles - 1)) named_arrive(other_turn, 256);
-                wgmma_wait<1>();  // S(t) is done
+                if (kPingPong && !(c == kLast && n_tiles == 1)) named_arrive(other_turn, 256);
+                wgmma_wait<0>();
                 fence_regs(s_acc);
                 mbar_arrive(empty_k(s));
-                softmax(t * kBlockN);
-                wgmma_wait<0>();  // P V of t - 1 is done
+                if (my_tiles == 1) mbar_arrive(empty_q);
+                softmax(0);
+                pack_p<T>(s_acc, pf);
+
+                // Tile t: S(t) and P(t - 1) V(t - 1) in flight together; the softmax of t runs
+                // under P V.
+                for (int t = 1; t < my_tiles; ++t) {
+                    const int sp = s;  // stage of tile t - 1
+                    const unsigned pp = phase;
+                    advance();
+                    mbar_wait(full_k(s), phase);
+                    fence_proxy_async();
+                    if (kPingPong) named_sync(my_turn, 256);
+                    gemm_qk<T, D>(s_acc, qdesc, kdesc + s * kStageDesc);
+                    rescale_o<D>(o, alpha);
+                    mbar_wait(full_v(sp), pp);
+                    fence_proxy_async();
+                    gemm_pv<T, D>(o, pf, vdesc + sp * kStageDesc);
+                    if (kPingPong && !(c == kLast && t == n_tiles - 1))
+                        named_arrive(other_turn, 256);
+                    wgmma_wait<1>();  // S(t) is done
+                    fence_regs(s_acc);
+                    mbar_arrive(empty_k(s));
+                    if (t == my_tiles - 1) mbar_arrive(empty_q);
+                    softmax(t * kBlockN);
+                    wgmma_wait<0>();  // P V of t - 1 is done
+                    fence_regs(o);
+                    fence_regs(pf);
+                    mbar_arrive(empty_v(sp));
+                    pack_p<T>(s_acc, pf);
+                }
+                rescale_o<D>(o, alpha);
+                mbar_wait(full_v(s), phase);
+                fence_proxy_async();
+                gemm_pv<T, D>(o, pf, vdesc + s * kStageDesc);
+                wgmma_wait<0>();
                 fence_regs(o);
                 fence_regs(pf);
-                mbar_arrive(empty_v(sp));
-                pack_p<T>(s_acc, pf);
+                mbar_arrive(empty_v(s));
+            } else {
+                mbar_arrive(empty_q);
             }
-            rescale_o<D>(o, alpha);
-            mbar_wait(full_v(s), phase);
-            fence_proxy_async();
-            gemm_pv<T, D>(o, pf, vdesc + s * kStageDesc);
-            wgmma_wait<0>();
-            fence_regs(o);
-            fence_regs(pf);
-            mbar_arrive(empty_v(s));
-        }
-        // The tiles past this warpgroup's rows.
-        for (int t = my_tiles; t < n_tiles; ++t) {
-            if (t > 0 && ++s == kStages) {
-                s = 0;
-                phase ^= 1;
+            // The tiles past this warpgroup's rows.
+            for (int t = my_tiles; t < n_tiles; ++t) {
+                advance();
+                mbar_wait(full_k(s), phase);
+                if (kPingPong) named_sync(my_turn, 256);
+                if (kPingPong && !(c == kLast && t == n_tiles - 1)) named_arrive(other_turn, 256);
+                mbar_arrive(empty_k(s));
+                mbar_wait(full_v(s), phase);
+                mbar_arrive(empty_v(s));
             }
-            mbar_wait(full_k(s), phase);
-            if (kPingPong) named_sync(my_turn, 256);
-            if (kPingPong && !(c == kLast && t == n_tiles - 1)) named_arrive(other_turn, 256);
-            mbar_arrive(empty_k(s));
-            mbar_wait(full_v(s), phase);
-            mbar_arrive(empty_v(s));
         }
-    }
 
-    // Normalize and store: the quad of lanes of a row holds its partial sums. Rows that saw
-    // no key (l = 0) give zeros.
+        // Normalize and store: the quad of lanes of a row holds its partial sums. Rows that saw
+        // no key (l = 0) give zeros.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.0f ? out_scale / l : 0.0f;
-        const int qi = qi0 + r * 8;
-        if (qi < 0 || qi >= p.seq_q) continue;
-        if (lse != nullptr && tig == 0) {
-            // m_run and the scores are in the log2 domain (P carries 2^kPOffset).
-            lse[(static_cast<long>(b) * p.heads + h) * p.seq_q + qi] =
-                l > 0.0f && m_run[r] != -INFINITY
-                    ? (m_run[r] + log2f(l) - kPOffset) * 0.6931471805599453f
-                    : INFINITY;
-        }
-        OutT<T>* orow = out + (static_cast<long>(b) * p.seq_q + qi) * q_stride +
-                        static_cast<long>(h) * D + tig * 2;
+        for (int r = 0; r < 2; ++r) {
+            float l = l_run[r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.0f ? out_scale / l : 0.0f;
+            const int qi = qi0 + r * 8;
+            if (qi < 0 || qi >= p.seq_q) continue;
+            if (lse != nullptr && tig == 0) {
+                // m_run and the scores are in the log2 domain (P carries 2^kPOffset).
+                lse[(static_cast<long>(w.b) * p.heads + w.h) * p.seq_q + qi] =
+                    l > 0.0f && m_run[r] != -INFINITY
+                        ? (m_run[r] + log2f(l) - kPOffset) * 0.6931471805599453f
+                        : INFINITY;
+            }
+            OutT<T>* orow = out + (static_cast<long>(w.b) * p.seq_q + qi) * q_stride +
+                            static_cast<long>(w.h) * D + tig * 2;
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            *reinterpret_cast<uint32_t*>(orow + j * 8) =
-                pack2<OutT<T>>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+            for (int j = 0; j < D / 8; ++j) {
+                *reinterpret_cast<uint32_t*>(orow + j * 8) =
+                    pack2<OutT<T>>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+            }
         }
     }
 }

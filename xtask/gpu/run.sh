@@ -46,6 +46,12 @@ export KPT_REQUIRE_GPU=1
 KPT_GIT_COMMIT="$(cat "$here/GIT_COMMIT")"
 export KPT_GIT_COMMIT
 
+# Reports are named after the GPU (nvidia-h100, attention-h200, ...).
+gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 |
+  grep -oiE '[ABHL][0-9]{2,3}' | head -n 1 | tr '[:upper:]' '[:lower:]')"
+gpu="${gpu:-gpu}"
+echo "reports named after: $gpu"
+
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   "$here/bin/kpt" detect --json > "$out/detect.json" 2> "$out/detect.log" || status=1
@@ -81,17 +87,17 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
-    --out "$out/reports" "$@" || status=1
+    --name "nvidia-$gpu" --out "$out/reports" "$@" || status=1
   "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
-    --suite attention --name attention-h100 --out "$out/reports" "$@" || status=1
+    --suite attention --name "attention-$gpu" --out "$out/reports" "$@" || status=1
   # Host time per decode-shaped run with CUDA graphs off and on.
   mkdir -p "$out/reports"
-  "$here/bin/kpt-bench-graphs" --out "$out/reports/graphs-h100.json" || status=1
+  "$here/bin/kpt-bench-graphs" --out "$out/reports/graphs-$gpu.json" || status=1
 fi
 if [ "$what" = models ] || [ "$what" = all ]; then
   # A 1.1B LLaMA-shaped checkpoint through kpt-models and HF transformers.
   "$here/bin/kpt-bench-models" --python python3 --script "$here/hf_models.py" \
-    --dir "${TMPDIR:-/tmp}/kpt-bench-llama" --out "$out/reports" || status=1
+    --dir "${TMPDIR:-/tmp}/kpt-bench-llama" --name "models-$gpu" --out "$out/reports" || status=1
 fi
 if [ "$what" = xla ]; then
   plugin="$(python3 - <<'PY'

@@ -736,6 +736,23 @@ impl Gpu {
         Ok(true)
     }
 
+    /// Blocks of `flash_attention_sm90.cu` for `tiles` work tiles: without a causal mask
+    /// (tiles of one length) a persistent grid of one block per SM, each walking every
+    /// SM-count-th tile so that a tile's loads overlap the previous tile's end; with one
+    /// (tiles of many lengths) a block per tile, which the hardware hands to SMs as
+    /// they free up, longest first. `KPT_CUDA_ATTENTION_GRID=tiles` launches a block per
+    /// tile always (for side-by-side timing).
+    fn sm90_attention_grid(&self, tiles: usize, dims: AttentionDims) -> Result<u32, NvidiaError> {
+        let sms = self.properties().sm_count.max(1) as usize;
+        let per_tile = std::env::var("KPT_CUDA_ATTENTION_GRID").is_ok_and(|v| v == "tiles");
+        let blocks = if dims.causal != 0 || per_tile {
+            tiles
+        } else {
+            tiles.min(sms)
+        };
+        grid("flash attention tiles", blocks)
+    }
+
     /// Tensor-core attention for bf16 and f16 with head dim 64 or 128: with `hopper`, the
     /// wgmma kernel of `flash_attention_sm90.cu` where its sm_90a cubin is loaded and no
     /// sliding window is set, else the mma.sync kernel of `flash_attention.cu`.
@@ -780,7 +797,7 @@ impl Gpu {
             } else {
                 FLASH_SM90_BLOCK_M
             };
-            let blocks = grid("flash attention tiles", tiles(block_m))?;
+            let blocks = self.sm90_attention_grid(tiles(block_m), dims)?;
             let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
             launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims);
             return Ok(());
@@ -827,7 +844,7 @@ impl Gpu {
         launch!(self, SM90, "kpt_attention_fp8_v_transpose_d128", blocks; v, vt.ptr(), dims);
         let tiles =
             (dims.seq_q as usize).div_ceil(FLASH_SM90_BLOCK_M) * batch * dims.heads as usize;
-        let blocks = grid("flash attention tiles", tiles)?;
+        let blocks = self.sm90_attention_grid(tiles, dims)?;
         launch!(
             self, SM90, "kpt_flash_attention_sm90_e4m3_d128", blocks;
             q, k, vt.ptr(), mask, out, dims, v_scale

@@ -939,6 +939,25 @@ proptest! {
     }
 }
 
+/// More work tiles than an H100 or H200 has SMs (132), without a causal mask: the Hopper
+/// kernel then runs a persistent grid whose blocks walk several tiles each, carrying the
+/// K/V ring and the Q buffer from one tile to the next. Partial first tiles, caches
+/// shorter and longer than the query, additive masks, both 16-bit dtypes and head dims,
+/// and FP8.
+#[test]
+fn attention_many_tiles_per_block() -> Result<(), TestCaseError> {
+    let cases = [
+        ([2, 400, 333, 8, 4, 64], false, DType::BF16),
+        ([2, 385, 500, 8, 4, 128], true, DType::F16),
+        ([3, 260, 129, 4, 8, 128], false, DType::BF16),
+        ([3, 300, 300, 8, 4, 64], true, DType::F16),
+    ];
+    for (seed, (shape, with_mask, dt)) in cases.into_iter().enumerate() {
+        check_attention(shape, (false, None), with_mask, dt, seed as u64)?;
+    }
+    check_attention_fp8([2, 300, 400, 8, 4, 128], (false, false, None), 7)
+}
+
 #[test]
 fn dynamic_quantization_finds_the_scale() {
     let Some(b) = backend() else { return };
