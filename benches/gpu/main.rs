@@ -52,6 +52,10 @@ struct Args {
     /// Timed repetitions per side.
     #[arg(long, default_value_t = 15)]
     reps: usize,
+    /// Most blocks of the Hopper attention kernel's persistent grid (default: the SM
+    /// count; a number at least the tile count gives every call a block per tile).
+    #[arg(long)]
+    attention_blocks: Option<usize>,
     /// Time only the kernel the registry picks, not every other device kernel it accepts
     /// (those are still checked against the reference).
     #[arg(long)]
@@ -866,6 +870,7 @@ fn main() -> Result<()> {
         ..CudaOptions::default()
     };
     let backend = CudaBackend::new(0, options).context("opening CUDA device 0")?;
+    backend.gpu().set_attention_blocks(args.attention_blocks);
     let mut worker = TorchWorker::start(&args.python, &args.script, 1)?;
     let info = worker.info.clone();
     let text = |k: &str| info[k].as_str().unwrap_or("unknown").to_string();

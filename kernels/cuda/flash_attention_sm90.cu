@@ -46,13 +46,14 @@
 // stream 132 heads' K/V from memory); inside a section, query tiles go last-first across its
 // heads, so that the longest causal blocks start first.
 //
-// Persistent grid: a block runs work tiles x = blockIdx.x, blockIdx.x + gridDim.x, ... in the
-// order above, and the producer and the consumers carry the K/V ring from one work tile to the
-// next, so the next tile's Q and K/V copies run while the consumers finish the last tile and
-// store its output. The Q tile has its own "empty" mbarrier: the consumers release it once
-// their last Q K^T of the work tile completed. A grid of one block per tile (causal calls,
-// whose blocks differ in length and balance best on the hardware's own scheduler) runs one
-// work tile per block.
+// Persistent grid: with fewer blocks than tiles, a block runs work tiles x = blockIdx.x,
+// blockIdx.x + gridDim.x, ... in the order above, and the producer and the consumers carry
+// the K/V ring from one work tile to the next, so the next tile's Q and K/V copies run while
+// the consumers finish the last tile and store its output. The Q tile has its own "empty"
+// mbarrier: the consumers release it once their last Q K^T of the work tile completed. Under
+// a causal mask tiles differ in length, so the stride walks items of two paired tiles, a
+// long one and a short one (paired_tile), which all walk about the same number of key tiles.
+// A grid of one block per tile runs one work tile per block.
 //
 // Launch: grid = at most ceil(seq_q / kBlockM) * batch * heads blocks (kBlockM = 192 for
 // bf16/f16 at d = 64, else 128; blocks past that return at once), the `block=` threads below, and the
@@ -603,6 +604,23 @@ __device__ __forceinline__ Work work_tile(long x, const Dims& p, int tiles_m, in
     return w;
 }
 
+// Work tile `half` (0 or 1) of item `item` of a causal persistent grid, as an index of the
+// block order, or -1 (the middle tile of an odd count has no partner). Item pr of a section
+// pairs query tile pr counted from the last (the longest under the mask) with tile
+// tiles_m - 1 - pr (a short one), so that every item walks about as many key tiles as the
+// longest tile and a static stride of items over the SMs is balanced.
+__device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, int pairs,
+                                            int bh_count) {
+    const long full = static_cast<long>(pairs) * ((tiles_m + 1) / 2);  // items of a section
+    const long sec = item / full;
+    const int in_section = min(pairs, bh_count - static_cast<int>(sec) * pairs);
+    const int ri = static_cast<int>(item % full);
+    const int pr = ri / in_section, pair = ri % in_section;
+    const int u = half == 0 ? pr : tiles_m - 1 - pr;
+    if (half == 1 && u == pr) return -1;
+    return sec * pairs * tiles_m + static_cast<long>(u) * in_section + pair;
+}
+
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
 // the output (v_scale for FP8, 1 otherwise).
 template <typename T, int D, bool kMask>
@@ -635,9 +653,21 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const int tiles_m = (p.seq_q + kBlockM - 1) / kBlockM;
     const long total = static_cast<long>(tiles_m) * bh_count;
     if (blockIdx.x >= total) return;
+    // A persistent grid (fewer blocks than tiles) walks items gridDim.x apart: a tile each,
+    // or under a causal mask two paired tiles (paired_tile).
+    const bool paired = p.causal && gridDim.x < total;
+    const long items = paired ? static_cast<long>(bh_count) * ((tiles_m + 1) / 2) : total;
     const long kv_bytes = 2L * p.seq_kv * D * static_cast<long>(sizeof(T));
     const int pairs = static_cast<int>(
         max(1L, min(static_cast<long>(bh_count), kL2Budget / max(kv_bytes, 1L))));
+    // The n-th work tile of this block (an index of the block order), -1 for none, or -2
+    // past the last.
+    auto tile_of = [&](long n) -> long {
+        const long item = blockIdx.x + (paired ? n / 2 : n) * gridDim.x;
+        if (item >= items) return -2;
+        return paired ? paired_tile(item, static_cast<int>(n % 2), tiles_m, pairs, bh_count)
+                      : item;
+    };
     const int group = p.heads / p.kv_heads;
     const int offset = p.seq_kv - p.seq_q;
     const long q_stride = static_cast<long>(p.heads) * D;
@@ -665,7 +695,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         const int tp = threadIdx.x;
         int s = 0;
         unsigned phase = 0, q_phase = 0;
-        for (long x = blockIdx.x; x < total; x += gridDim.x) {
+        for (long n = 0;; ++n) {
+            const long x = tile_of(n);
+            if (x == -2) break;
+            if (x < 0) continue;
             const Work w = work_tile<kBlockM>(x, p, tiles_m, pairs);
             const int hk = w.h / group;
             const T* qb = q + (static_cast<long>(w.b) * p.seq_q + w.m0) * q_stride +
@@ -739,7 +772,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         }
     };
 
-    for (long x = blockIdx.x; x < total; x += gridDim.x) {
+    for (long n = 0;; ++n) {
+        const long x = tile_of(n);
+        if (x == -2) break;
+        if (x < 0) continue;
         const Work w = work_tile<kBlockM>(x, p, tiles_m, pairs);
         const int n_tiles = w.n_tiles;
         // The two query rows of this thread's accumulators: qi0 and qi0 + 8.

@@ -2,7 +2,7 @@
 //! allocator and the kernels loaded from `kpt_kernels::artifacts`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
@@ -147,6 +147,9 @@ pub struct Gpu {
     /// Whether kernels whose image waits for its producer get programmatic launches
     /// ([`Gpu::programmatic_launches`]).
     programmatic: AtomicBool,
+    /// Most blocks of a persistent attention grid; 0: the SM count
+    /// ([`Gpu::set_attention_blocks`]).
+    attention_blocks: AtomicUsize,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -192,7 +195,25 @@ impl Gpu {
             functions: Mutex::new(HashMap::new()),
             capture: Mutex::new(None),
             programmatic: AtomicBool::new(programmatic),
+            attention_blocks: AtomicUsize::new(0),
         })
+    }
+
+    /// Most blocks of the Hopper attention kernel's persistent grid: by default (`None`)
+    /// one per SM. Fewer make each block walk more query tiles (tests use that to reach
+    /// many tiles per block with small shapes); at least as many as a call has tiles give
+    /// it a block per tile. The result does not depend on it.
+    pub fn set_attention_blocks(&self, blocks: Option<usize>) {
+        self.attention_blocks
+            .store(blocks.map_or(0, |b| b.max(1)), Ordering::Relaxed);
+    }
+
+    /// The persistent attention grid's most blocks ([`Gpu::set_attention_blocks`]).
+    pub(crate) fn attention_blocks(&self) -> usize {
+        match self.attention_blocks.load(Ordering::Relaxed) {
+            0 => self.props.sm_count.max(1) as usize,
+            b => b,
+        }
     }
 
     /// Whether kernels whose image waits for the previous kernel

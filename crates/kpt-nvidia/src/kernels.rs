@@ -736,21 +736,24 @@ impl Gpu {
         Ok(true)
     }
 
-    /// Blocks of `flash_attention_sm90.cu` for `tiles` work tiles: without a causal mask
-    /// (tiles of one length) a persistent grid of one block per SM, each walking every
-    /// SM-count-th tile so that a tile's loads overlap the previous tile's end; with one
-    /// (tiles of many lengths) a block per tile, which the hardware hands to SMs as
-    /// they free up, longest first. `KPT_CUDA_ATTENTION_GRID=tiles` launches a block per
-    /// tile always (for side-by-side timing).
-    fn sm90_attention_grid(&self, tiles: usize, dims: AttentionDims) -> Result<u32, NvidiaError> {
-        let sms = self.properties().sm_count.max(1) as usize;
-        let per_tile = std::env::var("KPT_CUDA_ATTENTION_GRID").is_ok_and(|v| v == "tiles");
-        let blocks = if dims.causal != 0 || per_tile {
-            tiles
-        } else {
-            tiles.min(sms)
-        };
-        grid("flash attention tiles", blocks)
+    /// Blocks of `flash_attention_sm90.cu` for query tiles of `block_m` rows: a persistent
+    /// grid of one block per SM ([`Gpu::attention_blocks`]), each walking every
+    /// grid-size-th work item so that an item's loads overlap the previous one's end.
+    /// Without a causal mask an item is a tile; with one, a pair of tiles (a long and a
+    /// short) of about equal length, and only where there are at least four items per
+    /// block: with fewer, the static stride would leave SMs idle, and a block per tile,
+    /// which the hardware hands to SMs as they free up (the longest first), balances
+    /// better.
+    fn sm90_attention_grid(&self, dims: AttentionDims, block_m: usize) -> Result<u32, NvidiaError> {
+        let tiles_m = (dims.seq_q as usize).div_ceil(block_m);
+        let pairs = dims.batch as usize * dims.heads as usize;
+        let tiles = tiles_m * pairs;
+        let most = self.attention_blocks();
+        let per_tile = dims.causal != 0 && pairs * tiles_m.div_ceil(2) < 4 * most;
+        grid(
+            "flash attention tiles",
+            if per_tile { tiles } else { tiles.min(most) },
+        )
     }
 
     /// Tensor-core attention for bf16 and f16 with head dim 64 or 128: with `hopper`, the
@@ -797,7 +800,7 @@ impl Gpu {
             } else {
                 FLASH_SM90_BLOCK_M
             };
-            let blocks = self.sm90_attention_grid(tiles(block_m), dims)?;
+            let blocks = self.sm90_attention_grid(dims, block_m)?;
             let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
             launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims);
             return Ok(());
@@ -842,9 +845,7 @@ impl Gpu {
         let vt = self.alloc(groups * 128 * key_tiles * FLASH_SM90_BLOCK_N)?;
         let blocks = grid("fp8 V transpose tiles", groups * key_tiles)?;
         launch!(self, SM90, "kpt_attention_fp8_v_transpose_d128", blocks; v, vt.ptr(), dims);
-        let tiles =
-            (dims.seq_q as usize).div_ceil(FLASH_SM90_BLOCK_M) * batch * dims.heads as usize;
-        let blocks = self.sm90_attention_grid(tiles, dims)?;
+        let blocks = self.sm90_attention_grid(dims, FLASH_SM90_BLOCK_M)?;
         launch!(
             self, SM90, "kpt_flash_attention_sm90_e4m3_d128", blocks;
             q, k, vt.ptr(), mask, out, dims, v_scale
