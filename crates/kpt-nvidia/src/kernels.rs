@@ -48,6 +48,10 @@ const FLASH_SM90_BLOCK_M: usize = 128;
 const FLASH_SM90_BLOCK_M_D64: usize = 192;
 /// Keys per K/V tile of `flash_attention_sm90.cu` (its kBlockN).
 const FLASH_SM90_BLOCK_N: usize = 128;
+/// Most query tiles of a causal call that runs on the persistent grid (paired tiles):
+/// at 32 (S4096, d128) it measured 2 % faster than a block per tile on an H200, at 128
+/// (S16384) 2 % slower.
+const CAUSAL_PAIRED_TILES: usize = 32;
 
 /// Row blocks of the Triton norm specializations (`kernels/triton/rms_norm.py`).
 const TRITON_ROW_BLOCKS: [usize; 4] = [1024, 2048, 4096, 8192];
@@ -741,15 +745,17 @@ impl Gpu {
     /// grid-size-th work item so that an item's loads overlap the previous one's end.
     /// Without a causal mask an item is a tile; with one, a pair of tiles (a long and a
     /// short) of about equal length, and only where there are at least four items per
-    /// block: with fewer, the static stride would leave SMs idle, and a block per tile,
-    /// which the hardware hands to SMs as they free up (the longest first), balances
-    /// better.
+    /// block and at most [`CAUSAL_PAIRED_TILES`] query tiles: with fewer items the static
+    /// stride would leave SMs idle, and with long sequences a block per tile, which the
+    /// hardware hands to SMs as they free up (the longest first), balances better and its
+    /// fill and drain cost little (docs/decisions.md, "Persistent attention grid").
     fn sm90_attention_grid(&self, dims: AttentionDims, block_m: usize) -> Result<u32, NvidiaError> {
         let tiles_m = (dims.seq_q as usize).div_ceil(block_m);
         let pairs = dims.batch as usize * dims.heads as usize;
         let tiles = tiles_m * pairs;
         let most = self.attention_blocks();
-        let per_tile = dims.causal != 0 && pairs * tiles_m.div_ceil(2) < 4 * most;
+        let per_tile = dims.causal != 0
+            && (tiles_m > CAUSAL_PAIRED_TILES || pairs * tiles_m.div_ceil(2) < 4 * most);
         grid(
             "flash attention tiles",
             if per_tile { tiles } else { tiles.min(most) },
