@@ -55,9 +55,9 @@
 // long one and a short one (paired_tile), which all walk about the same number of key tiles.
 // A grid of one block per tile runs one work tile per block.
 //
-// Launch: grid = at most ceil(seq_q / kBlockM) * batch * heads blocks (kBlockM = 192 for
-// bf16/f16 at d = 64, else 128; blocks past that return at once), the `block=` threads below, and the
-// `shared=` bytes as dynamic shared memory (more than 48 KiB: the function needs
+// Launch: grid = 1 to ceil(seq_q / kBlockM) * batch * heads blocks (the tile count; kBlockM =
+// 192 for bf16/f16 at d = 64, else 128; fewer blocks run the persistent grid above), the
+// `block=` threads below, and the `shared=` bytes as dynamic shared memory (more than 48 KiB: the function needs
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES set to it first). Only the
 // sm_90a cubin computes; the sm_80 cubin and the compute_80 PTX of this file trap.
 // When `lse` is not null (bf16/f16 entries), each row's log-sum-exp of the scaled scores
