@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kpt_core::backend::{
-    cache_write_into, copy_extent, row_write_extent, Backend, BufferMut, BufferRef, DeviceBuffer,
-    MemoryStats,
+    cache_write_into, check_output_specs, copy_extent, row_write_extent, Backend, BufferMut,
+    BufferRef, DeviceBuffer, MemoryStats,
 };
 use kpt_core::graph::{rope_frequencies, rope_seq_len, Op, RopeScaling, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
@@ -972,25 +972,7 @@ impl Backend for RocmBackend {
         inputs: &[BufferRef<'_>],
         outputs: &mut [BufferMut<'_>],
     ) -> Result<()> {
-        // Device kernels trust their sizes, so the specs must be exactly what the op
-        // makes of its inputs (`infer` also checks the number of inputs).
-        let specs: Vec<TensorSpec> = inputs.iter().map(|r| r.spec.clone()).collect();
-        let expected = op.infer(&specs)?;
-        if expected.len() != outputs.len()
-            || expected
-                .iter()
-                .zip(outputs.iter())
-                .any(|(e, m)| e != m.spec)
-        {
-            return Err(KptError::Graph(format!(
-                "{op}: outputs {:?} do not match the inferred {:?}",
-                outputs
-                    .iter()
-                    .map(|m| m.spec.to_string())
-                    .collect::<Vec<_>>(),
-                expected.iter().map(ToString::to_string).collect::<Vec<_>>()
-            )));
-        }
+        check_output_specs(op, inputs, outputs)?;
         self.launch(kernel, op, inputs, outputs)
     }
 

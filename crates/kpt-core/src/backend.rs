@@ -96,6 +96,29 @@ pub struct BufferMut<'a> {
     pub spec: &'a TensorSpec,
 }
 
+/// Checks that `outputs` are exactly the specs `op` infers from `inputs` (which also
+/// checks the number of inputs): device kernels trust the sizes they are given, so a
+/// device backend's [`Backend::execute`] calls this before it launches anything.
+pub fn check_output_specs(
+    op: &Op,
+    inputs: &[BufferRef<'_>],
+    outputs: &[BufferMut<'_>],
+) -> Result<()> {
+    let specs: Vec<TensorSpec> = inputs.iter().map(|r| r.spec.clone()).collect();
+    let expected = op.infer(&specs)?;
+    if expected.len() != outputs.len() || expected.iter().zip(outputs).any(|(e, m)| e != m.spec) {
+        return Err(KptError::Graph(format!(
+            "{op}: outputs {:?} do not match the inferred {:?}",
+            outputs
+                .iter()
+                .map(|m| m.spec.to_string())
+                .collect::<Vec<_>>(),
+            expected.iter().map(ToString::to_string).collect::<Vec<_>>()
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a [`Backend::copy_into`] request and returns its destination offset and
 /// length in bytes.
 pub fn copy_extent(
@@ -458,5 +481,42 @@ impl BackendRegistry {
     /// Names of the registered backends.
     pub fn names(&self) -> Vec<String> {
         self.backends.iter().map(|b| b.name().to_string()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buffer(spec: &TensorSpec) -> DeviceBuffer {
+        DeviceBuffer::new(spec.dtype, spec.numel(), Box::new(()))
+    }
+
+    #[test]
+    fn output_specs_must_be_the_inferred_ones() {
+        let x = TensorSpec::new(&[2, 3], DType::F32);
+        let xb = buffer(&x);
+        let inputs = [BufferRef {
+            buffer: &xb,
+            spec: &x,
+        }];
+        let check = |out: &TensorSpec| {
+            let mut ob = buffer(out);
+            let outputs = [BufferMut {
+                buffer: &mut ob,
+                spec: out,
+            }];
+            check_output_specs(&Op::Softmax, &inputs, &outputs)
+        };
+        assert!(check(&x).is_ok());
+        let err = check(&TensorSpec::new(&[3, 2], DType::F32)).unwrap_err();
+        assert!(matches!(err, KptError::Graph(_)), "{err}");
+        assert!(
+            err.to_string().contains("do not match the inferred"),
+            "{err}"
+        );
+        assert!(check(&TensorSpec::new(&[2, 3], DType::BF16)).is_err());
+        // Missing inputs are the op's own error.
+        assert!(check_output_specs(&Op::Softmax, &[], &[]).is_err());
     }
 }
