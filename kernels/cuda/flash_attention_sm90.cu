@@ -57,8 +57,8 @@
 //
 // Launch: grid = 1 to ceil(seq_q / kBlockM) * batch * heads blocks (the tile count; kBlockM =
 // 192 for bf16/f16 at d = 64, else 128; fewer blocks run the persistent grid above), the
-// `block=` threads below, and the `shared=` bytes as dynamic shared memory (more than 48 KiB: the function needs
-// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES set to it first). Only the
+// `block=` threads below, and the `shared=` bytes as dynamic shared memory (more than 48 KiB:
+// the function needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES set to it first). Only the
 // sm_90a cubin computes; the sm_80 cubin and the compute_80 PTX of this file trap.
 // When `lse` is not null (bf16/f16 entries), each row's log-sum-exp of the scaled scores
 // (natural log, f32 [batch, heads, seq_q], +inf for rows that see no key) is written there
