@@ -4,8 +4,9 @@
 //!
 //! The tile loads read A in place, row-major: each 16-row tile is 16 rows of 32 bf16 at
 //! A's row stride. Only blocks that cannot be read that way are copied, zero-padded
-//! (rows not a multiple of 32 elements, the last partial 32-row block, and row strides
-//! that would pile a block's rows into a few L1 sets, see [`spreads_in_l1`]). B is packed
+//! (rows not a multiple of 32 elements, the last partial 32-row block, and, when B is
+//! wide, row strides that would pile a block's rows into a few L1 sets, see
+//! [`spreads_in_l1`] and [`COPY_A_MIN_N`]). B is packed
 //! into 1 KiB tiles in the pair-interleaved ("VNNI") layout `TDPBF16PS` reads: 16 rows of
 //! k-pairs, each holding 16 columns × 2 consecutive k, a column panel's k tiles one after
 //! the other. The micro-kernel keeps a 32 × 32 f32 output block in four accumulator tiles
@@ -17,13 +18,13 @@
 //! 2.5-3x faster than the loop with its loads; loads issued back to back beat loads
 //! interleaved with the products, and the prefetches added about 20% with all threads
 //! busy.
-//! Rayon tasks own a 128 × 128 output rectangle each (64 × 64 when that leaves fewer than
-//! eight tasks per thread), accumulated in f32 over passes of 512 k: within a pass one
-//! 32-row A block (32 KiB) stays in L1 while it meets the task's B blocks (in L2). A 64 × 64
-//! task prefetches the next A block into L2 while the current one meets its two column
-//! blocks. Each
-//! task packs the B panels (and copies the A blocks) it needs that no other task did yet
-//! ([`LazyPanels`]), into [`Scratch`] buffers.
+//! Tasks own a 128 × 128 output rectangle each (64 × 64 when that leaves fewer than
+//! four tasks per thread), run by [`for_each_task`](super::par::for_each_task), and
+//! accumulate it in f32 over passes of 512 k: within a pass one 32-row A block (32 KiB)
+//! stays in L1 while it meets the task's B blocks (in L2). A 64 × 64 task prefetches the
+//! next A block into L2 while the current one meets its two column blocks. Each task
+//! packs the B panels it needs that no other task did yet ([`LazyPanels`]), into
+//! [`Scratch`] buffers; the A blocks that are copied are copied before the tasks start.
 //!
 //! CPUs with AVX-512-BF16 but no AMX (AMD Zen 4 and later, Intel Cooper Lake) run the
 //! same driver, packing and task split with `VDPBF16PS` on zmm registers in place of the
@@ -53,6 +54,13 @@ const TASK: usize = 128;
 /// k tiles per pass over a task's blocks: one A block (32 × 512 bf16, 32 KiB) then stays
 /// in L1 while it meets the task's B blocks (in L2).
 const KSTEPS: usize = 16;
+
+/// Columns of B from which A's blocks are copied when their rows pile into a few L1
+/// sets (see [`spreads_in_l1`]). The copy is a parallel phase of its own that reads and
+/// writes A once; it pays only when each A block meets many column blocks. On the
+/// 16-core Xeon VM, reading in place ran 1024² 6-33% faster, 2048² -3% to +34%, and the
+/// MLP shape (n = 5632) about 6% slower than copying.
+const COPY_A_MIN_N: usize = 4096;
 
 /// Whether AMX-BF16 can run in this process: the CPU has it, the OS saves its state and
 /// granted this process the tile data permission, and `KPT_CPU_AMX` is not `off` (or
@@ -101,7 +109,7 @@ fn matmul_with<T: Encode>(
         return;
     }
     let kt = k.div_ceil(KB);
-    let in_place = if k.is_multiple_of(KB) && spreads_in_l1(k, kt) {
+    let in_place = if k.is_multiple_of(KB) && (n < COPY_A_MIN_N || spreads_in_l1(k, kt)) {
         m / MB
     } else {
         0
@@ -491,9 +499,8 @@ mod imp {
     use std::arch::asm;
     use std::sync::OnceLock;
 
-    use rayon::prelude::*;
-
     use super::{ABlocks, BPanels, Encode, Engine, Scratch, KB, KSTEPS, MB, TASK, TILE};
+    use crate::cpu::par::for_each_task;
 
     /// Whether the CPU has AVX-512-BF16 (and the AVX-512 set kpt's kernels use), and
     /// `KPT_CPU_BF16DP` is not `off` (or `0`).
@@ -837,12 +844,11 @@ mod imp {
         assert!(out.len() >= m * n && kt >= 1);
         let dst = OutPtr(out.as_mut_ptr());
         let threads = rayon::current_num_threads();
-        crate::cpu::team::rest();
         let task = task_size(mb, nb, threads);
         let (tr, tc) = (mb.div_ceil(task), nb.div_ceil(task));
-        // Column-major task order: rayon hands each thread a run of consecutive tasks,
+        // Column-major task order: each thread starts on a run of consecutive tasks,
         // which then share their B panels (packed once, kept in that core's L2).
-        (0..tr * tc).into_par_iter().for_each(|t| {
+        for_each_task(tr * tc, &|t| {
             let (r0, c0) = ((t % tr) * task, (t / tr) * task);
             let (rows, cols) = (task.min(mb - r0), task.min(nb - c0));
             let bt = b.panels(c0 / 16..(c0 + cols) / 16);
@@ -948,11 +954,11 @@ mod imp {
         }
     }
 
-    /// Output rows / columns per task: 128, or 64 when that leaves fewer than eight
-    /// tasks per thread (1024² on 16 threads: 256 tasks of 64² ran faster than 64 of
-    /// 128² in most alternating runs on the Xeon VM).
+    /// Output rows / columns per task: 128, or 64 when that leaves fewer than four
+    /// tasks per thread (on the Xeon VM's 16 threads, 1024² ran 30-45% faster in 64
+    /// tasks of 128² than in 256 of 64², and 512² 15% slower in 16 of 128²).
     fn task_size(mb: usize, nb: usize, threads: usize) -> usize {
-        if mb.div_ceil(TASK) * nb.div_ceil(TASK) >= 8 * threads {
+        if mb.div_ceil(TASK) * nb.div_ceil(TASK) >= 4 * threads {
             TASK
         } else {
             TASK / 2
@@ -1175,6 +1181,8 @@ mod tests {
         let shapes = SHAPES.iter().copied().chain([
             (40, 700, 50),
             (100, 1024, 96),
+            // Rows that alias in L1 and a wide B: A's blocks are copied.
+            (33, 1024, COPY_A_MIN_N + 1),
             (33, 512, 200),
             (300, 96, 260),
         ]);

@@ -11,8 +11,9 @@
 //!   Operands larger than [`PACK_LIMIT`] are packed and multiplied a chunk of rows or
 //!   columns at a time.
 //! - The output is cut into [`TASKS_PER_THREAD`] small rectangles per thread (see
-//!   [`task_shape`]) that rayon's threads take as they go, so a thread on a slower
-//!   or busier core takes fewer of them: on a 16-core VM the same static share ran
+//!   [`task_shape`]); each thread starts on its own run of neighbouring tasks and then
+//!   takes the others' ([`for_each_task`]), so a thread on a slower or busier core
+//!   runs fewer of them: on a 16-core VM the same static share ran
 //!   from 9.5 to 20 ms on different threads of one call (12 tasks per thread and
 //!   `KC` = 512 ran 5-10% faster there than 6 and 256). A task walks k blocks of `KC`;
 //!   per block its A micro-panel (`KC × MR`, in L1) meets each of its B micro-panels
@@ -24,10 +25,9 @@
 //! - An optional epilogue (bias, activation) runs on each finished row segment of a
 //!   task while it is still in cache.
 
-use rayon::prelude::*;
-
 use super::gemm::Strided;
 use super::panels::LazyPanels;
+use super::par::for_each_task;
 use super::scratch::Scratch;
 
 /// A register-blocked micro-kernel and the blocking that suits it.
@@ -172,8 +172,7 @@ fn sgemm_chunked<M: Micro>(
                 unsafe { rectangle(mk, a, b, out, d, ip, jp, epi) };
             };
             if threads > 1 {
-                super::team::rest();
-                (0..tm * tn).into_par_iter().for_each(task);
+                for_each_task(tm * tn, &task);
             } else {
                 (0..tm * tn).for_each(task);
             }
