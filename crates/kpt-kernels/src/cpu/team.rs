@@ -1,4 +1,6 @@
-//! A team of spinning helper threads for short parallel loops (decode-sized kernels).
+//! A team of spinning helper threads for kpt's parallel loops: decode-sized loops in one
+//! static part per thread, large loops and the GEMMs' tasks through
+//! [`for_each_task`](super::par::for_each_task).
 //!
 //! A kernel that runs for tens of microseconds pays for every idle worker it wakes:
 //! rayon's workers sleep soon after their queues empty, and waking a sleeping thread
