@@ -1,7 +1,7 @@
 //! `cargo xtask`: kpt's developer tasks, in plain Rust.
 //!
-//! - `test`: rustfmt check, clippy with `-D warnings`, the whole test suite, and
-//!   `check-kernels` — what CI runs.
+//! - `test`: rustfmt check, clippy with `-D warnings`, the whole test suite, rustdoc
+//!   with `-D warnings`, and `check-kernels` — what CI runs.
 //! - `check-kernels`: fails when a kernel source under `kernels/` changed and the
 //!   committed artifact manifest (`crates/kpt-kernels/artifacts/manifest.json`) does
 //!   not record its current hash, or an artifact does not match its recorded hash.
@@ -156,6 +156,11 @@ fn test() -> Result<()> {
             ("KPT_PJRT_PLUGIN", plugin.as_path()),
             ("KPT_REQUIRE_PJRT", Path::new("1")),
         ],
+    )?;
+    // Broken intra-doc links and other rustdoc warnings fail the check.
+    cargo_env(
+        &["doc", "--workspace", "--no-deps"],
+        &[("RUSTDOCFLAGS", Path::new("-D warnings"))],
     )?;
     check_kernels()?;
     eprintln!("xtask test: all checks passed");

@@ -4,9 +4,9 @@
 //! Inputs and outputs are host [`Tensor`]s ([`Executor::run`]) or, for values that stay
 //! on the device between runs such as a KV cache, [`DeviceTensor`]s
 //! ([`Executor::run_resident`]). A cache update runs in place when the cache is a graph
-//! input that nothing else reads: [`Op::CacheWrite`](crate::graph::Op::CacheWrite) writes
+//! input that nothing else reads: [`Op::CacheWrite`] writes
 //! its rows into the input's buffer ([`Backend::write_rows`]), and an
-//! [`Op::Concat`](crate::graph::Op::Concat) that appends to a device-resident input with
+//! [`Op::Concat`] that appends to a device-resident input with
 //! room to spare (a cache allocated by [`DeviceTensor::with_capacity`]) copies only the
 //! new rows. The output is then the input's buffer.
 //!

@@ -1,4 +1,4 @@
-//! Attention gradients in f32 (the backward pass of [`super::attention`]): tasks of one
+//! Attention gradients in f32 (the backward pass of [`attention`](fn@super::attention)): tasks of one
 //! (batch, kv head) in parallel, each recomputing its query heads' probabilities row by
 //! row (as `exp(s - lse)` when the forward's log-sum-exp is given, else with the row's
 //! max and sum) and accumulating `dk` and `dv` of its kv head privately, so no two tasks
