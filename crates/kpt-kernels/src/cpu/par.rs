@@ -215,22 +215,33 @@ pub(crate) fn for_each_row2<A, B, F>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+    use std::sync::atomic::AtomicBool;
+    use std::time::{Duration, Instant};
 
     /// Runs `count` tasks over `parts` scoped threads; returns each task's run count
-    /// and the thread it ran on. Task 0 (share 0's first) sleeps, so that the other
-    /// threads take the rest of share 0.
+    /// and the thread it ran on. Task 0 (share 0's first) blocks its thread until
+    /// another task of share 0 has run (or 10 s have passed), so share 0 is finished
+    /// only if other threads take its tasks, however the OS schedules the threads.
     fn run_shares(count: usize, parts: usize) -> (Vec<usize>, Vec<usize>) {
         let shares = Shares::new(count, parts);
+        let share0 = count / parts;
         let runs: Vec<AtomicUsize> = (0..count).map(|_| AtomicUsize::new(0)).collect();
         let owner: Vec<AtomicUsize> = (0..count).map(|_| AtomicUsize::new(0)).collect();
+        let share0_moved = AtomicBool::new(false);
         std::thread::scope(|s| {
             for p in 0..parts {
-                let (shares, runs, owner) = (&shares, &runs, &owner);
+                let (shares, runs, owner, moved) = (&shares, &runs, &owner, &share0_moved);
                 s.spawn(move || {
                     shares.run(p, &|t| {
-                        if t == 0 {
-                            std::thread::sleep(Duration::from_millis(200));
+                        if t == 0 && share0 > 1 {
+                            let start = Instant::now();
+                            while !moved.load(Ordering::Acquire)
+                                && start.elapsed() < Duration::from_secs(10)
+                            {
+                                std::thread::sleep(Duration::from_millis(1));
+                            }
+                        } else if t < share0 {
+                            moved.store(true, Ordering::Release);
                         }
                         runs[t].fetch_add(1, Ordering::Relaxed);
                         owner[t].store(p, Ordering::Relaxed);
@@ -253,7 +264,7 @@ mod tests {
             let share0 = count / parts;
             if parts > 1 && share0 > 1 {
                 assert!(
-                    owner[1..share0].iter().any(|&p| p != 0),
+                    owner[1..share0].iter().any(|&p| p != owner[0]),
                     "{count} over {parts}: share 0 was not shared out: {owner:?}"
                 );
             }
