@@ -658,77 +658,6 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
 // the output (v_scale for FP8, 1 otherwise).
-// The producer of the TMA entry points, one thread: per work tile of the block (tile_of),
-// each K/V tile and the Q tile as boxes of the tensor maps (128-byte column blocks of the
-// swizzled tiles), on the same ring and barriers as the cp.async producer. The maps are
-// [batch, seq, heads * D] (Q), [batch, seq_kv, kv_heads * D] (K, V) and, for FP8,
-// [batch * kv_heads, D, keys] (V^T), innermost dimension first.
-template <typename T, int D, typename TileOf>
-__device__ __forceinline__ void tma_producer(const Dims& p, Maps maps, TileOf tile_of, int tiles_m,
-                                             int pairs, uint32_t sq, uint32_t sk, uint32_t sv,
-                                             uint32_t bars) {
-    using C = Config<T, D>;
-    constexpr int kBlockM = C::kBlockM;
-    constexpr int kStages = C::kStages;
-    constexpr int kBoxCols = 128 / static_cast<int>(sizeof(T));  // elements of a column block
-    constexpr int kColBlocks = D / kBoxCols;
-    const uint32_t full_q = bars, empty_q = bars + 8u;
-    auto full_k = [&](int s) { return bars + 8u * (2 + s); };
-    auto empty_k = [&](int s) { return bars + 8u * (2 + kStages + s); };
-    auto full_v = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
-    auto empty_v = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
-    const int group = p.heads / p.kv_heads;
-    int s = 0;
-    unsigned phase = 0, q_phase = 0;
-    for (long n = 0;; ++n) {
-        const long x = tile_of(n);
-        if (x == -2) break;
-        if (x < 0) continue;
-        const Work w = work_tile<kBlockM>(x, p, tiles_m, pairs);
-        const int hk = w.h / group;
-        for (int t = 0; t < w.n_tiles; ++t) {
-            const int n0 = t * kBlockN;
-            // Stage s is free once every consumer released its previous tile.
-            mbar_wait(empty_k(s), phase ^ 1);
-            mbar_expect_tx(full_k(s), C::kTileBytes);
-#pragma unroll
-            for (int cb = 0; cb < kColBlocks; ++cb) {
-                tma_load_3d(sk + s * C::kTileBytes + cb * kBlockN * 128, maps.k,
-                            hk * D + cb * kBoxCols, n0, w.b, full_k(s));
-            }
-            if (t == 0) {
-                // The Q tile is free once every consumer finished its Q K^T products of the
-                // previous work tile (K(0) is already on its way). Rows before 0 are zeros.
-                mbar_wait(empty_q, q_phase ^ 1);
-                mbar_expect_tx(full_q, C::kQBytes);
-#pragma unroll
-                for (int cb = 0; cb < kColBlocks; ++cb) {
-                    tma_load_3d(sq + cb * kBlockM * 128, maps.q, w.h * D + cb * kBoxCols, w.m0, w.b,
-                                full_q);
-                }
-                q_phase ^= 1;
-            }
-            mbar_wait(empty_v(s), phase ^ 1);
-            mbar_expect_tx(full_v(s), C::kTileBytes);
-            if constexpr (kFp8<T>) {
-                // V^T: D rows of 128 keys, one column block.
-                tma_load_3d(sv + s * C::kTileBytes, maps.v, n0, 0, w.b * p.kv_heads + hk,
-                            full_v(s));
-            } else {
-#pragma unroll
-                for (int cb = 0; cb < kColBlocks; ++cb) {
-                    tma_load_3d(sv + s * C::kTileBytes + cb * kBlockN * 128, maps.v,
-                                hk * D + cb * kBoxCols, n0, w.b, full_v(s));
-                }
-            }
-            if (++s == kStages) {
-                s = 0;
-                phase ^= 1;
-            }
-        }
-    }
-}
-
 template <typename T, int D, bool kMask, bool kTma>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
@@ -802,10 +731,18 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         // ---- producer warpgroup ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
         const int tp = threadIdx.x;
-        if constexpr (kTma) {
-            if (tp == 0) tma_producer<T, D>(p, maps, tile_of, tiles_m, pairs, sq, sk, sv, bars);
-            return;
-        }
+        // TMA: one thread issues every copy, as boxes of the tensor maps (128-byte column
+        // blocks of the swizzled tiles; rows outside the tensor, Q's before 0 too, are
+        // zeros), arming each full barrier with the bytes it waits for.
+        if (kTma && tp != 0) return;
+        constexpr int kBoxCols = 128 / static_cast<int>(sizeof(T));  // elements of a block
+        constexpr int kColBlocks = D / kBoxCols;
+        auto tma_tile = [&](uint32_t dst, const TensorMap* map, int rows, int col, int row, int z,
+                            uint32_t bar) {
+#pragma unroll
+            for (int cb = 0; cb < kColBlocks; ++cb)
+                tma_load_3d(dst + cb * rows * 128, map, col + cb * kBoxCols, row, z, bar);
+        };
         int s = 0;
         unsigned phase = 0, q_phase = 0;
         for (long n = 0;; ++n) {
@@ -824,35 +761,54 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             for (int t = 0; t < w.n_tiles; ++t) {
                 const int n0 = t * kBlockN;
                 const int rows = min(kBlockN, p.seq_kv - n0);
+                const uint32_t ks = sk + s * C::kTileBytes, vs = sv + s * C::kTileBytes;
                 // Stage s is free once every consumer released its previous tile.
                 mbar_wait(empty_k(s), phase ^ 1);
-                load_tile<T, D, kBlockN>(sk + s * C::kTileBytes, kb + n0 * kv_stride, kb,
-                                         kv_stride, 0, rows, tp);
-                mbar_arrive_on_copies(full_k(s));
+                if constexpr (kTma) {
+                    mbar_expect_tx(full_k(s), C::kTileBytes);
+                    tma_tile(ks, maps.k, kBlockN, hk * D, n0, w.b, full_k(s));
+                } else {
+                    load_tile<T, D, kBlockN>(ks, kb + n0 * kv_stride, kb, kv_stride, 0, rows, tp);
+                    mbar_arrive_on_copies(full_k(s));
+                }
                 if (t == 0) {
                     // The Q tile is free once every consumer finished its Q K^T products of
                     // the previous work tile (K(0) is already on its way).
                     mbar_wait(empty_q, q_phase ^ 1);
-                    load_tile<T, D, kBlockM>(sq, qb, q, q_stride, max(0, -w.m0), kBlockM, tp);
-                    mbar_arrive_on_copies(full_q);
+                    if constexpr (kTma) {
+                        mbar_expect_tx(full_q, C::kQBytes);
+                        tma_tile(sq, maps.q, kBlockM, w.h * D, w.m0, w.b, full_q);
+                    } else {
+                        load_tile<T, D, kBlockM>(sq, qb, q, q_stride, max(0, -w.m0), kBlockM, tp);
+                        mbar_arrive_on_copies(full_q);
+                    }
                     q_phase ^= 1;
                 }
                 mbar_wait(empty_v(s), phase ^ 1);
-                if constexpr (kFp8<T>) {
-                    load_tile<T, kBlockN, D>(sv + s * C::kTileBytes, vb + n0, vb, vt_stride, 0, D,
-                                             tp);
+                if constexpr (kTma) {
+                    mbar_expect_tx(full_v(s), C::kTileBytes);
+                    if constexpr (kFp8<T>) {
+                        // V^T: D rows of 128 keys, one column block.
+                        tma_load_3d(vs, maps.v, n0, 0, w.b * p.kv_heads + hk, full_v(s));
+                    } else {
+                        tma_tile(vs, maps.v, kBlockN, hk * D, n0, w.b, full_v(s));
+                    }
                 } else {
-                    load_tile<T, D, kBlockN>(sv + s * C::kTileBytes, vb + n0 * kv_stride, vb,
-                                             kv_stride, 0, rows, tp);
+                    if constexpr (kFp8<T>) {
+                        load_tile<T, kBlockN, D>(vs, vb + n0, vb, vt_stride, 0, D, tp);
+                    } else {
+                        load_tile<T, D, kBlockN>(vs, vb + n0 * kv_stride, vb, kv_stride, 0, rows,
+                                                 tp);
+                    }
+                    mbar_arrive_on_copies(full_v(s));
                 }
-                mbar_arrive_on_copies(full_v(s));
                 if (++s == kStages) {
                     s = 0;
                     phase ^= 1;
                 }
             }
         }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        if constexpr (!kTma) asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;
     }
 
@@ -1070,8 +1026,8 @@ KPT_FLASH_SM90(f16, __half, 64)
 KPT_FLASH_SM90(f16, __half, 128)
 
 // The same kernels with the K/V and Q tiles copied by TMA (one producer thread) from the
-// tensor maps tq, tk, tv (see tma_producer; 128-byte swizzle, boxes of 128-byte column
-// blocks by kBlockN or kBlockM rows by one batch).
+// tensor maps tq, tk, tv (128-byte swizzle, boxes of 128-byte column blocks by kBlockN
+// or kBlockM rows by one batch; see the producer warpgroup in flash_sm90).
 #define KPT_FLASH_SM90_TMA(NAME, T, D)                                                     \
     extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
         kpt_flash_attention_sm90_tma_##NAME##_d##D(                                          \

@@ -327,7 +327,7 @@ const SPLIT_TARGET_BLOCKS: usize = 1024;
 const SPLIT_WAVE_BLOCKS: usize = 528;
 
 /// The TMA maps of the Hopper attention kernel's Q, K and V tiles for query tiles of
-/// `block_m` rows (`flash_attention_sm90.cu`, `tma_producer`): Q `[batch, seq_q, heads *
+/// `block_m` rows (the producer of `flash_attention_sm90.cu`): Q `[batch, seq_q, heads *
 /// d]` and K, V `[batch, seq_kv, kv_heads * d]`, read in boxes of one 128-byte column block
 /// by `block_m` (Q) or [`FLASH_SM90_BLOCK_N`] (K, V) rows of one sequence, so rows past a
 /// sequence's end (and Q rows before 0) read as zeros. FP8 (`TmaElem::Byte`): `v` is the
