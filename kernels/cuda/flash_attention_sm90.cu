@@ -71,6 +71,11 @@
 // kpt:launch kpt_flash_attention_sm90_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_e4m3_d128 block=384 shared=148624 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_bf16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_bf16_d128 block=384 shared=230512 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_f16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_f16_d128 block=384 shared=230512 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_e4m3_d128 block=384 shared=148624 grid=tiles
 // kpt:launch kpt_attention_fp8_v_transpose_d128 block=256 shared=0 grid=tiles
 //
 // FP8 (e4m3) inputs, head dim 128, bf16 output (kpt_flash_attention_sm90_e4m3_d128): the same
@@ -115,6 +120,18 @@ template <typename T>
 using OutT = std::conditional_t<kFp8<T>, __nv_bfloat16, T>;
 
 constexpr int kBlockN = 128;  // keys per K/V tile
+
+// A TMA tensor map (the driver's CUtensorMap, 128 opaque bytes), passed by value as a
+// __grid_constant__ kernel parameter so that its address is valid for the copies.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+// The Q, K and V (FP8: V^T) maps of one call (see the TMA entry points at the end).
+struct Maps {
+    const TensorMap* q;
+    const TensorMap* k;
+    const TensorMap* v;
+};
 
 // Consumer warpgroups (64 query rows each) per block: three for 16-bit d = 64, whose softmax
 // (one exp2 per score, as many MUFU cycles as the two matrix products take on the tensor
@@ -243,6 +260,24 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                  "r"(valid ? 16 : 0)
                  : "memory");
+}
+
+// Arms `bar` for `bytes` of TMA copies and arrives on it (the full barriers of the TMA entry
+// points count one arrival, the producer's).
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+// One box of a 3-D tensor map (coordinates innermost first; rows outside the tensor,
+// negative ones too, are zeros) into shared memory at `dst`, completing on `bar`. The maps
+// use the 128-byte swizzle, which is the layout the wgmma descriptors read.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const TensorMap* map, int x, int y, int z,
+                                            uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
 }
 
 // Named barriers of the consumer ping-pong (0 is __syncthreads).
@@ -623,13 +658,13 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
 // the output (v_scale for FP8, 1 otherwise).
-template <typename T, int D, bool kMask>
+template <typename T, int D, bool kMask, bool kTma>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
                                            OutT<T>* __restrict__ out,
                                            float* __restrict__ lse, const Dims& p,
-                                           float out_scale) {
+                                           float out_scale, Maps maps) {
     using C = Config<T, D>;
     constexpr int kBlockM = C::kBlockM;
     constexpr int kConsumers = C::kConsumers;
@@ -675,13 +710,16 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // FP8: V^T of a (batch, kv head), D rows of seq_kv rounded up to kBlockN keys.
     const long vt_stride = static_cast<long>((p.seq_kv + kBlockN - 1) / kBlockN) * kBlockN;
 
+    // Full barriers: the 128 producer threads' cp.async arrivals, or the one arrival (with
+    // its byte count) of the thread that issues the TMA copies.
+    constexpr unsigned kFills = kTma ? 1 : 128;
     if (threadIdx.x == 0) {
-        mbar_init(full_q, 128);
+        mbar_init(full_q, kFills);
         mbar_init(empty_q, 128 * kConsumers);
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full_k(s), 128);
+            mbar_init(full_k(s), kFills);
             mbar_init(empty_k(s), 128 * kConsumers);
-            mbar_init(full_v(s), 128);
+            mbar_init(full_v(s), kFills);
             mbar_init(empty_v(s), 128 * kConsumers);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -693,6 +731,18 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         // ---- producer warpgroup ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
         const int tp = threadIdx.x;
+        // TMA: one thread issues every copy, as boxes of the tensor maps (128-byte column
+        // blocks of the swizzled tiles; rows outside the tensor, Q's before 0 too, are
+        // zeros), arming each full barrier with the bytes it waits for.
+        if (kTma && tp != 0) return;
+        constexpr int kBoxCols = 128 / static_cast<int>(sizeof(T));  // elements of a block
+        constexpr int kColBlocks = D / kBoxCols;
+        auto tma_tile = [&](uint32_t dst, const TensorMap* map, int rows, int col, int row, int z,
+                            uint32_t bar) {
+#pragma unroll
+            for (int cb = 0; cb < kColBlocks; ++cb)
+                tma_load_3d(dst + cb * rows * 128, map, col + cb * kBoxCols, row, z, bar);
+        };
         int s = 0;
         unsigned phase = 0, q_phase = 0;
         for (long n = 0;; ++n) {
@@ -711,35 +761,54 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             for (int t = 0; t < w.n_tiles; ++t) {
                 const int n0 = t * kBlockN;
                 const int rows = min(kBlockN, p.seq_kv - n0);
+                const uint32_t ks = sk + s * C::kTileBytes, vs = sv + s * C::kTileBytes;
                 // Stage s is free once every consumer released its previous tile.
                 mbar_wait(empty_k(s), phase ^ 1);
-                load_tile<T, D, kBlockN>(sk + s * C::kTileBytes, kb + n0 * kv_stride, kb,
-                                         kv_stride, 0, rows, tp);
-                mbar_arrive_on_copies(full_k(s));
+                if constexpr (kTma) {
+                    mbar_expect_tx(full_k(s), C::kTileBytes);
+                    tma_tile(ks, maps.k, kBlockN, hk * D, n0, w.b, full_k(s));
+                } else {
+                    load_tile<T, D, kBlockN>(ks, kb + n0 * kv_stride, kb, kv_stride, 0, rows, tp);
+                    mbar_arrive_on_copies(full_k(s));
+                }
                 if (t == 0) {
                     // The Q tile is free once every consumer finished its Q K^T products of
                     // the previous work tile (K(0) is already on its way).
                     mbar_wait(empty_q, q_phase ^ 1);
-                    load_tile<T, D, kBlockM>(sq, qb, q, q_stride, max(0, -w.m0), kBlockM, tp);
-                    mbar_arrive_on_copies(full_q);
+                    if constexpr (kTma) {
+                        mbar_expect_tx(full_q, C::kQBytes);
+                        tma_tile(sq, maps.q, kBlockM, w.h * D, w.m0, w.b, full_q);
+                    } else {
+                        load_tile<T, D, kBlockM>(sq, qb, q, q_stride, max(0, -w.m0), kBlockM, tp);
+                        mbar_arrive_on_copies(full_q);
+                    }
                     q_phase ^= 1;
                 }
                 mbar_wait(empty_v(s), phase ^ 1);
-                if constexpr (kFp8<T>) {
-                    load_tile<T, kBlockN, D>(sv + s * C::kTileBytes, vb + n0, vb, vt_stride, 0, D,
-                                             tp);
+                if constexpr (kTma) {
+                    mbar_expect_tx(full_v(s), C::kTileBytes);
+                    if constexpr (kFp8<T>) {
+                        // V^T: D rows of 128 keys, one column block.
+                        tma_load_3d(vs, maps.v, n0, 0, w.b * p.kv_heads + hk, full_v(s));
+                    } else {
+                        tma_tile(vs, maps.v, kBlockN, hk * D, n0, w.b, full_v(s));
+                    }
                 } else {
-                    load_tile<T, D, kBlockN>(sv + s * C::kTileBytes, vb + n0 * kv_stride, vb,
-                                             kv_stride, 0, rows, tp);
+                    if constexpr (kFp8<T>) {
+                        load_tile<T, kBlockN, D>(vs, vb + n0, vb, vt_stride, 0, D, tp);
+                    } else {
+                        load_tile<T, D, kBlockN>(vs, vb + n0 * kv_stride, vb, kv_stride, 0, rows,
+                                                 tp);
+                    }
+                    mbar_arrive_on_copies(full_v(s));
                 }
-                mbar_arrive_on_copies(full_v(s));
                 if (++s == kStages) {
                     s = 0;
                     phase ^= 1;
                 }
             }
         }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        if constexpr (!kTma) asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;
     }
 
@@ -918,9 +987,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
 
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
-template <typename T, int D, bool kMask>
+template <typename T, int D, bool kMask, bool kTma>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
-                                           float*, const Dims&, float) {
+                                           float*, const Dims&, float, Maps) {
     __trap();
 }
 
@@ -928,14 +997,15 @@ __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const f
 
 // The masked and unmasked kernels are separate code: the mask's loads would otherwise add to
 // the register pressure of every call (at three consumer warpgroups, 160 registers each).
-template <typename T, int D>
+template <typename T, int D, bool kTma = false>
 __device__ __forceinline__ void flash_sm90_entry(const T* q, const T* k, const T* v,
                                                  const float* mask, OutT<T>* out, float* lse,
-                                                 const Dims& p, float out_scale) {
+                                                 const Dims& p, float out_scale,
+                                                 Maps maps = Maps{}) {
     if (mask != nullptr) {
-        flash_sm90<T, D, true>(q, k, v, mask, out, lse, p, out_scale);
+        flash_sm90<T, D, true, kTma>(q, k, v, mask, out, lse, p, out_scale, maps);
     } else {
-        flash_sm90<T, D, false>(q, k, v, nullptr, out, lse, p, out_scale);
+        flash_sm90<T, D, false, kTma>(q, k, v, nullptr, out, lse, p, out_scale, maps);
     }
 }
 
@@ -955,6 +1025,24 @@ KPT_FLASH_SM90(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90(f16, __half, 64)
 KPT_FLASH_SM90(f16, __half, 128)
 
+// The same kernels with the K/V and Q tiles copied by TMA (one producer thread) from the
+// tensor maps tq, tk, tv (128-byte swizzle, boxes of 128-byte column blocks by kBlockN
+// or kBlockM rows by one batch; see the producer warpgroup in flash_sm90).
+#define KPT_FLASH_SM90_TMA(NAME, T, D)                                                     \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
+        kpt_flash_attention_sm90_tma_##NAME##_d##D(                                          \
+            const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
+            const Dims p, const __grid_constant__ TensorMap tq,                             \
+            const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
+        kpt::dependent_launch_prologue();                                                  \
+        flash_sm90_entry<T, D, true>(q, k, v, mask, out, lse, p, 1.0f, Maps{&tq, &tk, &tv}); \
+    }
+
+KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 64)
+KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128)
+KPT_FLASH_SM90_TMA(f16, __half, 64)
+KPT_FLASH_SM90_TMA(f16, __half, 128)
+
 // q, k [batch, seq, heads * 128] e4m3, vt from kpt_attention_fp8_v_transpose_d128, out bf16;
 // p.scale includes q_scale * k_scale.
 extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
@@ -963,6 +1051,17 @@ extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
                                        float v_scale) {
     kpt::dependent_launch_prologue();
     flash_sm90_entry<E4M3, 128>(q, k, vt, mask, out, nullptr, p, v_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
+    kpt_flash_attention_sm90_tma_e4m3_d128(const E4M3* q, const E4M3* k, const E4M3* vt,
+                                           const float* mask, __nv_bfloat16* out, const Dims p,
+                                           float v_scale, const __grid_constant__ TensorMap tq,
+                                           const __grid_constant__ TensorMap tk,
+                                           const __grid_constant__ TensorMap tv) {
+    kpt::dependent_launch_prologue();
+    flash_sm90_entry<E4M3, 128, true>(q, k, vt, mask, out, nullptr, p, v_scale,
+                                      Maps{&tq, &tk, &tv});
 }
 
 // V [batch, seq_kv, kv_heads * 128] (bytes) -> V^T [batch, kv_heads, 128, seq_kv rounded up to

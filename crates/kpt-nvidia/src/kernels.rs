@@ -9,6 +9,7 @@ use kpt_core::graph::Activation;
 use kpt_core::DType;
 
 use crate::gpu::Gpu;
+use crate::tma::{tensor_map_3d, TensorMap, TmaElem};
 use crate::NvidiaError;
 
 /// Launches `entry` of kernel source `kernel` on `grid` blocks with the block size and
@@ -324,6 +325,47 @@ const SPLIT_TARGET_BLOCKS: usize = 1024;
 /// shared memory each) on each of an H100's 132 SMs. Fewer, longer runs beat two waves:
 /// each run pays a pipeline fill and a share of the combine pass.
 const SPLIT_WAVE_BLOCKS: usize = 528;
+
+/// The TMA maps of the Hopper attention kernel's Q, K and V tiles for query tiles of
+/// `block_m` rows (the producer of `flash_attention_sm90.cu`): Q `[batch, seq_q, heads *
+/// d]` and K, V `[batch, seq_kv, kv_heads * d]`, read in boxes of one 128-byte column block
+/// by `block_m` (Q) or [`FLASH_SM90_BLOCK_N`] (K, V) rows of one sequence, so rows past a
+/// sequence's end (and Q rows before 0) read as zeros. FP8 (`TmaElem::Byte`): `v` is the
+/// V^T of `kpt_attention_fp8_v_transpose_d128`, `[batch * kv_heads, d, keys]` with keys
+/// rounded up to whole tiles, read in boxes of d rows by one tile of keys. `None` where the
+/// driver refuses a map (the cp.async kernel runs instead).
+fn sm90_tensor_maps(
+    elem: TmaElem,
+    [q, k, v]: [u64; 3],
+    dims: AttentionDims,
+    block_m: usize,
+) -> Option<[TensorMap; 3]> {
+    let esize: u64 = if elem == TmaElem::Byte { 1 } else { 2 };
+    let d = dims.head_dim as u64;
+    let (batch, seq_q, seq_kv) = (dims.batch as u64, dims.seq_q as u64, dims.seq_kv as u64);
+    let (q_row, kv_row) = (dims.heads as u64 * d, dims.kv_heads as u64 * d);
+    let cols = (128 / esize) as u32;
+    let tile = FLASH_SM90_BLOCK_N as u64;
+    let rows = |row: u64, seq: u64| ([row, seq, batch], [row * esize, seq * row * esize]);
+    let (qd, qs) = rows(q_row, seq_q);
+    let tq = tensor_map_3d(elem, q, qd, qs, [cols, block_m as u32, 1])?;
+    let (kd, ks) = rows(kv_row, seq_kv);
+    let tk = tensor_map_3d(elem, k, kd, ks, [cols, tile as u32, 1])?;
+    let tv = if elem == TmaElem::Byte {
+        let keys = seq_kv.div_ceil(tile) * tile;
+        let groups = batch * dims.kv_heads as u64;
+        tensor_map_3d(
+            elem,
+            v,
+            [keys, d, groups],
+            [keys, d * keys],
+            [tile as u32, d as u32, 1],
+        )?
+    } else {
+        tensor_map_3d(elem, v, kd, ks, [cols, tile as u32, 1])?
+    };
+    Some([tq, tk, tv])
+}
 
 /// The row reductions of `softmax.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -807,6 +849,16 @@ impl Gpu {
                 FLASH_SM90_BLOCK_M
             };
             let blocks = self.sm90_attention_grid(dims, block_m)?;
+            let elem = if dtype == DType::BF16 {
+                TmaElem::Bf16
+            } else {
+                TmaElem::F16
+            };
+            if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m) {
+                let entry = format!("kpt_flash_attention_sm90_tma_{name}_d{d}");
+                launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims, tq, tk, tv);
+                return Ok(());
+            }
             let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
             launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims);
             return Ok(());
@@ -852,9 +904,19 @@ impl Gpu {
         let blocks = grid("fp8 V transpose tiles", groups * key_tiles)?;
         launch!(self, SM90, "kpt_attention_fp8_v_transpose_d128", blocks; v, vt.ptr(), dims);
         let blocks = self.sm90_attention_grid(dims, FLASH_SM90_BLOCK_M)?;
+        let vt_ptr = vt.ptr();
+        if let Some([tq, tk, tv]) =
+            sm90_tensor_maps(TmaElem::Byte, [q, k, vt_ptr], dims, FLASH_SM90_BLOCK_M)
+        {
+            launch!(
+                self, SM90, "kpt_flash_attention_sm90_tma_e4m3_d128", blocks;
+                q, k, vt_ptr, mask, out, dims, v_scale, tq, tk, tv
+            );
+            return Ok(true);
+        }
         launch!(
             self, SM90, "kpt_flash_attention_sm90_e4m3_d128", blocks;
-            q, k, vt.ptr(), mask, out, dims, v_scale
+            q, k, vt_ptr, mask, out, dims, v_scale
         );
         Ok(true)
     }

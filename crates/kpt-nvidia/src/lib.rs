@@ -21,6 +21,7 @@ mod kernels;
 mod memory;
 mod nvml;
 mod profiler;
+mod tma;
 
 pub use backend::{CudaBackend, CudaOptions};
 pub use blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
