@@ -71,6 +71,10 @@
 // kpt:launch kpt_flash_attention_sm90_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_e4m3_d128 block=384 shared=148624 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d128 block=384 shared=133160 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d64 block=384 shared=67624 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d128 block=384 shared=133160 grid=key_tiles
 // kpt:launch kpt_attention_fp8_v_transpose_d128 block=256 shared=0 grid=tiles
 //
 // FP8 (e4m3) inputs, head dim 128, bf16 output (kpt_flash_attention_sm90_e4m3_d128): the same
@@ -334,6 +338,23 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64
         KPT_WGMMA_SS_N128_E4M3;
     } else {
         KPT_WGMMA_SS_N128("f16");
+    }
+}
+
+// d[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory (the backward's
+// S^T = K Q^T and dP^T = V dO^T).
+#define KPT_WGMMA_SS_N64(TY)                                                               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" KPT_REGS32   \
+                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                        \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24)                    \
+                 : "l"(a), "l"(b), "r"(scale_d))
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        KPT_WGMMA_SS_N64("bf16");
+    } else {
+        KPT_WGMMA_SS_N64("f16");
     }
 }
 
@@ -916,11 +937,265 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     }
 }
 
+// ---- backward: dk and dv per key tile ----------------------------------------------------
+//
+// kpt_flash_attention_sm90_bwd_dkdv_*: the second launch of the attention backward
+// (flash_attention_bwd.cu's kv_pass, same arguments and results) on wgmma. One block per
+// (128 keys, kv head, batch): a producer warpgroup copies K and V once, then for every
+// query head of the kv group and every query tile of 64 that sees the keys, Q, dO and the
+// rows' lse2 and D (written by the first launch) into a ring of kBwdStages stages; each of
+// the two consumer warpgroups owns 64 keys and per query tile computes
+//   S^T = K Q^T, dP^T = V dO^T               (wgmma m64n64k16, both operands in shared memory)
+//   P^T = exp2(S^T scale log2e (+ mask log2e) - lse2), dS^T = P^T o (dP^T - D)
+//   dV += P^T dO, dK += dS^T Q               (wgmma m64n{D}k16, P^T / dS^T from registers,
+//                                             dO and Q read MN-major)
+// and at the end stores dk = scale dK and dv = dV. Keys past the cache hold zeros in K and V;
+// their rows of dk and dv are never stored, so they need no mask; queries past seq_q have
+// lse2 = +inf (P = 0) and D = 0.
+constexpr int kBwdKeys = 128;   // keys per block, 64 per consumer warpgroup
+constexpr int kBwdRows = 64;    // queries per tile
+constexpr int kBwdStages = 2;
+
+template <int D>
+struct BwdConfig {
+    static constexpr int kKvBytes = kBwdKeys * D * 2;  // a K (or V) tile
+    static constexpr int kRowBytes = kBwdRows * D * 2;  // a Q (or dO) tile
+    static constexpr int kStageBytes = 2 * kRowBytes;  // Q, then dO
+    static constexpr int kStatsOffset = 2 * kKvBytes + kBwdStages * kStageBytes;
+    // lse2 and D of each stage (kBwdRows floats each), then the barriers.
+    static constexpr int kBarOffset = kStatsOffset + kBwdStages * 2 * kBwdRows * 4;
+    static constexpr int kBarriers = 1 + 2 * kBwdStages;  // full_kv, full[s], empty[s]
+    static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
+};
+static_assert(BwdConfig<64>::kSmemBytes == 67624, "keep the kpt:launch shared= values in step");
+static_assert(BwdConfig<128>::kSmemBytes == 133160, "keep the kpt:launch shared= values in step");
+
+// MN-major descriptor of a tile of `rows` rows of D elements read as B with the rows as the
+// reduction dimension: 64-column blocks rows * 128 bytes apart, a k-step of 16 rows adds
+// 2048 bytes to the start.
+__device__ __forceinline__ uint64_t mn_desc(uint32_t addr, int rows) {
+    return make_desc((1ull << 62) | (uint64_t(1024 >> 4) << 32) |
+                         (static_cast<uint64_t>((rows * 128) >> 4) << 16),
+                     addr);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k,
+                                              const T* __restrict__ v,
+                                              const float* __restrict__ mask,
+                                              const T* __restrict__ dout,
+                                              const float* __restrict__ lse,
+                                              const float* __restrict__ delta, T* __restrict__ dk,
+                                              T* __restrict__ dv, const Dims& p) {
+    using C = BwdConfig<D>;
+    using R = Regs<2>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sk = base, sv = base + C::kKvBytes;
+    auto sq = [&](int s) { return base + 2 * C::kKvBytes + s * C::kStageBytes; };
+    auto sdo = [&](int s) { return sq(s) + C::kRowBytes; };
+    auto lse_at = [&](int s) { return base + C::kStatsOffset + s * 2 * kBwdRows * 4; };
+    const uint32_t bars = base + C::kBarOffset;
+    const uint32_t full_kv = bars;
+    auto full = [&](int s) { return bars + 8u * (1 + s); };
+    auto empty = [&](int s) { return bars + 8u * (1 + kBwdStages + s); };
+    const float* stats = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) +
+                                                        C::kStatsOffset);
+
+    const int groups = p.batch * p.kv_heads;
+    const int bg = static_cast<int>(blockIdx.x % groups);
+    const int n0 = static_cast<int>(blockIdx.x / groups) * kBwdKeys;
+    const int hk = bg % p.kv_heads, b = bg / p.kv_heads;
+    const int group = p.heads / p.kv_heads;
+    const long q_stride = static_cast<long>(p.heads) * D;
+    const long kv_stride = static_cast<long>(p.kv_heads) * D;
+    const long kv_at =
+        (static_cast<long>(b) * p.seq_kv + n0) * kv_stride + static_cast<long>(hk) * D;
+    const int nk = min(kBwdKeys, p.seq_kv - n0);
+    const int offset = p.seq_kv - p.seq_q;
+    const int pad = (p.seq_q + kBwdRows - 1) / kBwdRows * kBwdRows;  // the first launch's seq_pad
+    // Query i sees key j iff j <= i + offset: the first query tile that sees key n0.
+    const int m_begin = p.causal ? max(0, n0 - offset) / kBwdRows * kBwdRows : 0;
+    const int tiles_m = m_begin < p.seq_q ? (p.seq_q - m_begin + kBwdRows - 1) / kBwdRows : 0;
+    const int iters = group * tiles_m;
+
+    if (threadIdx.x == 0) {
+        mbar_init(full_kv, 128);
+        for (int s = 0; s < kBwdStages; ++s) {
+            mbar_init(full(s), 128);
+            mbar_init(empty(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        // ---- producer: K and V once, then Q, dO, lse2 and D per (head, query tile) ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
+        const int tp = threadIdx.x;
+        load_tile<T, D, kBwdKeys>(sk, k + kv_at, k, kv_stride, 0, nk, tp);
+        load_tile<T, D, kBwdKeys>(sv, v + kv_at, v, kv_stride, 0, nk, tp);
+        mbar_arrive_on_copies(full_kv);
+        int s = 0;
+        unsigned phase = 0;
+        for (int it = 0; it < iters; ++it) {
+            const int h = hk * group + it / tiles_m;
+            const int m0 = m_begin + (it % tiles_m) * kBwdRows;
+            const int rows = min(kBwdRows, p.seq_q - m0);
+            const long at =
+                (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
+            mbar_wait(empty(s), phase ^ 1);
+            load_tile<T, D, kBwdRows>(sq(s), q + at, q, q_stride, 0, rows, tp);
+            load_tile<T, D, kBwdRows>(sdo(s), dout + at, dout, q_stride, 0, rows, tp);
+            // lse2 and D of the tile's rows (padded to whole tiles by the first launch).
+            const long r_at = static_cast<long>(b * p.heads + h) * pad + m0;
+            if (tp < kBwdRows / 4) {
+                cp_async16(lse_at(s) + 16 * tp, lse + r_at + 4 * tp, true);
+            } else if (tp < kBwdRows / 2) {
+                const int y = tp - kBwdRows / 4;
+                cp_async16(lse_at(s) + kBwdRows * 4 + 16 * y, delta + r_at + 4 * y, true);
+            }
+            mbar_arrive_on_copies(full(s));
+            if (++s == kBwdStages) {
+                s = 0;
+                phase ^= 1;
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // ---- consumers: 64 keys each ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R::kConsumer));
+    const int c = wg - 1;
+    const int t128 = threadIdx.x % 128, warp = t128 / 32, lane = t128 % 32;
+    const int g = lane / 4, tig = lane % 4;
+    const int kr0 = c * 64 + warp * 16 + g;  // this thread's keys: kr0 and kr0 + 8
+    const float scale2 = p.scale * kLog2e;
+    const uint64_t kdesc = make_desc(kDescK, sk + c * 64 * 128);
+    const uint64_t vdesc = make_desc(kDescK, sv + c * 64 * 128);
+    float dka[D / 2], dva[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.0f;
+    mbar_wait(full_kv, 0);
+    fence_proxy_async();
+    int s = 0;
+    unsigned phase = 0;
+    for (int it = 0; it < iters; ++it) {
+        const int m0 = m_begin + (it % tiles_m) * kBwdRows;
+        mbar_wait(full(s), phase);
+        fence_proxy_async();
+        const uint64_t qk = make_desc(kDescK, sq(s)), dok = make_desc(kDescK, sdo(s));
+        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries), k-steps of 16 dims.
+        float st[32], dpt[32];
+        fence_regs(st);
+        fence_regs(dpt);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint32_t ao = ((kk / 4) * (kBwdKeys * 128) + (kk % 4) * 32) >> 4;
+            const uint32_t bo = ((kk / 4) * (kBwdRows * 128) + (kk % 4) * 32) >> 4;
+            wgmma_ss_n64<T>(st, kdesc + ao, qk + bo, kk > 0 ? 1 : 0);
+            wgmma_ss_n64<T>(dpt, vdesc + ao, dok + bo, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(st);
+        fence_regs(dpt);
+
+        // P^T and dS^T: element 4j + 2r + e is key kr0 + 8r, query m0 + 8j + 2tig + e.
+        const float* lrow = stats + s * 2 * kBwdRows;
+        const float* drow = lrow + kBwdRows;
+        const bool edge = mask != nullptr ||
+                          (p.causal && n0 + c * 64 + 63 > m0 + offset);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int col = 8 * j + 2 * tig;
+            const float2 l2 = *reinterpret_cast<const float2*>(lrow + col);
+            const float2 d2 = *reinterpret_cast<const float2*>(drow + col);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int i = 4 * j + 2 * r + e;
+                    float x = st[i] * scale2;
+                    if (edge) {
+                        const int key = n0 + kr0 + 8 * r, qi = m0 + col + e;
+                        bool visible = key < p.seq_kv && qi < p.seq_q;
+                        if (p.causal) visible = visible && key <= qi + offset;
+                        if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
+                        x = visible ? x : -INFINITY;
+                    }
+                    const float pr = exp2f(x - (e ? l2.y : l2.x));
+                    st[i] = pr;
+                    dpt[i] = pr * (dpt[i] - (e ? d2.y : d2.x));  // dS^T (unscaled)
+                }
+            }
+        }
+        // P^T and dS^T as A fragments (k-steps of 16 queries), then dV += P^T dO and
+        // dK += dS^T Q with dO and Q read MN-major.
+        uint32_t pf[4][4], sf[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                pf[kc][i] = pack2<T>(st[8 * kc + 2 * i], st[8 * kc + 2 * i + 1]);
+                sf[kc][i] = pack2<T>(dpt[8 * kc + 2 * i], dpt[8 * kc + 2 * i + 1]);
+            }
+        }
+        const uint64_t qmn = mn_desc(sq(s), kBwdRows), domn = mn_desc(sdo(s), kBwdRows);
+        fence_regs(dva);
+        fence_regs(dka);
+        fence_regs(pf);
+        fence_regs(sf);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            wgmma_rs<T, D>(dva, pf[kc], domn + kc * (2048 >> 4));
+            wgmma_rs<T, D>(dka, sf[kc], qmn + kc * (2048 >> 4));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dva);
+        fence_regs(dka);
+        fence_regs(pf);
+        fence_regs(sf);
+        mbar_arrive(empty(s));
+        if (++s == kBwdStages) {
+            s = 0;
+            phase ^= 1;
+        }
+    }
+
+    // dk = scale dK, dv = dV: element 4j + 2r + e is key kr0 + 8r, dim 8j + 2tig + e.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kr0 + 8 * r;  // within the tile
+        if (key >= nk) continue;
+        const long at = kv_at + static_cast<long>(key) * kv_stride;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            const int d = 8 * j + 2 * tig;
+            *reinterpret_cast<uint32_t*>(dk + at + d) =
+                pack2<T>(dka[4 * j + 2 * r] * p.scale, dka[4 * j + 2 * r + 1] * p.scale);
+            *reinterpret_cast<uint32_t*>(dv + at + d) =
+                pack2<T>(dva[4 * j + 2 * r], dva[4 * j + 2 * r + 1]);
+        }
+    }
+}
+
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
 template <typename T, int D, bool kMask>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
                                            float*, const Dims&, float) {
+    __trap();
+}
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dkdv_sm90(const T*, const T*, const T*, const float*,
+                                              const T*, const float*, const float*, T*, T*,
+                                              const Dims&) {
     __trap();
 }
 
@@ -954,6 +1229,22 @@ KPT_FLASH_SM90(bf16, __nv_bfloat16, 64)
 KPT_FLASH_SM90(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90(f16, __half, 64)
 KPT_FLASH_SM90(f16, __half, 128)
+
+// The backward's dk / dv launch on wgmma (see bwd_dkdv_sm90): the arguments of
+// flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block.
+#define KPT_FLASH_SM90_BWD(NAME, T, D)                                                     \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                    \
+        kpt_flash_attention_sm90_bwd_dkdv_##NAME##_d##D(                                     \
+            const T* q, const T* k, const T* v, const float* mask, const T* dout,           \
+            const float* lse, const float* delta, T* dk, T* dv, const Dims p) {             \
+        kpt::dependent_launch_prologue();                                                  \
+        bwd_dkdv_sm90<T, D>(q, k, v, mask, dout, lse, delta, dk, dv, p);                   \
+    }
+
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128)
+KPT_FLASH_SM90_BWD(f16, __half, 64)
+KPT_FLASH_SM90_BWD(f16, __half, 128)
 
 // q, k [batch, seq, heads * 128] e4m3, vt from kpt_attention_fp8_v_transpose_d128, out bf16;
 // p.scale includes q_scale * k_scale.
