@@ -75,6 +75,10 @@
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d128 block=384 shared=133160 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d64 block=384 shared=67624 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d128 block=384 shared=133160 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_bf16_d64 block=384 shared=99400 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_bf16_d128 block=384 shared=197704 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_f16_d64 block=384 shared=99400 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_f16_d128 block=384 shared=197704 grid=query_tiles
 // kpt:launch kpt_attention_fp8_v_transpose_d128 block=256 shared=0 grid=tiles
 //
 // FP8 (e4m3) inputs, head dim 128, bf16 output (kpt_flash_attention_sm90_e4m3_d128): the same
@@ -1185,6 +1189,237 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
     }
 }
 
+// ---- backward: dq given the forward's log-sum-exp ------------------------------------------
+//
+// kpt_flash_attention_sm90_bwd_dq_lse_*: the backward's first launch given the forward's
+// log-sum-exp (flash_attention_bwd.cu's dq_pass with kGivenLse, same arguments and
+// results) on wgmma. One block per (128 query rows, head, batch), query tiles last-first: a
+// producer warpgroup copies Q and dO once, then K and V tiles of 64 keys into a ring of
+// kDqStages stages; each of the two consumer warpgroups owns 64 rows, computes D =
+// rowsum(dO o O) and lse2 = lse log2e of its rows (written for the dk / dv launch), and per
+// key tile
+//   S = Q K^T, dP = dO V^T                     (wgmma m64n64k16, both in shared memory)
+//   P = exp2(S scale log2e (+ mask log2e) - lse2), dS = P o (dP - D)
+//   dQ += dS K                                 (wgmma m64n{D}k16, dS from registers, K MN-major)
+// and at the end stores dq = scale dQ. Keys past the cache are zeros in K and V, so their
+// dS meets zero rows of K and adds nothing.
+constexpr int kDqRows = 128;  // query rows per block, 64 per consumer warpgroup
+constexpr int kDqKeys = 64;   // keys per K / V tile
+constexpr int kDqStages = 4;
+
+template <int D>
+struct DqConfig {
+    static constexpr int kRowsBytes = kDqRows * D * 2;  // the Q (or dO) tile
+    static constexpr int kTileBytes = kDqKeys * D * 2;  // a K (or V) tile
+    static constexpr int kRingOffset = 2 * kRowsBytes;
+    static constexpr int kBarOffset = kRingOffset + kDqStages * 2 * kTileBytes;
+    static constexpr int kBarriers = 1 + 2 * kDqStages;  // full_q, full[s], empty[s]
+    static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
+};
+static_assert(DqConfig<64>::kSmemBytes == 99400, "keep the kpt:launch shared= values in step");
+static_assert(DqConfig<128>::kSmemBytes == 197704, "keep the kpt:launch shared= values in step");
+
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k,
+                                            const T* __restrict__ v,
+                                            const float* __restrict__ mask,
+                                            const T* __restrict__ out, const T* __restrict__ dout,
+                                            const float* __restrict__ lse_in, T* __restrict__ dq,
+                                            float* __restrict__ lse, float* __restrict__ delta,
+                                            const Dims& p) {
+    using C = DqConfig<D>;
+    using R = Regs<2>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sq = base, sdo = base + C::kRowsBytes;
+    auto sk = [&](int s) { return base + C::kRingOffset + s * 2 * C::kTileBytes; };
+    auto sv = [&](int s) { return sk(s) + C::kTileBytes; };
+    const uint32_t bars = base + C::kBarOffset;
+    const uint32_t full_q = bars;
+    auto full = [&](int s) { return bars + 8u * (1 + s); };
+    auto empty = [&](int s) { return bars + 8u * (1 + kDqStages + s); };
+
+    const int tiles_m = (p.seq_q + kDqRows - 1) / kDqRows;
+    const int bh = static_cast<int>(blockIdx.x % (p.batch * p.heads));
+    const int m0 = (tiles_m - 1 - static_cast<int>(blockIdx.x / (p.batch * p.heads))) * kDqRows;
+    const int h = bh % p.heads, b = bh / p.heads;
+    const int hk = h / (p.heads / p.kv_heads);
+    const long q_stride = static_cast<long>(p.heads) * D;
+    const long kv_stride = static_cast<long>(p.kv_heads) * D;
+    const long q_at = (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
+    const T* kb = k + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    const T* vb = v + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    const int rows = min(kDqRows, p.seq_q - m0);
+    const int offset = p.seq_kv - p.seq_q;
+    const int kv_end = p.causal ? max(0, min(p.seq_kv, m0 + rows + offset)) : p.seq_kv;
+    const int tiles_n = (kv_end + kDqKeys - 1) / kDqKeys;
+    // lse2 and D rows: the first launch's layout, seq_q rounded up to 64.
+    const int pad = (p.seq_q + 63) / 64 * 64;
+    const long row_at = static_cast<long>(bh) * pad + m0;
+
+    if (threadIdx.x == 0) {
+        mbar_init(full_q, 128);
+        for (int s = 0; s < kDqStages; ++s) {
+            mbar_init(full(s), 128);
+            mbar_init(empty(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        // ---- producer: Q and dO once, then K and V per key tile ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
+        const int tp = threadIdx.x;
+        load_tile<T, D, kDqRows>(sq, q + q_at, q, q_stride, 0, rows, tp);
+        load_tile<T, D, kDqRows>(sdo, dout + q_at, dout, q_stride, 0, rows, tp);
+        mbar_arrive_on_copies(full_q);
+        int s = 0;
+        unsigned phase = 0;
+        for (int t = 0; t < tiles_n; ++t) {
+            const int n0 = t * kDqKeys;
+            const int nk = min(kDqKeys, p.seq_kv - n0);
+            mbar_wait(empty(s), phase ^ 1);
+            load_tile<T, D, kDqKeys>(sk(s), kb + n0 * kv_stride, kb, kv_stride, 0, nk, tp);
+            load_tile<T, D, kDqKeys>(sv(s), vb + n0 * kv_stride, vb, kv_stride, 0, nk, tp);
+            mbar_arrive_on_copies(full(s));
+            if (++s == kDqStages) {
+                s = 0;
+                phase ^= 1;
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // ---- consumers: 64 rows each ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R::kConsumer));
+    const int c = wg - 1;
+    const int t128 = threadIdx.x % 128, warp = t128 / 32, lane = t128 % 32;
+    const int g = lane / 4, tig = lane % 4;
+    const int r0 = c * 64 + warp * 16 + g;  // this thread's rows: r0 and r0 + 8 of the block
+    const float scale2 = p.scale * kLog2e;
+    // D = rowsum(dO o O) and lse2 of the two rows (four lanes per row, D / 4 elements
+    // each); +inf and 0 past seq_q, +inf for a log-sum-exp that is not finite.
+    float dsum[2], lse2[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + 8 * r, qi = m0 + row;
+        float acc = 0.0f;
+        if (qi < p.seq_q) {
+            constexpr int N = kpt::Vec<T>::N;
+            const long at = q_at + row * q_stride + tig * (D / 4);
+#pragma unroll
+            for (int x = 0; x < D / 4; x += N) {
+                float a[N], o[N];
+                kpt::load_vec(dout + at + x, a);
+                kpt::load_vec(out + at + x, o);
+#pragma unroll
+                for (int e = 0; e < N; ++e) acc += a[e] * o[e];
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        const float l = qi < p.seq_q ? lse_in[static_cast<long>(bh) * p.seq_q + qi] : INFINITY;
+        dsum[r] = acc;
+        lse2[r] = isfinite(l) ? l * kLog2e : INFINITY;
+        if (tig == 0 && m0 + row < pad) {
+            lse[row_at + row] = lse2[r];
+            delta[row_at + row] = acc;
+        }
+    }
+
+    const uint64_t qdesc = make_desc(kDescK, sq + c * 64 * 128);
+    const uint64_t dodesc = make_desc(kDescK, sdo + c * 64 * 128);
+    float dqa[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dqa[i] = 0.0f;
+    mbar_wait(full_q, 0);
+    fence_proxy_async();
+    const int row_first = m0 + c * 64;  // the warpgroup's first row
+    int s = 0;
+    unsigned phase = 0;
+    for (int t = 0; t < tiles_n; ++t) {
+        const int n0 = t * kDqKeys;
+        mbar_wait(full(s), phase);
+        fence_proxy_async();
+        const uint64_t kk_desc = make_desc(kDescK, sk(s)), vk_desc = make_desc(kDescK, sv(s));
+        float st[32], dpt[32];
+        fence_regs(st);
+        fence_regs(dpt);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint32_t ao = ((kk / 4) * (kDqRows * 128) + (kk % 4) * 32) >> 4;
+            const uint32_t bo = ((kk / 4) * (kDqKeys * 128) + (kk % 4) * 32) >> 4;
+            wgmma_ss_n64<T>(st, qdesc + ao, kk_desc + bo, kk > 0 ? 1 : 0);
+            wgmma_ss_n64<T>(dpt, dodesc + ao, vk_desc + bo, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(st);
+        fence_regs(dpt);
+
+        // P and dS: element 4j + 2r + e is row r0 + 8r, key n0 + 8j + 2tig + e.
+        const bool edge = mask != nullptr || (p.causal && n0 + kDqKeys - 1 > row_first + offset);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int i = 4 * j + 2 * r + e;
+                    float x = st[i] * scale2;
+                    if (edge) {
+                        const int key = n0 + 8 * j + 2 * tig + e, qi = m0 + r0 + 8 * r;
+                        bool visible = key < p.seq_kv && qi < p.seq_q;
+                        if (p.causal) visible = visible && key <= qi + offset;
+                        if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
+                        x = visible ? x : -INFINITY;
+                    }
+                    const float pr = exp2f(x - lse2[r]);
+                    dpt[i] = pr * (dpt[i] - dsum[r]);  // dS (unscaled)
+                }
+            }
+        }
+        uint32_t sf[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sf[kc][i] = pack2<T>(dpt[8 * kc + 2 * i], dpt[8 * kc + 2 * i + 1]);
+        }
+        const uint64_t kmn = mn_desc(sk(s), kDqKeys);
+        fence_regs(dqa);
+        fence_regs(sf);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, D>(dqa, sf[kc], kmn + kc * (2048 >> 4));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dqa);
+        fence_regs(sf);
+        mbar_arrive(empty(s));
+        if (++s == kDqStages) {
+            s = 0;
+            phase ^= 1;
+        }
+    }
+
+    // dq = scale dQ: element 4j + 2r + e is row r0 + 8r, dim 8j + 2tig + e.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + 8 * r;
+        if (m0 + row >= p.seq_q) continue;
+        T* dst = dq + q_at + static_cast<long>(row) * q_stride;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * tig) =
+                pack2<T>(dqa[4 * j + 2 * r] * p.scale, dqa[4 * j + 2 * r + 1] * p.scale);
+        }
+    }
+}
+
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
 template <typename T, int D, bool kMask>
@@ -1196,6 +1431,12 @@ template <typename T, int D>
 __device__ __forceinline__ void bwd_dkdv_sm90(const T*, const T*, const T*, const float*,
                                               const T*, const float*, const float*, T*, T*,
                                               const Dims&) {
+    __trap();
+}
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dq_sm90(const T*, const T*, const T*, const float*, const T*,
+                                            const T*, const float*, T*, float*, float*,
+                                            const Dims&) {
     __trap();
 }
 
@@ -1239,6 +1480,14 @@ KPT_FLASH_SM90(f16, __half, 128)
             const float* lse, const float* delta, T* dk, T* dv, const Dims p) {             \
         kpt::dependent_launch_prologue();                                                  \
         bwd_dkdv_sm90<T, D>(q, k, v, mask, dout, lse, delta, dk, dv, p);                   \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                    \
+        kpt_flash_attention_sm90_bwd_dq_lse_##NAME##_d##D(                                   \
+            const T* q, const T* k, const T* v, const float* mask, const T* out,            \
+            const T* dout, const float* lse_in, T* dq, float* lse, float* delta,            \
+            const Dims p) {                                                                 \
+        kpt::dependent_launch_prologue();                                                  \
+        bwd_dq_sm90<T, D>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);             \
     }
 
 KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64)
