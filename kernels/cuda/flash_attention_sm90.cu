@@ -941,6 +941,78 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     }
 }
 
+// ---- backward: shared pieces --------------------------------------------------------------
+
+// The backward kernels' barriers: `once` for the tiles copied once and full / empty of each
+// ring stage (the 128 producer threads' copies fill, the 256 consumer threads release), then
+// a block-wide sync.
+template <int kStages, typename Full, typename Empty>
+__device__ __forceinline__ void bwd_barriers(uint32_t once, Full full, Empty empty) {
+    if (threadIdx.x == 0) {
+        mbar_init(once, 128);
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full(s), 128);
+            mbar_init(empty(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// st = A1 B1^T and dpt = A2 B2^T for one 64 x 64 block, both K-major in shared memory: A1 / A2
+// are 64 rows of tiles of kARows rows (64-column blocks kARows * 128 bytes apart), B1 / B2
+// tiles of 64 rows; k-steps of 16 of the D dims. Waits for both.
+template <typename T, int D, int kARows>
+__device__ __forceinline__ void bwd_scores(float (&st)[32], float (&dpt)[32], uint64_t a1,
+                                           uint64_t b1, uint64_t a2, uint64_t b2) {
+    fence_regs(st);
+    fence_regs(dpt);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t ao = ((kk / 4) * (kARows * 128) + (kk % 4) * 32) >> 4;
+        const uint32_t bo = ((kk / 4) * (64 * 128) + (kk % 4) * 32) >> 4;
+        wgmma_ss_n64<T>(st, a1 + ao, b1 + bo, kk > 0 ? 1 : 0);
+        wgmma_ss_n64<T>(dpt, a2 + ao, b2 + bo, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(st);
+    fence_regs(dpt);
+}
+
+// st becomes P = exp2(S scale2 (+ mask log2e) - lse2) and dpt dS = P o (dP - D), element
+// 4j + 2r + e of the 64 x 64 block: at(j, r, e) gives its (key, query), stats(j, r, e) its
+// query's (lse2, D). With `edge`, keys the query does not see (past the cache, causal) and
+// queries past seq_q give P = 0; otherwise every element is visible.
+template <typename At, typename Stats>
+__device__ __forceinline__ void bwd_probs(float (&st)[32], float (&dpt)[32], bool edge,
+                                          float scale2, const Dims& p,
+                                          const float* __restrict__ mask, At at, Stats stats) {
+    const int offset = p.seq_kv - p.seq_q;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 4 * j + 2 * r + e;
+                float x = st[i] * scale2;
+                if (edge) {
+                    const int2 kq = at(j, r, e);
+                    bool visible = kq.x < p.seq_kv && kq.y < p.seq_q;
+                    if (p.causal) visible = visible && kq.x <= kq.y + offset;
+                    if (visible && mask) x += mask[static_cast<long>(kq.y) * p.seq_kv + kq.x] * kLog2e;
+                    x = visible ? x : -INFINITY;
+                }
+                const float2 ld = stats(j, r, e);
+                st[i] = exp2f(x - ld.x);
+                dpt[i] = st[i] * (dpt[i] - ld.y);
+            }
+        }
+    }
+}
+
 // ---- backward: dk and dv per key tile ----------------------------------------------------
 //
 // kpt_flash_attention_sm90_bwd_dkdv_*: the second launch of the attention backward
@@ -1023,15 +1095,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
     const int tiles_m = m_begin < p.seq_q ? (p.seq_q - m_begin + kBwdRows - 1) / kBwdRows : 0;
     const int iters = group * tiles_m;
 
-    if (threadIdx.x == 0) {
-        mbar_init(full_kv, 128);
-        for (int s = 0; s < kBwdStages; ++s) {
-            mbar_init(full(s), 128);
-            mbar_init(empty(s), 256);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    bwd_barriers<kBwdStages>(full_kv, full, empty);
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
@@ -1091,52 +1155,20 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
         mbar_wait(full(s), phase);
         fence_proxy_async();
         const uint64_t qk = make_desc(kDescK, sq(s)), dok = make_desc(kDescK, sdo(s));
-        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries), k-steps of 16 dims.
+        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries).
         float st[32], dpt[32];
-        fence_regs(st);
-        fence_regs(dpt);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t ao = ((kk / 4) * (kBwdKeys * 128) + (kk % 4) * 32) >> 4;
-            const uint32_t bo = ((kk / 4) * (kBwdRows * 128) + (kk % 4) * 32) >> 4;
-            wgmma_ss_n64<T>(st, kdesc + ao, qk + bo, kk > 0 ? 1 : 0);
-            wgmma_ss_n64<T>(dpt, vdesc + ao, dok + bo, kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(st);
-        fence_regs(dpt);
-
+        bwd_scores<T, D, kBwdKeys>(st, dpt, kdesc, make_desc(kDescK, sq(s)), vdesc,
+                                   make_desc(kDescK, sdo(s)));
         // P^T and dS^T: element 4j + 2r + e is key kr0 + 8r, query m0 + 8j + 2tig + e.
         const float* lrow = stats + s * 2 * kBwdRows;
-        const float* drow = lrow + kBwdRows;
-        const bool edge = mask != nullptr ||
-                          (p.causal && n0 + c * 64 + 63 > m0 + offset);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int col = 8 * j + 2 * tig;
-            const float2 l2 = *reinterpret_cast<const float2*>(lrow + col);
-            const float2 d2 = *reinterpret_cast<const float2*>(drow + col);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int i = 4 * j + 2 * r + e;
-                    float x = st[i] * scale2;
-                    if (edge) {
-                        const int key = n0 + kr0 + 8 * r, qi = m0 + col + e;
-                        bool visible = key < p.seq_kv && qi < p.seq_q;
-                        if (p.causal) visible = visible && key <= qi + offset;
-                        if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
-                        x = visible ? x : -INFINITY;
-                    }
-                    const float pr = exp2f(x - (e ? l2.y : l2.x));
-                    st[i] = pr;
-                    dpt[i] = pr * (dpt[i] - (e ? d2.y : d2.x));  // dS^T (unscaled)
-                }
-            }
-        }
+        const bool edge = mask != nullptr || (p.causal && n0 + c * 64 + 63 > m0 + offset);
+        bwd_probs(
+            st, dpt, edge, scale2, p, mask,
+            [&](int j, int r, int e) { return make_int2(n0 + kr0 + 8 * r, m0 + 8 * j + 2 * tig + e); },
+            [&](int j, int, int e) {
+                const int col = 8 * j + 2 * tig + e;
+                return make_float2(lrow[col], lrow[kBwdRows + col]);
+            });
         // P^T and dS^T as A fragments (k-steps of 16 queries), then dV += P^T dO and
         // dK += dS^T Q with dO and Q read MN-major.
         uint32_t pf[4][4], sf[4][4];
@@ -1257,15 +1289,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
     const int pad = (p.seq_q + 63) / 64 * 64;
     const long row_at = static_cast<long>(bh) * pad + m0;
 
-    if (threadIdx.x == 0) {
-        mbar_init(full_q, 128);
-        for (int s = 0; s < kDqStages; ++s) {
-            mbar_init(full(s), 128);
-            mbar_init(empty(s), 256);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    bwd_barriers<kDqStages>(full_q, full, empty);
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
@@ -1344,45 +1368,16 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
         const int n0 = t * kDqKeys;
         mbar_wait(full(s), phase);
         fence_proxy_async();
-        const uint64_t kk_desc = make_desc(kDescK, sk(s)), vk_desc = make_desc(kDescK, sv(s));
+        // S = Q K^T and dP = dO V^T (64 rows x 64 keys).
         float st[32], dpt[32];
-        fence_regs(st);
-        fence_regs(dpt);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t ao = ((kk / 4) * (kDqRows * 128) + (kk % 4) * 32) >> 4;
-            const uint32_t bo = ((kk / 4) * (kDqKeys * 128) + (kk % 4) * 32) >> 4;
-            wgmma_ss_n64<T>(st, qdesc + ao, kk_desc + bo, kk > 0 ? 1 : 0);
-            wgmma_ss_n64<T>(dpt, dodesc + ao, vk_desc + bo, kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(st);
-        fence_regs(dpt);
-
+        bwd_scores<T, D, kDqRows>(st, dpt, qdesc, make_desc(kDescK, sk(s)), dodesc,
+                                  make_desc(kDescK, sv(s)));
         // P and dS: element 4j + 2r + e is row r0 + 8r, key n0 + 8j + 2tig + e.
         const bool edge = mask != nullptr || (p.causal && n0 + kDqKeys - 1 > row_first + offset);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int i = 4 * j + 2 * r + e;
-                    float x = st[i] * scale2;
-                    if (edge) {
-                        const int key = n0 + 8 * j + 2 * tig + e, qi = m0 + r0 + 8 * r;
-                        bool visible = key < p.seq_kv && qi < p.seq_q;
-                        if (p.causal) visible = visible && key <= qi + offset;
-                        if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
-                        x = visible ? x : -INFINITY;
-                    }
-                    const float pr = exp2f(x - lse2[r]);
-                    dpt[i] = pr * (dpt[i] - dsum[r]);  // dS (unscaled)
-                }
-            }
-        }
+        bwd_probs(
+            st, dpt, edge, scale2, p, mask,
+            [&](int j, int r, int e) { return make_int2(n0 + 8 * j + 2 * tig + e, m0 + r0 + 8 * r); },
+            [&](int, int r, int) { return make_float2(lse2[r], dsum[r]); });
         uint32_t sf[4][4];
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
