@@ -76,6 +76,14 @@
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_e4m3_d128 block=384 shared=148624 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d128 block=384 shared=133160 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d64 block=384 shared=67624 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d128 block=384 shared=133160 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_bf16_d64 block=384 shared=99400 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_bf16_d128 block=384 shared=197704 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_f16_d64 block=384 shared=99400 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_f16_d128 block=384 shared=197704 grid=query_tiles
 // kpt:launch kpt_attention_fp8_v_transpose_d128 block=256 shared=0 grid=tiles
 //
 // FP8 (e4m3) inputs, head dim 128, bf16 output (kpt_flash_attention_sm90_e4m3_d128): the same
@@ -369,6 +377,23 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64
         KPT_WGMMA_SS_N128_E4M3;
     } else {
         KPT_WGMMA_SS_N128("f16");
+    }
+}
+
+// d[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory (the backward's
+// S^T = K Q^T and dP^T = V dO^T).
+#define KPT_WGMMA_SS_N64(TY)                                                               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" KPT_REGS32   \
+                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                        \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24)                    \
+                 : "l"(a), "l"(b), "r"(scale_d))
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        KPT_WGMMA_SS_N64("bf16");
+    } else {
+        KPT_WGMMA_SS_N64("f16");
     }
 }
 
@@ -985,11 +1010,497 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     }
 }
 
+// ---- backward: shared pieces --------------------------------------------------------------
+
+// The backward kernels' barriers: `once` for the tiles copied once and full / empty of each
+// ring stage (the 128 producer threads' copies fill, the 256 consumer threads release), then
+// a block-wide sync.
+template <int kStages, typename Full, typename Empty>
+__device__ __forceinline__ void bwd_barriers(uint32_t once, Full full, Empty empty) {
+    if (threadIdx.x == 0) {
+        mbar_init(once, 128);
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full(s), 128);
+            mbar_init(empty(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// st = A1 B1^T and dpt = A2 B2^T for one 64 x 64 block, both K-major in shared memory: A1 / A2
+// are 64 rows of tiles of kARows rows (64-column blocks kARows * 128 bytes apart), B1 / B2
+// tiles of 64 rows; k-steps of 16 of the D dims. Waits for both.
+template <typename T, int D, int kARows>
+__device__ __forceinline__ void bwd_scores(float (&st)[32], float (&dpt)[32], uint64_t a1,
+                                           uint64_t b1, uint64_t a2, uint64_t b2) {
+    fence_regs(st);
+    fence_regs(dpt);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t ao = ((kk / 4) * (kARows * 128) + (kk % 4) * 32) >> 4;
+        const uint32_t bo = ((kk / 4) * (64 * 128) + (kk % 4) * 32) >> 4;
+        wgmma_ss_n64<T>(st, a1 + ao, b1 + bo, kk > 0 ? 1 : 0);
+        wgmma_ss_n64<T>(dpt, a2 + ao, b2 + bo, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(st);
+    fence_regs(dpt);
+}
+
+// st becomes P = exp2(S scale2 (+ mask log2e) - lse2) and dpt dS = P o (dP - D), element
+// 4j + 2r + e of the 64 x 64 block: at(j, r, e) gives its (key, query), stats(j, r, e) its
+// query's (lse2, D). With `edge`, keys the query does not see (past the cache, causal) and
+// queries past seq_q give P = 0; otherwise every element is visible.
+template <typename At, typename Stats>
+__device__ __forceinline__ void bwd_probs(float (&st)[32], float (&dpt)[32], bool edge,
+                                          float scale2, const Dims& p,
+                                          const float* __restrict__ mask, At at, Stats stats) {
+    const int offset = p.seq_kv - p.seq_q;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 4 * j + 2 * r + e;
+                float x = st[i] * scale2;
+                if (edge) {
+                    const int2 kq = at(j, r, e);
+                    bool visible = kq.x < p.seq_kv && kq.y < p.seq_q;
+                    if (p.causal) visible = visible && kq.x <= kq.y + offset;
+                    if (visible && mask) x += mask[static_cast<long>(kq.y) * p.seq_kv + kq.x] * kLog2e;
+                    x = visible ? x : -INFINITY;
+                }
+                const float2 ld = stats(j, r, e);
+                st[i] = exp2f(x - ld.x);
+                dpt[i] = st[i] * (dpt[i] - ld.y);
+            }
+        }
+    }
+}
+
+// ---- backward: dk and dv per key tile ----------------------------------------------------
+//
+// kpt_flash_attention_sm90_bwd_dkdv_*: the second launch of the attention backward
+// (flash_attention_bwd.cu's kv_pass, same arguments and results) on wgmma. One block per
+// (128 keys, kv head, batch): a producer warpgroup copies K and V once, then for every
+// query head of the kv group and every query tile of 64 that sees the keys, Q, dO and the
+// rows' lse2 and D (written by the first launch) into a ring of kBwdStages stages; each of
+// the two consumer warpgroups owns 64 keys and per query tile computes
+//   S^T = K Q^T, dP^T = V dO^T               (wgmma m64n64k16, both operands in shared memory)
+//   P^T = exp2(S^T scale log2e (+ mask log2e) - lse2), dS^T = P^T o (dP^T - D)
+//   dV += P^T dO, dK += dS^T Q               (wgmma m64n{D}k16, P^T / dS^T from registers,
+//                                             dO and Q read MN-major)
+// and at the end stores dk = scale dK and dv = dV. Keys past the cache hold zeros in K and V;
+// their rows of dk and dv are never stored, so they need no mask; queries past seq_q have
+// lse2 = +inf (P = 0) and D = 0.
+constexpr int kBwdKeys = 128;   // keys per block, 64 per consumer warpgroup
+constexpr int kBwdRows = 64;    // queries per tile
+constexpr int kBwdStages = 2;
+
+template <int D>
+struct BwdConfig {
+    static constexpr int kKvBytes = kBwdKeys * D * 2;  // a K (or V) tile
+    static constexpr int kRowBytes = kBwdRows * D * 2;  // a Q (or dO) tile
+    static constexpr int kStageBytes = 2 * kRowBytes;  // Q, then dO
+    static constexpr int kStatsOffset = 2 * kKvBytes + kBwdStages * kStageBytes;
+    // lse2 and D of each stage (kBwdRows floats each), then the barriers.
+    static constexpr int kBarOffset = kStatsOffset + kBwdStages * 2 * kBwdRows * 4;
+    static constexpr int kBarriers = 1 + 2 * kBwdStages;  // full_kv, full[s], empty[s]
+    static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
+};
+static_assert(BwdConfig<64>::kSmemBytes == 67624, "keep the kpt:launch shared= values in step");
+static_assert(BwdConfig<128>::kSmemBytes == 133160, "keep the kpt:launch shared= values in step");
+
+// MN-major descriptor of a tile of `rows` rows of D elements read as B with the rows as the
+// reduction dimension: 64-column blocks rows * 128 bytes apart, a k-step of 16 rows adds
+// 2048 bytes to the start.
+__device__ __forceinline__ uint64_t mn_desc(uint32_t addr, int rows) {
+    return make_desc((1ull << 62) | (uint64_t(1024 >> 4) << 32) |
+                         (static_cast<uint64_t>((rows * 128) >> 4) << 16),
+                     addr);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k,
+                                              const T* __restrict__ v,
+                                              const float* __restrict__ mask,
+                                              const T* __restrict__ dout,
+                                              const float* __restrict__ lse,
+                                              const float* __restrict__ delta, T* __restrict__ dk,
+                                              T* __restrict__ dv, const Dims& p) {
+    using C = BwdConfig<D>;
+    using R = Regs<2>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sk = base, sv = base + C::kKvBytes;
+    auto sq = [&](int s) { return base + 2 * C::kKvBytes + s * C::kStageBytes; };
+    auto sdo = [&](int s) { return sq(s) + C::kRowBytes; };
+    auto lse_at = [&](int s) { return base + C::kStatsOffset + s * 2 * kBwdRows * 4; };
+    const uint32_t bars = base + C::kBarOffset;
+    const uint32_t full_kv = bars;
+    auto full = [&](int s) { return bars + 8u * (1 + s); };
+    auto empty = [&](int s) { return bars + 8u * (1 + kBwdStages + s); };
+    const float* stats = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) +
+                                                        C::kStatsOffset);
+
+    const int groups = p.batch * p.kv_heads;
+    const int bg = static_cast<int>(blockIdx.x % groups);
+    const int n0 = static_cast<int>(blockIdx.x / groups) * kBwdKeys;
+    const int hk = bg % p.kv_heads, b = bg / p.kv_heads;
+    const int group = p.heads / p.kv_heads;
+    const long q_stride = static_cast<long>(p.heads) * D;
+    const long kv_stride = static_cast<long>(p.kv_heads) * D;
+    const long kv_at =
+        (static_cast<long>(b) * p.seq_kv + n0) * kv_stride + static_cast<long>(hk) * D;
+    const int nk = min(kBwdKeys, p.seq_kv - n0);
+    const int offset = p.seq_kv - p.seq_q;
+    const int pad = (p.seq_q + kBwdRows - 1) / kBwdRows * kBwdRows;  // the first launch's seq_pad
+    // Query i sees key j iff j <= i + offset: the first query tile that sees key n0.
+    const int m_begin = p.causal ? max(0, n0 - offset) / kBwdRows * kBwdRows : 0;
+    const int tiles_m = m_begin < p.seq_q ? (p.seq_q - m_begin + kBwdRows - 1) / kBwdRows : 0;
+    const int iters = group * tiles_m;
+
+    bwd_barriers<kBwdStages>(full_kv, full, empty);
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        // ---- producer: K and V once, then Q, dO, lse2 and D per (head, query tile) ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
+        const int tp = threadIdx.x;
+        load_tile<T, D, kBwdKeys>(sk, k + kv_at, k, kv_stride, 0, nk, tp);
+        load_tile<T, D, kBwdKeys>(sv, v + kv_at, v, kv_stride, 0, nk, tp);
+        mbar_arrive_on_copies(full_kv);
+        int s = 0;
+        unsigned phase = 0;
+        for (int it = 0; it < iters; ++it) {
+            const int h = hk * group + it / tiles_m;
+            const int m0 = m_begin + (it % tiles_m) * kBwdRows;
+            const int rows = min(kBwdRows, p.seq_q - m0);
+            const long at =
+                (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
+            mbar_wait(empty(s), phase ^ 1);
+            load_tile<T, D, kBwdRows>(sq(s), q + at, q, q_stride, 0, rows, tp);
+            load_tile<T, D, kBwdRows>(sdo(s), dout + at, dout, q_stride, 0, rows, tp);
+            // lse2 and D of the tile's rows (padded to whole tiles by the first launch).
+            const long r_at = static_cast<long>(b * p.heads + h) * pad + m0;
+            if (tp < kBwdRows / 4) {
+                cp_async16(lse_at(s) + 16 * tp, lse + r_at + 4 * tp, true);
+            } else if (tp < kBwdRows / 2) {
+                const int y = tp - kBwdRows / 4;
+                cp_async16(lse_at(s) + kBwdRows * 4 + 16 * y, delta + r_at + 4 * y, true);
+            }
+            mbar_arrive_on_copies(full(s));
+            if (++s == kBwdStages) {
+                s = 0;
+                phase ^= 1;
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // ---- consumers: 64 keys each ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R::kConsumer));
+    const int c = wg - 1;
+    const int t128 = threadIdx.x % 128, warp = t128 / 32, lane = t128 % 32;
+    const int g = lane / 4, tig = lane % 4;
+    const int kr0 = c * 64 + warp * 16 + g;  // this thread's keys: kr0 and kr0 + 8
+    const float scale2 = p.scale * kLog2e;
+    const uint64_t kdesc = make_desc(kDescK, sk + c * 64 * 128);
+    const uint64_t vdesc = make_desc(kDescK, sv + c * 64 * 128);
+    float dka[D / 2], dva[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.0f;
+    mbar_wait(full_kv, 0);
+    fence_proxy_async();
+    int s = 0;
+    unsigned phase = 0;
+    for (int it = 0; it < iters; ++it) {
+        const int m0 = m_begin + (it % tiles_m) * kBwdRows;
+        mbar_wait(full(s), phase);
+        fence_proxy_async();
+        const uint64_t qk = make_desc(kDescK, sq(s)), dok = make_desc(kDescK, sdo(s));
+        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries).
+        float st[32], dpt[32];
+        bwd_scores<T, D, kBwdKeys>(st, dpt, kdesc, make_desc(kDescK, sq(s)), vdesc,
+                                   make_desc(kDescK, sdo(s)));
+        // P^T and dS^T: element 4j + 2r + e is key kr0 + 8r, query m0 + 8j + 2tig + e.
+        const float* lrow = stats + s * 2 * kBwdRows;
+        const bool edge = mask != nullptr || (p.causal && n0 + c * 64 + 63 > m0 + offset);
+        bwd_probs(
+            st, dpt, edge, scale2, p, mask,
+            [&](int j, int r, int e) { return make_int2(n0 + kr0 + 8 * r, m0 + 8 * j + 2 * tig + e); },
+            [&](int j, int, int e) {
+                const int col = 8 * j + 2 * tig + e;
+                return make_float2(lrow[col], lrow[kBwdRows + col]);
+            });
+        // P^T and dS^T as A fragments (k-steps of 16 queries), then dV += P^T dO and
+        // dK += dS^T Q with dO and Q read MN-major.
+        uint32_t pf[4][4], sf[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                pf[kc][i] = pack2<T>(st[8 * kc + 2 * i], st[8 * kc + 2 * i + 1]);
+                sf[kc][i] = pack2<T>(dpt[8 * kc + 2 * i], dpt[8 * kc + 2 * i + 1]);
+            }
+        }
+        const uint64_t qmn = mn_desc(sq(s), kBwdRows), domn = mn_desc(sdo(s), kBwdRows);
+        fence_regs(dva);
+        fence_regs(dka);
+        fence_regs(pf);
+        fence_regs(sf);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            wgmma_rs<T, D>(dva, pf[kc], domn + kc * (2048 >> 4));
+            wgmma_rs<T, D>(dka, sf[kc], qmn + kc * (2048 >> 4));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dva);
+        fence_regs(dka);
+        fence_regs(pf);
+        fence_regs(sf);
+        mbar_arrive(empty(s));
+        if (++s == kBwdStages) {
+            s = 0;
+            phase ^= 1;
+        }
+    }
+
+    // dk = scale dK, dv = dV: element 4j + 2r + e is key kr0 + 8r, dim 8j + 2tig + e.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kr0 + 8 * r;  // within the tile
+        if (key >= nk) continue;
+        const long at = kv_at + static_cast<long>(key) * kv_stride;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            const int d = 8 * j + 2 * tig;
+            *reinterpret_cast<uint32_t*>(dk + at + d) =
+                pack2<T>(dka[4 * j + 2 * r] * p.scale, dka[4 * j + 2 * r + 1] * p.scale);
+            *reinterpret_cast<uint32_t*>(dv + at + d) =
+                pack2<T>(dva[4 * j + 2 * r], dva[4 * j + 2 * r + 1]);
+        }
+    }
+}
+
+// ---- backward: dq given the forward's log-sum-exp ------------------------------------------
+//
+// kpt_flash_attention_sm90_bwd_dq_lse_*: the backward's first launch given the forward's
+// log-sum-exp (flash_attention_bwd.cu's dq_pass with kGivenLse, same arguments and
+// results) on wgmma. One block per (128 query rows, head, batch), query tiles last-first: a
+// producer warpgroup copies Q and dO once, then K and V tiles of 64 keys into a ring of
+// kDqStages stages; each of the two consumer warpgroups owns 64 rows, computes D =
+// rowsum(dO o O) and lse2 = lse log2e of its rows (written for the dk / dv launch), and per
+// key tile
+//   S = Q K^T, dP = dO V^T                     (wgmma m64n64k16, both in shared memory)
+//   P = exp2(S scale log2e (+ mask log2e) - lse2), dS = P o (dP - D)
+//   dQ += dS K                                 (wgmma m64n{D}k16, dS from registers, K MN-major)
+// and at the end stores dq = scale dQ. Keys past the cache are zeros in K and V, so their
+// dS meets zero rows of K and adds nothing.
+constexpr int kDqRows = 128;  // query rows per block, 64 per consumer warpgroup
+constexpr int kDqKeys = 64;   // keys per K / V tile
+constexpr int kDqStages = 4;
+
+template <int D>
+struct DqConfig {
+    static constexpr int kRowsBytes = kDqRows * D * 2;  // the Q (or dO) tile
+    static constexpr int kTileBytes = kDqKeys * D * 2;  // a K (or V) tile
+    static constexpr int kRingOffset = 2 * kRowsBytes;
+    static constexpr int kBarOffset = kRingOffset + kDqStages * 2 * kTileBytes;
+    static constexpr int kBarriers = 1 + 2 * kDqStages;  // full_q, full[s], empty[s]
+    static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
+};
+static_assert(DqConfig<64>::kSmemBytes == 99400, "keep the kpt:launch shared= values in step");
+static_assert(DqConfig<128>::kSmemBytes == 197704, "keep the kpt:launch shared= values in step");
+
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k,
+                                            const T* __restrict__ v,
+                                            const float* __restrict__ mask,
+                                            const T* __restrict__ out, const T* __restrict__ dout,
+                                            const float* __restrict__ lse_in, T* __restrict__ dq,
+                                            float* __restrict__ lse, float* __restrict__ delta,
+                                            const Dims& p) {
+    using C = DqConfig<D>;
+    using R = Regs<2>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sq = base, sdo = base + C::kRowsBytes;
+    auto sk = [&](int s) { return base + C::kRingOffset + s * 2 * C::kTileBytes; };
+    auto sv = [&](int s) { return sk(s) + C::kTileBytes; };
+    const uint32_t bars = base + C::kBarOffset;
+    const uint32_t full_q = bars;
+    auto full = [&](int s) { return bars + 8u * (1 + s); };
+    auto empty = [&](int s) { return bars + 8u * (1 + kDqStages + s); };
+
+    const int tiles_m = (p.seq_q + kDqRows - 1) / kDqRows;
+    const int bh = static_cast<int>(blockIdx.x % (p.batch * p.heads));
+    const int m0 = (tiles_m - 1 - static_cast<int>(blockIdx.x / (p.batch * p.heads))) * kDqRows;
+    const int h = bh % p.heads, b = bh / p.heads;
+    const int hk = h / (p.heads / p.kv_heads);
+    const long q_stride = static_cast<long>(p.heads) * D;
+    const long kv_stride = static_cast<long>(p.kv_heads) * D;
+    const long q_at = (static_cast<long>(b) * p.seq_q + m0) * q_stride + static_cast<long>(h) * D;
+    const T* kb = k + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    const T* vb = v + static_cast<long>(b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+    const int rows = min(kDqRows, p.seq_q - m0);
+    const int offset = p.seq_kv - p.seq_q;
+    const int kv_end = p.causal ? max(0, min(p.seq_kv, m0 + rows + offset)) : p.seq_kv;
+    const int tiles_n = (kv_end + kDqKeys - 1) / kDqKeys;
+    // lse2 and D rows: the first launch's layout, seq_q rounded up to 64.
+    const int pad = (p.seq_q + 63) / 64 * 64;
+    const long row_at = static_cast<long>(bh) * pad + m0;
+
+    bwd_barriers<kDqStages>(full_q, full, empty);
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        // ---- producer: Q and dO once, then K and V per key tile ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
+        const int tp = threadIdx.x;
+        load_tile<T, D, kDqRows>(sq, q + q_at, q, q_stride, 0, rows, tp);
+        load_tile<T, D, kDqRows>(sdo, dout + q_at, dout, q_stride, 0, rows, tp);
+        mbar_arrive_on_copies(full_q);
+        int s = 0;
+        unsigned phase = 0;
+        for (int t = 0; t < tiles_n; ++t) {
+            const int n0 = t * kDqKeys;
+            const int nk = min(kDqKeys, p.seq_kv - n0);
+            mbar_wait(empty(s), phase ^ 1);
+            load_tile<T, D, kDqKeys>(sk(s), kb + n0 * kv_stride, kb, kv_stride, 0, nk, tp);
+            load_tile<T, D, kDqKeys>(sv(s), vb + n0 * kv_stride, vb, kv_stride, 0, nk, tp);
+            mbar_arrive_on_copies(full(s));
+            if (++s == kDqStages) {
+                s = 0;
+                phase ^= 1;
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // ---- consumers: 64 rows each ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R::kConsumer));
+    const int c = wg - 1;
+    const int t128 = threadIdx.x % 128, warp = t128 / 32, lane = t128 % 32;
+    const int g = lane / 4, tig = lane % 4;
+    const int r0 = c * 64 + warp * 16 + g;  // this thread's rows: r0 and r0 + 8 of the block
+    const float scale2 = p.scale * kLog2e;
+    // D = rowsum(dO o O) and lse2 of the two rows (four lanes per row, D / 4 elements
+    // each); +inf and 0 past seq_q, +inf for a log-sum-exp that is not finite.
+    float dsum[2], lse2[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + 8 * r, qi = m0 + row;
+        float acc = 0.0f;
+        if (qi < p.seq_q) {
+            constexpr int N = kpt::Vec<T>::N;
+            const long at = q_at + row * q_stride + tig * (D / 4);
+#pragma unroll
+            for (int x = 0; x < D / 4; x += N) {
+                float a[N], o[N];
+                kpt::load_vec(dout + at + x, a);
+                kpt::load_vec(out + at + x, o);
+#pragma unroll
+                for (int e = 0; e < N; ++e) acc += a[e] * o[e];
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        const float l = qi < p.seq_q ? lse_in[static_cast<long>(bh) * p.seq_q + qi] : INFINITY;
+        dsum[r] = acc;
+        lse2[r] = isfinite(l) ? l * kLog2e : INFINITY;
+        if (tig == 0 && m0 + row < pad) {
+            lse[row_at + row] = lse2[r];
+            delta[row_at + row] = acc;
+        }
+    }
+
+    const uint64_t qdesc = make_desc(kDescK, sq + c * 64 * 128);
+    const uint64_t dodesc = make_desc(kDescK, sdo + c * 64 * 128);
+    float dqa[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dqa[i] = 0.0f;
+    mbar_wait(full_q, 0);
+    fence_proxy_async();
+    const int row_first = m0 + c * 64;  // the warpgroup's first row
+    int s = 0;
+    unsigned phase = 0;
+    for (int t = 0; t < tiles_n; ++t) {
+        const int n0 = t * kDqKeys;
+        mbar_wait(full(s), phase);
+        fence_proxy_async();
+        // S = Q K^T and dP = dO V^T (64 rows x 64 keys).
+        float st[32], dpt[32];
+        bwd_scores<T, D, kDqRows>(st, dpt, qdesc, make_desc(kDescK, sk(s)), dodesc,
+                                  make_desc(kDescK, sv(s)));
+        // P and dS: element 4j + 2r + e is row r0 + 8r, key n0 + 8j + 2tig + e.
+        const bool edge = mask != nullptr || (p.causal && n0 + kDqKeys - 1 > row_first + offset);
+        bwd_probs(
+            st, dpt, edge, scale2, p, mask,
+            [&](int j, int r, int e) { return make_int2(n0 + 8 * j + 2 * tig + e, m0 + r0 + 8 * r); },
+            [&](int, int r, int) { return make_float2(lse2[r], dsum[r]); });
+        uint32_t sf[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sf[kc][i] = pack2<T>(dpt[8 * kc + 2 * i], dpt[8 * kc + 2 * i + 1]);
+        }
+        const uint64_t kmn = mn_desc(sk(s), kDqKeys);
+        fence_regs(dqa);
+        fence_regs(sf);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, D>(dqa, sf[kc], kmn + kc * (2048 >> 4));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dqa);
+        fence_regs(sf);
+        mbar_arrive(empty(s));
+        if (++s == kDqStages) {
+            s = 0;
+            phase ^= 1;
+        }
+    }
+
+    // dq = scale dQ: element 4j + 2r + e is row r0 + 8r, dim 8j + 2tig + e.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + 8 * r;
+        if (m0 + row >= p.seq_q) continue;
+        T* dst = dq + q_at + static_cast<long>(row) * q_stride;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * tig) =
+                pack2<T>(dqa[4 * j + 2 * r] * p.scale, dqa[4 * j + 2 * r + 1] * p.scale);
+        }
+    }
+}
+
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
 template <typename T, int D, bool kMask, bool kTma>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
                                            float*, const Dims&, float, Maps) {
+    __trap();
+}
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dkdv_sm90(const T*, const T*, const T*, const float*,
+                                              const T*, const float*, const float*, T*, T*,
+                                              const Dims&) {
+    __trap();
+}
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dq_sm90(const T*, const T*, const T*, const float*, const T*,
+                                            const T*, const float*, T*, float*, float*,
+                                            const Dims&) {
     __trap();
 }
 
@@ -1042,6 +1553,30 @@ KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 64)
 KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90_TMA(f16, __half, 64)
 KPT_FLASH_SM90_TMA(f16, __half, 128)
+
+// The backward's dk / dv launch on wgmma (see bwd_dkdv_sm90): the arguments of
+// flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block.
+#define KPT_FLASH_SM90_BWD(NAME, T, D)                                                     \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                    \
+        kpt_flash_attention_sm90_bwd_dkdv_##NAME##_d##D(                                     \
+            const T* q, const T* k, const T* v, const float* mask, const T* dout,           \
+            const float* lse, const float* delta, T* dk, T* dv, const Dims p) {             \
+        kpt::dependent_launch_prologue();                                                  \
+        bwd_dkdv_sm90<T, D>(q, k, v, mask, dout, lse, delta, dk, dv, p);                   \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                    \
+        kpt_flash_attention_sm90_bwd_dq_lse_##NAME##_d##D(                                   \
+            const T* q, const T* k, const T* v, const float* mask, const T* out,            \
+            const T* dout, const float* lse_in, T* dq, float* lse, float* delta,            \
+            const Dims p) {                                                                 \
+        kpt::dependent_launch_prologue();                                                  \
+        bwd_dq_sm90<T, D>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);             \
+    }
+
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128)
+KPT_FLASH_SM90_BWD(f16, __half, 64)
+KPT_FLASH_SM90_BWD(f16, __half, 128)
 
 // q, k [batch, seq, heads * 128] e4m3, vt from kpt_attention_fp8_v_transpose_d128, out bf16;
 // p.scale includes q_scale * k_scale.

@@ -47,6 +47,10 @@ fn kernel_param<T: DeviceRepr>(value: &T) -> *mut c_void {
 const FLASH_BLOCK_M: usize = 64;
 const FLASH_SM90_BLOCK_M: usize = 128;
 const FLASH_SM90_BLOCK_M_D64: usize = 192;
+/// Keys per block of the wgmma dk / dv kernel of `flash_attention_sm90.cu` (its kBwdKeys)
+/// and query rows per block of its dq kernel (kDqRows).
+const FLASH_SM90_BWD_KEYS: usize = 128;
+const FLASH_SM90_BWD_ROWS: usize = 128;
 /// Keys per K/V tile of `flash_attention_sm90.cu` (its kBlockN).
 const FLASH_SM90_BLOCK_N: usize = 128;
 /// Most query tiles of a causal call that runs on the persistent grid (paired tiles):
@@ -926,7 +930,9 @@ impl Gpu {
     /// log-sum-exp (f32 `[batch, heads, seq_q]`; 0: none), for the sizes
     /// [`FlashBackward::new`] accepts: dq per query tile (which also leaves each row's
     /// log-sum-exp and `rowsum(dout o out)` in scratch; with the given log-sum-exp it
-    /// skips the online softmax), then dk and dv per key tile.
+    /// skips the online softmax), then dk and dv per key tile. On Hopper the wgmma kernels
+    /// of `flash_attention_sm90.cu` run both launches (dq only when the log-sum-exp is
+    /// given), 128 query rows or keys per block.
     pub(crate) fn flash_attention_backward(
         &self,
         plan: &FlashBackward,
@@ -945,7 +951,16 @@ impl Gpu {
         let rows = plan.padded_rows();
         let stats = self.alloc((2 * rows).max(4) * 4)?;
         let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
-        if query_tiles > 0 && lse_in != 0 {
+        const SM90: &str = "flash_attention_sm90";
+        let hopper = self.loaded_target(SM90)? == "sm_90a";
+        if query_tiles > 0 && lse_in != 0 && hopper {
+            // The wgmma dq kernel: 128 query rows per block.
+            let pairs = dims.batch as usize * dims.heads as usize;
+            let tiles = (dims.seq_q as usize).div_ceil(FLASH_SM90_BWD_ROWS) * pairs;
+            let entry = format!("kpt_flash_attention_sm90_bwd_dq_lse_{name}_d{d}");
+            launch!(self, SM90, entry, grid("query tiles", tiles)?;
+                q, k, v, mask, out, dout, lse_in, dq, lse, delta, dims);
+        } else if query_tiles > 0 && lse_in != 0 {
             let entry = format!("kpt_flash_attention_bwd_dq_lse_{name}_d{d}");
             launch!(self, "flash_attention_bwd", entry, grid("query tiles", query_tiles)?;
                 q, k, v, mask, out, dout, lse_in, dq, lse, delta, dims);
@@ -955,6 +970,15 @@ impl Gpu {
                 q, k, v, mask, out, dout, dq, lse, delta, dims);
         }
         if key_tiles > 0 {
+            if hopper {
+                // The wgmma dk / dv kernel: 128 keys per block.
+                let groups = dims.batch as usize * dims.kv_heads as usize;
+                let tiles = (dims.seq_kv as usize).div_ceil(FLASH_SM90_BWD_KEYS) * groups;
+                let entry = format!("kpt_flash_attention_sm90_bwd_dkdv_{name}_d{d}");
+                launch!(self, SM90, entry, grid("key tiles", tiles)?;
+                    q, k, v, mask, dout, lse, delta, dk, dv, dims);
+                return Ok(());
+            }
             let entry = format!("kpt_flash_attention_bwd_dkdv_{name}_d{d}");
             launch!(self, "flash_attention_bwd", entry, grid("key tiles", key_tiles)?;
                 q, k, v, mask, dout, lse, delta, dk, dv, dims);
