@@ -34,7 +34,7 @@ use super::shapes::AttentionShape;
 use super::simd::{
     self, dispatch, dot_decode, exp_f32_fma, exp_softmax_f32_fma, fmadd, Decode, Encode,
 };
-use super::softmax::max16;
+use super::softmax::row_max;
 use super::wide::Widen;
 use super::{amx, attention_amx};
 
@@ -148,7 +148,7 @@ pub(super) fn online_softmax(
         }
         srow[..first].fill(f32::NEG_INFINITY);
         srow[valid..].fill(f32::NEG_INFINITY);
-        let bm = max16(srow);
+        let bm = row_max(srow);
         let m_new = if bm > m_run[r] { bm } else { m_run[r] };
         if m_new == f32::NEG_INFINITY {
             srow.fill(0.0);
