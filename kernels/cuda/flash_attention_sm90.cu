@@ -18,7 +18,10 @@
 //     R rows x 128 bytes, and 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its row
 //     (every block starts 1024-byte aligned, as the swizzle works on address bits). Completion
 //     is signalled with cp.async.mbarrier.arrive.noinc on the stage's "full" mbarrier (128
-//     arrivals), so the producer never waits for its own copies.
+//     arrivals), so the producer never waits for its own copies. The `_tma_` entry points
+//     (launched wherever the driver encodes the tensor maps) instead have one producer thread
+//     issue each tile as TMA boxes of 128-byte column blocks (same swizzle, zeros outside the
+//     tensor) after arming the stage's "full" mbarrier with the tile's byte count.
 //   * Warpgroups 1.. (consumers, setmaxnreg up to 232, or 160 with three): 64 rows each. After an
 //     mbarrier wait, a fence.proxy.async makes the cp.async (generic proxy) data visible to
 //     wgmma (async proxy). S = Q K^T is wgmma m64n128k16 with both operands in shared memory

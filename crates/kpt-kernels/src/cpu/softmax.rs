@@ -38,8 +38,8 @@ fn max16(x: &[f32]) -> f32 {
 
 /// Maximum of `x` as [`max16`] gives it (NaNs skipped, `-inf` for an empty slice): with
 /// AVX-512, four independent 16-lane accumulators, so that a row is not bound by the
-/// latency of one chain of maxima (on the 2-core Zen 4, f32 attention S1024 d64 ran about
-/// 2 % faster); otherwise [`max16`].
+/// latency of one chain of maxima (docs/decisions.md, "Softmax row passes"); otherwise
+/// [`max16`].
 #[inline(always)]
 pub(crate) fn row_max(x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
