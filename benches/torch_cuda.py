@@ -122,8 +122,21 @@ def variants(req):
         return [("torch.compile", compiled(f)), ("torch eager", f)]
     if kind == "attention_prefill":
         b, h, d, s, causal = req["batch"], req["heads"], req["head_dim"], req["seq"], req["causal"]
-        q, k, v = (rand((b, h, s, d), dt, -2.0, 2.0) for _ in range(3))
-        return sdpa_backends(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        hkv = req.get("kv_heads", h)
+        q = rand((b, h, s, d), dt, -2.0, 2.0)
+        k, v = rand((b, hkv, s, d), dt, -2.0, 2.0), rand((b, hkv, s, d), dt, -2.0, 2.0)
+        if hkv == h:
+            return sdpa_backends(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        out = sdpa_backends(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        )
+        # Grouped-query attention as HF's LLaMA runs it: K/V repeated to every query head
+        # (done once here, not timed), then any backend.
+        ke, ve = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+        expanded = sdpa_backends(
+            lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
+        )
+        return out + [(f"{name} (expanded K/V)", f) for name, f in expanded]
     if kind == "attention_backward":
         b, h, d, s, causal = req["batch"], req["heads"], req["head_dim"], req["seq"], req["causal"]
         q, k, v = (rand((b, h, s, d), dt, -2.0, 2.0).requires_grad_() for _ in range(3))

@@ -155,6 +155,28 @@ fn attention_cases() -> Vec<Case> {
             });
         }
     }
+    // The attention of the 1.1B LLaMA-shaped model's prefill (models-* reports): grouped
+    // query heads, head dim 64, one sequence. Tracked without a target of its own.
+    let (b, h, hkv, s, d) = (1usize, 32usize, 4usize, 2048usize, 64usize);
+    out.push(Case {
+        name: format!("attention_prefill_bf16_b{b}_h{h}kv{hkv}_s{s}_d{d}_causal"),
+        metric: "TFLOP/s",
+        work: 2.0 * (b * h * s * s * d) as f64,
+        kpt: Work::Op(params(h, hkv, d, true)),
+        inputs: vec![
+            random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0),
+            random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+            random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+        ],
+        torch: json!({"kind": "attention_prefill", "batch": b, "heads": h, "kv_heads": hkv,
+                      "head_dim": d, "seq": s, "causal": true, "dtype": "bf16"}),
+        target_ratio: None,
+        target: None,
+        target_of_copy: None,
+        target_vs_case: None,
+        target_vs_variant: None,
+        note: "FLOPs = 4 b h s² d / 2; the 1.1B model's prefill attention, no target",
+    });
     // FP8 e4m3 against kpt's own bf16 kernel on the same shape (and both against torch's
     // bf16 SDPA backends; torch has no FP8 attention).
     let (b, h, s, d) = (4usize, 16usize, 4096usize, 128usize);
