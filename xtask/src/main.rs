@@ -26,6 +26,9 @@
 //! - `bench-xla`: the 124M checkpoint of `bench-models` through kpt-tpu on XLA's CPU
 //!   plugin against the same model in JAX (pinned in `benches/requirements-xla.txt`,
 //!   installed into `target/jax-venv`), writing `docs/reports/tpu-xla-cpu-*`.
+//! - `models-report`: `docs/reports/models-latest.*`, the newest GPU model report
+//!   (`models-<gpu>-latest.json`) and the CPU one (`models-cpu-latest.json`) in one
+//!   report, each row labelled with its run.
 //! - `gpu-bundle`: builds the GPU tests, `kpt` and `kpt-bench-cuda` in release mode into
 //!   `.gpu/` with `run.sh` (usage in `xtask/gpu/run.sh`), to copy to a GPU machine.
 
@@ -37,6 +40,7 @@ use clap::{Parser, Subcommand};
 
 mod bundle;
 mod kernels;
+mod models_report;
 mod pjrt;
 
 use bundle::gpu_bundle;
@@ -86,6 +90,16 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// docs/reports/models-latest.*: the newest GPU model report and the CPU one in one
+    /// report, each row labelled with its run.
+    ModelsReport {
+        /// The GPU report's name (default: the newest `models-*-latest.json` but the CPU's).
+        #[arg(long)]
+        gpu: Option<String>,
+        /// The CPU report's name.
+        #[arg(long, default_value = "models-cpu")]
+        cpu: String,
+    },
     /// Build the GPU tests and kpt-bench-cuda into .gpu/ with run.sh, for a GPU machine.
     GpuBundle,
     /// Install XLA's CPU PJRT plugin into target/pjrt-venv and print its path.
@@ -102,6 +116,9 @@ fn main() -> Result<()> {
         Task::BenchCpu { args } => bench_cpu(&args),
         Task::BenchModels { args } => bench_models(&args),
         Task::BenchXla { args } => bench_xla(&args),
+        Task::ModelsReport { gpu, cpu } => {
+            models_report::write(&root().join("docs/reports"), gpu.as_deref(), &cpu)
+        }
         Task::GpuBundle => gpu_bundle(),
         Task::PjrtPlugin => {
             println!("{}", pjrt::cpu_plugin()?.display());

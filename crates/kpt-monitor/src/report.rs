@@ -343,6 +343,54 @@ impl Report {
         }
     }
 
+    /// One report holding the rows of several, each from its own run: row `r` of part
+    /// `(label, report)` becomes `"{label}: {r.name}"`, its notes name the run it came
+    /// from (report, date, commit), and the machine, commit and versions list every
+    /// part's under its label. For an issue that asks for one report of comparisons made
+    /// on different machines (the models report: GPU and CPU). Dated now.
+    pub fn combine(
+        report: impl Into<String>,
+        command: impl Into<String>,
+        parts: &[(&str, &Report)],
+    ) -> Self {
+        let joined = |f: &dyn Fn(&Report) -> String| {
+            parts
+                .iter()
+                .map(|(label, r)| format!("{label}: {}", f(r)))
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        let drivers: Vec<String> = parts
+            .iter()
+            .filter_map(|(label, r)| r.machine.driver.as_ref().map(|d| format!("{label}: {d}")))
+            .collect();
+        let mut versions = BTreeMap::new();
+        for (label, r) in parts {
+            for (k, v) in &r.machine.versions {
+                versions.insert(format!("{label} {k}"), v.clone());
+            }
+        }
+        let machine = Machine {
+            device: joined(&|r| r.machine.device.clone()),
+            driver: (!drivers.is_empty()).then(|| drivers.join("; ")),
+            cpu: joined(&|r| r.machine.cpu.clone()),
+            versions,
+        };
+        let mut out = Self::new(report, command, joined(&|r| r.git_commit.clone()), machine);
+        for (label, r) in parts {
+            for row in &r.rows {
+                let mut row = row.clone();
+                row.name = format!("{label}: {}", row.name);
+                row = row.with_note(format!(
+                    "from {} of {} at {}",
+                    r.report, r.date, r.git_commit
+                ));
+                out.rows.push(row);
+            }
+        }
+        out
+    }
+
     /// Pretty-printed JSON (non-finite numbers become `null`).
     pub fn to_json(&self) -> String {
         // Serializing plain structs of strings, numbers and maps with string keys
@@ -517,6 +565,35 @@ mod tests {
             cpu: "test cpu".into(),
             versions: [("torch".to_string(), "2.11.0".to_string())].into(),
         }
+    }
+
+    #[test]
+    fn combine_labels_rows_and_keeps_their_runs() {
+        let mut gpu = Report::new("models-h200", "bench", "aaa1111", machine());
+        gpu.machine.device = "NVIDIA H200".into();
+        gpu.machine.driver = Some("580".into());
+        gpu.rows
+            .push(Row::compared("prefill", "ms", false, 9.3, 16.7, "HF").with_target(9.0));
+        let mut cpu = Report::new("models-cpu", "bench", "bbb2222", machine());
+        cpu.rows.push(
+            Row::compared("decode", "tokens/s", true, 120.0, 100.0, "HF").with_target_ratio(1.0),
+        );
+        let both = Report::combine("models", "combine", &[("h200", &gpu), ("cpu", &cpu)]);
+        assert_eq!(both.report, "models");
+        assert_eq!(both.git_commit, "h200: aaa1111; cpu: bbb2222");
+        assert_eq!(both.machine.device, "h200: NVIDIA H200; cpu: CPU");
+        assert_eq!(both.machine.driver.as_deref(), Some("h200: 580"));
+        assert_eq!(both.machine.versions["cpu torch"], "2.11.0");
+        let names: Vec<&str> = both.rows.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["h200: prefill", "cpu: decode"]);
+        // Values, targets and verdicts are the parts' own.
+        assert!(!both.rows[0].met);
+        assert!(both.rows[1].met);
+        assert_eq!(both.rows[1].ratio, Some(1.2));
+        assert!(both.rows[0]
+            .notes
+            .ends_with(&format!("from models-h200 of {} at aaa1111", gpu.date)));
+        assert_eq!(both.met_count(), 1);
     }
 
     #[test]

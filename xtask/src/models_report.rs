@@ -1,0 +1,70 @@
+//! `cargo xtask models-report`: the models issue asks for one report,
+//! `docs/reports/models-latest.*`, with the GPU and the CPU comparisons. Each is measured
+//! by its own run on its own machine (`kpt-bench-models`: `models-<gpu>-*` from the GPU
+//! bundle, `models-cpu-*` from `cargo xtask bench-models`); this puts the newest of each
+//! into one report with [`Report::combine`], rows labelled with the run they come from.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use kpt_monitor::Report;
+
+/// The name of the combined report (files `models-latest.*`).
+const NAME: &str = "models";
+
+/// Reads `<name>-latest.json` of `dir`.
+fn read(dir: &Path, name: &str) -> Result<Report> {
+    let path = dir.join(format!("{name}-latest.json"));
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    Report::from_json(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// The newest (by its `date`) `models-*-latest.json` of `dir` other than `cpu` and the
+/// combined report itself.
+fn newest_gpu(dir: &Path, cpu: &str) -> Result<String> {
+    let mut best: Option<(String, String)> = None;
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let file = entry?.file_name().to_string_lossy().into_owned();
+        let Some(name) = file.strip_suffix("-latest.json") else {
+            continue;
+        };
+        if !name.starts_with("models-") || name == cpu || name == NAME {
+            continue;
+        }
+        let date = read(dir, name)?.date;
+        if best.as_ref().is_none_or(|(d, _)| date > *d) {
+            best = Some((date, name.to_string()));
+        }
+    }
+    match best {
+        Some((_, name)) => Ok(name),
+        None => bail!(
+            "no GPU model report (models-<gpu>-latest.json) in {}",
+            dir.display()
+        ),
+    }
+}
+
+/// Writes `models-latest.{json,md,svg}` (and the dated JSON) into `dir` from the GPU
+/// report `gpu` (default: the newest) and the CPU report `cpu`.
+pub fn write(dir: &Path, gpu: Option<&str>, cpu: &str) -> Result<()> {
+    let gpu = match gpu {
+        Some(g) => g.to_string(),
+        None => newest_gpu(dir, cpu)?,
+    };
+    let label = |name: &str| name.strip_prefix("models-").unwrap_or(name).to_string();
+    let (g, c) = (read(dir, &gpu)?, read(dir, cpu)?);
+    let (gl, cl) = (label(&gpu), label(cpu));
+    let report = Report::combine(NAME, "cargo xtask models-report", &[(&gl, &g), (&cl, &c)]);
+    let paths: Vec<PathBuf> = report.write(dir)?;
+    for p in paths {
+        println!("wrote {}", p.display());
+    }
+    println!(
+        "{} of {} targets met",
+        report.met_count(),
+        report.rows.len()
+    );
+    Ok(())
+}
