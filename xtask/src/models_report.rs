@@ -68,3 +68,52 @@ pub fn write(dir: &Path, gpu: Option<&str>, cpu: &str) -> Result<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kpt_monitor::{Machine, Row};
+
+    fn report(dir: &Path, name: &str, date: &str) {
+        let machine = Machine {
+            device: name.into(),
+            driver: None,
+            cpu: "cpu".into(),
+            versions: Default::default(),
+        };
+        let mut r = Report::new(name, "bench", "abc1234", machine);
+        r.date = date.into();
+        r.rows
+            .push(Row::compared("decode", "tokens/s", true, 2.0, 1.0, "HF").with_target_ratio(1.0));
+        std::fs::write(dir.join(format!("{name}-latest.json")), r.to_json()).unwrap();
+    }
+
+    #[test]
+    fn combines_the_newest_gpu_report_with_the_cpu_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        report(d, "models-h100", "2026-11-26T22:40:00Z");
+        report(d, "models-h200", "2026-11-28T14:30:00Z");
+        report(d, "models-cpu", "2026-11-28T11:33:00Z");
+        std::fs::write(d.join("cpu-latest.json"), "not a models report").unwrap();
+        assert_eq!(newest_gpu(d, "models-cpu").unwrap(), "models-h200");
+        write(d, None, "models-cpu").unwrap();
+        let both = read(d, NAME).unwrap();
+        let names: Vec<&str> = both.rows.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["h200: decode", "cpu: decode"]);
+        assert!(d.join("models-latest.md").is_file());
+        // Written again, the combined report is not taken for a GPU one.
+        assert_eq!(newest_gpu(d, "models-cpu").unwrap(), "models-h200");
+    }
+
+    #[test]
+    fn a_missing_report_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = write(dir.path(), Some("models-h200"), "models-cpu").unwrap_err();
+        assert!(
+            format!("{err:#}").contains("models-h200-latest.json"),
+            "{err:#}"
+        );
+        assert!(newest_gpu(dir.path(), "models-cpu").is_err());
+    }
+}
