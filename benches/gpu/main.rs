@@ -98,16 +98,24 @@ struct Case {
     kpt: Work,
     inputs: Vec<Tensor>,
     torch: Value,
-    target_ratio: Option<f64>,
-    target: Option<f64>,
-    /// A target of this fraction of the device's copy bandwidth, measured in the run.
-    target_of_copy: Option<f64>,
-    /// A target of this factor times kpt's rate on the named case of the same run.
-    target_vs_case: Option<(String, f64)>,
-    /// A target of this factor times the rate of the named torch variant in the same
-    /// run, where the issue's target names one that is not the fastest.
-    target_vs_variant: Option<(&'static str, f64)>,
+    target: Target,
     note: &'static str,
+}
+
+/// A case's target (at most one).
+enum Target {
+    None,
+    /// This ratio to the fastest torch variant.
+    Ratio(f64),
+    /// This absolute rate.
+    Value(f64),
+    /// This fraction of the device's copy bandwidth, measured in the run.
+    OfCopy(f64),
+    /// This factor times kpt's rate on the named case of the same run.
+    VsCase(String, f64),
+    /// This factor times the rate of the named torch variant in the same run, where the
+    /// issue's target names one that is not the fastest.
+    VsVariant(&'static str, f64),
 }
 
 fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType, lo: f32, hi: f32) -> Tensor {
@@ -146,11 +154,7 @@ fn attention_cases() -> Vec<Case> {
                     .collect(),
                 torch: json!({"kind": "attention_prefill", "batch": b, "heads": h,
                               "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
-                target_ratio: Some(1.0),
-                target: None,
-                target_of_copy: None,
-                target_vs_case: None,
-                target_vs_variant: None,
+                target: Target::Ratio(1.0),
                 note: "FLOPs = 4 b h s² d (half when causal)",
             });
         }
@@ -170,11 +174,7 @@ fn attention_cases() -> Vec<Case> {
         ],
         torch: json!({"kind": "attention_prefill", "batch": b, "heads": h, "kv_heads": hkv,
                       "head_dim": d, "seq": s, "causal": true, "dtype": "bf16"}),
-        target_ratio: None,
-        target: None,
-        target_of_copy: None,
-        target_vs_case: None,
-        target_vs_variant: None,
+        target: Target::None,
         note: "FLOPs = 4 b h s² d / 2; the 1.1B model's prefill attention, no target",
     });
     // FP8 e4m3 against kpt's own bf16 kernel on the same shape (and both against torch's
@@ -201,11 +201,11 @@ fn attention_cases() -> Vec<Case> {
                     .map(|_| random(&mut rng, &[b, s, h * d], dt, -2.0, 2.0))
                     .collect(),
                 torch: torch.clone(),
-                target_ratio: None,
-                target: None,
-                target_of_copy: None,
-                target_vs_case: fp8.then(|| (bf16_name.clone(), 1.3)),
-                target_vs_variant: None,
+                target: if fp8 {
+                    Target::VsCase(bf16_name.clone(), 1.3)
+                } else {
+                    Target::None
+                },
                 note: if fp8 {
                     "e4m3 q, k, v with per-tensor scales, bf16 output; torch runs bf16"
                 } else {
@@ -248,11 +248,11 @@ fn attention_cases() -> Vec<Case> {
                               "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
                 // The issue's backward target is torch's flash backend (the rows still
                 // show the fastest backend, cuDNN, as their baseline).
-                target_ratio: None,
-                target: None,
-                target_of_copy: None,
-                target_vs_case: None,
-                target_vs_variant: lse.then_some(("SDPA flash", 1.0)),
+                target: if lse {
+                    Target::VsVariant("SDPA flash", 1.0)
+                } else {
+                    Target::None
+                },
                 note: if lse {
                     "FLOPs = 2.5 x the forward's (half when causal); out and lse from kpt's \
                      forward (not timed), as torch's backward gets its saved out and LSE; dq \
@@ -299,11 +299,7 @@ fn attention_cases() -> Vec<Case> {
             kpt: Work::Op(params(hq, hkv, d, false)),
             inputs,
             torch: torch.clone(),
-            target_ratio: None,
-            target: None,
-            target_of_copy: Some(0.8),
-            target_vs_case: None,
-            target_vs_variant: None,
+            target: Target::OfCopy(0.8),
             note: "bytes = K and V read once; split-KV kernel",
         });
         let dense = kpt_core::graph::AttentionParams::new(hq, hkv, d, false);
@@ -317,11 +313,7 @@ fn attention_cases() -> Vec<Case> {
             })),
             inputs: paged_inputs,
             torch,
-            target_ratio: None,
-            target: None,
-            target_of_copy: Some(0.8),
-            target_vs_case: None,
-            target_vs_variant: None,
+            target: Target::OfCopy(0.8),
             note: "bytes = K and V read once; paged cache, blocks of 16 scattered, split-KV \
                    kernel reading the block table and lengths on the device (no host \
                    readback); torch: dense SDPA of the same sizes (it has no paged attention)",
@@ -345,11 +337,7 @@ fn cases() -> Vec<Case> {
                 random(&mut rng, &[n, n], bf, -1.0, 1.0),
             ],
             torch: json!({"kind": "gemm", "m": n, "k": n, "n": n, "dtype": "bf16"}),
-            target_ratio: Some(1.03),
-            target: None,
-            target_of_copy: None,
-            target_vs_case: None,
-            target_vs_variant: None,
+            target: Target::Ratio(1.03),
             note: "cuBLASLt, autotuned algorithm",
         });
     }
@@ -368,11 +356,7 @@ fn cases() -> Vec<Case> {
             random(&mut rng, &[n], bf, -1.0, 1.0),
         ],
         torch: json!({"kind": "linear_gelu", "m": m, "k": k, "n": n, "dtype": "bf16"}),
-        target_ratio: Some(1.1),
-        target: None,
-        target_of_copy: None,
-        target_vs_case: None,
-        target_vs_variant: None,
+        target: Target::Ratio(1.1),
         note: "bias + GELU(tanh) in the cuBLASLt epilogue",
     });
     for n in [4096usize, 8192] {
@@ -386,11 +370,7 @@ fn cases() -> Vec<Case> {
                 random(&mut rng, &[n, n], DType::F8E4M3, -1.0, 1.0),
             ],
             torch: json!({"kind": "fp8_gemm", "m": n, "k": n, "n": n}),
-            target_ratio: Some(1.0),
-            target: None,
-            target_of_copy: None,
-            target_vs_case: None,
-            target_vs_variant: None,
+            target: Target::Ratio(1.0),
             note: "e4m3 x e4m3 -> bf16, per-tensor scales, no fast accumulation (torch's default)",
         });
     }
@@ -415,11 +395,7 @@ fn cases() -> Vec<Case> {
                 ],
                 torch: json!({"kind": "linear", "m": m, "k": k, "n": n, "dtype": "bf16",
                               "compile": m == 1}),
-                target_ratio: None,
-                target: Some(2.5),
-                target_of_copy: None,
-                target_vs_case: None,
-                target_vs_variant: None,
+                target: Target::Value(2.5),
                 note: "bytes = read weights, x + write out; cuda.linear.gemv and \
                        cuda.linear.cublaslt both timed",
             });
@@ -440,11 +416,7 @@ fn cases() -> Vec<Case> {
             ],
             torch: json!({"kind": "linear", "m": m, "k": k, "n": n, "dtype": "f32",
                       "compile": false}),
-            target_ratio: None,
-            target: None,
-            target_of_copy: None,
-            target_vs_case: None,
-            target_vs_variant: None,
+            target: Target::None,
             note: "bytes = read weights, x + write out; no target: the f32 GEMV against \
                cuBLASLt (no TF32)",
         });
@@ -461,11 +433,7 @@ fn cases() -> Vec<Case> {
             random(&mut rng, &[dim], bf, 0.5, 1.5),
         ],
         torch: json!({"kind": "rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
-        target_ratio: None,
-        target: Some(2.8),
-        target_of_copy: None,
-        target_vs_case: None,
-        target_vs_variant: None,
+        target: Target::Value(2.8),
         note: "bytes = read x + write out",
     });
     out.push(Case {
@@ -479,11 +447,7 @@ fn cases() -> Vec<Case> {
             random(&mut rng, &[dim], bf, 0.5, 1.5),
         ],
         torch: json!({"kind": "add_rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
-        target_ratio: Some(1.2),
-        target: None,
-        target_of_copy: None,
-        target_vs_case: None,
-        target_vs_variant: None,
+        target: Target::Ratio(1.2),
         note: "bytes = read x, residual + write sum, out",
     });
     out.push(Case {
@@ -493,11 +457,7 @@ fn cases() -> Vec<Case> {
         kpt: Work::Op(Op::Softmax),
         inputs: vec![random(&mut rng, &[rows, dim], bf, -4.0, 4.0)],
         torch: json!({"kind": "softmax", "rows": rows, "dim": dim, "dtype": "bf16"}),
-        target_ratio: None,
-        target: None,
-        target_of_copy: Some(0.85),
-        target_vs_case: None,
-        target_vs_variant: None,
+        target: Target::OfCopy(0.85),
         note: "",
     });
     let (b, s, h, d) = (4usize, 4096usize, 32usize, 128usize);
@@ -516,11 +476,7 @@ fn cases() -> Vec<Case> {
             Tensor::from_f64(&positions, &[s], DType::I64).expect("shape matches"),
         ],
         torch: json!({"kind": "rotary", "batch": b, "seq": s, "heads": h, "head_dim": d, "dtype": "bf16"}),
-        target_ratio: None,
-        target: None,
-        target_of_copy: Some(0.85),
-        target_vs_case: None,
-        target_vs_variant: None,
+        target: Target::OfCopy(0.85),
         note: "torch uses a precomputed cos/sin table; kpt computes it per row",
     });
     let (rows, d) = (16384usize, 11008usize);
@@ -531,11 +487,7 @@ fn cases() -> Vec<Case> {
         kpt: Work::SwiGlu,
         inputs: vec![random(&mut rng, &[rows, 2 * d], bf, -3.0, 3.0)],
         torch: json!({"kind": "swiglu", "rows": rows, "d": d, "dtype": "bf16"}),
-        target_ratio: None,
-        target: None,
-        target_of_copy: Some(0.85),
-        target_vs_case: None,
-        target_vs_variant: None,
+        target: Target::OfCopy(0.85),
         note: "",
     });
     let n = 16384 * 4096;
@@ -549,11 +501,7 @@ fn cases() -> Vec<Case> {
         }),
         inputs: vec![random(&mut rng, &[n], bf, -10.0, 10.0)],
         torch: json!({"kind": "quantize", "n": n, "dtype": "bf16"}),
-        target_ratio: None,
-        target: None,
-        target_of_copy: Some(0.85),
-        target_vs_case: None,
-        target_vs_variant: None,
+        target: Target::OfCopy(0.85),
         note: "static per-tensor scale",
     });
     out
@@ -942,7 +890,7 @@ fn main() -> Result<()> {
                 .is_none_or(|f| f.split(',').any(|f| c.name.contains(f)))
         })
         .collect();
-    let copy_tbps = if cases.iter().any(|c| c.target_of_copy.is_some()) {
+    let copy_tbps = if cases.iter().any(|c| matches!(c.target, Target::OfCopy(_))) {
         copy_bandwidth(&backend)?
     } else {
         f64::NAN
@@ -970,7 +918,7 @@ fn main() -> Result<()> {
     bar.finish_and_clear();
     // Targets relative to another case of this run (FP8 vs kpt's bf16 kernel).
     for case in &cases {
-        let Some((other, factor)) = &case.target_vs_case else {
+        let Target::VsCase(other, factor) = &case.target else {
             continue;
         };
         let base = report
@@ -1076,26 +1024,26 @@ fn run_case(
         } else {
             format!("also {}", others.join(", "))
         });
-    if let Some(r) = case.target_ratio {
-        row = row.with_target_ratio(r);
-    }
-    if let Some(t) = case.target {
-        row = row.with_target(t);
-    }
-    if let Some((name, f)) = case.target_vs_variant {
-        let t = variants
-            .get(name)
-            .map(|t| rate(t))
-            .with_context(|| format!("torch returned no {name} timing for {}", case.name))?;
-        row = row
-            .with_target(f * t)
-            .with_note(format!("target {f}x {name} in this run"));
-    }
-    if let Some(f) = case.target_of_copy {
-        row = row.with_target(f * copy_tbps).with_note(format!(
-            "target {f} x the copy bandwidth measured in this run ({copy_tbps:.2} TB/s, \
-             bytes read + written)"
-        ));
+    match case.target {
+        Target::Ratio(r) => row = row.with_target_ratio(r),
+        Target::Value(t) => row = row.with_target(t),
+        Target::VsVariant(name, f) => {
+            let t = variants
+                .get(name)
+                .map(|t| rate(t))
+                .with_context(|| format!("torch returned no {name} timing for {}", case.name))?;
+            row = row
+                .with_target(f * t)
+                .with_note(format!("target {f}x {name} in this run"));
+        }
+        Target::OfCopy(f) => {
+            row = row.with_target(f * copy_tbps).with_note(format!(
+                "target {f} x the copy bandwidth measured in this run ({copy_tbps:.2} TB/s, \
+                 bytes read + written)"
+            ));
+        }
+        // Set once every case has run (see `main`).
+        Target::VsCase(..) | Target::None => {}
     }
     if !within {
         row.met = false;
