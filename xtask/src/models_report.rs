@@ -21,9 +21,9 @@ fn read(dir: &Path, name: &str) -> Result<Report> {
 }
 
 /// The newest (by its `date`) `models-*-latest.json` of `dir` other than `cpu` and the
-/// combined report itself.
-fn newest_gpu(dir: &Path, cpu: &str) -> Result<String> {
-    let mut best: Option<(String, String)> = None;
+/// combined report itself: its name and the report.
+fn newest_gpu(dir: &Path, cpu: &str) -> Result<(String, Report)> {
+    let mut best: Option<(String, Report)> = None;
     for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
         let file = entry?.file_name().to_string_lossy().into_owned();
         let Some(name) = file.strip_suffix("-latest.json") else {
@@ -32,13 +32,13 @@ fn newest_gpu(dir: &Path, cpu: &str) -> Result<String> {
         if !name.starts_with("models-") || name == cpu || name == NAME {
             continue;
         }
-        let date = read(dir, name)?.date;
-        if best.as_ref().is_none_or(|(d, _)| date > *d) {
-            best = Some((date, name.to_string()));
+        let report = read(dir, name)?;
+        if best.as_ref().is_none_or(|(_, b)| report.date > b.date) {
+            best = Some((name.to_string(), report));
         }
     }
     match best {
-        Some((_, name)) => Ok(name),
+        Some(found) => Ok(found),
         None => bail!(
             "no GPU model report (models-<gpu>-latest.json) in {}",
             dir.display()
@@ -49,12 +49,12 @@ fn newest_gpu(dir: &Path, cpu: &str) -> Result<String> {
 /// Writes `models-latest.{json,md,svg}` (and the dated JSON) into `dir` from the GPU
 /// report `gpu` (default: the newest) and the CPU report `cpu`.
 pub fn write(dir: &Path, gpu: Option<&str>, cpu: &str) -> Result<()> {
-    let gpu = match gpu {
-        Some(g) => g.to_string(),
+    let (gpu, g) = match gpu {
+        Some(name) => (name.to_string(), read(dir, name)?),
         None => newest_gpu(dir, cpu)?,
     };
     let label = |name: &str| name.strip_prefix("models-").unwrap_or(name).to_string();
-    let (g, c) = (read(dir, &gpu)?, read(dir, cpu)?);
+    let c = read(dir, cpu)?;
     let (gl, cl) = (label(&gpu), label(cpu));
     let report = Report::combine(NAME, "cargo xtask models-report", &[(&gl, &g), (&cl, &c)]);
     let paths: Vec<PathBuf> = report.write(dir)?;
@@ -96,14 +96,14 @@ mod tests {
         report(d, "models-h200", "2026-11-28T14:30:00Z");
         report(d, "models-cpu", "2026-11-28T11:33:00Z");
         std::fs::write(d.join("cpu-latest.json"), "not a models report").unwrap();
-        assert_eq!(newest_gpu(d, "models-cpu").unwrap(), "models-h200");
+        assert_eq!(newest_gpu(d, "models-cpu").unwrap().0, "models-h200");
         write(d, None, "models-cpu").unwrap();
         let both = read(d, NAME).unwrap();
         let names: Vec<&str> = both.rows.iter().map(|r| r.name.as_str()).collect();
         assert_eq!(names, ["h200: decode", "cpu: decode"]);
         assert!(d.join("models-latest.md").is_file());
         // Written again, the combined report is not taken for a GPU one.
-        assert_eq!(newest_gpu(d, "models-cpu").unwrap(), "models-h200");
+        assert_eq!(newest_gpu(d, "models-cpu").unwrap().0, "models-h200");
     }
 
     #[test]
