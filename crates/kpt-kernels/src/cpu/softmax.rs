@@ -68,11 +68,12 @@ mod zmm {
             }
         }
         let a = _mm512_max_ps(_mm512_max_ps(acc[0], acc[1]), _mm512_max_ps(acc[2], acc[3]));
-        let mut m = _mm512_reduce_max_ps(a);
-        for &v in rest {
-            m = if v > m { v } else { m };
+        let (m, t) = (_mm512_reduce_max_ps(a), super::max16(rest));
+        if t > m {
+            t
+        } else {
+            m
         }
-        m
     }
 }
 
