@@ -79,6 +79,8 @@
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_e4m3_d128 block=384 shared=148624 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n176_bf16_d128 block=384 shared=214096 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n176_f16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d128 block=384 shared=133160 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d64 block=384 shared=67624 grid=key_tiles
@@ -191,16 +193,18 @@ static_assert(Regs<3>::kProducer * 128 + Regs<3>::kConsumer * 384 <= Regs<3>::kL
 
 // The shared-memory geometry depends on the bytes of a row: 128 (bf16/f16 at d = 64, FP8 at
 // d = 128) or 256 (bf16/f16 at d = 128); the stage switches are named after the 16-bit sizes.
-template <typename T, int D>
+template <typename T, int D, int BN = kBlockN>
 struct Config {
     static constexpr int kConsumers = ::kConsumers<T, D>;
     static constexpr int kBlockM = 64 * kConsumers;  // query rows per block
     static constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
-    static constexpr int kStages = kRowBytes == 128 ? KPT_FA3_STAGES_D64 : KPT_FA3_STAGES_D128;
+    // Key tiles of more than 128 keys (d = 128, non-causal): two stages fit.
+    static constexpr int kStages =
+        BN != kBlockN ? 2 : (kRowBytes == 128 ? KPT_FA3_STAGES_D64 : KPT_FA3_STAGES_D128);
     static constexpr int kQBytes = kBlockM * kRowBytes;
-    // A K tile; a V tile has the same size (an FP8 V^T tile is D rows of kBlockN keys).
-    static constexpr int kTileBytes = kBlockN * kRowBytes;
-    static_assert(!kFp8<T> || D == kBlockN, "the FP8 V^T tile is laid out like a K tile");
+    // A K tile; a V tile has the same size (an FP8 V^T tile is D rows of BN keys).
+    static constexpr int kTileBytes = BN * kRowBytes;
+    static_assert(!kFp8<T> || D == BN, "the FP8 V^T tile is laid out like a K tile");
     // full_q, empty_q, then full_k, empty_k, full_v, empty_v of each stage.
     static constexpr int kBarriers = 2 + 4 * kStages;
     static constexpr int kBarOffset = kQBytes + 2 * kStages * kTileBytes;
@@ -214,12 +218,14 @@ static_assert(Config<__nv_bfloat16, 128>::kSmemBytes == 230512,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<E4M3, 128>::kSmemBytes == 148624,
               "keep the kpt:launch shared= values in step");
+static_assert(Config<__nv_bfloat16, 128, 176>::kSmemBytes == 214096,
+              "keep the kpt:launch shared= values in step");
 #endif
 static_assert(Config<__nv_bfloat16, 128>::kSmemBytes <= 227 * 1024,
               "one block per SM must fit in the 227 KiB of dynamic shared memory");
 // k-steps of P V per K/V tile: 16 keys for bf16/f16, 32 for FP8 (32 bytes of A per row).
-template <typename T>
-constexpr int kPSteps = kBlockN * static_cast<int>(sizeof(T)) / 32;
+template <typename T, int BN = kBlockN>
+constexpr int kPSteps = BN * static_cast<int>(sizeof(T)) / 32;
 
 #ifdef KPT_FLASH_SM90A
 
@@ -335,10 +341,11 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N][4]) {
 // A k-step of 16 elements inside a 64-element column block adds 32 bytes to the start.
 constexpr uint64_t kDescK = (1ull << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(16 >> 4) << 16);
 // MN-major (V read as B = V[keys][d] with d contiguous, "transposed" B): 8-key groups 1024
-// bytes apart (stride offset), 64-column blocks of d kBlockN * 128 bytes apart (leading
+// bytes apart (stride offset), 64-column blocks of d BN * 128 bytes apart (leading
 // offset). A k-step of 16 keys adds 2048 bytes to the start.
+template <int BN>
 constexpr uint64_t kDescV =
-    (1ull << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t((kBlockN * 128) >> 4) << 16);
+    (1ull << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t((BN * 128) >> 4) << 16);
 __device__ __forceinline__ uint64_t make_desc(uint64_t bits, uint32_t addr) {
     return bits | static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
 }
@@ -380,6 +387,29 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64
         KPT_WGMMA_SS_N128_E4M3;
     } else {
         KPT_WGMMA_SS_N128("f16");
+    }
+}
+
+// d[64 x 176] (+)= A[64 x 16] B[16 x 176]: the S tile of 176-key tiles (d = 128, non-causal).
+#define KPT_REGS88                                                                         \
+    KPT_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "  \
+               "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87"
+#define KPT_WGMMA_SS_N176(TY)                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned.m64n176k16.f32." TY "." TY " {" KPT_REGS88  \
+                 "}, %88, %89, p, 1, 1, 0, 0;\n}\n"                                        \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),     \
+                   KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56), KPT_ACC8(64), KPT_ACC8(72),   \
+                   KPT_ACC8(80)                                                            \
+                 : "l"(a), "l"(b), "r"(scale_d))
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n176(float (&d)[88], uint64_t a, uint64_t b,
+                                              int scale_d) {
+    static_assert(sizeof(T) == 2, "176-key tiles are for bf16 / f16");
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        KPT_WGMMA_SS_N176("bf16");
+    } else {
+        KPT_WGMMA_SS_N176("f16");
     }
 }
 
@@ -476,8 +506,8 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const T* src, const T* 
 // ---- consumer --------------------------------------------------------------------------
 
 // S[64 x 128] = Q[64 x D] K[128 x D]^T, in k-steps of 32 bytes (16 or 32 elements).
-template <typename T, int D>
-__device__ __forceinline__ void gemm_qk(float (&s)[kBlockN / 2], uint64_t qdesc, uint64_t kdesc) {
+template <typename T, int D, int BN = kBlockN>
+__device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint64_t qdesc, uint64_t kdesc) {
     constexpr int kBlockM = Config<T, D>::kBlockM;
     fence_regs(s);
     wgmma_fence();
@@ -485,8 +515,12 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kBlockN / 2], uint64_t qdesc,
     for (int kk = 0; kk < Config<T, D>::kRowBytes / 32; ++kk) {
         // Column block kk / 4 of the tile, 32 bytes per k-step inside it.
         const uint32_t qo = ((kk / 4) * (kBlockM * 128) + (kk % 4) * 32) >> 4;
-        const uint32_t ko = ((kk / 4) * (kBlockN * 128) + (kk % 4) * 32) >> 4;
-        wgmma_ss_n128<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
+        const uint32_t ko = ((kk / 4) * (BN * 128) + (kk % 4) * 32) >> 4;
+        if constexpr (BN == 176) {
+            wgmma_ss_n176<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
+        } else {
+            wgmma_ss_n128<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
+        }
     }
     wgmma_commit();
     fence_regs(s);
@@ -494,15 +528,15 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kBlockN / 2], uint64_t qdesc,
 
 // O[64 x D] += P[64 x 128] V[128 x D]. A k-step is 16 keys, 16 rows of the MN-major V tile
 // (2048 bytes), or for FP8 32 keys, 32 bytes into each row of the K-major V^T tile.
-template <typename T, int D>
-__device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kPSteps<T>][4],
+template <typename T, int D, int BN = kBlockN>
+__device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kPSteps<T, BN>][4],
                                         uint64_t vdesc) {
     constexpr uint32_t kStep = (kFp8<T> ? 32 : 2048) >> 4;
     fence_regs(o);
     fence_regs(pf);
     wgmma_fence();
 #pragma unroll
-    for (int kc = 0; kc < kPSteps<T>; ++kc) wgmma_rs<T, D>(o, pf[kc], vdesc + kc * kStep);
+    for (int kc = 0; kc < kPSteps<T, BN>; ++kc) wgmma_rs<T, D>(o, pf[kc], vdesc + kc * kStep);
     wgmma_commit();
     fence_regs(o);
     fence_regs(pf);
@@ -514,8 +548,8 @@ __device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kPStep
 // scale sign); otherwise the tile is fully visible and scale2 > 0, so the max of the raw
 // scores gives the max and one FMA per element scales and subtracts it. P is scaled by
 // 2^kPOffset (see the FP8 notes at the top).
-template <bool kEdge, bool kMask, int kPOffset>
-__device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_run)[2],
+template <bool kEdge, bool kMask, int kPOffset, int BN = kBlockN>
+__device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], float (&m_run)[2],
                                              float (&l_run)[2], float (&alpha)[2], float scale2,
                                              int n0, int qi0, int tig, const Dims& p,
                                              const float* __restrict__ mask) {
@@ -529,7 +563,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_
         for (int r = 0; r < 2; ++r)
             lim[r] = p.causal ? qi0 + 8 * r + (p.seq_kv - p.seq_q) - n0 - 2 * tig : cols;
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int cc = 8 * j + (e & 1);
@@ -544,7 +578,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_
                 if (qi < 0 || qi >= p.seq_q) continue;
                 const float* mrow = mask + static_cast<long>(qi) * p.seq_kv + n0 + 2 * tig;
 #pragma unroll
-                for (int j = 0; j < kBlockN / 8; ++j) {
+                for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int cc = 8 * j + e;
@@ -554,14 +588,14 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_
             }
         }
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
         }
     } else {
         float r[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
             r[0] = fmaxf(r[0], fmaxf(s[4 * j], s[4 * j + 1]));
             r[1] = fmaxf(r[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
         }
@@ -571,7 +605,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_
     float base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        // The quad of lanes sharing a row holds its 128 columns.
+        // The quad of lanes sharing a row holds its BN columns.
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
         // With nothing visible yet, exponents of -inf must give 0, not NaN.
@@ -581,7 +615,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m_
         if constexpr (kPOffset != 0) base[r] -= kPOffset;
     }
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) {
+    for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const float b = base[e >> 1];
@@ -606,11 +640,11 @@ __device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float 
 // 2 kc + 1 of S, i.e. elements 8 kc .. 8 kc + 7 in order. FP8: k-step kc (keys 32 kc ..) is
 // n8 blocks 4 kc .. 4 kc + 3; registers 0 / 1 take rows g / g + 8 of blocks 4 kc and 4 kc + 1,
 // registers 2 / 3 those of blocks 4 kc + 2 and 4 kc + 3 (V^T's key order matches).
-template <typename T>
-__device__ __forceinline__ void pack_p(const float (&s)[kBlockN / 2],
-                                       uint32_t (&pf)[kPSteps<T>][4]) {
+template <typename T, int BN = kBlockN>
+__device__ __forceinline__ void pack_p(const float (&s)[BN / 2],
+                                       uint32_t (&pf)[kPSteps<T, BN>][4]) {
 #pragma unroll
-    for (int kc = 0; kc < kPSteps<T>; ++kc) {
+    for (int kc = 0; kc < kPSteps<T, BN>; ++kc) {
         if constexpr (kFp8<T>) {
             const float* b = s + 16 * kc;  // blocks 4 kc .. 4 kc + 3, four floats each
 #pragma unroll
@@ -646,7 +680,7 @@ struct Work {
 // Work tile x of the block order (see the top): a section of `pairs` (batch, head) pairs, then
 // the query tile counted from the last (major) and the pair in the section (minor); the last
 // section may hold fewer pairs.
-template <int kBlockM>
+template <int kBlockM, int BN = kBlockN>
 __device__ __forceinline__ Work work_tile(long x, const Dims& p, int tiles_m, int pairs) {
     const int bh_count = p.batch * p.heads;
     const long section = static_cast<long>(pairs) * tiles_m;
@@ -663,7 +697,7 @@ __device__ __forceinline__ Work work_tile(long x, const Dims& p, int tiles_m, in
     // Keys j <= i + seq_kv - seq_q are visible to query i (causal, bottom-right aligned).
     int kv_end = p.seq_kv;
     if (p.causal) kv_end = max(0, min(p.seq_kv, w.m0 + kBlockM + p.seq_kv - p.seq_q));
-    w.n_tiles = (kv_end + kBlockN - 1) / kBlockN;
+    w.n_tiles = (kv_end + BN - 1) / BN;
     return w;
 }
 
@@ -686,14 +720,14 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
 // the output (v_scale for FP8, 1 otherwise).
-template <typename T, int D, bool kMask, bool kTma>
+template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
                                            OutT<T>* __restrict__ out,
                                            float* __restrict__ lse, const Dims& p,
                                            float out_scale, Maps maps) {
-    using C = Config<T, D>;
+    using C = Config<T, D, BN>;
     constexpr int kBlockM = C::kBlockM;
     constexpr int kConsumers = C::kConsumers;
     using R = Regs<kConsumers>;
@@ -735,8 +769,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const int offset = p.seq_kv - p.seq_q;
     const long q_stride = static_cast<long>(p.heads) * D;
     const long kv_stride = static_cast<long>(p.kv_heads) * D;
-    // FP8: V^T of a (batch, kv head), D rows of seq_kv rounded up to kBlockN keys.
-    const long vt_stride = static_cast<long>((p.seq_kv + kBlockN - 1) / kBlockN) * kBlockN;
+    // FP8: V^T of a (batch, kv head), D rows of seq_kv rounded up to BN keys.
+    const long vt_stride = static_cast<long>((p.seq_kv + BN - 1) / BN) * BN;
 
     // Full barriers: the 128 producer threads' cp.async arrivals, or the one arrival (with
     // its byte count) of the thread that issues the TMA copies.
@@ -777,7 +811,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             const long x = tile_of(n);
             if (x == -2) break;
             if (x < 0) continue;
-            const Work w = work_tile<kBlockM>(x, p, tiles_m, pairs);
+            const Work w = work_tile<kBlockM, BN>(x, p, tiles_m, pairs);
             const int hk = w.h / group;
             const T* qb = q + (static_cast<long>(w.b) * p.seq_q + w.m0) * q_stride +
                           static_cast<long>(w.h) * D;
@@ -787,16 +821,16 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                                   : v + static_cast<long>(w.b) * p.seq_kv * kv_stride +
                                         static_cast<long>(hk) * D;
             for (int t = 0; t < w.n_tiles; ++t) {
-                const int n0 = t * kBlockN;
-                const int rows = min(kBlockN, p.seq_kv - n0);
+                const int n0 = t * BN;
+                const int rows = min(BN, p.seq_kv - n0);
                 const uint32_t ks = sk + s * C::kTileBytes, vs = sv + s * C::kTileBytes;
                 // Stage s is free once every consumer released its previous tile.
                 mbar_wait(empty_k(s), phase ^ 1);
                 if constexpr (kTma) {
                     mbar_expect_tx(full_k(s), C::kTileBytes);
-                    tma_tile(ks, maps.k, kBlockN, hk * D, n0, w.b, full_k(s));
+                    tma_tile(ks, maps.k, BN, hk * D, n0, w.b, full_k(s));
                 } else {
-                    load_tile<T, D, kBlockN>(ks, kb + n0 * kv_stride, kb, kv_stride, 0, rows, tp);
+                    load_tile<T, D, BN>(ks, kb + n0 * kv_stride, kb, kv_stride, 0, rows, tp);
                     mbar_arrive_on_copies(full_k(s));
                 }
                 if (t == 0) {
@@ -819,13 +853,13 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                         // V^T: D rows of 128 keys, one column block.
                         tma_load_3d(vs, maps.v, n0, 0, w.b * p.kv_heads + hk, full_v(s));
                     } else {
-                        tma_tile(vs, maps.v, kBlockN, hk * D, n0, w.b, full_v(s));
+                        tma_tile(vs, maps.v, BN, hk * D, n0, w.b, full_v(s));
                     }
                 } else {
                     if constexpr (kFp8<T>) {
-                        load_tile<T, kBlockN, D>(vs, vb + n0, vb, vt_stride, 0, D, tp);
+                        load_tile<T, BN, D>(vs, vb + n0, vb, vt_stride, 0, D, tp);
                     } else {
-                        load_tile<T, D, kBlockN>(vs, vb + n0 * kv_stride, vb, kv_stride, 0, rows,
+                        load_tile<T, D, BN>(vs, vb + n0 * kv_stride, vb, kv_stride, 0, rows,
                                                  tp);
                     }
                     mbar_arrive_on_copies(full_v(s));
@@ -849,7 +883,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const bool fast = scale2 > 0.0f && !kMask;
     const uint64_t qdesc = make_desc(kDescK, sq + c * 64 * 128);
     const uint64_t kdesc = make_desc(kDescK, sk);
-    const uint64_t vdesc = make_desc(kFp8<T> ? kDescK : kDescV, sv);
+    const uint64_t vdesc = make_desc(kFp8<T> ? kDescK : kDescV<BN>, sv);
     constexpr uint32_t kStageDesc = C::kTileBytes >> 4;
     // Ping-pong (round robin with three): warpgroup c issues its GEMMs after sync on
     // barrier 1 + c and then lets the next go (arrive on 1 + (c + 1) % kConsumers);
@@ -873,7 +907,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         const long x = tile_of(n);
         if (x == -2) break;
         if (x < 0) continue;
-        const Work w = work_tile<kBlockM>(x, p, tiles_m, pairs);
+        const Work w = work_tile<kBlockM, BN>(x, p, tiles_m, pairs);
         const int n_tiles = w.n_tiles;
         // The two query rows of this thread's accumulators: qi0 and qi0 + 8.
         const int qi0 = w.m0 + c * 64 + warp * 16 + g;
@@ -884,23 +918,23 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
         if (n_tiles > 0) {
-            float s_acc[kBlockN / 2];
+            float s_acc[BN / 2];
 #pragma unroll
-            for (int i = 0; i < kBlockN / 2; ++i) s_acc[i] = 0.0f;
-            uint32_t pf[kPSteps<T>][4];
+            for (int i = 0; i < BN / 2; ++i) s_acc[i] = 0.0f;
+            uint32_t pf[kPSteps<T, BN>][4];
             float alpha[2];
             const int row_first = w.m0 + c * 64;  // first query row of this warpgroup
             // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal).
             auto edge = [&](int n0) {
-                return !fast || n0 + kBlockN > p.seq_kv ||
-                       (p.causal && n0 + kBlockN - 1 > row_first + offset);
+                return !fast || n0 + BN > p.seq_kv ||
+                       (p.causal && n0 + BN - 1 > row_first + offset);
             };
             auto softmax = [&](int n0) {
                 if (edge(n0)) {
-                    softmax_tile<true, kMask, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0,
+                    softmax_tile<true, kMask, kPOffset, BN>(s_acc, m_run, l_run, alpha, scale2, n0,
                                                         qi0, tig, p, mask);
                 } else {
-                    softmax_tile<false, false, kPOffset>(s_acc, m_run, l_run, alpha, scale2, n0,
+                    softmax_tile<false, false, kPOffset, BN>(s_acc, m_run, l_run, alpha, scale2, n0,
                                                          qi0, tig, p, mask);
                 }
             };
@@ -914,7 +948,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             int my_tiles = row_first + 64 > 0 ? n_tiles : 0;
             if (p.causal) {
                 const int seen = max(0, min(p.seq_kv, row_first + 64 + offset));
-                my_tiles = min(my_tiles, (seen + kBlockN - 1) / kBlockN);
+                my_tiles = min(my_tiles, (seen + BN - 1) / BN);
             }
             // Every consumer waits for this work tile's Q before it releases it, so that a
             // release never counts for the previous one.
@@ -926,14 +960,14 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 mbar_wait(full_k(s), phase);
                 fence_proxy_async();
                 if (kPingPong) named_sync(my_turn, 256);
-                gemm_qk<T, D>(s_acc, qdesc, kdesc + s * kStageDesc);
+                gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
                 if (kPingPong && !(c == kLast && n_tiles == 1)) named_arrive(other_turn, 256);
                 wgmma_wait<0>();
                 fence_regs(s_acc);
                 mbar_arrive(empty_k(s));
                 if (my_tiles == 1) mbar_arrive(empty_q);
                 softmax(0);
-                pack_p<T>(s_acc, pf);
+                pack_p<T, BN>(s_acc, pf);
 
                 // Tile t: S(t) and P(t - 1) V(t - 1) in flight together; the softmax of t runs
                 // under P V.
@@ -944,28 +978,28 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     mbar_wait(full_k(s), phase);
                     fence_proxy_async();
                     if (kPingPong) named_sync(my_turn, 256);
-                    gemm_qk<T, D>(s_acc, qdesc, kdesc + s * kStageDesc);
+                    gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
                     rescale_o<D>(o, alpha);
                     mbar_wait(full_v(sp), pp);
                     fence_proxy_async();
-                    gemm_pv<T, D>(o, pf, vdesc + sp * kStageDesc);
+                    gemm_pv<T, D, BN>(o, pf, vdesc + sp * kStageDesc);
                     if (kPingPong && !(c == kLast && t == n_tiles - 1))
                         named_arrive(other_turn, 256);
                     wgmma_wait<1>();  // S(t) is done
                     fence_regs(s_acc);
                     mbar_arrive(empty_k(s));
                     if (t == my_tiles - 1) mbar_arrive(empty_q);
-                    softmax(t * kBlockN);
+                    softmax(t * BN);
                     wgmma_wait<0>();  // P V of t - 1 is done
                     fence_regs(o);
                     fence_regs(pf);
                     mbar_arrive(empty_v(sp));
-                    pack_p<T>(s_acc, pf);
+                    pack_p<T, BN>(s_acc, pf);
                 }
                 rescale_o<D>(o, alpha);
                 mbar_wait(full_v(s), phase);
                 fence_proxy_async();
-                gemm_pv<T, D>(o, pf, vdesc + s * kStageDesc);
+                gemm_pv<T, D, BN>(o, pf, vdesc + s * kStageDesc);
                 wgmma_wait<0>();
                 fence_regs(o);
                 fence_regs(pf);
@@ -1489,7 +1523,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
 
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
-template <typename T, int D, bool kMask, bool kTma>
+template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
                                            float*, const Dims&, float, Maps) {
     __trap();
@@ -1511,15 +1545,15 @@ __device__ __forceinline__ void bwd_dq_sm90(const T*, const T*, const T*, const 
 
 // The masked and unmasked kernels are separate code: the mask's loads would otherwise add to
 // the register pressure of every call (at three consumer warpgroups, 160 registers each).
-template <typename T, int D, bool kTma = false>
+template <typename T, int D, bool kTma = false, int BN = kBlockN>
 __device__ __forceinline__ void flash_sm90_entry(const T* q, const T* k, const T* v,
                                                  const float* mask, OutT<T>* out, float* lse,
                                                  const Dims& p, float out_scale,
                                                  Maps maps = Maps{}) {
     if (mask != nullptr) {
-        flash_sm90<T, D, true, kTma>(q, k, v, mask, out, lse, p, out_scale, maps);
+        flash_sm90<T, D, true, kTma, BN>(q, k, v, mask, out, lse, p, out_scale, maps);
     } else {
-        flash_sm90<T, D, false, kTma>(q, k, v, nullptr, out, lse, p, out_scale, maps);
+        flash_sm90<T, D, false, kTma, BN>(q, k, v, nullptr, out, lse, p, out_scale, maps);
     }
 }
 
@@ -1556,6 +1590,23 @@ KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 64)
 KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90_TMA(f16, __half, 64)
 KPT_FLASH_SM90_TMA(f16, __half, 128)
+
+// d = 128 with tiles of 176 keys (FlashAttention-3's tile for non-causal head dim 128): fewer,
+// longer key tiles per work tile, in two stages. TMA only, and no additive mask (`mask` is
+// ignored: the host sends masked calls to the 128-key kernels).
+#define KPT_FLASH_SM90_TMA_N176(NAME, T)                                                   \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, 128>, 1)                       \
+        kpt_flash_attention_sm90_tma_n176_##NAME##_d128(                                     \
+            const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
+            const Dims p, const __grid_constant__ TensorMap tq,                             \
+            const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
+        kpt::dependent_launch_prologue();                                                  \
+        flash_sm90<T, 128, false, true, 176>(q, k, v, nullptr, out, lse, p, 1.0f,           \
+                                             Maps{&tq, &tk, &tv});                         \
+    }
+
+KPT_FLASH_SM90_TMA_N176(bf16, __nv_bfloat16)
+KPT_FLASH_SM90_TMA_N176(f16, __half)
 
 // The backward's dk / dv launch on wgmma (see bwd_dkdv_sm90): the arguments of
 // flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block.

@@ -53,6 +53,9 @@ const FLASH_SM90_BWD_KEYS: usize = 128;
 const FLASH_SM90_BWD_ROWS: usize = 128;
 /// Keys per K/V tile of `flash_attention_sm90.cu` (its kBlockN).
 const FLASH_SM90_BLOCK_N: usize = 128;
+/// Keys per K/V tile of its `_tma_n176_` entries: bf16/f16 at head dim 128 without a causal
+/// mask or an additive one (FlashAttention-3's tile for that case).
+const FLASH_SM90_BLOCK_N_WIDE: usize = 176;
 /// Most query tiles of a causal call that runs on the persistent grid (paired tiles):
 /// at 32 (S4096, d128) it measured 2 % faster than a block per tile on an H200, at 128
 /// (S16384) 2 % slower.
@@ -331,9 +334,9 @@ const SPLIT_TARGET_BLOCKS: usize = 1024;
 const SPLIT_WAVE_BLOCKS: usize = 528;
 
 /// The TMA maps of the Hopper attention kernel's Q, K and V tiles for query tiles of
-/// `block_m` rows (the producer of `flash_attention_sm90.cu`): Q `[batch, seq_q, heads *
-/// d]` and K, V `[batch, seq_kv, kv_heads * d]`, read in boxes of one 128-byte column block
-/// by `block_m` (Q) or [`FLASH_SM90_BLOCK_N`] (K, V) rows of one sequence, so rows past a
+/// `block_m` rows and key tiles of `block_n` (the producer of `flash_attention_sm90.cu`): Q
+/// `[batch, seq_q, heads * d]` and K, V `[batch, seq_kv, kv_heads * d]`, read in boxes of one
+/// 128-byte column block by `block_m` (Q) or `block_n` (K, V) rows of one sequence, so rows past a
 /// sequence's end (and Q rows before 0) read as zeros. FP8 (`TmaElem::Byte`): `v` is the
 /// V^T of `kpt_attention_fp8_v_transpose_d128`, `[batch * kv_heads, d, keys]` with keys
 /// rounded up to whole tiles, read in boxes of d rows by one tile of keys. `None` where the
@@ -343,13 +346,14 @@ fn sm90_tensor_maps(
     [q, k, v]: [u64; 3],
     dims: AttentionDims,
     block_m: usize,
+    block_n: usize,
 ) -> Option<[TensorMap; 3]> {
     let esize: u64 = if elem == TmaElem::Byte { 1 } else { 2 };
     let d = dims.head_dim as u64;
     let (batch, seq_q, seq_kv) = (dims.batch as u64, dims.seq_q as u64, dims.seq_kv as u64);
     let (q_row, kv_row) = (dims.heads as u64 * d, dims.kv_heads as u64 * d);
     let cols = (128 / esize) as u32;
-    let tile = FLASH_SM90_BLOCK_N as u64;
+    let tile = block_n as u64;
     let rows = |row: u64, seq: u64| ([row, seq, batch], [row * esize, seq * row * esize]);
     let (qd, qs) = rows(q_row, seq_q);
     let tq = tensor_map_3d(elem, q, qd, qs, [cols, block_m as u32, 1])?;
@@ -858,8 +862,16 @@ impl Gpu {
             } else {
                 TmaElem::F16
             };
-            if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m) {
-                let entry = format!("kpt_flash_attention_sm90_tma_{name}_d{d}");
+            // Head dim 128 without a causal or additive mask: tiles of 176 keys.
+            let wide = d == 128 && dims.causal == 0 && mask == 0;
+            let block_n = if wide {
+                FLASH_SM90_BLOCK_N_WIDE
+            } else {
+                FLASH_SM90_BLOCK_N
+            };
+            if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m, block_n) {
+                let tile = if wide { "n176_" } else { "" };
+                let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
                 launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims, tq, tk, tv);
                 return Ok(());
             }
@@ -909,9 +921,13 @@ impl Gpu {
         launch!(self, SM90, "kpt_attention_fp8_v_transpose_d128", blocks; v, vt.ptr(), dims);
         let blocks = self.sm90_attention_grid(dims, FLASH_SM90_BLOCK_M)?;
         let vt_ptr = vt.ptr();
-        if let Some([tq, tk, tv]) =
-            sm90_tensor_maps(TmaElem::Byte, [q, k, vt_ptr], dims, FLASH_SM90_BLOCK_M)
-        {
+        if let Some([tq, tk, tv]) = sm90_tensor_maps(
+            TmaElem::Byte,
+            [q, k, vt_ptr],
+            dims,
+            FLASH_SM90_BLOCK_M,
+            FLASH_SM90_BLOCK_N,
+        ) {
             launch!(
                 self, SM90, "kpt_flash_attention_sm90_tma_e4m3_d128", blocks;
                 q, k, vt_ptr, mask, out, dims, v_scale, tq, tk, tv
