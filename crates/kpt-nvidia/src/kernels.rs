@@ -334,10 +334,10 @@ const SPLIT_TARGET_BLOCKS: usize = 1024;
 const SPLIT_WAVE_BLOCKS: usize = 528;
 
 /// The TMA maps of the Hopper attention kernel's Q, K and V tiles for query tiles of
-/// `block_m` rows and key tiles of `block_n` (the producer of `flash_attention_sm90.cu`): Q
-/// `[batch, seq_q, heads * d]` and K, V `[batch, seq_kv, kv_heads * d]`, read in boxes of one
-/// 128-byte column block by `block_m` (Q) or `block_n` (K, V) rows of one sequence, so rows past a
-/// sequence's end (and Q rows before 0) read as zeros. FP8 (`TmaElem::Byte`): `v` is the
+/// `block_m` rows and key tiles of `block_n` (the producer of `flash_attention_sm90.cu`):
+/// Q `[batch, seq_q, heads * d]` and K, V `[batch, seq_kv, kv_heads * d]`, read in boxes of
+/// one 128-byte column block by `block_m` (Q) or `block_n` (K, V) rows of one sequence, so
+/// rows past a sequence's end (and Q rows before 0) read as zeros. FP8 (`TmaElem::Byte`): `v` is the
 /// V^T of `kpt_attention_fp8_v_transpose_d128`, `[batch * kv_heads, d, keys]` with keys
 /// rounded up to whole tiles, read in boxes of d rows by one tile of keys. `None` where the
 /// driver refuses a map (the cp.async kernel runs instead).
