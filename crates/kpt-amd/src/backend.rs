@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kpt_core::backend::{
-    cache_write_into, check_output_specs, copy_extent, row_write_extent, Backend, BufferMut,
-    BufferRef, DeviceBuffer, MemoryStats,
+    cache_write_into, check_output_specs, copy_extent, row_write_extent, split_rotary_cache_into,
+    Backend, BufferMut, BufferRef, DeviceBuffer, MemoryStats,
 };
 use kpt_core::graph::{rope_frequencies, rope_seq_len, Op, RopeScaling, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
@@ -506,21 +506,22 @@ impl RocmBackend {
         }
     }
 
-    /// The device copy of a scaled rotary's inverse frequencies (f64) and its cos/sin
-    /// factor, cached per `(head_dim, theta, scaling)` unless it depends on the positions.
+    /// The device copy of a rotary's inverse frequencies (f64, from kpt-core's
+    /// `rope_frequencies`) and its cos/sin factor, cached per `(head_dim, theta, scaling)`
+    /// unless it depends on the positions.
     fn rope_table(
         &self,
         head_dim: usize,
         theta: f32,
-        scaling: &RopeScaling,
+        scaling: Option<&RopeScaling>,
         positions: &BufferRef<'_>,
     ) -> Result<(Arc<DeviceBlock>, f64)> {
         let upload = |seq_len: usize| -> Result<(Arc<DeviceBlock>, f64)> {
-            let t = rope_frequencies(head_dim, f64::from(theta), Some(scaling), seq_len)?;
+            let t = rope_frequencies(head_dim, f64::from(theta), scaling, seq_len)?;
             let bytes: Vec<u8> = t.inv_freq.iter().flat_map(|f| f.to_le_bytes()).collect();
             Ok((Arc::new(self.gpu.upload(&bytes)?), t.attention_factor))
         };
-        if scaling.depends_on_positions() {
+        if scaling.is_some_and(RopeScaling::depends_on_positions) {
             return upload(rope_seq_len(&self.host_ids(positions)?));
         }
         let key = format!("{head_dim}/{:#x}/{scaling:?}", theta.to_bits());
@@ -531,18 +532,6 @@ impl RocmBackend {
         let fresh = upload(0)?;
         tables.insert(key, fresh.clone());
         Ok(fresh)
-    }
-
-    fn rope_freqs(
-        &self,
-        head_dim: usize,
-        theta: f32,
-        scaling: Option<&RopeScaling>,
-        positions: &BufferRef<'_>,
-    ) -> Result<Option<(Arc<DeviceBlock>, f64)>> {
-        scaling
-            .map(|sc| self.rope_table(head_dim, theta, sc, positions))
-            .transpose()
     }
 
     /// An index tensor read back to the host.
@@ -681,23 +670,26 @@ impl RocmBackend {
                 scaling,
             } => {
                 let (tokens, width) = rows_dim(&x.shape);
-                let table = self.rope_freqs(*head_dim, *theta, scaling.as_ref(), &inputs[1])?;
-                let freqs = table
-                    .as_ref()
-                    .map_or((0, 1.0), |(b, factor)| (b.ptr(), *factor));
+                let (table, factor) =
+                    self.rope_table(*head_dim, *theta, scaling.as_ref(), &inputs[1])?;
+                let freqs = (table.ptr(), factor);
                 let heads = width / (*head_dim).max(1);
                 if tokens > 0 && heads > 0 {
                     let ptrs = [ptr(&inputs[0])?, ptr(&inputs[1])?, out_ptr(out0)?];
                     let dims = (tokens, inputs[1].spec.numel(), heads, *head_dim);
                     let index = inputs[1].spec.dtype;
-                    self.launch_kernel(p.rotary(dt, index, ptrs, dims, *theta, freqs))?;
+                    self.launch_kernel(p.rotary(dt, index, ptrs, dims, freqs))?;
                 }
+            }
+            Op::SplitRotary { cache: true, .. } => {
+                return split_rotary_cache_into(self, kernel, op, inputs, outputs);
             }
             Op::SplitRotary {
                 head_dim,
                 theta,
                 scaling,
                 sizes,
+                ..
             } => {
                 let (tokens, _) = rows_dim(&x.shape);
                 let [q, k, v] = outputs else {
@@ -706,16 +698,15 @@ impl RocmBackend {
                 let sizes: [usize; 3] = sizes[..]
                     .try_into()
                     .map_err(|_| err(format!("{op}: sizes {sizes:?} are not q, k, v")))?;
-                let table = self.rope_freqs(*head_dim, *theta, scaling.as_ref(), &inputs[1])?;
-                let freqs = table
-                    .as_ref()
-                    .map_or((0, 1.0), |(b, factor)| (b.ptr(), *factor));
+                let (table, factor) =
+                    self.rope_table(*head_dim, *theta, scaling.as_ref(), &inputs[1])?;
+                let freqs = (table.ptr(), factor);
                 if tokens > 0 && sizes.iter().sum::<usize>() > 0 {
                     let ins = [ptr(&inputs[0])?, ptr(&inputs[1])?];
                     let outs = [out_ptr(q)?, out_ptr(k)?, out_ptr(v)?];
                     let dims = (tokens, inputs[1].spec.numel(), sizes, *head_dim);
                     let index = inputs[1].spec.dtype;
-                    self.launch_kernel(p.split_rotary(dt, index, ins, outs, dims, *theta, freqs))?;
+                    self.launch_kernel(p.split_rotary(dt, index, ins, outs, dims, freqs))?;
                 }
             }
             Op::Embedding => {

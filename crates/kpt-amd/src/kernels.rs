@@ -631,7 +631,6 @@ impl Planner {
         index: DType,
         [x, positions, out]: [u64; 3],
         (tokens, period, heads, head_dim): (usize, usize, usize, usize),
-        theta: f32,
         (inv_freq, attention_factor): (u64, f64),
     ) -> Result<Launch, AmdError> {
         check_rotary_dims(tokens, period, head_dim)?;
@@ -646,7 +645,6 @@ impl Planner {
                 Arg::I32(int("period", period)?),
                 Arg::I32(int("heads", heads)?),
                 Arg::I32(int("head_dim", head_dim)?),
-                Arg::F32(theta),
                 Arg::Ptr(inv_freq),
                 Arg::F64(attention_factor),
             ],
@@ -662,7 +660,6 @@ impl Planner {
         [qkv, positions]: [u64; 2],
         [q, k, v]: [u64; 3],
         (tokens, period, sizes, head_dim): (usize, usize, [usize; 3], usize),
-        theta: f32,
         (inv_freq, attention_factor): (u64, f64),
     ) -> Result<Launch, AmdError> {
         check_rotary_dims(tokens, period, head_dim)?;
@@ -687,12 +684,16 @@ impl Planner {
                 Arg::Ptr(q),
                 Arg::Ptr(k),
                 Arg::Ptr(v),
+                // No slots: k and v are outputs of their own (the cache form runs as
+                // this launch and two cache writes).
+                Arg::Ptr(0),
+                Arg::I32(0),
+                Arg::I64(0),
                 Arg::I32(int("period", period)?),
                 Arg::I32(int("q heads", wq / head_dim)?),
                 Arg::I32(int("k heads", wk / head_dim)?),
                 Arg::I32(int("v width", wv)?),
                 Arg::I32(int("head_dim", head_dim)?),
-                Arg::F32(theta),
                 Arg::Ptr(inv_freq),
                 Arg::F64(attention_factor),
             ],
@@ -858,14 +859,13 @@ pub fn every_launch(planner: &Planner) -> Result<Vec<Launch>, AmdError> {
             out.push(p.cast(dt, to, [a; 2], 64)?);
         }
         for ix in indices {
-            out.push(p.rotary(dt, ix, [a; 3], (4, 4, 2, 64), 1e4, (0, 1.0))?);
+            out.push(p.rotary(dt, ix, [a; 3], (4, 4, 2, 64), (a, 1.0))?);
             out.push(p.split_rotary(
                 dt,
                 ix,
                 [a; 2],
                 [a; 3],
                 (4, 4, [128, 64, 64], 64),
-                1e4,
                 (a, 1.0),
             )?);
             out.push(p.embedding(dt, ix, [a; 4], 4, 16, 64)?);
@@ -889,16 +889,9 @@ mod tests {
     #[test]
     fn arguments_are_laid_out_like_c() {
         let l = P
-            .rotary(
-                DType::F32,
-                DType::I32,
-                [1, 2, 3],
-                (4, 4, 2, 64),
-                1e4,
-                (0, 1.0),
-            )
+            .rotary(DType::F32, DType::I32, [1, 2, 3], (4, 4, 2, 64), (0, 1.0))
             .unwrap();
-        // Three pointers, four 4-byte values, a pointer, then the double at 48.
+        // Three pointers, three 4-byte values, a pointer aligned to 40, then the double.
         assert_eq!(
             l.layout(),
             [
@@ -908,7 +901,6 @@ mod tests {
                 (24, 4),
                 (28, 4),
                 (32, 4),
-                (36, 4),
                 (40, 8),
                 (48, 8)
             ]
@@ -943,10 +935,10 @@ mod tests {
         assert!(P.binary(DType::F32, [0; 3], 10, 3, Binary::Add).is_err());
         assert!(P.cast(DType::F32, DType::F32, [0; 2], 4).is_err());
         assert!(P
-            .rotary(DType::F32, DType::I32, [0; 3], (4, 3, 1, 64), 1.0, (0, 1.0))
+            .rotary(DType::F32, DType::I32, [0; 3], (4, 3, 1, 64), (0, 1.0))
             .is_err());
         assert!(P
-            .rotary(DType::F32, DType::F32, [0; 3], (4, 4, 1, 64), 1.0, (0, 1.0))
+            .rotary(DType::F32, DType::F32, [0; 3], (4, 4, 1, 64), (0, 1.0))
             .is_err());
         assert!(P
             .quantize(DType::F32, DType::BF16, [0; 2], 4, QuantScale::Value(1.0))

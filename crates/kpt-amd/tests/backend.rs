@@ -280,6 +280,7 @@ proptest! {
             theta: 10000.0,
             scaling: None,
             sizes: vec![heads * head_dim, head_dim, heads * head_dim],
+            cache: false,
         };
         check(&split, &[qkv, positions])?;
         let ids: Vec<f64> = (0..tokens).map(|_| (rng.next_u64() % vocab as u64) as f64).collect();

@@ -96,6 +96,16 @@ pub struct BufferMut<'a> {
     pub spec: &'a TensorSpec,
 }
 
+impl BufferMut<'_> {
+    /// A shorter-lived view of the same buffer.
+    pub fn reborrow(&mut self) -> BufferMut<'_> {
+        BufferMut {
+            buffer: &mut *self.buffer,
+            spec: self.spec,
+        }
+    }
+}
+
 /// Checks that `outputs` are exactly the specs `op` infers from `inputs` (which also
 /// checks the number of inputs): device kernels trust the sizes they are given, so a
 /// device backend's [`Backend::execute`] calls this before it launches anything.
@@ -248,6 +258,113 @@ pub fn cache_write_into(
     backend.write_rows(*rows, *slots, cache)
 }
 
+/// Runs `op` once through `kernel` on host tensors: uploads the inputs, allocates the
+/// outputs `op` infers, executes and downloads them (for tests and one-off calls).
+pub fn run_op(
+    backend: &(impl Backend + ?Sized),
+    kernel: &str,
+    op: &Op,
+    inputs: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    let specs: Vec<TensorSpec> = inputs
+        .iter()
+        .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+        .collect();
+    let out_specs = op.infer(&specs)?;
+    let buffers = inputs
+        .iter()
+        .map(|t| backend.upload(t))
+        .collect::<Result<Vec<_>>>()?;
+    let mut outs = out_specs
+        .iter()
+        .map(|s| backend.allocate(s.dtype, s.numel()))
+        .collect::<Result<Vec<_>>>()?;
+    let refs: Vec<BufferRef<'_>> = buffers
+        .iter()
+        .zip(&specs)
+        .map(|(buffer, spec)| BufferRef { buffer, spec })
+        .collect();
+    let mut muts: Vec<BufferMut<'_>> = outs
+        .iter_mut()
+        .zip(&out_specs)
+        .map(|(buffer, spec)| BufferMut { buffer, spec })
+        .collect();
+    backend.execute(kernel, op, &refs, &mut muts)?;
+    outs.iter()
+        .zip(&out_specs)
+        .map(|(o, s)| backend.download(o, s))
+        .collect()
+}
+
+/// [`Backend::split_rotary_into_caches`] from other launches: the plain split + rotary
+/// (`kernel`) into temporary k and v buffers, then [`Backend::write_rows`] into each
+/// cache.
+#[allow(clippy::too_many_arguments)]
+pub fn split_rotary_via_temporaries(
+    backend: &(impl Backend + ?Sized),
+    kernel: &str,
+    op: &Op,
+    [qkv, positions, slots]: [BufferRef<'_>; 3],
+    q: BufferMut<'_>,
+    k_cache: BufferMut<'_>,
+    v_cache: BufferMut<'_>,
+) -> Result<()> {
+    let plain = op.split_rotary_with_cache(false)?;
+    let specs = plain.infer(&[qkv.spec.clone(), positions.spec.clone()])?;
+    let mut k = backend.allocate(specs[1].dtype, specs[1].numel())?;
+    let mut v = backend.allocate(specs[2].dtype, specs[2].numel())?;
+    backend.execute_inferred(
+        kernel,
+        &plain,
+        &[qkv, positions],
+        &mut [
+            q,
+            BufferMut {
+                buffer: &mut k,
+                spec: &specs[1],
+            },
+            BufferMut {
+                buffer: &mut v,
+                spec: &specs[2],
+            },
+        ],
+    )?;
+    for (rows, spec, cache) in [(&k, &specs[1], k_cache), (&v, &specs[2], v_cache)] {
+        backend.write_rows(BufferRef { buffer: rows, spec }, slots, cache)?;
+    }
+    Ok(())
+}
+
+/// [`Op::SplitRotary`] with `cache` into new outputs: copies the caches (`inputs[2]`,
+/// `inputs[3]`) into `outputs[1]` and `outputs[2]`, then runs
+/// [`Backend::split_rotary_into_caches`] there. What a backend's `execute` of the op
+/// runs.
+pub fn split_rotary_cache_into(
+    backend: &(impl Backend + ?Sized),
+    kernel: &str,
+    op: &Op,
+    inputs: &[BufferRef<'_>],
+    outputs: &mut [BufferMut<'_>],
+) -> Result<()> {
+    let counts = (inputs.len(), outputs.len());
+    let ([qkv, positions, k_cache, v_cache, slots], [q, k_out, v_out]) = (inputs, outputs) else {
+        return Err(KptError::Graph(format!(
+            "{op} takes 5 inputs and 3 outputs, got {} and {}",
+            counts.0, counts.1
+        )));
+    };
+    backend.copy_into(*k_cache, k_out.buffer, 0)?;
+    backend.copy_into(*v_cache, v_out.buffer, 0)?;
+    backend.split_rotary_into_caches(
+        kernel,
+        op,
+        [*qkv, *positions, *slots],
+        q.reborrow(),
+        k_out.reborrow(),
+        v_out.reborrow(),
+    )
+}
+
 /// Memory use of a backend.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryStats {
@@ -299,6 +416,34 @@ pub trait Backend: Send + Sync {
         slots: BufferRef<'_>,
         cache: BufferMut<'_>,
     ) -> Result<()>;
+
+    /// [`Op::SplitRotary`] with `cache` in place: q into `q`, the rotated k and the v rows
+    /// of `qkv` over rows `slots[i]` of `k_cache` and `v_cache` (negative slots skipped),
+    /// queued like a kernel; `kernel` is the registry's choice for the op. Executors call
+    /// it when the caches are theirs to change; `execute` of the op copies the caches to
+    /// its outputs first ([`split_rotary_cache_into`]). The default is
+    /// [`split_rotary_via_temporaries`]; a backend with a kernel that writes the caches
+    /// directly overrides it.
+    #[allow(clippy::too_many_arguments)]
+    fn split_rotary_into_caches(
+        &self,
+        kernel: &str,
+        op: &Op,
+        [qkv, positions, slots]: [BufferRef<'_>; 3],
+        q: BufferMut<'_>,
+        k_cache: BufferMut<'_>,
+        v_cache: BufferMut<'_>,
+    ) -> Result<()> {
+        split_rotary_via_temporaries(
+            self,
+            kernel,
+            op,
+            [qkv, positions, slots],
+            q,
+            k_cache,
+            v_cache,
+        )
+    }
 
     /// Runs `kernel` (a name from the kernel registry) for `op`.
     fn execute(

@@ -5,7 +5,9 @@
 //! on the device between runs such as a KV cache, [`DeviceTensor`]s
 //! ([`Executor::run_resident`]). A cache update runs in place when the cache is a graph
 //! input that nothing else reads: [`Op::CacheWrite`] writes
-//! its rows into the input's buffer ([`Backend::write_rows`]), and an
+//! its rows into the input's buffer ([`Backend::write_rows`]), an [`Op::SplitRotary`]
+//! with `cache` its k and v rows into both caches' buffers
+//! ([`Backend::split_rotary_into_caches`]), and an
 //! [`Op::Concat`] that appends to a device-resident input with
 //! room to spare (a cache allocated by [`DeviceTensor::with_capacity`]) copies only the
 //! new rows. The output is then the input's buffer.
@@ -22,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer};
 use crate::error::{KptError, Result};
-use crate::graph::{Graph, Op, TensorSpec, ValueId, ValueSource};
+use crate::graph::{Graph, Node, Op, TensorSpec, ValueId, ValueSource};
 use crate::optimize::Plan;
 use crate::tensor::Tensor;
 
@@ -230,9 +232,8 @@ pub struct Executor {
     backend: Arc<dyn Backend>,
     params: Vec<Option<DeviceBuffer>>,
     slots: Vec<Option<DeviceBuffer>>,
-    /// Per node: the graph-input index of the cache a `Concat` or `CacheWrite` may
-    /// update in place.
-    appends: Vec<Option<usize>>,
+    /// Per node: the graph inputs it may update in place.
+    updates: Vec<Vec<InPlace>>,
     /// Host time of the last run up to its final wait for the backend.
     last_launch: Duration,
     graphs: Graphs,
@@ -248,10 +249,20 @@ impl std::fmt::Debug for Executor {
     }
 }
 
-/// Per node, the graph input a `Concat` or `CacheWrite` can update in place: its first
-/// operand, when that is a graph input read by no other node and not itself a graph
-/// output.
-fn in_place_appends(graph: &Graph) -> Vec<Option<usize>> {
+/// A node output that may take over the buffer of a graph input the node updates:
+/// indices of the output and the input in the node, and of the input in the graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct InPlace {
+    output: usize,
+    input: usize,
+    graph_input: usize,
+}
+
+/// Per node, the graph inputs it can update in place: the cache operand of a `Concat`
+/// or `CacheWrite` (output 0 from input 0), both caches of a `SplitRotary` with `cache`
+/// (outputs 1 and 2 from inputs 2 and 3), each when it is a graph input read by no other
+/// node and not itself a graph output. All of a node's caches or none.
+fn in_place_updates(graph: &Graph) -> Vec<Vec<InPlace>> {
     let mut uses = vec![0usize; graph.values().len()];
     for node in graph.nodes() {
         for v in &node.inputs {
@@ -264,18 +275,36 @@ fn in_place_appends(graph: &Graph) -> Vec<Option<usize>> {
     graph
         .nodes()
         .iter()
-        .map(|node| match (&node.op, node.inputs.first()) {
-            (Op::Concat { .. } | Op::CacheWrite, Some(&first)) if uses[first.0] == 1 => {
-                graph.inputs().iter().position(|&i| i == first)
+        .map(|node| {
+            let pairs: &[(usize, usize)] = match node.op {
+                Op::Concat { .. } | Op::CacheWrite => &[(0, 0)],
+                Op::SplitRotary { cache: true, .. } => &[(1, 2), (2, 3)],
+                _ => &[],
+            };
+            let found: Vec<InPlace> = pairs
+                .iter()
+                .filter_map(|&(output, input)| {
+                    let v = *node.inputs.get(input)?;
+                    let graph_input = graph.inputs().iter().position(|&i| i == v)?;
+                    (uses[v.0] == 1).then_some(InPlace {
+                        output,
+                        input,
+                        graph_input,
+                    })
+                })
+                .collect();
+            if found.len() == pairs.len() {
+                found
+            } else {
+                Vec::new()
             }
-            _ => None,
         })
         .collect()
 }
 
 /// A slot whose own buffer was set aside while an in-place update put a device
-/// input's buffer there: (slot, its own buffer, the input's index).
-type Displaced = Vec<(usize, Option<DeviceBuffer>, usize)>;
+/// input's buffer there: (slot, its own buffer, the input's index, the output value).
+type Displaced = Vec<(usize, Option<DeviceBuffer>, usize, ValueId)>;
 
 /// Everything the launches of one run read and write.
 struct Launch<'a> {
@@ -283,7 +312,7 @@ struct Launch<'a> {
     plan: &'a Plan,
     backend: &'a dyn Backend,
     params: &'a [Option<DeviceBuffer>],
-    appends: &'a [Option<usize>],
+    updates: &'a [Vec<InPlace>],
     specs: &'a [TensorSpec],
 }
 
@@ -300,11 +329,117 @@ impl Launch<'_> {
     ) -> Result<()> {
         let result = self.nodes(slots, device_inputs, displaced, traced);
         if result.is_err() {
-            for (s, own, p) in displaced.drain(..).rev() {
+            for (s, own, p, _) in displaced.drain(..).rev() {
                 device_inputs[p] = std::mem::replace(&mut slots[s], own);
             }
         }
         result
+    }
+
+    /// Runs `node` on the buffers of the device inputs it updates (`update`), which
+    /// become its outputs' buffers. `false`: a buffer cannot hold its output (too small,
+    /// another dtype, quantized), nothing ran and the inputs are where they were.
+    fn update_in_place(
+        &self,
+        node: &Node,
+        kernel: &str,
+        update: &[InPlace],
+        slots: &mut [Option<DeviceBuffer>],
+        device_inputs: &mut [Option<DeviceBuffer>],
+        displaced: &mut Displaced,
+    ) -> Result<bool> {
+        let Self {
+            graph,
+            plan,
+            backend,
+            params,
+            specs,
+            ..
+        } = *self;
+        let slot_of = &plan.memory.slot_of;
+        let mut caches: Vec<DeviceBuffer> = Vec::with_capacity(update.len());
+        for u in update {
+            let fits = |b: &DeviceBuffer| appendable(b, specs, node, u);
+            match device_inputs[u.graph_input].take_if(|b| fits(b)) {
+                Some(b) => caches.push(b),
+                None => {
+                    for (u, b) in update.iter().zip(caches) {
+                        device_inputs[u.graph_input] = Some(b);
+                    }
+                    return Ok(false);
+                }
+            }
+        }
+        // A split + rotary also writes q into its own slot.
+        let q = node.outputs[0];
+        let mut q_buffer = match node.op {
+            Op::SplitRotary { .. } => slot_of[q.0].and_then(|s| slots[s].take()),
+            _ => None,
+        };
+        let written = {
+            let operand = |i: usize| -> Result<BufferRef<'_>> {
+                let v = node.inputs[i];
+                Ok(BufferRef {
+                    buffer: lookup(graph, device_inputs, params, slots, slot_of, v)?,
+                    spec: &specs[v.0],
+                })
+            };
+            let out = |i: usize| &specs[node.outputs[i].0];
+            match (&node.op, caches.as_mut_slice()) {
+                (Op::CacheWrite, [cache]) => operand(1).and_then(|rows| {
+                    let cache = BufferMut {
+                        buffer: cache,
+                        spec: out(0),
+                    };
+                    backend.write_rows(rows, operand(2)?, cache)
+                }),
+                (Op::Concat { .. }, [cache]) => {
+                    let old = specs[node.inputs[0].0].numel();
+                    operand(1).and_then(|new| backend.copy_into(new, cache, old))
+                }
+                (Op::SplitRotary { .. }, [k, v]) => q_buffer
+                    .as_mut()
+                    .ok_or_else(|| no_buffer(graph, q))
+                    .and_then(|q_buffer| {
+                        backend.split_rotary_into_caches(
+                            kernel,
+                            &node.op,
+                            [operand(0)?, operand(1)?, operand(4)?],
+                            BufferMut {
+                                buffer: q_buffer,
+                                spec: out(0),
+                            },
+                            BufferMut {
+                                buffer: k,
+                                spec: out(1),
+                            },
+                            BufferMut {
+                                buffer: v,
+                                spec: out(2),
+                            },
+                        )
+                    }),
+                _ => Err(KptError::Graph(format!(
+                    "node `{}` ({}) cannot update its inputs in place",
+                    node.name, node.op
+                ))),
+            }
+        };
+        if let Some(b) = q_buffer {
+            if let Some(s) = slot_of[q.0] {
+                slots[s] = Some(b);
+            }
+        }
+        for (u, cache) in update.iter().zip(caches) {
+            let out = node.outputs[u.output];
+            let Some(s) = slot_of[out.0] else {
+                device_inputs[u.graph_input] = Some(cache);
+                return Err(no_buffer(graph, out));
+            };
+            displaced.push((s, slots[s].replace(cache), u.graph_input, out));
+        }
+        written?;
+        Ok(true)
     }
 
     fn nodes(
@@ -319,50 +454,30 @@ impl Launch<'_> {
             plan,
             backend,
             params,
-            appends,
+            updates,
             specs,
         } = *self;
         let slot_of = &plan.memory.slot_of;
         let trace = !traced.is_empty();
-        for ((node, choice), append) in graph.nodes().iter().zip(&plan.kernels).zip(appends) {
+        for ((node, choice), update) in graph.nodes().iter().zip(&plan.kernels).zip(updates) {
             let _span = tracing::trace_span!("launch", node = %node.name, kernel = %choice.kernel)
                 .entered();
-            let out = node.outputs[0];
-            let cache = append.and_then(|p| {
-                let fits = |b: &DeviceBuffer| {
-                    appendable(b, specs, node.inputs[0], node.inputs[1], out, &node.op)
-                };
-                device_inputs[p].take_if(|b| fits(b)).map(|b| (p, b))
-            });
-            if let Some((p, mut cache)) = cache {
-                let written = {
-                    let operand = |i: usize| -> Result<BufferRef<'_>> {
-                        let v = node.inputs[i];
-                        Ok(BufferRef {
-                            buffer: lookup(graph, device_inputs, params, slots, slot_of, v)?,
-                            spec: &specs[v.0],
-                        })
-                    };
-                    if node.op == Op::CacheWrite {
-                        let out = BufferMut {
-                            buffer: &mut cache,
-                            spec: &specs[out.0],
-                        };
-                        operand(1).and_then(|rows| backend.write_rows(rows, operand(2)?, out))
-                    } else {
-                        let old = specs[node.inputs[0].0].numel();
-                        operand(1).and_then(|new| backend.copy_into(new, &mut cache, old))
-                    }
-                };
-                let Some(s) = slot_of[out.0] else {
-                    device_inputs[p] = Some(cache);
-                    return Err(no_buffer(graph, out));
-                };
-                displaced.push((s, slots[s].replace(cache), p));
-                written?;
+            if !update.is_empty()
+                && self.update_in_place(
+                    node,
+                    &choice.kernel,
+                    update,
+                    slots,
+                    device_inputs,
+                    displaced,
+                )?
+            {
                 if trace {
-                    let cache = slots[s].as_ref().ok_or_else(|| no_buffer(graph, out))?;
-                    traced[out.0] = Some(backend.download(cache, &specs[out.0])?);
+                    for &out in &node.outputs {
+                        let s = slot_of[out.0].ok_or_else(|| no_buffer(graph, out))?;
+                        let cache = slots[s].as_ref().ok_or_else(|| no_buffer(graph, out))?;
+                        traced[out.0] = Some(backend.download(cache, &specs[out.0])?);
+                    }
                 }
                 continue;
             }
@@ -449,13 +564,13 @@ impl Executor {
             })
             .collect::<Result<Vec<_>>>()?;
         let slots = (0..plan.memory.num_slots()).map(|_| None).collect();
-        let appends = in_place_appends(&plan.graph);
+        let updates = in_place_updates(&plan.graph);
         Ok(Self {
             plan,
             backend,
             params,
             slots,
-            appends,
+            updates,
             last_launch: Duration::ZERO,
             graphs: Graphs::default(),
         })
@@ -657,7 +772,7 @@ impl Executor {
             backend,
             params,
             slots,
-            appends,
+            updates,
             last_launch,
             graphs,
         } = self;
@@ -730,7 +845,7 @@ impl Executor {
             plan,
             backend,
             params,
-            appends,
+            updates,
             specs: &specs,
         };
         if mode == Mode::Capture {
@@ -740,7 +855,7 @@ impl Executor {
                 Ok(Some(mut run)) => {
                     if !run.replay()? {
                         // Nothing ran yet: the same launches run one by one.
-                        for (s, own, p) in displaced.drain(..).rev() {
+                        for (s, own, p, _) in displaced.drain(..).rev() {
                             device_inputs[p] = std::mem::replace(&mut slots[s], own);
                         }
                         backend.run_launches(&mut || {
@@ -748,19 +863,7 @@ impl Executor {
                         })?;
                     }
                     graphs.stats.captures += 1;
-                    let in_place =
-                        displaced
-                            .iter()
-                            .filter_map(|&(s, _, p)| {
-                                let out = graph.nodes().iter().zip(appends.iter()).find_map(
-                                    |(n, a)| {
-                                        (*a == Some(p) && slot_of[n.outputs[0].0] == Some(s))
-                                            .then_some(n.outputs[0])
-                                    },
-                                )?;
-                                Some((out, p))
-                            })
-                            .collect();
+                    let in_place = displaced.iter().map(|&(_, _, p, out)| (out, p)).collect();
                     held = Some(Captured {
                         run,
                         specs: Vec::new(),
@@ -792,7 +895,7 @@ impl Executor {
                 for &(out, p) in &c.in_place {
                     let s = slot_of[out.0].ok_or_else(|| no_buffer(graph, out))?;
                     let cache = device_inputs[p].take().ok_or_else(no_capture)?;
-                    displaced.push((s, slots[s].replace(cache), p));
+                    displaced.push((s, slots[s].replace(cache), p, out));
                 }
             } else {
                 // The same launches on the same buffers, one by one.
@@ -883,7 +986,7 @@ impl Executor {
                 }
             }
         }
-        for (s, own, _) in displaced {
+        for (s, own, _, _) in displaced {
             slots[s] = own;
         }
         let replayed = if let Some(mut c) = held {
@@ -941,28 +1044,26 @@ fn no_buffer(graph: &Graph, v: ValueId) -> KptError {
     KptError::Graph(format!("value `{}` has no buffer", graph.value(v).name))
 }
 
-/// Whether `CacheWrite(cache, ..) -> out` can write into the cache's buffer (always, when
-/// it holds the value), or `Concat(old, new) -> out` can write `new` after `old` inside
-/// `old`'s buffer: every dim before the axis is 1 (so `old` is a prefix of `out`), the
-/// buffer has room, and nothing is quantized (the output keeps the buffer's scale).
-fn appendable(
-    buffer: &DeviceBuffer,
-    specs: &[TensorSpec],
-    old: ValueId,
-    new: ValueId,
-    out: ValueId,
-    op: &Op,
-) -> bool {
-    let axis = match op {
-        Op::CacheWrite => 0,
-        Op::Concat { axis } => *axis,
-        _ => return false,
+/// Whether the device input's `buffer` can hold the node's output `u` in place: it has
+/// room and the output's dtype, which is not quantized (the output keeps the buffer's
+/// scale), and a `Concat` appends after `old` inside it (every dim before the axis is 1,
+/// so that `old` is a prefix of the output). `CacheWrite` and a split + rotary write rows
+/// over the cache, whose shape is the output's.
+fn appendable(buffer: &DeviceBuffer, specs: &[TensorSpec], node: &Node, u: &InPlace) -> bool {
+    let out = &specs[node.outputs[u.output].0];
+    // The operand whose rows are written: the new part, the rows, or qkv.
+    let (prefix, data) = match node.op {
+        Op::Concat { axis } => (out.shape.iter().take(axis).all(|&d| d == 1), 1),
+        Op::SplitRotary { .. } => (true, 0),
+        _ => (true, 1),
     };
-    let out = &specs[out.0];
-    out.shape.iter().take(axis).all(|&d| d == 1)
+    prefix
         && buffer.len() >= out.numel()
         && buffer.dtype() == out.dtype
-        && specs[old.0].dtype == out.dtype
-        && specs[new.0].dtype == out.dtype
+        && specs[node.inputs[u.input].0].dtype == out.dtype
+        && node
+            .inputs
+            .get(data)
+            .is_some_and(|v| specs[v.0].dtype == out.dtype)
         && !out.dtype.is_quantized()
 }

@@ -323,6 +323,7 @@ fn optimization_is_deterministic_and_reports_every_pass() {
             "fuse_add_rms_norm",
             "fuse_add_layer_norm",
             "activation_precision",
+            "fuse_rotary_cache_writes",
             "precision",
             "kernel_selection",
             "memory_plan"

@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use kpt_core::backend::{
-    cache_write_into, copy_extent, row_write_extent, Backend, BufferMut, BufferRef, DeviceBuffer,
-    MemoryStats,
+    cache_write_into, copy_extent, row_write_extent, split_rotary_cache_into, Backend, BufferMut,
+    BufferRef, DeviceBuffer, MemoryStats,
 };
 use kpt_core::graph::{Op, TensorSpec};
 use kpt_core::hardware::{CpuDetector, DeviceInfo, DeviceKind, HardwareDetector};
@@ -489,6 +489,7 @@ impl CpuBackend {
                 theta,
                 scaling,
                 sizes,
+                ..
             } => {
                 let (batch, seq, _) = rotary_dims(&inputs[0].spec.shape);
                 let [k, v] = rest else {
@@ -840,6 +841,10 @@ impl Backend for CpuBackend {
                 op.num_inputs(),
                 inputs.len()
             )));
+        }
+        if let Op::SplitRotary { cache: true, .. } = op {
+            // The split + rotary into temporaries, then the cache writes.
+            return split_rotary_cache_into(self, kernel, op, inputs, outputs);
         }
         let start = Instant::now();
         if kernel == crate::catalog::CPU_REFERENCE {

@@ -74,6 +74,21 @@ pub(crate) fn split_rotary_sizes(sizes: &[usize]) -> Result<[usize; 3]> {
 
 impl ReferenceOps for CpuReference {
     fn eval(&self, op: &Op, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        if let (Op::SplitRotary { cache: true, .. }, [qkv, pos, k_cache, v_cache, slots]) =
+            (op, inputs)
+        {
+            // The split + rotary, then both cache writes.
+            let plain = op.split_rotary_with_cache(false)?;
+            let [q, k, v]: [Tensor; 3] = self
+                .eval(&plain, &[qkv.clone(), pos.clone()])?
+                .try_into()
+                .map_err(|_| kpt_core::KptError::Graph("split_rotary gave no q, k, v".into()))?;
+            let mut outs = vec![q];
+            for (cache, rows) in [(k_cache, k), (v_cache, v)] {
+                outs.extend(self.eval(&Op::CacheWrite, &[cache.clone(), rows, slots.clone()])?);
+            }
+            return Ok(outs);
+        }
         // The reference computes on real values in f64, whatever the stored dtypes.
         let specs: Vec<TensorSpec> = inputs
             .iter()
@@ -190,6 +205,7 @@ impl ReferenceOps for CpuReference {
                 theta,
                 scaling,
                 sizes,
+                ..
             } => {
                 let (batch, seq, _) = rotary_dims(first.shape());
                 let [q, k, v] = &mut outs[..] else {

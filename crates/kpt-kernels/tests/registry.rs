@@ -99,6 +99,7 @@ fn sample(kind: OpKind) -> (Op, Vec<TensorSpec>) {
                 theta: 10000.0,
                 scaling: None,
                 sizes: vec![16, 8, 8],
+                cache: false,
             },
             vec![f32s(&[1, 3, 32]), i64s(&[3])],
         ),

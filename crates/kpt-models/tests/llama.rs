@@ -450,13 +450,23 @@ fn manager_fuses_and_validator_passes_every_level() {
                     "{kind} missing at {level}: {optimized:?}"
                 );
             }
-            // The q/k/v split and both rotaries are one op per layer.
-            for kind in [OpKind::Split, OpKind::Rotary] {
+            // The q/k/v split and both rotaries are one op per layer, which in a decode
+            // step also writes k and v into the caches.
+            for kind in [OpKind::Split, OpKind::Rotary, OpKind::CacheWrite] {
                 assert!(
                     !optimized.contains_key(&kind),
                     "{kind} left at {level}: {optimized:?}"
                 );
             }
+            let into_caches = exec
+                .plan()
+                .graph
+                .nodes()
+                .iter()
+                .filter(|n| matches!(n.op, kpt_core::graph::Op::SplitRotary { cache: true, .. }))
+                .count();
+            let decoding = std::ptr::eq(graph, &decode);
+            assert_eq!(into_caches > 0, decoding, "{level}");
             let report =
                 validate_plan(&mut exec, graph, &kpt_kernels::CpuReference, ins, 1.0).unwrap();
             assert!(report.passed(), "{level}: {report:?}");
@@ -465,8 +475,9 @@ fn manager_fuses_and_validator_passes_every_level() {
 }
 
 /// A LLaMA decode step planned for an H100 at the balanced level: q/k/v merge into one
-/// linear, and its split and the two rotaries into one `split_rotary` per layer on
-/// `cuda.split_rotary` (bf16 activations), so no `rotary` or `split` is left.
+/// linear, and its split, the two rotaries and the two cache writes into one
+/// `split_rotary(cache)` per layer on `cuda.split_rotary` (bf16 activations), so no
+/// `rotary`, `split` or `cache_write` is left.
 #[test]
 fn balanced_gpu_decode_plan_has_split_rotary_and_no_rotary() {
     use kpt_core::graph::OpKind;
@@ -506,8 +517,13 @@ fn balanced_gpu_decode_plan_has_split_rotary_and_no_rotary() {
         .find(|r| r.pass == "fuse_split_rotary")
         .unwrap();
     assert_eq!(fused.changes.len(), layers, "{fused:?}");
+    assert_eq!(hist.get(&OpKind::CacheWrite), None, "{hist:?}");
     for (node, choice) in plan.graph.nodes().iter().zip(&plan.kernels) {
         if node.op.kind() == OpKind::SplitRotary {
+            assert!(matches!(
+                node.op,
+                kpt_core::graph::Op::SplitRotary { cache: true, .. }
+            ));
             assert_eq!(choice.kernel, "cuda.split_rotary");
             let x = plan.graph.spec(node.inputs[0]).unwrap();
             assert_eq!(x.dtype, DType::BF16);

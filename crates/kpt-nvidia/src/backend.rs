@@ -7,8 +7,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kpt_core::backend::{
-    cache_write_into, check_output_specs, copy_extent, row_write_extent, Backend, BufferMut,
-    BufferRef, CapturedRun, DeviceBuffer, MemoryStats,
+    cache_write_into, check_output_specs, copy_extent, row_write_extent, split_rotary_cache_into,
+    split_rotary_via_temporaries, Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer,
+    MemoryStats,
 };
 use kpt_core::graph::{rope_frequencies, rope_seq_len, Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
@@ -127,19 +128,6 @@ fn out_ptr(m: &BufferMut<'_>) -> Result<u64> {
 fn rows_dim(shape: &[usize]) -> (usize, usize) {
     let dim = shape.last().copied().unwrap_or(1);
     (shape.iter().product::<usize>() / dim.max(1), dim)
-}
-
-/// The frequencies a rotary launch reads: a scaled table on the device (kept alive
-/// until the launch is queued) and its cos/sin factor, or none for plain rotary.
-struct RopeFreqs(Option<(Arc<DeviceBlock>, f64)>);
-
-impl RopeFreqs {
-    /// `(device address or 0, attention factor)`, as the launchers take them.
-    fn freqs(&self) -> (u64, f64) {
-        self.0
-            .as_ref()
-            .map_or((0, 1.0), |(block, factor)| (block.ptr(), *factor))
-    }
 }
 
 impl CudaBackend {
@@ -308,23 +296,24 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The device copy of a scaled rotary's inverse frequencies (f64) and its cos/sin
-    /// factor. Tables that do not depend on the positions are uploaded once and cached
-    /// per `(head_dim, theta, scaling)`; dynamic NTK reads the positions back (its table
-    /// follows the largest one) and uploads a fresh table.
+    /// The device copy of a rotary's inverse frequencies (f64, from kpt-core's
+    /// `rope_frequencies`) and its cos/sin factor. Tables that do not depend on the
+    /// positions are uploaded once and cached per `(head_dim, theta, scaling)`; dynamic
+    /// NTK reads the positions back (its table follows the largest one) and uploads a
+    /// fresh table. The block stays alive until the launch that reads it is queued.
     fn rope_table(
         &self,
         head_dim: usize,
         theta: f32,
-        scaling: &RopeScaling,
+        scaling: Option<&RopeScaling>,
         positions: &BufferRef<'_>,
     ) -> Result<(Arc<DeviceBlock>, f64)> {
         let upload = |seq_len: usize| -> Result<(Arc<DeviceBlock>, f64)> {
-            let t = rope_frequencies(head_dim, f64::from(theta), Some(scaling), seq_len)?;
+            let t = rope_frequencies(head_dim, f64::from(theta), scaling, seq_len)?;
             let bytes: Vec<u8> = t.inv_freq.iter().flat_map(|f| f.to_le_bytes()).collect();
             Ok((Arc::new(self.gpu.upload(&bytes)?), t.attention_factor))
         };
-        if scaling.depends_on_positions() {
+        if scaling.is_some_and(RopeScaling::depends_on_positions) {
             return upload(rope_seq_len(&self.host_ids(positions)?));
         }
         let key = format!("{head_dim}/{:#x}/{scaling:?}", theta.to_bits());
@@ -337,19 +326,45 @@ impl CudaBackend {
         Ok(fresh)
     }
 
-    /// The frequencies of a rotary op: none for plain rotary (the kernels compute
-    /// `theta^(-2i/head_dim)`), else [`CudaBackend::rope_table`]'s device table.
-    fn rope_freqs(
+    /// [`Op::SplitRotary`] on `kpt_split_rotary_*`: q, k, v into `outs`, or with `slots`
+    /// (and the caches' rows) k and v into the caches at `outs[1]` and `outs[2]`.
+    fn split_rotary(
         &self,
-        head_dim: usize,
-        theta: f32,
-        scaling: Option<&RopeScaling>,
-        positions: &BufferRef<'_>,
-    ) -> Result<RopeFreqs> {
-        Ok(RopeFreqs(match scaling {
+        op: &Op,
+        [qkv, positions]: [&BufferRef<'_>; 2],
+        outs: [u64; 3],
+        slots: Option<(&BufferRef<'_>, usize)>,
+    ) -> Result<()> {
+        let Op::SplitRotary {
+            head_dim,
+            theta,
+            scaling,
+            sizes,
+            ..
+        } = op
+        else {
+            return Err(err(format!("{op} is not split_rotary")));
+        };
+        let sizes: [usize; 3] = sizes[..]
+            .try_into()
+            .map_err(|_| err(format!("{op}: sizes {sizes:?} are not q, k, v")))?;
+        let (tokens, _) = rows_dim(&qkv.spec.shape);
+        let (table, factor) = self.rope_table(*head_dim, *theta, scaling.as_ref(), positions)?;
+        let slots = match slots {
+            Some((s, rows)) => Some((ptr(s)?, s.spec.dtype, rows)),
             None => None,
-            Some(sc) => Some(self.rope_table(head_dim, theta, sc, positions)?),
-        }))
+        };
+        self.gpu.split_rotary(
+            qkv.spec.dtype,
+            positions.spec.dtype,
+            ptr(qkv)?,
+            ptr(positions)?,
+            outs,
+            (tokens, positions.spec.numel(), sizes, *head_dim),
+            slots,
+            (table.ptr(), factor),
+        )?;
+        Ok(())
     }
 
     /// Linear on the GEMV kernel (`cuda.linear.gemv`) when the activations, weights and
@@ -476,9 +491,8 @@ impl CudaBackend {
                 scaling,
             } => {
                 let (tokens, width) = rows_dim(&x.shape);
-                // Plain rotary: the kernel computes its frequencies. Scaled: a table from
-                // kpt-core's `rope_frequencies`, kept on the device while it stays valid.
-                let table = self.rope_freqs(*head_dim, *theta, scaling.as_ref(), &inputs[1])?;
+                let (table, factor) =
+                    self.rope_table(*head_dim, *theta, scaling.as_ref(), &inputs[1])?;
                 g.rotary(
                     dt,
                     inputs[1].spec.dtype,
@@ -486,34 +500,18 @@ impl CudaBackend {
                     ptr(&inputs[1])?,
                     out_ptr(out0)?,
                     (tokens, inputs[1].spec.numel(), width / head_dim, *head_dim),
-                    *theta,
-                    table.freqs(),
+                    (table.ptr(), factor),
                 )?;
             }
-            Op::SplitRotary {
-                head_dim,
-                theta,
-                scaling,
-                sizes,
-            } => {
-                let (tokens, _) = rows_dim(&x.shape);
+            Op::SplitRotary { cache: true, .. } => {
+                return split_rotary_cache_into(self, kernel, op, inputs, outputs);
+            }
+            Op::SplitRotary { .. } => {
                 let [q, k, v] = outputs else {
                     return Err(err(format!("{op}: needs three outputs")));
                 };
-                let sizes: [usize; 3] = sizes[..]
-                    .try_into()
-                    .map_err(|_| err(format!("{op}: sizes {sizes:?} are not q, k, v")))?;
-                let table = self.rope_freqs(*head_dim, *theta, scaling.as_ref(), &inputs[1])?;
-                g.split_rotary(
-                    dt,
-                    inputs[1].spec.dtype,
-                    ptr(&inputs[0])?,
-                    ptr(&inputs[1])?,
-                    [out_ptr(q)?, out_ptr(k)?, out_ptr(v)?],
-                    (tokens, inputs[1].spec.numel(), sizes, *head_dim),
-                    *theta,
-                    table.freqs(),
-                )?;
+                let outs = [out_ptr(q)?, out_ptr(k)?, out_ptr(v)?];
+                self.split_rotary(op, [&inputs[0], &inputs[1]], outs, None)?;
             }
             Op::Embedding => {
                 let table = inputs[1].spec;
@@ -1005,6 +1003,65 @@ impl Backend for CudaBackend {
             w.cache_rows,
             w.row * rows.spec.dtype.size_in_bytes(),
         )?)
+    }
+
+    fn split_rotary_into_caches(
+        &self,
+        kernel: &str,
+        op: &Op,
+        [qkv, positions, slots]: [BufferRef<'_>; 3],
+        q: BufferMut<'_>,
+        k_cache: BufferMut<'_>,
+        v_cache: BufferMut<'_>,
+    ) -> Result<()> {
+        if !kernel.starts_with("cuda.") {
+            return split_rotary_via_temporaries(
+                self,
+                kernel,
+                op,
+                [qkv, positions, slots],
+                q,
+                k_cache,
+                v_cache,
+            );
+        }
+        let ins = [
+            qkv.spec,
+            positions.spec,
+            k_cache.spec,
+            v_cache.spec,
+            slots.spec,
+        ];
+        let want = op.infer(&ins.map(TensorSpec::clone))?;
+        if want[..] != [q.spec.clone(), k_cache.spec.clone(), v_cache.spec.clone()] {
+            return Err(err(format!(
+                "{op}: outputs {}, {}, {} do not match the inferred {want:?}",
+                q.spec, k_cache.spec, v_cache.spec
+            )));
+        }
+        let rows = |m: &BufferMut<'_>| {
+            let width = m.spec.shape.last().copied().unwrap_or(1).max(1);
+            m.spec.numel() / width
+        };
+        let cache_rows = rows(&k_cache).min(rows(&v_cache));
+        let start = match self.profiler.is_on() {
+            true => Some(self.gpu.record_event()?),
+            false => None,
+        };
+        let outs = [out_ptr(&q)?, out_ptr(&k_cache)?, out_ptr(&v_cache)?];
+        self.split_rotary(op, [&qkv, &positions], outs, Some((&slots, cache_rows)))?;
+        if let Some(start) = start {
+            let end = self.gpu.record_event()?;
+            let outs = vec![q.spec.clone(), k_cache.spec.clone(), v_cache.spec.clone()];
+            self.profiler.record(
+                kernel,
+                op,
+                ins.map(TensorSpec::clone).to_vec(),
+                outs,
+                (start, end),
+            )?;
+        }
+        Ok(())
     }
 
     fn execute(

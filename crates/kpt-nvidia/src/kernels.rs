@@ -1176,10 +1176,9 @@ impl Gpu {
 
     /// Rotary embedding of `x [tokens, heads * head_dim]` at `period` positions: token
     /// `t` takes position `t % period` (`period = seq` for positions `[seq]` shared by
-    /// every sequence, `period = tokens` for one position per token). `inv_freq` is 0
-    /// for plain rotary (the kernel computes `theta^(-2i/head_dim)`), else the device
-    /// address of `head_dim / 2` f64 inverse frequencies; cos and sin are multiplied by
-    /// `attention_factor`.
+    /// every sequence, `period = tokens` for one position per token). `inv_freq` is the
+    /// device address of `head_dim / 2` f64 inverse frequencies; cos and sin are
+    /// multiplied by `attention_factor`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn rotary(
         &self,
@@ -1189,7 +1188,6 @@ impl Gpu {
         positions: u64,
         out: u64,
         (tokens, period, heads, head_dim): (usize, usize, usize, usize),
-        theta: f32,
         (inv_freq, attention_factor): (u64, f64),
     ) -> Result<(), NvidiaError> {
         check_rotary_dims(tokens, period, head_dim)?;
@@ -1199,14 +1197,16 @@ impl Gpu {
         let entry = format!("kpt_rotary_{}_{}", float_name(dtype)?, index_name(index)?);
         launch!(self, "rotary", entry, grid("tokens", tokens)?;
             x, positions, out, int("period", period)?, int("heads", heads)?,
-            int("head_dim", head_dim)?, theta, inv_freq, attention_factor);
+            int("head_dim", head_dim)?, inv_freq, attention_factor);
         Ok(())
     }
 
     /// The q/k/v split of `qkv [tokens, q + k + v]` fused with the rotary of q and k, in
     /// one launch: `sizes = [q, k, v]` (q and k multiples of `head_dim`), outputs
     /// `[q, k, v]` of `[tokens, width]` each; positions, `period` and the frequencies as
-    /// for [`Gpu::rotary`].
+    /// for [`Gpu::rotary`]. With `slots` (address, dtype, rows of the caches), `k` and `v`
+    /// are caches and token `t`'s rows go to row `slots[t]` of each (skipped for a
+    /// negative slot or one past the caches' rows).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn split_rotary(
         &self,
@@ -1216,7 +1216,7 @@ impl Gpu {
         positions: u64,
         [q, k, v]: [u64; 3],
         (tokens, period, sizes, head_dim): (usize, usize, [usize; 3], usize),
-        theta: f32,
+        slots: Option<(u64, DType, usize)>,
         (inv_freq, attention_factor): (u64, f64),
     ) -> Result<(), NvidiaError> {
         check_rotary_dims(tokens, period, head_dim)?;
@@ -1235,10 +1235,19 @@ impl Gpu {
             float_name(dtype)?,
             index_name(index)?
         );
+        let (slots, slots_i64, cache_rows) = match slots {
+            Some((at, dtype, rows)) => (
+                at,
+                i32::from(dtype == DType::I64),
+                i64::try_from(rows)
+                    .map_err(|_| NvidiaError::Invalid(format!("{rows} cache rows")))?,
+            ),
+            None => (0, 0, 0),
+        };
         launch!(self, "rotary", entry, grid("tokens", tokens)?;
-            qkv, positions, q, k, v, int("period", period)?, int("q heads", wq / head_dim)?,
-            int("k heads", wk / head_dim)?, int("v width", wv)?, int("head_dim", head_dim)?,
-            theta, inv_freq, attention_factor);
+            qkv, positions, q, k, v, slots, slots_i64, cache_rows, int("period", period)?,
+            int("q heads", wq / head_dim)?, int("k heads", wk / head_dim)?,
+            int("v width", wv)?, int("head_dim", head_dim)?, inv_freq, attention_factor);
         Ok(())
     }
 

@@ -544,7 +544,46 @@ proptest! {
         // Dynamic NTK needs head_dim > 2.
         let kind = if head_dim == 2 && kind == 2 { 0 } else { kind };
         let scaling = rope_scaling(kind, 4.0, 1024);
-        check(&Op::SplitRotary { head_dim, theta: 500_000.0, scaling, sizes }, &[x, pos])?;
+        check(&Op::SplitRotary { head_dim, theta: 500_000.0, scaling, sizes, cache: false }, &[x, pos])?;
+    }
+
+    /// The split + rotary that writes k and v into caches (one launch) against the
+    /// plain split + rotary and two `cuda.cache_write`s, bit for bit: tokens of a decode
+    /// batch or a prompt, slots negative (skipped) or not, i32 or i64 slots, the scalar
+    /// and the vector path, and against the f64 reference.
+    #[test]
+    fn split_rotary_into_caches(tokens in 1usize..12, q_heads in 0usize..5, k_heads in 1usize..3,
+                                head_dim in prop::sample::select(vec![2usize, 6, 16, 64, 128]),
+                                spare in 0usize..9, negative in 0usize..3, dt in dtype(),
+                                wide in any::<bool>(), seed: u64) {
+        let Some(b) = backend() else { return Ok(()) };
+        let mut rng = SplitMix64::new(seed);
+        let (wq, wk) = (q_heads * head_dim, k_heads * head_dim);
+        let x = random(&mut rng, &[1, tokens, wq + 2 * wk], dt, -2.0, 2.0);
+        let pos = positions(&mut rng, (1, tokens, false), 16_384, wide);
+        let slots_dt = if wide { DType::I64 } else { DType::I32 };
+        let caches = [
+            cache_write_inputs(&mut rng, [1, tokens + spare, wk], tokens, negative, dt, slots_dt),
+            cache_write_inputs(&mut rng, [1, tokens + spare, wk], tokens, negative, dt, slots_dt),
+        ];
+        let slots = caches[0][2].clone();
+        let plain = Op::SplitRotary { head_dim, theta: 500_000.0, scaling: None, sizes: vec![wq, wk, wk], cache: false };
+        let fused = plain.split_rotary_with_cache(true).unwrap();
+        let inputs = [x.clone(), pos.clone(), caches[0][0].clone(), caches[1][0].clone(), slots.clone()];
+        let got = run_kernel(b, "cuda.split_rotary", &fused, &inputs).unwrap();
+        let parts = run_kernel(b, "cuda.split_rotary", &plain, &[x, pos]).unwrap();
+        prop_assert_eq!(got[0].to_f64_vec(), parts[0].to_f64_vec(), "q");
+        for (i, cache) in caches.iter().enumerate() {
+            let want = run_kernel(
+                b,
+                "cuda.cache_write",
+                &Op::CacheWrite,
+                &[cache[0].clone(), parts[i + 1].clone(), slots.clone()],
+            )
+            .unwrap();
+            prop_assert_eq!(got[i + 1].to_f64_vec(), want[0].to_f64_vec(), "cache {}", i);
+        }
+        check(&fused, &inputs)?;
     }
 
     /// Scaled rotary: the inverse-frequency table of every scaling type, uploaded once
@@ -1129,6 +1168,7 @@ fn split_rotary_decode_batch_matches_split_then_rotary() {
             theta: 500_000.0,
             scaling,
             sizes: sizes.clone(),
+            cache: false,
         };
         check(&fused, &[x.clone(), pos.clone()]).unwrap();
         let got = run_kernel(b, "cuda.split_rotary", &fused, &[x.clone(), pos.clone()]).unwrap();
@@ -1471,6 +1511,7 @@ fn bad_requests_are_errors() {
         theta: 10_000.0,
         scaling: None,
         sizes: vec![1024, 1024, 8],
+        cache: false,
     };
     let qkv = random(&mut rng, &[1, 2, 2056], DType::BF16, -1.0, 1.0);
     let pos = Tensor::from_f64(&[0.0, 1.0], &[2], DType::I64).unwrap();

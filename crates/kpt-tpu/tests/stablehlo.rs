@@ -188,7 +188,7 @@ proptest! {
         check(Op::Rotary { head_dim: d, theta: 10000.0, scaling: None }, vec![x.clone(), positions.clone()])?;
         let qkv = random(&mut rng, &[2, seq, (heads + 2) * d], dt);
         check(
-            Op::SplitRotary { head_dim: d, theta: 500000.0, scaling: None, sizes: vec![heads * d, d, d] },
+            Op::SplitRotary { head_dim: d, theta: 500000.0, scaling: None, sizes: vec![heads * d, d, d], cache: false },
             vec![qkv, positions],
         )?;
     }
@@ -385,7 +385,7 @@ proptest! {
         check_for(Op::Rotary { head_dim: d, theta: 500000.0, scaling }, vec![x, positions.clone()], tpu)?;
         let qkv = random(&mut rng, &[2, seq, (heads + 2) * d], dt);
         check_for(
-            Op::SplitRotary { head_dim: d, theta: 10000.0, scaling: None, sizes: vec![heads * d, d, d] },
+            Op::SplitRotary { head_dim: d, theta: 10000.0, scaling: None, sizes: vec![heads * d, d, d], cache: false },
             vec![qkv, positions],
             tpu,
         )?;

@@ -539,6 +539,7 @@ fn sample(op: OpKind) -> (Op, Vec<TensorSpec>) {
                 theta: 10000.0,
                 scaling: None,
                 sizes: vec![4096, 1024, 1024],
+                cache: false,
             },
             vec![f(&[8, 1, 6144]), i(&[8, 1])],
         ),

@@ -29,7 +29,9 @@
 //!   scaling).
 //! - `SplitRotary`: qkv `[.., S, q+k+v]`, positions as for `Rotary` -> (q `[.., S, q]`
 //!   rotated, k `[.., S, k]` rotated, v `[.., S, v]`): `Split` on the last axis followed by
-//!   `Rotary` on q and on k, in one op.
+//!   `Rotary` on q and on k, in one op. With `cache`, the k and v caches and slots follow
+//!   (as for `CacheWrite`) and the outputs are (q, k cache, v cache) with the rotated k
+//!   and the v rows written at the slots.
 
 use std::fmt;
 use std::str::FromStr;
@@ -213,6 +215,13 @@ pub enum Op {
         scaling: Option<RopeScaling>,
         /// Widths of q, k and v along the last axis (three parts summing to it).
         sizes: Vec<usize>,
+        /// Whether k and v go into caches instead of their own outputs: inputs qkv,
+        /// positions, k cache, v cache, slots (as for [`Op::CacheWrite`]) -> (q, k cache,
+        /// v cache). What the optimizer makes of a split + rotary whose k and v are only
+        /// written into caches (a decode step); executors run it in place
+        /// ([`Backend::split_rotary_into_caches`](crate::backend::Backend::split_rotary_into_caches)).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cache: bool,
     },
     /// Softmax over the last dim.
     Softmax,
@@ -542,6 +551,27 @@ impl Op {
         }
     }
 
+    /// This [`Op::SplitRotary`] with its `cache` flag set to `cache` (false: k and v as
+    /// outputs); an error for any other op.
+    pub fn split_rotary_with_cache(&self, cache: bool) -> Result<Op> {
+        match self {
+            Op::SplitRotary {
+                head_dim,
+                theta,
+                scaling,
+                sizes,
+                ..
+            } => Ok(Op::SplitRotary {
+                head_dim: *head_dim,
+                theta: *theta,
+                scaling: *scaling,
+                sizes: sizes.clone(),
+                cache,
+            }),
+            other => Err(KptError::Graph(format!("{other} is not split_rotary"))),
+        }
+    }
+
     /// How many inputs the op takes.
     pub fn num_inputs(&self) -> usize {
         match self {
@@ -554,7 +584,8 @@ impl Op {
             | Op::ActAndMul { .. }
             | Op::ArgMax => 1,
             Op::Embedding | Op::MatMul | Op::RmsNorm { .. } => 2,
-            Op::Rotary { .. } | Op::SplitRotary { .. } => 2,
+            Op::Rotary { .. } | Op::SplitRotary { cache: false, .. } => 2,
+            Op::SplitRotary { cache: true, .. } => 5,
             Op::Add | Op::Mul | Op::Concat { .. } => 2,
             Op::Linear { bias } | Op::LinearAct { bias, .. } => 2 + usize::from(*bias),
             Op::LayerNorm { .. } | Op::AddRmsNorm { .. } | Op::CacheWrite => 3,
@@ -776,6 +807,7 @@ impl Op {
                 theta,
                 scaling,
                 sizes,
+                cache,
             } => {
                 check_rotary(name, x, &inputs[1], *head_dim, *theta, scaling.as_ref())?;
                 let width = x.shape[x.shape.len() - 1];
@@ -795,14 +827,27 @@ impl Op {
                         "head_dim {head_dim} must divide the q and k widths {q} and {k}"
                     )));
                 }
-                Ok(sizes
+                let parts: Vec<TensorSpec> = sizes
                     .iter()
                     .map(|&n| {
                         let mut shape = x.shape.clone();
                         *shape.last_mut().unwrap_or(&mut 0) = n;
                         TensorSpec::new(&shape, x.dtype)
                     })
-                    .collect())
+                    .collect();
+                if !cache {
+                    return Ok(parts);
+                }
+                let slots = &inputs[4];
+                let k_cache =
+                    Op::CacheWrite.infer(&[inputs[2].clone(), parts[1].clone(), slots.clone()])?;
+                let v_cache =
+                    Op::CacheWrite.infer(&[inputs[3].clone(), parts[2].clone(), slots.clone()])?;
+                Ok(vec![
+                    parts[0].clone(),
+                    k_cache[0].clone(),
+                    v_cache[0].clone(),
+                ])
             }
             Op::Attention(p) => {
                 let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
@@ -1128,6 +1173,7 @@ impl fmt::Display for Op {
             Op::Dequantize { dtype } | Op::Cast { dtype } => write!(f, "{}({dtype})", self.kind()),
             Op::Attention(p) if p.causal => f.write_str("attention(causal)"),
             Op::AttentionBackward(p) if p.causal => f.write_str("attention_backward(causal)"),
+            Op::SplitRotary { cache: true, .. } => f.write_str("split_rotary(cache)"),
             _ => f.write_str(self.kind().name()),
         }
     }
@@ -1596,6 +1642,7 @@ mod tests {
             theta: 10000.0,
             scaling: None,
             sizes,
+            cache: false,
         };
         let x = s(&[2, 3, 22], DType::F16);
         let pos = s(&[2, 3], DType::I64);
@@ -1623,5 +1670,72 @@ mod tests {
         let json = serde_json::to_string(&op(vec![8, 4, 10])).unwrap();
         let back: Op = serde_json::from_str(&json).unwrap();
         assert_eq!(back, op(vec![8, 4, 10]));
+    }
+
+    #[test]
+    fn split_rotary_into_caches_infers_q_and_the_caches() {
+        let op = Op::SplitRotary {
+            head_dim: 4,
+            theta: 10000.0,
+            scaling: None,
+            sizes: vec![8, 4, 6],
+            cache: true,
+        };
+        let x = s(&[1, 2, 18], DType::BF16);
+        let pos = s(&[2], DType::I64);
+        let (kc, vc) = (s(&[3, 16, 4], DType::BF16), s(&[3, 16, 6], DType::BF16));
+        let slots = s(&[2], DType::I64);
+        let ins = [
+            x.clone(),
+            pos.clone(),
+            kc.clone(),
+            vc.clone(),
+            slots.clone(),
+        ];
+        assert_eq!(op.num_inputs(), 5);
+        assert_eq!(
+            op.infer(&ins).unwrap(),
+            vec![s(&[1, 2, 8], DType::BF16), kc.clone(), vc.clone()]
+        );
+        assert_eq!(op.to_string(), "split_rotary(cache)");
+        // Caches whose rows are not k's and v's widths, a cache of another dtype, one
+        // slot per token.
+        for bad in [
+            [
+                x.clone(),
+                pos.clone(),
+                vc.clone(),
+                kc.clone(),
+                slots.clone(),
+            ],
+            [
+                x.clone(),
+                pos.clone(),
+                s(&[3, 16, 4], DType::F32),
+                vc.clone(),
+                slots.clone(),
+            ],
+            [
+                x.clone(),
+                pos.clone(),
+                kc.clone(),
+                vc.clone(),
+                s(&[1], DType::I64),
+            ],
+        ] {
+            assert!(
+                matches!(
+                    op.infer(&bad),
+                    Err(KptError::Shape { .. } | KptError::DTypeMismatch { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+        assert!(op.infer(&ins[..2]).is_err());
+        let json = serde_json::to_string(&op).unwrap();
+        assert!(json.contains("\"cache\":true"), "{json}");
+        assert_eq!(serde_json::from_str::<Op>(&json).unwrap(), op);
+        let plain = serde_json::to_string(&op.split_rotary_with_cache(false).unwrap()).unwrap();
+        assert!(!plain.contains("cache"), "{plain}");
     }
 }

@@ -26,7 +26,7 @@ pub use fusion::{fuse_add_layer_norm, fuse_add_rms_norm, fuse_linear_activation}
 pub use memory::{plan_memory, MemoryPlan};
 pub use merge::{fuse_gated_mlp, fuse_sibling_linears};
 pub use precision::apply_precision;
-pub use rotary::fuse_split_rotary;
+pub use rotary::{fuse_rotary_cache_writes, fuse_split_rotary};
 
 use serde::{Deserialize, Serialize};
 
@@ -176,6 +176,8 @@ pub fn auto_optimize(
     let (g, r) = fuse_add_layer_norm(&g)?;
     reports.push(r);
     let (g, r) = apply_activation_precision(&g, level, policy, selector, device)?;
+    reports.push(r);
+    let (g, r) = fuse_rotary_cache_writes(&g)?;
     reports.push(r);
     let (g, r) = apply_precision(&g, level, policy, selector, device)?;
     reports.push(r);

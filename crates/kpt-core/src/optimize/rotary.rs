@@ -75,6 +75,7 @@ pub fn fuse_split_rotary(graph: &Graph) -> Result<(Graph, PassReport)> {
             theta: *theta,
             scaling: *scaling,
             sizes: sizes.clone(),
+            cache: false,
         };
         // The fused op must accept the shapes (e.g. head_dim dividing q and k).
         let specs = [
@@ -111,6 +112,97 @@ pub fn fuse_split_rotary(graph: &Graph) -> Result<(Graph, PassReport)> {
                 f.op.clone(),
                 &[node.inputs[0], f.positions],
                 &[q.outputs[0], k.outputs[0], node.outputs[2]],
+            )?;
+        } else if !dropped[i] {
+            rw.copy_node(i)?;
+        }
+    }
+    Ok((rw.finish()?, report))
+}
+
+/// Fuses a plain `SplitRotary` whose k and v outputs are each read only by one
+/// `CacheWrite` (as its rows), both with the same slots, and are not graph outputs, into
+/// one `SplitRotary` with `cache` that takes the caches and slots and gives the
+/// `CacheWrite`s' outputs: a decode step launches one kernel where it launched three.
+/// Runs after [`apply_activation_precision`](super::apply_activation_precision), so the
+/// caches already have their final dtype (a cast between k and its cache leaves the
+/// pattern unfused).
+pub fn fuse_rotary_cache_writes(graph: &Graph) -> Result<(Graph, PassReport)> {
+    let nodes = graph.nodes();
+    let consumers = graph.consumers();
+    let only_reader = |v: ValueId| match consumers[v.0].as_slice() {
+        [n] if !graph.outputs().contains(&v) => Some(n.0),
+        _ => None,
+    };
+    let defined_before = |v: ValueId, at: usize| match graph.value(v).source {
+        ValueSource::Node { node, .. } => node.0 < at,
+        _ => true,
+    };
+    // (k's cache write, v's cache write, the fused op) of node `i`.
+    let matched = |i: usize, node: &Node| -> Result<Option<(usize, usize, Op)>> {
+        let op @ Op::SplitRotary { cache: false, .. } = &node.op else {
+            return Ok(None);
+        };
+        let (Some(kw), Some(vw)) = (only_reader(node.outputs[1]), only_reader(node.outputs[2]))
+        else {
+            return Ok(None);
+        };
+        let (kn, vn) = (&nodes[kw], &nodes[vw]);
+        let fits = kw != vw
+            && kn.op == Op::CacheWrite
+            && vn.op == Op::CacheWrite
+            && kn.inputs[1] == node.outputs[1]
+            && vn.inputs[1] == node.outputs[2]
+            && kn.inputs[2] == vn.inputs[2]
+            && kn.inputs[0] != vn.inputs[0]
+            && [kn.inputs[0], vn.inputs[0], kn.inputs[2]]
+                .iter()
+                .all(|&v| defined_before(v, i));
+        if !fits {
+            return Ok(None);
+        }
+        let fused = op.split_rotary_with_cache(true)?;
+        let specs = [
+            node.inputs[0],
+            node.inputs[1],
+            kn.inputs[0],
+            vn.inputs[0],
+            kn.inputs[2],
+        ]
+        .iter()
+        .map(|&v| graph.spec(v).cloned())
+        .collect::<Result<Vec<_>>>()?;
+        Ok(fused.infer(&specs).is_ok().then_some((kw, vw, fused)))
+    };
+    let mut fused: HashMap<usize, (usize, usize, Op)> = HashMap::new();
+    let mut dropped = vec![false; nodes.len()];
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some(found) = matched(i, node)? {
+            dropped[found.0] = true;
+            dropped[found.1] = true;
+            fused.insert(i, found);
+        }
+    }
+    let mut report = PassReport::new("fuse_rotary_cache_writes");
+    let mut rw = Rewriter::new(graph);
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some((kw, vw, op)) = fused.get(&i) {
+            let (kn, vn) = (&nodes[*kw], &nodes[*vw]);
+            report.change(format!(
+                "{} + {} + {} -> split_rotary(cache)",
+                node.name, kn.name, vn.name
+            ));
+            rw.emit(
+                &node.name,
+                op.clone(),
+                &[
+                    node.inputs[0],
+                    node.inputs[1],
+                    kn.inputs[0],
+                    vn.inputs[0],
+                    kn.inputs[2],
+                ],
+                &[node.outputs[0], kn.outputs[0], vn.outputs[0]],
             )?;
         } else if !dropped[i] {
             rw.copy_node(i)?;
@@ -204,7 +296,8 @@ mod tests {
                 head_dim: 4,
                 theta: 10000.0,
                 scaling: None,
-                sizes: vec![8, 4, 4]
+                sizes: vec![8, 4, 4],
+                cache: false,
             }
         );
         assert_eq!(g.value(node.inputs[1]).name, "pos");
@@ -310,5 +403,81 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    /// qkv `[1, 2, 16]` -> split_rotary [8, 4, 4] -> k and v written into caches at
+    /// `slots` -> an op reading q and both caches. `variant` breaks the pattern in one way
+    /// (0: none).
+    fn decode_graph(variant: u8) -> Graph {
+        let mut g = Graph::new();
+        let qkv = g.input("qkv", DType::BF16, &[1, 2, 16]);
+        let pos = g.input("pos", DType::I64, &[2]);
+        let kc = g.input("kc", DType::BF16, &[2, 8, 4]);
+        let vc = g.input("vc", DType::BF16, &[2, 8, 4]);
+        let slots = g.input("slots", DType::I64, &[2]);
+        let slots2 = g.input("slots2", DType::I64, &[2]);
+        let op = Op::SplitRotary {
+            head_dim: 4,
+            theta: 10000.0,
+            scaling: None,
+            sizes: vec![8, 4, 4],
+            cache: false,
+        };
+        let parts = g.op_multi("rope", op, &[qkv, pos]).unwrap();
+        let v_slots = if variant == 1 { slots2 } else { slots };
+        let v_cache = if variant == 2 { kc } else { vc };
+        let k = g.op("kw", Op::CacheWrite, &[kc, parts[1], slots]).unwrap();
+        let v = g
+            .op("vw", Op::CacheWrite, &[v_cache, parts[2], v_slots])
+            .unwrap();
+        if variant == 3 {
+            g.output(parts[1]).unwrap();
+        }
+        if variant == 4 {
+            let leak = g.op("leak", Op::Softmax, &[parts[2]]).unwrap();
+            g.output(leak).unwrap();
+        }
+        let out = g.op("use", Op::Concat { axis: 2 }, &[k, v]).unwrap();
+        g.output(parts[0]).unwrap();
+        g.output(out).unwrap();
+        g.output(k).unwrap();
+        g
+    }
+
+    #[test]
+    fn cache_writes_join_the_split_rotary() {
+        let src = decode_graph(0);
+        let (g, report) = fuse_rotary_cache_writes(&src).unwrap();
+        assert_eq!(report.changes, ["rope + kw + vw -> split_rotary(cache)"]);
+        assert_eq!(kinds(&g), ["split_rotary", "concat"]);
+        let node = &g.nodes()[0];
+        assert!(matches!(node.op, Op::SplitRotary { cache: true, .. }));
+        let names: Vec<&str> = node
+            .inputs
+            .iter()
+            .map(|&v| g.value(v).name.as_str())
+            .collect();
+        assert_eq!(names, ["qkv", "pos", "kc", "vc", "slots"]);
+        // The outputs keep their places: q, the concat, the k cache.
+        assert_eq!(
+            g.outputs(),
+            [node.outputs[0], g.nodes()[1].outputs[0], node.outputs[1]]
+        );
+        assert_eq!(g.spec(node.outputs[2]).unwrap().shape, [2, 8, 4]);
+        let (again, report) = fuse_rotary_cache_writes(&g).unwrap();
+        assert!(report.changes.is_empty());
+        assert_eq!(again, g);
+    }
+
+    #[test]
+    fn other_cache_writes_stay() {
+        // 1: different slots; 2: one cache for both; 3: k a graph output; 4: v read
+        // elsewhere too.
+        for variant in 1..=4 {
+            let src = decode_graph(variant);
+            let (g, report) = fuse_rotary_cache_writes(&src).unwrap();
+            assert!(report.changes.is_empty(), "variant {variant}: {report:?}");
+            assert_eq!(g, src, "variant {variant}");
+        }
     }
 }

@@ -119,6 +119,7 @@ pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
             theta,
             scaling,
             sizes,
+            cache,
         } => {
             let x = &ins[0];
             let last = x.rank() - 1;
@@ -127,32 +128,39 @@ pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
             let v = b.slice_axis(x, last, sizes[0] + sizes[1], x.shape[last]);
             let q = rotary(b, &q, &ins[1], *head_dim, *theta, scaling.as_ref())?;
             let k = rotary(b, &k, &ins[1], *head_dim, *theta, scaling.as_ref())?;
-            vec![q, k, v]
+            if *cache {
+                let k = cache_write(b, &ins[2], &k, &ins[4]);
+                vec![q, k, cache_write(b, &ins[3], &v, &ins[4])]
+            } else {
+                vec![q, k, v]
+            }
         }
         Op::Attention(p) => attention::forward(b, p, ins)?,
         Op::AttentionBackward(p) => attention::backward(b, p, ins)?,
         Op::Quantize { dtype, scale } => vec![quantize(b, &ins[0], *dtype, *scale)?],
         // The scale of the input comes after it (see `emit_graph`).
         Op::Dequantize { dtype } => vec![dequantize(b, &ins[0], &ins[1], *dtype)],
-        Op::CacheWrite => {
-            // The cache as rows; a negative slot (padding) is skipped, as XLA skips every
-            // index outside the cache (the reference rejects one past its end).
-            let (cache, rows, slots) = (&ins[0], &ins[1], &ins[2]);
-            let width = cache.shape.last().copied().unwrap_or(1).max(1);
-            let count = cache.shape.iter().product::<usize>() / width;
-            let n = slots.shape.iter().product::<usize>();
-            let c2 = b.reshape(cache, &[count, width]);
-            let r2 = b.convert(rows, cache.float());
-            let r2 = b.reshape(&r2, &[n, width]);
-            let idx = b.convert(slots, DType::I64);
-            let idx = b.reshape(&idx, &[n, 1]);
-            let out = b.scatter_rows(&c2, &idx, &r2);
-            vec![b.reshape(&out, &cache.shape)]
-        }
+        Op::CacheWrite => vec![cache_write(b, &ins[0], &ins[1], &ins[2])],
     })
 }
 
 /// `a · b` for a `[.., M, K]` and b `[K, N]` or `[.., K, N]`, f32 accumulation.
+/// `cache` with row `slots[i]` (counted over its leading dims) replaced by row `i` of
+/// `rows`. A negative slot (padding) is skipped, as XLA skips every index outside the
+/// cache (the reference rejects one past its end).
+fn cache_write(b: &mut Builder, cache: &Val, rows: &Val, slots: &Val) -> Val {
+    let width = cache.shape.last().copied().unwrap_or(1).max(1);
+    let count = cache.shape.iter().product::<usize>() / width;
+    let n = slots.shape.iter().product::<usize>();
+    let c2 = b.reshape(cache, &[count, width]);
+    let r2 = b.convert(rows, cache.float());
+    let r2 = b.reshape(&r2, &[n, width]);
+    let idx = b.convert(slots, DType::I64);
+    let idx = b.reshape(&idx, &[n, 1]);
+    let out = b.scatter_rows(&c2, &idx, &r2);
+    b.reshape(&out, &cache.shape)
+}
+
 fn matmul(b: &mut Builder, x: &Val, y: &Val) -> Val {
     let out = x.float();
     let r = x.rank();

@@ -96,6 +96,7 @@ pub fn decoder_block() -> (Graph, Vec<Tensor>) {
                 theta: 10000.0,
                 scaling: None,
                 sizes: vec![heads * d, kv * d, kv * d],
+                cache: false,
             },
             &[qkv, pos],
         )
