@@ -12,6 +12,7 @@
 #[path = "../compare/torch.rs"]
 mod torch;
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,8 +28,8 @@ use kpt_core::validate::run_reference;
 use kpt_core::{DType, Graph, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
 use kpt_models::generate::{
-    argmax, decode_inputs, device_cache_with_room, host_cache_with_room, picked_tokens,
-    picks_tokens, resident_outputs,
+    argmax, decode_inputs, host_cache_with_room, picked_tokens, picks_tokens, resident_outputs,
+    CachePool,
 };
 use kpt_models::lower::pack_prompts;
 use kpt_models::{Checkpoint, Model, Phase};
@@ -148,6 +149,9 @@ struct Kpt {
     registry: KernelRegistry,
     vocab: usize,
     rng: SplitMix64,
+    /// Caches of finished repetitions, reused so that every repetition's decode steps
+    /// replay one captured graph (as a server's preallocated cache would).
+    pool: RefCell<CachePool>,
 }
 
 impl Kpt {
@@ -269,17 +273,19 @@ impl Batch {
         let len = prompts.first().map_or(0, Vec::len);
         let backend = kpt.backend.as_ref();
         let caches = outs
-            .map(|o| {
-                let d = o.into_device(backend)?;
-                Ok(if prompts.len() == 1 {
-                    device_cache_with_room(d, len, backend)?
-                } else {
-                    // Each sequence's rows move to its own block: once, through the host.
-                    let grown = host_cache_with_room(d.download(backend)?, len)?;
-                    DeviceTensor::upload(backend, &grown)?
-                })
-            })
+            .map(|o| Ok(o.into_device(backend)?))
             .collect::<Result<Vec<_>>>()?;
+        let mut pool = kpt.pool.borrow_mut();
+        let caches = if prompts.len() == 1 {
+            pool.with_room(caches, len, backend)?
+        } else {
+            // Each sequence's rows move to its own block: once, through the host.
+            let grown = caches
+                .iter()
+                .map(|d| Ok(host_cache_with_room(d.download(backend)?, len)?))
+                .collect::<Result<Vec<_>>>()?;
+            pool.upload(grown, backend)?
+        };
         Ok(Self {
             caches,
             len,
@@ -293,10 +299,11 @@ impl Batch {
     fn step(&mut self, kpt: &Kpt, decode: &mut Executor) -> Result<Vec<i64>> {
         let backend = kpt.backend.as_ref();
         if self.next.len() == 1 {
-            self.caches = std::mem::take(&mut self.caches)
-                .into_iter()
-                .map(|c| device_cache_with_room(c, self.len, backend))
-                .collect::<kpt_models::Result<_>>()?;
+            self.caches = kpt.pool.borrow_mut().with_room(
+                std::mem::take(&mut self.caches),
+                self.len,
+                backend,
+            )?;
         }
         let capacity = self.caches.first().map_or(0, |c| c.spec.shape[1]);
         let mut inputs: Vec<RunTensor> = decode_inputs(&self.next, self.len, capacity)?
@@ -351,6 +358,7 @@ fn decode_per_token(
             per_token.push(t / steps as f64);
             enqueue.push(seqs.enqueue / steps as f64);
         }
+        kpt.pool.borrow_mut().release(seqs.caches);
     }
     Ok((per_token, enqueue))
 }
@@ -468,6 +476,7 @@ fn main() -> Result<()> {
         registry: KernelRegistry::with_builtin(),
         vocab: llama.config.vocab_size,
         rng: SplitMix64::new(7),
+        pool: RefCell::default(),
     };
     let hf = format!("HF transformers {} (sdpa, {dname})", text("transformers"));
     let gpu = args.device == Device::Cuda;

@@ -51,7 +51,7 @@ impl DeviceTensor {
     /// appending to it runs in place.
     pub fn with_capacity(&self, backend: &dyn Backend, capacity: usize) -> Result<Self> {
         let mut buffer = backend.allocate(self.spec.dtype, capacity.max(self.spec.numel()))?;
-        backend.copy_into(self.as_ref(), &mut buffer, 0)?;
+        backend.copy_into(self.view(), &mut buffer, 0)?;
         buffer.scale = self.buffer.scale;
         Ok(Self {
             buffer,
@@ -64,7 +64,8 @@ impl DeviceTensor {
         backend.download(&self.buffer, &self.spec)
     }
 
-    fn as_ref(&self) -> BufferRef<'_> {
+    /// A view of the value for [`Backend`] calls.
+    pub fn view(&self) -> BufferRef<'_> {
         BufferRef {
             buffer: &self.buffer,
             spec: &self.spec,

@@ -447,6 +447,12 @@ pub trait StepRunner {
     ) -> Result<u32> {
         argmax(&self.decode(cache, token, position)?)
     }
+
+    /// Takes back the cache of a finished sequence, which a runner may reuse for a later
+    /// one ([`PlanRunner`] keeps it in its [`CachePool`]). The default drops it.
+    fn release(&mut self, cache: Self::Cache) {
+        drop(cache);
+    }
 }
 
 /// The inputs of a prefill graph (see [`crate::lower::DecoderInputs`]): ids `[1, n]`
@@ -543,6 +549,116 @@ pub fn device_cache_with_room(
     let mut grown = cache.with_capacity(backend, cap * width)?;
     grown.spec.shape = vec![1, cap, width];
     Ok(grown)
+}
+
+/// Cache sets of finished sequences, kept for later ones. A decode executor captures
+/// its runs keyed by the device addresses of its inputs ([`Executor::set_graphs`]), so a
+/// sequence whose caches take over a released set replays the capture of an earlier
+/// sequence instead of running its first step node by node and recording its own, as
+/// vLLM keeps its KV cache blocks allocated across requests. A set is one sequence's
+/// caches of every layer, in order.
+#[derive(Debug, Default)]
+pub struct CachePool {
+    sets: Vec<Vec<DeviceTensor>>,
+}
+
+/// Released sets a [`CachePool`] keeps (the oldest goes first).
+const SPARE_SETS: usize = 4;
+
+impl CachePool {
+    /// `caches` (`[1, len, kv_dim]` each) with room for a decode step at `position`:
+    /// themselves while every one has room; else copied into the most recently released
+    /// set of [`cache_capacity`] rows with the same widths and dtypes, or into new
+    /// buffers ([`device_cache_with_room`]) when none is kept.
+    pub fn with_room(
+        &mut self,
+        caches: Vec<DeviceTensor>,
+        position: usize,
+        backend: &dyn kpt_core::backend::Backend,
+    ) -> Result<Vec<DeviceTensor>> {
+        if caches
+            .iter()
+            .all(|c| c.spec.shape.get(1).is_some_and(|&len| len > position))
+        {
+            return Ok(caches);
+        }
+        let grown = |c: &DeviceTensor| -> Vec<usize> {
+            vec![
+                1,
+                cache_capacity(position),
+                c.spec.shape.last().copied().unwrap_or(0),
+            ]
+        };
+        let fits = |set: &Vec<DeviceTensor>| {
+            set.len() == caches.len()
+                && set.iter().zip(&caches).all(|(s, c)| {
+                    s.spec.dtype == c.spec.dtype
+                        && s.spec.shape == grown(c)
+                        && c.spec.shape.len() == 3
+                        && c.spec.shape[0] == 1
+                })
+        };
+        let Some(i) = self.sets.iter().rposition(fits) else {
+            return caches
+                .into_iter()
+                .map(|c| device_cache_with_room(c, position, backend))
+                .collect();
+        };
+        let mut set = self.sets.remove(i);
+        for (to, from) in set.iter_mut().zip(&caches) {
+            backend.copy_into(from.view(), &mut to.buffer, 0)?;
+            to.buffer.scale = from.buffer.scale;
+        }
+        Ok(set)
+    }
+
+    /// Host caches on the device: written into the most recently released set of the
+    /// same shapes and dtypes, or uploaded to new buffers when none is kept.
+    pub fn upload(
+        &mut self,
+        caches: Vec<Tensor>,
+        backend: &dyn kpt_core::backend::Backend,
+    ) -> Result<Vec<DeviceTensor>> {
+        let fits = |set: &Vec<DeviceTensor>| {
+            set.len() == caches.len()
+                && set
+                    .iter()
+                    .zip(&caches)
+                    .all(|(s, t)| s.spec.dtype == t.dtype() && s.spec.shape == t.shape())
+        };
+        let Some(i) = self.sets.iter().rposition(fits) else {
+            return caches
+                .iter()
+                .map(|t| Ok(DeviceTensor::upload(backend, t)?))
+                .collect();
+        };
+        let mut set = self.sets.remove(i);
+        for (to, from) in set.iter_mut().zip(&caches) {
+            backend.write(from, &mut to.buffer)?;
+        }
+        Ok(set)
+    }
+
+    /// Keeps a finished sequence's caches for a later one.
+    pub fn release(&mut self, caches: Vec<DeviceTensor>) {
+        if caches.is_empty() {
+            return;
+        }
+        if self.sets.len() == SPARE_SETS {
+            self.sets.remove(0);
+        }
+        self.sets.push(caches);
+    }
+
+    /// How many released sets are kept.
+    pub fn len(&self) -> usize {
+        self.sets.len()
+    }
+
+    /// Whether no set is kept.
+    pub fn is_empty(&self) -> bool {
+        self.sets.is_empty()
+    }
 }
 
 /// The last row of logits `[1, S, vocab]`.
@@ -644,6 +760,7 @@ pub struct PlanRunner {
     prefill: Executor,
     decode: Executor,
     packed: Option<Executor>,
+    pool: CachePool,
 }
 
 impl PlanRunner {
@@ -657,6 +774,7 @@ impl PlanRunner {
             prefill,
             decode,
             packed: None,
+            pool: CachePool::default(),
         }
     }
 
@@ -762,10 +880,9 @@ impl PlanRunner {
         greedy: bool,
     ) -> Result<Next> {
         let backend = self.decode.backend().clone();
-        let cache = std::mem::take(cache_out)
-            .into_iter()
-            .map(|c| device_cache_with_room(c, position, backend.as_ref()))
-            .collect::<Result<Vec<_>>>()?;
+        let cache = self
+            .pool
+            .with_room(std::mem::take(cache_out), position, backend.as_ref())?;
         let capacity = cache.first().map_or(position + 1, |c| c.spec.shape[1]);
         let (next, cache) = Self::run(
             &mut self.decode,
@@ -820,6 +937,10 @@ impl StepRunner for PlanRunner {
     /// memory (the first `position` rows valid): a decode step writes its row in place,
     /// and a full cache grows to [`cache_capacity`].
     type Cache = Vec<DeviceTensor>;
+
+    fn release(&mut self, cache: Vec<DeviceTensor>) {
+        self.pool.release(cache);
+    }
 
     fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<DeviceTensor>)> {
         let (next, cache) = Self::run(
@@ -1142,16 +1263,17 @@ impl<R: StepRunner> Generator<R> {
             }
         }
         stats.generated_tokens = seqs.iter().map(|s| s.tokens.len()).sum();
-        Ok(Generation {
-            outputs: seqs
-                .into_iter()
-                .map(|s| SequenceOutput {
+        let outputs = seqs
+            .into_iter()
+            .map(|s| {
+                self.runner.release(s.cache);
+                SequenceOutput {
                     tokens: s.tokens,
                     stop: s.stop.unwrap_or(StopReason::MaxTokens),
-                })
-                .collect(),
-            stats,
-        })
+                }
+            })
+            .collect();
+        Ok(Generation { outputs, stats })
     }
 
     fn stopped(
