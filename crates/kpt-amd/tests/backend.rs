@@ -13,7 +13,7 @@ use std::io::Write;
 use std::sync::OnceLock;
 
 use kpt_amd::{AmdError, RocmBackend, RocmOptions};
-use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
+use kpt_core::backend::{Backend, BufferMut, BufferRef};
 use kpt_core::graph::{Activation, AttentionParams, Op, TensorSpec};
 use kpt_core::rand::SplitMix64;
 use kpt_core::tensor::Tensor;
@@ -70,31 +70,7 @@ fn run_kernel(
     op: &Op,
     inputs: &[Tensor],
 ) -> kpt_core::Result<Vec<Tensor>> {
-    let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
-    let out_specs = op.infer(&specs)?;
-    let bufs = inputs
-        .iter()
-        .map(|t| b.upload(t))
-        .collect::<kpt_core::Result<Vec<_>>>()?;
-    let mut outs = out_specs
-        .iter()
-        .map(|s| b.allocate(s.dtype, s.numel()))
-        .collect::<kpt_core::Result<Vec<DeviceBuffer>>>()?;
-    let refs: Vec<_> = bufs
-        .iter()
-        .zip(&specs)
-        .map(|(buffer, spec)| BufferRef { buffer, spec })
-        .collect();
-    let mut muts: Vec<_> = outs
-        .iter_mut()
-        .zip(&out_specs)
-        .map(|(buffer, spec)| BufferMut { buffer, spec })
-        .collect();
-    b.execute(kernel, op, &refs, &mut muts)?;
-    outs.iter()
-        .zip(&out_specs)
-        .map(|(o, s)| b.download(o, s))
-        .collect()
+    kpt_core::backend::run_op(b, kernel, op, inputs)
 }
 
 /// Runs `op` with every kernel of the registry's chain for the device (the `amd.*`

@@ -296,29 +296,66 @@ pub fn run_op(
         .collect()
 }
 
+/// The buffers of an in-place split + rotary into caches
+/// ([`Backend::split_rotary_into_caches`]): its qkv, positions and slots inputs, the q
+/// output and the two caches it writes rows into.
+#[derive(Debug)]
+pub struct RotaryCaches<'a> {
+    /// The merged projection `[.., S, q+k+v]`.
+    pub qkv: BufferRef<'a>,
+    /// The positions.
+    pub positions: BufferRef<'a>,
+    /// The cache row of each token.
+    pub slots: BufferRef<'a>,
+    /// The rotated q.
+    pub q: BufferMut<'a>,
+    /// The key cache.
+    pub k_cache: BufferMut<'a>,
+    /// The value cache.
+    pub v_cache: BufferMut<'a>,
+}
+
+impl RotaryCaches<'_> {
+    /// The specs of the op's inputs: qkv, positions, k cache, v cache, slots.
+    pub fn input_specs(&self) -> Vec<TensorSpec> {
+        [
+            self.qkv.spec,
+            self.positions.spec,
+            self.k_cache.spec,
+            self.v_cache.spec,
+            self.slots.spec,
+        ]
+        .map(TensorSpec::clone)
+        .to_vec()
+    }
+
+    /// The specs of its outputs: q, k cache, v cache.
+    pub fn output_specs(&self) -> Vec<TensorSpec> {
+        [self.q.spec, self.k_cache.spec, self.v_cache.spec]
+            .map(TensorSpec::clone)
+            .to_vec()
+    }
+}
+
 /// [`Backend::split_rotary_into_caches`] from other launches: the plain split + rotary
 /// (`kernel`) into temporary k and v buffers, then [`Backend::write_rows`] into each
 /// cache.
-#[allow(clippy::too_many_arguments)]
 pub fn split_rotary_via_temporaries(
     backend: &(impl Backend + ?Sized),
     kernel: &str,
     op: &Op,
-    [qkv, positions, slots]: [BufferRef<'_>; 3],
-    q: BufferMut<'_>,
-    k_cache: BufferMut<'_>,
-    v_cache: BufferMut<'_>,
+    io: RotaryCaches<'_>,
 ) -> Result<()> {
     let plain = op.split_rotary_with_cache(false)?;
-    let specs = plain.infer(&[qkv.spec.clone(), positions.spec.clone()])?;
+    let specs = plain.infer(&[io.qkv.spec.clone(), io.positions.spec.clone()])?;
     let mut k = backend.allocate(specs[1].dtype, specs[1].numel())?;
     let mut v = backend.allocate(specs[2].dtype, specs[2].numel())?;
     backend.execute_inferred(
         kernel,
         &plain,
-        &[qkv, positions],
+        &[io.qkv, io.positions],
         &mut [
-            q,
+            io.q,
             BufferMut {
                 buffer: &mut k,
                 spec: &specs[1],
@@ -329,8 +366,8 @@ pub fn split_rotary_via_temporaries(
             },
         ],
     )?;
-    for (rows, spec, cache) in [(&k, &specs[1], k_cache), (&v, &specs[2], v_cache)] {
-        backend.write_rows(BufferRef { buffer: rows, spec }, slots, cache)?;
+    for (rows, spec, cache) in [(&k, &specs[1], io.k_cache), (&v, &specs[2], io.v_cache)] {
+        backend.write_rows(BufferRef { buffer: rows, spec }, io.slots, cache)?;
     }
     Ok(())
 }
@@ -358,10 +395,14 @@ pub fn split_rotary_cache_into(
     backend.split_rotary_into_caches(
         kernel,
         op,
-        [*qkv, *positions, *slots],
-        q.reborrow(),
-        k_out.reborrow(),
-        v_out.reborrow(),
+        RotaryCaches {
+            qkv: *qkv,
+            positions: *positions,
+            slots: *slots,
+            q: q.reborrow(),
+            k_cache: k_out.reborrow(),
+            v_cache: v_out.reborrow(),
+        },
     )
 }
 
@@ -424,25 +465,8 @@ pub trait Backend: Send + Sync {
     /// its outputs first ([`split_rotary_cache_into`]). The default is
     /// [`split_rotary_via_temporaries`]; a backend with a kernel that writes the caches
     /// directly overrides it.
-    #[allow(clippy::too_many_arguments)]
-    fn split_rotary_into_caches(
-        &self,
-        kernel: &str,
-        op: &Op,
-        [qkv, positions, slots]: [BufferRef<'_>; 3],
-        q: BufferMut<'_>,
-        k_cache: BufferMut<'_>,
-        v_cache: BufferMut<'_>,
-    ) -> Result<()> {
-        split_rotary_via_temporaries(
-            self,
-            kernel,
-            op,
-            [qkv, positions, slots],
-            q,
-            k_cache,
-            v_cache,
-        )
+    fn split_rotary_into_caches(&self, kernel: &str, op: &Op, io: RotaryCaches<'_>) -> Result<()> {
+        split_rotary_via_temporaries(self, kernel, op, io)
     }
 
     /// Runs `kernel` (a name from the kernel registry) for `op`.

@@ -22,7 +22,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer};
+use crate::backend::{Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer, RotaryCaches};
 use crate::error::{KptError, Result};
 use crate::graph::{Graph, Node, Op, TensorSpec, ValueId, ValueSource};
 use crate::optimize::Plan;
@@ -402,23 +402,24 @@ impl Launch<'_> {
                     .as_mut()
                     .ok_or_else(|| no_buffer(graph, q))
                     .and_then(|q_buffer| {
-                        backend.split_rotary_into_caches(
-                            kernel,
-                            &node.op,
-                            [operand(0)?, operand(1)?, operand(4)?],
-                            BufferMut {
+                        let io = RotaryCaches {
+                            qkv: operand(0)?,
+                            positions: operand(1)?,
+                            slots: operand(4)?,
+                            q: BufferMut {
                                 buffer: q_buffer,
                                 spec: out(0),
                             },
-                            BufferMut {
+                            k_cache: BufferMut {
                                 buffer: k,
                                 spec: out(1),
                             },
-                            BufferMut {
+                            v_cache: BufferMut {
                                 buffer: v,
                                 spec: out(2),
                             },
-                        )
+                        };
+                        backend.split_rotary_into_caches(kernel, &node.op, io)
                     }),
                 _ => Err(KptError::Graph(format!(
                     "node `{}` ({}) cannot update its inputs in place",

@@ -14,6 +14,10 @@ use kpt_core::{DType, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
 use proptest::prelude::*;
 
+#[path = "support/caches.rs"]
+mod caches;
+use caches::{random, slots};
+
 const DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
 
 fn backend() -> Arc<dyn Backend> {
@@ -50,26 +54,6 @@ fn executor(g: &Graph, backend: &Arc<dyn Backend>) -> Executor {
     .unwrap();
     assert_eq!(plan.kernels[0].kernel, "cpu.cache_write");
     Executor::new(plan, backend.clone()).unwrap()
-}
-
-fn random(rng: &mut Rng, shape: &[usize], dtype: DType) -> Tensor {
-    let n = shape.iter().product();
-    let v: Vec<f64> = rng.vec(n, -2.0, 2.0).into_iter().map(f64::from).collect();
-    Tensor::from_f64(&v, shape, dtype).unwrap()
-}
-
-/// `n` distinct slots below `cache_rows`, every third one negative (skipped).
-fn slots(rng: &mut Rng, n: usize, cache_rows: usize) -> Tensor {
-    let mut all: Vec<i64> = (0..cache_rows as i64).collect();
-    for i in (1..all.len()).rev() {
-        all.swap(i, rng.below(i + 1));
-    }
-    let v = all[..n]
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| if i % 3 == 2 { -1 } else { s })
-        .collect();
-    Tensor::from_vec(v, &[n]).unwrap()
 }
 
 proptest! {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use kpt_core::backend::{
     cache_write_into, check_output_specs, copy_extent, row_write_extent, split_rotary_cache_into,
     split_rotary_via_temporaries, Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer,
-    MemoryStats,
+    MemoryStats, RotaryCaches,
 };
 use kpt_core::graph::{rope_frequencies, rope_seq_len, Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
@@ -1005,61 +1005,38 @@ impl Backend for CudaBackend {
         )?)
     }
 
-    fn split_rotary_into_caches(
-        &self,
-        kernel: &str,
-        op: &Op,
-        [qkv, positions, slots]: [BufferRef<'_>; 3],
-        q: BufferMut<'_>,
-        k_cache: BufferMut<'_>,
-        v_cache: BufferMut<'_>,
-    ) -> Result<()> {
+    fn split_rotary_into_caches(&self, kernel: &str, op: &Op, io: RotaryCaches<'_>) -> Result<()> {
         if !kernel.starts_with("cuda.") {
-            return split_rotary_via_temporaries(
-                self,
-                kernel,
-                op,
-                [qkv, positions, slots],
-                q,
-                k_cache,
-                v_cache,
-            );
+            return split_rotary_via_temporaries(self, kernel, op, io);
         }
-        let ins = [
-            qkv.spec,
-            positions.spec,
-            k_cache.spec,
-            v_cache.spec,
-            slots.spec,
-        ];
-        let want = op.infer(&ins.map(TensorSpec::clone))?;
-        if want[..] != [q.spec.clone(), k_cache.spec.clone(), v_cache.spec.clone()] {
+        let ins = io.input_specs();
+        let want = op.infer(&ins)?;
+        if want != io.output_specs() {
             return Err(err(format!(
-                "{op}: outputs {}, {}, {} do not match the inferred {want:?}",
-                q.spec, k_cache.spec, v_cache.spec
+                "{op}: outputs {:?} do not match the inferred {want:?}",
+                io.output_specs()
             )));
         }
         let rows = |m: &BufferMut<'_>| {
             let width = m.spec.shape.last().copied().unwrap_or(1).max(1);
             m.spec.numel() / width
         };
-        let cache_rows = rows(&k_cache).min(rows(&v_cache));
+        let cache_rows = rows(&io.k_cache).min(rows(&io.v_cache));
         let start = match self.profiler.is_on() {
             true => Some(self.gpu.record_event()?),
             false => None,
         };
-        let outs = [out_ptr(&q)?, out_ptr(&k_cache)?, out_ptr(&v_cache)?];
-        self.split_rotary(op, [&qkv, &positions], outs, Some((&slots, cache_rows)))?;
+        let outs = [
+            out_ptr(&io.q)?,
+            out_ptr(&io.k_cache)?,
+            out_ptr(&io.v_cache)?,
+        ];
+        let slots = Some((&io.slots, cache_rows));
+        self.split_rotary(op, [&io.qkv, &io.positions], outs, slots)?;
         if let Some(start) = start {
             let end = self.gpu.record_event()?;
-            let outs = vec![q.spec.clone(), k_cache.spec.clone(), v_cache.spec.clone()];
-            self.profiler.record(
-                kernel,
-                op,
-                ins.map(TensorSpec::clone).to_vec(),
-                outs,
-                (start, end),
-            )?;
+            self.profiler
+                .record(kernel, op, ins, io.output_specs(), (start, end))?;
         }
         Ok(())
     }

@@ -82,31 +82,7 @@ fn run_kernel(
     op: &Op,
     inputs: &[Tensor],
 ) -> kpt_core::Result<Vec<Tensor>> {
-    let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
-    let out_specs = op.infer(&specs)?;
-    let bufs = inputs
-        .iter()
-        .map(|t| b.upload(t))
-        .collect::<kpt_core::Result<Vec<_>>>()?;
-    let mut outs = out_specs
-        .iter()
-        .map(|s| b.allocate(s.dtype, s.numel()))
-        .collect::<kpt_core::Result<Vec<DeviceBuffer>>>()?;
-    let refs: Vec<_> = bufs
-        .iter()
-        .zip(&specs)
-        .map(|(buffer, spec)| BufferRef { buffer, spec })
-        .collect();
-    let mut muts: Vec<_> = outs
-        .iter_mut()
-        .zip(&out_specs)
-        .map(|(buffer, spec)| BufferMut { buffer, spec })
-        .collect();
-    b.execute(kernel, op, &refs, &mut muts)?;
-    outs.iter()
-        .zip(&out_specs)
-        .map(|(o, s)| b.download(o, s))
-        .collect()
+    kpt_core::backend::run_op(b, kernel, op, inputs)
 }
 
 /// Runs `op` with every device kernel (`cuda.*`, `triton.*`) the registry accepts for

@@ -8,10 +8,27 @@
 use std::collections::HashMap;
 
 use crate::error::Result;
-use crate::graph::{Graph, Node, Op, ValueId, ValueSource};
+use crate::graph::{Graph, Node, NodeId, Op, ValueId, ValueSource};
 
 use super::rewrite::Rewriter;
 use super::PassReport;
+
+/// The only node reading `v`, when it is not a graph output.
+fn only_reader(graph: &Graph, consumers: &[Vec<NodeId>], v: ValueId) -> Option<usize> {
+    match consumers[v.0].as_slice() {
+        [n] if !graph.outputs().contains(&v) => Some(n.0),
+        _ => None,
+    }
+}
+
+/// Whether `v` exists before node `at` runs (an input, a parameter or an earlier node's
+/// output): a fused node is emitted where the first node it replaces was.
+fn defined_before(graph: &Graph, v: ValueId, at: usize) -> bool {
+    match graph.value(v).source {
+        ValueSource::Node { node, .. } => node.0 < at,
+        _ => true,
+    }
+}
 
 /// A match: the split's node and the rotary nodes on its outputs 0 and 1.
 struct Found {
@@ -29,17 +46,8 @@ struct Found {
 pub fn fuse_split_rotary(graph: &Graph) -> Result<(Graph, PassReport)> {
     let nodes = graph.nodes();
     let consumers = graph.consumers();
-    // The only node reading `v`, when it is not a graph output.
-    let only_reader = |v: ValueId| match consumers[v.0].as_slice() {
-        [n] if !graph.outputs().contains(&v) => Some(n.0),
-        _ => None,
-    };
-    // Whether `v` exists before node `at` runs (an input, a parameter or an earlier
-    // node's output): the fused node is emitted where the split was.
-    let defined_before = |v: ValueId, at: usize| match graph.value(v).source {
-        ValueSource::Node { node, .. } => node.0 < at,
-        _ => true,
-    };
+    let only_reader = |v: ValueId| only_reader(graph, &consumers, v);
+    let defined_before = |v: ValueId, at: usize| defined_before(graph, v, at);
     let matched = |i: usize, node: &Node| -> Result<Option<Found>> {
         let Op::Split { axis, sizes } = &node.op else {
             return Ok(None);
@@ -130,14 +138,8 @@ pub fn fuse_split_rotary(graph: &Graph) -> Result<(Graph, PassReport)> {
 pub fn fuse_rotary_cache_writes(graph: &Graph) -> Result<(Graph, PassReport)> {
     let nodes = graph.nodes();
     let consumers = graph.consumers();
-    let only_reader = |v: ValueId| match consumers[v.0].as_slice() {
-        [n] if !graph.outputs().contains(&v) => Some(n.0),
-        _ => None,
-    };
-    let defined_before = |v: ValueId, at: usize| match graph.value(v).source {
-        ValueSource::Node { node, .. } => node.0 < at,
-        _ => true,
-    };
+    let only_reader = |v: ValueId| only_reader(graph, &consumers, v);
+    let defined_before = |v: ValueId, at: usize| defined_before(graph, v, at);
     // (k's cache write, v's cache write, the fused op) of node `i`.
     let matched = |i: usize, node: &Node| -> Result<Option<(usize, usize, Op)>> {
         let op @ Op::SplitRotary { cache: false, .. } = &node.op else {
