@@ -682,7 +682,9 @@ impl RocmBackend {
                 }
             }
             Op::SplitRotary { cache: true, .. } => {
-                return split_rotary_cache_into(self, kernel, op, inputs, outputs);
+                return split_rotary_cache_into(self, op, inputs, outputs, |io| {
+                    self.split_rotary_into_caches(kernel, op, io)
+                });
             }
             Op::SplitRotary {
                 head_dim,

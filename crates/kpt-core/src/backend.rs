@@ -373,15 +373,15 @@ pub fn split_rotary_via_temporaries(
 }
 
 /// [`Op::SplitRotary`] with `cache` into new outputs: copies the caches (`inputs[2]`,
-/// `inputs[3]`) into `outputs[1]` and `outputs[2]`, then runs
-/// [`Backend::split_rotary_into_caches`] there. What a backend's `execute` of the op
-/// runs.
+/// `inputs[3]`) into `outputs[1]` and `outputs[2]`, then writes there with `write`
+/// (a backend's [`Backend::split_rotary_into_caches`], or the launch behind it). What a
+/// backend's `execute` of the op runs.
 pub fn split_rotary_cache_into(
     backend: &(impl Backend + ?Sized),
-    kernel: &str,
     op: &Op,
     inputs: &[BufferRef<'_>],
     outputs: &mut [BufferMut<'_>],
+    write: impl FnOnce(RotaryCaches<'_>) -> Result<()>,
 ) -> Result<()> {
     let counts = (inputs.len(), outputs.len());
     let ([qkv, positions, k_cache, v_cache, slots], [q, k_out, v_out]) = (inputs, outputs) else {
@@ -392,18 +392,14 @@ pub fn split_rotary_cache_into(
     };
     backend.copy_into(*k_cache, k_out.buffer, 0)?;
     backend.copy_into(*v_cache, v_out.buffer, 0)?;
-    backend.split_rotary_into_caches(
-        kernel,
-        op,
-        RotaryCaches {
-            qkv: *qkv,
-            positions: *positions,
-            slots: *slots,
-            q: q.reborrow(),
-            k_cache: k_out.reborrow(),
-            v_cache: v_out.reborrow(),
-        },
-    )
+    write(RotaryCaches {
+        qkv: *qkv,
+        positions: *positions,
+        slots: *slots,
+        q: q.reborrow(),
+        k_cache: k_out.reborrow(),
+        v_cache: v_out.reborrow(),
+    })
 }
 
 /// Memory use of a backend.

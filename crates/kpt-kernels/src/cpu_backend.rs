@@ -844,7 +844,9 @@ impl Backend for CpuBackend {
         }
         if let Op::SplitRotary { cache: true, .. } = op {
             // The split + rotary into temporaries, then the cache writes.
-            return split_rotary_cache_into(self, kernel, op, inputs, outputs);
+            return split_rotary_cache_into(self, op, inputs, outputs, |io| {
+                self.split_rotary_into_caches(kernel, op, io)
+            });
         }
         let start = Instant::now();
         if kernel == crate::catalog::CPU_REFERENCE {

@@ -395,6 +395,30 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// [`Op::SplitRotary`] with `cache` in place on `kpt_split_rotary_*`, after checking
+    /// the buffers' specs against the op's inference.
+    fn rotary_caches(&self, op: &Op, io: RotaryCaches<'_>) -> Result<()> {
+        let want = op.infer(&io.input_specs())?;
+        if want != io.output_specs() {
+            return Err(err(format!(
+                "{op}: outputs {:?} do not match the inferred {want:?}",
+                io.output_specs()
+            )));
+        }
+        let rows = |m: &BufferMut<'_>| {
+            let width = m.spec.shape.last().copied().unwrap_or(1).max(1);
+            m.spec.numel() / width
+        };
+        let cache_rows = rows(&io.k_cache).min(rows(&io.v_cache));
+        let outs = [
+            out_ptr(&io.q)?,
+            out_ptr(&io.k_cache)?,
+            out_ptr(&io.v_cache)?,
+        ];
+        let slots = Some((&io.slots, cache_rows));
+        self.split_rotary(op, [&io.qkv, &io.positions], outs, slots)
+    }
+
     /// An index tensor (i32/i64 offsets, block ids, lengths) read back to the host.
     fn host_ids(&self, r: &BufferRef<'_>) -> Result<Vec<i64>> {
         let t = self.download(r.buffer, r.spec)?;
@@ -504,7 +528,10 @@ impl CudaBackend {
                 )?;
             }
             Op::SplitRotary { cache: true, .. } => {
-                return split_rotary_cache_into(self, kernel, op, inputs, outputs);
+                // `launch` profiles this call: the launch without a profile of its own.
+                return split_rotary_cache_into(self, op, inputs, outputs, |io| {
+                    self.rotary_caches(op, io)
+                });
             }
             Op::SplitRotary { .. } => {
                 let [q, k, v] = outputs else {
@@ -1009,34 +1036,15 @@ impl Backend for CudaBackend {
         if !kernel.starts_with("cuda.") {
             return split_rotary_via_temporaries(self, kernel, op, io);
         }
-        let ins = io.input_specs();
-        let want = op.infer(&ins)?;
-        if want != io.output_specs() {
-            return Err(err(format!(
-                "{op}: outputs {:?} do not match the inferred {want:?}",
-                io.output_specs()
-            )));
-        }
-        let rows = |m: &BufferMut<'_>| {
-            let width = m.spec.shape.last().copied().unwrap_or(1).max(1);
-            m.spec.numel() / width
-        };
-        let cache_rows = rows(&io.k_cache).min(rows(&io.v_cache));
         let start = match self.profiler.is_on() {
             true => Some(self.gpu.record_event()?),
             false => None,
         };
-        let outs = [
-            out_ptr(&io.q)?,
-            out_ptr(&io.k_cache)?,
-            out_ptr(&io.v_cache)?,
-        ];
-        let slots = Some((&io.slots, cache_rows));
-        self.split_rotary(op, [&io.qkv, &io.positions], outs, slots)?;
+        let (ins, outs) = (io.input_specs(), io.output_specs());
+        self.rotary_caches(op, io)?;
         if let Some(start) = start {
             let end = self.gpu.record_event()?;
-            self.profiler
-                .record(kernel, op, ins, io.output_specs(), (start, end))?;
+            self.profiler.record(kernel, op, ins, outs, (start, end))?;
         }
         Ok(())
     }
