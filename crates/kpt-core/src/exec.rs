@@ -455,16 +455,15 @@ impl Launch<'_> {
             graph,
             plan,
             backend,
-            params,
             updates,
             specs,
+            ..
         } = *self;
         let slot_of = &plan.memory.slot_of;
-        let trace = !traced.is_empty();
         for ((node, choice), update) in graph.nodes().iter().zip(&plan.kernels).zip(updates) {
             let _span = tracing::trace_span!("launch", node = %node.name, kernel = %choice.kernel)
                 .entered();
-            if !update.is_empty()
+            let in_place = !update.is_empty()
                 && self.update_in_place(
                     node,
                     &choice.kernel,
@@ -472,74 +471,86 @@ impl Launch<'_> {
                     slots,
                     device_inputs,
                     displaced,
-                )?
-            {
-                if trace {
-                    for &out in &node.outputs {
-                        let s = slot_of[out.0].ok_or_else(|| no_buffer(graph, out))?;
-                        let cache = slots[s].as_ref().ok_or_else(|| no_buffer(graph, out))?;
-                        traced[out.0] = Some(backend.download(cache, &specs[out.0])?);
-                    }
-                }
-                continue;
+                )?;
+            if !in_place {
+                self.execute(node, &choice.kernel, slots, device_inputs)?;
             }
-            let mut outs = node
-                .outputs
-                .iter()
-                .map(|o| {
-                    slot_of[o.0]
-                        .and_then(|s| slots[s].take())
-                        .ok_or_else(|| no_buffer(graph, *o))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let result = {
-                let in_refs = node
-                    .inputs
-                    .iter()
-                    .map(|&v| {
-                        lookup(graph, device_inputs, params, slots, slot_of, v).map(|buffer| {
-                            BufferRef {
-                                buffer,
-                                spec: &specs[v.0],
-                            }
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>();
-                in_refs.and_then(|in_refs| {
-                    let mut out_refs: Vec<BufferMut<'_>> = outs
-                        .iter_mut()
-                        .zip(&node.outputs)
-                        .map(|(buffer, o)| BufferMut {
-                            buffer,
-                            spec: &specs[o.0],
-                        })
-                        .collect();
-                    // `specs` came from `graph.infer_specs` for this run's inputs, and
-                    // the slots were sized for them.
-                    backend.execute_inferred(&choice.kernel, &node.op, &in_refs, &mut out_refs)
-                })
-            };
-            for (o, buf) in node.outputs.iter().zip(outs) {
-                if let Some(s) = slot_of[o.0] {
-                    slots[s] = Some(buf);
-                }
-            }
-            result.map_err(|e| match e {
-                KptError::Backend { backend, message } => KptError::Backend {
-                    backend,
-                    message: format!("node `{}` ({}): {message}", node.name, choice.kernel),
-                },
-                other => other,
-            })?;
-            if trace {
-                for o in &node.outputs {
-                    let s = slot_of[o.0].ok_or_else(|| no_buffer(graph, *o))?;
-                    let buf = slots[s].as_ref().ok_or_else(|| no_buffer(graph, *o))?;
+            if !traced.is_empty() {
+                for &o in &node.outputs {
+                    let s = slot_of[o.0].ok_or_else(|| no_buffer(graph, o))?;
+                    let buf = slots[s].as_ref().ok_or_else(|| no_buffer(graph, o))?;
                     traced[o.0] = Some(backend.download(buf, &specs[o.0])?);
                 }
             }
         }
         Ok(())
+    }
+
+    /// Runs `node` on `kernel` into its outputs' slots.
+    fn execute(
+        &self,
+        node: &Node,
+        kernel: &str,
+        slots: &mut [Option<DeviceBuffer>],
+        device_inputs: &[Option<DeviceBuffer>],
+    ) -> Result<()> {
+        let Self {
+            graph,
+            plan,
+            backend,
+            params,
+            specs,
+            ..
+        } = *self;
+        let slot_of = &plan.memory.slot_of;
+        let mut outs = node
+            .outputs
+            .iter()
+            .map(|o| {
+                slot_of[o.0]
+                    .and_then(|s| slots[s].take())
+                    .ok_or_else(|| no_buffer(graph, *o))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let result = {
+            let in_refs = node
+                .inputs
+                .iter()
+                .map(|&v| {
+                    lookup(graph, device_inputs, params, slots, slot_of, v).map(|buffer| {
+                        BufferRef {
+                            buffer,
+                            spec: &specs[v.0],
+                        }
+                    })
+                })
+                .collect::<Result<Vec<_>>>();
+            in_refs.and_then(|in_refs| {
+                let mut out_refs: Vec<BufferMut<'_>> = outs
+                    .iter_mut()
+                    .zip(&node.outputs)
+                    .map(|(buffer, o)| BufferMut {
+                        buffer,
+                        spec: &specs[o.0],
+                    })
+                    .collect();
+                // `specs` came from `graph.infer_specs` for this run's inputs, and
+                // the slots were sized for them.
+                backend.execute_inferred(kernel, &node.op, &in_refs, &mut out_refs)
+            })
+        };
+        for (o, buf) in node.outputs.iter().zip(outs) {
+            if let Some(s) = slot_of[o.0] {
+                slots[s] = Some(buf);
+            }
+        }
+        result.map_err(|e| match e {
+            KptError::Backend { backend, message } => KptError::Backend {
+                backend,
+                message: format!("node `{}` ({kernel}): {message}", node.name),
+            },
+            other => other,
+        })
     }
 }
 

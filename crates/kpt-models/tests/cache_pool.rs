@@ -1,23 +1,14 @@
 //! `CachePool`: released cache sets taken over by later sequences (same buffers, the
-//! new prefix copied in), host caches written into released sets, the bound on kept
-//! sets, and generation that reuses a longer sequence's caches giving the tokens a
-//! fresh runner gives.
-
-mod common;
+//! new prefix copied in), host caches written into released sets, and the bound on kept
+//! sets. Generation on reused caches is in `generate.rs`.
 
 use std::sync::Arc;
 
-use common::executor;
 use kpt_core::backend::Backend;
 use kpt_core::exec::DeviceTensor;
-use kpt_core::{DType, OptLevel, Tensor};
+use kpt_core::Tensor;
 use kpt_kernels::CpuBackend;
-use kpt_models::generate::{
-    cache_capacity, CachePool, Generator, PlanRunner, SamplingParams, StopCondition,
-};
-use kpt_models::synthetic::{write_checkpoint, write_tokenizer, WriteOptions};
-use kpt_models::{Checkpoint, Phase};
-use serde_json::json;
+use kpt_models::generate::{cache_capacity, CachePool};
 
 fn backend() -> Arc<dyn Backend> {
     Arc::new(CpuBackend::new().unwrap())
@@ -96,49 +87,4 @@ fn host_caches_are_written_into_a_released_set_and_the_pool_is_bounded() {
     assert_eq!(pool.len(), 4);
     pool.release(Vec::new());
     assert_eq!(pool.len(), 4, "an empty set is not kept");
-}
-
-#[test]
-fn generation_on_reused_caches_equals_a_fresh_runner() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = json!({
-        "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
-        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": false, "bos_token_id": 0, "eos_token_id": 1
-    });
-    write_checkpoint(dir.path(), &cfg, WriteOptions::seeded(9)).unwrap();
-    write_tokenizer(dir.path(), 300).unwrap();
-    let model = Checkpoint::open(dir.path())
-        .unwrap()
-        .load_model(DType::F32)
-        .unwrap();
-    let runner = || {
-        let level = OptLevel::Balanced;
-        PlanRunner::new(
-            executor(&model.graph(Phase::Prefill, 4).unwrap(), level),
-            executor(&model.graph(Phase::DecodeGreedy, 4).unwrap(), level),
-        )
-    };
-    let run = |g: &mut Generator<PlanRunner>, prompt: &[u32], n: usize| {
-        g.generate(
-            &[prompt],
-            &SamplingParams::greedy(),
-            &StopCondition::new(n),
-            None,
-            |_| Ok(()),
-        )
-        .unwrap()
-        .outputs
-        .remove(0)
-        .tokens
-    };
-    let (long, short): (&[u32], &[u32]) = (&[5, 9, 2, 7, 11, 3, 8, 4, 6, 10], &[12, 7, 3, 9, 5]);
-    // The long sequence leaves its caches (with rows past the short one's length) to the
-    // short one, whose first step needs the same capacity.
-    let mut reused = Generator::for_model(runner(), &model).unwrap();
-    run(&mut reused, long, 4);
-    let got = run(&mut reused, short, 9);
-    let mut fresh = Generator::for_model(runner(), &model).unwrap();
-    assert_eq!(got, run(&mut fresh, short, 9));
 }

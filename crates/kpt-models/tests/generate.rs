@@ -301,3 +301,24 @@ fn eos_tokens_and_stop_strings_stop() {
     let e = ReferenceRunner::new(&bert, &CpuReference).unwrap_err();
     assert!(e.to_string().contains("encoder"), "{e}");
 }
+
+/// A runner keeps a finished sequence's caches for the next one: a long sequence leaves
+/// its caches (with rows past the short one's length) to a short one whose first step
+/// needs the same capacity, and the short one's tokens are a fresh runner's.
+#[test]
+fn generation_on_reused_caches_equals_a_fresh_runner() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_dir(dir.path(), 9);
+    let model = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_model(DType::F32)
+        .unwrap();
+    let (long, short): (&[u32], &[u32]) = (&[5, 9, 2, 7, 11, 3, 8, 4, 6, 10], &[12, 7, 3, 9, 5]);
+    let mut reused = Generator::for_model(plan_runner(&model, OptLevel::Balanced), &model).unwrap();
+    greedy(&mut reused, &[long], 4);
+    let mut fresh = Generator::for_model(plan_runner(&model, OptLevel::Balanced), &model).unwrap();
+    assert_eq!(
+        greedy(&mut reused, &[short], 9),
+        greedy(&mut fresh, &[short], 9)
+    );
+}

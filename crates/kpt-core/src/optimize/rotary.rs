@@ -30,12 +30,37 @@ fn defined_before(graph: &Graph, v: ValueId, at: usize) -> bool {
     }
 }
 
-/// A match: the split's node and the rotary nodes on its outputs 0 and 1.
+/// A match at node `i`: the fused op that takes node `i`'s place, with its inputs and
+/// the source values its outputs stand for, and the two later nodes it absorbs.
 struct Found {
-    q_rope: usize,
-    k_rope: usize,
+    absorbed: [usize; 2],
     op: Op,
-    positions: ValueId,
+    inputs: Vec<ValueId>,
+    outputs: Vec<ValueId>,
+}
+
+/// `graph` with each match's fused node where the first node it replaces was and the
+/// nodes it absorbs left out; one change line per match, `first + a + b -> op`.
+fn rebuild(graph: &Graph, pass: &str, fused: HashMap<usize, Found>) -> Result<(Graph, PassReport)> {
+    let nodes = graph.nodes();
+    let mut dropped = vec![false; nodes.len()];
+    for f in fused.values() {
+        for &a in &f.absorbed {
+            dropped[a] = true;
+        }
+    }
+    let mut report = PassReport::new(pass);
+    let mut rw = Rewriter::new(graph);
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some(f) = fused.get(&i) {
+            let [a, b] = f.absorbed.map(|a| &nodes[a].name);
+            report.change(format!("{} + {a} + {b} -> {}", node.name, f.op));
+            rw.emit(&node.name, f.op.clone(), &f.inputs, &f.outputs)?;
+        } else if !dropped[i] {
+            rw.copy_node(i)?;
+        }
+    }
+    Ok((rw.finish()?, report))
 }
 
 /// Fuses a three-way last-axis `Split` whose outputs 0 (q) and 1 (k) are each read only
@@ -47,7 +72,6 @@ pub fn fuse_split_rotary(graph: &Graph) -> Result<(Graph, PassReport)> {
     let nodes = graph.nodes();
     let consumers = graph.consumers();
     let only_reader = |v: ValueId| only_reader(graph, &consumers, v);
-    let defined_before = |v: ValueId, at: usize| defined_before(graph, v, at);
     let matched = |i: usize, node: &Node| -> Result<Option<Found>> {
         let Op::Split { axis, sizes } = &node.op else {
             return Ok(None);
@@ -74,7 +98,7 @@ pub fn fuse_split_rotary(graph: &Graph) -> Result<(Graph, PassReport)> {
             && qn.op == kn.op
             && qn.inputs[0] == node.outputs[0]
             && kn.inputs == [node.outputs[1], positions]
-            && defined_before(positions, i);
+            && defined_before(graph, positions, i);
         if !fits {
             return Ok(None);
         }
@@ -90,42 +114,20 @@ pub fn fuse_split_rotary(graph: &Graph) -> Result<(Graph, PassReport)> {
             graph.spec(node.inputs[0])?.clone(),
             graph.spec(positions)?.clone(),
         ];
-        Ok(op.infer(&specs).is_ok().then_some(Found {
-            q_rope: q,
-            k_rope: k,
+        Ok(op.infer(&specs).is_ok().then(|| Found {
+            absorbed: [q, k],
             op,
-            positions,
+            inputs: vec![node.inputs[0], positions],
+            outputs: vec![qn.outputs[0], kn.outputs[0], node.outputs[2]],
         }))
     };
-    let mut fused: HashMap<usize, Found> = HashMap::new();
-    let mut dropped = vec![false; nodes.len()];
+    let mut fused = HashMap::new();
     for (i, node) in nodes.iter().enumerate() {
         if let Some(found) = matched(i, node)? {
-            dropped[found.q_rope] = true;
-            dropped[found.k_rope] = true;
             fused.insert(i, found);
         }
     }
-    let mut report = PassReport::new("fuse_split_rotary");
-    let mut rw = Rewriter::new(graph);
-    for (i, node) in nodes.iter().enumerate() {
-        if let Some(f) = fused.get(&i) {
-            let (q, k) = (&nodes[f.q_rope], &nodes[f.k_rope]);
-            report.change(format!(
-                "{} + {} + {} -> split_rotary",
-                node.name, q.name, k.name
-            ));
-            rw.emit(
-                &node.name,
-                f.op.clone(),
-                &[node.inputs[0], f.positions],
-                &[q.outputs[0], k.outputs[0], node.outputs[2]],
-            )?;
-        } else if !dropped[i] {
-            rw.copy_node(i)?;
-        }
-    }
-    Ok((rw.finish()?, report))
+    rebuild(graph, "fuse_split_rotary", fused)
 }
 
 /// Fuses a plain `SplitRotary` whose k and v outputs are each read only by one
@@ -139,9 +141,7 @@ pub fn fuse_rotary_cache_writes(graph: &Graph) -> Result<(Graph, PassReport)> {
     let nodes = graph.nodes();
     let consumers = graph.consumers();
     let only_reader = |v: ValueId| only_reader(graph, &consumers, v);
-    let defined_before = |v: ValueId, at: usize| defined_before(graph, v, at);
-    // (k's cache write, v's cache write, the fused op) of node `i`.
-    let matched = |i: usize, node: &Node| -> Result<Option<(usize, usize, Op)>> {
+    let matched = |i: usize, node: &Node| -> Result<Option<Found>> {
         let op @ Op::SplitRotary { cache: false, .. } = &node.op else {
             return Ok(None);
         };
@@ -159,58 +159,36 @@ pub fn fuse_rotary_cache_writes(graph: &Graph) -> Result<(Graph, PassReport)> {
             && kn.inputs[0] != vn.inputs[0]
             && [kn.inputs[0], vn.inputs[0], kn.inputs[2]]
                 .iter()
-                .all(|&v| defined_before(v, i));
+                .all(|&v| defined_before(graph, v, i));
         if !fits {
             return Ok(None);
         }
         let fused = op.split_rotary_with_cache(true)?;
-        let specs = [
+        let inputs = vec![
             node.inputs[0],
             node.inputs[1],
             kn.inputs[0],
             vn.inputs[0],
             kn.inputs[2],
-        ]
-        .iter()
-        .map(|&v| graph.spec(v).cloned())
-        .collect::<Result<Vec<_>>>()?;
-        Ok(fused.infer(&specs).is_ok().then_some((kw, vw, fused)))
+        ];
+        let specs = inputs
+            .iter()
+            .map(|&v| graph.spec(v).cloned())
+            .collect::<Result<Vec<_>>>()?;
+        Ok(fused.infer(&specs).is_ok().then(|| Found {
+            absorbed: [kw, vw],
+            op: fused,
+            inputs,
+            outputs: vec![node.outputs[0], kn.outputs[0], vn.outputs[0]],
+        }))
     };
-    let mut fused: HashMap<usize, (usize, usize, Op)> = HashMap::new();
-    let mut dropped = vec![false; nodes.len()];
+    let mut fused = HashMap::new();
     for (i, node) in nodes.iter().enumerate() {
         if let Some(found) = matched(i, node)? {
-            dropped[found.0] = true;
-            dropped[found.1] = true;
             fused.insert(i, found);
         }
     }
-    let mut report = PassReport::new("fuse_rotary_cache_writes");
-    let mut rw = Rewriter::new(graph);
-    for (i, node) in nodes.iter().enumerate() {
-        if let Some((kw, vw, op)) = fused.get(&i) {
-            let (kn, vn) = (&nodes[*kw], &nodes[*vw]);
-            report.change(format!(
-                "{} + {} + {} -> split_rotary(cache)",
-                node.name, kn.name, vn.name
-            ));
-            rw.emit(
-                &node.name,
-                op.clone(),
-                &[
-                    node.inputs[0],
-                    node.inputs[1],
-                    kn.inputs[0],
-                    vn.inputs[0],
-                    kn.inputs[2],
-                ],
-                &[node.outputs[0], kn.outputs[0], vn.outputs[0]],
-            )?;
-        } else if !dropped[i] {
-            rw.copy_node(i)?;
-        }
-    }
-    Ok((rw.finish()?, report))
+    rebuild(graph, "fuse_rotary_cache_writes", fused)
 }
 
 #[cfg(test)]
