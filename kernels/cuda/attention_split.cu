@@ -30,6 +30,12 @@
 // loads) and every warp keeps an online softmax for its rows (kept scaled in shared
 // memory) across the run.
 //
+// kpt_attention_split_cluster_* and kpt_attention_split_paged_cluster_* (bf16 / f16,
+// sm_90): the same blocks launched as thread-block clusters of one kv group's runs (at
+// most 8), which merge their runs through distributed shared memory and write the output
+// themselves (see merge_in_cluster): no workspace and no combine launch. The host takes
+// them where a group's tiles fit 8 runs of at most two tiles (short caches: decode).
+//
 // The host takes the split path when the group's rows fit (<= 32; f32: and kQFloats) and
 // the cache spans at least two tiles; bf16 / f16 need d % 16 == 0, f32 rows of whole
 // 16-byte vectors. See kpt-nvidia's `AttentionDims::split`.
@@ -56,10 +62,15 @@
 // kpt:launch kpt_attention_split_paged_f32 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_split_paged_bf16 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_split_paged_f16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_cluster_bf16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_cluster_f16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_paged_cluster_bf16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_paged_cluster_f16 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_combine_f32 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_combine_bf16 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_combine_f16 block=128 shared=0 grid=rows
 
+#include <cooperative_groups.h>
 #include <type_traits>
 
 #include "attention_dims.cuh"
@@ -325,14 +336,109 @@ using kpt::mma;
 using kpt::pack2;
 using kpt::transpose8;
 
+// Where a block's warp sits in the split kernel: its batch and kv head, and the n-tile and
+// dim tiles (dp, dp + nw, ...) whose sums it holds (none when not active).
+struct WarpPlace {
+    long b;
+    int g;
+    bool active;
+    int nt, dp, nw;
+};
+
+// The end of a cluster launch (kpt_attention_split_cluster_*): the sd.splits blocks of a
+// kv group form one thread-block cluster, so the runs are merged through distributed
+// shared memory instead of a combine launch. Each block leaves its rows' max, sum and
+// P.V (d + 2 floats a row) in its own shared memory; after a cluster barrier, block
+// `split` merges rows split, split + splits, ... (a warp a row) from every block's copy
+// with the combine kernel's arithmetic, and writes them; a second barrier keeps every
+// block's shared memory alive until the others have read it.
+template <typename T, int D>
+__device__ __forceinline__ void merge_in_cluster(const float (&o)[D / 16][4], const float (&m)[2],
+                                                 float (&l)[2], T* __restrict__ out,
+                                                 const SplitDims& sd, const unsigned smem,
+                                                 const WarpPlace w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    // Blocks of a kv group in a cluster launch: the portable cluster size (kpt-nvidia's
+    // SPLIT_CLUSTER_MAX).
+    constexpr int kMaxClusterSplits = 8;
+    const cg::cluster_group cluster = cg::this_cluster();
+    const Dims& p = sd.p;
+    const int d = p.head_dim, steps = d / 16, group = p.heads / p.kv_heads;
+    const int rows = p.seq_q * group, stride = d + 2;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
+    float* red = static_cast<float*>(__cvta_shared_to_generic(smem));
+    __syncthreads();  // every warp is done with the stages and the query rows
+    if (w.active) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+#pragma unroll
+            for (int off = 4; off < 32; off *= 2) l[c] += __shfl_xor_sync(0xffffffffu, l[c], off);
+            const int r = w.nt * 8 + 2 * tig + c;
+            if (r >= rows) continue;
+            float* dst = red + r * stride;
+            if (w.dp == 0 && gid == 0) {
+                dst[0] = m[c];
+                dst[1] = l[c];
+            }
+#pragma unroll
+            for (int i = 0; i < D / 16; ++i) {
+                const int dt = w.dp + w.nw * i;
+                if (dt >= steps) break;
+                dst[2 + 16 * dt + gid] = o[i][c];
+                dst[2 + 16 * dt + 8 + gid] = o[i][2 + c];
+            }
+        }
+    }
+    cluster.sync();
+    const int splits = sd.splits, split = static_cast<int>(cluster.block_rank());
+    for (int r = split + splits * warp; r < rows; r += splits * kWarps) {
+        const float mt = lane < splits ? cluster.map_shared_rank(red, lane)[r * stride] : -INFINITY;
+        const float lt = lane < splits ? cluster.map_shared_rank(red, lane)[r * stride + 1] : 0.0f;
+        const float mx = kpt::warp_max(mt);
+        const float wt = mt == -INFINITY ? 0.0f : __expf(mt - mx);
+        const float sum = kpt::warp_sum(wt * lt);
+        float x[kMaxClusterSplits][D / 32];
+#pragma unroll
+        for (int j = 0; j < kMaxClusterSplits; ++j) {
+            const float* src = cluster.map_shared_rank(red, j < splits ? j : 0) + r * stride + 2;
+#pragma unroll
+            for (int c = 0; c < D / 32; ++c) {
+                const int dim = lane + 32 * c;
+                x[j][c] = j < splits && dim < d ? src[dim] : 0.0f;
+            }
+        }
+        float acc[D / 32];
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c) acc[c] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kMaxClusterSplits; ++j) {
+            const float wj = __shfl_sync(0xffffffffu, wt, j);
+#pragma unroll
+            for (int c = 0; c < D / 32; ++c) acc[c] = fmaf(wj, x[j][c], acc[c]);
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const long row = (w.b * p.seq_q + r / group) * p.heads + w.g * group + r % group;
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c) {
+            const int dim = lane + 32 * c;
+            if (dim < d) out[row * d + dim] = from_float<T>(acc[c] * inv);
+        }
+    }
+    cluster.sync();
+#else  // clusters need sm_90; the host launches these entries only there
+    __trap();
+#endif
+}
+
 // One block of the split kernel for head dims d <= D (d % 16 == 0); `smem` is the shared
 // address of kSmemBytes: stage s's K at s * kStageBytes, its V kStageElems * 2 further,
 // the query rows after the stages. Every tile row and query row has D / 8 chunks.
-template <typename T, int D, bool kPaged>
+template <typename T, int D, bool kPaged, bool kCluster>
 __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict__ k,
                                     const T* __restrict__ v, const float* __restrict__ mask,
-                                    float* __restrict__ part, const SplitDims& sd,
-                                    const Paged& pg, const unsigned smem) {
+                                    float* __restrict__ part, T* __restrict__ out,
+                                    const SplitDims& sd, const Paged& pg, const unsigned smem) {
     constexpr int kTile = kStageElems / D;  // keys a stage holds: 64, 32, 16
     constexpr int kKeyTiles = kTile / 16;   // m-tiles of keys of S^T
     constexpr int kSteps = D / 16;          // k-steps of S^T, m-tiles of dims of O^T
@@ -547,7 +653,11 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
             }
         }
     }
-    if constexpr (kPaged) kpt::cp_async_wait<0>();  // an empty run's query rows
+    if constexpr (kPaged || kCluster) kpt::cp_async_wait<0>();  // an empty run's query rows
+    if constexpr (kCluster) {
+        merge_in_cluster<T, D>(o, m, l, out, sd, smem, {b, g, active, nt, dp, nw});
+        return;
+    }
     if (!active) return;
     const int stride = d + 2;
 #pragma unroll
@@ -572,19 +682,21 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
     }
 }
 
-template <typename T, bool kPaged>
+// `part` gets the runs' partials, or (kCluster) the merged rows go straight to `out`.
+template <typename T, bool kPaged, bool kCluster = false>
 __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
                       const T* __restrict__ v, const float* __restrict__ mask,
-                      float* __restrict__ part, const SplitDims sd, const Paged& pg) {
+                      float* __restrict__ part, T* __restrict__ out, const SplitDims sd,
+                      const Paged& pg) {
     __shared__ __align__(128) unsigned char smem[kSmemBytes];
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     const int d = sd.p.head_dim;
     if (d <= 64) {
-        run<T, 64, kPaged>(q, k, v, mask, part, sd, pg, s);
+        run<T, 64, kPaged, kCluster>(q, k, v, mask, part, out, sd, pg, s);
     } else if (d <= 128) {
-        run<T, 128, kPaged>(q, k, v, mask, part, sd, pg, s);
+        run<T, 128, kPaged, kCluster>(q, k, v, mask, part, out, sd, pg, s);
     } else {
-        run<T, 256, kPaged>(q, k, v, mask, part, sd, pg, s);
+        run<T, 256, kPaged, kCluster>(q, k, v, mask, part, out, sd, pg, s);
     }
 }
 
@@ -664,13 +776,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_atten
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* mask,
     float* part, const SplitDims sd) {
     kpt::dependent_launch_prologue();
-    tc::split<__nv_bfloat16, false>(q, k, v, mask, part, sd, Paged{});
+    tc::split<__nv_bfloat16, false>(q, k, v, mask, part, nullptr, sd, Paged{});
 }
 extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_attention_split_f16(
     const __half* q, const __half* k, const __half* v, const float* mask, float* part,
     const SplitDims sd) {
     kpt::dependent_launch_prologue();
-    tc::split<__half, false>(q, k, v, mask, part, sd, Paged{});
+    tc::split<__half, false>(q, k, v, mask, part, nullptr, sd, Paged{});
 }
 
 // Paged KV cache: no mask (the op excludes one).
@@ -685,14 +797,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks)
                                    const __nv_bfloat16* v, float* part, const SplitDims sd,
                                    const Paged pg) {
     kpt::dependent_launch_prologue();
-    tc::split<__nv_bfloat16, true>(q, k, v, nullptr, part, sd, pg);
+    tc::split<__nv_bfloat16, true>(q, k, v, nullptr, part, nullptr, sd, pg);
 }
 extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks)
     kpt_attention_split_paged_f16(const __half* q, const __half* k, const __half* v,
                                   float* part, const SplitDims sd, const Paged pg) {
     kpt::dependent_launch_prologue();
-    tc::split<__half, true>(q, k, v, nullptr, part, sd, pg);
+    tc::split<__half, true>(q, k, v, nullptr, part, nullptr, sd, pg);
 }
+
+// Cluster launches (cluster dims sd.splits, at most kMaxClusterSplits): no workspace, no
+// combine launch.
+#define KPT_ATTENTION_SPLIT_CLUSTER(NAME, T)                                                 \
+    extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks)                   \
+        kpt_attention_split_cluster_##NAME(const T* q, const T* k, const T* v,               \
+                                           const float* mask, T* out, const SplitDims sd) {  \
+        kpt::dependent_launch_prologue();                                                    \
+        tc::split<T, false, true>(q, k, v, mask, nullptr, out, sd, Paged{});                 \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks)                   \
+        kpt_attention_split_paged_cluster_##NAME(const T* q, const T* k, const T* v, T* out, \
+                                                 const SplitDims sd, const Paged pg) {       \
+        kpt::dependent_launch_prologue();                                                    \
+        tc::split<T, true, true>(q, k, v, nullptr, nullptr, out, sd, pg);                    \
+    }
+
+KPT_ATTENTION_SPLIT_CLUSTER(bf16, __nv_bfloat16)
+KPT_ATTENTION_SPLIT_CLUSTER(f16, __half)
 
 KPT_ATTENTION_COMBINE(f32, float)
 KPT_ATTENTION_COMBINE(bf16, __nv_bfloat16)

@@ -23,6 +23,11 @@
 // block split K in steps of 256 (8 vectors of each of its two rows in flight per lane,
 // four lanes reading 64 contiguous bytes of a row per vector) and meet in shared memory.
 //
+// Weights that no kernel writes (`preload`: the model's parameters) are read before the
+// kernel waits for its producer: under programmatic dependent launch a block that is
+// resident early issues its first batch of weight loads (the whole row run of a small
+// projection) while the kernel before it still runs, and only the activation reads wait.
+//
 // f32 accumulation, one rounding of the sum plus bias to the output dtype (as cuBLASLt's
 // epilogue). Rows whose bytes are not whole 16-byte vectors, or unaligned buffers
 // (`vec` = 0), take a scalar loop. The launcher picks the smallest class >= M.
@@ -66,6 +71,7 @@ struct GemvDims {
     int n;    // weight rows = output columns
     int k;    // reduction length
     int vec;  // 1: rows are whole 16-byte vectors and every buffer is aligned
+    int preload;  // 1: no kernel writes w, so it may be read before the producer is done
 };
 
 // Streaming 16-byte load: weights are read once per call, so they should not evict
@@ -106,32 +112,58 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
     float acc[kMaxM];
 #pragma unroll
     for (int r = 0; r < kMaxM; ++r) acc[r] = 0.0f;
-    if (active && d.vec) {
-        // At 32 rows the accumulators take the registers that half of the loads in flight
-        // would (f32's 32-row class; the others run on tensor cores).
-        constexpr int kU = kMaxM > 16 ? kUnroll / 2 : kUnroll;
-        constexpr int kV = kpt::Vec<T>::N;
-        const int vecs = d.k / kV;
-        const uint4* wr = reinterpret_cast<const uint4*>(w + row * d.k);
-        const uint4* xr = reinterpret_cast<const uint4*>(x);
-        for (int base = glane; base < vecs; base += kGroup * kU) {
-            uint4 wv[kU];
+    // At 32 rows the accumulators take the registers that half of the loads in flight
+    // would (f32's 32-row class; the others run on tensor cores).
+    constexpr int kU = kMaxM > 16 ? kUnroll / 2 : kUnroll;
+    constexpr int kV = kpt::Vec<T>::N;
+    const int vecs = d.k / kV;
+    const uint4* w_row = reinterpret_cast<const uint4*>(w + row * d.k);
+    const uint4* x_vec = reinterpret_cast<const uint4*>(x);
+    // Batches of kU weight vectors of the row from `base` on, and their sums against the
+    // activations at the same k. f32 forms the pointers inside (hoisted, they cost its
+    // 32-row class 80 registers), bf16 / f16 outside (inside, 6 more at one row).
+    constexpr bool kHoist = sizeof(T) == 2;
+    auto load_batch = [&](uint4(&v)[kU], int base) {
+        const uint4* wr = kHoist ? w_row : reinterpret_cast<const uint4*>(w + row * d.k);
 #pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                const int i = base + u * kGroup;
-                wv[u] = i < vecs ? load_stream(wr + i) : make_uint4(0, 0, 0, 0);
+        for (int u = 0; u < kU; ++u) {
+            const int i = base + u * kGroup;
+            v[u] = i < vecs ? load_stream(wr + i) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    auto consume = [&](const uint4(&v)[kU], int base) {
+        const uint4* xr = kHoist ? x_vec : reinterpret_cast<const uint4*>(x);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int i = base + u * kGroup;
+            if (i < vecs) {
+#pragma unroll
+                for (int r = 0; r < kMaxM; ++r)
+                    if (r < d.m)
+                        acc[r] = dot16<T>(v[u], __ldg(xr + static_cast<long>(r) * vecs + i), acc[r]);
             }
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                const int i = base + u * kGroup;
-                if (i < vecs) {
-#pragma unroll
-                    for (int r = 0; r < kMaxM; ++r)
-                        if (r < d.m)
-                            acc[r] = dot16<T>(wv[u], __ldg(xr + static_cast<long>(r) * vecs + i),
-                                              acc[r]);
-                }
-            }
+        }
+    };
+    // The 16-bit classes peel the first batch so that it can be issued before the wait;
+    // f32 keeps one loop (peeled, its wider classes took more registers).
+    const bool vector = active && d.vec;
+    if constexpr (sizeof(T) == 2) {
+        uint4 first[kU];
+        if (vector && d.preload) load_batch(first, glane);
+        kpt::dependent_launch_prologue();
+        if (vector) {
+            if (!d.preload) load_batch(first, glane);
+            consume(first, glane);
+        }
+    } else {
+        kpt::dependent_launch_prologue();
+    }
+    if (vector) {
+        for (int base = glane + (sizeof(T) == 2 ? kGroup * kU : 0); base < vecs;
+             base += kGroup * kU) {
+            uint4 v[kU];
+            load_batch(v, base);
+            consume(v, base);
         }
     } else if (active) {
         const T* wr = w + row * d.k;
@@ -202,6 +234,7 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
                         const T* __restrict__ bias, T* __restrict__ out, GemvDims d) {
     constexpr int kM = kTiles * 8;
     if (!d.vec) {
+        kpt::dependent_launch_prologue();
         gemv_tile_scalar<T, kM>(x, w, bias, out, d);
         return;
     }
@@ -225,9 +258,10 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
     for (int j = 0; j < kTiles; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) c[j][e] = 0.0f;
-    for (int k0 = warp * kTcStep; k0 < d.k; k0 += kWarps * kTcStep) {
-        uint4 wa[kTcUnroll];
-        uint4 wb[kTcUnroll];
+    // The weight vectors of the k-step from k0 on.
+    uint4 wa[kTcUnroll];
+    uint4 wb[kTcUnroll];
+    auto load_step = [&](int k0) {
 #pragma unroll
         for (int u = 0; u < kTcUnroll; ++u) {
             // d.k is a multiple of 8 here, so a vector is wholly inside or outside.
@@ -236,6 +270,12 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
             wa[u] = in && oka ? load_no_l1(reinterpret_cast<const uint4*>(wa_row + kk)) : zero;
             wb[u] = in && okb ? load_no_l1(reinterpret_cast<const uint4*>(wb_row + kk)) : zero;
         }
+    };
+    if (d.preload) load_step(warp * kTcStep);
+    kpt::dependent_launch_prologue();
+    if (!d.preload) load_step(warp * kTcStep);
+    for (int k0 = warp * kTcStep; k0 < d.k; k0 += kWarps * kTcStep) {
+        if (k0 != warp * kTcStep) load_step(k0);
 #pragma unroll
         for (int u = 0; u < kTcUnroll; ++u) {
             if (k0 + u * 32 >= d.k) break;
@@ -287,7 +327,6 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
 #define KPT_GEMV(NAME, T, M)                                                              \
     extern "C" __global__ void __launch_bounds__(kBlock)                                  \
         kpt_gemv_##NAME##_m##M(const T* x, const T* w, const T* bias, T* out, GemvDims d) { \
-        kpt::dependent_launch_prologue();                                                 \
         gemv<T, M>(x, w, bias, out, d);                                                   \
     }
 
@@ -296,7 +335,6 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
 #define KPT_GEMV_TC(NAME, T, M)                                                           \
     extern "C" __global__ void __launch_bounds__(kBlock, 2)                               \
         kpt_gemv_##NAME##_m##M(const T* x, const T* w, const T* bias, T* out, GemvDims d) { \
-        kpt::dependent_launch_prologue();                                                 \
         gemv_tc<T, M / 8>(x, w, bias, out, d);                                            \
     }
 

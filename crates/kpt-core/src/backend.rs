@@ -23,6 +23,7 @@ pub struct DeviceBuffer {
     len: usize,
     /// Quantization scale of the current contents (1.0 when not quantized).
     pub scale: f32,
+    constant: bool,
     inner: Box<dyn Any + Send + Sync>,
 }
 
@@ -43,8 +44,20 @@ impl DeviceBuffer {
             dtype,
             len,
             scale: 1.0,
+            constant: false,
             inner,
         }
+    }
+
+    /// Marks the contents as never written again (a plan's parameters, uploaded once): a
+    /// backend may then read them before the kernels queued ahead of a reader finish.
+    pub fn mark_constant(&mut self) {
+        self.constant = true;
+    }
+
+    /// Whether [`mark_constant`](Self::mark_constant) was called.
+    pub fn is_constant(&self) -> bool {
+        self.constant
     }
 
     /// Element type.

@@ -572,7 +572,11 @@ impl Executor {
             .values()
             .iter()
             .map(|v| match &v.source {
-                ValueSource::Param(t) => backend.upload(t).map(Some),
+                ValueSource::Param(t) => backend.upload(t).map(|mut b| {
+                    // The executor owns its parameters and no node writes them.
+                    b.mark_constant();
+                    Some(b)
+                }),
                 _ => Ok(None),
             })
             .collect::<Result<Vec<_>>>()?;

@@ -387,6 +387,7 @@ impl CudaBackend {
         self.gpu.gemv(
             a.dtype,
             [ptr(&inputs[0])?, ptr(&inputs[1])?, b],
+            inputs[1].buffer.is_constant(),
             out_ptr(out)?,
             m,
             n,

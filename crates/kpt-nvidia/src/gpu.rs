@@ -76,6 +76,22 @@ pub struct LoadedFunction {
     pub waits_for_producer: bool,
 }
 
+/// The grid of a launch: `blocks` blocks in thread-block clusters of `cluster`
+/// consecutive blocks (1: no clusters; more needs sm_90).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchGrid {
+    /// Blocks in the grid (a multiple of `cluster`).
+    pub blocks: u32,
+    /// Blocks per cluster.
+    pub cluster: u32,
+}
+
+impl From<u32> for LaunchGrid {
+    fn from(blocks: u32) -> Self {
+        Self { blocks, cluster: 1 }
+    }
+}
+
 /// Whether kernels that wait for their producer are launched with programmatic stream
 /// serialization on a device of compute capability `major`: from sm_90 (Hopper) on,
 /// unless `KPT_CUDA_PDL=0`.
@@ -150,6 +166,12 @@ pub struct Gpu {
     /// Most blocks of a persistent attention grid; 0: the SM count
     /// ([`Gpu::set_attention_blocks`]).
     attention_blocks: AtomicUsize,
+    /// Whether split-KV attention may merge its runs in thread-block clusters
+    /// ([`Gpu::cluster_attention`]).
+    cluster_attention: AtomicBool,
+    /// Whether GEMVs read constant weights before waiting for their producer
+    /// ([`Gpu::gemv_preload`]).
+    gemv_preload: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -180,6 +202,8 @@ impl Gpu {
             stream: Arc::clone(&stream),
         }));
         let programmatic = programmatic_launches(props.compute_capability.0);
+        let clusters = props.compute_capability.0 >= 9
+            && std::env::var("KPT_CUDA_CLUSTER_ATTENTION").map_or(true, |v| v != "0");
         tracing::info!(
             device = %props.name,
             arch = %props.arch(),
@@ -196,6 +220,8 @@ impl Gpu {
             capture: Mutex::new(None),
             programmatic: AtomicBool::new(programmatic),
             attention_blocks: AtomicUsize::new(0),
+            cluster_attention: AtomicBool::new(clusters),
+            gemv_preload: std::env::var("KPT_CUDA_GEMV_PRELOAD").map_or(true, |v| v != "0"),
         })
     }
 
@@ -229,6 +255,27 @@ impl Gpu {
     pub fn set_programmatic_launches(&self, on: bool) {
         let on = on && self.props.compute_capability.0 >= 9;
         self.programmatic.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether split-KV attention over a short cache (decode) merges its runs inside
+    /// thread-block clusters instead of a combine launch: on sm_90 and newer unless
+    /// `KPT_CUDA_CLUSTER_ATTENTION=0`, or as last set by [`Gpu::set_cluster_attention`].
+    pub fn cluster_attention(&self) -> bool {
+        self.cluster_attention.load(Ordering::Relaxed)
+    }
+
+    /// Turns [`Gpu::cluster_attention`] on or off for the calls that follow; on a device
+    /// older than sm_90 it stays off.
+    pub fn set_cluster_attention(&self, on: bool) {
+        let on = on && self.props.compute_capability.0 >= 9;
+        self.cluster_attention.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the GEMV kernel issues its first loads of weights that no kernel writes
+    /// (a plan's parameters) before it waits for the kernel ahead of it: unless
+    /// `KPT_CUDA_GEMV_PRELOAD=0`.
+    pub fn gemv_preload(&self) -> bool {
+        self.gemv_preload
     }
 
     /// What the device is.
@@ -524,17 +571,24 @@ impl Gpu {
     pub unsafe fn launch(
         &self,
         f: &LoadedFunction,
-        grid: u32,
+        grid: impl Into<LaunchGrid>,
         params: &mut [*mut std::ffi::c_void],
     ) -> Result<(), NvidiaError> {
         self.bind()?;
+        let LaunchGrid { blocks, cluster } = grid.into();
         let (block, shared) = (f.meta.block, f.meta.shared_bytes);
-        if !(f.waits_for_producer && self.programmatic_launches()) {
+        let programmatic = f.waits_for_producer && self.programmatic_launches();
+        if cluster > 1 && !blocks.is_multiple_of(cluster) {
+            return Err(NvidiaError::Invalid(format!(
+                "{blocks} blocks do not form clusters of {cluster}"
+            )));
+        }
+        if !programmatic && cluster <= 1 {
             // SAFETY: the caller's contract.
             return unsafe {
                 result::launch_kernel(
                     f.function.cu_function(),
-                    (grid, 1, 1),
+                    (blocks, 1, 1),
                     (block, 1, 1),
                     shared,
                     self.stream.cu_stream(),
@@ -543,16 +597,31 @@ impl Gpu {
             }
             .map_err(|e| NvidiaError::driver("cuLaunchKernel", e));
         }
-        // SAFETY: an all-zero attribute value is valid (a union of plain integers).
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.programmaticStreamSerializationAllowed = 1;
-        let mut attribute = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value,
-        };
+        let mut attributes = Vec::with_capacity(2);
+        if programmatic {
+            // SAFETY: an all-zero attribute value is valid (a union of plain integers).
+            let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+            value.programmaticStreamSerializationAllowed = 1;
+            attributes.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value,
+            });
+        }
+        if cluster > 1 {
+            // SAFETY: as above.
+            let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+            value.clusterDim.x = cluster;
+            value.clusterDim.y = 1;
+            value.clusterDim.z = 1;
+            attributes.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value,
+            });
+        }
         let config = sys::CUlaunchConfig {
-            gridDimX: grid,
+            gridDimX: blocks,
             gridDimY: 1,
             gridDimZ: 1,
             blockDimX: block,
@@ -560,10 +629,10 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: shared,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: 1,
+            attrs: attributes.as_mut_ptr(),
+            numAttrs: attributes.len() as u32,
         };
-        // SAFETY: the caller's contract for `params`; `config` and `attribute` live
+        // SAFETY: the caller's contract for `params`; `config` and `attributes` live
         // across the call (the driver copies them).
         unsafe {
             sys::cuLaunchKernelEx(

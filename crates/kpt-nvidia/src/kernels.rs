@@ -17,8 +17,13 @@ use crate::NvidiaError;
 /// a programmatic launch where the kernel's image waits for its producer).
 macro_rules! launch {
     ($gpu:expr, $kernel:expr, $entry:expr, $grid:expr; $($arg:expr),* $(,)?) => {{
+        launch!($gpu, $kernel, $entry, $grid, cluster 1; $($arg),*)
+    }};
+    // Thread-block clusters of `$cluster` consecutive blocks (1: none).
+    ($gpu:expr, $kernel:expr, $entry:expr, $grid:expr, cluster $cluster:expr;
+     $($arg:expr),* $(,)?) => {{
         let f = $gpu.function($kernel, &$entry)?;
-        let grid: u32 = $grid;
+        let grid = crate::gpu::LaunchGrid { blocks: $grid, cluster: $cluster };
         launch!(@bind $gpu, f, grid; []; $($arg),*)
     }};
     // Binds each argument to a local (each expansion's `arg` is a distinct variable) that
@@ -313,7 +318,29 @@ impl AttentionDims {
             splits: tiles.div_ceil(per) as i32,
         })
     }
+
+    /// The plan of a cluster launch (`kpt_attention_split_*cluster_*`), where `plan` (of
+    /// [`split_plan`](Self::split_plan)) is of a 16-bit dtype and its cache fits
+    /// [`SPLIT_CLUSTER_MAX`] runs of at most [`SPLIT_CLUSTER_TILES`] tiles: the runs of
+    /// a kv group, one cluster, merge among themselves, so a decode step over a short
+    /// cache needs no combine launch.
+    fn cluster_plan(plan: SplitDims, dtype: DType) -> Option<SplitDims> {
+        let tiles = plan.tiles as usize;
+        if dtype == DType::F32 || tiles > SPLIT_CLUSTER_MAX * SPLIT_CLUSTER_TILES {
+            return None;
+        }
+        let per = tiles.div_ceil(SPLIT_CLUSTER_MAX);
+        Some(SplitDims {
+            splits: tiles.div_ceil(per) as i32,
+            ..plan
+        })
+    }
 }
+
+/// Blocks of a kv group in a cluster launch of `attention_split.cu` (its
+/// kMaxClusterSplits: the portable cluster size), and the most tiles each takes there.
+const SPLIT_CLUSTER_MAX: usize = 8;
+const SPLIT_CLUSTER_TILES: usize = 2;
 
 /// Shared-memory budgets of the f32 kernel of `attention_split.cu` (its kQFloats and
 /// kKvWords) and its largest tile (two keys per lane).
@@ -405,9 +432,10 @@ struct GemvDims {
     n: i32,
     k: i32,
     vec: i32,
+    preload: i32,
 }
 
-// SAFETY: `repr(C)` of four i32, laid out like the kernel's `GemvDims`; any bit pattern
+// SAFETY: `repr(C)` of five i32, laid out like the kernel's `GemvDims`; any bit pattern
 // is a valid value.
 unsafe impl cudarc::driver::DeviceRepr for GemvDims {}
 
@@ -714,6 +742,14 @@ impl Gpu {
             launch!(self, "attention", entry, blocks; q, k, v, mask, out, dims);
             return Ok(());
         };
+        if let Some(c) = self.cluster_split(split, dtype) {
+            let groups = dims.batch as usize * dims.kv_heads as usize;
+            let split_blocks = grid("attention splits", groups * c.splits as usize)?;
+            let entry = format!("kpt_attention_split_cluster_{name}");
+            launch!(self, "attention_split", entry, split_blocks, cluster c.splits as u32;
+                q, k, v, mask, out, c);
+            return Ok(());
+        }
         // Per (row, run of tiles): max, sum, P·V of head_dim floats.
         let splits = split.splits as usize;
         let part = self.alloc(dims.rows() * splits * (dims.head_dim as usize + 2) * 4)?;
@@ -724,6 +760,15 @@ impl Gpu {
         let entry = format!("kpt_attention_combine_{name}");
         launch!(self, "attention_split", entry, blocks; part.ptr(), out, split);
         Ok(())
+    }
+
+    /// The cluster plan for `split` ([`AttentionDims::cluster_plan`]) where
+    /// [`Gpu::cluster_attention`] is on.
+    fn cluster_split(&self, split: SplitDims, dtype: DType) -> Option<SplitDims> {
+        if !self.cluster_attention() {
+            return None;
+        }
+        AttentionDims::cluster_plan(split, dtype)
     }
 
     /// Attention of `q [batch, seq_q, heads * d]` over a paged KV cache on the split-KV
@@ -775,9 +820,16 @@ impl Gpu {
             max_blocks: int("max blocks", cache.max_blocks)?,
             num_blocks: int("cache blocks", cache.num_blocks)?,
         };
+        let groups = dims.batch as usize * dims.kv_heads as usize;
+        if let Some(c) = self.cluster_split(split, dtype) {
+            let split_blocks = grid("attention splits", groups * c.splits as usize)?;
+            let entry = format!("kpt_attention_split_paged_cluster_{name}");
+            launch!(self, "attention_split", entry, split_blocks, cluster c.splits as u32;
+                q, k, v, out, c, pg);
+            return Ok(true);
+        }
         let splits = split.splits as usize;
         let part = self.alloc(dims.rows() * splits * (dims.head_dim as usize + 2) * 4)?;
-        let groups = dims.batch as usize * dims.kv_heads as usize;
         let split_blocks = grid("attention splits", groups * splits)?;
         let entry = format!("kpt_attention_split_paged_{name}");
         launch!(self, "attention_split", entry, split_blocks; q, k, v, part.ptr(), split, pg);
@@ -1080,11 +1132,14 @@ impl Gpu {
     /// (+ bias [n])`, all of `dtype`, for `m` in `1..=`[`GEMV_MAX_ROWS`]; `bias` 0 means
     /// none. Rows of whole 16-byte vectors with aligned buffers take the vector loop
     /// (for bf16 / f16 at 5..=32 rows: the tensor-core loop), others a scalar loop.
+    /// `w_constant` promises that no kernel writes `w` (a model parameter): the 16-bit
+    /// kernels then issue their first weight loads before waiting for the kernel before them.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemv(
         &self,
         dtype: DType,
         [x, w, bias]: [u64; 3],
+        w_constant: bool,
         out: u64,
         m: usize,
         n: usize,
@@ -1105,6 +1160,7 @@ impl Gpu {
             n: int("gemv n", n)?,
             k: int("gemv k", k)?,
             vec: i32::from(vec),
+            preload: i32::from(w_constant && self.gemv_preload()),
         };
         let entry = format!("kpt_gemv_{}_m{class}", float_name(dtype)?);
         let rows_per_block = if class >= GEMV_TENSOR_CORE_CLASS && dtype != DType::F32 {

@@ -29,7 +29,7 @@ pub use device::{
     devices, devices_with_telemetry, driver_present, CudaDetector, GpuProperties, PciAddress,
 };
 pub use error::NvidiaError;
-pub use gpu::{Gpu, GpuGraph, LoadedFunction};
+pub use gpu::{Gpu, GpuGraph, LaunchGrid, LoadedFunction};
 pub use memory::{
     estimate_bytes, size_class, CachingAllocator, DeviceBlock, MemoryStatistics, PrivateBlocks,
 };

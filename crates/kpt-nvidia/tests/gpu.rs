@@ -85,6 +85,60 @@ fn run_kernel(
     kpt_core::backend::run_op(b, kernel, op, inputs)
 }
 
+/// `Op::Linear` on `cuda.linear.gemv` with the weight buffer marked constant, as the
+/// executor marks a plan's parameters, right after a kernel that writes the activations
+/// (so that a weight load issued before the wait overlaps it).
+fn gemv_constant_weights(b: &CudaBackend, op: &Op, inputs: &[Tensor]) -> kpt_core::Result<Tensor> {
+    let specs: Vec<TensorSpec> = inputs
+        .iter()
+        .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+        .collect();
+    let out_spec = op.infer(&specs)?.remove(0);
+    let mut buffers = inputs
+        .iter()
+        .map(|t| b.upload(t))
+        .collect::<kpt_core::Result<Vec<_>>>()?;
+    buffers[1].mark_constant();
+    // x = x + 0: the GEMV's producer on the stream.
+    let zeros = b.upload(&Tensor::zeros(inputs[0].dtype(), inputs[0].shape()))?;
+    let mut x = b.allocate(specs[0].dtype, specs[0].numel())?;
+    b.execute(
+        "cuda.add",
+        &Op::Add,
+        &[
+            BufferRef {
+                buffer: &buffers[0],
+                spec: &specs[0],
+            },
+            BufferRef {
+                buffer: &zeros,
+                spec: &specs[0],
+            },
+        ],
+        &mut [BufferMut {
+            buffer: &mut x,
+            spec: &specs[0],
+        }],
+    )?;
+    buffers[0] = x;
+    let refs: Vec<BufferRef<'_>> = buffers
+        .iter()
+        .zip(&specs)
+        .map(|(buffer, spec)| BufferRef { buffer, spec })
+        .collect();
+    let mut out = b.allocate(out_spec.dtype, out_spec.numel())?;
+    b.execute(
+        "cuda.linear.gemv",
+        op,
+        &refs,
+        &mut [BufferMut {
+            buffer: &mut out,
+            spec: &out_spec,
+        }],
+    )?;
+    b.download(&out, &out_spec)
+}
+
 /// Runs `op` with every device kernel (`cuda.*`, `triton.*`) the registry accepts for
 /// the GPU, checking each output against the f64 reference; the registry's first
 /// choice must be one of them.
@@ -771,6 +825,47 @@ proptest! {
         check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed)?;
     }
 
+    /// Split-KV attention over a short cache, its runs merged inside thread-block
+    /// clusters (sm_90), against the same runs merged by the combine launch, bit for bit:
+    /// at most 8 tiles of keys, where both plans give each run one tile. Longer caches
+    /// (two tiles a run in a cluster) are checked against the reference by
+    /// `attention_long_cache` and `attention_paged_decode`.
+    #[test]
+    fn attention_cluster_merge_matches_combine(batch in 1usize..3, seq_q in 1usize..=2,
+                                               kv_heads in 1usize..3,
+                                               group in prop::sample::select(vec![1usize, 4, 8]),
+                                               head_dim in prop::sample::select(vec![64usize, 128]),
+                                               keys in 65usize..=256, causal in any::<bool>(),
+                                               with_mask in any::<bool>(),
+                                               dt in prop::sample::select(vec![DType::BF16, DType::F16]),
+                                               seed: u64) {
+        let Some(b) = backend() else { return Ok(()) };
+        if !b.gpu().cluster_attention() {
+            return Ok(());
+        }
+        let mut rng = SplitMix64::new(seed);
+        let heads = kv_heads * group;
+        let p = kpt_core::graph::AttentionParams {
+            mask: with_mask,
+            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+        };
+        let mut inputs = vec![
+            random(&mut rng, &[batch, seq_q, heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &[batch, keys, kv_heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &[batch, keys, kv_heads * head_dim], dt, -2.0, 2.0),
+        ];
+        if with_mask {
+            inputs.push(random(&mut rng, &[seq_q, keys], DType::F32, -1.0, 1.0));
+        }
+        let op = Op::Attention(p);
+        let clustered = run_kernel(b, "cuda.attention", &op, &inputs);
+        b.gpu().set_cluster_attention(false);
+        let combined = run_kernel(b, "cuda.attention", &op, &inputs);
+        b.gpu().set_cluster_attention(true);
+        let (clustered, combined) = (clustered.unwrap(), combined.unwrap());
+        prop_assert!(clustered[0].to_f64_vec() == combined[0].to_f64_vec());
+    }
+
     /// Attention gradients on the tensor-core backward: odd lengths (1, not multiples of
     /// the 64-row tiles), caches shorter and longer than the query (rows that see no key
     /// under the causal mask), GQA groups of 1, 2 and 4.
@@ -951,6 +1046,11 @@ proptest! {
         let tol = tolerance(&op, dt, k);
         let stats = compare(&got[0], &want[0], tol).unwrap();
         prop_assert!(stats.within, "gemv m {} k {} n {} {}: {:?} vs {:?}", m, k, n, dt, stats, tol);
+        // Weights marked constant (a plan's parameters) are read before the kernel waits
+        // for its producer; the sums are the same.
+        let preloaded = gemv_constant_weights(b, &op, &inputs)
+            .map_err(|e| TestCaseError::fail(format!("gemv, constant weights: {e}")))?;
+        prop_assert_eq!(preloaded.to_f64_vec(), got[0].to_f64_vec());
     }
 
     #[test]
