@@ -50,6 +50,10 @@
 // kpt:launch kpt_gemv_f16_m8 block=256 shared=0 grid=row_tiles
 // kpt:launch kpt_gemv_f16_m16 block=256 shared=0 grid=row_tiles
 // kpt:launch kpt_gemv_f16_m32 block=256 shared=0 grid=row_tiles
+// kpt:launch kpt_gemv_staged_bf16_m1 block=256 shared=0 grid=rows
+// kpt:launch kpt_gemv_staged_f16_m1 block=256 shared=0 grid=rows
+
+#include <type_traits>
 
 #include "common.cuh"
 #include "mma.cuh"
@@ -88,19 +92,64 @@ __device__ __forceinline__ uint4 load_no_l1(const uint4* p) {
     return r;
 }
 
-// Dot product of two 16-byte vectors of T, accumulated into acc.
+// The 8 elements of a 16-byte vector of T as f32. bf16 is the upper half of an f32, so
+// each element is one shift or mask of its 32-bit word (the generic conversion takes two
+// instructions for every upper element).
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& v, float (&f)[8]) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+            f[2 * j] = __uint_as_float(w[j] << 16);
+            f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        } else {
+            const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
+            f[2 * j] = h.x;
+            f[2 * j + 1] = h.y;
+        }
+    }
+}
+
+// Dot product of two 16-byte vectors of T, accumulated into acc in element order.
 template <typename T>
 __device__ __forceinline__ float dot16(const uint4& a, const uint4& b, float acc) {
-    const T* ea = reinterpret_cast<const T*>(&a);
-    const T* eb = reinterpret_cast<const T*>(&b);
+    if constexpr (sizeof(T) == 2) {
+        float fa[8], fb[8];
+        unpack16<T>(a, fa);
+        unpack16<T>(b, fb);
 #pragma unroll
-    for (int i = 0; i < kpt::Vec<T>::N; ++i) acc = fmaf(to_float(ea[i]), to_float(eb[i]), acc);
+        for (int i = 0; i < 8; ++i) acc = fmaf(fa[i], fb[i], acc);
+    } else {
+        const T* ea = reinterpret_cast<const T*>(&a);
+        const T* eb = reinterpret_cast<const T*>(&b);
+#pragma unroll
+        for (int i = 0; i < kpt::Vec<T>::N; ++i) acc = fmaf(to_float(ea[i]), to_float(eb[i]), acc);
+    }
     return acc;
 }
 
-template <typename T, int kMaxM>
+// dot16 against a vector whose 8 elements are already f32 (lo: 0-3, hi: 4-7), in the
+// same order, so the sums are the same bits.
+template <typename T>
+__device__ __forceinline__ float dot16_f32(const uint4& a, const float4& lo, const float4& hi,
+                                           float acc) {
+    float fa[8];
+    unpack16<T>(a, fa);
+    const float fb[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc = fmaf(fa[i], fb[i], acc);
+    return acc;
+}
+
+// 16-byte activation vectors the one-row 16-bit classes stage in shared memory as f32
+// (32 KiB): K up to 8192.
+constexpr int kStageVecs = 1024;
+
+template <typename T, int kMaxM, bool kStage = false>
 __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
                      const T* __restrict__ bias, T* __restrict__ out, GemvDims d) {
+    static_assert(!kStage || (sizeof(T) == 2 && kMaxM == 1), "one 16-bit row is staged");
     __shared__ float partial[kWarps][kMaxM];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -131,26 +180,47 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
             v[u] = i < vecs ? load_stream(wr + i) : make_uint4(0, 0, 0, 0);
         }
     };
+    // kStage (kpt_gemv_staged_*): the activation row converted to f32 once per block,
+    // vector i's elements 0-3 in xs[0][i], 4-7 in xs[1][i] (consecutive lanes read
+    // consecutive 16 bytes), so a weight vector costs two shared loads instead of a
+    // global load and eight conversions. K <= 8 kStageVecs (the launcher's rule; longer
+    // rows would take the scalar loop).
+    __shared__ float4 xs[2][kStage ? kStageVecs : 1];
+    const bool staged = kStage && d.vec && vecs <= kStageVecs;  // uniform over the block
     auto consume = [&](const uint4(&v)[kU], int base) {
         const uint4* xr = kHoist ? x_vec : reinterpret_cast<const uint4*>(x);
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
             const int i = base + u * kGroup;
             if (i < vecs) {
+                if constexpr (kStage) {
+                    acc[0] = dot16_f32<T>(v[u], xs[0][i], xs[1][i], acc[0]);
+                } else {
 #pragma unroll
-                for (int r = 0; r < kMaxM; ++r)
-                    if (r < d.m)
-                        acc[r] = dot16<T>(v[u], __ldg(xr + static_cast<long>(r) * vecs + i), acc[r]);
+                    for (int r = 0; r < kMaxM; ++r)
+                        if (r < d.m)
+                            acc[r] = dot16<T>(v[u], __ldg(xr + static_cast<long>(r) * vecs + i),
+                                              acc[r]);
+                }
             }
         }
     };
     // The 16-bit classes peel the first batch so that it can be issued before the wait;
     // f32 keeps one loop (peeled, its wider classes took more registers).
-    const bool vector = active && d.vec;
+    const bool vector = active && d.vec && (!kStage || staged);
     if constexpr (sizeof(T) == 2) {
         uint4 first[kU];
         if (vector && d.preload) load_batch(first, glane);
         kpt::dependent_launch_prologue();
+        if (staged) {
+            for (int i = threadIdx.x; i < vecs; i += kBlock) {
+                float e[8];
+                unpack16<T>(__ldg(x_vec + i), e);
+                xs[0][i] = make_float4(e[0], e[1], e[2], e[3]);
+                xs[1][i] = make_float4(e[4], e[5], e[6], e[7]);
+            }
+            __syncthreads();
+        }
         if (vector) {
             if (!d.preload) load_batch(first, glane);
             consume(first, glane);
@@ -324,6 +394,11 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
 
 }  // namespace
 
+#define KPT_GEMV_BOUNDED(NAME, T, M, BLOCKS_PER_SM)                                        \
+    extern "C" __global__ void __launch_bounds__(kBlock, BLOCKS_PER_SM)                   \
+        kpt_gemv_##NAME##_m##M(const T* x, const T* w, const T* bias, T* out, GemvDims d) { \
+        gemv<T, M>(x, w, bias, out, d);                                                   \
+    }
 #define KPT_GEMV(NAME, T, M)                                                              \
     extern "C" __global__ void __launch_bounds__(kBlock)                                  \
         kpt_gemv_##NAME##_m##M(const T* x, const T* w, const T* bias, T* out, GemvDims d) { \
@@ -338,8 +413,16 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
         gemv_tc<T, M / 8>(x, w, bias, out, d);                                            \
     }
 
+#define KPT_GEMV_STAGED(NAME, T)                                                          \
+    extern "C" __global__ void __launch_bounds__(kBlock) kpt_gemv_staged_##NAME##_m1(      \
+        const T* x, const T* w, const T* bias, T* out, GemvDims d) {                       \
+        gemv<T, 1, true>(x, w, bias, out, d);                                              \
+    }
+
+// The 16-bit one-row classes are held to five blocks an SM (48 registers), which the
+// compiler would otherwise trade for unpacking weights ahead.
 #define KPT_GEMV_CUDA_CORES(NAME, T) \
-    KPT_GEMV(NAME, T, 1)             \
+    KPT_GEMV_BOUNDED(NAME, T, 1, 5)  \
     KPT_GEMV(NAME, T, 2)             \
     KPT_GEMV(NAME, T, 4)
 
@@ -348,7 +431,9 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
     KPT_GEMV_TC(NAME, T, 16)           \
     KPT_GEMV_TC(NAME, T, 32)
 
-KPT_GEMV_CUDA_CORES(f32, float)
+KPT_GEMV(f32, float, 1)
+KPT_GEMV(f32, float, 2)
+KPT_GEMV(f32, float, 4)
 KPT_GEMV(f32, float, 8)
 KPT_GEMV(f32, float, 16)
 KPT_GEMV(f32, float, 32)
@@ -356,3 +441,5 @@ KPT_GEMV_CUDA_CORES(bf16, __nv_bfloat16)
 KPT_GEMV_TENSOR_CORES(bf16, __nv_bfloat16)
 KPT_GEMV_CUDA_CORES(f16, __half)
 KPT_GEMV_TENSOR_CORES(f16, __half)
+KPT_GEMV_STAGED(bf16, __nv_bfloat16)
+KPT_GEMV_STAGED(f16, __half)

@@ -180,9 +180,12 @@ fn every_cuda_entry_point_waits_for_its_producer_first() {
                 .next()
                 .unwrap()
                 .replace(['\\', '\n', ' '], "");
-            assert_eq!(
-                first,
-                "kpt::dependent_launch_prologue()",
+            // The GEMV entries wait inside, after issuing loads of weights that no kernel
+            // writes (`GemvDims::preload`); nothing else is read before the wait.
+            let gemv = path.ends_with("gemv.cu")
+                && ["gemv<", "gemv_tc<"].iter().any(|f| first.starts_with(f));
+            assert!(
+                first == "kpt::dependent_launch_prologue()" || gemv,
                 "{}: an entry point does not start with the prologue: {}",
                 path.display(),
                 &body[..open]

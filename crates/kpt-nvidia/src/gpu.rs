@@ -172,6 +172,8 @@ pub struct Gpu {
     /// Whether GEMVs read constant weights before waiting for their producer
     /// ([`Gpu::gemv_preload`]).
     gemv_preload: bool,
+    /// Whether one-row 16-bit GEMVs stage the activations ([`Gpu::gemv_stage`]).
+    gemv_stage: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -222,6 +224,7 @@ impl Gpu {
             attention_blocks: AtomicUsize::new(0),
             cluster_attention: AtomicBool::new(clusters),
             gemv_preload: std::env::var("KPT_CUDA_GEMV_PRELOAD").map_or(true, |v| v != "0"),
+            gemv_stage: std::env::var("KPT_CUDA_GEMV_STAGE").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -276,6 +279,12 @@ impl Gpu {
     /// `KPT_CUDA_GEMV_PRELOAD=0`.
     pub fn gemv_preload(&self) -> bool {
         self.gemv_preload
+    }
+
+    /// Whether bf16 / f16 GEMVs of one row (K <= 8192) convert the activation row to f32
+    /// in shared memory once per block (`kpt_gemv_staged_*_m1`): with `KPT_CUDA_GEMV_STAGE=1`.
+    pub fn gemv_stage(&self) -> bool {
+        self.gemv_stage
     }
 
     /// What the device is.

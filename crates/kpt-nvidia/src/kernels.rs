@@ -421,6 +421,9 @@ const GEMV_ROWS_PER_BLOCK: usize = 4;
 /// Weight rows per block of its tensor-core classes (one MMA tile of 16 rows, its
 /// kTileRows).
 const GEMV_TILE_ROWS: usize = 16;
+/// The longest activation row `kpt_gemv_staged_*_m1` stages in shared memory (its
+/// 8 * kStageVecs).
+const GEMV_STAGE_MAX_K: usize = 8192;
 /// The smallest row class that runs on tensor cores for bf16 and f16 (8, 16 and 32 do).
 const GEMV_TENSOR_CORE_CLASS: usize = 8;
 
@@ -1162,7 +1165,16 @@ impl Gpu {
             vec: i32::from(vec),
             preload: i32::from(w_constant && self.gemv_preload()),
         };
-        let entry = format!("kpt_gemv_{}_m{class}", float_name(dtype)?);
+        let staged = class == 1
+            && dtype != DType::F32
+            && vec
+            && k <= GEMV_STAGE_MAX_K
+            && self.gemv_stage();
+        let entry = if staged {
+            format!("kpt_gemv_staged_{}_m1", float_name(dtype)?)
+        } else {
+            format!("kpt_gemv_{}_m{class}", float_name(dtype)?)
+        };
         let rows_per_block = if class >= GEMV_TENSOR_CORE_CLASS && dtype != DType::F32 {
             GEMV_TILE_ROWS
         } else {
