@@ -224,7 +224,7 @@ impl Gpu {
             attention_blocks: AtomicUsize::new(0),
             cluster_attention: AtomicBool::new(clusters),
             gemv_preload: std::env::var("KPT_CUDA_GEMV_PRELOAD").map_or(true, |v| v != "0"),
-            gemv_stage: std::env::var("KPT_CUDA_GEMV_STAGE").is_ok_and(|v| v == "1"),
+            gemv_stage: std::env::var("KPT_CUDA_GEMV_STAGE").map_or(true, |v| v != "0"),
         })
     }
 
@@ -282,7 +282,8 @@ impl Gpu {
     }
 
     /// Whether bf16 / f16 GEMVs of one row (K <= 8192) convert the activation row to f32
-    /// in shared memory once per block (`kpt_gemv_staged_*_m1`): with `KPT_CUDA_GEMV_STAGE=1`.
+    /// in shared memory once per block (`kpt_gemv_staged_*_m1`): unless
+    /// `KPT_CUDA_GEMV_STAGE=0`.
     pub fn gemv_stage(&self) -> bool {
         self.gemv_stage
     }
