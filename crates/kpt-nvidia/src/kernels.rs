@@ -1171,11 +1171,8 @@ impl Gpu {
             vec: i32::from(vec),
             preload: i32::from(w_constant && self.gemv_preload()),
         };
-        let staged = class == 1
-            && dtype != DType::F32
-            && vec
-            && k <= GEMV_STAGE_MAX_K
-            && self.gemv_stage();
+        let staged =
+            class == 1 && dtype != DType::F32 && vec && k <= GEMV_STAGE_MAX_K && self.gemv_stage();
         let entry = if staged {
             format!("kpt_gemv_staged_{}_m1", float_name(dtype)?)
         } else {
