@@ -52,6 +52,8 @@
 // kpt:launch kpt_gemv_f16_m32 block=256 shared=0 grid=row_tiles
 // kpt:launch kpt_gemv_staged_bf16_m1 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_staged_f16_m1 block=256 shared=0 grid=rows
+// kpt:launch kpt_gemv_staged4_bf16_m1 block=256 shared=0 grid=rows
+// kpt:launch kpt_gemv_staged4_f16_m1 block=256 shared=0 grid=rows
 
 #include <type_traits>
 
@@ -146,7 +148,7 @@ __device__ __forceinline__ float dot16_f32(const uint4& a, const float4& lo, con
 // (32 KiB): K up to 8192.
 constexpr int kStageVecs = 1024;
 
-template <typename T, int kMaxM, bool kStage = false>
+template <typename T, int kMaxM, bool kStage = false, int kStageU = kUnroll>
 __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
                      const T* __restrict__ bias, T* __restrict__ out, GemvDims d) {
     static_assert(!kStage || (sizeof(T) == 2 && kMaxM == 1), "one 16-bit row is staged");
@@ -163,7 +165,10 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
     for (int r = 0; r < kMaxM; ++r) acc[r] = 0.0f;
     // At 32 rows the accumulators take the registers that half of the loads in flight
     // would (f32's 32-row class; the others run on tensor cores).
-    constexpr int kU = kMaxM > 16 ? kUnroll / 2 : kUnroll;
+    constexpr int kU = kStage ? kStageU : (kMaxM > 16 ? kUnroll / 2 : kUnroll);
+    // kStageU < kUnroll: the staged batches are summed without a bounds branch, vectors
+    // past the row reading zero weights against the zero vector at xs[.][kStageVecs].
+    constexpr bool kBranchless = kStage && kStageU < kUnroll;
     constexpr int kV = kpt::Vec<T>::N;
     const int vecs = d.k / kV;
     const uint4* w_row = reinterpret_cast<const uint4*>(w + row * d.k);
@@ -185,14 +190,17 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
     // consecutive 16 bytes), so a weight vector costs two shared loads instead of a
     // global load and eight conversions. K <= 8 kStageVecs (the launcher's rule; longer
     // rows would take the scalar loop).
-    __shared__ float4 xs[2][kStage ? kStageVecs : 1];
+    __shared__ float4 xs[2][kStage ? kStageVecs + 1 : 1];
     const bool staged = kStage && d.vec && vecs <= kStageVecs;  // uniform over the block
     auto consume = [&](const uint4(&v)[kU], int base) {
         const uint4* xr = kHoist ? x_vec : reinterpret_cast<const uint4*>(x);
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
             const int i = base + u * kGroup;
-            if (i < vecs) {
+            if constexpr (kBranchless) {
+                const int at = i < vecs ? i : kStageVecs;
+                acc[0] = dot16_f32<T>(v[u], xs[0][at], xs[1][at], acc[0]);
+            } else if (i < vecs) {
                 if constexpr (kStage) {
                     acc[0] = dot16_f32<T>(v[u], xs[0][i], xs[1][i], acc[0]);
                 } else {
@@ -219,6 +227,7 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
                 xs[0][i] = make_float4(e[0], e[1], e[2], e[3]);
                 xs[1][i] = make_float4(e[4], e[5], e[6], e[7]);
             }
+            if (threadIdx.x == 0) xs[0][kStageVecs] = xs[1][kStageVecs] = make_float4(0, 0, 0, 0);
             __syncthreads();
         }
         if (vector) {
@@ -421,6 +430,12 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
 
 // The 16-bit one-row classes are held to five blocks an SM (48 registers), which the
 // compiler would otherwise trade for unpacking weights ahead.
+#define KPT_GEMV_STAGED4(NAME, T)                                                         \
+    extern "C" __global__ void __launch_bounds__(kBlock) kpt_gemv_staged4_##NAME##_m1(     \
+        const T* x, const T* w, const T* bias, T* out, GemvDims d) {                       \
+        gemv<T, 1, true, 4>(x, w, bias, out, d);                                           \
+    }
+
 #define KPT_GEMV_CUDA_CORES(NAME, T) \
     KPT_GEMV_BOUNDED(NAME, T, 1, 5)  \
     KPT_GEMV(NAME, T, 2)             \
@@ -443,3 +458,5 @@ KPT_GEMV_CUDA_CORES(f16, __half)
 KPT_GEMV_TENSOR_CORES(f16, __half)
 KPT_GEMV_STAGED(bf16, __nv_bfloat16)
 KPT_GEMV_STAGED(f16, __half)
+KPT_GEMV_STAGED4(bf16, __nv_bfloat16)
+KPT_GEMV_STAGED4(f16, __half)
