@@ -52,8 +52,6 @@
 // kpt:launch kpt_gemv_f16_m32 block=256 shared=0 grid=row_tiles
 // kpt:launch kpt_gemv_staged_bf16_m1 block=256 shared=0 grid=rows
 // kpt:launch kpt_gemv_staged_f16_m1 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_staged4_bf16_m1 block=256 shared=0 grid=rows
-// kpt:launch kpt_gemv_staged4_f16_m1 block=256 shared=0 grid=rows
 
 #include <type_traits>
 
@@ -148,7 +146,7 @@ __device__ __forceinline__ float dot16_f32(const uint4& a, const float4& lo, con
 // (32 KiB): K up to 8192.
 constexpr int kStageVecs = 1024;
 
-template <typename T, int kMaxM, bool kStage = false, int kStageU = kUnroll>
+template <typename T, int kMaxM, bool kStage = false>
 __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
                      const T* __restrict__ bias, T* __restrict__ out, GemvDims d) {
     static_assert(!kStage || (sizeof(T) == 2 && kMaxM == 1), "one 16-bit row is staged");
@@ -163,12 +161,12 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
     float acc[kMaxM];
 #pragma unroll
     for (int r = 0; r < kMaxM; ++r) acc[r] = 0.0f;
-    // At 32 rows the accumulators take the registers that half of the loads in flight
-    // would (f32's 32-row class; the others run on tensor cores).
-    constexpr int kU = kStage ? kStageU : (kMaxM > 16 ? kUnroll / 2 : kUnroll);
-    // kStageU < kUnroll: the staged batches are summed without a bounds branch, vectors
-    // past the row reading zero weights against the zero vector at xs[.][kStageVecs].
-    constexpr bool kBranchless = kStage && kStageU < kUnroll;
+    // Weight vectors in flight per lane: at 32 rows the accumulators take the registers
+    // that half of them would (f32's 32-row class; the others run on tensor cores). The
+    // staged class reads batches of 4 (a 2048-wide row gives each lane exactly 4
+    // vectors; 46 registers, five blocks an SM) and sums them without a bounds branch:
+    // vectors past the row are zero weights against the zero vector at xs[.][kStageVecs].
+    constexpr int kU = kStage || kMaxM > 16 ? kUnroll / 2 : kUnroll;
     constexpr int kV = kpt::Vec<T>::N;
     const int vecs = d.k / kV;
     const uint4* w_row = reinterpret_cast<const uint4*>(w + row * d.k);
@@ -197,19 +195,15 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
             const int i = base + u * kGroup;
-            if constexpr (kBranchless) {
+            if constexpr (kStage) {
                 const int at = i < vecs ? i : kStageVecs;
                 acc[0] = dot16_f32<T>(v[u], xs[0][at], xs[1][at], acc[0]);
             } else if (i < vecs) {
-                if constexpr (kStage) {
-                    acc[0] = dot16_f32<T>(v[u], xs[0][i], xs[1][i], acc[0]);
-                } else {
 #pragma unroll
-                    for (int r = 0; r < kMaxM; ++r)
-                        if (r < d.m)
-                            acc[r] = dot16<T>(v[u], __ldg(xr + static_cast<long>(r) * vecs + i),
-                                              acc[r]);
-                }
+                for (int r = 0; r < kMaxM; ++r)
+                    if (r < d.m)
+                        acc[r] = dot16<T>(v[u], __ldg(xr + static_cast<long>(r) * vecs + i),
+                                          acc[r]);
             }
         }
     };
@@ -430,12 +424,6 @@ __device__ void gemv_tc(const T* __restrict__ x, const T* __restrict__ w,
 
 // The 16-bit one-row classes are held to five blocks an SM (48 registers), which the
 // compiler would otherwise trade for unpacking weights ahead.
-#define KPT_GEMV_STAGED4(NAME, T)                                                         \
-    extern "C" __global__ void __launch_bounds__(kBlock) kpt_gemv_staged4_##NAME##_m1(     \
-        const T* x, const T* w, const T* bias, T* out, GemvDims d) {                       \
-        gemv<T, 1, true, 4>(x, w, bias, out, d);                                           \
-    }
-
 #define KPT_GEMV_CUDA_CORES(NAME, T) \
     KPT_GEMV_BOUNDED(NAME, T, 1, 5)  \
     KPT_GEMV(NAME, T, 2)             \
@@ -458,5 +446,3 @@ KPT_GEMV_CUDA_CORES(f16, __half)
 KPT_GEMV_TENSOR_CORES(f16, __half)
 KPT_GEMV_STAGED(bf16, __nv_bfloat16)
 KPT_GEMV_STAGED(f16, __half)
-KPT_GEMV_STAGED4(bf16, __nv_bfloat16)
-KPT_GEMV_STAGED4(f16, __half)

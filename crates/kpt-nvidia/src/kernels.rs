@@ -1173,9 +1173,7 @@ impl Gpu {
         };
         let staged =
             class == 1 && dtype != DType::F32 && vec && k <= GEMV_STAGE_MAX_K && self.gemv_stage();
-        let entry = if staged && std::env::var("KPT_CUDA_GEMV_STAGE4").is_ok_and(|v| v == "1") {
-            format!("kpt_gemv_staged4_{}_m1", float_name(dtype)?)
-        } else if staged {
+        let entry = if staged {
             format!("kpt_gemv_staged_{}_m1", float_name(dtype)?)
         } else {
             format!("kpt_gemv_{}_m{class}", float_name(dtype)?)
