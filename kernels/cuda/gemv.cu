@@ -24,9 +24,14 @@
 // four lanes reading 64 contiguous bytes of a row per vector) and meet in shared memory.
 //
 // Weights that no kernel writes (`preload`: the model's parameters) are read before the
-// kernel waits for its producer: under programmatic dependent launch a block that is
-// resident early issues its first batch of weight loads (the whole row run of a small
+// 16-bit kernels wait for their producer: under programmatic dependent launch a block that
+// is resident early issues its first batch of weight loads (the whole row run of a small
 // projection) while the kernel before it still runs, and only the activation reads wait.
+//
+// The staged one-row classes (kpt_gemv_staged_*_m1, bf16 / f16, K <= 8192; the
+// launcher's choice for one row): the activation row converted to f32 in shared memory
+// once per block, batches of 4 weight vectors summed without a bounds branch (see gemv).
+// bf16 elements are unpacked with one shift or mask each (unpack16).
 //
 // f32 accumulation, one rounding of the sum plus bias to the output dtype (as cuBLASLt's
 // epilogue). Rows whose bytes are not whole 16-byte vectors, or unaligned buffers
