@@ -1475,4 +1475,25 @@ mod tests {
         // The kernel's `Paged`: two pointers and six ints.
         assert_eq!(std::mem::size_of::<PagedSplit>(), 40);
     }
+
+    #[test]
+    fn cluster_plans_take_short_16_bit_caches_in_at_most_8_runs() {
+        // Head dim 64: tiles of 64 keys. 512 keys: 8 runs of one tile, as the plain plan.
+        let plan = |keys| dims(1, keys, 64).split(DType::BF16).unwrap();
+        let c = AttentionDims::cluster_plan(plan(512), DType::BF16).unwrap();
+        assert_eq!((c.tiles, c.splits), (8, 8));
+        assert_eq!(plan(512).splits, 8);
+        // 1024 keys: 8 runs of two tiles (the plain plan has 16 runs of one); 600 keys
+        // (10 tiles): 5 runs of two; 3 tiles: 3 runs.
+        let c = AttentionDims::cluster_plan(plan(1024), DType::F16).unwrap();
+        assert_eq!((c.tiles, c.splits), (16, 8));
+        let c = AttentionDims::cluster_plan(plan(600), DType::BF16).unwrap();
+        assert_eq!((c.tiles, c.splits), (10, 5));
+        let c = AttentionDims::cluster_plan(plan(129), DType::BF16).unwrap();
+        assert_eq!((c.tiles, c.splits), (3, 3));
+        // Longer caches and f32 keep the combine launch.
+        assert!(AttentionDims::cluster_plan(plan(1025), DType::BF16).is_none());
+        let f32_plan = dims(1, 512, 64).split(DType::F32).unwrap();
+        assert!(AttentionDims::cluster_plan(f32_plan, DType::F32).is_none());
+    }
 }
