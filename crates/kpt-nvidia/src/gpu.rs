@@ -96,7 +96,13 @@ impl From<u32> for LaunchGrid {
 /// serialization on a device of compute capability `major`: from sm_90 (Hopper) on,
 /// unless `KPT_CUDA_PDL=0`.
 fn programmatic_launches(major: u32) -> bool {
-    major >= 9 && std::env::var("KPT_CUDA_PDL").map_or(true, |v| v != "0")
+    major >= 9 && switched_on("KPT_CUDA_PDL")
+}
+
+/// A performance switch that is on unless the environment sets `name=0` (for A/B runs in
+/// one build).
+fn switched_on(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v != "0")
 }
 
 /// A check that a launcher would make on the host after its kernel (a flag the kernel
@@ -204,8 +210,7 @@ impl Gpu {
             stream: Arc::clone(&stream),
         }));
         let programmatic = programmatic_launches(props.compute_capability.0);
-        let clusters = props.compute_capability.0 >= 9
-            && std::env::var("KPT_CUDA_CLUSTER_ATTENTION").map_or(true, |v| v != "0");
+        let clusters = props.compute_capability.0 >= 9 && switched_on("KPT_CUDA_CLUSTER_ATTENTION");
         tracing::info!(
             device = %props.name,
             arch = %props.arch(),
@@ -223,8 +228,8 @@ impl Gpu {
             programmatic: AtomicBool::new(programmatic),
             attention_blocks: AtomicUsize::new(0),
             cluster_attention: AtomicBool::new(clusters),
-            gemv_preload: std::env::var("KPT_CUDA_GEMV_PRELOAD").map_or(true, |v| v != "0"),
-            gemv_stage: std::env::var("KPT_CUDA_GEMV_STAGE").map_or(true, |v| v != "0"),
+            gemv_preload: switched_on("KPT_CUDA_GEMV_PRELOAD"),
+            gemv_stage: switched_on("KPT_CUDA_GEMV_STAGE"),
         })
     }
 
@@ -607,29 +612,29 @@ impl Gpu {
             }
             .map_err(|e| NvidiaError::driver("cuLaunchKernel", e));
         }
-        let mut attributes = Vec::with_capacity(2);
-        if programmatic {
+        // Both attributes on the stack (this is every kernel launch); the launch passes
+        // the serialization one, the cluster one, or both in that order.
+        let attribute = |id| sys::CUlaunchAttribute {
+            id,
+            pad: [0; 4],
             // SAFETY: an all-zero attribute value is valid (a union of plain integers).
-            let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-            value.programmaticStreamSerializationAllowed = 1;
-            attributes.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value,
-            });
-        }
-        if cluster > 1 {
-            // SAFETY: as above.
-            let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-            value.clusterDim.x = cluster;
-            value.clusterDim.y = 1;
-            value.clusterDim.z = 1;
-            attributes.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                pad: [0; 4],
-                value,
-            });
-        }
+            value: unsafe { std::mem::zeroed() },
+        };
+        let mut attributes = [
+            attribute(
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            ),
+            attribute(sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
+        ];
+        attributes[0].value.programmaticStreamSerializationAllowed = 1;
+        attributes[1].value.clusterDim.x = cluster;
+        attributes[1].value.clusterDim.y = 1;
+        attributes[1].value.clusterDim.z = 1;
+        let attributes = match (programmatic, cluster > 1) {
+            (true, true) => &mut attributes[..],
+            (true, false) => &mut attributes[..1],
+            (false, _) => &mut attributes[1..],
+        };
         let config = sys::CUlaunchConfig {
             gridDimX: blocks,
             gridDimY: 1,
