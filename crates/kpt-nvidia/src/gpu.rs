@@ -612,29 +612,29 @@ impl Gpu {
             }
             .map_err(|e| NvidiaError::driver("cuLaunchKernel", e));
         }
-        let mut attributes = Vec::with_capacity(2);
-        if programmatic {
+        // Both attributes on the stack (this is every kernel launch); the launch passes
+        // the serialization one, the cluster one, or both in that order.
+        let attribute = |id| sys::CUlaunchAttribute {
+            id,
+            pad: [0; 4],
             // SAFETY: an all-zero attribute value is valid (a union of plain integers).
-            let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-            value.programmaticStreamSerializationAllowed = 1;
-            attributes.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value,
-            });
-        }
-        if cluster > 1 {
-            // SAFETY: as above.
-            let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-            value.clusterDim.x = cluster;
-            value.clusterDim.y = 1;
-            value.clusterDim.z = 1;
-            attributes.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                pad: [0; 4],
-                value,
-            });
-        }
+            value: unsafe { std::mem::zeroed() },
+        };
+        let mut attributes = [
+            attribute(
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            ),
+            attribute(sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
+        ];
+        attributes[0].value.programmaticStreamSerializationAllowed = 1;
+        attributes[1].value.clusterDim.x = cluster;
+        attributes[1].value.clusterDim.y = 1;
+        attributes[1].value.clusterDim.z = 1;
+        let attributes = match (programmatic, cluster > 1) {
+            (true, true) => &mut attributes[..],
+            (true, false) => &mut attributes[..1],
+            (false, _) => &mut attributes[1..],
+        };
         let config = sys::CUlaunchConfig {
             gridDimX: blocks,
             gridDimY: 1,
