@@ -229,6 +229,9 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(0, CudaOptions::default())?);
     let device = backend.device().name.clone();
+    // `KPT_KERNEL__DISABLE` (the config's environment layer) takes kernels out for A/B runs.
+    let mut registry = KernelRegistry::with_builtin();
+    registry.set_disabled(&kpt_core::KptConfig::load_layered(None)?.kernel.disable);
     let mut rows = Vec::new();
     for s in SHAPES.iter().filter(|s| {
         args.filter
@@ -240,7 +243,7 @@ fn main() -> Result<()> {
             &graph,
             OptLevel::Conservative,
             &PrecisionPolicy::default(),
-            &KernelRegistry::with_builtin(),
+            &registry,
             backend.device(),
         )?;
         let nodes = plan.graph.nodes().len();
