@@ -116,26 +116,8 @@ __device__ __forceinline__ void unpack16(const uint4& v, float (&f)[8]) {
     }
 }
 
-// Dot product of two 16-byte vectors of T, accumulated into acc in element order.
-template <typename T>
-__device__ __forceinline__ float dot16(const uint4& a, const uint4& b, float acc) {
-    if constexpr (sizeof(T) == 2) {
-        float fa[8], fb[8];
-        unpack16<T>(a, fa);
-        unpack16<T>(b, fb);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc = fmaf(fa[i], fb[i], acc);
-    } else {
-        const T* ea = reinterpret_cast<const T*>(&a);
-        const T* eb = reinterpret_cast<const T*>(&b);
-#pragma unroll
-        for (int i = 0; i < kpt::Vec<T>::N; ++i) acc = fmaf(to_float(ea[i]), to_float(eb[i]), acc);
-    }
-    return acc;
-}
-
-// dot16 against a vector whose 8 elements are already f32 (lo: 0-3, hi: 4-7), in the
-// same order, so the sums are the same bits.
+// Dot product of a 16-byte vector of 16-bit T with 8 f32 elements (lo: 0-3, hi: 4-7),
+// accumulated into acc in element order.
 template <typename T>
 __device__ __forceinline__ float dot16_f32(const uint4& a, const float4& lo, const float4& hi,
                                            float acc) {
@@ -145,6 +127,24 @@ __device__ __forceinline__ float dot16_f32(const uint4& a, const float4& lo, con
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc = fmaf(fa[i], fb[i], acc);
     return acc;
+}
+
+// Dot product of two 16-byte vectors of T, accumulated into acc in element order (for
+// 16-bit T, dot16_f32 of b's elements: the staged classes' sums are the same bits).
+template <typename T>
+__device__ __forceinline__ float dot16(const uint4& a, const uint4& b, float acc) {
+    if constexpr (sizeof(T) == 2) {
+        float fb[8];
+        unpack16<T>(b, fb);
+        return dot16_f32<T>(a, make_float4(fb[0], fb[1], fb[2], fb[3]),
+                            make_float4(fb[4], fb[5], fb[6], fb[7]), acc);
+    } else {
+        const T* ea = reinterpret_cast<const T*>(&a);
+        const T* eb = reinterpret_cast<const T*>(&b);
+#pragma unroll
+        for (int i = 0; i < kpt::Vec<T>::N; ++i) acc = fmaf(to_float(ea[i]), to_float(eb[i]), acc);
+        return acc;
+    }
 }
 
 // 16-byte activation vectors the one-row 16-bit classes stage in shared memory as f32
