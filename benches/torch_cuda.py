@@ -110,6 +110,22 @@ def variants(req):
         sin = torch.cat((ang.sin(), ang.sin()), -1).to(dt)[None, :, None, :]
         f = lambda: x * cos + rotate_half(x) * sin
         return [("torch.compile", compiled(f)), ("torch eager", f)]
+    if kind == "split_rotary":
+        t, h, hkv, d = req["tokens"], req["heads"], req["kv_heads"], req["head_dim"]
+        qkv = rand((t, (h + 2 * hkv) * d), dt)
+        inv = 10000.0 ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+        ang = torch.arange(t, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
+        cos = torch.cat((ang.cos(), ang.cos()), -1).to(dt)[:, None, :]
+        sin = torch.cat((ang.sin(), ang.sin()), -1).to(dt)[:, None, :]
+
+        def split_rotary():
+            q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+            q, k = q.view(t, h, d), k.view(t, hkv, d)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            return q, k, v.contiguous()
+
+        return [("torch.compile", compiled(split_rotary)), ("torch eager", split_rotary)]
     if kind == "swiglu":
         rows, d = req["rows"], req["d"]
         x = rand((rows, 2 * d), dt, -3.0, 3.0)

@@ -490,6 +490,58 @@ fn cases() -> Vec<Case> {
         target: Target::OfCopy(0.85),
         note: "",
     });
+    // The memory-bound ops of the 1.1B LLaMA's prefill at B1 S2048 (2048 tokens, hidden
+    // 2048, 32 query / 4 kv heads of 64, intermediate 5632), where a call moves 8-70 MB.
+    let (tokens, hidden, ffn) = (2048usize, 2048usize, 5632usize);
+    out.push(Case {
+        name: format!("add_rms_norm_bf16_{tokens}x{hidden}"),
+        metric: "TB/s",
+        work: (4 * tokens * hidden * 2) as f64,
+        kpt: Work::Op(Op::AddRmsNorm { eps: 1e-5 }),
+        inputs: vec![
+            random(&mut rng, &[tokens, hidden], bf, -2.0, 2.0),
+            random(&mut rng, &[tokens, hidden], bf, -2.0, 2.0),
+            random(&mut rng, &[hidden], bf, 0.5, 1.5),
+        ],
+        torch: json!({"kind": "add_rms_norm", "rows": tokens, "dim": hidden, "dtype": "bf16"}),
+        target: Target::Ratio(1.0),
+        note: "bytes = read x, residual + write sum, out",
+    });
+    out.push(Case {
+        name: format!("swiglu_bf16_{tokens}x{ffn}"),
+        metric: "TB/s",
+        work: (tokens * 3 * ffn * 2) as f64,
+        kpt: Work::SwiGlu,
+        inputs: vec![random(&mut rng, &[tokens, 2 * ffn], bf, -3.0, 3.0)],
+        torch: json!({"kind": "swiglu", "rows": tokens, "d": ffn, "dtype": "bf16"}),
+        target: Target::Ratio(1.0),
+        note: "",
+    });
+    let (heads, kv_heads, d) = (32usize, 4usize, 64usize);
+    let sizes = vec![heads * d, kv_heads * d, kv_heads * d];
+    let width: usize = sizes.iter().sum();
+    let positions: Vec<f64> = (0..tokens).map(|p| p as f64).collect();
+    out.push(Case {
+        name: format!("split_rotary_bf16_{tokens}x{width}_d{d}"),
+        metric: "TB/s",
+        work: (2 * tokens * width * 2) as f64,
+        kpt: Work::Op(Op::SplitRotary {
+            head_dim: d,
+            theta: 10_000.0,
+            scaling: None,
+            sizes,
+            cache: false,
+        }),
+        inputs: vec![
+            random(&mut rng, &[tokens, width], bf, -2.0, 2.0),
+            Tensor::from_f64(&positions, &[tokens], DType::I32).expect("shape matches"),
+        ],
+        torch: json!({"kind": "split_rotary", "tokens": tokens, "heads": heads,
+                      "kv_heads": kv_heads, "head_dim": d, "dtype": "bf16"}),
+        target: Target::Ratio(1.0),
+        note: "bytes = read q/k/v + write q, k, v; torch: split, rotary of q and k from a \
+               precomputed cos/sin table, v made contiguous",
+    });
     let n = 16384 * 4096;
     out.push(Case {
         name: "quantize_bf16_to_e4m3_67M".into(),
