@@ -264,6 +264,26 @@ fn attention_cases() -> Vec<Case> {
             });
         }
     }
+    // The decode attention of the 1.1B LLaMA-shaped model (models-* reports) at one and
+    // 32 sequences over 512 keys: tracked without a target of its own.
+    for b in [1usize, 32] {
+        let (hq, hkv, d, s) = (32usize, 4usize, 64usize, 512usize);
+        out.push(Case {
+            name: format!("attention_decode_bf16_b{b}_h{hq}kv{hkv}_d{d}_kv{s}"),
+            metric: "TB/s",
+            work: (2 * b * s * hkv * d * 2) as f64,
+            kpt: Work::Op(params(hq, hkv, d, false)),
+            inputs: vec![
+                random(&mut rng, &[b, 1, hq * d], DType::BF16, -2.0, 2.0),
+                random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+                random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+            ],
+            torch: json!({"kind": "attention_decode", "batch": b, "heads": hq,
+                          "kv_heads": hkv, "head_dim": d, "seq_kv": s, "dtype": "bf16"}),
+            target: Target::None,
+            note: "bytes = K and V read once; split-KV kernel",
+        });
+    }
     let (b, hq, hkv, d) = (8usize, 32usize, 8usize, 128usize);
     for s in [8192usize, 32768] {
         let inputs = vec![
