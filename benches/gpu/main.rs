@@ -799,6 +799,10 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
             v.extend(case.inputs[1..].iter().cloned());
             (op.clone(), v)
         }
+        Work::Op(op @ Op::SplitRotary { .. }) => (
+            op.clone(),
+            vec![first(&case.inputs[0])?, first(&case.inputs[1])?],
+        ),
         Work::Op(op @ Op::AddRmsNorm { .. }) => (
             op.clone(),
             vec![
