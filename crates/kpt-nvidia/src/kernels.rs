@@ -456,6 +456,13 @@ struct SplitDims {
 // `SplitDims`; any bit pattern is a valid value.
 unsafe impl cudarc::driver::DeviceRepr for SplitDims {}
 
+impl SplitDims {
+    /// Blocks of a split launch: one per kv group and run.
+    fn blocks(&self) -> usize {
+        self.dims.batch as usize * self.dims.kv_heads as usize * self.splits as usize
+    }
+}
+
 /// A paged KV cache in device memory, as [`Gpu::paged_attention`] takes it: the caches
 /// `[num_blocks, block_size, kv_heads * head_dim]`, the block table `[batch, max_blocks]`
 /// and the sequence lengths `[batch]` (i32 or i64 each). Nothing here is read on the
@@ -746,8 +753,7 @@ impl Gpu {
             return Ok(());
         };
         if let Some(c) = self.cluster_split(split, dtype) {
-            let groups = dims.batch as usize * dims.kv_heads as usize;
-            let split_blocks = grid("attention splits", groups * c.splits as usize)?;
+            let split_blocks = grid("attention splits", c.blocks())?;
             let entry = format!("kpt_attention_split_cluster_{name}");
             launch!(self, "attention_split", entry, split_blocks, cluster c.splits as u32;
                 q, k, v, mask, out, c);
@@ -756,8 +762,7 @@ impl Gpu {
         // Per (row, run of tiles): max, sum, P·V of head_dim floats.
         let splits = split.splits as usize;
         let part = self.alloc(dims.rows() * splits * (dims.head_dim as usize + 2) * 4)?;
-        let groups = dims.batch as usize * dims.kv_heads as usize;
-        let split_blocks = grid("attention splits", groups * splits)?;
+        let split_blocks = grid("attention splits", split.blocks())?;
         let entry = format!("kpt_attention_split_{name}");
         launch!(self, "attention_split", entry, split_blocks; q, k, v, mask, part.ptr(), split);
         let entry = format!("kpt_attention_combine_{name}");
@@ -769,15 +774,14 @@ impl Gpu {
     /// [`Gpu::cluster_attention`] is on and its blocks fit within one block per SM: with
     /// many kv groups (batched decode) clusters of 8 blocks of 48 KiB schedule worse than
     /// the plain grid and the combine launch weighs little (B32 decode of the 1.1B LLaMA:
-    /// attention 0.79 against 0.58 ms a step).
+    /// attention 0.79 against 0.58 ms a step; clusters of its 4 runs a group, 1.20 against
+    /// 1.74 TB/s).
     fn cluster_split(&self, split: SplitDims, dtype: DType) -> Option<SplitDims> {
         if !self.cluster_attention() {
             return None;
         }
         let plan = AttentionDims::cluster_plan(split, dtype)?;
-        let d = &plan.dims;
-        let blocks = d.batch as usize * d.kv_heads as usize * plan.splits as usize;
-        (blocks <= self.properties().sm_count as usize).then_some(plan)
+        (plan.blocks() <= self.properties().sm_count as usize).then_some(plan)
     }
 
     /// Attention of `q [batch, seq_q, heads * d]` over a paged KV cache on the split-KV
@@ -829,9 +833,8 @@ impl Gpu {
             max_blocks: int("max blocks", cache.max_blocks)?,
             num_blocks: int("cache blocks", cache.num_blocks)?,
         };
-        let groups = dims.batch as usize * dims.kv_heads as usize;
         if let Some(c) = self.cluster_split(split, dtype) {
-            let split_blocks = grid("attention splits", groups * c.splits as usize)?;
+            let split_blocks = grid("attention splits", c.blocks())?;
             let entry = format!("kpt_attention_split_paged_cluster_{name}");
             launch!(self, "attention_split", entry, split_blocks, cluster c.splits as u32;
                 q, k, v, out, c, pg);
@@ -839,7 +842,7 @@ impl Gpu {
         }
         let splits = split.splits as usize;
         let part = self.alloc(dims.rows() * splits * (dims.head_dim as usize + 2) * 4)?;
-        let split_blocks = grid("attention splits", groups * splits)?;
+        let split_blocks = grid("attention splits", split.blocks())?;
         let entry = format!("kpt_attention_split_paged_{name}");
         launch!(self, "attention_split", entry, split_blocks; q, k, v, part.ptr(), split, pg);
         let blocks = grid(
