@@ -342,6 +342,39 @@ fn attention_cases() -> Vec<Case> {
     out
 }
 
+/// bf16 residual add + RMSNorm of `rows x dim`.
+fn add_rms_norm_case(rng: &mut SplitMix64, rows: usize, dim: usize, target: Target) -> Case {
+    let bf = DType::BF16;
+    Case {
+        name: format!("add_rms_norm_bf16_{rows}x{dim}"),
+        metric: "TB/s",
+        work: (4 * rows * dim * 2) as f64,
+        kpt: Work::Op(Op::AddRmsNorm { eps: 1e-5 }),
+        inputs: vec![
+            random(rng, &[rows, dim], bf, -2.0, 2.0),
+            random(rng, &[rows, dim], bf, -2.0, 2.0),
+            random(rng, &[dim], bf, 0.5, 1.5),
+        ],
+        torch: json!({"kind": "add_rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
+        target,
+        note: "bytes = read x, residual + write sum, out",
+    }
+}
+
+/// bf16 SwiGLU of `rows x 2d` into `rows x d`.
+fn swiglu_case(rng: &mut SplitMix64, rows: usize, d: usize, target: Target) -> Case {
+    Case {
+        name: format!("swiglu_bf16_{rows}x{d}"),
+        metric: "TB/s",
+        work: (rows * 3 * d * 2) as f64,
+        kpt: Work::SwiGlu,
+        inputs: vec![random(rng, &[rows, 2 * d], DType::BF16, -3.0, 3.0)],
+        torch: json!({"kind": "swiglu", "rows": rows, "d": d, "dtype": "bf16"}),
+        target,
+        note: "",
+    }
+}
+
 fn cases() -> Vec<Case> {
     let mut rng = SplitMix64::new(0x6b70);
     let bf = DType::BF16;
@@ -456,20 +489,7 @@ fn cases() -> Vec<Case> {
         target: Target::Value(2.8),
         note: "bytes = read x + write out",
     });
-    out.push(Case {
-        name: "add_rms_norm_bf16_32768x4096".into(),
-        metric: "TB/s",
-        work: 4.0 * bytes,
-        kpt: Work::Op(Op::AddRmsNorm { eps: 1e-5 }),
-        inputs: vec![
-            random(&mut rng, &[rows, dim], bf, -2.0, 2.0),
-            random(&mut rng, &[rows, dim], bf, -2.0, 2.0),
-            random(&mut rng, &[dim], bf, 0.5, 1.5),
-        ],
-        torch: json!({"kind": "add_rms_norm", "rows": rows, "dim": dim, "dtype": "bf16"}),
-        target: Target::Ratio(1.2),
-        note: "bytes = read x, residual + write sum, out",
-    });
+    out.push(add_rms_norm_case(&mut rng, rows, dim, Target::Ratio(1.2)));
     out.push(Case {
         name: "softmax_bf16_32768x4096".into(),
         metric: "TB/s",
@@ -499,44 +519,17 @@ fn cases() -> Vec<Case> {
         target: Target::OfCopy(0.85),
         note: "torch uses a precomputed cos/sin table; kpt computes it per row",
     });
-    let (rows, d) = (16384usize, 11008usize);
-    out.push(Case {
-        name: "swiglu_bf16_16384x11008".into(),
-        metric: "TB/s",
-        work: (rows * 3 * d * 2) as f64,
-        kpt: Work::SwiGlu,
-        inputs: vec![random(&mut rng, &[rows, 2 * d], bf, -3.0, 3.0)],
-        torch: json!({"kind": "swiglu", "rows": rows, "d": d, "dtype": "bf16"}),
-        target: Target::OfCopy(0.85),
-        note: "",
-    });
+    out.push(swiglu_case(&mut rng, 16384, 11008, Target::OfCopy(0.85)));
     // The memory-bound ops of the 1.1B LLaMA's prefill at B1 S2048 (2048 tokens, hidden
     // 2048, 32 query / 4 kv heads of 64, intermediate 5632), where a call moves 8-70 MB.
     let (tokens, hidden, ffn) = (2048usize, 2048usize, 5632usize);
-    out.push(Case {
-        name: format!("add_rms_norm_bf16_{tokens}x{hidden}"),
-        metric: "TB/s",
-        work: (4 * tokens * hidden * 2) as f64,
-        kpt: Work::Op(Op::AddRmsNorm { eps: 1e-5 }),
-        inputs: vec![
-            random(&mut rng, &[tokens, hidden], bf, -2.0, 2.0),
-            random(&mut rng, &[tokens, hidden], bf, -2.0, 2.0),
-            random(&mut rng, &[hidden], bf, 0.5, 1.5),
-        ],
-        torch: json!({"kind": "add_rms_norm", "rows": tokens, "dim": hidden, "dtype": "bf16"}),
-        target: Target::Ratio(1.0),
-        note: "bytes = read x, residual + write sum, out",
-    });
-    out.push(Case {
-        name: format!("swiglu_bf16_{tokens}x{ffn}"),
-        metric: "TB/s",
-        work: (tokens * 3 * ffn * 2) as f64,
-        kpt: Work::SwiGlu,
-        inputs: vec![random(&mut rng, &[tokens, 2 * ffn], bf, -3.0, 3.0)],
-        torch: json!({"kind": "swiglu", "rows": tokens, "d": ffn, "dtype": "bf16"}),
-        target: Target::Ratio(1.0),
-        note: "",
-    });
+    out.push(add_rms_norm_case(
+        &mut rng,
+        tokens,
+        hidden,
+        Target::Ratio(1.0),
+    ));
+    out.push(swiglu_case(&mut rng, tokens, ffn, Target::Ratio(1.0)));
     let (heads, kv_heads, d) = (32usize, 4usize, 64usize);
     let sizes = vec![heads * d, kv_heads * d, kv_heads * d];
     let width: usize = sizes.iter().sum();

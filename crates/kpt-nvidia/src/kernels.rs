@@ -774,7 +774,7 @@ impl Gpu {
     /// [`Gpu::cluster_attention`] is on and its blocks fit within one block per SM: with
     /// many kv groups (batched decode) clusters of 8 blocks of 48 KiB schedule worse than
     /// the plain grid and the combine launch weighs little (B32 decode of the 1.1B LLaMA:
-    /// attention 0.79 against 0.58 ms a step; clusters of its 4 runs a group, 1.20 against
+    /// attention 0.79 against 0.58 ms a step; clusters of a group's 4 runs: 1.20 against
     /// 1.74 TB/s).
     fn cluster_split(&self, split: SplitDims, dtype: DType) -> Option<SplitDims> {
         if !self.cluster_attention() {
