@@ -709,15 +709,20 @@ fn main() -> Result<()> {
         DType::BF16 => model,
         _ => ckpt.load_model(DType::BF16)?,
     };
-    let mut prefill = kpt.executor(&bf16_model.graph(Phase::Prefill, prompt.len())?, level)?;
-    let mut decode = kpt.executor(&bf16_model.graph(Phase::DecodeGreedy, prompt.len())?, level)?;
-    decode.set_graphs(true);
-    let mut seq = Batch::prefill(&kpt, &mut prefill, std::slice::from_ref(&prompt))?;
-    let got = (0..new)
-        .map(|_| Ok(seq.step(&kpt, &mut decode)?[0]))
-        .collect::<Result<Vec<_>>>()?;
-    drop((prefill, decode));
-    let same = want.iter().zip(&got).take_while(|(a, b)| a == b).count();
+    let got = greedy(&kpt, &bf16_model, level, &prompt, new)?;
+    let same = common_prefix(&want, &got);
+    // The fp32 greedy sequence (both sides), which neither bf16 run is bound to keep:
+    // how long each follows it says whether kpt's roundings part earlier than HF's.
+    let reply = worker.call(&json!({"op": "greedy", "dtype": "f32", "ids": prompt, "new": new}))?;
+    let hf_f32: Vec<i64> = serde_json::from_value(reply["tokens"].clone())?;
+    let kpt_f32 = greedy(&kpt, &f32_model, OptLevel::Conservative, &prompt, new)?;
+    let fp32_note = format!(
+        "; the fp32 greedy sequences of HF and kpt agree for {} tokens, and HF's bf16 run \
+         follows HF's fp32 one for {}, kpt's bf16 run kpt's fp32 one for {}",
+        common_prefix(&hf_f32, &kpt_f32),
+        common_prefix(&want, &hf_f32),
+        common_prefix(&got, &kpt_f32),
+    );
     let mut row = Row::absolute(
         "bf16 greedy tokens equal to HF",
         "tokens",
@@ -726,7 +731,8 @@ fn main() -> Result<()> {
     )
     .with_target(new as f64)
     .with_note(format!(
-        "first {new} greedy tokens after a 16-token prompt, bf16 weights and activations"
+        "first {new} greedy tokens after a 16-token prompt, bf16 weights and activations\
+         {fp32_note}"
     ));
     if same < new.min(got.len()) {
         // How close the two choices are in fp32, on the text both agreed on.
@@ -752,6 +758,29 @@ fn main() -> Result<()> {
     report.rows.push(row);
     progress.finish_and_clear();
     write_report(&report, &args.out)
+}
+
+/// `new` greedy tokens of `model` at `level` after `prompt`, decoding from a replayed
+/// graph as the decode rows do.
+fn greedy(
+    kpt: &Kpt,
+    model: &Model,
+    level: OptLevel,
+    prompt: &[i64],
+    new: usize,
+) -> Result<Vec<i64>> {
+    let mut prefill = kpt.executor(&model.graph(Phase::Prefill, prompt.len())?, level)?;
+    let mut decode = kpt.executor(&model.graph(Phase::DecodeGreedy, prompt.len())?, level)?;
+    decode.set_graphs(true);
+    let mut seq = Batch::prefill(kpt, &mut prefill, &[prompt.to_vec()])?;
+    (0..new)
+        .map(|_| Ok(seq.step(kpt, &mut decode)?[0]))
+        .collect()
+}
+
+/// How many leading tokens two sequences share.
+fn common_prefix(a: &[i64], b: &[i64]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 fn write_report(report: &Report, out: &Path) -> Result<()> {
