@@ -731,8 +731,12 @@ fn main() -> Result<()> {
     )
     .with_target(new as f64)
     .with_note(format!(
-        "first {new} greedy tokens after a 16-token prompt, bf16 weights and activations\
-         {fp32_note}"
+        "first {new} greedy tokens after a 16-token prompt, {}{fp32_note}",
+        if gpu {
+            "bf16 weights and activations"
+        } else {
+            "bf16 weights (kpt keeps f32 activations on the CPU, HF runs bf16 throughout)"
+        }
     ));
     if same < new.min(got.len()) {
         // How close the two choices are in fp32, on the text both agreed on.
