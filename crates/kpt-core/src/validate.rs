@@ -22,6 +22,34 @@ pub trait ReferenceOps {
     fn eval(&self, op: &Op, inputs: &[Tensor]) -> Result<Vec<Tensor>>;
 }
 
+/// The reference outputs of `op` on `inputs` that a kernel which returned `got` is held
+/// to. A residual add + norm normalizes the sum it stores, rounded to its dtype, so its
+/// norm output is the reference norm of `got`'s sum (for two nearly equal columns of a
+/// 16-bit layer norm, that rounding alone moves the result past any tolerance); its sum,
+/// and every other op's outputs, are the reference's on `inputs`.
+pub fn reference_outputs(
+    reference: &dyn ReferenceOps,
+    op: &Op,
+    inputs: &[Tensor],
+    got: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    let mut want = reference.eval(op, inputs)?;
+    let norm = match *op {
+        Op::AddRmsNorm { eps } => Op::RmsNorm { eps },
+        Op::AddLayerNorm { eps } => Op::LayerNorm { eps },
+        _ => return Ok(want),
+    };
+    let (Some(sum), Some(out)) = (got.first(), want.get_mut(1)) else {
+        return Err(KptError::InvalidArgument(format!(
+            "{op}: a stored sum and a norm output to compare"
+        )));
+    };
+    let mut args = vec![sum.clone()];
+    args.extend(inputs.iter().skip(2).cloned());
+    *out = reference.eval(&norm, &args)?.remove(0);
+    Ok(want)
+}
+
 /// An `|got - want| <= abs + rel * |want|` bound.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Tolerance {
@@ -402,6 +430,54 @@ mod tests {
 
     fn t(v: &[f64]) -> Tensor {
         Tensor::from_vec(v.to_vec(), &[v.len()]).unwrap()
+    }
+
+    /// A reference whose residual add + norm returns (x + r, x + r) and whose norm
+    /// returns its input doubled, so the test can tell which sum a norm output came from.
+    struct Doubling;
+
+    impl ReferenceOps for Doubling {
+        fn eval(&self, op: &Op, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+            let v = |t: &Tensor| t.to_f64_vec();
+            match op {
+                Op::AddRmsNorm { .. } => {
+                    let s: Vec<f64> = v(&inputs[0])
+                        .iter()
+                        .zip(v(&inputs[1]))
+                        .map(|(a, b)| a + b)
+                        .collect();
+                    Ok(vec![t(&s), t(&s)])
+                }
+                Op::RmsNorm { .. } => Ok(vec![t(&v(&inputs[0])
+                    .iter()
+                    .map(|x| 2.0 * x)
+                    .collect::<Vec<_>>())]),
+                _ => Ok(inputs.to_vec()),
+            }
+        }
+    }
+
+    #[test]
+    fn an_add_norms_norm_output_is_held_to_the_norm_of_its_stored_sum() {
+        let (x, r, w) = (t(&[1.0, 2.0]), t(&[0.5, 0.25]), t(&[1.0, 1.0]));
+        let op = Op::AddRmsNorm { eps: 1e-5 };
+        let stored = t(&[1.5, 2.5]);
+        let want = reference_outputs(&Doubling, &op, &[x.clone(), r, w], &[stored]).unwrap();
+        assert_eq!(
+            want[0].to_f64_vec(),
+            [1.5, 2.25],
+            "the sum: the reference's"
+        );
+        assert_eq!(
+            want[1].to_f64_vec(),
+            [3.0, 5.0],
+            "the norm: of the stored sum"
+        );
+        // Other ops: the reference's outputs on the inputs, whatever the kernel returned.
+        let want = reference_outputs(&Doubling, &Op::Add, std::slice::from_ref(&x), &[]).unwrap();
+        assert_eq!(want[0].to_f64_vec(), x.to_f64_vec());
+        // An add + norm without a stored sum to normalize is an error, not a panic.
+        assert!(reference_outputs(&Doubling, &op, &[x.clone(), x.clone(), x], &[]).is_err());
     }
 
     #[test]

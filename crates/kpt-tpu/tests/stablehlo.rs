@@ -7,7 +7,7 @@ mod common;
 use common::{client, ints, random};
 use kpt_core::graph::{Activation, AttentionParams, Op, RopeScaling};
 use kpt_core::rand::SplitMix64;
-use kpt_core::validate::{reduction_len, tolerance, ReferenceOps};
+use kpt_core::validate::{reduction_len, reference_outputs, tolerance, ReferenceOps};
 use kpt_core::{DType, Graph, Tensor, TensorSpec};
 use kpt_kernels::CpuReference;
 use kpt_tpu::stablehlo::{emit_graph, emit_graph_for, Target};
@@ -44,21 +44,7 @@ fn check_for(op: Op, inputs: Vec<Tensor>, target: Target) -> Result<(), TestCase
     let got = client
         .run_program(&program, &g, &inputs)
         .map_err(|e| TestCaseError::fail(format!("{op:?}: {e}\n{}", program.mlir)))?;
-    let mut want = CpuReference.eval(&op, &inputs).unwrap();
-    // A residual add + norm normalizes the sum it stores, rounded to the dtype: its norm
-    // output is checked against the reference norm of that stored sum (for two nearly
-    // equal columns of a 16-bit layer norm, rounding the sum alone moves the result by
-    // more than any tolerance), the sum itself against the reference sum.
-    let norm = match op {
-        Op::AddRmsNorm { eps } => Some((Op::RmsNorm { eps }, &inputs[2..])),
-        Op::AddLayerNorm { eps } => Some((Op::LayerNorm { eps }, &inputs[2..])),
-        _ => None,
-    };
-    if let Some((norm, params)) = norm {
-        let mut args = vec![got[0].clone()];
-        args.extend(params.iter().cloned());
-        want[1] = CpuReference.eval(&norm, &args).unwrap().remove(0);
-    }
+    let want = reference_outputs(&CpuReference, &op, &inputs, &got).unwrap();
     let k = reduction_len(&op, &specs);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         prop_assert_eq!(g.shape(), w.shape(), "output {} shape", i);
