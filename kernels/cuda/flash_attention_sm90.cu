@@ -67,7 +67,7 @@
 // (natural log, f32 [batch, heads, seq_q], +inf for rows that see no key) is written there
 // too, for the backward pass; the FP8 entry writes none.
 // Tuning switches for standalone builds (target/fa3test): KPT_FA3_STAGES_D64/_D128,
-// KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE; the artifacts use the defaults.
+// KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE, KPT_FA3_POLY_FP8; the artifacts use the defaults.
 //
 // kpt:launch kpt_flash_attention_sm90_bf16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bf16_d128 block=384 shared=230512 grid=tiles
@@ -103,7 +103,11 @@
 // column L of a 32-key block holds key 16 (L / 16) + 8 ((L / 2) % 2) + 2 ((L / 4) % 4) + L % 2).
 // The sum over keys does not depend on their order. P is exp2(s - max + 8) (at most 256, the
 // upper part of e4m3's range, so small probabilities keep their mantissa bits); the factor
-// cancels in the normalization. Per-tensor scales: the host folds q_scale * k_scale into
+// cancels in the normalization. With the tensor cores twice as fast as for bf16, the softmax
+// bounds the FP8 kernel: on fully visible tiles one n8 block of scores in eight takes its
+// exp2 from a polynomial on the FMA units (exp2_fma) instead of the MUFU units (one in four
+// measured slower: the FMA units' extra instructions then cost more than the MUFU time
+// saved). Per-tensor scales: the host folds q_scale * k_scale into
 // Dims::scale and passes v_scale to multiply the output.
 
 #include <cstdint>
@@ -185,6 +189,10 @@ static_assert(Regs<3>::kProducer * 128 + Regs<3>::kConsumer * 384 <= Regs<3>::kL
 #endif
 #ifndef KPT_FA3_PINGPONG
 #define KPT_FA3_PINGPONG 1
+#endif
+// FP8: one n8 block of scores in KPT_FA3_POLY_FP8 takes its exp2 on the FMA units (0: none).
+#ifndef KPT_FA3_POLY_FP8
+#define KPT_FA3_POLY_FP8 8
 #endif
 // The consumers' fence.proxy.async after each "full" wait (see fence_proxy_async).
 #ifndef KPT_FA3_PROXY_FENCE
@@ -542,13 +550,27 @@ __device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kPStep
     fence_regs(pf);
 }
 
+// 2^x on the FMA units (x <= 127): x = i + f with i the nearest integer (the 1.5 * 2^23
+// rounding trick) and f in [-0.5, 0.5], 2^f from a degree-3 polynomial (relative error
+// 7.5e-5, minimax), i added to its exponent. Inputs below -120 give 2^-120.
+__device__ __forceinline__ float exp2_fma(float x) {
+    x = fmaxf(x, -120.0f);
+    const float t = x + 12582912.0f;  // 1.5 * 2^23: its low mantissa bits hold round(x)
+    const float f = x - (t - 12582912.0f);
+    float p = fmaf(0.0551713765f, f, 0.242611211f);
+    p = fmaf(p, f, 0.693261031f);
+    p = fmaf(p, f, 0.99992807f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 // Online softmax of one S tile for this thread's two rows (qi0: elements 4j, 4j + 1; qi0 + 8:
 // elements 4j + 2, 4j + 3; keys n0 + 8j + 2 tig + {0, 1}). S becomes the unnormalized P,
 // alpha the factor that rescales the rows' old O. kEdge: scale and mask each element (any
 // scale sign); otherwise the tile is fully visible and scale2 > 0, so the max of the raw
 // scores gives the max and one FMA per element scales and subtracts it. P is scaled by
-// 2^kPOffset (see the FP8 notes at the top).
-template <bool kEdge, bool kMask, int kPOffset, int BN = kBlockN>
+// 2^kPOffset (see the FP8 notes at the top). kPoly > 0: on fully visible tiles, every
+// kPoly-th n8 block of scores takes exp2_fma instead of the MUFU units' exp2.
+template <bool kEdge, bool kMask, int kPOffset, int BN = kBlockN, int kPoly = 0>
 __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], float (&m_run)[2],
                                              float (&l_run)[2], float (&alpha)[2], float scale2,
                                              int n0, int qi0, int tig, const Dims& p,
@@ -619,7 +641,14 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], float (&m_run)[
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const float b = base[e >> 1];
-            const float x = kEdge ? exp2f(s[4 * j + e] - b) : exp2f(fmaf(s[4 * j + e], scale2, -b));
+            float x;
+            if constexpr (kEdge) {
+                x = exp2f(s[4 * j + e] - b);
+            } else if (kPoly > 0 && j % (kPoly > 0 ? kPoly : 1) == kPoly - 1) {
+                x = exp2_fma(fmaf(s[4 * j + e], scale2, -b));
+            } else {
+                x = exp2f(fmaf(s[4 * j + e], scale2, -b));
+            }
             s[4 * j + e] = x;
             sum[e >> 1] += x;
         }
@@ -732,6 +761,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     constexpr int kConsumers = C::kConsumers;
     using R = Regs<kConsumers>;
     constexpr int kPOffset = kFp8<T> ? 8 : 0;
+    // FP8: the tensor cores take half the cycles of bf16 for the same tile, and one exp2 per
+    // score costs as many on the MUFU units; part of them go to the FMA units.
+    constexpr int kPoly = kFp8<T> ? KPT_FA3_POLY_FP8 : 0;
     constexpr int kStages = C::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -934,8 +966,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     softmax_tile<true, kMask, kPOffset, BN>(s_acc, m_run, l_run, alpha, scale2, n0,
                                                         qi0, tig, p, mask);
                 } else {
-                    softmax_tile<false, false, kPOffset, BN>(s_acc, m_run, l_run, alpha, scale2, n0,
-                                                         qi0, tig, p, mask);
+                    softmax_tile<false, false, kPOffset, BN, kPoly>(s_acc, m_run, l_run, alpha,
+                                                                    scale2, n0, qi0, tig, p, mask);
                 }
             };
             if (kPingPong && c == kLast) named_arrive(kSchedBarrier, 256);
