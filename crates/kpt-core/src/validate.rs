@@ -2,7 +2,8 @@
 //!
 //! Two checks, both reported:
 //! - **per op**: every node's output is compared with the f64 reference applied to
-//!   the very inputs the node received, so each kernel's own error is measured
+//!   the very inputs the node received (a residual add + norm's norm output also with
+//!   the norm of the sum it stored, [`reference_outputs`]), so each kernel's own error is measured
 //!   against a tolerance for its output dtype and reduction length;
 //! - **end to end**: the plan's outputs are compared with the f64 reference of the
 //!   original, unoptimized graph; this includes the error of lower-precision weights
@@ -34,10 +35,8 @@ pub fn reference_outputs(
     got: &[Tensor],
 ) -> Result<Vec<Tensor>> {
     let mut want = reference.eval(op, inputs)?;
-    let norm = match *op {
-        Op::AddRmsNorm { eps } => Op::RmsNorm { eps },
-        Op::AddLayerNorm { eps } => Op::LayerNorm { eps },
-        _ => return Ok(want),
+    let Some(norm) = norm_of_sum(op) else {
+        return Ok(want);
     };
     let (Some(sum), Some(out)) = (got.first(), want.get_mut(1)) else {
         return Err(KptError::InvalidArgument(format!(
@@ -48,6 +47,15 @@ pub fn reference_outputs(
     args.extend(inputs.iter().skip(2).cloned());
     *out = reference.eval(&norm, &args)?.remove(0);
     Ok(want)
+}
+
+/// The norm a residual add + norm applies to its sum; `None` for every other op.
+fn norm_of_sum(op: &Op) -> Option<Op> {
+    match *op {
+        Op::AddRmsNorm { eps } => Some(Op::RmsNorm { eps }),
+        Op::AddLayerNorm { eps } => Some(Op::LayerNorm { eps }),
+        _ => None,
+    }
 }
 
 /// An `|got - want| <= abs + rel * |want|` bound.
@@ -362,17 +370,36 @@ pub fn validate_plan(
             .iter()
             .map(|t| TensorSpec::new(t.shape(), t.dtype()))
             .collect();
+        let got = node
+            .outputs
+            .iter()
+            .map(|o| {
+                values[o.0]
+                    .clone()
+                    .ok_or_else(|| KptError::Graph("output not traced".into()))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let want = reference.eval(&node.op, &ins)?;
+        // A residual add + norm may normalize its sum before or after rounding it to its
+        // dtype (the f64 reference kernel does the former, the 16-bit GPU and XLA kernels
+        // the latter): its norm output is held to the closer of the two references.
+        let stored = match norm_of_sum(&node.op) {
+            Some(_) => Some(reference_outputs(reference, &node.op, &ins, &got)?),
+            None => None,
+        };
         let k = reduction_len(&node.op, &specs);
         let mut worst: Option<(DType, Tolerance, ErrorStats)> = None;
-        for (o, w) in node.outputs.iter().zip(&want) {
-            let got = values[o.0]
-                .as_ref()
-                .ok_or_else(|| KptError::Graph("output not traced".into()))?;
+        for (i, (got, w)) in got.iter().zip(&want).enumerate() {
             let mut tol = tolerance(&node.op, got.dtype(), k);
             tol.abs *= tolerance_scale;
             tol.rel *= tolerance_scale;
-            let e = compare(got, w, tol)?;
+            let mut e = compare(got, w, tol)?;
+            if let Some(alt) = stored.as_ref().and_then(|s| s.get(i)) {
+                let e2 = compare(got, alt, tol)?;
+                if e2.within && !e.within || e2.within == e.within && e2.max_abs < e.max_abs {
+                    e = e2;
+                }
+            }
             if worst.is_none_or(|(_, _, we)| !e.within || e.max_abs > we.max_abs && we.within) {
                 worst = Some((got.dtype(), tol, e));
             }

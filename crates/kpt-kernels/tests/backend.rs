@@ -404,6 +404,40 @@ fn add_layer_norm_validates_in_low_precision() {
     }
 }
 
+/// An f32 add + layer norm over two columns whose sum differs by less than f32 keeps:
+/// `cpu.add_layer_norm` normalizes the sum it stores (equal columns: zeros), the f64 sum
+/// normalizes to +-5e-3. The per-op check accepts the kernel (the norm of its stored
+/// sum); the end-to-end check, against the f64 reference of the whole graph, reports
+/// the rounding.
+#[test]
+fn add_layer_norm_is_checked_against_the_sum_it_stored() {
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[1, 2]);
+    let r = g.input("residual", DType::F32, &[1, 2]);
+    let nw = g.param(
+        "norm.weight",
+        Tensor::from_vec(vec![1.0f32; 2], &[2]).unwrap(),
+    );
+    let nb = g.param("norm.bias", Tensor::zeros(DType::F32, &[2]));
+    let s = g.op("residual_add", Op::Add, &[x, r]).unwrap();
+    let y = g
+        .op("norm", Op::LayerNorm { eps: 1e-12 }, &[s, nw, nb])
+        .unwrap();
+    g.output(y).unwrap();
+    g.output(s).unwrap();
+    let row = |v: [f32; 2]| Tensor::from_vec(v.to_vec(), &[1, 2]).unwrap();
+    let inputs = [row([1.0, 1.0]), row([0.0, 1e-8])];
+    let backend = backend();
+    let plan = optimize(&g, OptLevel::Conservative, &backend);
+    assert_eq!(kernels(&plan), ["cpu.add_layer_norm"]);
+    let mut exec = Executor::new(plan, backend).unwrap();
+    let report = validate_plan(&mut exec, &g, &CpuReference, &inputs, 1.0).unwrap();
+    // The node's worst output is its sum (f32 rounding, 1e-8), not the norm (0).
+    assert!(report.ops[0].error.within, "{report:#?}");
+    assert!(report.ops[0].error.max_abs < 1e-7, "{report:#?}");
+    assert!(!report.outputs[0].error.within, "{report:#?}");
+}
+
 fn attention_graph(rng: &mut Rng) -> Graph {
     let p = AttentionParams {
         mask: true,
