@@ -3,8 +3,8 @@
 //! Two checks, both reported:
 //! - **per op**: every node's output is compared with the f64 reference applied to
 //!   the very inputs the node received (a residual add + norm's norm output also with
-//!   the norm of the sum it stored, [`reference_outputs`]), so each kernel's own error is measured
-//!   against a tolerance for its output dtype and reduction length;
+//!   the norm of the sum it stored, [`reference_outputs`]), so each kernel's own error
+//!   is measured against a tolerance for its output dtype and reduction length;
 //! - **end to end**: the plan's outputs are compared with the f64 reference of the
 //!   original, unoptimized graph; this includes the error of lower-precision weights
 //!   and is held to a budget per weight dtype.
@@ -381,12 +381,11 @@ pub fn validate_plan(
             .collect::<Result<Vec<_>>>()?;
         let want = reference.eval(&node.op, &ins)?;
         // A residual add + norm may normalize its sum before or after rounding it to its
-        // dtype (the f64 reference kernel does the former, the 16-bit GPU and XLA kernels
-        // the latter): its norm output is held to the closer of the two references.
-        let stored = match norm_of_sum(&node.op) {
-            Some(_) => Some(reference_outputs(reference, &node.op, &ins, &got)?),
-            None => None,
-        };
+        // dtype (the f64 reference kernel does the former, the fused CPU, GPU and XLA
+        // kernels the latter): its norm output is held to the closer of the two references.
+        let stored = norm_of_sum(&node.op)
+            .map(|_| reference_outputs(reference, &node.op, &ins, &got))
+            .transpose()?;
         let k = reduction_len(&node.op, &specs);
         let mut worst: Option<(DType, Tolerance, ErrorStats)> = None;
         for (i, (got, w)) in got.iter().zip(&want).enumerate() {
