@@ -143,6 +143,48 @@ pub fn tolerance(op: &Op, dtype: DType, k: usize) -> Tolerance {
     Tolerance { abs: t, rel: t }
 }
 
+/// The tolerance of output `index` of `op` on `inputs`, of `dtype`: [`tolerance`] for
+/// the op's reduction length, with the absolute part of a layer norm's output widened
+/// by its condition. Centering a row whose values are nearly equal cancels digits: the
+/// mean's rounding in the compute precision (f32, f64 for f64) is magnified by
+/// `max|x| / sqrt(var + eps)` of the row, however exact the rest of the kernel is.
+pub fn output_tolerance(op: &Op, inputs: &[Tensor], index: usize, dtype: DType) -> Tolerance {
+    let specs: Vec<TensorSpec> = inputs
+        .iter()
+        .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+        .collect();
+    let mut tol = tolerance(op, dtype, reduction_len(op, &specs));
+    let centered = match (op, index) {
+        (Op::LayerNorm { eps }, 0) => inputs.first().map(|x| (x.to_f64_vec(), *eps)),
+        (Op::AddLayerNorm { eps }, 1) => inputs.get(..2).map(|xr| {
+            let (x, r) = (xr[0].to_f64_vec(), xr[1].to_f64_vec());
+            (x.iter().zip(&r).map(|(a, b)| a + b).collect(), *eps)
+        }),
+        _ => None,
+    };
+    let cols = inputs.first().and_then(|x| x.shape().last().copied());
+    if let (Some((x, eps)), Some(cols @ 1..)) = (centered, cols) {
+        let condition = x
+            .chunks(cols)
+            .map(|row| {
+                let n = row.len() as f64;
+                let mean = row.iter().sum::<f64>() / n;
+                let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+                let largest = row.iter().fold(0f64, |m, v| m.max(v.abs()));
+                largest / (var + f64::from(eps)).sqrt()
+            })
+            .filter(|c| c.is_finite())
+            .fold(0f64, f64::max);
+        let compute_eps = if dtype == DType::F64 {
+            DType::F64.epsilon()
+        } else {
+            DType::F32.epsilon()
+        };
+        tol.abs += 16.0 * compute_eps * condition;
+    }
+    tol
+}
+
 /// Error budget of whole-model outputs, relative to the largest reference magnitude,
 /// for the most compact weight dtype in the plan.
 pub fn end_to_end_budget(weight_dtype: DType) -> f64 {
@@ -377,10 +419,6 @@ pub fn validate_plan(
                     .ok_or_else(|| KptError::Graph(format!("value {} not traced", v.0)))
             })
             .collect::<Result<Vec<_>>>()?;
-        let specs: Vec<TensorSpec> = ins
-            .iter()
-            .map(|t| TensorSpec::new(t.shape(), t.dtype()))
-            .collect();
         let got = node
             .outputs
             .iter()
@@ -396,10 +434,9 @@ pub fn validate_plan(
         // kernels the latter): its norm output (1) is held to the closer of the two
         // references.
         let stored_norm = norm_of_stored_sum(reference, &node.op, &ins, got.first().copied())?;
-        let k = reduction_len(&node.op, &specs);
         let mut worst: Option<(DType, Tolerance, ErrorStats)> = None;
         for (i, (got, w)) in got.iter().zip(&want).enumerate() {
-            let mut tol = tolerance(&node.op, got.dtype(), k);
+            let mut tol = output_tolerance(&node.op, &ins, i, got.dtype());
             tol.abs *= tolerance_scale;
             tol.rel *= tolerance_scale;
             let mut e = compare(got, w, tol)?;
@@ -543,6 +580,37 @@ mod tests {
                 .within
         );
         assert!(!compare(&t(&[-inf]), &t(&[inf]), tol).unwrap().within);
+    }
+
+    #[test]
+    fn a_layer_norm_of_a_nearly_constant_row_is_held_to_its_condition() {
+        let t = |v: &[f64], shape: &[usize]| Tensor::from_f64(v, shape, DType::F32).unwrap();
+        let (w, b) = (t(&[1.0, 1.0], &[2]), t(&[0.0, 0.0], &[2]));
+        let op = Op::LayerNorm { eps: 1e-6 };
+        let spread = output_tolerance(
+            &op,
+            &[t(&[-1.0, 1.0], &[1, 2]), w.clone(), b.clone()],
+            0,
+            DType::F32,
+        );
+        let flat = output_tolerance(
+            &op,
+            &[t(&[1.0, 1.001], &[1, 2]), w.clone(), b.clone()],
+            0,
+            DType::F32,
+        );
+        let base = tolerance(&op, DType::F32, 2);
+        assert!(spread.abs < 3.0 * base.abs, "{spread:?} vs {base:?}");
+        assert!(flat.abs > 100.0 * base.abs, "{flat:?} vs {base:?}");
+        assert_eq!(flat.rel, base.rel);
+        // The sum of an add + norm is not centered; its norm is, on x + residual.
+        let add = Op::AddLayerNorm { eps: 1e-6 };
+        let ins = [t(&[1.0, 0.5], &[1, 2]), t(&[0.0, 0.501], &[1, 2]), w, b];
+        assert_eq!(
+            output_tolerance(&add, &ins, 0, DType::F32),
+            tolerance(&add, DType::F32, 2)
+        );
+        assert!(output_tolerance(&add, &ins, 1, DType::F32).abs > 100.0 * base.abs);
     }
 
     #[test]

@@ -7,7 +7,7 @@ mod common;
 use common::{client, ints, random};
 use kpt_core::graph::{Activation, AttentionParams, Op, RopeScaling};
 use kpt_core::rand::SplitMix64;
-use kpt_core::validate::{reduction_len, reference_outputs, tolerance, ReferenceOps};
+use kpt_core::validate::{output_tolerance, reference_outputs, ReferenceOps};
 use kpt_core::{DType, Graph, Tensor, TensorSpec};
 use kpt_kernels::CpuReference;
 use kpt_tpu::stablehlo::{emit_graph, emit_graph_for, Target};
@@ -45,7 +45,6 @@ fn check_for(op: Op, inputs: Vec<Tensor>, target: Target) -> Result<(), TestCase
         .run_program(&program, &g, &inputs)
         .map_err(|e| TestCaseError::fail(format!("{op:?}: {e}\n{}", program.mlir)))?;
     let want = reference_outputs(&CpuReference, &op, &inputs, &got).unwrap();
-    let k = reduction_len(&op, &specs);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         prop_assert_eq!(g.shape(), w.shape(), "output {} shape", i);
         let (gv, wv) = (g.to_f64_vec(), w.to_f64_vec());
@@ -68,7 +67,7 @@ fn check_for(op: Op, inputs: Vec<Tensor>, target: Target) -> Result<(), TestCase
                     .fold(0f64, f64::max);
             }
             let scale = scale.max(1e-30);
-            let tol = tolerance(&op, g.dtype(), k);
+            let tol = output_tolerance(&op, &inputs, i, g.dtype());
             for (j, (a, b)) in gv.iter().zip(&wv).enumerate() {
                 prop_assert!(
                     a == b
