@@ -735,7 +735,8 @@ fn main() -> Result<()> {
         if gpu {
             "bf16 weights and activations"
         } else {
-            "bf16 weights (kpt keeps f32 activations on the CPU, HF runs bf16 throughout)"
+            "bf16 weights (on the CPU kpt rounds activations to bf16 only in linears of more \
+             than 16 rows, none here; HF runs bf16 throughout)"
         }
     ));
     if same < new.min(got.len()) {

@@ -144,16 +144,28 @@ pub fn tolerance(op: &Op, dtype: DType, k: usize) -> Tolerance {
 }
 
 /// The tolerance of output `index` of `op` on `inputs`, of `dtype`: [`tolerance`] for
-/// the op's reduction length, with the absolute part of a layer norm's output widened
-/// by its condition. Centering a row whose values are nearly equal cancels digits: the
-/// mean's rounding in the compute precision (f32, f64 for f64) is magnified by
-/// `max|x| / sqrt(var + eps)` of the row, however exact the rest of the kernel is.
+/// the op's reduction length, with two allowances.
+/// - A linear with 16-bit weights may round its activations to the weights' dtype
+///   before multiplying (as `torch.autocast` does, and the CPU's bf16 products): its
+///   output is held to the coarser of `dtype` and the weights' dtype.
+/// - A layer norm's absolute part is widened by its condition. Centering a row whose
+///   values are nearly equal cancels digits: the mean's rounding in the compute
+///   precision (f32, f64 for f64) is magnified by `max|x| / sqrt(var + eps)` of the
+///   row, however exact the rest of the kernel is.
 pub fn output_tolerance(op: &Op, inputs: &[Tensor], index: usize, dtype: DType) -> Tolerance {
     let specs: Vec<TensorSpec> = inputs
         .iter()
         .map(|t| TensorSpec::new(t.shape(), t.dtype()))
         .collect();
-    let mut tol = tolerance(op, dtype, reduction_len(op, &specs));
+    let compute = match (op, inputs.get(1).map(Tensor::dtype)) {
+        (Op::Linear { .. } | Op::LinearAct { .. }, Some(w @ (DType::BF16 | DType::F16)))
+            if dtype.is_float() && dtype.epsilon() < w.epsilon() =>
+        {
+            w
+        }
+        _ => dtype,
+    };
+    let mut tol = tolerance(op, compute, reduction_len(op, &specs));
     let centered = match (op, index) {
         (Op::LayerNorm { eps }, 0) => inputs.first().map(|x| (x.to_f64_vec(), *eps)),
         (Op::AddLayerNorm { eps }, 1) => inputs.get(..2).map(|xr| {
@@ -611,6 +623,26 @@ mod tests {
             tolerance(&add, DType::F32, 2)
         );
         assert!(output_tolerance(&add, &ins, 1, DType::F32).abs > 100.0 * base.abs);
+    }
+
+    #[test]
+    fn a_linear_with_16_bit_weights_is_held_to_their_dtype() {
+        let x = Tensor::from_f64(&[0.5; 8], &[2, 4], DType::F32).unwrap();
+        let w32 = Tensor::from_f64(&[0.25; 12], &[3, 4], DType::F32).unwrap();
+        let w16 = w32.to_dtype(DType::BF16).unwrap();
+        let op = Op::Linear { bias: false };
+        let f32_tol = tolerance(&op, DType::F32, 4);
+        assert_eq!(
+            output_tolerance(&op, &[x.clone(), w32], 0, DType::F32),
+            f32_tol
+        );
+        let mixed = output_tolerance(&op, &[x.clone(), w16.clone()], 0, DType::F32);
+        assert_eq!(mixed, tolerance(&op, DType::BF16, 4));
+        // Other ops keep their output's dtype.
+        assert_eq!(
+            output_tolerance(&Op::Add, &[x.clone(), x], 0, DType::F32),
+            tolerance(&Op::Add, DType::F32, 1)
+        );
     }
 
     #[test]

@@ -191,9 +191,18 @@ fn check_linear(
     let bias = with_bias.then_some(&bias[..]);
     for dtype in WEIGHT_DTYPES {
         let wq = Weights::new(&w, dtype);
+        // With bf16 weights, many rows and a bf16 engine, the kernel multiplies x rounded
+        // to bf16 (f32 accumulation): the reference takes the same x.
+        let bf16_x =
+            dtype == DType::BF16 && m > cpu::linear::GEMV_MAX_M && cpu::linear::bf16_products();
+        let x_ref: Vec<f64> = if bf16_x {
+            x.iter().map(|&v| bf16::from_f32(v).to_f64()).collect()
+        } else {
+            f64s(&x)
+        };
         let mut want = vec![0f64; m * n];
         r::linear_act(
-            &f64s(&x),
+            &x_ref,
             &wq.dequantized,
             bias.map(f64s).as_deref(),
             act,

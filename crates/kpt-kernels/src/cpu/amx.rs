@@ -41,6 +41,7 @@ use half::bf16;
 use super::panels::LazyPanels;
 use super::par::for_each_row;
 use super::scratch::Scratch;
+use super::sgemm::Epilogue;
 use super::simd::{dispatch, Encode};
 
 /// Rows / columns of one output micro-block (two tiles each way).
@@ -71,7 +72,7 @@ pub(crate) fn available() -> bool {
 
 /// `out[m, n] = a[m, k] · b[k, n]` on AMX tiles (row-major, lengths checked by the
 /// caller), f32 accumulation and one rounding to `T`. Returns false (and does nothing)
-/// when [`available`] is false.
+/// when neither AMX ([`available`]) nor AVX-512-BF16 can run it.
 pub(crate) fn matmul_bf16<T: Encode>(
     a: &[bf16],
     b: &[bf16],
@@ -80,32 +81,76 @@ pub(crate) fn matmul_bf16<T: Encode>(
     k: usize,
     n: usize,
 ) -> bool {
-    let engine = if available() {
-        Engine::Amx
-    } else if imp::dp_available() {
-        Engine::Dp
-    } else {
-        return false;
-    };
-    matmul_with(engine, a, b, out, m, k, n);
-    true
+    engine().is_some_and(|e| {
+        matmul_with(e, a, b, BLayout::KByN, out, (m, k, n), None);
+        true
+    })
 }
 
-/// [`matmul_bf16`] on `engine`, which this CPU runs.
+/// `out[m, n] = a[m, k] · w[n, k]ᵀ` (a linear layer's product, `w` in PyTorch's layout)
+/// as [`matmul_bf16`] computes it, with `epilogue(segment, first column)` applied to
+/// each f32 output row segment before it is stored. Returns false (and does nothing)
+/// when this CPU has no bf16 engine.
+pub(crate) fn linear_bf16(
+    a: &[bf16],
+    w: &[bf16],
+    out: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+    epilogue: Option<Epilogue<'_>>,
+) -> bool {
+    engine().is_some_and(|e| {
+        matmul_with(e, a, w, BLayout::NByK, out, (m, k, n), epilogue);
+        true
+    })
+}
+
+/// Whether this CPU runs bf16 products (AMX or AVX-512-BF16).
+pub(crate) fn bf16_products() -> bool {
+    engine().is_some()
+}
+
+/// The fastest engine this CPU runs.
+fn engine() -> Option<Engine> {
+    if available() {
+        Some(Engine::Amx)
+    } else if imp::dp_available() {
+        Some(Engine::Dp)
+    } else {
+        None
+    }
+}
+
+/// How B is stored.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum BLayout {
+    /// `k × n`, row-major.
+    KByN,
+    /// `n × k`, row-major (Bᵀ; a linear layer's weight).
+    NByK,
+}
+
+/// [`matmul_bf16`] on `engine`, which this CPU runs, with B stored as `layout` says.
 fn matmul_with<T: Encode>(
     engine: Engine,
     a: &[bf16],
     b: &[bf16],
+    layout: BLayout,
     out: &mut [T],
-    m: usize,
-    k: usize,
-    n: usize,
+    (m, k, n): (usize, usize, usize),
+    epilogue: Option<Epilogue<'_>>,
 ) {
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
-        out[..m * n].fill(T::encode(0.0));
+        let mut zero = vec![0f32; n];
+        for row in out[..m * n].chunks_exact_mut(n) {
+            zero.fill(0.0);
+            if let Some(epi) = epilogue {
+                epi(&mut zero, 0);
+            }
+            T::encode_slice(&zero, row);
+        }
         return;
     }
     let kt = k.div_ceil(KB);
@@ -125,11 +170,12 @@ fn matmul_with<T: Encode>(
     let mut bp = Scratch::new(n.next_multiple_of(MB) / 16 * kt * TILE);
     let b = BPanels {
         b,
+        layout,
         k,
         n,
         packed: LazyPanels::new(&mut bp, kt * TILE),
     };
-    imp::run(&a, &b, out, (m, n, kt), engine);
+    imp::run(&a, &b, out, (m, n, kt), engine, epilogue);
 }
 
 /// What computes the 32 × 32 output blocks of [`matmul_bf16`].
@@ -223,6 +269,7 @@ impl<'a> ABlocks<'a> {
 /// first use ([`pack_b_tiles`]).
 struct BPanels<'a> {
     b: &'a [bf16],
+    layout: BLayout,
     k: usize,
     n: usize,
     packed: LazyPanels<'a, u16>,
@@ -232,8 +279,9 @@ impl BPanels<'_> {
     /// Panels `range` (columns `16 * range.start..16 * range.end`), `k.div_ceil(32)`
     /// tiles each.
     fn panels(&self, range: std::ops::Range<usize>) -> &[u16] {
-        self.packed.get(range, |t, dst| {
-            pack_b_tiles(dst, t, self.b, self.n, self.k, self.n)
+        self.packed.get(range, |t, dst| match self.layout {
+            BLayout::KByN => pack_b_tiles(dst, t, self.b, self.n, self.k, self.n),
+            BLayout::NByK => pack_bt_tiles(dst, t, self.b, self.k, self.k, self.n),
         })
     }
 }
@@ -499,7 +547,7 @@ mod imp {
     use std::arch::asm;
     use std::sync::OnceLock;
 
-    use super::{ABlocks, BPanels, Encode, Engine, Scratch, KB, KSTEPS, MB, TASK, TILE};
+    use super::{ABlocks, BPanels, Encode, Engine, Epilogue, Scratch, KB, KSTEPS, MB, TASK, TILE};
     use crate::cpu::par::for_each_task;
 
     /// Whether the CPU has AVX-512-BF16 (and the AVX-512 set kpt's kernels use), and
@@ -839,6 +887,7 @@ mod imp {
         out: &mut [T],
         (m, n, kt): (usize, usize, usize),
         engine: Engine,
+        epilogue: Option<Epilogue<'_>>,
     ) {
         let (mb, nb) = (m.next_multiple_of(MB), n.next_multiple_of(MB));
         assert!(out.len() >= m * n && kt >= 1);
@@ -857,7 +906,8 @@ mod imp {
             // the task: those tasks prefetch the next block.
             let prefetch = task < TASK;
             let (rows, cols) = ((r0, rows), (c0, cols));
-            run_task(a, bt, &dst, (m, n, kt), rows, cols, engine, prefetch);
+            let job = (engine, prefetch, epilogue);
+            run_task(a, bt, &dst, (m, n, kt), rows, cols, job);
         });
     }
 
@@ -865,7 +915,7 @@ mod imp {
     /// 32, within the 32-padded output) of `out` (`m × n`, `kt` k tiles), with `bt` the
     /// packed B panels of those columns. `prefetch`: each A block's tile products
     /// prefetch the next block into L2, a share of its rows per column block.
-    #[allow(clippy::too_many_arguments)]
+    /// `epilogue` runs on each finished f32 row segment before it is stored.
     fn run_task<T: Encode>(
         a: &ABlocks<'_>,
         bt: &[u16],
@@ -873,8 +923,7 @@ mod imp {
         (m, n, kt): (usize, usize, usize),
         (r0, rows): (usize, usize),
         (c0, cols): (usize, usize),
-        engine: Engine,
-        prefetch: bool,
+        (engine, prefetch, epilogue): (Engine, bool, Option<Epilogue<'_>>),
     ) {
         assert!(bt.len() >= cols / 16 * kt * TILE);
         let blocks: Vec<(&[u16], usize)> =
@@ -950,7 +999,11 @@ mod imp {
             // SAFETY: row r0 + r, columns c0..c0 + width lie in `out` ((r0 + r, c0 + width
             // - 1) < (m, n)), and no other caller accesses them: rectangles are disjoint.
             let row = unsafe { dst.row((r0 + r) * n + c0, width) };
-            T::encode_slice(&acc[r * cols..][..width], row);
+            let seg = &mut acc[r * cols..][..width];
+            if let Some(epi) = epilogue {
+                epi(seg, c0);
+            }
+            T::encode_slice(seg, row);
         }
     }
 
@@ -1015,6 +1068,7 @@ mod imp {
         _: &mut [T],
         _: (usize, usize, usize),
         _: Engine,
+        _: Option<super::Epilogue<'_>>,
     ) {
         unreachable!("AMX is never available on this target")
     }
@@ -1191,16 +1245,67 @@ mod tests {
             let b = random_bf16(&mut rng, k * n);
             let want = reference(&a, &b, m, k, n);
             let mut got = vec![f32::NAN; m * n];
-            matmul_with(Engine::Emulated, &a, &b, &mut got, m, k, n);
+            matmul_with(
+                Engine::Emulated,
+                &a,
+                &b,
+                BLayout::KByN,
+                &mut got,
+                (m, k, n),
+                None,
+            );
             assert_close(&got, &want, k);
             let mut got16 = vec![bf16::from_f32(f32::NAN); m * n];
-            matmul_with(Engine::Emulated, &a, &b, &mut got16, m, k, n);
+            matmul_with(
+                Engine::Emulated,
+                &a,
+                &b,
+                BLayout::KByN,
+                &mut got16,
+                (m, k, n),
+                None,
+            );
             for (i, (&g, &w)) in got16.iter().zip(&want).enumerate() {
                 let tol = 1e-6 * k as f64 + w.abs() / 256.0;
                 assert!(
                     (g.to_f64() - w).abs() <= tol,
                     "{m}x{k}x{n} element {i}: {g} vs {w}"
                 );
+            }
+        }
+    }
+
+    /// A linear layer's product: B given as Bᵀ (`n × k`), an epilogue on each output
+    /// segment (a column-dependent shift, so that a wrong column offset shows), on the
+    /// scalar engine and, where the CPU has it, AVX-512-BF16.
+    #[test]
+    fn transposed_b_with_an_epilogue_matches_reference() {
+        if !cfg!(all(target_arch = "x86_64", target_os = "linux")) {
+            return;
+        }
+        let mut rng = SplitMix64::new(14);
+        let shift = |seg: &mut [f32], c0: usize| {
+            for (j, v) in seg.iter_mut().enumerate() {
+                *v += (c0 + j) as f32;
+            }
+        };
+        let mut engines = vec![Engine::Emulated];
+        if imp::dp_available() {
+            engines.push(Engine::Dp);
+        }
+        for (m, k, n) in SHAPES.iter().copied().chain([(33, 0, 40), (70, 1024, 200)]) {
+            let a = random_bf16(&mut rng, m * k);
+            let b = random_bf16(&mut rng, k * n);
+            let bt: Vec<bf16> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+            let mut want = reference(&a, &b, m, k, n);
+            for (i, w) in want.iter_mut().enumerate() {
+                *w += (i % n) as f64;
+            }
+            for &engine in &engines {
+                let mut got = vec![f32::NAN; m * n];
+                let job = (m, k, n);
+                matmul_with(engine, &a, &bt, BLayout::NByK, &mut got, job, Some(&shift));
+                assert_close(&got, &want, k);
             }
         }
     }
@@ -1216,7 +1321,7 @@ mod tests {
             let a = random_bf16(&mut rng, m * k);
             let b = random_bf16(&mut rng, k * n);
             let mut got = vec![f32::NAN; m * n];
-            matmul_with(Engine::Dp, &a, &b, &mut got, m, k, n);
+            matmul_with(Engine::Dp, &a, &b, BLayout::KByN, &mut got, (m, k, n), None);
             assert_close(&got, &reference(&a, &b, m, k, n), k);
         }
     }

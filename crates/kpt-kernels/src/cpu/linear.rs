@@ -6,7 +6,14 @@
 //!   reused by every row of `x`). The kernel is memory-bound, so 2-byte / 1-byte weights
 //!   cut the traffic by 2x / 4x. Scales are applied once per dot product; bias and
 //!   activation on the finished value.
-//! - Larger `m`: f32 weights go straight to `gemm` (`wᵀ` is just a stride swap).
+//! - Larger `m` with bf16 weights, on CPUs with bf16 products (AMX, AVX-512-BF16): the
+//!   rows of `x` are rounded to bf16 and multiplied by the weights on the bf16 engine
+//!   (f32 accumulation and output, bias + activation on each finished segment), at about
+//!   twice the f32 FMA rate. This is what `torch.autocast` does to a linear, and what
+//!   a GPU's bf16 GEMM computes; the validator holds a linear with 16-bit weights to
+//!   their dtype's tolerance (`validate::output_tolerance`). `KPT_CPU_LINEAR_BF16=off`
+//!   keeps these products in f32.
+//! - Larger `m` otherwise: f32 weights go straight to `gemm` (`wᵀ` is just a stride swap).
 //!   Other dtypes run kpt's own GEMM (AVX-512 or AVX2), whose tasks widen each weight
 //!   row as they pack it into a micro-panel; without it (`KPT_CPU_GEMM=crate`, CPUs
 //!   without AVX2) they are widened tile by tile ([`TILE_N`] weight rows at a time,
@@ -14,11 +21,16 @@
 //!   activation run on each output segment right after its product, while it is
 //!   still in cache.
 
+use std::sync::OnceLock;
+
 use half::{bf16, f16};
 use kpt_core::{DType, KptError, Result};
 
+use super::amx;
+
 use super::gemm::{gemm_f32_raw, gemm_f32_rhs_lines, Strided};
 use super::par::for_each_row;
+use super::scratch::Scratch;
 use super::sgemm::Epilogue;
 use super::simd::{self, Decode, E4M3, E5M2};
 use super::wide::Widen;
@@ -177,6 +189,15 @@ pub fn linear(
         return Ok(());
     }
     let ok = match w {
+        WeightsRef::BF16(w) if bf16_products() => {
+            let mut xb = Scratch::<u16>::new(m * k);
+            for_each_row(&mut xb, k, k, |r, dst| {
+                simd::f32_to_bf16_slice(&x[r * k..][..k], dst)
+            });
+            let epi = |seg: &mut [f32], c0: usize| finish_cols(seg, c0, bias, act);
+            let epi = (bias.is_some() || act.is_some()).then_some(&epi as Epilogue<'_>);
+            amx::linear_bf16(bytemuck::cast_slice(&xb), w, out, (m, k, n), epi)
+        }
         WeightsRef::F32(w) => {
             let epi = |seg: &mut [f32], c0: usize| finish_cols(seg, c0, bias, act);
             gemm_f32_raw(
@@ -212,6 +233,16 @@ pub fn linear(
             "internal error: a matrix view does not fit its buffer",
         ))
     }
+}
+
+/// Whether linears with bf16 weights compute their larger products in bf16: the CPU
+/// has a bf16 engine and `KPT_CPU_LINEAR_BF16` is not `off` (or `0`).
+pub fn bf16_products() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        amx::bf16_products()
+            && !std::env::var("KPT_CPU_LINEAR_BF16").is_ok_and(|v| v == "off" || v == "0")
+    })
 }
 
 /// The validated arguments of one call.
