@@ -636,7 +636,7 @@ mod tests {
             output_tolerance(&op, &[x.clone(), w32], 0, DType::F32),
             f32_tol
         );
-        let mixed = output_tolerance(&op, &[x.clone(), w16.clone()], 0, DType::F32);
+        let mixed = output_tolerance(&op, &[x.clone(), w16], 0, DType::F32);
         assert_eq!(mixed, tolerance(&op, DType::BF16, 4));
         // Other ops keep their output's dtype.
         assert_eq!(

@@ -27,7 +27,6 @@ use half::{bf16, f16};
 use kpt_core::{DType, KptError, Result};
 
 use super::amx;
-
 use super::gemm::{gemm_f32_raw, gemm_f32_rhs_lines, Strided};
 use super::par::for_each_row;
 use super::scratch::Scratch;
