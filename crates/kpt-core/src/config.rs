@@ -317,7 +317,8 @@ pub struct PrecisionConfig {
     pub level: OptLevel,
     /// Dtype of activations and accumulation (f64, f32, f16 or bf16).
     pub compute_dtype: DType,
-    /// Dtype weights are stored in (a float or i8); `None` lets `level` choose.
+    /// Dtype weights are stored in (a float or i8) at the balanced and aggressive levels;
+    /// `None` lets `level` choose. The conservative level keeps f32 weights.
     pub weight_dtype: Option<DType>,
     /// Dtype of the attention KV cache (a float or i8); `None` uses `compute_dtype`.
     pub kv_cache_dtype: Option<DType>,

@@ -245,8 +245,14 @@ fn auto_optimize_fuses_add_layer_norm() {
 fn levels_pick_weight_dtypes_and_fall_back_without_kernels() {
     let sel = Selector { reject: vec![] };
     let policy = PrecisionPolicy::default();
-    let weights = |level, sel: &Selector, policy: &PrecisionPolicy| {
-        let plan = auto_optimize(&block(), level, policy, sel, &device()).unwrap();
+    let cpu = device();
+    let gpu = DeviceInfo {
+        kind: DeviceKind::Cuda,
+        arch: Some("sm_90".into()),
+        ..device()
+    };
+    let weights = |level, sel: &Selector, policy: &PrecisionPolicy, dev: &DeviceInfo| {
+        let plan = auto_optimize(&block(), level, policy, sel, dev).unwrap();
         plan.graph
             .nodes()
             .iter()
@@ -255,15 +261,28 @@ fn levels_pick_weight_dtypes_and_fall_back_without_kernels() {
             .collect::<Vec<_>>()
     };
     assert_eq!(
-        weights(OptLevel::Conservative, &sel, &policy),
+        weights(OptLevel::Conservative, &sel, &policy, &cpu),
         vec![DType::F32; 2]
     );
     assert_eq!(
-        weights(OptLevel::Balanced, &sel, &policy),
+        weights(OptLevel::Balanced, &sel, &policy, &cpu),
         vec![DType::BF16; 2]
     );
+    // Aggressive: int8 weight-only on the CPU, FP8 on a GPU, each the other's fallback.
     assert_eq!(
-        weights(OptLevel::Aggressive, &sel, &policy),
+        weights(OptLevel::Aggressive, &sel, &policy, &cpu),
+        vec![DType::I8; 2]
+    );
+    assert_eq!(
+        weights(OptLevel::Aggressive, &sel, &policy, &gpu),
+        vec![DType::F8E4M3; 2]
+    );
+    let no_int8 = PrecisionPolicy {
+        allow_int8: false,
+        ..policy.clone()
+    };
+    assert_eq!(
+        weights(OptLevel::Aggressive, &sel, &no_int8, &cpu),
         vec![DType::F8E4M3; 2]
     );
     let no_fp8 = PrecisionPolicy {
@@ -271,14 +290,14 @@ fn levels_pick_weight_dtypes_and_fall_back_without_kernels() {
         ..policy.clone()
     };
     assert_eq!(
-        weights(OptLevel::Aggressive, &sel, &no_fp8),
+        weights(OptLevel::Aggressive, &sel, &no_fp8, &gpu),
         vec![DType::I8; 2]
     );
     let picky = Selector {
         reject: vec![DType::F8E4M3, DType::I8],
     };
     assert_eq!(
-        weights(OptLevel::Aggressive, &picky, &policy),
+        weights(OptLevel::Aggressive, &picky, &policy, &cpu),
         vec![DType::BF16; 2]
     );
     let forced = PrecisionPolicy {
@@ -286,8 +305,13 @@ fn levels_pick_weight_dtypes_and_fall_back_without_kernels() {
         ..policy
     };
     assert_eq!(
-        weights(OptLevel::Balanced, &sel, &forced),
+        weights(OptLevel::Balanced, &sel, &forced, &cpu),
         vec![DType::F16; 2]
+    );
+    // A forced dtype leaves the conservative level's f32 weights alone.
+    assert_eq!(
+        weights(OptLevel::Conservative, &sel, &forced, &cpu),
+        vec![DType::F32; 2]
     );
 }
 

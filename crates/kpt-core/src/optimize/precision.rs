@@ -2,33 +2,35 @@
 
 use crate::error::Result;
 use crate::graph::{Graph, Op, TensorSpec};
-use crate::hardware::DeviceInfo;
+use crate::hardware::{DeviceInfo, DeviceKind};
 use crate::DType;
 
 use super::activation::only_linear_weight;
 use super::{KernelSelector, OptLevel, PassReport, PrecisionPolicy};
 
 impl PrecisionPolicy {
-    /// The weight dtype candidates for a level, most compact first.
-    pub fn weight_candidates(&self, level: OptLevel) -> Vec<DType> {
+    /// The weight dtype candidates for a level on `device`, first choice first: none at
+    /// `conservative` (f32 weights), else the policy's `weight_dtype`, else bf16 at
+    /// `balanced`; at `aggressive` int8 weight-only on the CPU and FP8 e4m3 on
+    /// accelerators (each the other's fallback where allowed), then bf16.
+    pub fn weight_candidates(&self, level: OptLevel, device: &DeviceInfo) -> Vec<DType> {
+        if level == OptLevel::Conservative {
+            return vec![];
+        }
         if let Some(d) = self.weight_dtype {
             return vec![d];
         }
-        match level {
-            OptLevel::Conservative => vec![],
-            OptLevel::Balanced => vec![DType::BF16],
-            OptLevel::Aggressive => {
-                let mut v = Vec::new();
-                if self.allow_fp8 {
-                    v.push(DType::F8E4M3);
-                }
-                if self.allow_int8 {
-                    v.push(DType::I8);
-                }
-                v.push(DType::BF16);
-                v
-            }
+        if level == OptLevel::Balanced {
+            return vec![DType::BF16];
         }
+        let fp8 = self.allow_fp8.then_some(DType::F8E4M3);
+        let int8 = self.allow_int8.then_some(DType::I8);
+        let compact = if device.kind == DeviceKind::Cpu {
+            [int8, fp8]
+        } else {
+            [fp8, int8]
+        };
+        compact.into_iter().flatten().chain([DType::BF16]).collect()
     }
 }
 
@@ -42,7 +44,7 @@ pub fn apply_precision(
     device: &DeviceInfo,
 ) -> Result<(Graph, PassReport)> {
     let mut report = PassReport::new("precision");
-    let candidates = policy.weight_candidates(level);
+    let candidates = policy.weight_candidates(level, device);
     let mut out = graph.clone();
     if candidates.is_empty() {
         return Ok((out, report));
