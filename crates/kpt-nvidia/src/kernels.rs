@@ -58,8 +58,8 @@ const FLASH_SM90_BWD_KEYS: usize = 128;
 const FLASH_SM90_BWD_ROWS: usize = 128;
 /// Keys per K/V tile of `flash_attention_sm90.cu` (its kBlockN).
 const FLASH_SM90_BLOCK_N: usize = 128;
-/// Keys per K/V tile of its `_tma_n176_` entries: bf16/f16 at head dim 128 without a causal
-/// mask or an additive one (FlashAttention-3's tile for that case).
+/// Keys per K/V tile of its `_tma_n176_` entries: bf16/f16 at head dim 128 without an
+/// additive mask (FlashAttention-3's tile for non-causal calls).
 const FLASH_SM90_BLOCK_N_WIDE: usize = 176;
 /// Most query tiles of a causal call that runs on the persistent grid (paired tiles):
 /// at 32 (S4096, d128) it measured 2 % faster than a block per tile on an H200, at 128
@@ -926,8 +926,8 @@ impl Gpu {
             } else {
                 TmaElem::F16
             };
-            // Head dim 128 without a causal or additive mask: tiles of 176 keys.
-            let wide = d == 128 && dims.causal == 0 && mask == 0;
+            // Head dim 128 without an additive mask: tiles of 176 keys.
+            let wide = d == 128 && mask == 0;
             let block_n = if wide {
                 FLASH_SM90_BLOCK_N_WIDE
             } else {
