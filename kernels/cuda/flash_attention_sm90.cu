@@ -81,6 +81,7 @@
 // kpt:launch kpt_flash_attention_sm90_tma_e4m3_d128 block=384 shared=148624 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_bf16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_f16_d128 block=384 shared=214096 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n192_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d128 block=384 shared=133160 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d64 block=384 shared=67624 grid=key_tiles
@@ -206,16 +207,19 @@ struct Config {
     static constexpr int kConsumers = ::kConsumers<T, D>;
     static constexpr int kBlockM = 64 * kConsumers;  // query rows per block
     static constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
-    // Key tiles of more than 128 keys (d = 128, non-causal): two stages fit.
-    static constexpr int kStages =
-        BN != kBlockN ? 2 : (kRowBytes == 128 ? KPT_FA3_STAGES_D64 : KPT_FA3_STAGES_D128);
+    // Key tiles of more than 128 keys (d = 128): two stages fit, three of FP8's byte tiles.
+    static constexpr int kStages = BN != kBlockN ? (kFp8<T> ? 3 : 2)
+                                   : (kRowBytes == 128 ? KPT_FA3_STAGES_D64 : KPT_FA3_STAGES_D128);
     static constexpr int kQBytes = kBlockM * kRowBytes;
-    // A K tile; a V tile has the same size (an FP8 V^T tile is D rows of BN keys).
+    // A K tile.
     static constexpr int kTileBytes = BN * kRowBytes;
-    static_assert(!kFp8<T> || D == BN, "the FP8 V^T tile is laid out like a K tile");
+    // A V tile: as a K tile, or for FP8 a V^T tile of D rows by BN keys, one 128-byte column
+    // block (D rows, 16 KiB) per 128 keys (the last one's columns past BN unused).
+    static constexpr int kVTileBytes = kFp8<T> ? (BN + 127) / 128 * D * 128 : kTileBytes;
+    static_assert(!kFp8<T> || (D == 128 && BN % 64 == 0), "FP8: d = 128, whole k-steps");
     // full_q, empty_q, then full_k, empty_k, full_v, empty_v of each stage.
     static constexpr int kBarriers = 2 + 4 * kStages;
-    static constexpr int kBarOffset = kQBytes + 2 * kStages * kTileBytes;
+    static constexpr int kBarOffset = kQBytes + kStages * (kTileBytes + kVTileBytes);
     // + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time.
     static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
 };
@@ -225,6 +229,8 @@ static_assert(Config<__nv_bfloat16, 64>::kSmemBytes == 156816,
 static_assert(Config<__nv_bfloat16, 128>::kSmemBytes == 230512,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<E4M3, 128>::kSmemBytes == 148624,
+              "keep the kpt:launch shared= values in step");
+static_assert(Config<E4M3, 128, 192>::kSmemBytes == 189552,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<__nv_bfloat16, 128, 176>::kSmemBytes == 214096,
               "keep the kpt:launch shared= values in step");
@@ -421,6 +427,22 @@ __device__ __forceinline__ void wgmma_ss_n176(float (&d)[88], uint64_t a, uint64
     }
 }
 
+// d[64 x 192] (+)= A[64 x 32] B[32 x 192], e4m3: the S tile of FP8's 192-key tiles.
+#define KPT_REGS96                                                                         \
+    KPT_REGS88 ", %88, %89, %90, %91, %92, %93, %94, %95"
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n192_e4m3(float (&d)[96], uint64_t a, uint64_t b,
+                                                   int scale_d) {
+    static_assert(kFp8<T>, "192-key tiles are for FP8");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {" KPT_REGS96
+                 "}, %96, %97, p, 1, 1;\n}\n"
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),
+                   KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56), KPT_ACC8(64), KPT_ACC8(72),
+                   KPT_ACC8(80), KPT_ACC8(88)
+                 : "l"(a), "l"(b), "r"(scale_d));
+}
+
 // d[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory (the backward's
 // S^T = K Q^T and dP^T = V dO^T).
 #define KPT_WGMMA_SS_N64(TY)                                                               \
@@ -524,7 +546,9 @@ __device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint64_t qdesc, uint
         // Column block kk / 4 of the tile, 32 bytes per k-step inside it.
         const uint32_t qo = ((kk / 4) * (kBlockM * 128) + (kk % 4) * 32) >> 4;
         const uint32_t ko = ((kk / 4) * (BN * 128) + (kk % 4) * 32) >> 4;
-        if constexpr (BN == 176) {
+        if constexpr (BN == 192) {
+            wgmma_ss_n192_e4m3<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
+        } else if constexpr (BN == 176) {
             wgmma_ss_n176<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
         } else {
             wgmma_ss_n128<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
@@ -539,12 +563,15 @@ __device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint64_t qdesc, uint
 template <typename T, int D, int BN = kBlockN>
 __device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kPSteps<T, BN>][4],
                                         uint64_t vdesc) {
-    constexpr uint32_t kStep = (kFp8<T> ? 32 : 2048) >> 4;
     fence_regs(o);
     fence_regs(pf);
     wgmma_fence();
 #pragma unroll
-    for (int kc = 0; kc < kPSteps<T, BN>; ++kc) wgmma_rs<T, D>(o, pf[kc], vdesc + kc * kStep);
+    for (int kc = 0; kc < kPSteps<T, BN>; ++kc) {
+        // FP8: 32 bytes into the rows of V^T column block kc / 4 (D * 128 bytes each).
+        const uint32_t off = kFp8<T> ? ((kc / 4) * D * 128 + (kc % 4) * 32) >> 4 : kc * (2048 >> 4);
+        wgmma_rs<T, D>(o, pf[kc], vdesc + off);
+    }
     wgmma_commit();
     fence_regs(o);
     fence_regs(pf);
@@ -769,7 +796,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t sq = base;
     const uint32_t sk = base + C::kQBytes;
-    const uint32_t sv = sk + kStages * C::kTileBytes;
+    const uint32_t sv = sk + kStages * C::kTileBytes;  // V stages of kVTileBytes
     const uint32_t bars = base + C::kBarOffset;
     const uint32_t full_q = bars;
     const uint32_t empty_q = bars + 8u;
@@ -801,8 +828,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const int offset = p.seq_kv - p.seq_q;
     const long q_stride = static_cast<long>(p.heads) * D;
     const long kv_stride = static_cast<long>(p.kv_heads) * D;
-    // FP8: V^T of a (batch, kv head), D rows of seq_kv rounded up to BN keys.
-    const long vt_stride = static_cast<long>((p.seq_kv + BN - 1) / BN) * BN;
+    // FP8: V^T of a (batch, kv head), D rows of seq_kv rounded up to 128 keys.
+    const long vt_stride = static_cast<long>((p.seq_kv + kBlockN - 1) / kBlockN) * kBlockN;
 
     // Full barriers: the 128 producer threads' cp.async arrivals, or the one arrival (with
     // its byte count) of the thread that issues the TMA copies.
@@ -855,7 +882,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             for (int t = 0; t < w.n_tiles; ++t) {
                 const int n0 = t * BN;
                 const int rows = min(BN, p.seq_kv - n0);
-                const uint32_t ks = sk + s * C::kTileBytes, vs = sv + s * C::kTileBytes;
+                const uint32_t ks = sk + s * C::kTileBytes, vs = sv + s * C::kVTileBytes;
                 // Stage s is free once every consumer released its previous tile.
                 mbar_wait(empty_k(s), phase ^ 1);
                 if constexpr (kTma) {
@@ -880,10 +907,14 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 }
                 mbar_wait(empty_v(s), phase ^ 1);
                 if constexpr (kTma) {
-                    mbar_expect_tx(full_v(s), C::kTileBytes);
+                    mbar_expect_tx(full_v(s), C::kVTileBytes);
                     if constexpr (kFp8<T>) {
-                        // V^T: D rows of 128 keys, one column block.
-                        tma_load_3d(vs, maps.v, n0, 0, w.b * p.kv_heads + hk, full_v(s));
+                        // V^T: D rows of 128 keys per column block (keys past the tensor
+                        // read as zeros).
+#pragma unroll
+                        for (int cb = 0; cb < C::kVTileBytes / (D * 128); ++cb)
+                            tma_load_3d(vs + cb * D * 128, maps.v, n0 + cb * 128, 0,
+                                        w.b * p.kv_heads + hk, full_v(s));
                     } else {
                         tma_tile(vs, maps.v, BN, hk * D, n0, w.b, full_v(s));
                     }
@@ -917,6 +948,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const uint64_t kdesc = make_desc(kDescK, sk);
     const uint64_t vdesc = make_desc(kFp8<T> ? kDescK : kDescV<BN>, sv);
     constexpr uint32_t kStageDesc = C::kTileBytes >> 4;
+    constexpr uint32_t kVStageDesc = C::kVTileBytes >> 4;
     // Ping-pong (round robin with three): warpgroup c issues its GEMMs after sync on
     // barrier 1 + c and then lets the next go (arrive on 1 + (c + 1) % kConsumers);
     // consumer 0 starts. Every sync meets exactly one arrive: the last consumer skips
@@ -1014,7 +1046,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     rescale_o<D>(o, alpha);
                     mbar_wait(full_v(sp), pp);
                     fence_proxy_async();
-                    gemm_pv<T, D, BN>(o, pf, vdesc + sp * kStageDesc);
+                    gemm_pv<T, D, BN>(o, pf, vdesc + sp * kVStageDesc);
                     if (kPingPong && !(c == kLast && t == n_tiles - 1))
                         named_arrive(other_turn, 256);
                     wgmma_wait<1>();  // S(t) is done
@@ -1031,7 +1063,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 rescale_o<D>(o, alpha);
                 mbar_wait(full_v(s), phase);
                 fence_proxy_async();
-                gemm_pv<T, D, BN>(o, pf, vdesc + s * kStageDesc);
+                gemm_pv<T, D, BN>(o, pf, vdesc + s * kVStageDesc);
                 wgmma_wait<0>();
                 fence_regs(o);
                 fence_regs(pf);
@@ -1639,6 +1671,19 @@ KPT_FLASH_SM90_TMA(f16, __half, 128)
 
 KPT_FLASH_SM90_TMA_N176(bf16, __nv_bfloat16)
 KPT_FLASH_SM90_TMA_N176(f16, __half)
+
+// FP8 with tiles of 192 keys (1.5 of the 128-key tile: half again as many scores per
+// max, shuffle, O rescale and barrier), in three stages. TMA only, and no additive mask
+// (`mask` is ignored: the host sends masked calls to the 128-key entry).
+extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
+    kpt_flash_attention_sm90_tma_n192_e4m3_d128(
+        const E4M3* q, const E4M3* k, const E4M3* vt, const float* mask, __nv_bfloat16* out,
+        const Dims p, float v_scale, const __grid_constant__ TensorMap tq,
+        const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {
+    kpt::dependent_launch_prologue();
+    flash_sm90<E4M3, 128, false, true, 192>(q, k, vt, nullptr, out, nullptr, p, v_scale,
+                                            Maps{&tq, &tk, &tv});
+}
 
 // The backward's dk / dv launch on wgmma (see bwd_dkdv_sm90): the arguments of
 // flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block.
