@@ -645,6 +645,13 @@ impl CudaBackend {
             }
             Op::Attention(p) => {
                 let (qs, ks) = q_k_shapes("attention", inputs)?;
+                // FP8 inputs: q_scale * k_scale goes into the softmax scale and q, k are
+                // used (or dequantized) unscaled, as e4m3 values are exact in bf16; scaled
+                // before rounding to bf16, they would carry a 2^-9 relative error into
+                // every score.
+                let fp8 = dt == DType::F8E4M3;
+                let scale = |i: usize| inputs[i].buffer.scale;
+                let qk_scale = if fp8 { scale(0) * scale(1) } else { 1.0 };
                 let dims = |batch, seq_q, seq_kv| {
                     AttentionDims::new(
                         batch,
@@ -657,6 +664,7 @@ impl CudaBackend {
                         p.effective_scale(),
                     )?
                     .with_window(p.window)
+                    .map(|d| d.scaled(qk_scale))
                 };
                 let mask = if p.mask {
                     let m = &inputs[3];
@@ -705,13 +713,11 @@ impl CudaBackend {
                     return Ok(());
                 }
                 // FP8 inputs (bf16 output): the FP8 wgmma kernel where it applies, else
-                // q, k, v dequantized into bf16 scratch for the bf16 kernels.
-                let fp8 = dt == DType::F8E4M3;
+                // q, k (unscaled) and v dequantized into bf16 scratch for the bf16 kernels.
                 let mut dequantized = Vec::new();
                 let dt = if fp8 {
-                    let scale = |i: usize| inputs[i].buffer.scale;
                     if kernel == FLASH_ATTENTION_FP8 && !p.varlen && !p.paged {
-                        let d = dims(qs[0], qs[1], ks[1])?.scaled(scale(0) * scale(1));
+                        let d = dims(qs[0], qs[1], ks[1])?;
                         if g.flash_attention_fp8(q, k, v, mask, out, d, scale(2))? {
                             return Ok(());
                         }
@@ -719,7 +725,8 @@ impl CudaBackend {
                     for (i, at) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
                         let n = inputs[i].spec.numel();
                         let block = g.alloc(n * DType::BF16.size_in_bytes())?;
-                        g.dequantize(dt, DType::BF16, *at, block.ptr(), n, scale(i))?;
+                        let factor = if i == 2 { scale(2) } else { 1.0 };
+                        g.dequantize(dt, DType::BF16, *at, block.ptr(), n, factor)?;
                         *at = block.ptr();
                         dequantized.push(block);
                     }

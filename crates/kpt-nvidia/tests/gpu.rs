@@ -1114,6 +1114,19 @@ fn attention_persistent_grid() -> Result<(), TestCaseError> {
     result
 }
 
+/// FP8 attention on the bf16 fallback (`cuda.attention`, after dequantization) with a
+/// large softmax scale, causal, an additive mask and more queries than keys: q and k
+/// dequantized with their scales rounded every score by up to 2^-9 and missed the bound
+/// by 12% (q and k are now dequantized exactly and their scales go into the softmax scale).
+#[test]
+fn attention_fp8_fallback_large_scale() -> Result<(), TestCaseError> {
+    check_attention_fp8(
+        [2, 223, 195, 2, 2, 128],
+        (true, true, Some(0.950_893_46)),
+        15_715_554_676_013_631_552,
+    )
+}
+
 #[test]
 fn dynamic_quantization_finds_the_scale() {
     let Some(b) = backend() else { return };
