@@ -67,7 +67,8 @@
 // (natural log, f32 [batch, heads, seq_q], +inf for rows that see no key) is written there
 // too, for the backward pass; the FP8 entry writes none.
 // Tuning switches for standalone builds (target/fa3test): KPT_FA3_STAGES_D64/_D128,
-// KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE, KPT_FA3_POLY_FP8; the artifacts use the defaults.
+// KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE, KPT_FA3_POLY_FP8, KPT_FA3_POLY_D64, KPT_FA3_POLY_D128;
+// the artifacts use the defaults.
 //
 // kpt:launch kpt_flash_attention_sm90_bf16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bf16_d128 block=384 shared=230512 grid=tiles
@@ -194,6 +195,13 @@ static_assert(Regs<3>::kProducer * 128 + Regs<3>::kConsumer * 384 <= Regs<3>::kL
 // FP8: one n8 block of scores in KPT_FA3_POLY_FP8 takes its exp2 on the FMA units (0: none).
 #ifndef KPT_FA3_POLY_FP8
 #define KPT_FA3_POLY_FP8 8
+#endif
+// 16-bit: the same for head dims 64 and 128 (0: none).
+#ifndef KPT_FA3_POLY_D64
+#define KPT_FA3_POLY_D64 0
+#endif
+#ifndef KPT_FA3_POLY_D128
+#define KPT_FA3_POLY_D128 0
 #endif
 // The consumers' fence.proxy.async after each "full" wait (see fence_proxy_async).
 #ifndef KPT_FA3_PROXY_FENCE
@@ -790,7 +798,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     constexpr int kPOffset = kFp8<T> ? 8 : 0;
     // FP8: the tensor cores take half the cycles of bf16 for the same tile, and one exp2 per
     // score costs as many on the MUFU units; part of them go to the FMA units.
-    constexpr int kPoly = kFp8<T> ? KPT_FA3_POLY_FP8 : 0;
+    constexpr int kPoly = kFp8<T> ? KPT_FA3_POLY_FP8 : D == 64 ? KPT_FA3_POLY_D64 : KPT_FA3_POLY_D128;
     constexpr int kStages = C::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
