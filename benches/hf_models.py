@@ -10,7 +10,7 @@ first reply (before any request) describes the environment. Requests (`op`):
 - `decode`: prefills `context` random tokens per sequence (not timed), then times `steps`
   greedy decode steps with the KV cache; seconds per step, one value per repetition.
 - `logits`: the logits of `ids` (one sequence) at the last `last` positions, in `dtype`
-  (IEEE fp32 products and SDPA's math backend).
+  (fp32: IEEE products and SDPA's math backend).
 - `greedy`: `new` greedy tokens after `ids`.
 
 Attention runs through `attn_implementation="sdpa"`, as the issue's baseline names.
@@ -147,15 +147,19 @@ class Worker:
 
     @torch.inference_mode()
     def logits(self, req):
-        """Logits for an accuracy comparison: IEEE fp32 products (no TF32) and SDPA's
-        math backend, so that the run is as exact as its dtype allows."""
+        """Logits for an accuracy comparison. fp32: IEEE products (no TF32) and SDPA's
+        math backend, so that the run is as exact as its dtype allows; other dtypes run
+        as `greedy` does (SDPA's default choice)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         model = self.model(req["dtype"])
         ids = torch.tensor([req["ids"]], device=self.device)
-        with ieee_fp32(), sdpa_kernel(SDPBackend.MATH):
-            out = model(ids).logits[0, -req["last"]:].float()
-        return {"logits": out.cpu().tolist()}
+        if req["dtype"] == "f32":
+            with ieee_fp32(), sdpa_kernel(SDPBackend.MATH):
+                out = model(ids).logits
+        else:
+            out = model(ids).logits
+        return {"logits": out[0, -req["last"]:].float().cpu().tolist()}
 
     @torch.inference_mode()
     def greedy(self, req):

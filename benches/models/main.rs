@@ -666,16 +666,10 @@ fn main() -> Result<()> {
         worker.call(&json!({"op": "logits", "dtype": "f32", "ids": prompt, "last": last}))?;
     let want: Vec<Vec<f64>> = serde_json::from_value(reply["logits"].clone())?;
     let f32_model = ckpt.load_model(DType::F32)?;
-    let graph = f32_model.graph(Phase::Prefill, prompt.len())?;
-    let mut exec = kpt.executor(&graph, OptLevel::Conservative)?;
-    let inputs: Vec<Tensor> = step_inputs(&prompt, 0)?
-        .into_iter()
-        .map(|t| t.into_host(kpt.backend.as_ref()))
-        .collect::<kpt_core::Result<_>>()?;
-    let logits = exec.run(&inputs)?.remove(0).to_f64_vec();
-    drop(exec);
+    let logits = prefill_logits(&kpt, &f32_model, OptLevel::Conservative, &prompt)?;
     // The f64 reference of the same graph says which side is off.
-    let reference = run_reference(&graph, &CpuReference, &inputs)?
+    let graph = f32_model.graph(Phase::Prefill, prompt.len())?;
+    let reference = run_reference(&graph, &CpuReference, &host_inputs(&kpt, &prompt)?)?
         .remove(0)
         .to_f64_vec();
     drop(graph);
@@ -711,6 +705,27 @@ fn main() -> Result<()> {
     };
     let got = greedy(&kpt, &bf16_model, level, &prompt, new)?;
     let same = common_prefix(&want, &got);
+    // Each side's bf16 logits against the f64 reference of the fp32 model, on the
+    // prompt's last positions: whether kpt's bf16 run is as exact as HF's.
+    let reply =
+        worker.call(&json!({"op": "logits", "dtype": "bf16", "ids": prompt, "last": last}))?;
+    let hf_bf16: Vec<f64> = serde_json::from_value::<Vec<Vec<f64>>>(reply["logits"].clone())?
+        .into_iter()
+        .flatten()
+        .collect();
+    let kpt_bf16 = tail(&prefill_logits(&kpt, &bf16_model, level, &prompt)?);
+    let rms = |a: &[f64]| {
+        let s: f64 = a.iter().zip(&exact).map(|(x, y)| (x - y) * (x - y)).sum();
+        (s / a.len().max(1) as f64).sqrt()
+    };
+    let bf16_note = format!(
+        "; bf16 logits of the prompt's last {last} positions against the f64 reference of \
+         the fp32 model, max abs / rms: kpt {:.1e} / {:.1e}, HF {:.1e} / {:.1e}",
+        max_diff(&kpt_bf16, &exact),
+        rms(&kpt_bf16),
+        max_diff(&hf_bf16, &exact),
+        rms(&hf_bf16),
+    );
     // The fp32 greedy sequence (both sides), which neither bf16 run is bound to keep:
     // how long each follows it says whether kpt's roundings part earlier than HF's.
     let reply = worker.call(&json!({"op": "greedy", "dtype": "f32", "ids": prompt, "new": new}))?;
@@ -731,7 +746,7 @@ fn main() -> Result<()> {
     )
     .with_target(new as f64)
     .with_note(format!(
-        "first {new} greedy tokens after a 16-token prompt, {}{fp32_note}",
+        "first {new} greedy tokens after a 16-token prompt, {}{fp32_note}{bf16_note}",
         if gpu {
             "bf16 weights and activations"
         } else {
@@ -743,15 +758,7 @@ fn main() -> Result<()> {
         // How close the two choices are in fp32, on the text both agreed on.
         let mut text = prompt.clone();
         text.extend_from_slice(&want[..same]);
-        let mut exec = kpt.executor(
-            &f32_model.graph(Phase::Prefill, text.len())?,
-            OptLevel::Conservative,
-        )?;
-        let inputs: Vec<Tensor> = step_inputs(&text, 0)?
-            .into_iter()
-            .map(|t| t.into_host(kpt.backend.as_ref()))
-            .collect::<kpt_core::Result<_>>()?;
-        let logits = exec.run(&inputs)?.remove(0).to_f64_vec();
+        let logits = prefill_logits(&kpt, &f32_model, OptLevel::Conservative, &text)?;
         let last = &logits[logits.len() - kpt.vocab..];
         let margin = (last[want[same] as usize] - last[got[same] as usize]).abs();
         row = row.with_note(format!(
@@ -781,6 +788,20 @@ fn greedy(
     (0..new)
         .map(|_| Ok(seq.step(kpt, &mut decode)?[0]))
         .collect()
+}
+
+/// A prefill's inputs for `ids`, on the host.
+fn host_inputs(kpt: &Kpt, ids: &[i64]) -> Result<Vec<Tensor>> {
+    Ok(step_inputs(ids, 0)?
+        .into_iter()
+        .map(|t| t.into_host(kpt.backend.as_ref()))
+        .collect::<kpt_core::Result<_>>()?)
+}
+
+/// The logits of every position of `ids` from `model`'s prefill at `level`.
+fn prefill_logits(kpt: &Kpt, model: &Model, level: OptLevel, ids: &[i64]) -> Result<Vec<f64>> {
+    let mut exec = kpt.executor(&model.graph(Phase::Prefill, ids.len())?, level)?;
+    Ok(exec.run(&host_inputs(kpt, ids)?)?.remove(0).to_f64_vec())
 }
 
 /// How many leading tokens two sequences share.
