@@ -58,6 +58,7 @@ pub fn write(dir: &Path, gpu: Option<&str>, cpu: &str) -> Result<()> {
     let (gl, cl) = (label(&gpu), label(cpu));
     let report = Report::combine(NAME, "cargo xtask models-report", &[(&gl, &g), (&cl, &c)]);
     let paths: Vec<PathBuf> = report.write(dir)?;
+    append_misses(dir, &report, &[&gpu, cpu])?;
     for p in paths {
         println!("wrote {}", p.display());
     }
@@ -66,6 +67,40 @@ pub fn write(dir: &Path, gpu: Option<&str>, cpu: &str) -> Result<()> {
         report.met_count(),
         report.rows.len()
     );
+    Ok(())
+}
+
+/// Ends `models-latest.md` with the rows that missed their target and the notes of the
+/// runs (`<name>-notes.md`, where `dir` has them), which state each miss's cause.
+fn append_misses(dir: &Path, report: &Report, runs: &[&str]) -> Result<()> {
+    let missed: Vec<&str> = report
+        .rows
+        .iter()
+        .filter(|r| !r.met && (r.target_ratio.is_some() || r.target.is_some()))
+        .map(|r| r.name.as_str())
+        .collect();
+    if missed.is_empty() {
+        return Ok(());
+    }
+    let notes: Vec<String> = runs
+        .iter()
+        .map(|run| format!("{run}-notes.md"))
+        .filter(|file| dir.join(file).is_file())
+        .map(|file| format!("[{file}]({file})"))
+        .collect();
+    let mut text = format!("\nMissed: {}.", missed.join("; "));
+    if !notes.is_empty() {
+        text += &format!(
+            " Each miss's cause, and what was tried, is stated in {}.",
+            notes.join(" and ")
+        );
+    }
+    let md = dir.join(format!("{NAME}-latest.md"));
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&md)
+        .with_context(|| format!("appending to {}", md.display()))?;
+    std::io::Write::write_all(&mut file, format!("{text}\n").as_bytes())?;
     Ok(())
 }
 
@@ -101,9 +136,37 @@ mod tests {
         let both = read(d, NAME).unwrap();
         let names: Vec<&str> = both.rows.iter().map(|r| r.name.as_str()).collect();
         assert_eq!(names, ["h200: decode", "cpu: decode"]);
-        assert!(d.join("models-latest.md").is_file());
+        let md = std::fs::read_to_string(d.join("models-latest.md")).unwrap();
+        assert!(!md.contains("Missed:"), "{md}");
         // Written again, the combined report is not taken for a GPU one.
         assert_eq!(newest_gpu(d, "models-cpu").unwrap().0, "models-h200");
+    }
+
+    #[test]
+    fn missed_rows_are_listed_with_the_notes_that_explain_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        report(d, "models-h200", "2026-11-28T14:30:00Z");
+        let machine = Machine {
+            device: "cpu".into(),
+            driver: None,
+            cpu: "cpu".into(),
+            versions: Default::default(),
+        };
+        let mut cpu = Report::new("models-cpu", "bench", "abc1234", machine);
+        cpu.rows
+            .push(Row::compared("prefill", "ms", false, 2.0, 1.0, "HF").with_target_ratio(1.0));
+        std::fs::write(d.join("models-cpu-latest.json"), cpu.to_json()).unwrap();
+        std::fs::write(d.join("models-cpu-notes.md"), "# notes").unwrap();
+        write(d, None, "models-cpu").unwrap();
+        let md = std::fs::read_to_string(d.join("models-latest.md")).unwrap();
+        assert!(
+            md.contains(
+                "Missed: cpu: prefill. Each miss's cause, and what was tried, is stated \
+                         in [models-cpu-notes.md](models-cpu-notes.md)."
+            ),
+            "{md}"
+        );
     }
 
     #[test]
