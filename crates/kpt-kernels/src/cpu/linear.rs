@@ -187,37 +187,35 @@ pub fn linear(
         }
         return Ok(());
     }
+    // Bias and activation on each finished output segment, for the engines that take it.
+    let finish = |seg: &mut [f32], c0: usize| finish_cols(seg, c0, bias, act);
+    let epi = (bias.is_some() || act.is_some()).then_some(&finish as Epilogue<'_>);
     let ok = match w {
         WeightsRef::BF16(w) if bf16_products() => {
             let mut xb = Scratch::<u16>::new(m * k);
             for_each_row(&mut xb, k, k, |r, dst| {
                 simd::f32_to_bf16_slice(&x[r * k..][..k], dst)
             });
-            let epi = |seg: &mut [f32], c0: usize| finish_cols(seg, c0, bias, act);
-            let epi = (bias.is_some() || act.is_some()).then_some(&epi as Epilogue<'_>);
             amx::linear_bf16(bytemuck::cast_slice(&xb), w, out, (m, k, n), epi)
         }
-        WeightsRef::F32(w) => {
-            let epi = |seg: &mut [f32], c0: usize| finish_cols(seg, c0, bias, act);
-            gemm_f32_raw(
-                m,
-                n,
-                k,
-                out,
-                n,
-                Strided {
-                    data: x,
-                    rs: k,
-                    cs: 1,
-                },
-                Strided {
-                    data: w,
-                    rs: 1,
-                    cs: k,
-                },
-                (bias.is_some() || act.is_some()).then_some(&epi),
-            )
-        }
+        WeightsRef::F32(w) => gemm_f32_raw(
+            m,
+            n,
+            k,
+            out,
+            n,
+            Strided {
+                data: x,
+                rs: k,
+                cs: 1,
+            },
+            Strided {
+                data: w,
+                rs: 1,
+                cs: k,
+            },
+            epi,
+        ),
         WeightsRef::BF16(w) => tiled(&p, w, out),
         WeightsRef::F16(w) => tiled(&p, w, out),
         WeightsRef::F8E4M3 { bits, .. } => tiled(&p, bytemuck::cast_slice::<u8, E4M3>(bits), out),
