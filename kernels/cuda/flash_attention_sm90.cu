@@ -83,6 +83,7 @@
 // kpt:launch kpt_flash_attention_sm90_tma_n176_bf16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_f16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_e4m3_d128 block=384 shared=189552 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d128 block=384 shared=133160 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d64 block=384 shared=67624 grid=key_tiles
@@ -784,7 +785,7 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
 // the output (v_scale for FP8, 1 otherwise).
-template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN>
+template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
@@ -959,12 +960,21 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     constexpr uint32_t kVStageDesc = C::kVTileBytes >> 4;
     // Ping-pong (round robin with three): warpgroup c issues its GEMMs after sync on
     // barrier 1 + c and then lets the next go (arrive on 1 + (c + 1) % kConsumers);
-    // consumer 0 starts. Every sync meets exactly one arrive: the last consumer skips
-    // its arrive of the last tile. Each work tile starts and ends the round anew.
+    // consumer 0 starts. Every sync meets exactly one arrive. By default each work tile
+    // starts and ends the round anew: the last consumer skips its arrive of the last tile
+    // and gives consumer 0 its first turn of the next. With kCarry (the FP8 causal entry,
+    // where it measured faster; the 16-bit ones measured slower) the round runs on across a
+    // block's work tiles: the last consumer's last turn of one lets consumer 0 begin the
+    // next, whose Q K^T then runs while the others finish their softmax, P V and stores; the
+    // round starts once, before the first work tile, and consumer 0's sync after the last
+    // meets the one arrive left over.
     constexpr bool kPingPong = KPT_FA3_PINGPONG != 0;
     constexpr int kLast = kConsumers - 1;
     const int my_turn = kSchedBarrier + c;
     const int other_turn = kSchedBarrier + (c + 1) % kConsumers;
+    if constexpr (kPingPong && kCarry) {
+        if (c == kLast) named_arrive(kSchedBarrier, 256);
+    }
     // The ring position, carried across work tiles: advanced before every key tile.
     int s = kStages - 1;
     unsigned phase = 1, q_phase = 0;
@@ -1010,7 +1020,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                                                                     scale2, n0, qi0, tig, p, mask);
                 }
             };
-            if (kPingPong && c == kLast) named_arrive(kSchedBarrier, 256);
+            if (kPingPong && !kCarry && c == kLast) named_arrive(kSchedBarrier, 256);
 
             // Key tiles this warpgroup computes: under a causal mask the block's last tiles can
             // be past every row of its lower warpgroups. Those skip the GEMMs and the softmax but
@@ -1033,7 +1043,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 fence_proxy_async();
                 if (kPingPong) named_sync(my_turn, 256);
                 gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
-                if (kPingPong && !(c == kLast && n_tiles == 1)) named_arrive(other_turn, 256);
+                if (kPingPong && (kCarry || !(c == kLast && n_tiles == 1)))
+                    named_arrive(other_turn, 256);
                 wgmma_wait<0>();
                 fence_regs(s_acc);
                 mbar_arrive(empty_k(s));
@@ -1055,7 +1066,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     mbar_wait(full_v(sp), pp);
                     fence_proxy_async();
                     gemm_pv<T, D, BN>(o, pf, vdesc + sp * kVStageDesc);
-                    if (kPingPong && !(c == kLast && t == n_tiles - 1))
+                    if (kPingPong && (kCarry || !(c == kLast && t == n_tiles - 1)))
                         named_arrive(other_turn, 256);
                     wgmma_wait<1>();  // S(t) is done
                     fence_regs(s_acc);
@@ -1084,7 +1095,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 advance();
                 mbar_wait(full_k(s), phase);
                 if (kPingPong) named_sync(my_turn, 256);
-                if (kPingPong && !(c == kLast && t == n_tiles - 1)) named_arrive(other_turn, 256);
+                if (kPingPong && (kCarry || !(c == kLast && t == n_tiles - 1)))
+                    named_arrive(other_turn, 256);
                 mbar_arrive(empty_k(s));
                 mbar_wait(full_v(s), phase);
                 mbar_arrive(empty_v(s));
@@ -1116,6 +1128,11 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     pack2<OutT<T>>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
             }
         }
+    }
+    // Under kCarry, the last consumer's last arrive (or the start's, for a block without
+    // work).
+    if constexpr (kPingPong && kCarry) {
+        if (c == 0) named_sync(my_turn, 256);
     }
 }
 
@@ -1595,7 +1612,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
 
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
-template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN>
+template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
                                            float*, const Dims&, float, Maps) {
     __trap();
@@ -1691,6 +1708,18 @@ extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
     kpt::dependent_launch_prologue();
     flash_sm90<E4M3, 128, false, true, 192>(q, k, vt, nullptr, out, nullptr, p, v_scale,
                                             Maps{&tq, &tk, &tv});
+}
+
+// FP8 causal calls: the 192-key entry with the consumers' ping-pong running on across a
+// block's work tiles (kCarry in flash_sm90).
+extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
+    kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128(
+        const E4M3* q, const E4M3* k, const E4M3* vt, const float* mask, __nv_bfloat16* out,
+        const Dims p, float v_scale, const __grid_constant__ TensorMap tq,
+        const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {
+    kpt::dependent_launch_prologue();
+    flash_sm90<E4M3, 128, false, true, 192, true>(q, k, vt, nullptr, out, nullptr, p, v_scale,
+                                                  Maps{&tq, &tk, &tv});
 }
 
 // The backward's dk / dv launch on wgmma (see bwd_dkdv_sm90): the arguments of

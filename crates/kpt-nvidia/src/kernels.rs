@@ -1003,10 +1003,11 @@ impl Gpu {
             FLASH_SM90_BLOCK_M,
             block_n,
         ) {
-            let entry = if wide {
-                "kpt_flash_attention_sm90_tma_n192_e4m3_d128"
-            } else {
-                "kpt_flash_attention_sm90_tma_e4m3_d128"
+            // Causal calls without a mask: the entry whose ping-pong runs across work tiles.
+            let entry = match (wide, dims.causal != 0) {
+                (true, true) => "kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128",
+                (true, false) => "kpt_flash_attention_sm90_tma_n192_e4m3_d128",
+                _ => "kpt_flash_attention_sm90_tma_e4m3_d128",
             };
             launch!(
                 self, SM90, entry, blocks;
