@@ -713,6 +713,7 @@ impl RocmBackend {
             }
             Op::Embedding => {
                 let table = inputs[1].spec;
+                let (rows, dim) = table.rows_and_width();
                 if x.numel() > 0 {
                     let bad = self.gpu.alloc_zeroed(4)?;
                     let ptrs = [
@@ -721,14 +722,7 @@ impl RocmBackend {
                         out_ptr(out0)?,
                         bad.ptr(),
                     ];
-                    self.launch_kernel(p.embedding(
-                        table.dtype,
-                        dt,
-                        ptrs,
-                        x.numel(),
-                        table.shape[0],
-                        table.shape[1],
-                    ))?;
+                    self.launch_kernel(p.embedding(table.dtype, dt, ptrs, x.numel(), rows, dim))?;
                     let mut flag = [0u8; 4];
                     self.gpu.download(&bad, &mut flag)?;
                     if flag != [0; 4] {

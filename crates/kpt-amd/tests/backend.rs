@@ -261,7 +261,10 @@ proptest! {
         let ids: Vec<f64> = (0..tokens).map(|_| (rng.next_u64() % vocab as u64) as f64).collect();
         let ids = Tensor::from_f64(&ids, &[tokens], index).unwrap();
         let table = random(&mut rng, &[vocab, head_dim], dt, -1.0, 1.0);
-        check(&Op::Embedding, &[ids, table])?;
+        check(&Op::Embedding, &[ids.clone(), table])?;
+        // Rows of an activation [1, vocab, head_dim] (a prefill's last tokens).
+        let rows = random(&mut rng, &[1, vocab, head_dim], dt, -1.0, 1.0);
+        check(&Op::Embedding, &[ids, rows])?;
         for q in [DType::F8E4M3, DType::F8E5M2, DType::I8] {
             let op = Op::Quantize { dtype: q, scale: 0.05 };
             check(&op, std::slice::from_ref(&x))?;

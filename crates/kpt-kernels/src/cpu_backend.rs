@@ -339,7 +339,7 @@ impl CpuBackend {
             .ok_or_else(|| KptError::Graph(format!("{kernel}: no output")))?;
         match op {
             Op::Embedding => {
-                let (vocab, dim) = (inputs[1].spec.shape[0], inputs[1].spec.shape[1]);
+                let (vocab, dim) = inputs[1].spec.rows_and_width();
                 cpu::elementwise::embedding(
                     &indices(&inputs[0])?,
                     input(&inputs[1])?,

@@ -110,8 +110,8 @@ impl ReferenceOps for CpuReference {
         let first = &inputs[0];
         match op {
             Op::Embedding => {
-                let s = inputs[1].shape();
-                r::embedding(&ids(first), &x[1], &mut outs[0], s[0], s[1])?
+                let (rows, dim) = specs[1].rows_and_width();
+                r::embedding(&ids(first), &x[1], &mut outs[0], rows, dim)?
             }
             Op::MatMul => {
                 let (a, b) = (first.shape(), inputs[1].shape());

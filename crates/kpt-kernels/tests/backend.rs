@@ -951,6 +951,37 @@ fn embedding_out_of_range_is_a_typed_error() {
     ));
 }
 
+/// The rows of a prefill's last tokens out of its `[1, S, D]` activation
+/// (`Phase::PrefillLast` in kpt-models), then the final norm on those rows alone.
+#[test]
+fn embedding_gathers_rows_of_an_activation() {
+    let mut rng = Rng::new(8);
+    let mut g = Graph::new();
+    let x = g.input("x", DType::F32, &[1, 7, 24]);
+    let rows = g.input("rows", DType::I64, &[1, 3]);
+    let w = g.param("w", tensor(&mut rng, &[24], 0.5, 1.5));
+    let picked = g.op("last_rows", Op::Embedding, &[rows, x]).unwrap();
+    let y = g
+        .op("norm", Op::RmsNorm { eps: 1e-5 }, &[picked, w])
+        .unwrap();
+    g.output(y).unwrap();
+    let x = tensor(&mut rng, &[1, 7, 24], -1.0, 1.0);
+    let rows = Tensor::from_vec(vec![6i64, 0, 3], &[1, 3]).unwrap();
+    check_all_levels(&g, &[x.clone(), rows]);
+    let out = run_reference(
+        &g,
+        &CpuReference,
+        &[
+            x.clone(),
+            Tensor::from_vec(vec![7i64, 0, 1], &[1, 3]).unwrap(),
+        ],
+    );
+    assert!(
+        matches!(out, Err(KptError::InvalidArgument(_))),
+        "row 7 of 7: {out:?}"
+    );
+}
+
 #[test]
 fn quantize_dequantize_round_trips() {
     let mut rng = Rng::new(7);

@@ -49,7 +49,7 @@ use kpt_core::validate::{run_reference, ReferenceOps};
 use kpt_core::{Graph, Tensor};
 
 use crate::error::{ModelError, Result};
-use crate::lower::{pack_prompts, unpack, Phase};
+use crate::lower::{last_rows, pack_prompts, unpack, Phase, LAST_ROWS};
 use crate::tokenizer::Tokenizer;
 use crate::Model;
 
@@ -690,30 +690,70 @@ fn split_outputs(mut outs: Vec<Tensor>) -> Result<(Tensor, Vec<Tensor>)> {
     Ok((logits, cache))
 }
 
-/// Cuts packed prefill outputs per prompt: last logits and cache of each.
-fn unpack_outputs(outs: Vec<Tensor>, cu_seqlens: &[i64]) -> Result<Vec<(Vec<f64>, Vec<Tensor>)>> {
+/// Cuts packed prefill outputs per prompt: last logits and cache of each. The logits
+/// are `[1, total, vocab]`, or `[1, prompts, vocab]` when `last_only`
+/// ([`Phase::PrefillLast`]).
+fn unpack_outputs(
+    outs: Vec<Tensor>,
+    cu_seqlens: &[i64],
+    last_only: bool,
+) -> Result<Vec<(Vec<f64>, Vec<Tensor>)>> {
     let (logits, cache) = split_outputs(outs)?;
-    let logits = unpack(&logits, cu_seqlens)?;
     let caches = cache
         .iter()
         .map(|t| unpack(t, cu_seqlens))
         .collect::<Result<Vec<_>>>()?;
-    logits
-        .iter()
+    let rows = if last_only {
+        let prompts = cu_seqlens.len().saturating_sub(1);
+        let vocab = match logits.shape() {
+            &[1, n, vocab] if n == prompts => vocab.max(1),
+            other => {
+                return Err(ModelError::Generation(format!(
+                    "logits of {prompts} prompts' last tokens must be [1, {prompts}, vocab], \
+                     got {other:?}"
+                )))
+            }
+        };
+        let all = logits.to_f64_vec();
+        all.chunks(vocab).map(<[f64]>::to_vec).collect()
+    } else {
+        unpack(&logits, cu_seqlens)?
+            .iter()
+            .map(last_logits)
+            .collect::<Result<Vec<_>>>()?
+    };
+    Ok(rows
+        .into_iter()
         .enumerate()
-        .map(|(i, l)| {
-            Ok((
-                last_logits(l)?,
-                caches.iter().map(|c| c[i].clone()).collect(),
-            ))
-        })
-        .collect()
+        .map(|(i, l)| (l, caches.iter().map(|c| c[i].clone()).collect()))
+        .collect())
 }
 
-/// Packed prefill inputs and their `cu_seqlens`.
-fn packed_inputs(prompts: &[&[i64]]) -> Result<(Vec<Tensor>, Vec<i64>)> {
-    let inputs = pack_prompts(prompts)?;
+/// Whether a prefill graph takes the [`LAST_ROWS`] input ([`Phase::PrefillLast`]).
+pub fn takes_last_rows(graph: &Graph) -> bool {
+    graph
+        .inputs()
+        .iter()
+        .any(|&v| graph.value(v).name == LAST_ROWS)
+}
+
+/// Prefill inputs of one prompt for `graph`: [`prefill_inputs`], and the [`LAST_ROWS`]
+/// input where the graph takes it ([`Phase::PrefillLast`]).
+pub fn prefill_inputs_for(graph: &Graph, prompt: &[i64]) -> Result<Vec<Tensor>> {
+    let mut inputs = prefill_inputs(prompt)?;
+    if takes_last_rows(graph) {
+        inputs.push(last_rows(&[0, prompt.len() as i64])?);
+    }
+    Ok(inputs)
+}
+
+/// Packed prefill inputs for `graph` and their `cu_seqlens`.
+fn packed_inputs(graph: &Graph, prompts: &[&[i64]]) -> Result<(Vec<Tensor>, Vec<i64>)> {
+    let mut inputs = pack_prompts(prompts)?;
     let cu = inputs[2].as_slice::<i64>()?.to_vec();
+    if takes_last_rows(graph) {
+        inputs.push(last_rows(&cu)?);
+    }
     Ok((inputs, cu))
 }
 
@@ -943,21 +983,19 @@ impl StepRunner for PlanRunner {
     }
 
     fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<DeviceTensor>)> {
-        let (next, cache) = Self::run(
-            &mut self.prefill,
-            prefill_inputs(prompt)?,
-            Vec::new(),
-            false,
-        )?;
+        let inputs = prefill_inputs_for(&self.prefill.plan().graph, prompt)?;
+        let (next, cache) = Self::run(&mut self.prefill, inputs, Vec::new(), false)?;
         Ok((next.logits()?, cache))
     }
 
     fn prefill_many(&mut self, prompts: &[&[i64]]) -> Result<Vec<(Vec<f64>, Vec<DeviceTensor>)>> {
         match &mut self.packed {
             Some(exec) if prompts.len() > 1 => {
-                let (inputs, cu) = packed_inputs(prompts)?;
+                let graph = &exec.plan().graph;
+                let last_only = takes_last_rows(graph);
+                let (inputs, cu) = packed_inputs(graph, prompts)?;
                 let backend = self.decode.backend().clone();
-                unpack_outputs(exec.run(&inputs)?, &cu)?
+                unpack_outputs(exec.run(&inputs)?, &cu, last_only)?
                     .into_iter()
                     .map(|(logits, cache)| {
                         let cache = cache
@@ -1040,8 +1078,13 @@ impl StepRunner for ReferenceRunner<'_> {
         if prompts.len() < 2 {
             return prompts.iter().map(|p| self.prefill(p)).collect();
         }
-        let (inputs, cu) = packed_inputs(prompts)?;
-        unpack_outputs(run_reference(&self.packed, self.reference, &inputs)?, &cu)
+        let (inputs, cu) = packed_inputs(&self.packed, prompts)?;
+        let last_only = takes_last_rows(&self.packed);
+        unpack_outputs(
+            run_reference(&self.packed, self.reference, &inputs)?,
+            &cu,
+            last_only,
+        )
     }
 
     fn decode(&mut self, cache: &mut Vec<Tensor>, token: i64, position: usize) -> Result<Vec<f64>> {

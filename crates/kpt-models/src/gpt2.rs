@@ -132,6 +132,12 @@ impl Gpt2 {
         self.build(Phase::Prefill, total, Some(sequences))
     }
 
+    /// The packed prefill of [`Phase::PrefillLast`], as
+    /// [`crate::llama::Llama::graph_packed_last`].
+    pub fn graph_packed_last(&self, total: usize, sequences: usize) -> Result<Graph> {
+        self.build(Phase::PrefillLast, total, Some(sequences))
+    }
+
     fn build(&self, phase: Phase, seq: usize, packed: Option<usize>) -> Result<Graph> {
         let c = &self.config;
         let d = c.n_embd;
@@ -171,6 +177,7 @@ impl Gpt2 {
             let m = b.mlp_proj.apply(&mut g, &format!("{p}.mlp.c_proj"), m)?;
             h = g.op(format!("{p}.mlp_residual"), Op::Add, &[h, m])?;
         }
+        let h = inputs.logit_rows(&mut g, h)?;
         let x = self.ln_f.apply(&mut g, "ln_f", h, eps)?;
         let head = g.param("lm_head.weight", self.wte.clone());
         let logits = g.op("lm_head", Op::Linear { bias: false }, &[x, head])?;

@@ -111,6 +111,18 @@ impl Model {
             Model::Bert(m) => m.graph_packed(total, sequences),
         }
     }
+
+    /// A decoder's packed prefill of [`Phase::PrefillLast`] (the logits of each prompt's
+    /// last token; [`llama::Llama::graph_packed_last`]); BERT has no logits, an error.
+    pub fn graph_packed_last(&self, total: usize, sequences: usize) -> Result<kpt_core::Graph> {
+        match self {
+            Model::Llama(m) => m.graph_packed_last(total, sequences),
+            Model::Gpt2(m) => m.graph_packed_last(total, sequences),
+            Model::Bert(_) => Err(ModelError::Unsupported(
+                "BERT is an encoder: it has no logits to keep the last of".into(),
+            )),
+        }
+    }
 }
 
 /// The configuration file of a checkpoint directory.

@@ -120,6 +120,13 @@ impl Llama {
         self.build(Phase::Prefill, total, Some(sequences))
     }
 
+    /// [`Self::graph_packed`] with [`Phase::PrefillLast`]'s logits: those of each
+    /// prompt's last token, `[1, sequences, vocab]` ([`crate::lower::last_rows`] gives the
+    /// rows input).
+    pub fn graph_packed_last(&self, total: usize, sequences: usize) -> Result<Graph> {
+        self.build(Phase::PrefillLast, total, Some(sequences))
+    }
+
     fn build(&self, phase: Phase, seq: usize, packed: Option<usize>) -> Result<Graph> {
         let c = &self.config;
         let mut g = Graph::new();
@@ -202,6 +209,7 @@ impl Llama {
                 .apply(&mut g, &format!("{p}.mlp.down_proj"), m)?;
             h = g.op(format!("{p}.mlp_residual"), Op::Add, &[h, down])?;
         }
+        let h = inputs.logit_rows(&mut g, h)?;
         let x = rms_norm(&mut g, "model.norm", h, &self.norm, eps)?;
         let head = g.param("lm_head.weight", self.lm_head.clone());
         let logits = g.op("lm_head", Op::Linear { bias: false }, &[x, head])?;

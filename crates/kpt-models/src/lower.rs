@@ -11,6 +11,11 @@ use crate::weights::Weights;
 pub enum Phase {
     /// The whole prompt at once; outputs logits and the key/value cache of every layer.
     Prefill,
+    /// [`Phase::Prefill`] that computes the logits of each sequence's last token only, as
+    /// generation needs (vLLM's prefill, HF's `logits_to_keep=1`): an input
+    /// [`LAST_ROWS`] `[1, sequences]` (i64) names those tokens' rows, and the logits are
+    /// `[1, sequences, vocab]`. The final norm and the LM head run on those rows alone.
+    PrefillLast,
     /// One token per sequence against caches of a fixed capacity, which the step writes
     /// its keys and values into; outputs logits and the updated caches.
     Decode,
@@ -21,10 +26,22 @@ pub enum Phase {
     DecodeGreedy,
 }
 
+/// The name of [`Phase::PrefillLast`]'s input of rows whose logits it computes.
+pub const LAST_ROWS: &str = "last_rows";
+
+impl Phase {
+    /// Whether this is a prefill phase (the whole prompt, no cache inputs).
+    pub fn is_prefill(self) -> bool {
+        matches!(self, Phase::Prefill | Phase::PrefillLast)
+    }
+}
+
 /// The inputs of a decoder graph.
 ///
-/// Prefill: ids `[1, S]` (i64), positions `[S]` (i64) and, for a packed prefill,
-/// `cu_seqlens` `[sequences + 1]` (i64); `seq` is the prompt length (all prompts').
+/// Prefill: ids `[1, S]` (i64), positions `[S]` (i64), for a packed prefill
+/// `cu_seqlens` `[sequences + 1]` (i64), and for [`Phase::PrefillLast`] the rows
+/// [`LAST_ROWS`] `[1, sequences]` (i64) of each sequence's last token; `seq` is the prompt
+/// length (all prompts').
 ///
 /// Decode, `B` sequences of one token each at one position: ids `[B, 1]`, positions
 /// `[1]`, `slots` `[B]` (the cache row each sequence's new key and value go to),
@@ -45,6 +62,8 @@ pub struct DecoderInputs {
     pub cache: Option<CacheInputs>,
     /// Sequence offsets of a packed prefill.
     pub cu_seqlens: Option<ValueId>,
+    /// The rows whose logits a [`Phase::PrefillLast`] graph computes.
+    pub last_rows: Option<ValueId>,
     /// Whether the graph outputs the greedy next tokens ([`Phase::DecodeGreedy`]).
     pub greedy: bool,
 }
@@ -73,15 +92,18 @@ impl DecoderInputs {
         (layers, kv_dim): (usize, usize),
         dtype: DType,
     ) -> Result<Self> {
-        if phase == Phase::Prefill {
+        if phase.is_prefill() {
             let ids = g.input("ids", DType::I64, &[1, seq]);
             let positions = g.input("positions", DType::I64, &[seq]);
             let cu_seqlens = packed.map(|n| g.input("cu_seqlens", DType::I64, &[n + 1]));
+            let last_rows = (phase == Phase::PrefillLast)
+                .then(|| g.input(LAST_ROWS, DType::I64, &[1, packed.unwrap_or(1)]));
             return Ok(Self {
                 ids,
                 positions,
                 cache: None,
                 cu_seqlens,
+                last_rows,
                 greedy: false,
             });
         }
@@ -112,6 +134,7 @@ impl DecoderInputs {
                 layers,
             }),
             cu_seqlens: None,
+            last_rows: None,
             greedy: phase == Phase::DecodeGreedy,
         })
     }
@@ -138,6 +161,16 @@ impl DecoderInputs {
             ..params
         };
         Ok(g.op(name, Op::Attention(params), &inputs)?)
+    }
+
+    /// The rows of the final hidden state `h` `[1, S, hidden]` that the logits are computed
+    /// from: those of [`LAST_ROWS`] (`[1, sequences, hidden]`) for [`Phase::PrefillLast`],
+    /// all of them otherwise.
+    pub fn logit_rows(&self, g: &mut Graph, h: ValueId) -> Result<ValueId> {
+        let Some(rows) = self.last_rows else {
+            return Ok(h);
+        };
+        Ok(g.op("last_rows", Op::Embedding, &[rows, h])?)
     }
 
     /// Marks the outputs of the decoder graph: logits, the greedy next tokens (of
@@ -318,6 +351,20 @@ pub fn pack_prompts(prompts: &[&[i64]]) -> Result<Vec<Tensor>> {
         Tensor::from_vec(positions, &[n])?,
         Tensor::from_vec(cu, &[m])?,
     ])
+}
+
+/// The [`LAST_ROWS`] input of a [`Phase::PrefillLast`] graph: the row of each
+/// sequence's last token, `cu_seqlens[i + 1] - 1`, as `[1, sequences]` (`[0, n]` for one
+/// prompt of `n` tokens).
+pub fn last_rows(cu_seqlens: &[i64]) -> Result<Tensor> {
+    let rows: Vec<i64> = cu_seqlens.windows(2).map(|w| w[1] - 1).collect();
+    if rows.is_empty() || cu_seqlens.windows(2).any(|w| w[1] <= w[0]) || cu_seqlens[0] != 0 {
+        return Err(ModelError::Core(kpt_core::KptError::InvalidArgument(
+            format!("cu_seqlens must start at 0 and rise at every sequence, got {cu_seqlens:?}"),
+        )));
+    }
+    let n = rows.len();
+    Ok(Tensor::from_vec(rows, &[1, n])?)
 }
 
 /// Cuts the packed outputs `[1, total, width]` of a packed prefill (logits or one layer's

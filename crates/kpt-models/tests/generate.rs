@@ -6,11 +6,14 @@ mod common;
 use std::path::Path;
 
 use common::{executor, gpt2_forward, llama_forward, LlamaSizes, Raw};
+use kpt_core::validate::run_reference;
 use kpt_core::{DType, OptLevel};
 use kpt_kernels::CpuReference;
 use kpt_models::generate::{
-    Generator, PlanRunner, ReferenceRunner, SamplingParams, StopCondition, StopReason,
+    last_logits, prefill_inputs, Generator, PlanRunner, ReferenceRunner, SamplingParams,
+    StopCondition, StopReason,
 };
+use kpt_models::lower::{last_rows, pack_prompts, unpack};
 use kpt_models::synthetic::{write_checkpoint, write_tokenizer, WriteOptions};
 use kpt_models::{Checkpoint, Model, ModelConfig, Phase};
 use serde_json::json;
@@ -224,6 +227,89 @@ fn greedy_picks_in_the_plan_equal_picks_on_the_host() {
             let want = tokens(&mut on_host);
             assert_eq!(want[0].len(), 7);
             assert_eq!(tokens(&mut on_plan), want, "{level:?} {params:?}");
+        }
+    }
+}
+
+/// Plans whose prefills compute only the last tokens' logits (`Phase::PrefillLast`, alone
+/// and packed) generate what plans with every position's logits do, greedy and sampled,
+/// for LLaMA and GPT-2; their logits are the full prefill's last rows.
+#[test]
+fn last_token_prefills_generate_what_full_prefills_do() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_dir(dir.path(), 44);
+    let gpt2 = tempfile::tempdir().unwrap();
+    let cfg = json!({
+        "model_type": "gpt2", "vocab_size": 300, "n_embd": 32, "n_layer": 2, "n_head": 4,
+        "n_positions": 32, "bos_token_id": 0, "eos_token_id": 1
+    });
+    write_checkpoint(gpt2.path(), &cfg, WriteOptions::default()).unwrap();
+    let prompts: [&[u32]; 3] = [&[0, 7, 19, 200, 5], &[0], &[0, 250, 3, 3, 81, 9, 14, 60]];
+    let ids: Vec<Vec<i64>> = prompts
+        .iter()
+        .map(|p| p.iter().map(|&t| i64::from(t)).collect())
+        .collect();
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        top_k: 50,
+        top_p: 0.95,
+        seed: 9,
+    };
+    for path in [dir.path(), gpt2.path()] {
+        let model = Checkpoint::open(path)
+            .unwrap()
+            .load_model(DType::F32)
+            .unwrap();
+        // The f64 graphs: the last rows of every position's logits, exactly.
+        let last = model.graph(Phase::PrefillLast, 4).unwrap();
+        let full = model.graph(Phase::Prefill, 4).unwrap();
+        let mut inputs = prefill_inputs(&ids[0]).unwrap();
+        let want = last_logits(&run_reference(&full, &CpuReference, &inputs).unwrap()[0]).unwrap();
+        inputs.push(last_rows(&[0, ids[0].len() as i64]).unwrap());
+        let got = run_reference(&last, &CpuReference, &inputs).unwrap();
+        assert_eq!(got[0].shape(), [1, 1, 300]);
+        assert_eq!(got[0].to_f64_vec(), want);
+        let refs: Vec<&[i64]> = ids.iter().map(Vec::as_slice).collect();
+        let mut packed = pack_prompts(&refs).unwrap();
+        let cu = packed[2].as_slice::<i64>().unwrap().to_vec();
+        let all =
+            &run_reference(&model.graph_packed(4, 3).unwrap(), &CpuReference, &packed).unwrap()[0];
+        packed.push(last_rows(&cu).unwrap());
+        let got = &run_reference(
+            &model.graph_packed_last(4, 3).unwrap(),
+            &CpuReference,
+            &packed,
+        )
+        .unwrap()[0];
+        assert_eq!(got.shape(), [1, 3, 300]);
+        for (i, t) in unpack(all, &cu).unwrap().iter().enumerate() {
+            let row = &got.to_f64_vec()[i * 300..(i + 1) * 300];
+            assert_eq!(row, last_logits(t).unwrap(), "packed prompt {i}");
+        }
+
+        for level in [OptLevel::Conservative, OptLevel::Balanced] {
+            let last = PlanRunner::new(
+                executor(&model.graph(Phase::PrefillLast, 4).unwrap(), level),
+                executor(&model.graph(Phase::Decode, 4).unwrap(), level),
+            )
+            .with_packed(executor(&model.graph_packed_last(8, 2).unwrap(), level));
+            let mut last = Generator::for_model(last, &model).unwrap();
+            let mut full = Generator::for_model(plan_runner(&model, level), &model).unwrap();
+            for params in [SamplingParams::greedy(), sampled] {
+                let stop = StopCondition::new(6);
+                let tokens = |g: &mut Generator<PlanRunner>, ps: &[&[u32]]| {
+                    g.generate(ps, &params, &stop, None, |_| Ok(()))
+                        .unwrap()
+                        .outputs
+                        .into_iter()
+                        .map(|o| o.tokens)
+                        .collect::<Vec<_>>()
+                };
+                for ps in [&prompts[..], &prompts[..1]] {
+                    let want = tokens(&mut full, ps);
+                    assert_eq!(tokens(&mut last, ps), want, "{path:?} {level} {params:?}");
+                }
+            }
         }
     }
 }

@@ -543,6 +543,7 @@ impl CudaBackend {
             }
             Op::Embedding => {
                 let table = inputs[1].spec;
+                let (rows, dim) = table.rows_and_width();
                 g.embedding(
                     table.dtype,
                     dt,
@@ -550,8 +551,8 @@ impl CudaBackend {
                     ptr(&inputs[1])?,
                     out_ptr(out0)?,
                     x.numel(),
-                    table.shape[0],
-                    table.shape[1],
+                    rows,
+                    dim,
                 )?;
             }
             Op::Quantize { dtype, scale } => {

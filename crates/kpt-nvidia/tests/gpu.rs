@@ -951,10 +951,13 @@ proptest! {
     #[test]
     fn embedding(n in 1usize..40, vocab in 1usize..60,
                  dim in prop::sample::select(vec![1usize, 3, 8, 64, 100]),
+                 lead in prop::sample::select(vec![0usize, 1, 3]),
                  dt in dtype(), wide in any::<bool>(), seed: u64) {
         let mut rng = SplitMix64::new(seed);
-        let table = random(&mut rng, &[vocab, dim], dt, -1.0, 1.0);
-        let i = ids(&mut rng, n, vocab, if wide { DType::I64 } else { DType::I32 });
+        // lead > 0: rows of a [lead, vocab, dim] activation (a prefill's last tokens).
+        let (shape, rows) = if lead == 0 { (vec![vocab, dim], vocab) } else { (vec![lead, vocab, dim], lead * vocab) };
+        let table = random(&mut rng, &shape, dt, -1.0, 1.0);
+        let i = ids(&mut rng, n, rows, if wide { DType::I64 } else { DType::I32 });
         check(&Op::Embedding, &[i, table])?;
     }
 

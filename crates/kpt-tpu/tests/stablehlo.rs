@@ -177,6 +177,9 @@ proptest! {
         let table = random(&mut rng, &[vocab, d], dt);
         let ids: Vec<i64> = (0..2 * seq).map(|_| (rng.next_u64() % vocab as u64) as i64).collect();
         check(Op::Embedding, vec![ints(&ids, &[2, seq], DType::I64), table])?;
+        // Rows of an activation [1, vocab, d] (a prefill's last tokens).
+        let rows = random(&mut rng, &[1, vocab, d], dt);
+        check(Op::Embedding, vec![ints(&ids, &[2, seq], DType::I64), rows])?;
         let x = random(&mut rng, &[2, seq, heads * d], dt);
         let (pos, shape): (Vec<i64>, Vec<usize>) = if per_token {
             ((0..2 * seq).map(|_| (rng.next_u64() % 4096) as i64).collect(), vec![2, seq])

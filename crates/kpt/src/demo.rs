@@ -10,8 +10,8 @@ use kpt_core::validate::{validate_plan, ValidationReport};
 use kpt_core::{DType, OptLevel, Tensor};
 use kpt_kernels::CpuReference;
 use kpt_models::generate::{
-    decode_step_inputs, prefill_inputs, Generation, Generator, PlanRunner, ReferenceRunner,
-    SamplingParams, StepRunner, StopCondition,
+    decode_step_inputs, prefill_inputs, prefill_inputs_for, Generation, Generator, PlanRunner,
+    ReferenceRunner, SamplingParams, StepRunner, StopCondition,
 };
 use kpt_models::synthetic::{write_checkpoint, write_tokenizer, WriteOptions};
 use kpt_models::{ModelError, Phase, Result};
@@ -286,7 +286,8 @@ pub fn run_demo(
     let prompt = prompt_ids(&m.tokenizer, SAMPLE_TEXT, opts.prompt_len.max(1))?;
     let ids: Vec<i64> = prompt.iter().map(|&t| i64::from(t)).collect();
     let new_tokens = opts.new_tokens.max(1);
-    let prefill = m.model.graph(Phase::Prefill, ids.len())?;
+    // Generation's prefill: the logits of the prompt's last token only.
+    let prefill = m.model.graph(Phase::PrefillLast, ids.len())?;
     let decode = m.model.graph(Phase::Decode, ids.len())?;
 
     progress("f64 reference generation");
@@ -300,7 +301,7 @@ pub fn run_demo(
         .iter()
         .map(|t| t.to_dtype(m.model.dtype()))
         .collect::<kpt_core::Result<Vec<_>>>()?;
-    let pre_inputs = prefill_inputs(&ids)?;
+    let pre_inputs = prefill_inputs_for(&prefill, &ids)?;
     let dec_inputs = decode_step_inputs(ids[0], ids.len(), cache)?;
 
     let mut rows = Vec::new();

@@ -85,7 +85,8 @@ pub fn require_decoder(model: &Model, command: &str) -> Result<()> {
 }
 
 /// Prefill and decode plans of `model` at `level` on the runtime's backend (and a packed
-/// prefill plan for several prompts when `packed`); the decode plan is of `decode`
+/// prefill plan for several prompts when `packed`). The prefills compute the logits of
+/// each prompt's last token only ([`Phase::PrefillLast`]); the decode plan is of `decode`
 /// ([`Phase::DecodeGreedy`] picks greedy tokens on the device, [`Phase::Decode`] returns
 /// logits only, as the graph a validator compares with).
 pub fn plan_runner(
@@ -100,11 +101,11 @@ pub fn plan_runner(
         Ok(rt.executor(rt.optimize(g, level)?)?)
     };
     let mut runner = PlanRunner::new(
-        exec(&model.graph(Phase::Prefill, 16)?)?,
+        exec(&model.graph(Phase::PrefillLast, 16)?)?,
         exec(&model.graph(decode, 16)?)?,
     );
     if packed {
-        runner = runner.with_packed(exec(&model.graph_packed(32, 2)?)?);
+        runner = runner.with_packed(exec(&model.graph_packed_last(32, 2)?)?);
     }
     Ok(runner)
 }

@@ -148,7 +148,9 @@ impl AttentionParams {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Op {
-    /// Table lookup: ids (i32/i64) and table `[V, D]` -> `[.., D]`.
+    /// Row lookup: ids (i32/i64) and table `[.., D]` -> `[ids.., D]`, row `ids[i]` of the
+    /// table's rows counted over all its leading dims (a `[V, D]` embedding table, or
+    /// the `[1, S, D]` activation of a prefill whose last rows feed the logits).
     Embedding,
     /// Matrix product.
     MatMul,
@@ -445,6 +447,16 @@ impl TensorSpec {
     pub fn bytes(&self) -> usize {
         self.numel() * self.dtype.size_in_bytes()
     }
+
+    /// Rows and row length: the product of the leading dims and the last dim (a scalar
+    /// is one row of one).
+    pub fn rows_and_width(&self) -> (usize, usize) {
+        let width = self.shape.last().copied().unwrap_or(1);
+        let rows = self.shape[..self.shape.len().saturating_sub(1)]
+            .iter()
+            .product();
+        (rows, width)
+    }
 }
 
 impl fmt::Display for TensorSpec {
@@ -675,14 +687,9 @@ impl Op {
                     return Err(KptError::dtype(name, "i32 or i64 ids", ids.dtype));
                 }
                 want_compute(table)?;
-                if table.shape.len() != 2 {
-                    return Err(shape_err(format!(
-                        "table must be [vocab, dim], got {:?}",
-                        table.shape
-                    )));
-                }
+                rank_at_least(table, 2, "table")?;
                 let mut shape = ids.shape.clone();
-                shape.push(table.shape[1]);
+                shape.push(table.shape[table.shape.len() - 1]);
                 Ok(vec![TensorSpec::new(&shape, table.dtype)])
             }
             Op::MatMul => {
@@ -1202,6 +1209,27 @@ mod tests {
         ] {
             assert!(
                 Op::ArgMax.infer(std::slice::from_ref(&bad)).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn embedding_takes_rows_of_any_leading_dims() {
+        let out = Op::Embedding
+            .infer(&[s(&[1, 3], DType::I64), s(&[1, 9, 16], DType::BF16)])
+            .unwrap();
+        assert_eq!(out, vec![s(&[1, 3, 16], DType::BF16)]);
+        assert_eq!(
+            s(&[2, 9, 16], DType::F32).rows_and_width(),
+            (18, 16),
+            "rows over the leading dims"
+        );
+        for bad in [s(&[16], DType::F32), s(&[4, 16], DType::I64)] {
+            assert!(
+                Op::Embedding
+                    .infer(&[s(&[3], DType::I64), bad.clone()])
+                    .is_err(),
                 "{bad:?}"
             );
         }

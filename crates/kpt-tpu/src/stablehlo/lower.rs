@@ -96,9 +96,15 @@ pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
             let (ids, table) = (&ins[0], &ins[1]);
             let n: usize = ids.shape.iter().product();
             let flat = b.reshape(ids, &[n]);
-            let rows = b.gather_rows(table, &flat);
+            // A table of rank > 2 (rows of an activation) as the [rows, dim] it is.
+            let (r, dim) = (
+                table.shape[..table.shape.len() - 1].iter().product(),
+                table.shape[table.shape.len() - 1],
+            );
+            let table = b.reshape(table, &[r, dim]);
+            let rows = b.gather_rows(&table, &flat);
             let mut shape = ids.shape.clone();
-            shape.push(table.shape[1]);
+            shape.push(dim);
             vec![b.reshape(&rows, &shape)]
         }
         Op::ArgMax => vec![argmax(b, &ins[0])?],
