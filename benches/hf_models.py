@@ -6,7 +6,8 @@ first reply (before any request) describes the environment. Requests (`op`):
 - `create`: builds a LLaMA-shaped `LlamaForCausalLM` from `config` with random weights
   (seeded), in `dtype`, and saves it as safetensors to `dir` (the checkpoint kpt loads).
 - `prefill`: times `model(ids)` on random ids `[batch, seq]`; `reps` calls after warm-up,
-  each between CUDA events (wall clock on the CPU).
+  each between CUDA events (wall clock on the CPU). `logits_to_keep: 1` computes the
+  last position's logits only, as `generate` does for its first token.
 - `decode`: prefills `context` random tokens per sequence (not timed), then times `steps`
   greedy decode steps with the KV cache; seconds per step, one value per repetition.
 - `logits`: the logits of `ids` (one sequence) at the last `last` positions, in `dtype`
@@ -118,9 +119,14 @@ class Worker:
     def prefill(self, req):
         model = self.model(req["dtype"])
         ids = self.ids(req["batch"], req["seq"])
+        keep = req.get("logits_to_keep", 0)
+
+        def run():
+            return model(ids, logits_to_keep=keep)
+
         for _ in range(2):
-            model(ids)
-        return {"seconds": [self.timer(lambda: model(ids)) for _ in range(req["reps"])]}
+            run()
+        return {"seconds": [self.timer(run) for _ in range(req["reps"])]}
 
     @torch.inference_mode()
     def decode(self, req):

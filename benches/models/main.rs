@@ -31,7 +31,7 @@ use kpt_models::generate::{
     argmax, decode_inputs, host_cache_with_room, picked_tokens, picks_tokens, resident_outputs,
     CachePool,
 };
-use kpt_models::lower::pack_prompts;
+use kpt_models::lower::{last_rows, pack_prompts};
 use kpt_models::{Checkpoint, Model, Phase};
 use kpt_monitor::{median, Machine, Report, Row};
 use kpt_nvidia::{CudaBackend, CudaOptions};
@@ -521,6 +521,41 @@ fn main() -> Result<()> {
         .with_target_or_parity(gpu, |r| r.with_target(9.0))
         .with_note(format!("{model_note}; all logits computed on both sides"))
         .with_note(profile),
+    );
+
+    // The same prefill as generation runs it: the last position's logits only.
+    progress.set_message("first-token prefill");
+    let mut exec = kpt.executor(&model.graph(Phase::PrefillLast, s)?, level)?;
+    let keep = vec![true; exec.plan().graph.outputs().len()];
+    let inputs = || -> Result<Vec<RunTensor>> {
+        let mut v = step_inputs(&ids, 0)?;
+        v.push(RunTensor::Host(last_rows(&[0, s as i64])?));
+        Ok(v)
+    };
+    let times = kpt.repeat(reps, || {
+        exec.run_resident(inputs()?, &keep)?;
+        Ok(())
+    })?;
+    drop(exec);
+    let hf_t = hf_seconds(
+        &mut worker,
+        json!({"op": "prefill", "dtype": dname, "batch": 1, "seq": s, "reps": reps,
+               "logits_to_keep": 1}),
+    )?;
+    report.rows.push(
+        Row::compared(
+            format!("first-token prefill B1 S{s}"),
+            "ms",
+            false,
+            median_of(&times) * 1e3,
+            median_of(&hf_t) * 1e3,
+            &hf,
+        )
+        .with_target_or_parity(gpu, |r| r)
+        .with_note(
+            "the last position's logits only, as generation needs them (kpt \
+             Phase::PrefillLast, HF logits_to_keep=1, as generate() and vLLM do)",
+        ),
     );
 
     // Prefill, a batch packed without padding.
