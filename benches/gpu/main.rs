@@ -454,6 +454,30 @@ fn cases() -> Vec<Case> {
             });
         }
     }
+    // Prefill-sized linears of the 1.1B LLaMA at B1 S2048 (2048 rows): merged q/k/v,
+    // gate/up, down and the LM head whose rows a last-token prefill skips.
+    for (k, n) in [
+        (2048usize, 2560usize),
+        (2048, 11264),
+        (5632, 2048),
+        (2048, 32000),
+    ] {
+        let m = 2048usize;
+        out.push(Case {
+            name: format!("linear_bf16_m{m}_{k}x{n}"),
+            metric: "TFLOP/s",
+            work: 2.0 * (m * k * n) as f64,
+            kpt: Work::Op(Op::Linear { bias: false }),
+            inputs: vec![
+                random(&mut rng, &[m, k], bf, -1.0, 1.0),
+                random(&mut rng, &[n, k], bf, -0.05, 0.05),
+            ],
+            torch: json!({"kind": "linear", "m": m, "k": k, "n": n, "dtype": "bf16",
+                          "compile": false}),
+            target: Target::None,
+            note: "the 1.1B model's prefill linears (models-* reports), no target",
+        });
+    }
     // f32 runs the GEMV's CUDA-core loop at every row count (no tensor cores): against
     // cuBLASLt.
     let (k, n) = (2048usize, 2560usize);

@@ -536,6 +536,10 @@ fn main() -> Result<()> {
         exec.run_resident(inputs()?, &keep)?;
         Ok(())
     })?;
+    let profile = kernel_time(&kpt, 2, || {
+        exec.run_resident(inputs()?, &keep)?;
+        Ok(())
+    })?;
     drop(exec);
     let hf_t = hf_seconds(
         &mut worker,
@@ -555,7 +559,8 @@ fn main() -> Result<()> {
         .with_note(
             "the last position's logits only, as generation needs them (kpt \
              Phase::PrefillLast, HF logits_to_keep=1, as generate() and vLLM do)",
-        ),
+        )
+        .with_note(profile),
     );
 
     // Prefill, a batch packed without padding.
