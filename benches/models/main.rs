@@ -419,7 +419,13 @@ fn main() -> Result<()> {
     let backend: Arc<dyn Backend> = match args.device {
         Device::Cpu => Arc::new(CpuBackend::new()?),
         Device::Cuda => {
-            Arc::new(CudaBackend::new(0, CudaOptions::default()).context("opening CUDA device 0")?)
+            // The configuration's environment layer: `KPT_KERNEL__AUTOTUNE_CACHE` pins
+            // cuBLASLt's algorithms across runs.
+            let options = CudaOptions {
+                gemm: (&kpt_core::KptConfig::load_layered(None)?.kernel).into(),
+                ..CudaOptions::default()
+            };
+            Arc::new(CudaBackend::new(0, options).context("opening CUDA device 0")?)
         }
     };
     let (dtype, dname) = match args.device {

@@ -276,13 +276,17 @@ impl Default for AmdConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KernelConfig {
-    /// Benchmark candidate kernels and keep the fastest.
+    /// Time the candidate algorithms of each GEMM problem on its first use and keep the
+    /// fastest (cuBLASLt on CUDA); `false` takes the library heuristic's first.
     pub autotune: bool,
-    /// File that caches autotuning results; `None` keeps them in memory only.
+    /// File of the autotuner's picks, read at start and written on each new pick, so
+    /// that later processes run the same algorithms without timing them again (and
+    /// round alike); `None` keeps them in memory only.
     pub autotune_cache: Option<PathBuf>,
-    /// Timed runs per candidate when autotuning (at least 1).
+    /// Timed calls per candidate in the autotuner's first round (at least 1); its fastest
+    /// four are timed again over about 2 ms each.
     pub autotune_iters: usize,
-    /// Untimed warm-up runs per candidate when autotuning.
+    /// Untimed calls per candidate before its timed ones.
     pub autotune_warmup: usize,
     /// Kernel names to prefer over the default choice when they apply.
     pub prefer: Vec<String>,
@@ -299,8 +303,8 @@ impl Default for KernelConfig {
         Self {
             autotune: true,
             autotune_cache: None,
-            autotune_iters: 10,
-            autotune_warmup: 3,
+            autotune_iters: 3,
+            autotune_warmup: 1,
             prefer: Vec::new(),
             disable: Vec::new(),
             attention_block_q: 64,
@@ -728,7 +732,7 @@ impl KptConfig {
             out.push(issue(
                 "kernel.autotune_iters",
                 "must be at least 1",
-                "use 10 or more for stable timings, or set autotune = false",
+                "use 3 or more (the fastest candidates are timed again), or set autotune = false",
             ));
         }
         for (field, value) in [

@@ -18,7 +18,7 @@ use kpt_core::tensor::Tensor;
 use kpt_core::{DType, KptError, Result};
 use kpt_kernels::CpuBackend;
 
-use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
+use crate::blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, GemmTuning, Layout};
 use crate::gpu::{Gpu, GpuGraph};
 use crate::kernels::{
     AttentionDims, Binary, FlashBackward, Impl, PagedCache, QuantScale, RowOp, GEMV_MAX_ROWS,
@@ -35,13 +35,13 @@ const FLASH_ATTENTION_FP8: &str = "cuda.attention.fp8_sm90";
 /// The registry name of the GEMV kernel for linear ops with few rows (`kernels/cuda/gemv.cu`).
 const GEMV: &str = "cuda.linear.gemv";
 
-/// Options of the CUDA backend (from `KptConfig`'s `nvidia` section).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Options of the CUDA backend (from `KptConfig`'s `nvidia` and `kernel` sections).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaOptions {
     /// Let f32 GEMMs use TF32 tensor cores.
     pub allow_tf32: bool,
-    /// Time cuBLASLt's candidate algorithms on the first use of each GEMM shape.
-    pub autotune: bool,
+    /// How cuBLASLt's algorithm for each GEMM problem is chosen.
+    pub gemm: GemmTuning,
     /// The most activation rows a `cuda.linear.gemv` node runs on the GEMV kernel; a run
     /// with more (a plan selected for one sequence, run on a batch) goes to cuBLASLt.
     /// 2 by default, the crossover measured on the H100 (docs/decisions.md, "Decode
@@ -53,7 +53,7 @@ impl Default for CudaOptions {
     fn default() -> Self {
         Self {
             allow_tf32: false,
-            autotune: true,
+            gemm: GemmTuning::default(),
             gemv_rows: 2,
         }
     }
@@ -136,7 +136,7 @@ impl CudaBackend {
     pub fn new(ordinal: usize, options: CudaOptions) -> std::result::Result<Self, NvidiaError> {
         let gpu = Arc::new(Gpu::new(ordinal)?);
         let blas = if cublaslt_present() {
-            Some(Blas::new(&gpu, options.allow_tf32, options.autotune)?)
+            Some(Blas::new(&gpu, options.allow_tf32, &options.gemm)?)
         } else {
             tracing::warn!("cuBLASLt not found; CUDA GEMMs fall back down the kernel chain");
             None

@@ -11,7 +11,8 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys::{
@@ -20,6 +21,7 @@ use cudarc::cublaslt::sys::{
 };
 use kpt_core::DType;
 
+use crate::autotune_cache::{AutotuneCache, Choice};
 use crate::gpu::Gpu;
 use crate::memory::DeviceBlock;
 use crate::NvidiaError;
@@ -71,6 +73,26 @@ pub struct GemmShape {
     pub bias: bool,
     /// The fused activation.
     pub epilogue: Epilogue,
+}
+
+impl std::fmt::Display for GemmShape {
+    /// The problem as the autotune cache file keys it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} {}x{}x{} batch {} {}*{}->{} bias {} {:?}",
+            self.layout,
+            self.m,
+            self.n,
+            self.k,
+            self.batch,
+            self.a,
+            self.b,
+            self.out,
+            self.bias,
+            self.epilogue
+        )
+    }
 }
 
 /// Device addresses of one GEMM's operands.
@@ -208,12 +230,51 @@ fn layout(
     Ok(l)
 }
 
+/// How cuBLASLt algorithms are chosen (the `kernel` section of kpt's configuration).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GemmTuning {
+    /// Time the heuristic's candidates on the first use of each problem and keep the
+    /// fastest; otherwise take the heuristic's first.
+    pub autotune: bool,
+    /// Untimed calls of each candidate before its timed ones.
+    pub warmup: usize,
+    /// Timed calls of each candidate in the first round (at least 1).
+    pub iters: usize,
+    /// A file of picks that later processes reuse ([`crate::autotune_cache`]).
+    pub cache: Option<PathBuf>,
+}
+
+impl Default for GemmTuning {
+    fn default() -> Self {
+        Self {
+            autotune: true,
+            warmup: 1,
+            iters: 3,
+            cache: None,
+        }
+    }
+}
+
+impl From<&kpt_core::config::KernelConfig> for GemmTuning {
+    /// The configuration's `kernel.autotune*` fields.
+    fn from(k: &kpt_core::config::KernelConfig) -> Self {
+        Self {
+            autotune: k.autotune,
+            warmup: k.autotune_warmup,
+            iters: k.autotune_iters,
+            cache: k.autotune_cache.clone(),
+        }
+    }
+}
+
 /// cuBLASLt on one device: a handle, a workspace and the algorithm cache.
 pub struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: DeviceBlock,
     allow_tf32: bool,
-    autotune: bool,
+    tuning: GemmTuning,
+    /// The autotune cache file's picks, and this device's prefix of their keys.
+    file: Option<(Mutex<AutotuneCache>, String)>,
     /// Per shape, made on first use: the descriptors and the chosen algorithm. The lock
     /// is held from setting a call's pointers to its enqueue.
     shapes: Mutex<HashMap<GemmShape, (Descriptors, sys::cublasLtMatmulAlgo_t)>>,
@@ -230,7 +291,7 @@ impl std::fmt::Debug for Blas {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Blas")
             .field("allow_tf32", &self.allow_tf32)
-            .field("autotune", &self.autotune)
+            .field("tuning", &self.tuning)
             .finish_non_exhaustive()
     }
 }
@@ -263,9 +324,10 @@ fn workspace_bytes(gpu: &Gpu) -> usize {
 }
 
 impl Blas {
-    /// cuBLASLt for `gpu`. `allow_tf32` lets f32 GEMMs use TF32 tensor cores;
-    /// `autotune` times the heuristic's candidates on first use of each shape.
-    pub fn new(gpu: &Gpu, allow_tf32: bool, autotune: bool) -> Result<Self, NvidiaError> {
+    /// cuBLASLt for `gpu`. `allow_tf32` lets f32 GEMMs use TF32 tensor cores; `tuning`
+    /// says how each problem's algorithm is chosen (an unreadable cache file is an
+    /// error).
+    pub fn new(gpu: &Gpu, allow_tf32: bool, tuning: &GemmTuning) -> Result<Self, NvidiaError> {
         if !cublaslt_present() {
             return Err(NvidiaError::Invalid(
                 "the cuBLASLt library (libcublasLt.so) was not found; add the CUDA toolkit's \
@@ -276,11 +338,28 @@ impl Blas {
         gpu.bind()?;
         let handle = lt::create_handle().map_err(|e| NvidiaError::cublas("cublasLtCreate", e))?;
         let workspace = gpu.alloc(workspace_bytes(gpu))?;
+        let file = match (&tuning.cache, tuning.autotune) {
+            (Some(path), true) => {
+                let p = gpu.properties();
+                // SAFETY: a version query without arguments.
+                let version = unsafe { sys::cublasLtGetVersion() };
+                let prefix = format!(
+                    "{} sm_{}{} | cublasLt {version} | workspace {} | tf32 {allow_tf32}",
+                    p.name,
+                    p.compute_capability.0,
+                    p.compute_capability.1,
+                    workspace.bytes()
+                );
+                Some((Mutex::new(AutotuneCache::open(path)?), prefix))
+            }
+            _ => None,
+        };
         Ok(Self {
             handle,
             workspace,
             allow_tf32,
-            autotune,
+            tuning: tuning.clone(),
+            file,
             shapes: Mutex::new(HashMap::new()),
         })
     }
@@ -435,7 +514,7 @@ impl Blas {
     }
 
     /// The algorithm for `s`: the fastest of the heuristic's candidates (timed with
-    /// events when autotuning), else its first.
+    /// events when autotuning; the cache file's pick where it has one), else its first.
     fn algorithm(
         &self,
         gpu: &Gpu,
@@ -443,36 +522,44 @@ impl Blas {
         d: &Descriptors,
         args: &GemmArgs,
     ) -> Result<sys::cublasLtMatmulAlgo_t, NvidiaError> {
-        let candidates = self.candidates(
-            d,
-            if self.autotune {
-                AUTOTUNE_CANDIDATES
-            } else {
-                1
-            },
-        )?;
-        let mut best = (f64::INFINITY, candidates[0]);
+        if !self.tuning.autotune {
+            return Ok(self.candidates(d, 1)?[0]);
+        }
+        let candidates = self.candidates(d, AUTOTUNE_CANDIDATES)?;
+        let key = self
+            .file
+            .as_ref()
+            .map(|(_, prefix)| format!("{prefix} | {s}"));
+        if let (Some((cache, _)), Some(key)) = (&self.file, &key) {
+            // A pick past the candidates the heuristic now gives is timed again.
+            let pick = lock(cache).get(key).map(|c| c.candidate);
+            if let Some(&algo) = pick.and_then(|i| candidates.get(i)) {
+                return Ok(algo);
+            }
+        }
+        let mut best = (f64::INFINITY, 0);
         if candidates.len() > 1 {
-            // Round one: every candidate, three timed calls after an untimed one;
-            // candidates that fail to run are skipped.
+            // Round one: every candidate, `iters` timed calls after `warmup` untimed
+            // ones; candidates that fail to run are skipped.
             let mut timed = Vec::new();
-            for algo in &candidates {
+            for (i, algo) in candidates.iter().enumerate() {
                 if self.run(gpu, d, args, algo).is_err() {
                     continue;
                 }
-                timed.push((
-                    gpu.time_per_call(3, || self.run(gpu, d, args, algo))?,
-                    *algo,
-                ));
+                for _ in 0..self.tuning.warmup {
+                    self.run(gpu, d, args, algo)?;
+                }
+                let t = gpu.time_per_call(self.tuning.iters, || self.run(gpu, d, args, algo))?;
+                timed.push((t, i));
             }
             // Round two: the fastest few again over about 2 ms each, so that clock
             // changes during round one do not decide.
             timed.sort_by(|a, b| a.0.total_cmp(&b.0));
-            for (t0, algo) in timed.into_iter().take(AUTOTUNE_FINALISTS) {
+            for (t0, i) in timed.into_iter().take(AUTOTUNE_FINALISTS) {
                 let calls = ((2e-3 / t0.max(1e-7)).ceil() as usize).clamp(3, 100);
-                let t = gpu.time_per_call(calls, || self.run(gpu, d, args, &algo))?;
+                let t = gpu.time_per_call(calls, || self.run(gpu, d, args, &candidates[i]))?;
                 if t < best.0 {
-                    best = (t, algo);
+                    best = (t, i);
                 }
             }
             tracing::debug!(
@@ -482,14 +569,21 @@ impl Blas {
                 "cuBLASLt autotuned"
             );
         }
-        Ok(best.1)
+        if let (Some((cache, _)), Some(key)) = (&self.file, key) {
+            let choice = Choice {
+                candidate: best.1,
+                seconds: if best.0.is_finite() { best.0 } else { 0.0 },
+            };
+            lock(cache).insert(key, choice)?;
+        }
+        Ok(candidates[best.1])
     }
 
     /// Queues the GEMM `s` on `gpu`'s stream.
     pub fn gemm(&self, gpu: &Gpu, s: &GemmShape, args: &GemmArgs) -> Result<(), NvidiaError> {
         s.validate()?;
         gpu.bind()?;
-        let mut shapes = self.shapes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut shapes = lock(&self.shapes);
         let (d, algo) = match shapes.entry(*s) {
             Entry::Occupied(e) => {
                 let (d, algo) = e.into_mut();
@@ -510,6 +604,12 @@ impl Blas {
 
     /// Shapes whose algorithm is cached.
     pub fn tuned_shapes(&self) -> usize {
-        self.shapes.lock().unwrap_or_else(|p| p.into_inner()).len()
+        lock(&self.shapes).len()
     }
+}
+
+/// A lock whose holder cannot leave its value inconsistent by panicking (every update is
+/// one insert), so a poisoned one is still usable.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

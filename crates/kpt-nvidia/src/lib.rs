@@ -12,6 +12,7 @@
 //! - [`Blas`]: cuBLASLt GEMMs with fused bias/activation epilogues and FP8.
 //! - [`CudaBackend`]: the `Backend` the manager, validator and CLI use.
 
+pub mod autotune_cache;
 mod backend;
 mod blas;
 mod device;
@@ -24,7 +25,7 @@ mod profiler;
 mod tma;
 
 pub use backend::{CudaBackend, CudaOptions};
-pub use blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, Layout};
+pub use blas::{cublaslt_present, Blas, Epilogue, GemmArgs, GemmShape, GemmTuning, Layout};
 pub use device::{
     devices, devices_with_telemetry, driver_present, CudaDetector, GpuProperties, PciAddress,
 };

@@ -1688,3 +1688,45 @@ fn detect_reports_the_device() {
         d.features
     );
 }
+
+/// `GemmTuning::cache`: the first backend times the candidates and writes its pick; a
+/// second backend on the same file runs that pick (the same bits out) without timing; an
+/// unreadable file is an error naming it.
+#[test]
+fn autotune_cache_file_pins_the_algorithm_across_backends() {
+    if backend().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kpt-gpu-autotune-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.join("cublaslt.json");
+    let options = CudaOptions {
+        gemm: kpt_nvidia::GemmTuning {
+            cache: Some(path.clone()),
+            ..Default::default()
+        },
+        ..CudaOptions::default()
+    };
+    let mut rng = SplitMix64::new(77);
+    let op = Op::Linear { bias: false };
+    let inputs = [
+        random(&mut rng, &[300, 512], DType::BF16, -1.0, 1.0),
+        random(&mut rng, &[1000, 512], DType::BF16, -0.05, 0.05),
+    ];
+    let first = CudaBackend::new(0, options.clone()).unwrap();
+    let want = run_kernel(&first, "cuda.linear.cublaslt", &op, &inputs).unwrap();
+    drop(first);
+    let written = std::fs::read_to_string(&path).unwrap();
+    assert!(written.contains("Linear 300x1000x512"), "{written}");
+    let second = CudaBackend::new(0, options.clone()).unwrap();
+    let got = run_kernel(&second, "cuda.linear.cublaslt", &op, &inputs).unwrap();
+    assert_eq!(got[0].to_f64_vec(), want[0].to_f64_vec());
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), written);
+    drop(second);
+    std::fs::write(&path, "{").unwrap();
+    let Err(e) = CudaBackend::new(0, options) else {
+        panic!("a broken cache file must fail")
+    };
+    assert!(e.to_string().contains("cublaslt.json"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -93,6 +93,7 @@ fn cuda_backends(config: &KptConfig) -> std::result::Result<Vec<Arc<dyn Backend>
     let min = nv.compute_capability().unwrap_or((0, 0));
     let options = kpt_nvidia::CudaOptions {
         allow_tf32: nv.allow_tf32,
+        gemm: (&config.kernel).into(),
         ..Default::default()
     };
     let mut opened = Vec::new();
@@ -106,7 +107,7 @@ fn cuda_backends(config: &KptConfig) -> std::result::Result<Vec<Arc<dyn Backend>
             ));
             continue;
         }
-        match kpt_nvidia::CudaBackend::new(d.index, options) {
+        match kpt_nvidia::CudaBackend::new(d.index, options.clone()) {
             Ok(b) => opened.push(Arc::new(b) as Arc<dyn Backend>),
             Err(e) => {
                 tracing::warn!(device = d.index, error = %e, "CUDA device skipped");
