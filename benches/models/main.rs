@@ -28,10 +28,10 @@ use kpt_core::validate::run_reference;
 use kpt_core::{DType, Graph, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
 use kpt_models::generate::{
-    argmax, decode_inputs, host_cache_with_room, picked_tokens, picks_tokens, resident_outputs,
-    CachePool,
+    argmax, decode_inputs, host_cache_with_room, picked_tokens, picks_tokens, prefill_inputs_for,
+    resident_outputs, CachePool,
 };
-use kpt_models::lower::{last_rows, pack_prompts};
+use kpt_models::lower::pack_prompts;
 use kpt_models::{Checkpoint, Model, Phase};
 use kpt_monitor::{median, Machine, Report, Row};
 use kpt_nvidia::{CudaBackend, CudaOptions};
@@ -495,79 +495,63 @@ fn main() -> Result<()> {
         llama.config.num_hidden_layers
     );
 
-    // Prefill, one sequence.
+    // Prefill, one sequence: every position's logits (the issue's row), then as
+    // generation runs it, the last position's only.
     progress.inc(1);
-    progress.set_message("prefill");
     let s = shapes.prefill_seq;
-    let mut exec = kpt.executor(&model.graph(Phase::Prefill, s)?, level)?;
     let ids = kpt.ids(s);
-    let keep = vec![true; exec.plan().graph.outputs().len()];
-    let times = kpt.repeat(reps, || {
-        exec.run_resident(step_inputs(&ids, 0)?, &keep)?;
-        Ok(())
-    })?;
-    let profile = kernel_time(&kpt, 2, || {
-        exec.run_resident(step_inputs(&ids, 0)?, &keep)?;
-        Ok(())
-    })?;
-    drop(exec);
-    let hf_t = hf_seconds(
-        &mut worker,
-        json!({"op": "prefill", "dtype": dname, "batch": 1, "seq": s, "reps": reps}),
-    )?;
-    report.rows.push(
-        Row::compared(
-            format!("prefill B1 S{s}"),
+    for phase in [Phase::Prefill, Phase::PrefillLast] {
+        let last = phase == Phase::PrefillLast;
+        progress.set_message(if last {
+            "first-token prefill"
+        } else {
+            "prefill"
+        });
+        let graph = model.graph(phase, s)?;
+        let mut exec = kpt.executor(&graph, level)?;
+        let keep = vec![true; exec.plan().graph.outputs().len()];
+        let inputs = || -> Result<Vec<RunTensor>> {
+            let host = prefill_inputs_for(&graph, &ids)?;
+            Ok(host.into_iter().map(RunTensor::Host).collect())
+        };
+        let times = kpt.repeat(reps, || {
+            exec.run_resident(inputs()?, &keep)?;
+            Ok(())
+        })?;
+        let profile = kernel_time(&kpt, 2, || {
+            exec.run_resident(inputs()?, &keep)?;
+            Ok(())
+        })?;
+        drop(exec);
+        let hf_t = hf_seconds(
+            &mut worker,
+            json!({"op": "prefill", "dtype": dname, "batch": 1, "seq": s, "reps": reps,
+                   "logits_to_keep": usize::from(last)}),
+        )?;
+        let (name, note) = if last {
+            (
+                format!("first-token prefill B1 S{s}"),
+                "the last position's logits only, as generation needs them (kpt \
+                 Phase::PrefillLast, HF logits_to_keep=1, as generate() and vLLM do)"
+                    .to_string(),
+            )
+        } else {
+            (
+                format!("prefill B1 S{s}"),
+                format!("{model_note}; all logits computed on both sides"),
+            )
+        };
+        let row = Row::compared(
+            name,
             "ms",
             false,
             median_of(&times) * 1e3,
             median_of(&hf_t) * 1e3,
             &hf,
         )
-        .with_target_or_parity(gpu, |r| r.with_target(9.0))
-        .with_note(format!("{model_note}; all logits computed on both sides"))
-        .with_note(profile),
-    );
-
-    // The same prefill as generation runs it: the last position's logits only.
-    progress.set_message("first-token prefill");
-    let mut exec = kpt.executor(&model.graph(Phase::PrefillLast, s)?, level)?;
-    let keep = vec![true; exec.plan().graph.outputs().len()];
-    let inputs = || -> Result<Vec<RunTensor>> {
-        let mut v = step_inputs(&ids, 0)?;
-        v.push(RunTensor::Host(last_rows(&[0, s as i64])?));
-        Ok(v)
-    };
-    let times = kpt.repeat(reps, || {
-        exec.run_resident(inputs()?, &keep)?;
-        Ok(())
-    })?;
-    let profile = kernel_time(&kpt, 2, || {
-        exec.run_resident(inputs()?, &keep)?;
-        Ok(())
-    })?;
-    drop(exec);
-    let hf_t = hf_seconds(
-        &mut worker,
-        json!({"op": "prefill", "dtype": dname, "batch": 1, "seq": s, "reps": reps,
-               "logits_to_keep": 1}),
-    )?;
-    report.rows.push(
-        Row::compared(
-            format!("first-token prefill B1 S{s}"),
-            "ms",
-            false,
-            median_of(&times) * 1e3,
-            median_of(&hf_t) * 1e3,
-            &hf,
-        )
-        .with_target_or_parity(gpu, |r| r)
-        .with_note(
-            "the last position's logits only, as generation needs them (kpt \
-             Phase::PrefillLast, HF logits_to_keep=1, as generate() and vLLM do)",
-        )
-        .with_note(profile),
-    );
+        .with_target_or_parity(gpu, |r| if last { r } else { r.with_target(9.0) });
+        report.rows.push(row.with_note(note).with_note(profile));
+    }
 
     // Prefill, a batch packed without padding.
     progress.inc(1);

@@ -1699,28 +1699,23 @@ KPT_FLASH_SM90_TMA_N176(f16, __half)
 
 // FP8 with tiles of 192 keys (1.5 of the 128-key tile: half again as many scores per
 // max, shuffle, O rescale and barrier), in three stages. TMA only, and no additive mask
-// (`mask` is ignored: the host sends masked calls to the 128-key entry).
-extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
-    kpt_flash_attention_sm90_tma_n192_e4m3_d128(
-        const E4M3* q, const E4M3* k, const E4M3* vt, const float* mask, __nv_bfloat16* out,
-        const Dims p, float v_scale, const __grid_constant__ TensorMap tq,
-        const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {
-    kpt::dependent_launch_prologue();
-    flash_sm90<E4M3, 128, false, true, 192>(q, k, vt, nullptr, out, nullptr, p, v_scale,
-                                            Maps{&tq, &tk, &tv});
-}
+// (`mask` is ignored: the host sends masked calls to the 128-key entry). The causal entry's
+// consumers keep their ping-pong running across a block's work tiles (kCarry in
+// flash_sm90).
+#define KPT_FLASH_SM90_FP8_N192(CAUSAL, CARRY)                                             \
+    extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)                    \
+        kpt_flash_attention_sm90_tma_n192_##CAUSAL##e4m3_d128(                              \
+            const E4M3* q, const E4M3* k, const E4M3* vt, const float* mask,               \
+            __nv_bfloat16* out, const Dims p, float v_scale,                               \
+            const __grid_constant__ TensorMap tq, const __grid_constant__ TensorMap tk,    \
+            const __grid_constant__ TensorMap tv) {                                        \
+        kpt::dependent_launch_prologue();                                                  \
+        flash_sm90<E4M3, 128, false, true, 192, CARRY>(q, k, vt, nullptr, out, nullptr, p, \
+                                                       v_scale, Maps{&tq, &tk, &tv});      \
+    }
 
-// FP8 causal calls: the 192-key entry with the consumers' ping-pong running on across a
-// block's work tiles (kCarry in flash_sm90).
-extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
-    kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128(
-        const E4M3* q, const E4M3* k, const E4M3* vt, const float* mask, __nv_bfloat16* out,
-        const Dims p, float v_scale, const __grid_constant__ TensorMap tq,
-        const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {
-    kpt::dependent_launch_prologue();
-    flash_sm90<E4M3, 128, false, true, 192, true>(q, k, vt, nullptr, out, nullptr, p, v_scale,
-                                                  Maps{&tq, &tk, &tv});
-}
+KPT_FLASH_SM90_FP8_N192(, false)
+KPT_FLASH_SM90_FP8_N192(causal_, true)
 
 // The backward's dk / dv launch on wgmma (see bwd_dkdv_sm90): the arguments of
 // flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block.
