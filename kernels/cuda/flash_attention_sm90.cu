@@ -83,7 +83,8 @@
 // kpt:launch kpt_flash_attention_sm90_tma_n176_bf16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_f16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_e4m3_d128 block=384 shared=189552 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128 block=384 shared=189552 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d128 block=384 shared=133160 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d64 block=384 shared=67624 grid=key_tiles
@@ -962,8 +963,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // barrier 1 + c and then lets the next go (arrive on 1 + (c + 1) % kConsumers);
     // consumer 0 starts. Every sync meets exactly one arrive. By default each work tile
     // starts and ends the round anew: the last consumer skips its arrive of the last tile
-    // and gives consumer 0 its first turn of the next. With kCarry (the FP8 causal entry,
-    // where it measured faster; the 16-bit ones measured slower) the round runs on across a
+    // and gives consumer 0 its first turn of the next. With kCarry (unmasked d = 64 and FP8,
+    // where it measured faster; d = 128 measured slower) the round runs on across a
     // block's work tiles: the last consumer's last turn of one lets consumer 0 begin the
     // next, whose Q K^T then runs while the others finish their softmax, P V and stores; the
     // round starts once, before the first work tile, and consumer 0's sync after the last
@@ -1680,6 +1681,23 @@ KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90_TMA(f16, __half, 64)
 KPT_FLASH_SM90_TMA(f16, __half, 128)
 
+// d = 64 without an additive mask (`mask` is ignored: the host sends masked calls to the
+// entries above), the consumers' ping-pong running across a block's work tiles (kCarry).
+// Its own entry: without the masked path's code ptxas spills less (100 bytes against 380).
+#define KPT_FLASH_SM90_TMA_CARRY(NAME, T)                                                  \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, 64>, 1)                        \
+        kpt_flash_attention_sm90_tma_carry_##NAME##_d64(                                     \
+            const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
+            const Dims p, const __grid_constant__ TensorMap tq,                             \
+            const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
+        kpt::dependent_launch_prologue();                                                  \
+        flash_sm90<T, 64, false, true, kBlockN, true>(q, k, v, nullptr, out, lse, p, 1.0f,  \
+                                                      Maps{&tq, &tk, &tv});                \
+    }
+
+KPT_FLASH_SM90_TMA_CARRY(bf16, __nv_bfloat16)
+KPT_FLASH_SM90_TMA_CARRY(f16, __half)
+
 // d = 128 with tiles of 176 keys (FlashAttention-3's tile for non-causal head dim 128): fewer,
 // longer key tiles per work tile, in two stages. TMA only, and no additive mask (`mask` is
 // ignored: the host sends masked calls to the 128-key kernels).
@@ -1698,24 +1716,18 @@ KPT_FLASH_SM90_TMA_N176(bf16, __nv_bfloat16)
 KPT_FLASH_SM90_TMA_N176(f16, __half)
 
 // FP8 with tiles of 192 keys (1.5 of the 128-key tile: half again as many scores per
-// max, shuffle, O rescale and barrier), in three stages. TMA only, and no additive mask
-// (`mask` is ignored: the host sends masked calls to the 128-key entry). The causal entry's
-// consumers keep their ping-pong running across a block's work tiles (kCarry in
-// flash_sm90).
-#define KPT_FLASH_SM90_FP8_N192(CAUSAL, CARRY)                                             \
-    extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)                    \
-        kpt_flash_attention_sm90_tma_n192_##CAUSAL##e4m3_d128(                              \
-            const E4M3* q, const E4M3* k, const E4M3* vt, const float* mask,               \
-            __nv_bfloat16* out, const Dims p, float v_scale,                               \
-            const __grid_constant__ TensorMap tq, const __grid_constant__ TensorMap tk,    \
-            const __grid_constant__ TensorMap tv) {                                        \
-        kpt::dependent_launch_prologue();                                                  \
-        flash_sm90<E4M3, 128, false, true, 192, CARRY>(q, k, vt, nullptr, out, nullptr, p, \
-                                                       v_scale, Maps{&tq, &tk, &tv});      \
-    }
-
-KPT_FLASH_SM90_FP8_N192(, false)
-KPT_FLASH_SM90_FP8_N192(causal_, true)
+// max, shuffle, O rescale and barrier), in three stages, the consumers' ping-pong running
+// across a block's work tiles (kCarry). TMA only, and no additive mask (`mask` is ignored:
+// the host sends masked calls to the 128-key entry).
+extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
+    kpt_flash_attention_sm90_tma_n192_e4m3_d128(
+        const E4M3* q, const E4M3* k, const E4M3* vt, const float* mask, __nv_bfloat16* out,
+        const Dims p, float v_scale, const __grid_constant__ TensorMap tq,
+        const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {
+    kpt::dependent_launch_prologue();
+    flash_sm90<E4M3, 128, false, true, 192, true>(q, k, vt, nullptr, out, nullptr, p, v_scale,
+                                                  Maps{&tq, &tk, &tv});
+}
 
 // The backward's dk / dv launch on wgmma (see bwd_dkdv_sm90): the arguments of
 // flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block.

@@ -938,7 +938,13 @@ impl Gpu {
                 FLASH_SM90_BLOCK_N
             };
             if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m, block_n) {
-                let tile = if wide { "n176_" } else { "" };
+                // Without a mask: 176-key tiles at d128, the ping-pong across work tiles at
+                // d64.
+                let tile = match (wide, d == 64 && mask == 0) {
+                    (true, _) => "n176_",
+                    (false, true) => "carry_",
+                    (false, false) => "",
+                };
                 let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
                 launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims, tq, tk, tv);
                 return Ok(());
@@ -1003,11 +1009,10 @@ impl Gpu {
             FLASH_SM90_BLOCK_M,
             block_n,
         ) {
-            // Causal calls without a mask: the entry whose ping-pong runs across work tiles.
-            let entry = match (wide, dims.causal != 0) {
-                (true, true) => "kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128",
-                (true, false) => "kpt_flash_attention_sm90_tma_n192_e4m3_d128",
-                _ => "kpt_flash_attention_sm90_tma_e4m3_d128",
+            let entry = if wide {
+                "kpt_flash_attention_sm90_tma_n192_e4m3_d128"
+            } else {
+                "kpt_flash_attention_sm90_tma_e4m3_d128"
             };
             launch!(
                 self, SM90, entry, blocks;
