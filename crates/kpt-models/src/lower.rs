@@ -407,6 +407,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn last_rows_are_each_sequences_last_token() {
+        let t = last_rows(&[0, 5, 6, 9]).unwrap();
+        assert_eq!(t.shape(), [1, 3]);
+        assert_eq!(t.as_slice::<i64>().unwrap(), [4, 5, 8]);
+        for bad in [&[][..], &[0], &[1, 4], &[0, 3, 3], &[0, 4, 2]] {
+            assert!(last_rows(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn decoder_inputs_by_phase() {
         let mut g = Graph::new();
         let d = DecoderInputs::declare(&mut g, Phase::Decode, 5, None, (2, 8), DType::F32).unwrap();
