@@ -335,9 +335,7 @@ impl Blas {
                     .into(),
             ));
         }
-        gpu.bind()?;
-        let handle = lt::create_handle().map_err(|e| NvidiaError::cublas("cublasLtCreate", e))?;
-        let workspace = gpu.alloc(workspace_bytes(gpu))?;
+        // The cache file first: an unreadable one fails before anything needs freeing.
         let file = match (&tuning.cache, tuning.autotune) {
             (Some(path), true) => {
                 let p = gpu.properties();
@@ -348,12 +346,15 @@ impl Blas {
                     p.name,
                     p.compute_capability.0,
                     p.compute_capability.1,
-                    workspace.bytes()
+                    workspace_bytes(gpu)
                 );
                 Some((Mutex::new(AutotuneCache::open(path)?), prefix))
             }
             _ => None,
         };
+        gpu.bind()?;
+        let workspace = gpu.alloc(workspace_bytes(gpu))?;
+        let handle = lt::create_handle().map_err(|e| NvidiaError::cublas("cublasLtCreate", e))?;
         Ok(Self {
             handle,
             workspace,
