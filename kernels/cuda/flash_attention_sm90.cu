@@ -1681,39 +1681,28 @@ KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90_TMA(f16, __half, 64)
 KPT_FLASH_SM90_TMA(f16, __half, 128)
 
-// d = 64 without an additive mask (`mask` is ignored: the host sends masked calls to the
-// entries above), the consumers' ping-pong running across a block's work tiles (kCarry).
-// Its own entry: without the masked path's code ptxas spills less (100 bytes against 380).
-#define KPT_FLASH_SM90_TMA_CARRY(NAME, T)                                                  \
-    extern "C" __global__ void __launch_bounds__(kThreads<T, 64>, 1)                        \
-        kpt_flash_attention_sm90_tma_carry_##NAME##_d64(                                     \
+// Entries without an additive mask (`mask` is ignored: the host sends masked calls to the
+// entries above), each its own code, so that ptxas allocates registers for the unmasked path
+// alone:
+// - `n176_`, d = 128: tiles of 176 keys (FlashAttention-3's tile for non-causal head dim
+//   128): fewer, longer key tiles per work tile, in two stages;
+// - `carry_`, d = 64: the consumers' ping-pong running across a block's work tiles
+//   (kCarry; ptxas spills 100 bytes there against 380 in the entries above).
+#define KPT_FLASH_SM90_TMA_UNMASKED(TILE, NAME, T, D, BN, CARRY)                           \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
+        kpt_flash_attention_sm90_tma_##TILE##NAME##_d##D(                                    \
             const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
             const Dims p, const __grid_constant__ TensorMap tq,                             \
             const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
         kpt::dependent_launch_prologue();                                                  \
-        flash_sm90<T, 64, false, true, kBlockN, true>(q, k, v, nullptr, out, lse, p, 1.0f,  \
-                                                      Maps{&tq, &tk, &tv});                \
+        flash_sm90<T, D, false, true, BN, CARRY>(q, k, v, nullptr, out, lse, p, 1.0f,       \
+                                                 Maps{&tq, &tk, &tv});                     \
     }
 
-KPT_FLASH_SM90_TMA_CARRY(bf16, __nv_bfloat16)
-KPT_FLASH_SM90_TMA_CARRY(f16, __half)
-
-// d = 128 with tiles of 176 keys (FlashAttention-3's tile for non-causal head dim 128): fewer,
-// longer key tiles per work tile, in two stages. TMA only, and no additive mask (`mask` is
-// ignored: the host sends masked calls to the 128-key kernels).
-#define KPT_FLASH_SM90_TMA_N176(NAME, T)                                                   \
-    extern "C" __global__ void __launch_bounds__(kThreads<T, 128>, 1)                       \
-        kpt_flash_attention_sm90_tma_n176_##NAME##_d128(                                     \
-            const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
-            const Dims p, const __grid_constant__ TensorMap tq,                             \
-            const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
-        kpt::dependent_launch_prologue();                                                  \
-        flash_sm90<T, 128, false, true, 176>(q, k, v, nullptr, out, lse, p, 1.0f,           \
-                                             Maps{&tq, &tk, &tv});                         \
-    }
-
-KPT_FLASH_SM90_TMA_N176(bf16, __nv_bfloat16)
-KPT_FLASH_SM90_TMA_N176(f16, __half)
+KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 64, kBlockN, true)
+KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 64, kBlockN, true)
+KPT_FLASH_SM90_TMA_UNMASKED(n176_, bf16, __nv_bfloat16, 128, 176, false)
+KPT_FLASH_SM90_TMA_UNMASKED(n176_, f16, __half, 128, 176, false)
 
 // FP8 with tiles of 192 keys (1.5 of the 128-key tile: half again as many scores per
 // max, shuffle, O rescale and barrier), in three stages, the consumers' ping-pong running
