@@ -614,3 +614,45 @@ impl Blas {
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tuning_follows_the_kernel_configuration() {
+        let mut k = kpt_core::config::KernelConfig::default();
+        assert_eq!(GemmTuning::from(&k), GemmTuning::default());
+        k.autotune = false;
+        k.autotune_iters = 7;
+        k.autotune_warmup = 2;
+        k.autotune_cache = Some(PathBuf::from("tuning/cublaslt.json"));
+        let t = GemmTuning::from(&k);
+        assert!(!t.autotune);
+        assert_eq!((t.iters, t.warmup), (7, 2));
+        assert_eq!(
+            t.cache.as_deref(),
+            Some(std::path::Path::new("tuning/cublaslt.json"))
+        );
+    }
+
+    #[test]
+    fn a_problem_names_everything_that_picks_its_algorithm() {
+        let s = GemmShape {
+            m: 2048,
+            n: 32000,
+            k: 2048,
+            batch: 1,
+            layout: Layout::Linear,
+            a: DType::BF16,
+            b: DType::BF16,
+            out: DType::F32,
+            bias: true,
+            epilogue: Epilogue::GeluTanh,
+        };
+        assert_eq!(
+            s.to_string(),
+            "Linear 2048x32000x2048 batch 1 bf16*bf16->f32 bias true GeluTanh"
+        );
+    }
+}
