@@ -28,8 +28,8 @@ use kpt_core::validate::run_reference;
 use kpt_core::{DType, Graph, OptLevel, Tensor};
 use kpt_kernels::{CpuBackend, CpuReference, KernelRegistry};
 use kpt_models::generate::{
-    argmax, decode_inputs, host_cache_with_room, picked_tokens, picks_tokens, prefill_inputs_for,
-    resident_outputs, CachePool,
+    argmax, decode_inputs, host_cache_with_room, picked_tokens, picks_tokens, prefill_inputs,
+    prefill_inputs_for, resident_outputs, CachePool,
 };
 use kpt_models::lower::pack_prompts;
 use kpt_models::{Checkpoint, Model, Phase};
@@ -186,11 +186,6 @@ impl Kpt {
         self.backend.synchronize()?;
         Ok(t0.elapsed().as_secs_f64())
     }
-}
-
-/// `[1, n]` ids and `[n]` positions from `start`.
-fn step_inputs(ids: &[i64], start: usize) -> Result<Vec<RunTensor>> {
-    batch_inputs(&[ids.to_vec()], start)
 }
 
 /// `[b, n]` ids of `b` sequences of `n` tokens and their `[n]` positions from `start`.
@@ -699,7 +694,7 @@ fn main() -> Result<()> {
     let logits = prefill_logits(&kpt, &f32_model, OptLevel::Conservative, &prompt)?;
     // The f64 reference of the same graph says which side is off.
     let graph = f32_model.graph(Phase::Prefill, prompt.len())?;
-    let reference = run_reference(&graph, &CpuReference, &host_inputs(&kpt, &prompt)?)?
+    let reference = run_reference(&graph, &CpuReference, &prefill_inputs(&prompt)?)?
         .remove(0)
         .to_f64_vec();
     drop(graph);
@@ -820,18 +815,10 @@ fn greedy(
         .collect()
 }
 
-/// A prefill's inputs for `ids`, on the host.
-fn host_inputs(kpt: &Kpt, ids: &[i64]) -> Result<Vec<Tensor>> {
-    Ok(step_inputs(ids, 0)?
-        .into_iter()
-        .map(|t| t.into_host(kpt.backend.as_ref()))
-        .collect::<kpt_core::Result<_>>()?)
-}
-
 /// The logits of every position of `ids` from `model`'s prefill at `level`.
 fn prefill_logits(kpt: &Kpt, model: &Model, level: OptLevel, ids: &[i64]) -> Result<Vec<f64>> {
     let mut exec = kpt.executor(&model.graph(Phase::Prefill, ids.len())?, level)?;
-    Ok(exec.run(&host_inputs(kpt, ids)?)?.remove(0).to_f64_vec())
+    Ok(exec.run(&prefill_inputs(ids)?)?.remove(0).to_f64_vec())
 }
 
 /// How many leading tokens two sequences share.

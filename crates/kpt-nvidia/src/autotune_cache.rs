@@ -51,11 +51,6 @@ impl AutotuneCache {
         })
     }
 
-    /// The file.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// The pick for `key`.
     pub fn get(&self, key: &str) -> Option<Choice> {
         self.entries.get(key).copied()

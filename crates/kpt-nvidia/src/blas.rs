@@ -245,13 +245,9 @@ pub struct GemmTuning {
 }
 
 impl Default for GemmTuning {
+    /// The configuration's defaults.
     fn default() -> Self {
-        Self {
-            autotune: true,
-            warmup: 1,
-            iters: 3,
-            cache: None,
-        }
+        (&kpt_core::config::KernelConfig::default()).into()
     }
 }
 
@@ -527,11 +523,11 @@ impl Blas {
             return Ok(self.candidates(d, 1)?[0]);
         }
         let candidates = self.candidates(d, AUTOTUNE_CANDIDATES)?;
-        let key = self
+        let cached = self
             .file
             .as_ref()
-            .map(|(_, prefix)| format!("{prefix} | {s}"));
-        if let (Some((cache, _)), Some(key)) = (&self.file, &key) {
+            .map(|(cache, prefix)| (cache, format!("{prefix} | {s}")));
+        if let Some((cache, key)) = &cached {
             // A pick past the candidates the heuristic now gives is timed again.
             let pick = lock(cache).get(key).map(|c| c.candidate);
             if let Some(&algo) = pick.and_then(|i| candidates.get(i)) {
@@ -570,7 +566,7 @@ impl Blas {
                 "cuBLASLt autotuned"
             );
         }
-        if let (Some((cache, _)), Some(key)) = (&self.file, key) {
+        if let Some((cache, key)) = cached {
             let choice = Choice {
                 candidate: best.1,
                 seconds: if best.0.is_finite() { best.0 } else { 0.0 },
