@@ -61,7 +61,7 @@ const FLASH_SM90_BLOCK_N: usize = 128;
 /// Keys per K/V tile of its `_tma_n176_` entries: bf16/f16 at head dim 128 without an
 /// additive mask (FlashAttention-3's tile for non-causal calls).
 const FLASH_SM90_BLOCK_N_WIDE: usize = 176;
-/// Keys per K/V tile of its `_tma_n192_e4m3_` entry: FP8 without an additive mask.
+/// Keys per K/V tile of its `_tma_n192_` FP8 entries: FP8 without an additive mask.
 const FLASH_SM90_BLOCK_N_FP8_WIDE: usize = 192;
 /// Most query tiles of a causal call that runs on the persistent grid (paired tiles):
 /// at 32 (S4096, d128) it measured 2 % faster than a block per tile on an H200, at 128
@@ -1009,10 +1009,12 @@ impl Gpu {
             FLASH_SM90_BLOCK_M,
             block_n,
         ) {
-            let entry = if wide {
-                "kpt_flash_attention_sm90_tma_n192_e4m3_d128"
-            } else {
+            let entry = if !wide {
                 "kpt_flash_attention_sm90_tma_e4m3_d128"
+            } else if dims.causal != 0 {
+                "kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128"
+            } else {
+                "kpt_flash_attention_sm90_tma_n192_e4m3_d128"
             };
             launch!(
                 self, SM90, entry, blocks;

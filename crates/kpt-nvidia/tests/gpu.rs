@@ -685,6 +685,21 @@ proptest! {
         check_attention_fp8([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, with_mask, scale), seed)?;
     }
 
+    /// FP8 at head dim 128 on a persistent grid of 1 to 8 blocks: every block walks several
+    /// work tiles, so the producer's V transpose and the consumers' carried ping-pong run
+    /// across them.
+    #[test]
+    fn attention_fp8_persistent(batch in 1usize..3, seq_q in 1usize..450, seq_kv in 1usize..500,
+                                kv_heads in 1usize..3, group in 1usize..=4,
+                                causal in any::<bool>(), with_mask in any::<bool>(),
+                                blocks in 1usize..=8, seed: u64) {
+        let Some(b) = backend() else { return Ok(()) };
+        b.gpu().set_attention_blocks(Some(blocks));
+        let result = check_attention_fp8([batch, seq_q, seq_kv, kv_heads, group, 128], (causal, with_mask, None), seed);
+        b.gpu().set_attention_blocks(None);
+        result?;
+    }
+
     /// Variable-length batches: prefill and decode sequences (and empty ones) packed into
     /// one call, one launch per sequence on every dense kernel.
     #[test]
