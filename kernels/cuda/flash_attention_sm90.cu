@@ -1777,55 +1777,54 @@ extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)
 
 // V [batch, seq_kv, kv_heads * 128] (bytes) -> V^T [batch, kv_heads, 128, seq_kv rounded up to
 // 128], keys of each 32-key block in the order of the FP8 P fragment (see the top of the file)
-// and zeros past seq_kv. Block x: (batch * kv_heads + kv head) * key tiles + key tile; the
-// tile goes through shared memory (rows padded to 129 bytes against bank conflicts).
+// and zeros past seq_kv. Block x: (batch * kv_heads + kv head) * key tiles + key tile, 128 keys.
+// The 4 bytes at logical columns 4 m .. 4 m + 3 of a V^T row hold keys kb, kb + 1, kb + 8 and
+// kb + 9 (kb = 32 (m / 8) + 16 ((m / 4) % 2) + 2 (m % 4)), so thread (m, c) = (x % 32, x / 32)
+// loads one 16-byte chunk c (16 dimensions) of those four keys, transposes the 4 x 16 bytes in
+// registers with byte permutes and stores 16 words, one per dimension; a warp (one c) writes
+// 128 contiguous bytes of a V^T row per store. No shared memory.
 // Grid: batch * kv_heads * ceil(seq_kv / 128) blocks of 256 threads; any arch.
 extern "C" __global__ void __launch_bounds__(256)
     kpt_attention_fp8_v_transpose_d128(const uint8_t* __restrict__ v, uint8_t* __restrict__ vt,
                                        const Dims p) {
     kpt::dependent_launch_prologue();
-    constexpr int kD = 128, kKeys = 128, kPitch = kD + 1;
-    __shared__ uint8_t tile[kKeys * kPitch];
+    constexpr int kD = 128, kKeys = 128;
     const int tiles = (p.seq_kv + kKeys - 1) / kKeys;
     const int t = blockIdx.x % tiles;
     const int bh = blockIdx.x / tiles;  // batch * kv_heads + kv head
     if (bh >= p.batch * p.kv_heads) return;
     const int b = bh / p.kv_heads, hk = bh % p.kv_heads;
     const int n0 = t * kKeys;
+    const int m = threadIdx.x % 32, c = threadIdx.x / 32;
+    const int kb = n0 + 32 * (m / 8) + 16 * ((m / 4) % 2) + 2 * (m % 4);
     const long kv_stride = static_cast<long>(p.kv_heads) * kD;
-    // 128 keys x 8 chunks of 16 bytes; zeros past the end.
-    for (int i = threadIdx.x; i < kKeys * (kD / 16); i += blockDim.x) {
-        const int key = i / (kD / 16), c = i % (kD / 16);
-        uint4 x = make_uint4(0, 0, 0, 0);
-        if (n0 + key < p.seq_kv) {
-            x = *reinterpret_cast<const uint4*>(
-                v + (static_cast<long>(b) * p.seq_kv + n0 + key) * kv_stride +
-                static_cast<long>(hk) * kD + c * 16);
-        }
-        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&x);
+    uint4 x[4];
 #pragma unroll
-        for (int e = 0; e < 16; ++e) tile[key * kPitch + c * 16 + e] = bytes[e];
+    for (int r = 0; r < 4; ++r) {
+        const int key = kb + r % 2 + 8 * (r / 2);
+        x[r] = key < p.seq_kv
+                   ? *reinterpret_cast<const uint4*>(
+                         v + (static_cast<long>(b) * p.seq_kv + key) * kv_stride +
+                         static_cast<long>(hk) * kD + c * 16)
+                   : make_uint4(0, 0, 0, 0);
     }
-    __syncthreads();
     const long pad = static_cast<long>(tiles) * kKeys;
-    uint8_t* dst = vt + static_cast<long>(bh) * kD * pad + n0;
-    // Row d of V^T, 16 logical key columns per thread and pass.
-    for (int i = threadIdx.x; i < kD * (kKeys / 16); i += blockDim.x) {
-        const int d = i / (kKeys / 16), l0 = (i % (kKeys / 16)) * 16;
-        uint32_t w[4];
+    uint8_t* dst = vt + (static_cast<long>(bh) * kD + 16 * c) * pad + n0 + 4 * m;
+    const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&x[0]);
+    const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&x[1]);
+    const uint32_t* w2 = reinterpret_cast<const uint32_t*>(&x[2]);
+    const uint32_t* w3 = reinterpret_cast<const uint32_t*>(&x[3]);
 #pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4) {
-            uint32_t word = 0;
+    for (int w = 0; w < 4; ++w) {
+        // Bytes j of word w of keys kb, kb + 1 | kb + 8, kb + 9, interleaved.
+        const uint32_t ab_lo = __byte_perm(w0[w], w1[w], 0x5140);
+        const uint32_t ab_hi = __byte_perm(w0[w], w1[w], 0x7362);
+        const uint32_t cd_lo = __byte_perm(w2[w], w3[w], 0x5140);
+        const uint32_t cd_hi = __byte_perm(w2[w], w3[w], 0x7362);
+        const uint32_t out[4] = {__byte_perm(ab_lo, cd_lo, 0x5410), __byte_perm(ab_lo, cd_lo, 0x7632),
+                                 __byte_perm(ab_hi, cd_hi, 0x5410), __byte_perm(ab_hi, cd_hi, 0x7632)};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int l = l0 + 4 * q4 + e;
-                const int key = (l & ~31) | (l & 16) | (((l >> 1) & 1) << 3) | (((l >> 2) & 3) << 1) |
-                                (l & 1);
-                word |= static_cast<uint32_t>(tile[key * kPitch + d]) << (8 * e);
-            }
-            w[q4] = word;
-        }
-        *reinterpret_cast<uint4*>(dst + static_cast<long>(d) * pad + l0) =
-            make_uint4(w[0], w[1], w[2], w[3]);
+        for (int j = 0; j < 4; ++j)
+            *reinterpret_cast<uint32_t*>(dst + static_cast<long>(4 * w + j) * pad) = out[j];
     }
 }
