@@ -754,6 +754,7 @@ impl RocmBackend {
                 }
             }
             Op::Attention(a) => {
+                a.require_no_dropout(kernel)?;
                 if a.varlen || a.paged || a.lse {
                     return Err(err(format!(
                         "{kernel} runs dense attention without a log-sum-exp only (varlen {}, \

@@ -1,5 +1,7 @@
-//! A small deterministic random stream (splitmix64) for test data, benchmark inputs and
-//! synthetic weights. Not for cryptography.
+//! Deterministic random numbers: a small stream (splitmix64) for test data, benchmark
+//! inputs and synthetic weights, and the counter-based Philox4x32-10 generator that
+//! attention dropout draws its keep decisions from (the same bits on every backend). Not
+//! for cryptography.
 
 /// The splitmix64 generator: a 64-bit state advanced by a fixed odd increment and mixed.
 ///
@@ -51,9 +53,56 @@ impl SplitMix64 {
     }
 }
 
+/// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011;
+/// the generator of cuRAND's and PyTorch's dropout): four 32-bit random words from a
+/// 128-bit `counter` and a 64-bit `key`, ten rounds. A pure function, so any device can
+/// compute the words of any counter independently.
+///
+/// ```
+/// use kpt_core::rand::philox4x32_10;
+/// // Random123's known-answer vector.
+/// assert_eq!(philox4x32_10([0; 4], [0; 2]), [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8]);
+/// ```
+pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    const M0: u64 = 0xD251_1F53;
+    const M1: u64 = 0xCD9E_8D57;
+    const W0: u32 = 0x9E37_79B9;
+    const W1: u32 = 0xBB67_AE85;
+    let (mut c, mut k) = (counter, key);
+    for round in 0..10 {
+        if round > 0 {
+            k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
+        }
+        let p0 = M0 * u64::from(c[0]);
+        let p1 = M1 * u64::from(c[2]);
+        c = [
+            (p1 >> 32) as u32 ^ c[1] ^ k[0],
+            p1 as u32,
+            (p0 >> 32) as u32 ^ c[3] ^ k[1],
+            p0 as u32,
+        ];
+    }
+    c
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn philox_matches_the_random123_known_answers() {
+        assert_eq!(
+            philox4x32_10([u32::MAX; 4], [u32::MAX; 2]),
+            [0x408f_276d, 0x41c8_3b0e, 0xa20b_c7c6, 0x6d54_51fd]
+        );
+        assert_eq!(
+            philox4x32_10(
+                [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344],
+                [0xa409_3822, 0x299f_31d0]
+            ),
+            [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1]
+        );
+    }
 
     #[test]
     fn matches_the_published_splitmix64_sequence() {

@@ -619,6 +619,7 @@ const TRITON_ROWS: ShapeLimits = ShapeLimits {
     paged: false,
     no_window: false,
     lse: false,
+    dropout: false,
 };
 
 /// What the CPU copy ops (concat, split) take: every float and index dtype.
@@ -644,6 +645,7 @@ const ANY_ATTENTION: ShapeLimits = ShapeLimits {
     paged: true,
     no_window: false,
     lse: true,
+    dropout: false,
 };
 
 /// Limits of a backward kernel that takes every dense attention shape and the forward's
@@ -652,6 +654,18 @@ const ANY_ATTENTION_BACKWARD: ShapeLimits = ShapeLimits {
     varlen: false,
     paged: false,
     ..ANY_ATTENTION
+};
+
+/// The reference's attention: every shape, with dropout.
+const REFERENCE_ATTENTION: ShapeLimits = ShapeLimits {
+    dropout: true,
+    ..ANY_ATTENTION
+};
+
+/// The reference's attention backward: every dense shape, with dropout.
+const REFERENCE_ATTENTION_BACKWARD: ShapeLimits = ShapeLimits {
+    dropout: true,
+    ..ANY_ATTENTION_BACKWARD
 };
 
 /// The f64 reference declared for every op: correct for every float dtype, slow.
@@ -701,9 +715,9 @@ pub fn reference_kernels() -> Vec<KernelDef> {
                 ]);
             }
             if op == OpKind::Attention {
-                def = def.limits(ANY_ATTENTION);
+                def = def.limits(REFERENCE_ATTENTION);
             } else if op == OpKind::AttentionBackward {
-                def = def.limits(ANY_ATTENTION_BACKWARD);
+                def = def.limits(REFERENCE_ATTENTION_BACKWARD);
             }
             def
         })

@@ -37,6 +37,10 @@ pub(crate) fn attention_shape(
         causal: p.causal,
         scale: p.effective_scale() as f64,
         window: p.window,
+        dropout: p.dropout.map(|mask| cpu::ShapeDropout {
+            mask,
+            first_batch: 0,
+        }),
     }
 }
 

@@ -39,6 +39,9 @@ pub struct ShapeLimits {
     /// uses it in the backward.
     #[serde(default)]
     pub lse: bool,
+    /// Applies attention dropout (`AttentionParams::dropout`).
+    #[serde(default)]
+    pub dropout: bool,
 }
 
 /// What a kernel is and what it needs.
@@ -220,6 +223,9 @@ impl KernelDef {
             }
             if p.lse && !self.limits.lse {
                 return Some("no log-sum-exp".into());
+            }
+            if p.dropout.is_some() && !self.limits.dropout {
+                return Some("no dropout".into());
             }
             if let Some(max) = self.limits.max_head_dim.filter(|&m| p.head_dim > m) {
                 return Some(format!("head_dim {} > {max}", p.head_dim));

@@ -586,6 +586,7 @@ impl CudaBackend {
                 g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
             }
             Op::AttentionBackward(p) => {
+                p.require_no_dropout(kernel)?;
                 let (qs, ks) = q_k_shapes("attention_backward", inputs)?;
                 if !matches!(dt, DType::BF16 | DType::F16) {
                     return Err(KptError::dtype(kernel, "bf16 or f16", dt));
@@ -645,6 +646,7 @@ impl CudaBackend {
                 )?;
             }
             Op::Attention(p) => {
+                p.require_no_dropout(kernel)?;
                 let (qs, ks) = q_k_shapes("attention", inputs)?;
                 // FP8 inputs: q_scale * k_scale goes into the softmax scale and q, k are
                 // used (or dequantized) unscaled, as e4m3 values are exact in bf16; scaled

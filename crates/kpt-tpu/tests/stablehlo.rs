@@ -525,3 +525,22 @@ fn one_query_one_key_with_a_window() {
         check(Op::Attention(p), ins).unwrap();
     }
 }
+
+/// Attention dropout has no StableHLO lowering (the reference applies it): emitting a
+/// graph with it is a typed error, not a program that ignores it.
+#[test]
+fn attention_dropout_is_refused() {
+    let mut g = Graph::new();
+    let q = g.input("q", DType::F32, &[1, 4, 8]);
+    let k = g.input("k", DType::F32, &[1, 4, 8]);
+    let v = g.input("v", DType::F32, &[1, 4, 8]);
+    let params = AttentionParams {
+        dropout: Some(kpt_core::graph::AttentionDropout { p: 0.1, seed: 1 }),
+        ..AttentionParams::new(1, 1, 8, true)
+    };
+    let y = g.op("attn", Op::Attention(params), &[q, k, v]).unwrap();
+    g.output(y).unwrap();
+    let specs = vec![TensorSpec::new(&[1, 4, 8], DType::F32); 3];
+    let e = emit_graph(&g, &specs).unwrap_err();
+    assert!(e.to_string().contains("no attention dropout"), "{e}");
+}

@@ -8,7 +8,7 @@
 mod op;
 mod rope;
 
-pub use op::{lse_dtype, Activation, AttentionParams, Op, OpKind, TensorSpec};
+pub use op::{lse_dtype, Activation, AttentionDropout, AttentionParams, Op, OpKind, TensorSpec};
 pub use rope::{rope_frequencies, rope_seq_len, RopeFrequencies, RopeScaling, RopeScalingError};
 
 use std::collections::BTreeMap;

@@ -18,6 +18,12 @@
 //!   (FlashAttention's `softmax_lse`): `lse[b, h, i] = ln Σ_j exp(scale · q_i·k_j + mask[i, j])`
 //!   over the keys query `i` sees, `+inf` for a row that sees none (so that `exp(s - lse)`
 //!   is 0 there).
+//!   With `dropout` (training; dense or variable-length batches, no FP8): each
+//!   probability `P[b, h, i, j]` (after the softmax's normalization) is kept and scaled by
+//!   `1 / (1 - p)` or zeroed, as [`AttentionDropout::keeps`] decides from Philox4x32-10:
+//!   the same decisions on every backend, reproducible from the seed; `b` is the sequence
+//!   of a variable-length batch and `i`, `j` positions within it. The log-sum-exp is the
+//!   softmax's, before dropout.
 //! - `AttentionBackward`: q, k, v, the forward output, its gradient, the mask when `mask`,
 //!   then with `lse` the forward's log-sum-exp `[B, Hq, S]` -> (dq, dk, dv). Given the
 //!   log-sum-exp, kernels take the probabilities as `exp(s - lse)` instead of recomputing
@@ -76,6 +82,63 @@ impl Activation {
     }
 }
 
+/// Dropout of attention probabilities (training), reproducible on every backend: the
+/// probability of query `i` for key `j` of head `h` in batch `b` is kept iff word `j % 4`
+/// of [`philox4x32_10`](crate::rand::philox4x32_10) with counter `[j / 4, i, h, b]` and
+/// key `[seed as u32, (seed >> 32) as u32]` is at least [`threshold`](Self::threshold);
+/// kept probabilities are scaled by [`scale`](Self::scale) (`1 / (1 - p)`), as PyTorch's
+/// and FlashAttention's dropout do. A new seed per training step gives new decisions.
+///
+/// ```
+/// use kpt_core::graph::AttentionDropout;
+/// let d = AttentionDropout { p: 0.25, seed: 7 };
+/// let kept = (0..4000).filter(|&j| d.keeps(0, 0, 0, j)).count();
+/// assert!((2800..3200).contains(&kept));
+/// assert_eq!(d.scale(), 1.0 / 0.75);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AttentionDropout {
+    /// Probability of dropping a probability, in `[0, 1)`.
+    pub p: f32,
+    /// Seed of the keep decisions.
+    pub seed: u64,
+}
+
+impl AttentionDropout {
+    /// Checks that `p` is in `[0, 1)`.
+    pub fn validate(&self) -> Result<()> {
+        if !(0.0..1.0).contains(&self.p) {
+            return Err(KptError::InvalidArgument(format!(
+                "attention dropout probability must be in [0, 1), got {}",
+                self.p
+            )));
+        }
+        Ok(())
+    }
+
+    /// A probability is kept iff its random word is at least this: `floor(p * 2^32)`.
+    pub fn threshold(&self) -> u32 {
+        (f64::from(self.p) * 4_294_967_296.0)
+            .floor()
+            .min(f64::from(u32::MAX)) as u32
+    }
+
+    /// The factor of kept probabilities, `1 / (1 - p)`.
+    pub fn scale(&self) -> f64 {
+        1.0 / (1.0 - f64::from(self.p))
+    }
+
+    /// Whether the probability of query `query` for key `key` of head `head` in batch
+    /// (or sequence) `batch` is kept.
+    pub fn keeps(&self, batch: usize, head: usize, query: usize, key: usize) -> bool {
+        let words = crate::rand::philox4x32_10(
+            [(key / 4) as u32, query as u32, head as u32, batch as u32],
+            [self.seed as u32, (self.seed >> 32) as u32],
+        );
+        words[key % 4] >= self.threshold()
+    }
+}
+
 /// Parameters of the attention op.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct AttentionParams {
@@ -108,6 +171,11 @@ pub struct AttentionParams {
     /// batches only (excludes `varlen` and `paged`), no FP8 inputs.
     #[serde(default)]
     pub lse: bool,
+    /// Dropout of the probabilities (training; see the module docs): dense or
+    /// variable-length batches, 16-bit or wider inputs. [`Op::AttentionBackward`] with the
+    /// same parameters applies the same decisions.
+    #[serde(default)]
+    pub dropout: Option<AttentionDropout>,
 }
 
 impl AttentionParams {
@@ -125,6 +193,7 @@ impl AttentionParams {
             window: None,
             paged: false,
             lse: false,
+            dropout: None,
         }
     }
 
@@ -135,6 +204,16 @@ impl AttentionParams {
             self.num_heads,
             q.get(1).copied().unwrap_or(0),
         ]
+    }
+
+    /// An error for a kernel that applies no dropout when these parameters ask for it.
+    pub fn require_no_dropout(&self, kernel: &str) -> Result<()> {
+        match self.dropout {
+            Some(_) => Err(KptError::InvalidArgument(format!(
+                "{kernel} applies no attention dropout; the reference kernel does"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The scale actually applied to `q·k`.
@@ -874,6 +953,16 @@ impl Op {
                         "attention window must be at least 1 key".into(),
                     ));
                 }
+                if let Some(d) = &p.dropout {
+                    d.validate()?;
+                    if p.paged || q.dtype == DType::F8E4M3 {
+                        return Err(KptError::InvalidArgument(
+                            "attention dropout is for training: not with a paged KV cache or \
+                             FP8 inputs"
+                                .into(),
+                        ));
+                    }
+                }
                 if p.num_heads % p.num_kv_heads != 0 {
                     return Err(shape_err(format!(
                         "num_heads {} is not a multiple of num_kv_heads {}",
@@ -1192,6 +1281,36 @@ mod tests {
 
     fn s(shape: &[usize], dtype: DType) -> TensorSpec {
         TensorSpec::new(shape, dtype)
+    }
+
+    #[test]
+    fn dropout_thresholds_and_checks() {
+        let d = |p: f32| AttentionDropout { p, seed: 0 };
+        assert_eq!(d(0.0).threshold(), 0);
+        assert_eq!(d(0.5).threshold(), 1 << 31);
+        assert!((0..64).all(|j| d(0.0).keeps(1, 2, 3, j)));
+        assert!(d(0.999).validate().is_ok());
+        assert!(d(1.0).validate().is_err());
+        let paged = AttentionParams {
+            paged: true,
+            dropout: Some(d(0.1)),
+            ..AttentionParams::new(2, 2, 4, false)
+        };
+        let specs = [
+            s(&[2, 1, 8], DType::F32),
+            s(&[4, 16, 8], DType::F32),
+            s(&[4, 16, 8], DType::F32),
+            s(&[2, 2], DType::I32),
+            s(&[2], DType::I32),
+        ];
+        let err = Op::Attention(paged).infer(&specs).unwrap_err();
+        assert!(err.to_string().contains("dropout"), "{err}");
+        assert!(Op::Attention(AttentionParams {
+            dropout: None,
+            ..paged
+        })
+        .infer(&specs)
+        .is_ok());
     }
 
     #[test]

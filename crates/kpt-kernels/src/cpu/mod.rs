@@ -49,6 +49,7 @@ pub use norm::{add_layer_norm, add_rms_norm, layer_norm, rms_norm};
 pub use rotary::{rotary, split_rotary};
 pub use shapes::{
     for_each_paged_sequence, for_each_sequence, varlen_segments, AttentionShape, PagedKv,
+    ShapeDropout,
 };
 pub use softmax::{argmax, softmax};
 

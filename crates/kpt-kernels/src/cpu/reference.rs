@@ -591,6 +591,7 @@ pub fn attention_lse(
                     continue;
                 }
                 for (j, &p) in probs.iter().enumerate().filter(|(_, &p)| p != 0.0) {
+                    let p = p * s.dropout_factor(b, h, i, j);
                     let vj = &v[(b * s.seq_kv + j) * s.kv_row() + g * d..][..d];
                     o.iter_mut().zip(vj).for_each(|(oc, vc)| *oc += p * vc);
                 }
@@ -603,9 +604,10 @@ pub fn attention_lse(
 /// Gradients of [`attention`] for the upstream gradient `dout` (FlashAttention's backward
 /// contract): with `P` the probabilities recomputed from `q`, `k` and the mask (as
 /// `exp(s - lse)` from the forward's log-sum-exp when `lse` is given, see
-/// [`attention_lse`]), and `D_i = dout_i · out_i` from the given forward output,
-/// `dv = Pᵀ dout`, `dS = P ∘ (dout vᵀ - D)`, `dq = scale · dS k`, `dk = scale · dSᵀ q`; the
-/// query heads of a kv group add into its `dk` and `dv`.
+/// [`attention_lse`]), `Z` the dropout factors (1 without dropout) and `D_i = dout_i ·
+/// out_i` from the given forward output, `dv = (P ∘ Z)ᵀ dout`, `dS = P ∘ (Z ∘ (dout vᵀ) -
+/// D)`, `dq = scale · dS k`, `dk = scale · dSᵀ q`; the query heads of a kv group add into
+/// its `dk` and `dv`.
 #[allow(clippy::type_complexity)]
 pub fn attention_backward(
     (q, k, v, mask): (&[f64], &[f64], &[f64], Option<&[f64]>),
@@ -648,10 +650,16 @@ pub fn attention_backward(
                 let delta: f64 = doi.iter().zip(oi).map(|(a, c)| a * c).sum();
                 for (j, &p) in probs.iter().enumerate().filter(|(_, &p)| p != 0.0) {
                     let at_k = (b * s.seq_kv + j) * kv_row + g * d;
-                    let dp: f64 = doi.iter().zip(&v[at_k..][..d]).map(|(a, c)| a * c).sum();
+                    // Dropout: out = Σ P Z v, so dv takes P Z and dP = Z (dout · v).
+                    let z = s.dropout_factor(b, h, i, j);
+                    let dp: f64 = z * doi
+                        .iter()
+                        .zip(&v[at_k..][..d])
+                        .map(|(a, c)| a * c)
+                        .sum::<f64>();
                     let ds = p * (dp - delta) * s.scale;
                     for c in 0..d {
-                        dv[at_k + c] += p * doi[c];
+                        dv[at_k + c] += p * z * doi[c];
                         dq[at_q + c] += ds * k[at_k + c];
                         dk[at_k + c] += ds * qi[c];
                     }

@@ -1,5 +1,6 @@
 //! Shape descriptions shared by the reference and the fast kernels.
 
+use kpt_core::graph::AttentionDropout;
 use kpt_core::{KptError, Result};
 
 use super::{check_len, checked_product};
@@ -34,6 +35,20 @@ pub struct AttentionShape {
     pub scale: f64,
     /// Sliding window: how many keys up to its aligned position a query sees.
     pub window: Option<usize>,
+    /// Dropout of the probabilities (the reference kernels apply it, the fast ones take
+    /// none).
+    pub dropout: Option<ShapeDropout>,
+}
+
+/// Attention dropout as a shape carries it: the op's decisions and the batch index of
+/// the shape's first batch (a sequence of a variable-length batch runs as a batch of
+/// one, and its decisions are those of its index in the packed batch).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShapeDropout {
+    /// The op's dropout.
+    pub mask: AttentionDropout,
+    /// Batch (sequence) index of batch 0 of the shape.
+    pub first_batch: usize,
 }
 
 impl AttentionShape {
@@ -57,6 +72,17 @@ impl AttentionShape {
             causal,
             scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
             window: None,
+            dropout: None,
+        }
+    }
+
+    /// The factor dropout gives the probability of query `i` for key `j` of head `h` in
+    /// batch `b`: 1 without dropout, else `1 / (1 - p)` or 0.
+    pub fn dropout_factor(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
+        match &self.dropout {
+            None => 1.0,
+            Some(d) if d.mask.keeps(d.first_batch + b, h, i, j) => d.mask.scale(),
+            Some(_) => 0.0,
         }
     }
 
@@ -285,7 +311,10 @@ pub fn for_each_sequence<T: Copy + Default>(
     check_len("attention", "k", k.len(), shape.kv_len())?;
     check_len("attention", "v", v.len(), shape.kv_len())?;
     check_len("attention", "out", out.len(), shape.q_len())?;
-    for (qs, ks) in varlen_segments(cu_q, cu_k, shape.seq_q, shape.seq_kv)? {
+    for (seq, (qs, ks)) in varlen_segments(cu_q, cu_k, shape.seq_q, shape.seq_kv)?
+        .into_iter()
+        .enumerate()
+    {
         let o = &mut out[qs.start * qr..qs.end * qr];
         if ks.is_empty() {
             o.fill(T::default());
@@ -298,6 +327,10 @@ pub fn for_each_sequence<T: Copy + Default>(
             batch: 1,
             seq_q: qs.len(),
             seq_kv: ks.len(),
+            dropout: shape.dropout.map(|d| ShapeDropout {
+                first_batch: d.first_batch + seq,
+                ..d
+            }),
             ..*shape
         };
         let (kk, vv) = (
