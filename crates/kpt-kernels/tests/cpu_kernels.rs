@@ -6,9 +6,11 @@
 //! the quantization error is checked separately.
 
 use half::{bf16, f16};
-use kpt_core::graph::{RopeScaling, RopeScalingError};
+use kpt_core::graph::{AttentionDropout, RopeScaling, RopeScalingError};
 use kpt_core::{DType, KptError};
-use kpt_kernels::cpu::{self, reference as r, tolerance, Act, AttentionShape, WeightsRef};
+use kpt_kernels::cpu::{
+    self, reference as r, tolerance, Act, AttentionShape, ShapeDropout, WeightsRef,
+};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
@@ -535,16 +537,25 @@ proptest! {
     }
 
     /// The reference gradients equal central differences of the reference forward pass
-    /// (loss = Σ dout · out), for q, k and v, with GQA, causal, a window and a mask.
+    /// (loss = Σ dout · out), for q, k and v, with GQA, causal, a window, a mask and
+    /// dropout (the forward's decisions are a function of the seed, so the loss is smooth
+    /// in q, k and v).
     #[test]
     fn attention_backward_matches_finite_differences(
         batch in 1usize..=2, seq_q in 1usize..=5, seq_kv in 1usize..=6, kv_heads in 1usize..=2,
         ratio in 1usize..=2, head_dim in 1usize..=4, causal in any::<bool>(),
-        window in prop::option::of(1usize..5), with_mask in any::<bool>(), seed in any::<u64>(),
+        window in prop::option::of(1usize..5), with_mask in any::<bool>(),
+        dropout in prop::option::of((0.0f32..0.8, any::<u64>())), seed in any::<u64>(),
     ) {
         let mut rng = Rng::new(seed);
-        let shape = AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal)
-            .with_window(window);
+        let shape = AttentionShape {
+            dropout: dropout.map(|(p, seed)| ShapeDropout {
+                mask: AttentionDropout { p, seed },
+                first_batch: 0,
+            }),
+            ..AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal)
+                .with_window(window)
+        };
         let q = f64s(&rng.vec(shape.q_len(), -1.0, 1.0));
         let k = f64s(&rng.vec(shape.kv_len(), -1.0, 1.0));
         let v = f64s(&rng.vec(shape.kv_len(), -1.0, 1.0));
