@@ -40,6 +40,7 @@ pub(crate) fn attention_shape(
         dropout: p.dropout.map(|mask| cpu::ShapeDropout {
             mask,
             first_batch: 0,
+            first_query: 0,
         }),
     }
 }

@@ -26,6 +26,7 @@ fn with_dropout(shape: AttentionShape, mask: AttentionDropout) -> AttentionShape
         dropout: Some(ShapeDropout {
             mask,
             first_batch: 0,
+            first_query: 0,
         }),
         ..shape
     }
@@ -249,4 +250,34 @@ fn bad_dropout_parameters_are_typed_errors() {
         let err = op.infer(&specs).unwrap_err();
         assert!(err.to_string().contains("dropout probability"), "{err}");
     }
+}
+
+/// A call's last queries run as a shorter call (bottom-right causal keeps what they see)
+/// take the full call's decisions when the shape says where they start.
+#[test]
+fn last_queries_keep_their_decisions_with_a_query_offset() {
+    let (s, r, hd) = (7usize, 2usize, 4usize);
+    let d = AttentionDropout { p: 0.3, seed: 21 };
+    let full = with_dropout(AttentionShape::new(1, s, s, 2, 1, hd, true), d);
+    let mut rng = Rng::new(8);
+    let (q, k, v) = (
+        values(&mut rng, full.q_len()),
+        values(&mut rng, full.kv_len()),
+        values(&mut rng, full.kv_len()),
+    );
+    let mut want = vec![0.0; full.q_len()];
+    r::attention(&q, &k, &v, None, &mut want, &full).unwrap();
+    let tail = AttentionShape {
+        seq_q: r,
+        dropout: Some(ShapeDropout {
+            mask: d,
+            first_batch: 0,
+            first_query: s - r,
+        }),
+        ..full
+    };
+    let row = full.q_row();
+    let mut got = vec![0.0; tail.q_len()];
+    r::attention(&q[(s - r) * row..], &k, &v, None, &mut got, &tail).unwrap();
+    assert_eq!(got, want[(s - r) * row..]);
 }

@@ -552,6 +552,7 @@ proptest! {
             dropout: dropout.map(|(p, seed)| ShapeDropout {
                 mask: AttentionDropout { p, seed },
                 first_batch: 0,
+            first_query: 0,
             }),
             ..AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal)
                 .with_window(window)

@@ -40,15 +40,18 @@ pub struct AttentionShape {
     pub dropout: Option<ShapeDropout>,
 }
 
-/// Attention dropout as a shape carries it: the op's decisions and the batch index of
-/// the shape's first batch (a sequence of a variable-length batch runs as a batch of
-/// one, and its decisions are those of its index in the packed batch).
+/// Attention dropout as a shape carries it: the op's decisions and where the shape sits
+/// in the op's call (a sequence of a variable-length batch runs as a batch of one, and
+/// its decisions are those of its index in the packed batch; a check of a call's last
+/// queries runs them as a shorter call).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ShapeDropout {
     /// The op's dropout.
     pub mask: AttentionDropout,
     /// Batch (sequence) index of batch 0 of the shape.
     pub first_batch: usize,
+    /// Query index of query 0 of the shape.
+    pub first_query: usize,
 }
 
 impl AttentionShape {
@@ -81,7 +84,7 @@ impl AttentionShape {
     pub fn dropout_factor(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
         match &self.dropout {
             None => 1.0,
-            Some(d) if d.mask.keeps(d.first_batch + b, h, i, j) => d.mask.scale(),
+            Some(d) if d.mask.keeps(d.first_batch + b, h, d.first_query + i, j) => d.mask.scale(),
             Some(_) => 0.0,
         }
     }
