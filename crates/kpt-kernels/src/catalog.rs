@@ -113,17 +113,17 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             F32,
             "blocked online-softmax attention; never builds the full score matrix; \
              variable-length batches and paged caches one sequence at a time; the \
-             log-sum-exp by a second pass over the scores",
+             log-sum-exp by a second pass over the scores; dropout on the probabilities",
         )
-        .limits(ANY_ATTENTION),
+        .limits(ANY_ATTENTION_DROPOUT),
         k(
             "cpu.attention_backward",
             AttentionBackward,
             F32,
             "dq, dk, dv with recomputed probabilities (from the forward's log-sum-exp when \
-             given); (batch, kv head) tasks in parallel",
+             given) and dropout decisions; (batch, kv head) tasks in parallel",
         )
-        .limits(ANY_ATTENTION_BACKWARD),
+        .limits(ANY_ATTENTION_BACKWARD_DROPOUT),
         k("cpu.add", Add, F32, "broadcasting add"),
         k("cpu.mul", Mul, F32, "broadcasting multiply"),
         k(
@@ -656,14 +656,14 @@ const ANY_ATTENTION_BACKWARD: ShapeLimits = ShapeLimits {
     ..ANY_ATTENTION
 };
 
-/// The reference's attention: every shape, with dropout.
-const REFERENCE_ATTENTION: ShapeLimits = ShapeLimits {
+/// Every attention shape, with dropout (the reference and the CPU kernels).
+const ANY_ATTENTION_DROPOUT: ShapeLimits = ShapeLimits {
     dropout: true,
     ..ANY_ATTENTION
 };
 
-/// The reference's attention backward: every dense shape, with dropout.
-const REFERENCE_ATTENTION_BACKWARD: ShapeLimits = ShapeLimits {
+/// Every dense attention backward shape, with dropout.
+const ANY_ATTENTION_BACKWARD_DROPOUT: ShapeLimits = ShapeLimits {
     dropout: true,
     ..ANY_ATTENTION_BACKWARD
 };
@@ -715,9 +715,9 @@ pub fn reference_kernels() -> Vec<KernelDef> {
                 ]);
             }
             if op == OpKind::Attention {
-                def = def.limits(REFERENCE_ATTENTION);
+                def = def.limits(ANY_ATTENTION_DROPOUT);
             } else if op == OpKind::AttentionBackward {
-                def = def.limits(REFERENCE_ATTENTION_BACKWARD);
+                def = def.limits(ANY_ATTENTION_BACKWARD_DROPOUT);
             }
             def
         })

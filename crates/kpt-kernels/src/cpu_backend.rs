@@ -338,9 +338,6 @@ impl CpuBackend {
             .split_first_mut()
             .ok_or_else(|| KptError::Graph(format!("{kernel}: no output")))?;
         match op {
-            Op::Attention(p) | Op::AttentionBackward(p) if p.dropout.is_some() => {
-                p.require_no_dropout(kernel)
-            }
             Op::Embedding => {
                 let (vocab, dim) = inputs[1].spec.rows_and_width();
                 cpu::elementwise::embedding(

@@ -196,6 +196,12 @@ fn varlen_sequences_take_their_index_as_batch() {
     ins.extend([cu.clone(), cu]);
     let got = CpuReference.eval(&varlen, &ins).unwrap()[0].to_f64_vec();
     assert_eq!(got, dense);
+    // The CPU kernel runs each sequence as a batch of one with the same decisions.
+    let backend = CpuBackend::new().unwrap();
+    let fast = run_op(&backend, "cpu.attention.flash", &varlen, &ins).unwrap()[0].to_f64_vec();
+    for (a, b) in fast.iter().zip(&dense) {
+        assert!((a - b).abs() < 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+    }
 }
 
 #[test]
@@ -208,28 +214,27 @@ fn only_kernels_that_apply_dropout_are_chosen() {
         .collect();
     let registry = KernelRegistry::with_builtin();
     let chain = registry.fallback_chain(&op, &specs, backend.device());
-    assert_eq!(chain, vec!["cpu.reference".to_string()]);
-    let why = registry
-        .explain(&op, &specs, backend.device())
-        .into_iter()
-        .find(|c| c.kernel == "cpu.attention.flash")
-        .map(|c| c.reason)
-        .unwrap_or_default();
-    assert!(why.contains("no dropout"), "{why}");
-    // Asked for by name, the fast kernel refuses instead of ignoring the dropout.
-    let err = run_op(&backend, "cpu.attention.flash", &op, &inputs).unwrap_err();
-    assert!(
-        err.to_string().contains("applies no attention dropout"),
-        "{err}"
-    );
-    // The reference runs it on the backend.
-    let out = run_op(&backend, "cpu.reference", &op, &inputs).unwrap();
-    let want: Vec<f64> = CpuReference.eval(&op, &inputs).unwrap()[0]
-        .to_f64_vec()
-        .into_iter()
-        .map(|x| f64::from(x as f32))
+    assert_eq!(chain, ["cpu.attention.flash", "cpu.reference"]);
+    // bf16 inputs: the CPU kernel takes f32 only, the reference takes the call.
+    let bf16: Vec<TensorSpec> = specs
+        .iter()
+        .map(|s| TensorSpec::new(&s.shape, DType::BF16))
         .collect();
-    assert_eq!(out[0].to_f64_vec(), want);
+    assert_eq!(
+        registry.fallback_chain(&op, &bf16, backend.device()),
+        ["cpu.reference"]
+    );
+    // Both run it on the backend, with the same decisions.
+    let want = CpuReference.eval(&op, &inputs).unwrap()[0].to_f64_vec();
+    for kernel in chain {
+        let got = run_op(&backend, &kernel, &op, &inputs).unwrap()[0].to_f64_vec();
+        for (a, b) in got.iter().zip(&want) {
+            assert!(
+                (a - b).abs() < 1e-5 * (1.0 + b.abs()),
+                "{kernel}: {a} vs {b}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -292,6 +292,15 @@ fn check_attention(
     )
 }
 
+/// Attention dropout of probability `p` and `seed` at the start of a call.
+fn dropout_of((p, seed): (f32, u64)) -> ShapeDropout {
+    ShapeDropout {
+        mask: AttentionDropout { p, seed },
+        first_batch: 0,
+        first_query: 0,
+    }
+}
+
 fn fail(e: KptError) -> TestCaseError {
     TestCaseError::fail(e.to_string())
 }
@@ -396,11 +405,15 @@ proptest! {
         block_q in prop::sample::select(vec![1usize, 4, 7, 16, 64]),
         block_kv in prop::sample::select(vec![1usize, 16, 20, 64]),
         window in prop::option::of(1usize..80),
+        dropout in prop::option::of((0.0f32..0.7, any::<u64>())),
         seed in any::<u64>(),
     ) {
         let heads = kv_heads * ratio;
-        let shape = AttentionShape::new(batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal)
-            .with_window(window);
+        let shape = AttentionShape {
+            dropout: dropout.map(dropout_of),
+            ..AttentionShape::new(batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal)
+                .with_window(window)
+        };
         check_attention(seed, shape, with_mask, block_q, block_kv)?;
     }
 
@@ -494,11 +507,15 @@ proptest! {
         batch in 1usize..=2, seq_q in 1usize..=40, seq_kv in 1usize..=50, kv_heads in 1usize..=2,
         ratio in prop::sample::select(vec![1usize, 4]), head_dim in prop::sample::select(vec![1usize, 8, 64]),
         causal in any::<bool>(), window in prop::option::of(1usize..30), with_mask in any::<bool>(),
-        with_lse in any::<bool>(), seed in any::<u64>(),
+        with_lse in any::<bool>(), dropout in prop::option::of((0.0f32..0.7, any::<u64>())),
+        seed in any::<u64>(),
     ) {
         let mut rng = Rng::new(seed);
-        let shape = AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal)
-            .with_window(window);
+        let shape = AttentionShape {
+            dropout: dropout.map(dropout_of),
+            ..AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal)
+                .with_window(window)
+        };
         let q = rng.vec(shape.q_len(), -1.0, 1.0);
         let k = rng.vec(shape.kv_len(), -1.0, 1.0);
         let v = rng.vec(shape.kv_len(), -1.0, 1.0);
@@ -549,11 +566,7 @@ proptest! {
     ) {
         let mut rng = Rng::new(seed);
         let shape = AttentionShape {
-            dropout: dropout.map(|(p, seed)| ShapeDropout {
-                mask: AttentionDropout { p, seed },
-                first_batch: 0,
-            first_query: 0,
-            }),
+            dropout: dropout.map(dropout_of),
             ..AttentionShape::new(batch, seq_q, seq_kv, kv_heads * ratio, kv_heads, head_dim, causal)
                 .with_window(window)
         };

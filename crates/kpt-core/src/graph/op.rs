@@ -131,11 +131,15 @@ impl AttentionDropout {
     /// Whether the probability of query `query` for key `key` of head `head` in batch
     /// (or sequence) `batch` is kept.
     pub fn keeps(&self, batch: usize, head: usize, query: usize, key: usize) -> bool {
-        let words = crate::rand::philox4x32_10(
-            [(key / 4) as u32, query as u32, head as u32, batch as u32],
+        self.words(batch, head, query, key / 4)[key % 4] >= self.threshold()
+    }
+
+    /// The random words of keys `4 group .. 4 group + 3` of a query row (one Philox call).
+    pub fn words(&self, batch: usize, head: usize, query: usize, group: usize) -> [u32; 4] {
+        crate::rand::philox4x32_10(
+            [group as u32, query as u32, head as u32, batch as u32],
             [self.seed as u32, (self.seed >> 32) as u32],
-        );
-        words[key % 4] >= self.threshold()
+        )
     }
 }
 

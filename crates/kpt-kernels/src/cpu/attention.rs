@@ -266,6 +266,13 @@ fn task<M: Micro, V: Micro>(mk: M, mv: V, c: &Ctx<'_, f32, f32>, t: usize, out: 
                 &mut l_run[cols.clone()],
             );
             let alpha = &alpha[..nr];
+            // Dropout after the sums (the softmax's), before P·V: column r is query
+            // i0 + qp·NR + r, row jj key j0 + jj.
+            if s.dropout.is_some() {
+                for r in 0..rows.saturating_sub(qp * nr).min(nr) {
+                    s.apply_dropout((b, h, i0 + qp * nr + r), j0, &mut sp[r..], nr);
+                }
+            }
             if alpha.iter().any(|&a| a != 1.0) {
                 for row in ot.chunks_exact_mut(bq) {
                     row[cols.clone()]
@@ -601,6 +608,8 @@ fn direct_row<const FMA: bool, T: Widen + Encode>(
         *x = exp_f32_fma::<FMA>(*x - m);
         l += *x;
     }
+    // Dropout after the sum (the softmax's), before P·V.
+    s.apply_dropout((b, h, i), start, &mut p, 1);
     let mut o = vec![0f32; d];
     for (j, &pj) in p.iter().enumerate() {
         for (a, x) in o.iter_mut().zip(&v[at(j)..][..d]) {

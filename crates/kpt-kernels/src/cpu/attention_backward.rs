@@ -102,6 +102,8 @@ pub fn attention_backward(
             let mut tq = vec![0f32; s.seq_q * group * d];
             let (mut tk, mut tv) = (vec![0f32; s.seq_kv * d], vec![0f32; s.seq_kv * d]);
             let mut p = vec![0f32; s.seq_kv];
+            // Dropout factors of a row (all 1 without dropout).
+            let mut z = vec![1f32; s.seq_kv];
             let key = |j: usize| (b * s.seq_kv + j) * kv_row + g * d;
             for hh in 0..group {
                 let h = g * group + hh;
@@ -136,17 +138,23 @@ pub fn attention_backward(
                     let sum = if lse.is_some() { 1.0 } else { total };
                     let delta: f32 = doi.iter().zip(oi).map(|(a, c)| a * c).sum();
                     let dqi = &mut tq[(i * group + hh) * d..][..d];
+                    if s.dropout.is_some() {
+                        z[start..limit].fill(1.0);
+                        s.apply_dropout((b, h, i), start, &mut z[start..limit], 1);
+                    }
                     for j in start..limit {
                         let pj = p[j] / sum;
                         if pj == 0.0 {
                             continue;
                         }
                         let (kj, vj) = (&k[key(j)..key(j) + d], &v[key(j)..key(j) + d]);
-                        let dp: f32 = doi.iter().zip(vj).map(|(a, c)| a * c).sum();
+                        // Dropout: out = Σ P Z v, so dv takes P Z and dP = Z (dout · v).
+                        let dp: f32 = z[j] * doi.iter().zip(vj).map(|(a, c)| a * c).sum::<f32>();
                         let ds = pj * (dp - delta) * scale;
                         let (dkj, dvj) = (&mut tk[j * d..(j + 1) * d], &mut tv[j * d..(j + 1) * d]);
+                        let pz = pj * z[j];
                         for c in 0..d {
-                            dvj[c] += pj * doi[c];
+                            dvj[c] += pz * doi[c];
                             dqi[c] += ds * kj[c];
                             dkj[c] += ds * qi[c];
                         }

@@ -79,6 +79,33 @@ impl AttentionShape {
         }
     }
 
+    /// Multiplies `p[n * stride]`, the probability of query `i` for key `j0 + n` of head
+    /// `h` in batch `b`, by its dropout factor, for every `n` the slice holds (one Philox
+    /// call per four keys); nothing without dropout.
+    pub fn apply_dropout(
+        &self,
+        (b, h, i): (usize, usize, usize),
+        j0: usize,
+        p: &mut [f32],
+        stride: usize,
+    ) {
+        let Some(d) = &self.dropout else { return };
+        let (threshold, scale) = (d.mask.threshold(), d.mask.scale() as f32);
+        let (b, i) = (d.first_batch + b, d.first_query + i);
+        let mut words = (usize::MAX, [0u32; 4]);
+        for (n, x) in p.iter_mut().step_by(stride).enumerate() {
+            let j = j0 + n;
+            if words.0 != j / 4 {
+                words = (j / 4, d.mask.words(b, h, i, j / 4));
+            }
+            *x = if words.1[j % 4] >= threshold {
+                *x * scale
+            } else {
+                0.0
+            };
+        }
+    }
+
     /// The factor dropout gives the probability of query `i` for key `j` of head `h` in
     /// batch `b`: 1 without dropout, else `1 / (1 - p)` or 0.
     pub fn dropout_factor(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
