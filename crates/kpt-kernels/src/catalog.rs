@@ -656,7 +656,7 @@ const ANY_ATTENTION_BACKWARD: ShapeLimits = ShapeLimits {
     ..ANY_ATTENTION
 };
 
-/// Every attention shape, with dropout (the reference and the CPU kernels).
+/// Every attention shape, with dropout (the reference, the CPU kernels and XLA).
 const ANY_ATTENTION_DROPOUT: ShapeLimits = ShapeLimits {
     dropout: true,
     ..ANY_ATTENTION
@@ -767,8 +767,8 @@ pub fn xla_kernels() -> Vec<KernelDef> {
             desc,
         );
         match op {
-            Attention => def.limits(ANY_ATTENTION),
-            AttentionBackward => def.limits(ANY_ATTENTION_BACKWARD),
+            Attention => def.limits(ANY_ATTENTION_DROPOUT),
+            AttentionBackward => def.limits(ANY_ATTENTION_BACKWARD_DROPOUT),
             // FP8 / int8 weights are dequantized in the program (their scale an argument).
             Linear | LinearAct => def.weights(&[
                 DType::F32,

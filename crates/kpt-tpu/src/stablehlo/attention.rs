@@ -26,6 +26,14 @@ struct Visible {
     per_batch: bool,
 }
 
+/// Where each score of a packed (variable-length) batch sits for dropout: its sequence,
+/// and the query and key positions within it, i64 `[S, T]`.
+struct Positions {
+    seq: Val,
+    i: Val,
+    j: Val,
+}
+
 /// The dtypes of one attention: the output's, the arithmetic's and the products' operands.
 #[derive(Clone, Copy)]
 struct Types {
@@ -181,7 +189,7 @@ fn varlen_visible(
     cu_k: &Val,
     s: usize,
     t: usize,
-) -> Result<Visible> {
+) -> Result<(Visible, Positions)> {
     let cu_q = b.convert(cu_q, DType::I64);
     let cu_k = b.convert(cu_k, DType::I64);
     let n = cu_q.shape[0] - 1;
@@ -214,10 +222,13 @@ fn varlen_visible(
     let off = rows(b, &off);
     let rule = window_rule(b, p, &i, &j, &off);
     let mask = b.binary("and", &same, &inside);
-    Ok(Visible {
-        mask: and(b, mask, rule),
-        per_batch: false,
-    })
+    Ok((
+        Visible {
+            mask: and(b, mask, rule),
+            per_batch: false,
+        },
+        Positions { seq: sq, i, j },
+    ))
 }
 
 /// A paged cache `[blocks, block_size, W]` as each sequence's keys `[B, M * block_size,
@@ -314,19 +325,97 @@ fn softmax_lse(b: &mut Builder, scores: &Val) -> Result<(Val, Val)> {
 /// The forward pass: q, k, v, then the mask, `cu_seqlens_q` / `cu_seqlens_k` or
 /// `block_table` / `seq_lens` as the params say -> the output, then the log-sum-exp
 /// `[B, Hq, S]` when `p.lse`.
+/// Dropout's factors `[B, Hkv, G, S, T]` in `c` (`1 / (1 - p)` or 0, see
+/// `AttentionDropout`), or `None` without dropout: Philox4x32-10 on i64 tensors holding
+/// 32-bit words (products wrap in 64 bits, and the high word is a logical shift), its
+/// round keys constants. Batch entry and positions come from iotas over the score shape,
+/// or for a packed batch from `positions` (sequence, and positions within it).
+fn dropout_factors(
+    b: &mut Builder,
+    p: &AttentionParams,
+    shape: &[usize],
+    positions: Option<&Positions>,
+    c: DType,
+) -> Result<Option<Val>> {
+    let Some(d) = p.dropout else { return Ok(None) };
+    let i64 = DType::I64;
+    let groups = shape[2] as i64;
+    let int = |b: &mut Builder, x: i64| b.splat_int(x, shape, i64);
+    let (batch, i, j) = match positions {
+        Some(pos) => {
+            let spread = |b: &mut Builder, x: &Val| b.broadcast(x, shape, &[3, 4]);
+            (spread(b, &pos.seq), spread(b, &pos.i), spread(b, &pos.j))
+        }
+        None => (
+            b.iota(shape, 0, i64),
+            b.iota(shape, 3, i64),
+            b.iota(shape, 4, i64),
+        ),
+    };
+    let (kv, member) = (b.iota(shape, 1, i64), b.iota(shape, 2, i64));
+    let g = int(b, groups);
+    let head = b.binary("multiply", &kv, &g);
+    let head = b.binary("add", &head, &member);
+    let four = int(b, 4);
+    let group = b.binary("divide", &j, &four);
+    let lane = b.binary("remainder", &j, &four);
+    let low = int(b, 0xFFFF_FFFF);
+    let thirty_two = int(b, 32);
+    let (m0, m1) = (int(b, 0xD251_1F53), int(b, 0xCD9E_8D57));
+    let mut ctr = [group, i, head, batch];
+    let (mut k0, mut k1) = (d.seed as u32, (d.seed >> 32) as u32);
+    for round in 0..10 {
+        if round > 0 {
+            k0 = k0.wrapping_add(0x9E37_79B9);
+            k1 = k1.wrapping_add(0xBB67_AE85);
+        }
+        let p0 = b.binary("multiply", &ctr[0], &m0);
+        let p1 = b.binary("multiply", &ctr[2], &m1);
+        let hi = |b: &mut Builder, x: &Val| b.binary("shift_right_logical", x, &thirty_two);
+        let lo = |b: &mut Builder, x: &Val| b.binary("and", x, &low);
+        let (hi0, lo0, hi1, lo1) = (hi(b, &p0), lo(b, &p0), hi(b, &p1), lo(b, &p1));
+        let key0 = int(b, i64::from(k0));
+        let key1 = int(b, i64::from(k1));
+        let x0 = b.binary("xor", &hi1, &ctr[1]);
+        let x0 = b.binary("xor", &x0, &key0);
+        let x2 = b.binary("xor", &hi0, &ctr[3]);
+        let x2 = b.binary("xor", &x2, &key1);
+        ctr = [x0, lo1, x2, lo0];
+    }
+    // Word j % 4 of the four.
+    let mut word = ctr[3].clone();
+    for w in (0..3).rev() {
+        let at = int(b, w as i64);
+        let is = b.compare(&lane, &at, Cmp::Eq);
+        word = b.select(&is, &ctr[w], &word);
+    }
+    let threshold = int(b, i64::from(d.threshold()));
+    let keep = b.compare(&word, &threshold, Cmp::Ge);
+    let scale = b.splat(d.scale(), shape, c)?;
+    let zero = b.splat(0.0, shape, c)?;
+    Ok(Some(b.select(&keep, &scale, &zero)))
+}
+
 pub(super) fn forward(b: &mut Builder, p: &AttentionParams, ins: &[Val]) -> Result<Vec<Val>> {
     let q = &ins[0];
     let s = q.shape[1];
-    let (k, v, mask, visible) = if p.paged {
+    let (k, v, mask, visible, positions) = if p.paged {
+        p.require_no_dropout("xla.attention (paged)")?;
         let k = paged_rows(b, &ins[1], &ins[3]);
         let v = paged_rows(b, &ins[2], &ins[3]);
         let t = k.shape[1];
         let visible = paged_visible(b, p, &ins[4], s, t);
-        (k, v, None, Some(visible))
+        (k, v, None, Some(visible), None)
     } else if p.varlen {
         let t = ins[1].shape[1];
-        let visible = varlen_visible(b, p, &ins[3], &ins[4], s, t)?;
-        (ins[1].clone(), ins[2].clone(), None, Some(visible))
+        let (visible, positions) = varlen_visible(b, p, &ins[3], &ins[4], s, t)?;
+        (
+            ins[1].clone(),
+            ins[2].clone(),
+            None,
+            Some(visible),
+            Some(positions),
+        )
     } else {
         let t = ins[1].shape[1];
         let visible = dense_visible(b, p, s, t);
@@ -335,6 +424,7 @@ pub(super) fn forward(b: &mut Builder, p: &AttentionParams, ins: &[Val]) -> Resu
             ins[2].clone(),
             p.mask.then(|| &ins[3]),
             visible,
+            None,
         )
     };
     let ty = Types::of(q, &k, &v);
@@ -343,6 +433,10 @@ pub(super) fn forward(b: &mut Builder, p: &AttentionParams, ins: &[Val]) -> Resu
     let vh = kv_heads(b, p, &v, ty.operand);
     let scores = scores(b, p, (&qh, &kh), mask, visible.as_ref(), ty.compute)?;
     let (probs, lse) = softmax_lse(b, &scores)?;
+    let probs = match dropout_factors(b, p, &probs.shape, positions.as_ref(), ty.compute)? {
+        Some(z) => b.binary("multiply", &probs, &z),
+        None => probs,
+    };
     let probs = b.convert(&probs, ty.operand);
     let o = b.dot_general(&probs, &vh, (&[0, 1], &[0, 1]), (&[4], &[2]), ty.compute);
     let o = merge_q_heads(b, &o);
@@ -388,12 +482,20 @@ pub(super) fn backward(b: &mut Builder, p: &AttentionParams, ins: &[Val]) -> Res
     let delta = b.reduce(&prod, &[4], Reduce::Sum)?;
     let delta = b.broadcast(&delta, &shape, &row_dims);
     let dp = b.dot_general(&doh, &vh, (&[0, 1], &[0, 1]), (&[4], &[3]), c);
+    // Dropout: O = (P ∘ Z) V, so dV takes P ∘ Z and dP = Z ∘ (dO Vᵀ).
+    let (dp, dropped) = match dropout_factors(b, p, &shape, None, c)? {
+        Some(z) => (
+            b.binary("multiply", &dp, &z),
+            Some(b.binary("multiply", &probs, &z)),
+        ),
+        None => (dp, None),
+    };
     let ds = b.binary("subtract", &dp, &delta);
     let ds = b.binary("multiply", &probs, &ds);
     let scale = b.splat(f64::from(p.effective_scale()), &shape, c)?;
     let ds = b.binary("multiply", &ds, &scale);
     let ds = b.convert(&ds, ty.operand);
-    let probs = b.convert(&probs, ty.operand);
+    let probs = b.convert(dropped.as_ref().unwrap_or(&probs), ty.operand);
     let dq = b.dot_general(&ds, &kh, (&[0, 1], &[0, 1]), (&[4], &[2]), c);
     let dk = b.dot_general(&ds, &qh, (&[0, 1], &[0, 1]), (&[2, 3], &[2, 3]), c);
     let dv = b.dot_general(&probs, &doh, (&[0, 1], &[0, 1]), (&[2, 3], &[2, 3]), c);

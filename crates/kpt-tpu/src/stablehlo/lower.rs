@@ -141,14 +141,8 @@ pub(crate) fn lower(b: &mut Builder, op: &Op, ins: &[Val]) -> Result<Vec<Val>> {
                 vec![q, k, v]
             }
         }
-        Op::Attention(p) => {
-            p.require_no_dropout("xla.attention")?;
-            attention::forward(b, p, ins)?
-        }
-        Op::AttentionBackward(p) => {
-            p.require_no_dropout("xla.attention_backward")?;
-            attention::backward(b, p, ins)?
-        }
+        Op::Attention(p) => attention::forward(b, p, ins)?,
+        Op::AttentionBackward(p) => attention::backward(b, p, ins)?,
         Op::Quantize { dtype, scale } => vec![quantize(b, &ins[0], *dtype, *scale)?],
         // The scale of the input comes after it (see `emit_graph`).
         Op::Dequantize { dtype } => vec![dequantize(b, &ins[0], &ins[1], *dtype)],
