@@ -286,3 +286,44 @@ fn last_queries_keep_their_decisions_with_a_query_offset() {
     r::attention(&q[(s - r) * row..], &k, &v, None, &mut got, &tail).unwrap();
     assert_eq!(got, want[(s - r) * row..]);
 }
+
+/// A graph with dropout attention, optimized at every level and run by the executor on
+/// the CPU backend, validates against the f64 reference of the unoptimized graph: the
+/// plan's kernels and the reference take the same decisions.
+#[test]
+fn optimized_plans_validate_with_dropout() {
+    use kpt_core::exec::Executor;
+    use kpt_core::optimize::{auto_optimize, PrecisionPolicy};
+    use kpt_core::validate::validate_plan;
+    use kpt_core::{Graph, OptLevel};
+    use std::sync::Arc;
+
+    let (op, inputs) = dense_case(2, 9, 0.25);
+    let mut g = Graph::new();
+    let ids: Vec<_> = ["q", "k", "v"]
+        .iter()
+        .zip(&inputs)
+        .map(|(name, t)| g.input(*name, t.dtype(), t.shape()))
+        .collect();
+    let y = g.op("attention", op, &ids).unwrap();
+    g.output(y).unwrap();
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new().unwrap());
+    let registry = KernelRegistry::with_builtin();
+    for level in [
+        OptLevel::Conservative,
+        OptLevel::Balanced,
+        OptLevel::Aggressive,
+    ] {
+        let plan = auto_optimize(
+            &g,
+            level,
+            &PrecisionPolicy::default(),
+            &registry,
+            backend.device(),
+        )
+        .unwrap();
+        let mut exec = Executor::new(plan, backend.clone()).unwrap();
+        let report = validate_plan(&mut exec, &g, &CpuReference, &inputs, 1.0).unwrap();
+        assert!(report.passed(), "{level}: {report:#?}");
+    }
+}
