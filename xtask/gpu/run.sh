@@ -43,6 +43,9 @@ PY
 fi
 export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}"
 export KPT_REQUIRE_GPU=1
+# kpt-nvidia's torch_oracle test: attention against torch's SDPA on the same inputs.
+export KPT_REQUIRE_TORCH=1 KPT_TORCH_PYTHON=python3
+export KPT_TORCH_ORACLE_SCRIPT="$here/torch_attention_oracle.py"
 KPT_GIT_COMMIT="$(cat "$here/GIT_COMMIT")"
 export KPT_GIT_COMMIT
 

@@ -88,7 +88,12 @@ pub fn gpu_bundle() -> Result<()> {
             install(&exe, &dir.join(sub).join(name))?;
         }
     }
-    for script in ["torch_cuda.py", "hf_models.py", "jax_llama.py"] {
+    for script in [
+        "torch_cuda.py",
+        "torch_attention_oracle.py",
+        "hf_models.py",
+        "jax_llama.py",
+    ] {
         std::fs::copy(root.join("benches").join(script), dir.join(script))?;
     }
     std::fs::copy(root.join("xtask/gpu/run.sh"), dir.join("run.sh"))?;

@@ -1,0 +1,433 @@
+//! kpt's attention against PyTorch on the same inputs: each variant (full and causal,
+//! head dims 64 and 128, GQA, an additive mask, a sliding window, a cache longer than
+//! the queries, decode, a variable-length batch, FP8 inputs, the backward pass) runs on
+//! the kernel the registry picks for the CUDA device, and on
+//! `F.scaled_dot_product_attention` through `benches/torch_attention_oracle.py`; both are
+//! held to twice the per-output tolerance they each have against the f64 reference.
+//!
+//! Needs a CUDA device and a Python with torch on CUDA (`KPT_TORCH_PYTHON`, default
+//! `python3`; the script from `KPT_TORCH_ORACLE_SCRIPT`, default the source tree's);
+//! skipped with a note otherwise, an error with `KPT_REQUIRE_TORCH=1`.
+//! `KPT_TORCH_ORACLE_CPU=1` runs the same cases on kpt's CPU backend against torch on the
+//! CPU instead.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kpt_core::backend::{run_op, Backend};
+use kpt_core::graph::{AttentionParams, Op, TensorSpec};
+use kpt_core::rand::SplitMix64;
+use kpt_core::tensor::Tensor;
+use kpt_core::validate::{compare, output_tolerance, Tolerance};
+use kpt_core::DType;
+use kpt_kernels::{CpuBackend, KernelRegistry};
+use kpt_nvidia::{CudaBackend, CudaOptions};
+use serde_json::{json, Value};
+
+/// One variant: the op, its inputs (named as the oracle reads them) and the oracle's
+/// description of it.
+struct Case {
+    name: String,
+    op: Op,
+    inputs: Vec<(&'static str, Tensor)>,
+    oracle: Value,
+}
+
+fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType) -> Tensor {
+    let n = shape.iter().product();
+    let v: Vec<f64> = rng.vec(n, -2.0, 2.0).into_iter().map(f64::from).collect();
+    Tensor::from_f64(&v, shape, dtype).unwrap()
+}
+
+/// An additive mask with about one key in ten hidden.
+fn mask(rng: &mut SplitMix64, s: usize, t: usize) -> Tensor {
+    let m: Vec<f64> = (0..s * t)
+        .map(|_| {
+            let u = rng.next_f64();
+            if u < 0.1 {
+                f64::NEG_INFINITY
+            } else {
+                -2.0 * u
+            }
+        })
+        .collect();
+    Tensor::from_f64(&m, &[s, t], DType::F32).unwrap()
+}
+
+/// Sizes of one case: batch, queries, keys, query heads, kv heads, head dim.
+struct Dims {
+    b: usize,
+    s: usize,
+    t: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+}
+
+/// A dense forward (`backward` false) or backward case.
+#[allow(clippy::too_many_arguments)]
+fn case(
+    name: &str,
+    dt: DType,
+    Dims { b, s, t, h, hkv, d }: Dims,
+    causal: bool,
+    window: Option<usize>,
+    with_mask: bool,
+    backward: bool,
+    seed: u64,
+) -> Case {
+    let mut rng = SplitMix64::new(seed);
+    let p = AttentionParams {
+        window,
+        mask: with_mask,
+        ..AttentionParams::new(h, hkv, d, causal)
+    };
+    let mut inputs = vec![
+        ("q", random(&mut rng, &[b, s, h * d], dt)),
+        ("k", random(&mut rng, &[b, t, hkv * d], dt)),
+        ("v", random(&mut rng, &[b, t, hkv * d], dt)),
+    ];
+    let kind = if backward {
+        // The forward output is an input of the op; torch recomputes it, kpt's backward
+        // reads it for D = rowsum(dout o out): give kpt the f64 reference's.
+        let mut forward: Vec<Tensor> = inputs.iter().map(|(_, t)| t.clone()).collect();
+        let m = with_mask.then(|| mask(&mut rng, s, t));
+        forward.extend(m.clone());
+        let out = kpt_core::validate::ReferenceOps::eval(
+            &kpt_kernels::CpuReference,
+            &Op::Attention(p),
+            &forward,
+        )
+        .unwrap()
+        .remove(0)
+        .to_dtype(dt)
+        .unwrap();
+        inputs.push(("out", out));
+        inputs.push(("dout", random(&mut rng, &[b, s, h * d], dt)));
+        inputs.extend(m.map(|m| ("mask", m)));
+        "backward"
+    } else {
+        inputs.extend(with_mask.then(|| ("mask", mask(&mut rng, s, t))));
+        "forward"
+    };
+    let op = if backward {
+        Op::AttentionBackward(p)
+    } else {
+        Op::Attention(p)
+    };
+    Case {
+        name: name.into(),
+        op,
+        inputs,
+        oracle: json!({"kind": kind, "causal": causal, "window": window,
+                       "heads": h, "kv_heads": hkv, "head_dim": d,
+                       "scale": p.effective_scale(), "dtype": dtype_name(dt)}),
+    }
+}
+
+fn dtype_name(dt: DType) -> &'static str {
+    match dt {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F8E4M3 => "fp8",
+        _ => "f32",
+    }
+}
+
+/// The variants, for one float dtype of the backend (`bf16` and `f16` on CUDA, `f32` on
+/// the CPU).
+fn cases(dts: &[DType]) -> Vec<Case> {
+    let dense = |b, s, t, h, hkv, d| Dims { b, s, t, h, hkv, d };
+    let mut out = Vec::new();
+    for (n, &dt) in dts.iter().enumerate() {
+        let seed = 100 * n as u64;
+        let tag = dtype_name(dt);
+        out.extend([
+            case(
+                &format!("full_d128_{tag}"),
+                dt,
+                dense(2, 67, 67, 4, 4, 128),
+                false,
+                None,
+                false,
+                false,
+                seed + 1,
+            ),
+            case(
+                &format!("causal_d128_{tag}"),
+                dt,
+                dense(1, 130, 130, 4, 4, 128),
+                true,
+                None,
+                false,
+                false,
+                seed + 2,
+            ),
+            case(
+                &format!("gqa_causal_cache_d64_{tag}"),
+                dt,
+                dense(2, 50, 90, 8, 2, 64),
+                true,
+                None,
+                false,
+                false,
+                seed + 3,
+            ),
+            case(
+                &format!("mask_d64_{tag}"),
+                dt,
+                dense(1, 33, 77, 4, 2, 64),
+                false,
+                None,
+                true,
+                false,
+                seed + 4,
+            ),
+            case(
+                &format!("window_d128_{tag}"),
+                dt,
+                dense(1, 100, 100, 2, 2, 128),
+                true,
+                Some(20),
+                false,
+                false,
+                seed + 5,
+            ),
+            case(
+                &format!("decode_d128_{tag}"),
+                dt,
+                dense(4, 1, 1000, 32, 8, 128),
+                false,
+                None,
+                false,
+                false,
+                seed + 6,
+            ),
+            case(
+                &format!("backward_causal_d128_{tag}"),
+                dt,
+                dense(1, 96, 96, 4, 4, 128),
+                true,
+                None,
+                false,
+                true,
+                seed + 7,
+            ),
+            case(
+                &format!("backward_gqa_mask_d64_{tag}"),
+                dt,
+                dense(2, 40, 70, 4, 2, 64),
+                false,
+                None,
+                true,
+                true,
+                seed + 8,
+            ),
+        ]);
+        // A packed batch: three sequences, one of them without queries.
+        let mut rng = SplitMix64::new(seed + 9);
+        let (cu_q, cu_k) = (vec![0i64, 5, 5, 40], vec![0i64, 9, 20, 60]);
+        let (h, hkv, d) = (4usize, 2usize, 64usize);
+        let p = AttentionParams {
+            varlen: true,
+            ..AttentionParams::new(h, hkv, d, true)
+        };
+        let ids = |v: &[i64]| {
+            let f: Vec<f64> = v.iter().map(|&x| x as f64).collect();
+            Tensor::from_f64(&f, &[v.len()], DType::I32).unwrap()
+        };
+        out.push(Case {
+            name: format!("varlen_causal_d64_{tag}"),
+            op: Op::Attention(p),
+            inputs: vec![
+                ("q", random(&mut rng, &[1, 40, h * d], dt)),
+                ("k", random(&mut rng, &[1, 60, hkv * d], dt)),
+                ("v", random(&mut rng, &[1, 60, hkv * d], dt)),
+                ("cu_seqlens_q", ids(&cu_q)),
+                ("cu_seqlens_k", ids(&cu_k)),
+            ],
+            oracle: json!({"kind": "forward", "causal": true, "window": null, "heads": h,
+                           "kv_heads": hkv, "head_dim": d, "scale": p.effective_scale(),
+                           "dtype": tag, "cu_seqlens": [cu_q, cu_k]}),
+        });
+    }
+    out
+}
+
+/// FP8 e4m3 inputs with per-tensor scales (bf16 output); torch gets the dequantized
+/// values in bf16.
+fn fp8_cases() -> Vec<Case> {
+    let mut rng = SplitMix64::new(77);
+    let (b, s, h, d) = (2usize, 200usize, 4usize, 128usize);
+    let p = AttentionParams::new(h, h, d, false);
+    // e4m3 with an amax-based per-tensor scale (`Tensor::from_f64`).
+    let fp8 = |rng: &mut SplitMix64| random(rng, &[b, s, h * d], DType::F8E4M3);
+    vec![Case {
+        name: "fp8_full_d128".into(),
+        op: Op::Attention(p),
+        inputs: vec![
+            ("q", fp8(&mut rng)),
+            ("k", fp8(&mut rng)),
+            ("v", fp8(&mut rng)),
+        ],
+        oracle: json!({"kind": "forward", "causal": false, "window": null, "heads": h,
+                       "kv_heads": h, "head_dim": d, "scale": p.effective_scale(),
+                       "dtype": "fp8"}),
+    }]
+}
+
+/// The Python that runs the oracle, if it has torch (on CUDA unless `cpu`).
+fn torch_python(cpu: bool) -> Option<String> {
+    let python = std::env::var("KPT_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = if cpu {
+        "import torch"
+    } else {
+        "import torch; assert torch.cuda.is_available()"
+    };
+    let ok = Command::new(&python)
+        .args(["-c", probe])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(python)
+}
+
+fn write_f32(path: &Path, t: &Tensor) {
+    let bytes: Vec<u8> = t
+        .to_f64_vec()
+        .into_iter()
+        .flat_map(|x| (x as f32).to_le_bytes())
+        .collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn read_f32(path: &Path, shape: &[usize]) -> Tensor {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let v: Vec<f64> = bytes
+        .chunks_exact(4)
+        .map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+        .collect();
+    Tensor::from_f64(&v, shape, DType::F32).unwrap()
+}
+
+fn note(msg: &str) {
+    // Written to the terminal directly: the test harness captures `eprintln!`.
+    let _ = writeln!(std::io::stderr(), "{msg}");
+}
+
+#[test]
+fn attention_matches_torch() {
+    let cpu = std::env::var("KPT_TORCH_ORACLE_CPU").is_ok_and(|v| v == "1");
+    let required = std::env::var("KPT_REQUIRE_TORCH").is_ok_and(|v| v == "1");
+    let backend: Box<dyn Backend> = if cpu {
+        Box::new(CpuBackend::new().unwrap())
+    } else if kpt_nvidia::devices().map(|d| d.len()).unwrap_or(0) > 0 {
+        Box::new(CudaBackend::new(0, CudaOptions::default()).unwrap())
+    } else {
+        assert!(
+            !required,
+            "KPT_REQUIRE_TORCH=1 but no CUDA device is visible"
+        );
+        note("kpt-nvidia torch oracle SKIPPED: no CUDA device");
+        return;
+    };
+    let Some(python) = torch_python(cpu) else {
+        assert!(!required, "KPT_REQUIRE_TORCH=1 but no Python with torch");
+        note("kpt-nvidia torch oracle SKIPPED: no Python with torch (KPT_TORCH_PYTHON)");
+        return;
+    };
+    let mut all = if cpu {
+        cases(&[DType::F32])
+    } else {
+        cases(&[DType::BF16, DType::F16])
+    };
+    if !cpu {
+        all.extend(fp8_cases());
+    }
+    let dir = std::env::temp_dir().join(format!("kpt-torch-oracle-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let registry = KernelRegistry::with_builtin();
+    let mut manifest = Vec::new();
+    let mut kpt_outputs = Vec::new();
+    for c in &all {
+        let tensors: Vec<Tensor> = c.inputs.iter().map(|(_, t)| t.clone()).collect();
+        let specs: Vec<TensorSpec> = tensors
+            .iter()
+            .map(|t| TensorSpec::new(t.shape(), t.dtype()))
+            .collect();
+        let chain = registry.fallback_chain(&c.op, &specs, backend.device());
+        let kernel = chain.first().expect("a kernel").clone();
+        let outs = run_op(backend.as_ref(), &kernel, &c.op, &tensors)
+            .unwrap_or_else(|e| panic!("{}: {kernel}: {e}", c.name));
+        let mut desc = c.oracle.clone();
+        let mut shapes = serde_json::Map::new();
+        let mut names = Vec::new();
+        for (n, t) in &c.inputs {
+            if n.starts_with("cu_seqlens") {
+                continue;
+            }
+            write_f32(&dir.join(format!("{}.{n}.f32", c.name)), t);
+            shapes.insert((*n).into(), json!(t.shape()));
+            names.push(*n);
+        }
+        desc["name"] = json!(c.name);
+        desc["shapes"] = Value::Object(shapes);
+        desc["tensors"] = json!(names);
+        manifest.push(desc);
+        kpt_outputs.push((kernel, tensors, outs));
+    }
+    std::fs::write(
+        dir.join("cases.json"),
+        serde_json::to_vec(&manifest).unwrap(),
+    )
+    .unwrap();
+    let script = std::env::var_os("KPT_TORCH_ORACLE_SCRIPT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/torch_attention_oracle.py")
+        });
+    let device = if cpu { "cpu" } else { "cuda" };
+    let run = Command::new(&python)
+        .arg(&script)
+        .arg(&dir)
+        .arg(device)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}: {}",
+        script.display(),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let mut failures = Vec::new();
+    for (c, (kernel, tensors, outs)) in all.iter().zip(&kpt_outputs) {
+        let names: &[&str] = if matches!(c.op, Op::AttentionBackward(_)) {
+            &["dq", "dk", "dv"]
+        } else {
+            &["out"]
+        };
+        for (i, (n, got)) in names.iter().zip(outs).enumerate() {
+            let torch = read_f32(&dir.join(format!("{}.{n}.f32", c.name)), got.shape());
+            let tol = output_tolerance(&c.op, tensors, i, got.dtype());
+            let tol = Tolerance {
+                abs: 2.0 * tol.abs,
+                rel: 2.0 * tol.rel,
+            };
+            let stats = compare(got, &torch, tol).unwrap();
+            if !stats.within {
+                failures.push(format!("{} {n} ({kernel}): {stats:?} vs {tol:?}", c.name));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        failures.is_empty(),
+        "kpt vs torch:\n{}",
+        failures.join("\n")
+    );
+    note(&format!(
+        "kpt-nvidia torch oracle: {} cases on {device} agree with torch",
+        all.len()
+    ));
+}
