@@ -17,7 +17,6 @@ import json
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,12 +24,15 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f
 
 
 def load(path, shape, dtype, device):
-    t = torch.from_numpy(np.fromfile(path, dtype="<f4").copy()).reshape(shape)
+    with open(path, "rb") as f:
+        t = torch.frombuffer(bytearray(f.read()), dtype=torch.float32).reshape(shape)
     return t.to(device=device, dtype=dtype)
 
 
 def save(path, t):
-    t.detach().to(torch.float32).cpu().contiguous().numpy().astype("<f4").tofile(path)
+    raw = t.detach().to(torch.float32).cpu().contiguous().view(torch.uint8)
+    with open(path, "wb") as f:
+        f.write(bytes(raw.tolist()))
 
 
 def bias(case, s, t, mask, device):
