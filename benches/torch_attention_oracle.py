@@ -30,7 +30,7 @@ def load(path, shape, dtype, device):
 
 
 def save(path, t):
-    raw = t.detach().to(torch.float32).cpu().contiguous().view(torch.uint8)
+    raw = t.detach().to(torch.float32).cpu().contiguous().reshape(-1).view(torch.uint8)
     with open(path, "wb") as f:
         f.write(bytes(raw.tolist()))
 
