@@ -6,9 +6,12 @@
 //! terminal. With `KPT_REQUIRE_GPU=1` (the GPU bundle's runner sets it) a missing device
 //! fails the tests instead, so a GPU run can never pass by skipping.
 
+mod common;
+
 use std::io::Write;
 use std::sync::OnceLock;
 
+use common::attention_mask;
 use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
 use kpt_core::graph::{Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::rand::SplitMix64;
@@ -217,22 +220,6 @@ fn rope_scaling(kind: usize, factor: f64, context: usize) -> Option<RopeScaling>
             truncate: true,
         },
     })
-}
-
-/// An additive f32 attention mask `[seq_q, seq_kv]`, with whole masked-out keys (-inf)
-/// now and then.
-fn attention_mask(rng: &mut SplitMix64, seq_q: usize, seq_kv: usize) -> Tensor {
-    let m: Vec<f64> = (0..seq_q * seq_kv)
-        .map(|_| {
-            let u = rng.next_f64();
-            if u < 0.1 {
-                f64::NEG_INFINITY
-            } else {
-                -2.0 * u
-            }
-        })
-        .collect();
-    Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap()
 }
 
 /// Attention `[batch, seq_q, seq_kv, kv_heads, group, head_dim]` (optionally causal and

@@ -11,10 +11,13 @@
 //! `KPT_TORCH_ORACLE_CPU=1` runs the same cases on kpt's CPU backend against torch on the
 //! CPU instead.
 
+mod common;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use common::attention_mask;
 use kpt_core::backend::{run_op, Backend};
 use kpt_core::graph::{AttentionParams, Op, TensorSpec};
 use kpt_core::rand::SplitMix64;
@@ -38,21 +41,6 @@ fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType) -> Tensor {
     let n = shape.iter().product();
     let v: Vec<f64> = rng.vec(n, -2.0, 2.0).into_iter().map(f64::from).collect();
     Tensor::from_f64(&v, shape, dtype).unwrap()
-}
-
-/// An additive mask with about one key in ten hidden.
-fn mask(rng: &mut SplitMix64, s: usize, t: usize) -> Tensor {
-    let m: Vec<f64> = (0..s * t)
-        .map(|_| {
-            let u = rng.next_f64();
-            if u < 0.1 {
-                f64::NEG_INFINITY
-            } else {
-                -2.0 * u
-            }
-        })
-        .collect();
-    Tensor::from_f64(&m, &[s, t], DType::F32).unwrap()
 }
 
 /// Sizes of one case: batch, queries, keys, query heads, kv heads, head dim.
@@ -92,7 +80,7 @@ fn case(
         // The forward output is an input of the op; torch recomputes it, kpt's backward
         // reads it for D = rowsum(dout o out): give kpt the f64 reference's.
         let mut forward: Vec<Tensor> = inputs.iter().map(|(_, t)| t.clone()).collect();
-        let m = with_mask.then(|| mask(&mut rng, s, t));
+        let m = with_mask.then(|| attention_mask(&mut rng, s, t));
         forward.extend(m.clone());
         let out = kpt_core::validate::ReferenceOps::eval(
             &kpt_kernels::CpuReference,
@@ -108,7 +96,7 @@ fn case(
         inputs.extend(m.map(|m| ("mask", m)));
         "backward"
     } else {
-        inputs.extend(with_mask.then(|| ("mask", mask(&mut rng, s, t))));
+        inputs.extend(with_mask.then(|| ("mask", attention_mask(&mut rng, s, t))));
         "forward"
     };
     let op = if backward {
