@@ -11,7 +11,7 @@ mod common;
 use std::io::Write;
 use std::sync::OnceLock;
 
-use common::attention_mask;
+use common::{attention_mask, random};
 use kpt_core::backend::{Backend, BufferMut, BufferRef, DeviceBuffer};
 use kpt_core::graph::{Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::rand::SplitMix64;
@@ -61,12 +61,6 @@ fn backend() -> Option<&'static CudaBackend> {
 fn registry() -> &'static KernelRegistry {
     static R: OnceLock<KernelRegistry> = OnceLock::new();
     R.get_or_init(KernelRegistry::with_builtin)
-}
-
-fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType, lo: f32, hi: f32) -> Tensor {
-    let n = shape.iter().product();
-    let v: Vec<f64> = rng.vec(n, lo, hi).into_iter().map(f64::from).collect();
-    Tensor::from_f64(&v, shape, dtype).unwrap()
 }
 
 fn ids(rng: &mut SplitMix64, n: usize, below: usize, dtype: DType) -> Tensor {

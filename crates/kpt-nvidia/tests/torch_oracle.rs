@@ -17,7 +17,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::attention_mask;
+use common::{attention_mask, random};
 use kpt_core::backend::{run_op, Backend};
 use kpt_core::graph::{AttentionParams, Op, TensorSpec};
 use kpt_core::rand::SplitMix64;
@@ -35,12 +35,6 @@ struct Case {
     op: Op,
     inputs: Vec<(&'static str, Tensor)>,
     oracle: Value,
-}
-
-fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType) -> Tensor {
-    let n = shape.iter().product();
-    let v: Vec<f64> = rng.vec(n, -2.0, 2.0).into_iter().map(f64::from).collect();
-    Tensor::from_f64(&v, shape, dtype).unwrap()
 }
 
 /// Sizes of one case: batch, queries, keys, query heads, kv heads, head dim.
@@ -72,9 +66,9 @@ fn case(
         ..AttentionParams::new(h, hkv, d, causal)
     };
     let mut inputs = vec![
-        ("q", random(&mut rng, &[b, s, h * d], dt)),
-        ("k", random(&mut rng, &[b, t, hkv * d], dt)),
-        ("v", random(&mut rng, &[b, t, hkv * d], dt)),
+        ("q", random(&mut rng, &[b, s, h * d], dt, -2.0, 2.0)),
+        ("k", random(&mut rng, &[b, t, hkv * d], dt, -2.0, 2.0)),
+        ("v", random(&mut rng, &[b, t, hkv * d], dt, -2.0, 2.0)),
     ];
     let kind = if backward {
         // The forward output is an input of the op; torch recomputes it, kpt's backward
@@ -92,7 +86,7 @@ fn case(
         .to_dtype(dt)
         .unwrap();
         inputs.push(("out", out));
-        inputs.push(("dout", random(&mut rng, &[b, s, h * d], dt)));
+        inputs.push(("dout", random(&mut rng, &[b, s, h * d], dt, -2.0, 2.0)));
         inputs.extend(m.map(|m| ("mask", m)));
         "backward"
     } else {
@@ -229,9 +223,9 @@ fn cases(dts: &[DType]) -> Vec<Case> {
             name: format!("varlen_causal_d64_{tag}"),
             op: Op::Attention(p),
             inputs: vec![
-                ("q", random(&mut rng, &[1, 40, h * d], dt)),
-                ("k", random(&mut rng, &[1, 60, hkv * d], dt)),
-                ("v", random(&mut rng, &[1, 60, hkv * d], dt)),
+                ("q", random(&mut rng, &[1, 40, h * d], dt, -2.0, 2.0)),
+                ("k", random(&mut rng, &[1, 60, hkv * d], dt, -2.0, 2.0)),
+                ("v", random(&mut rng, &[1, 60, hkv * d], dt, -2.0, 2.0)),
                 ("cu_seqlens_q", ids(&cu_q)),
                 ("cu_seqlens_k", ids(&cu_k)),
             ],
@@ -250,7 +244,7 @@ fn fp8_cases() -> Vec<Case> {
     let (b, s, h, d) = (2usize, 200usize, 4usize, 128usize);
     let p = AttentionParams::new(h, h, d, false);
     // e4m3 with an amax-based per-tensor scale (`Tensor::from_f64`).
-    let fp8 = |rng: &mut SplitMix64| random(rng, &[b, s, h * d], DType::F8E4M3);
+    let fp8 = |rng: &mut SplitMix64| random(rng, &[b, s, h * d], DType::F8E4M3, -2.0, 2.0);
     vec![Case {
         name: "fp8_full_d128".into(),
         op: Op::Attention(p),

@@ -54,6 +54,15 @@ pub struct ShapeDropout {
     pub first_query: usize,
 }
 
+impl ShapeDropout {
+    /// The random words of keys `4 group .. 4 group + 3` of the shape's query `i` of head
+    /// `h` in batch `b` (positions counted in the op's call).
+    fn words(&self, b: usize, h: usize, i: usize, group: usize) -> [u32; 4] {
+        self.mask
+            .words(self.first_batch + b, h, self.first_query + i, group)
+    }
+}
+
 impl AttentionShape {
     /// A shape with the usual scale `1/√head_dim` (1 when `head_dim` is 0).
     pub fn new(
@@ -91,12 +100,11 @@ impl AttentionShape {
     ) {
         let Some(d) = &self.dropout else { return };
         let (threshold, scale) = (d.mask.threshold(), d.mask.scale() as f32);
-        let (b, i) = (d.first_batch + b, d.first_query + i);
         let mut words = (usize::MAX, [0u32; 4]);
         for (n, x) in p.iter_mut().step_by(stride).enumerate() {
             let j = j0 + n;
             if words.0 != j / 4 {
-                words = (j / 4, d.mask.words(b, h, i, j / 4));
+                words = (j / 4, d.words(b, h, i, j / 4));
             }
             *x = if words.1[j % 4] >= threshold {
                 *x * scale
@@ -111,7 +119,7 @@ impl AttentionShape {
     pub fn dropout_factor(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
         match &self.dropout {
             None => 1.0,
-            Some(d) if d.mask.keeps(d.first_batch + b, h, d.first_query + i, j) => d.mask.scale(),
+            Some(d) if d.words(b, h, i, j / 4)[j % 4] >= d.mask.threshold() => d.mask.scale(),
             Some(_) => 0.0,
         }
     }

@@ -322,9 +322,6 @@ fn softmax_lse(b: &mut Builder, scores: &Val) -> Result<(Val, Val)> {
     Ok((probs, lse))
 }
 
-/// The forward pass: q, k, v, then the mask, `cu_seqlens_q` / `cu_seqlens_k` or
-/// `block_table` / `seq_lens` as the params say -> the output, then the log-sum-exp
-/// `[B, Hq, S]` when `p.lse`.
 /// Dropout's factors `[B, Hkv, G, S, T]` in `c` (`1 / (1 - p)` or 0, see
 /// `AttentionDropout`), or `None` without dropout: Philox4x32-10 on i64 tensors holding
 /// 32-bit words (products wrap in 64 bits, and the high word is a logical shift), its
@@ -364,6 +361,8 @@ fn dropout_factors(
     let (m0, m1) = (int(b, 0xD251_1F53), int(b, 0xCD9E_8D57));
     let mut ctr = [group, i, head, batch];
     let (mut k0, mut k1) = (d.seed as u32, (d.seed >> 32) as u32);
+    let hi = |b: &mut Builder, x: &Val| b.binary("shift_right_logical", x, &thirty_two);
+    let lo = |b: &mut Builder, x: &Val| b.binary("and", x, &low);
     for round in 0..10 {
         if round > 0 {
             k0 = k0.wrapping_add(0x9E37_79B9);
@@ -371,8 +370,6 @@ fn dropout_factors(
         }
         let p0 = b.binary("multiply", &ctr[0], &m0);
         let p1 = b.binary("multiply", &ctr[2], &m1);
-        let hi = |b: &mut Builder, x: &Val| b.binary("shift_right_logical", x, &thirty_two);
-        let lo = |b: &mut Builder, x: &Val| b.binary("and", x, &low);
         let (hi0, lo0, hi1, lo1) = (hi(b, &p0), lo(b, &p0), hi(b, &p1), lo(b, &p1));
         let key0 = int(b, i64::from(k0));
         let key1 = int(b, i64::from(k1));
@@ -396,11 +393,14 @@ fn dropout_factors(
     Ok(Some(b.select(&keep, &scale, &zero)))
 }
 
+/// The forward pass: q, k, v, then the mask, `cu_seqlens_q` / `cu_seqlens_k` or
+/// `block_table` / `seq_lens` as the params say -> the output, then the log-sum-exp
+/// `[B, Hq, S]` when `p.lse`.
 pub(super) fn forward(b: &mut Builder, p: &AttentionParams, ins: &[Val]) -> Result<Vec<Val>> {
     let q = &ins[0];
     let s = q.shape[1];
+    // A paged cache never comes with dropout (the op's inference refuses it).
     let (k, v, mask, visible, positions) = if p.paged {
-        p.require_no_dropout("xla.attention (paged)")?;
         let k = paged_rows(b, &ins[1], &ins[3]);
         let v = paged_rows(b, &ins[2], &ins[3]);
         let t = k.shape[1];
