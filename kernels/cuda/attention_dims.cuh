@@ -1,5 +1,6 @@
 // Sizes of one attention call, passed by value to every attention kernel; the layout is
-// kpt-nvidia's `AttentionDims` (#[repr(C)]), so a field added here is added there too.
+// kpt-nvidia's and kpt-amd's `AttentionDims` (#[repr(C)]), so a field added here is added
+// there too.
 #pragma once
 
 namespace kpt {
@@ -8,6 +9,49 @@ struct AttentionDims {
     int batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal;
     float scale;
     int window;  // sliding window in keys, 0 = none
+    // Dropout (training; kernels that take it: flash_attention.cu and its backward):
+    // query i's probability for key j of head h in batch entry b is kept iff word j % 4
+    // of Philox4x32-10 with counter (j / 4, i, h, batch_offset + b) and key
+    // (seed_lo, seed_hi) is at least dropout_threshold, and kept ones are scaled by
+    // dropout_scale. dropout_threshold 0 keeps everything (no dropout).
+    unsigned dropout_threshold, seed_lo, seed_hi;
+    float dropout_scale;
+    int batch_offset;
 };
+
+// Philox4x32-10 (Salmon et al. 2011; kpt_core::rand::philox4x32_10 on the host).
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned k0, unsigned k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
+
+// The dropout factors of keys 4 (j / 4) + {lo, lo + 1} (lo = j % 4, even) of query i, head
+// h, batch entry b: 0 or p.dropout_scale each.
+__device__ __forceinline__ float2 dropout_pair(const AttentionDims& p, int b, int h, int i,
+                                               int j) {
+    const uint4 w = philox4x32_10(
+        make_uint4(static_cast<unsigned>(j) / 4u, static_cast<unsigned>(i),
+                   static_cast<unsigned>(h), static_cast<unsigned>(p.batch_offset + b)),
+        p.seed_lo, p.seed_hi);
+    const bool hi = (j & 2) != 0;
+    const unsigned a = hi ? w.z : w.x, c = hi ? w.w : w.y;
+    return make_float2(a >= p.dropout_threshold ? p.dropout_scale : 0.0f,
+                       c >= p.dropout_threshold ? p.dropout_scale : 0.0f);
+}
+
+// The dropout factor of key j of query i, head h, batch entry b: 0 or p.dropout_scale.
+__device__ __forceinline__ float dropout_one(const AttentionDims& p, int b, int h, int i, int j) {
+    const float2 f = dropout_pair(p, b, h, i, j & ~1);
+    return (j & 1) ? f.y : f.x;
+}
 
 }  // namespace kpt

@@ -18,7 +18,9 @@
 // causal blocks start first (block x = tile from the last * batch * heads + b * heads + h).
 // When `lse` is not null, each row's log-sum-exp of the scaled scores (natural log, f32
 // [batch, heads, seq_q], +inf for rows that see no key) is written there too, for the
-// backward pass.
+// backward pass. With dropout (Dims::dropout_threshold > 0, see attention_dims.cuh) each
+// probability is multiplied by its dropout factor after the row's sum is taken and
+// before P V: one Philox call per row and n-tile serves the thread's two keys.
 //
 // kpt:launch kpt_flash_attention_bf16_d64 block=128 shared=0 grid=tiles
 // kpt:launch kpt_flash_attention_bf16_d128 block=128 shared=0 grid=tiles
@@ -193,6 +195,16 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
             for (int i = 0; i < D / 8; ++i) {
                 o[i][2 * r] *= alpha;
                 o[i][2 * r + 1] *= alpha;
+            }
+            // Dropout (after the sum, which is the softmax's): P V takes P Z.
+            if (p.dropout_threshold != 0) {
+                const int qi = r == 0 ? qi0 : qi1;
+#pragma unroll
+                for (int j = 0; j < kBlockN / 8; ++j) {
+                    const float2 z = kpt::dropout_pair(p, b, h, qi, n0 + j * 8 + tig * 2);
+                    s[j][2 * r] *= z.x;
+                    s[j][2 * r + 1] *= z.y;
+                }
             }
         }
 

@@ -31,6 +31,9 @@
 //    in registers (accumulators of two n-tiles re-packed as A fragments, as the forward
 //    does with P); dK and dV accumulate over the whole walk, so the heads of a GQA group
 //    add up without atomics; dk = scale dK and dv are stored at the end.
+// With dropout (Dims::dropout_threshold > 0, see attention_dims.cuh) both launches
+// recompute the forward's decisions: dP becomes Z dP (dS = P (Z dP - D), D from the
+// forward's output, which holds the dropout) and dV takes P Z.
 // Shared rows are padded by 16 bytes so that the eight rows an ldmatrix reads fall in
 // distinct banks. Causal query tiles of launch 1 are scheduled last-first, key tiles of
 // launch 2 first-first: the blocks with the most work start first.
@@ -258,6 +261,19 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
                 s[j][e] = x;
             }
         }
+        // Dropout: dS = P (Z dP - D), with Z the forward's factors.
+        if (p.dropout_threshold != 0) {
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float2 z = kpt::dropout_pair(p, b, h, r == 0 ? qi0 : qi1,
+                                                       n0 + j * 8 + tig * 2);
+                    dp[j][2 * r] *= z.x;
+                    dp[j][2 * r + 1] *= z.y;
+                }
+            }
+        }
         if constexpr (kGivenLse) {
             // dS = P (dP - D) with P = exp2(s - lse2): nothing to rescale.
 #pragma unroll
@@ -438,6 +454,7 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
 
     for (int it = 0; it < iters; ++it) {
         const int buf = it % 2;
+        const int h = hk * group + it / tiles_m;  // the query head (dropout's decisions)
         const int m0 = m_begin + (it % tiles_m) * kBlockM;
         cp_async_wait<0>();  // iteration it's tiles have landed
         __syncthreads();     // and every warp is done with iteration it - 1's buffer
@@ -495,8 +512,14 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                     x = visible ? x : -INFINITY;
                 }
                 const float pr = exp2f(x - ((e & 1) ? l2.y : l2.x));
-                st[j][e] = pr;
-                dpt[j][e] = pr * (dpt[j][e] - ((e & 1) ? d2.y : d2.x));  // dS^T (unscaled)
+                // Dropout: dV takes P Z, dS = P (Z dP - D). The thread's two queries of
+                // a key are in different Philox groups' rows: one call per element.
+                const float z = p.dropout_threshold != 0
+                                    ? kpt::dropout_one(p, b, h, m0 + c + (e & 1),
+                                                       n0 + kr0 + (e >> 1) * 8)
+                                    : 1.0f;
+                st[j][e] = pr * z;
+                dpt[j][e] = pr * (z * dpt[j][e] - ((e & 1) ? d2.y : d2.x));  // dS^T (unscaled)
             }
         }
 

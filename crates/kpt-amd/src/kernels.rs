@@ -152,6 +152,13 @@ pub struct AttentionDims {
     scale: f32,
     /// Sliding window in keys; 0 = none.
     window: i32,
+    /// Attention dropout's fields of `attention_dims.cuh` (threshold, seed, scale, batch
+    /// offset); this backend's kernels apply no dropout, so they hold "none".
+    dropout_threshold: u32,
+    seed_lo: u32,
+    seed_hi: u32,
+    dropout_scale: f32,
+    batch_offset: i32,
 }
 
 impl AttentionDims {
@@ -198,6 +205,11 @@ impl AttentionDims {
                 Some(0) => return Err(invalid("attention: window must be at least 1 key")),
                 Some(w) => int("window", w)?,
             },
+            dropout_threshold: 0,
+            seed_lo: 0,
+            seed_hi: 0,
+            dropout_scale: 1.0,
+            batch_offset: 0,
         })
     }
 
@@ -905,11 +917,11 @@ mod tests {
                 (48, 8)
             ]
         );
-        // The attention kernel's dims struct: nine 4-byte fields after five pointers.
-        assert_eq!(std::mem::size_of::<AttentionDims>(), 36);
+        // The attention kernel's dims struct: fourteen 4-byte fields after five pointers.
+        assert_eq!(std::mem::size_of::<AttentionDims>(), 56);
         let dims = AttentionDims::new(1, 1, 1, 1, 1, 64, false, 1.0, None).unwrap();
         let l = P.attention(DType::BF16, [8; 5], dims).unwrap();
-        assert_eq!(l.layout().last(), Some(&(40, 36)));
+        assert_eq!(l.layout().last(), Some(&(40, 56)));
         assert_eq!(l.params().len(), 6);
     }
 

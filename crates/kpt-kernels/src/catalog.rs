@@ -521,8 +521,8 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             Attention,
             &[DType::BF16, DType::F16],
             "FlashAttention-2 style: mma.sync tensor cores, K/V tiles by cp.async, \
-             online softmax in registers; decode shapes go to split-KV (unless the \
-             log-sum-exp is asked for)",
+             online softmax in registers, dropout from Philox in registers; decode shapes \
+             go to split-KV (unless the log-sum-exp or dropout is asked for)",
         )
         .with_priority(110)
         .limits(ShapeLimits {
@@ -531,6 +531,7 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             varlen: true,
             paged: true,
             lse: true,
+            dropout: true,
             ..ShapeLimits::default()
         }),
         k(
@@ -539,7 +540,8 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             &[DType::BF16, DType::F16],
             "FlashAttention-2 style gradients on mma.sync tensor cores, no atomics: dq per \
              query tile (probabilities from the forward's log-sum-exp when given, else an \
-             online softmax that leaves it), then dk and dv per key tile in registers",
+             online softmax that leaves it), then dk and dv per key tile in registers; \
+             dropout's decisions recomputed (then on mma.sync on Hopper too)",
         )
         .with_priority(110)
         .limits(ShapeLimits {
@@ -547,6 +549,7 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             head_dim_multiple: Some(64),
             no_window: true,
             lse: true,
+            dropout: true,
             ..ShapeLimits::default()
         }),
         k(

@@ -586,7 +586,6 @@ impl CudaBackend {
                 g.cast(dt, *dtype, ptr(&inputs[0])?, out_ptr(out0)?, x.numel())?;
             }
             Op::AttentionBackward(p) => {
-                p.require_no_dropout(kernel)?;
                 let (qs, ks) = q_k_shapes("attention_backward", inputs)?;
                 if !matches!(dt, DType::BF16 | DType::F16) {
                     return Err(KptError::dtype(kernel, "bf16 or f16", dt));
@@ -601,7 +600,8 @@ impl CudaBackend {
                     p.causal,
                     p.effective_scale(),
                 )?
-                .with_window(p.window)?;
+                .with_window(p.window)?
+                .with_dropout(p.dropout);
                 let plan = FlashBackward::new(dt, dims)
                     .map_err(|e| KptError::shape(kernel, e.to_string()))?;
                 let mask = if p.mask {
@@ -646,7 +646,10 @@ impl CudaBackend {
                 )?;
             }
             Op::Attention(p) => {
-                p.require_no_dropout(kernel)?;
+                // Dropout: flash_attention.cu's kernel only (the registry's choice).
+                if kernel != FLASH_ATTENTION {
+                    p.require_no_dropout(kernel)?;
+                }
                 let (qs, ks) = q_k_shapes("attention", inputs)?;
                 // FP8 inputs: q_scale * k_scale goes into the softmax scale and q, k are
                 // used (or dequantized) unscaled, as e4m3 values are exact in bf16; scaled
@@ -667,7 +670,7 @@ impl CudaBackend {
                         p.effective_scale(),
                     )?
                     .with_window(p.window)
-                    .map(|d| d.scaled(qk_scale))
+                    .map(|d| d.scaled(qk_scale).with_dropout(p.dropout))
                 };
                 let mask = if p.mask {
                     let m = &inputs[3];
@@ -805,14 +808,18 @@ impl CudaBackend {
                     ks[1],
                 )?;
                 let (q_row, kv_row) = (q_row as u64, kv_row as u64);
-                for (sq, sk) in segments.into_iter().filter(|(sq, _)| !sq.is_empty()) {
+                // Sequence s takes dropout decisions as batch entry s.
+                for (s, (sq, sk)) in segments.into_iter().enumerate() {
+                    if sq.is_empty() {
+                        continue;
+                    }
                     let (q0, k0) = (sq.start as u64, sk.start as u64);
                     run(
                         q + q0 * q_row,
                         k + k0 * kv_row,
                         v + k0 * kv_row,
                         out + q0 * q_row,
-                        dims(1, sq.len(), sk.len())?,
+                        dims(1, sq.len(), sk.len())?.with_batch_offset(s)?,
                     )?;
                 }
             }

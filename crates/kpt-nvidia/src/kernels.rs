@@ -5,7 +5,7 @@
 use std::ffi::c_void;
 
 use cudarc::driver::DeviceRepr;
-use kpt_core::graph::Activation;
+use kpt_core::graph::{Activation, AttentionDropout};
 use kpt_core::DType;
 
 use crate::gpu::Gpu;
@@ -186,9 +186,17 @@ pub(crate) struct AttentionDims {
     scale: f32,
     /// Sliding window in keys; 0 = none.
     window: i32,
+    /// Dropout: keep iff the Philox word is at least this; 0 = no dropout.
+    dropout_threshold: u32,
+    seed_lo: u32,
+    seed_hi: u32,
+    /// The factor of kept probabilities, `1 / (1 - p)`.
+    dropout_scale: f32,
+    /// Dropout's batch index of batch entry 0 (a varlen sequence's index).
+    batch_offset: i32,
 }
 
-// SAFETY: a `repr(C)` struct of 32-bit integers and a float, laid out like the kernel's
+// SAFETY: a `repr(C)` struct of 32-bit integers and floats, laid out like the kernel's
 // `Dims`; any bit pattern is a valid value.
 unsafe impl cudarc::driver::DeviceRepr for AttentionDims {}
 
@@ -236,6 +244,40 @@ impl AttentionDims {
             causal: i32::from(causal),
             scale,
             window: 0,
+            dropout_threshold: 0,
+            seed_lo: 0,
+            seed_hi: 0,
+            dropout_scale: 1.0,
+            batch_offset: 0,
+        })
+    }
+
+    /// The same sizes with attention dropout (`attention_dims.cuh`); only the kernels of
+    /// `flash_attention.cu` and `flash_attention_bwd.cu` apply it.
+    pub(crate) fn with_dropout(self, dropout: Option<AttentionDropout>) -> Self {
+        match dropout {
+            None => self,
+            Some(d) => Self {
+                dropout_threshold: d.threshold(),
+                seed_lo: d.seed as u32,
+                seed_hi: (d.seed >> 32) as u32,
+                dropout_scale: d.scale() as f32,
+                ..self
+            },
+        }
+    }
+
+    /// Whether these sizes drop probabilities.
+    pub(crate) fn dropout(&self) -> bool {
+        self.dropout_threshold != 0
+    }
+
+    /// The same sizes whose batch entry 0 takes dropout decisions as entry `offset` (a
+    /// sequence of a variable-length batch, run on its own).
+    pub(crate) fn with_batch_offset(self, offset: usize) -> Result<Self, NvidiaError> {
+        Ok(Self {
+            batch_offset: int("batch offset", offset)?,
+            ..self
         })
     }
 
@@ -911,14 +953,26 @@ impl Gpu {
                  with head dim {d}"
             )));
         }
-        if !tensor_cores || (lse == 0 && dims.split(dtype).is_some()) {
+        if dims.dropout() && !tensor_cores {
+            return Err(NvidiaError::Invalid(format!(
+                "attention dropout needs bf16 or f16 with head dim 64 or 128, not {dtype} \
+                 with head dim {d}"
+            )));
+        }
+        // Dropout runs on flash_attention.cu's kernel, for every shape.
+        if !tensor_cores || (lse == 0 && !dims.dropout() && dims.split(dtype).is_some()) {
             return self.attention(dtype, q, k, v, mask, out, dims);
         }
         let tiles = |rows: usize| {
             (dims.seq_q as usize).div_ceil(rows) * dims.batch as usize * dims.heads as usize
         };
         const SM90: &str = "flash_attention_sm90";
-        if hopper && dims.window == 0 && dims.seq_kv > 0 && self.loaded_target(SM90)? == "sm_90a" {
+        if hopper
+            && dims.window == 0
+            && dims.seq_kv > 0
+            && !dims.dropout()
+            && self.loaded_target(SM90)? == "sm_90a"
+        {
             let block_m = if d == 64 {
                 FLASH_SM90_BLOCK_M_D64
             } else {
@@ -1056,7 +1110,8 @@ impl Gpu {
         let stats = self.alloc((2 * rows).max(4) * 4)?;
         let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
         const SM90: &str = "flash_attention_sm90";
-        let hopper = self.loaded_target(SM90)? == "sm_90a";
+        // The wgmma backward applies no dropout.
+        let hopper = !dims.dropout() && self.loaded_target(SM90)? == "sm_90a";
         if query_tiles > 0 && lse_in != 0 && hopper {
             // The wgmma dq kernel: 128 query rows per block.
             let pairs = dims.batch as usize * dims.heads as usize;

@@ -219,12 +219,24 @@ fn rope_scaling(kind: usize, factor: f64, context: usize) -> Option<RopeScaling>
 /// Attention `[batch, seq_q, seq_kv, kv_heads, group, head_dim]` (optionally causal and
 /// with an additive mask) on every device kernel against the f64 reference.
 fn check_attention(
-    [batch, seq_q, seq_kv, kv_heads, group, head_dim]: [usize; 6],
+    shape: [usize; 6],
     (causal, window): (bool, Option<usize>),
     with_mask: bool,
     dt: DType,
     seed: u64,
 ) -> Result<(), TestCaseError> {
+    let (op, inputs) = attention_case(shape, (causal, window), with_mask, dt, seed);
+    check(&op, &inputs)
+}
+
+/// The op and inputs of [`check_attention`].
+fn attention_case(
+    [batch, seq_q, seq_kv, kv_heads, group, head_dim]: [usize; 6],
+    (causal, window): (bool, Option<usize>),
+    with_mask: bool,
+    dt: DType,
+    seed: u64,
+) -> (Op, Vec<Tensor>) {
     let mut rng = SplitMix64::new(seed);
     let heads = kv_heads * group;
     let p = kpt_core::graph::AttentionParams {
@@ -252,7 +264,7 @@ fn check_attention(
     if with_mask {
         inputs.push(attention_mask(&mut rng, seq_q, seq_kv));
     }
-    check(&Op::Attention(p), &inputs)
+    (Op::Attention(p), inputs)
 }
 
 /// FP8 e4m3 attention (bf16 output) on every device kernel against the f64 reference of
@@ -664,6 +676,30 @@ proptest! {
                      causal in any::<bool>(), with_mask in any::<bool>(),
                      scale in prop::option::of(0.05f32..1.0), seed: u64) {
         check_attention_fp8([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, with_mask, scale), seed)?;
+    }
+
+    /// Dropout (training) on the tensor-core kernels, forward and backward, against the
+    /// reference's decisions (the same Philox words on both sides).
+    #[test]
+    fn attention_dropout(batch in 1usize..=2, seq_q in 1usize..150, seq_kv in 1usize..200,
+                         kv_heads in 1usize..=2, group in prop::sample::select(vec![1usize, 2, 4]),
+                         head_dim in prop::sample::select(vec![64usize, 128]),
+                         causal in any::<bool>(), with_mask in any::<bool>(),
+                         p in 0.0f32..0.6, dropout_seed: u64,
+                         dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
+        let shape = [batch, seq_q, seq_kv, kv_heads, group, head_dim];
+        let dropout = Some(kpt_core::graph::AttentionDropout { p, seed: dropout_seed });
+        let with_dropout = |op: Op| match op {
+            Op::Attention(a) => Op::Attention(kpt_core::graph::AttentionParams { dropout, ..a }),
+            Op::AttentionBackward(a) => {
+                Op::AttentionBackward(kpt_core::graph::AttentionParams { dropout, ..a })
+            }
+            other => other,
+        };
+        let (op, inputs) = attention_case(shape, (causal, None), with_mask, dt, seed);
+        check(&with_dropout(op), &inputs)?;
+        let (op, inputs) = attention_backward_inputs(shape, (causal, None), with_mask, dt, seed);
+        check(&with_dropout(op), &inputs)?;
     }
 
     /// FP8 at head dim 128 on a persistent grid of 1 to 8 blocks: every block walks several
