@@ -139,10 +139,13 @@ def variants(req):
     if kind == "attention_prefill":
         b, h, d, s, causal = req["batch"], req["heads"], req["head_dim"], req["seq"], req["causal"]
         hkv = req.get("kv_heads", h)
+        dropout = req.get("dropout", 0.0)
         q = rand((b, h, s, d), dt, -2.0, 2.0)
         k, v = rand((b, hkv, s, d), dt, -2.0, 2.0), rand((b, hkv, s, d), dt, -2.0, 2.0)
         if hkv == h:
-            return sdpa_backends(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+            return sdpa_backends(
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout)
+            )
         out = sdpa_backends(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         )

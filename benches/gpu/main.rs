@@ -159,6 +159,31 @@ fn attention_cases() -> Vec<Case> {
             });
         }
     }
+    // Dropout (training) on the first shape: what applying it costs, against torch's SDPA
+    // backends with the same `dropout_p` (their own random decisions). No target.
+    let (b, h, s, d, p) = (8usize, 16usize, 2048usize, 128usize, 0.1f32);
+    for causal in [false, true] {
+        let full = 4.0 * (b * h * s * s * d) as f64;
+        let kind = if causal { "causal" } else { "full" };
+        out.push(Case {
+            name: format!("attention_prefill_bf16_b{b}_h{h}_s{s}_d{d}_{kind}_dropout"),
+            metric: "TFLOP/s",
+            work: if causal { full / 2.0 } else { full },
+            kpt: Work::Op(Op::Attention(kpt_core::graph::AttentionParams {
+                dropout: Some(kpt_core::graph::AttentionDropout { p, seed: 7 }),
+                ..kpt_core::graph::AttentionParams::new(h, h, d, causal)
+            })),
+            inputs: (0..3)
+                .map(|_| random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0))
+                .collect(),
+            torch: json!({"kind": "attention_prefill", "batch": b, "heads": h,
+                          "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16",
+                          "dropout": p}),
+            target: Target::None,
+            note: "dropout p = 0.1 (Philox decisions, checked against the reference's); \
+                   torch with dropout_p = 0.1",
+        });
+    }
     // The attention of the 1.1B LLaMA-shaped model's prefill (models-* reports): grouped
     // query heads, head dim 64, one sequence. Tracked without a target of its own.
     let (b, h, hkv, s, d) = (1usize, 32usize, 4usize, 2048usize, 64usize);
@@ -916,7 +941,12 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
             (Op::MatMul, vec![x, w])
         }
     };
-    let want = CpuReference.eval(&op, &inputs)?;
+    let want = match &op {
+        Op::Attention(ap) if ap.dropout.is_some() => {
+            vec![dropout_reference(ap, &inputs, case.inputs[0].shape()[1])?]
+        }
+        _ => CpuReference.eval(&op, &inputs)?,
+    };
     let specs: Vec<TensorSpec> = inputs
         .iter()
         .map(|t| TensorSpec::new(t.shape(), t.dtype()))
@@ -939,6 +969,39 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
         worst = (worst.0.max(stats.max_abs), worst.1 && stats.within);
     }
     Ok(worst)
+}
+
+/// The reference of the last queries of a call with dropout (`inputs` as [`check`] slices
+/// them, from a call of `seq` queries): run as a shorter call whose queries take the
+/// decisions of their positions in the whole call.
+fn dropout_reference(
+    ap: &kpt_core::graph::AttentionParams,
+    inputs: &[Tensor],
+    seq: usize,
+) -> Result<Tensor> {
+    use kpt_kernels::cpu::{reference, AttentionShape, ShapeDropout};
+    let (q, k) = (inputs[0].shape(), inputs[1].shape());
+    let shape = AttentionShape {
+        scale: f64::from(ap.effective_scale()),
+        dropout: ap.dropout.map(|mask| ShapeDropout {
+            mask,
+            first_batch: 0,
+            first_query: seq - q[1],
+        }),
+        ..AttentionShape::new(
+            1,
+            q[1],
+            k[1],
+            ap.num_heads,
+            ap.num_kv_heads,
+            ap.head_dim,
+            ap.causal,
+        )
+    };
+    let [q, k, v] = [0, 1, 2].map(|i| inputs[i].to_f64_vec());
+    let mut out = vec![0.0; shape.q_len()];
+    reference::attention(&q, &k, &v, None, &mut out, &shape)?;
+    Ok(Tensor::from_f64(&out, inputs[0].shape(), DType::F64)?)
 }
 
 /// Back-to-back calls per timed repetition: enough for about 5 ms.
