@@ -81,6 +81,8 @@
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_e4m3_d128 block=384 shared=148624 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_bf16_d128 block=384 shared=214096 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d128 block=384 shared=230512 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_f16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128 block=384 shared=189552 grid=tiles
@@ -1691,7 +1693,8 @@ KPT_FLASH_SM90_TMA(f16, __half, 128)
 // - `n176_`, d = 128: tiles of 176 keys (FlashAttention-3's tile for non-causal head dim
 //   128): fewer, longer key tiles per work tile, in two stages;
 // - `carry_`, d = 64: the consumers' ping-pong running across a block's work tiles
-//   (kCarry; ptxas spills 100 bytes there against 380 in the entries above).
+//   (kCarry; ptxas spills 100 bytes there against 380 in the entries above); d = 128: the
+//   same on 128-key tiles, for causal calls over at most 2048 keys (no spills).
 #define KPT_FLASH_SM90_TMA_UNMASKED(TILE, NAME, T, D, BN, CARRY)                           \
     extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
         kpt_flash_attention_sm90_tma_##TILE##NAME##_d##D(                                    \
@@ -1706,6 +1709,8 @@ KPT_FLASH_SM90_TMA(f16, __half, 128)
 KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 64, kBlockN, true)
 KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 64, kBlockN, true)
 KPT_FLASH_SM90_TMA_UNMASKED(n176_, bf16, __nv_bfloat16, 128, 176, false)
+KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 128, kBlockN, true)
+KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 128, kBlockN, true)
 KPT_FLASH_SM90_TMA_UNMASKED(n176_, f16, __half, 128, 176, false)
 
 // FP8 with tiles of 192 keys (1.5 of the 128-key tile: half again as many scores per

@@ -61,6 +61,10 @@ const FLASH_SM90_BLOCK_N: usize = 128;
 /// Keys per K/V tile of its `_tma_n176_` entries: bf16/f16 at head dim 128 without an
 /// additive mask (FlashAttention-3's tile for non-causal calls).
 const FLASH_SM90_BLOCK_N_WIDE: usize = 176;
+/// The longest cache on which causal head-dim-128 calls without an additive mask run the
+/// Hopper kernel's `_tma_carry_` entries (128-key tiles, the consumers' ping-pong carried
+/// across work tiles): +3 % at 2048 keys, -0.5 % at 4096 and -4 % at 16384 on an H200.
+const CARRY_D128_MAX_KEYS: usize = 2048;
 /// Keys per K/V tile of its `_tma_n192_` FP8 entries: FP8 without an additive mask.
 const FLASH_SM90_BLOCK_N_FP8_WIDE: usize = 192;
 /// Most query tiles of a causal call that runs on the persistent grid (paired tiles):
@@ -984,17 +988,19 @@ impl Gpu {
             } else {
                 TmaElem::F16
             };
-            // Head dim 128 without an additive mask: tiles of 176 keys.
-            let wide = d == 128 && mask == 0;
+            // Without an additive mask: at head dim 64, and at 128 for causal calls over at
+            // most CARRY_D128_MAX_KEYS keys, the consumers' ping-pong runs across a block's
+            // work tiles; other head-dim-128 calls take tiles of 176 keys.
+            let carry = mask == 0
+                && (d == 64 || dims.causal != 0 && dims.seq_kv as usize <= CARRY_D128_MAX_KEYS);
+            let wide = d == 128 && mask == 0 && !carry;
             let block_n = if wide {
                 FLASH_SM90_BLOCK_N_WIDE
             } else {
                 FLASH_SM90_BLOCK_N
             };
             if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m, block_n) {
-                // Without a mask: 176-key tiles at d128, the ping-pong across work tiles at
-                // d64.
-                let tile = match (wide, d == 64 && mask == 0) {
+                let tile = match (wide, carry) {
                     (true, _) => "n176_",
                     (false, true) => "carry_",
                     (false, false) => "",
