@@ -20,7 +20,7 @@
 // [batch, heads, seq_q], +inf for rows that see no key) is written there too, for the
 // backward pass. With dropout (Dims::dropout_threshold > 0, see attention_dims.cuh) each
 // probability is multiplied by its dropout factor after the row's sum is taken and
-// before P V: one Philox call per row and n-tile serves the thread's two keys.
+// before P V (kpt::dropout_keep8: a lane pair shares each Philox call of four keys).
 //
 // kpt:launch kpt_flash_attention_bf16_d64 block=128 shared=0 grid=tiles
 // kpt:launch kpt_flash_attention_bf16_d128 block=128 shared=0 grid=tiles
@@ -196,15 +196,16 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
                 o[i][2 * r] *= alpha;
                 o[i][2 * r + 1] *= alpha;
             }
-            // Dropout (after the sum, which is the softmax's): P V takes P Z.
-            if (p.dropout_threshold != 0) {
-                const int qi = r == 0 ? qi0 : qi1;
+        }
+        // Dropout (after the sums, which are the softmax's): P V takes P Z.
+        if (p.dropout_threshold != 0) {
+            static_assert(kBlockN == 64, "one keep word per key tile");
+            const uint32_t keep = kpt::dropout_keep8(p, b, h, qi0, n0, tig);
 #pragma unroll
-                for (int j = 0; j < kBlockN / 8; ++j) {
-                    const float2 z = kpt::dropout_pair(p, b, h, qi, n0 + j * 8 + tig * 2);
-                    s[j][2 * r] *= z.x;
-                    s[j][2 * r + 1] *= z.y;
-                }
+            for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[j][e] = (keep >> (4 * j + e)) & 1u ? s[j][e] * p.dropout_scale : 0.0f;
             }
         }
 

@@ -263,15 +263,13 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
         }
         // Dropout: dS = P (Z dP - D), with Z the forward's factors.
         if (p.dropout_threshold != 0) {
+            static_assert(kBlockN == 64, "one keep word per key tile");
+            const uint32_t keep = kpt::dropout_keep8(p, b, h, qi0, n0, tig);
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float2 z = kpt::dropout_pair(p, b, h, r == 0 ? qi0 : qi1,
-                                                       n0 + j * 8 + tig * 2);
-                    dp[j][2 * r] *= z.x;
-                    dp[j][2 * r + 1] *= z.y;
-                }
+                for (int e = 0; e < 4; ++e)
+                    dp[j][e] = (keep >> (4 * j + e)) & 1u ? dp[j][e] * p.dropout_scale : 0.0f;
             }
         }
         if constexpr (kGivenLse) {

@@ -66,6 +66,11 @@
 // When `lse` is not null (bf16/f16 entries), each row's log-sum-exp of the scaled scores
 // (natural log, f32 [batch, heads, seq_q], +inf for rows that see no key) is written there
 // too, for the backward pass; the FP8 entry writes none.
+// Dropout (training, the `_tma_dropout_` entries, bf16/f16 at d = 64 or 128, two consumers
+// at both): after the online softmax of a tile took its row sums, the dropped probabilities
+// are zeroed (Philox keep bits from kpt::dropout_keep8, which a lane pair shares) and P V
+// runs on the rest; the kept ones' 1 / (1 - p) goes into the final normalization. The
+// log-sum-exp stays the softmax's.
 // Tuning switches for standalone builds (target/fa3test): KPT_FA3_STAGES_D64/_D128,
 // KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE, KPT_FA3_POLY_FP8, KPT_FA3_POLY_D64, KPT_FA3_POLY_D128;
 // the artifacts use the defaults.
@@ -80,6 +85,10 @@
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_e4m3_d128 block=384 shared=148624 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_dropout_bf16_d64 block=384 shared=148624 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_dropout_bf16_d128 block=384 shared=230512 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_dropout_f16_d64 block=384 shared=148624 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_dropout_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_bf16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d128 block=384 shared=230512 grid=tiles
@@ -159,12 +168,13 @@ struct Maps {
 
 // Consumer warpgroups (64 query rows each) per block: three for 16-bit d = 64, whose softmax
 // (one exp2 per score, as many MUFU cycles as the two matrix products take on the tensor
-// cores) needs the GEMMs of two other warpgroups to hide under; two otherwise.
-template <typename T, int D>
-constexpr int kConsumers = (sizeof(T) == 2 && D == 64) ? 3 : 2;
+// cores) needs the GEMMs of two other warpgroups to hide under; two otherwise, and with
+// dropout, whose Philox calls need the registers of the larger consumers.
+template <typename T, int D, bool kDropout = false>
+constexpr int kConsumers = (sizeof(T) == 2 && D == 64 && !kDropout) ? 3 : 2;
 // Threads per block: the producer warpgroup and the consumers.
-template <typename T, int D>
-constexpr int kThreads = 128 * (1 + kConsumers<T, D>);
+template <typename T, int D, bool kDropout = false>
+constexpr int kThreads = 128 * (1 + kConsumers<T, D, kDropout>);
 template <int C>
 struct Regs;
 // 384 threads: the launch gives every thread 168 registers (65536 / 384, rounded down to 8);
@@ -216,9 +226,9 @@ static_assert(Regs<3>::kProducer * 128 + Regs<3>::kConsumer * 384 <= Regs<3>::kL
 
 // The shared-memory geometry depends on the bytes of a row: 128 (bf16/f16 at d = 64, FP8 at
 // d = 128) or 256 (bf16/f16 at d = 128); the stage switches are named after the 16-bit sizes.
-template <typename T, int D, int BN = kBlockN>
+template <typename T, int D, int BN = kBlockN, bool kDropout = false>
 struct Config {
-    static constexpr int kConsumers = ::kConsumers<T, D>;
+    static constexpr int kConsumers = ::kConsumers<T, D, kDropout>;
     static constexpr int kBlockM = 64 * kConsumers;  // query rows per block
     static constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
     // Key tiles of more than 128 keys (d = 128): two stages fit, three of FP8's byte tiles.
@@ -247,6 +257,8 @@ static_assert(Config<E4M3, 128>::kSmemBytes == 148624,
 static_assert(Config<E4M3, 128, 192>::kSmemBytes == 189552,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<__nv_bfloat16, 128, 176>::kSmemBytes == 214096,
+              "keep the kpt:launch shared= values in step");
+static_assert(Config<__nv_bfloat16, 64, kBlockN, true>::kSmemBytes == 148624,
               "keep the kpt:launch shared= values in step");
 #endif
 static_assert(Config<__nv_bfloat16, 128>::kSmemBytes <= 227 * 1024,
@@ -789,16 +801,19 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 }
 
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
-// the output (v_scale for FP8, 1 otherwise).
+// the output (v_scale for FP8, 1 otherwise). kDropout (16-bit, 128-key tiles): each P tile
+// loses its dropped probabilities after the softmax took its sum (dropout_keep8, one Philox
+// call per lane pair and four keys) and the kept ones are scaled at the store, with the
+// normalization.
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
-          int kPolyFp8 = KPT_FA3_POLY_FP8>
+          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
                                            OutT<T>* __restrict__ out,
                                            float* __restrict__ lse, const Dims& p,
                                            float out_scale, Maps maps) {
-    using C = Config<T, D, BN>;
+    using C = Config<T, D, BN, kDropout>;
     constexpr int kBlockM = C::kBlockM;
     constexpr int kConsumers = C::kConsumers;
     using R = Regs<kConsumers>;
@@ -807,6 +822,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // score costs as many on the MUFU units; part of them go to the FMA units.
     constexpr int kPoly = kFp8<T> ? kPolyFp8 : D == 64 ? KPT_FA3_POLY_D64 : KPT_FA3_POLY_D128;
     constexpr int kStages = C::kStages;
+    static_assert(!kDropout || (!kFp8<T> && BN % 64 == 0), "dropout: 16-bit, whole keep words");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t sq = base;
@@ -1017,6 +1033,19 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 return !fast || n0 + BN > p.seq_kv ||
                        (p.causal && n0 + BN - 1 > row_first + offset);
             };
+            // Zeroes the dropped probabilities of tile n0 (64 keys per keep word).
+            auto drop = [&](int n0) {
+                if constexpr (kDropout) {
+#pragma unroll
+                    for (int q64 = 0; q64 < BN / 64; ++q64) {
+                        const uint32_t keep =
+                            kpt::dropout_keep8(p, w.b, w.h, qi0, n0 + 64 * q64, tig);
+#pragma unroll
+                        for (int e = 0; e < 32; ++e)
+                            if (!((keep >> e) & 1u)) s_acc[32 * q64 + e] = 0.0f;
+                    }
+                }
+            };
             auto softmax = [&](int n0) {
                 if (edge(n0)) {
                     softmax_tile<true, kMask, kPOffset, BN>(s_acc, m_run, l_run, alpha, scale2, n0,
@@ -1056,6 +1085,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 mbar_arrive(empty_k(s));
                 if (my_tiles == 1) mbar_arrive(empty_q);
                 softmax(0);
+                drop(0);
                 pack_p<T, BN>(s_acc, pf);
 
                 // Tile t: S(t) and P(t - 1) V(t - 1) in flight together; the softmax of t runs
@@ -1079,6 +1109,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     mbar_arrive(empty_k(s));
                     if (t == my_tiles - 1) mbar_arrive(empty_q);
                     softmax(t * BN);
+                    drop(t * BN);
                     wgmma_wait<0>();  // P V of t - 1 is done
                     fence_regs(o);
                     fence_regs(pf);
@@ -1116,7 +1147,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             float l = l_run[r];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = l > 0.0f ? out_scale / l : 0.0f;
+            const float inv =
+                l > 0.0f ? (kDropout ? out_scale * p.dropout_scale : out_scale) / l : 0.0f;
             const int qi = qi0 + r * 8;
             if (qi < 0 || qi >= p.seq_q) continue;
             if (lse != nullptr && tig == 0) {
@@ -1619,7 +1651,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
-          int kPolyFp8 = KPT_FA3_POLY_FP8>
+          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
                                            float*, const Dims&, float, Maps) {
     __trap();
@@ -1641,15 +1673,18 @@ __device__ __forceinline__ void bwd_dq_sm90(const T*, const T*, const T*, const 
 
 // The masked and unmasked kernels are separate code: the mask's loads would otherwise add to
 // the register pressure of every call (at three consumer warpgroups, 160 registers each).
-template <typename T, int D, bool kTma = false, int BN = kBlockN>
+template <typename T, int D, bool kTma = false, bool kDropout = false>
 __device__ __forceinline__ void flash_sm90_entry(const T* q, const T* k, const T* v,
                                                  const float* mask, OutT<T>* out, float* lse,
                                                  const Dims& p, float out_scale,
                                                  Maps maps = Maps{}) {
+    constexpr int kPoly = KPT_FA3_POLY_FP8;
     if (mask != nullptr) {
-        flash_sm90<T, D, true, kTma, BN>(q, k, v, mask, out, lse, p, out_scale, maps);
+        flash_sm90<T, D, true, kTma, kBlockN, false, kPoly, kDropout>(q, k, v, mask, out, lse, p,
+                                                                      out_scale, maps);
     } else {
-        flash_sm90<T, D, false, kTma, BN>(q, k, v, nullptr, out, lse, p, out_scale, maps);
+        flash_sm90<T, D, false, kTma, kBlockN, false, kPoly, kDropout>(q, k, v, nullptr, out, lse,
+                                                                       p, out_scale, maps);
     }
 }
 
@@ -1686,6 +1721,25 @@ KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 64)
 KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90_TMA(f16, __half, 64)
 KPT_FLASH_SM90_TMA(f16, __half, 128)
+
+// The TMA kernels with attention dropout (Dims' dropout fields; see flash_sm90), for
+// training: the host sends every dropout call on Hopper here (with or without a mask). Two
+// consumer warpgroups at both head dims (128 query rows per block).
+#define KPT_FLASH_SM90_TMA_DROPOUT(NAME, T, D)                                             \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, D, true>, 1)                   \
+        kpt_flash_attention_sm90_tma_dropout_##NAME##_d##D(                                  \
+            const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
+            const Dims p, const __grid_constant__ TensorMap tq,                             \
+            const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
+        kpt::dependent_launch_prologue();                                                  \
+        flash_sm90_entry<T, D, true, true>(q, k, v, mask, out, lse, p, 1.0f,                \
+                                           Maps{&tq, &tk, &tv});                           \
+    }
+
+KPT_FLASH_SM90_TMA_DROPOUT(bf16, __nv_bfloat16, 64)
+KPT_FLASH_SM90_TMA_DROPOUT(bf16, __nv_bfloat16, 128)
+KPT_FLASH_SM90_TMA_DROPOUT(f16, __half, 64)
+KPT_FLASH_SM90_TMA_DROPOUT(f16, __half, 128)
 
 // Entries without an additive mask (`mask` is ignored: the host sends masked calls to the
 // entries above), each its own code, so that ptxas allocates registers for the unmasked path

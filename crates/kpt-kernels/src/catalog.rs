@@ -487,9 +487,9 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             &[DType::BF16, DType::F16],
             120,
             "FlashAttention-3 style for Hopper: wgmma on shared-memory operands, a producer \
-             warpgroup feeding a cp.async/mbarrier ring, two ping-pong consumer warpgroups; \
-             decode shapes go to split-KV (unless the log-sum-exp is asked for), sliding \
-             windows to cuda.attention.flash",
+             warpgroup feeding a TMA/mbarrier ring, ping-pong consumer warpgroups, dropout \
+             from Philox in registers; decode shapes go to split-KV (unless the log-sum-exp \
+             or dropout is asked for), sliding windows to cuda.attention.flash",
         )
         .min_arch("sm_90")
         .limits(ShapeLimits {
@@ -498,6 +498,7 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             varlen: true,
             paged: true,
             lse: true,
+            dropout: true,
             ..ShapeLimits::default()
         }),
         KernelDef::new(

@@ -646,8 +646,8 @@ impl CudaBackend {
                 )?;
             }
             Op::Attention(p) => {
-                // Dropout: flash_attention.cu's kernel only (the registry's choice).
-                if kernel != FLASH_ATTENTION {
+                // Dropout: the tensor-core kernels only (the registry's choice).
+                if kernel != FLASH_ATTENTION && kernel != FLASH_ATTENTION_SM90 {
                     p.require_no_dropout(kernel)?;
                 }
                 let (qs, ks) = q_k_shapes("attention", inputs)?;

@@ -963,7 +963,7 @@ impl Gpu {
                  with head dim {d}"
             )));
         }
-        // Dropout runs on flash_attention.cu's kernel, for every shape.
+        // Dropout runs on the tensor-core kernels, for every shape.
         if !tensor_cores || (lse == 0 && !dims.dropout() && dims.split(dtype).is_some()) {
             return self.attention(dtype, q, k, v, mask, out, dims);
         }
@@ -971,13 +971,11 @@ impl Gpu {
             (dims.seq_q as usize).div_ceil(rows) * dims.batch as usize * dims.heads as usize
         };
         const SM90: &str = "flash_attention_sm90";
-        if hopper
-            && dims.window == 0
-            && dims.seq_kv > 0
-            && !dims.dropout()
-            && self.loaded_target(SM90)? == "sm_90a"
-        {
-            let block_m = if d == 64 {
+        if hopper && dims.window == 0 && dims.seq_kv > 0 && self.loaded_target(SM90)? == "sm_90a" {
+            // Dropout: the `_tma_dropout_` entries (two consumer warpgroups at both head
+            // dims), or where no tensor maps can be made the mma.sync kernel below.
+            let dropout = dims.dropout();
+            let block_m = if d == 64 && !dropout {
                 FLASH_SM90_BLOCK_M_D64
             } else {
                 FLASH_SM90_BLOCK_M
@@ -992,26 +990,30 @@ impl Gpu {
             // most CARRY_D128_MAX_KEYS keys, the consumers' ping-pong runs across a block's
             // work tiles; other head-dim-128 calls take tiles of 176 keys.
             let carry = mask == 0
+                && !dropout
                 && (d == 64 || dims.causal != 0 && dims.seq_kv as usize <= CARRY_D128_MAX_KEYS);
-            let wide = d == 128 && mask == 0 && !carry;
+            let wide = d == 128 && mask == 0 && !dropout && !carry;
             let block_n = if wide {
                 FLASH_SM90_BLOCK_N_WIDE
             } else {
                 FLASH_SM90_BLOCK_N
             };
             if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m, block_n) {
-                let tile = match (wide, carry) {
-                    (true, _) => "n176_",
-                    (false, true) => "carry_",
-                    (false, false) => "",
+                let tile = match (dropout, wide, carry) {
+                    (true, _, _) => "dropout_",
+                    (false, true, _) => "n176_",
+                    (false, false, true) => "carry_",
+                    (false, false, false) => "",
                 };
                 let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
                 launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims, tq, tk, tv);
                 return Ok(());
             }
-            let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
-            launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims);
-            return Ok(());
+            if !dropout {
+                let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
+                launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims);
+                return Ok(());
+            }
         }
         let blocks = grid("flash attention tiles", tiles(FLASH_BLOCK_M))?;
         let entry = format!("kpt_flash_attention_{name}_d{d}");

@@ -686,7 +686,9 @@ proptest! {
                          head_dim in prop::sample::select(vec![64usize, 128]),
                          causal in any::<bool>(), with_mask in any::<bool>(),
                          p in 0.0f32..0.6, dropout_seed: u64,
+                         blocks in prop::option::of(1usize..=4),
                          dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
+        let Some(b) = backend() else { return Ok(()) };
         let shape = [batch, seq_q, seq_kv, kv_heads, group, head_dim];
         let dropout = Some(kpt_core::graph::AttentionDropout { p, seed: dropout_seed });
         let with_dropout = |op: Op| match op {
@@ -696,8 +698,12 @@ proptest! {
             }
             other => other,
         };
+        // Some cases on a persistent grid of 1 to 4 blocks (each walks several work tiles).
+        b.gpu().set_attention_blocks(blocks);
         let (op, inputs) = attention_case(shape, (causal, None), with_mask, dt, seed);
-        check(&with_dropout(op), &inputs)?;
+        let forward = check(&with_dropout(op), &inputs);
+        b.gpu().set_attention_blocks(None);
+        forward?;
         let (op, inputs) = attention_backward_inputs(shape, (causal, None), with_mask, dt, seed);
         check(&with_dropout(op), &inputs)?;
     }
