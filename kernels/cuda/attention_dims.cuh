@@ -71,7 +71,7 @@ __device__ __forceinline__ uint32_t dropout_keep8(const AttentionDims& p, int b,
     const unsigned col = static_cast<unsigned>(n0) / 4u + static_cast<unsigned>(tig >> 1);
     const unsigned bat = static_cast<unsigned>(p.batch_offset + b);
     uint32_t own = 0;
-#pragma unroll 1
+#pragma unroll 2
     for (int j = 0; j < 8; ++j) {
         const uint4 w = philox4x32_10(make_uint4(col + 2u * j, row, static_cast<unsigned>(h), bat),
                                       p.seed_lo, p.seed_hi);

@@ -1033,17 +1033,22 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 return !fast || n0 + BN > p.seq_kv ||
                        (p.causal && n0 + BN - 1 > row_first + offset);
             };
-            // Zeroes the dropped probabilities of tile n0 (64 keys per keep word).
-            auto drop = [&](int n0) {
+            // Dropout: the keep bits of tile n0 (64 keys per word) do not depend on the
+            // scores, so they are drawn while its Q K^T runs on the tensor cores (the Philox
+            // calls' latency hides there), and applied after its softmax.
+            uint32_t keep[kDropout ? BN / 64 : 1];
+            auto draw = [&](int n0) {
                 if constexpr (kDropout) {
 #pragma unroll
-                    for (int q64 = 0; q64 < BN / 64; ++q64) {
-                        const uint32_t keep =
-                            kpt::dropout_keep8(p, w.b, w.h, qi0, n0 + 64 * q64, tig);
+                    for (int q64 = 0; q64 < BN / 64; ++q64)
+                        keep[q64] = kpt::dropout_keep8(p, w.b, w.h, qi0, n0 + 64 * q64, tig);
+                }
+            };
+            auto drop = [&] {
+                if constexpr (kDropout) {
 #pragma unroll
-                        for (int e = 0; e < 32; ++e)
-                            if (!((keep >> e) & 1u)) s_acc[32 * q64 + e] = 0.0f;
-                    }
+                    for (int e = 0; e < BN / 2; ++e)
+                        if (!((keep[e / 32] >> (e % 32)) & 1u)) s_acc[e] = 0.0f;
                 }
             };
             auto softmax = [&](int n0) {
@@ -1080,12 +1085,13 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
                 if (kPingPong && (kCarry || !(c == kLast && n_tiles == 1)))
                     named_arrive(other_turn, 256);
+                draw(0);
                 wgmma_wait<0>();
                 fence_regs(s_acc);
                 mbar_arrive(empty_k(s));
                 if (my_tiles == 1) mbar_arrive(empty_q);
                 softmax(0);
-                drop(0);
+                drop();
                 pack_p<T, BN>(s_acc, pf);
 
                 // Tile t: S(t) and P(t - 1) V(t - 1) in flight together; the softmax of t runs
@@ -1104,12 +1110,13 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     gemm_pv<T, D, BN>(o, pf, vdesc + sp * kVStageDesc);
                     if (kPingPong && (kCarry || !(c == kLast && t == n_tiles - 1)))
                         named_arrive(other_turn, 256);
+                    draw(t * BN);
                     wgmma_wait<1>();  // S(t) is done
                     fence_regs(s_acc);
                     mbar_arrive(empty_k(s));
                     if (t == my_tiles - 1) mbar_arrive(empty_q);
                     softmax(t * BN);
-                    drop(t * BN);
+                    drop();
                     wgmma_wait<0>();  // P V of t - 1 is done
                     fence_regs(o);
                     fence_regs(pf);
