@@ -12,11 +12,11 @@ struct AttentionDims {
     float scale;
     int window;  // sliding window in keys, 0 = none
     // Dropout (training; kernels that take it: flash_attention.cu, its backward and the
-    // `_dropout_` entries of flash_attention_sm90.cu):
-    // query i's probability for key j of head h in batch entry b is kept iff word j % 4
-    // of Philox4x32-10 with counter (j / 4, i, h, batch_offset + b) and key
-    // (seed_lo, seed_hi) is at least dropout_threshold, and kept ones are scaled by
-    // dropout_scale. dropout_threshold 0 keeps everything (no dropout).
+    // `_dropout_` entries of flash_attention_sm90.cu): query i's probability for key j of
+    // head h in batch entry b is kept iff 16-bit half j % 2 (low first) of word (j % 8) / 2
+    // of Philox4x32-10 with counter (j / 8, i, h, batch_offset + b) and key
+    // (seed_lo, seed_hi) is at least dropout_threshold (< 2^16), and kept ones are scaled
+    // by dropout_scale. dropout_threshold 0 keeps everything (no dropout).
     unsigned dropout_threshold, seed_lo, seed_hi;
     float dropout_scale;
     int batch_offset;
@@ -37,18 +37,18 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned k0, unsigned k1
     return c;
 }
 
-// The dropout factors of keys 4 (j / 4) + {lo, lo + 1} (lo = j % 4, even) of query i, head
-// h, batch entry b: 0 or p.dropout_scale each.
+// The dropout factors of keys j and j + 1 (j even) of query i, head h, batch entry b:
+// 0 or p.dropout_scale each.
 __device__ __forceinline__ float2 dropout_pair(const AttentionDims& p, int b, int h, int i,
                                                int j) {
     const uint4 w = philox4x32_10(
-        make_uint4(static_cast<unsigned>(j) / 4u, static_cast<unsigned>(i),
+        make_uint4(static_cast<unsigned>(j) / 8u, static_cast<unsigned>(i),
                    static_cast<unsigned>(h), static_cast<unsigned>(p.batch_offset + b)),
         p.seed_lo, p.seed_hi);
-    const bool hi = (j & 2) != 0;
-    const unsigned a = hi ? w.z : w.x, c = hi ? w.w : w.y;
-    return make_float2(a >= p.dropout_threshold ? p.dropout_scale : 0.0f,
-                       c >= p.dropout_threshold ? p.dropout_scale : 0.0f);
+    const int k = (j % 8) / 2;
+    const unsigned x = k == 0 ? w.x : k == 1 ? w.y : k == 2 ? w.z : w.w;
+    return make_float2((x & 0xFFFFu) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
+                       (x >> 16) >= p.dropout_threshold ? p.dropout_scale : 0.0f);
 }
 
 // The dropout factor of key j of query i, head h, batch entry b: 0 or p.dropout_scale.
@@ -57,34 +57,48 @@ __device__ __forceinline__ float dropout_one(const AttentionDims& p, int b, int 
     return (j & 1) ? f.y : f.x;
 }
 
+// The 8 keep bits of one Philox call: bit 2 w + e is half e of word w (keys 8 g + 2 w + e).
+__device__ __forceinline__ uint32_t keep_bits8(uint4 w, unsigned threshold) {
+    const unsigned hi = threshold << 16;  // half 1 >= threshold iff the word >= this
+    return ((w.x & 0xFFFFu) >= threshold ? 0x01u : 0u) | (w.x >= hi ? 0x02u : 0u) |
+           ((w.y & 0xFFFFu) >= threshold ? 0x04u : 0u) | (w.y >= hi ? 0x08u : 0u) |
+           ((w.z & 0xFFFFu) >= threshold ? 0x10u : 0u) | (w.z >= hi ? 0x20u : 0u) |
+           ((w.w & 0xFFFFu) >= threshold ? 0x40u : 0u) | (w.w >= hi ? 0x80u : 0u);
+}
+
 // Keep bits of eight n8 blocks of an m16n8 accumulator (mma.sync, or one warp's rows of a
 // wgmma m64 accumulator) of head h, batch entry b: block j holds keys n0 + 8 j + 2 tig +
-// {0, 1} of rows qi0 and qi0 + 8 (tig = lane % 4, n0 % 4 == 0), and bit 4 j + e of the
-// result is element e of block j (row e / 2, key e % 2). Lanes tig and tig ^ 1 need the
-// same two Philox calls per block (keys 4 (n0 / 4 + 2 j + tig / 2) .., rows qi0 and
-// qi0 + 8), so each makes one (the even lane row qi0, the odd one row qi0 + 8) and they
-// trade the halves: half the calls of dropout_pair. Every lane of the warp must call it.
+// {0, 1} of rows qi0 and qi0 + 8 (tig = lane % 4, n0 % 8 == 0), and bit 4 j + e of the
+// result is element e of block j (row e / 2, key e % 2). One Philox call decides a row's
+// eight keys of a block, which the quad's four lanes share (lane tig holds word tig), so
+// the quad's 16 calls are made four per lane: lane c the calls of row c % 2 and blocks
+// 2 m + c / 2 (byte m of its bits), and three shuffles give every lane the others'. Every
+// lane of the warp must call it.
 __device__ __forceinline__ uint32_t dropout_keep8(const AttentionDims& p, int b, int h, int qi0,
                                                   int n0, int tig) {
-    const bool odd = (tig & 1) != 0;
-    const unsigned row = static_cast<unsigned>(qi0 + (odd ? 8 : 0));
-    const unsigned col = static_cast<unsigned>(n0) / 4u + static_cast<unsigned>(tig >> 1);
+    const unsigned row = static_cast<unsigned>(qi0 + 8 * (tig & 1));
+    const unsigned col = static_cast<unsigned>(n0) / 8u + static_cast<unsigned>(tig >> 1);
     const unsigned bat = static_cast<unsigned>(p.batch_offset + b);
     uint32_t own = 0;
 #pragma unroll 2
-    for (int j = 0; j < 8; ++j) {
-        const uint4 w = philox4x32_10(make_uint4(col + 2u * j, row, static_cast<unsigned>(h), bat),
+    for (int m = 0; m < 4; ++m) {
+        const uint4 w = philox4x32_10(make_uint4(col + 2u * m, row, static_cast<unsigned>(h), bat),
                                       p.seed_lo, p.seed_hi);
-        own |= (w.x >= p.dropout_threshold ? 1u : 0u) << (4 * j);
-        own |= (w.y >= p.dropout_threshold ? 2u : 0u) << (4 * j);
-        own |= (w.z >= p.dropout_threshold ? 4u : 0u) << (4 * j);
-        own |= (w.w >= p.dropout_threshold ? 8u : 0u) << (4 * j);
+        own |= keep_bits8(w, p.dropout_threshold) << (8 * m);
     }
-    // The even lane's elements are words 0, 1 of its row qi0 (own) and of row qi0 + 8 (the
-    // odd lane's); the odd lane's words 2, 3 of row qi0 (the even lane's) and of its own.
-    const uint32_t other = __shfl_xor_sync(0xffffffffu, own, 1);
-    return odd ? ((other >> 2) & 0x33333333u) | (own & 0xCCCCCCCCu)
-               : (own & 0x33333333u) | ((other & 0x33333333u) << 2);
+    // v[x]: the bits of lane tig ^ x, whose calls are those of c = tig ^ x. This lane's
+    // keys are bits 2 tig, 2 tig + 1 of each byte; they go to bits 2 c, 2 c + 1 of the
+    // byte (as 4 s + 2 r + e of block 2 m + s, row r = c % 2, s = c / 2).
+    uint32_t v[4];
+    v[0] = own;
+    v[1] = __shfl_xor_sync(0xffffffffu, own, 1);
+    v[2] = __shfl_xor_sync(0xffffffffu, own, 2);
+    v[3] = __shfl_xor_sync(0xffffffffu, v[1], 2);
+    uint32_t keep = 0;
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+        keep |= ((v[x] >> (2 * tig)) & 0x03030303u) << (2 * (tig ^ x));
+    return keep;
 }
 
 }  // namespace kpt

@@ -20,7 +20,7 @@
 // [batch, heads, seq_q], +inf for rows that see no key) is written there too, for the
 // backward pass. With dropout (Dims::dropout_threshold > 0, see attention_dims.cuh) each
 // probability is multiplied by its dropout factor after the row's sum is taken and
-// before P V (kpt::dropout_keep8: a lane pair shares each Philox call of four keys).
+// before P V (kpt::dropout_keep8: the quad of lanes of a row shares its Philox calls).
 //
 // kpt:launch kpt_flash_attention_bf16_d64 block=128 shared=0 grid=tiles
 // kpt:launch kpt_flash_attention_bf16_d128 block=128 shared=0 grid=tiles

@@ -68,7 +68,7 @@
 // too, for the backward pass; the FP8 entry writes none.
 // Dropout (training, the `_tma_dropout_` entries, bf16/f16 at d = 64 or 128, two consumers
 // at both): after the online softmax of a tile took its row sums, the dropped probabilities
-// are zeroed (Philox keep bits from kpt::dropout_keep8, which a lane pair shares) and P V
+// are zeroed (Philox keep bits from kpt::dropout_keep8, shared by a quad of lanes) and P V
 // runs on the rest; the kept ones' 1 / (1 - p) goes into the final normalization. The
 // log-sum-exp stays the softmax's.
 // Tuning switches for standalone builds (target/fa3test): KPT_FA3_STAGES_D64/_D128,
@@ -802,9 +802,9 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
 // the output (v_scale for FP8, 1 otherwise). kDropout (16-bit, 128-key tiles): each P tile
-// loses its dropped probabilities after the softmax took its sum (dropout_keep8, one Philox
-// call per lane pair and four keys) and the kept ones are scaled at the store, with the
-// normalization.
+// loses its dropped probabilities after the softmax took its sum (dropout_keep8: one Philox
+// call per row and eight keys, shared by the quad of lanes) and the kept ones are scaled at
+// the store, with the normalization.
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
           int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,

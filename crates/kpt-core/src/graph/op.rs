@@ -83,11 +83,13 @@ impl Activation {
 }
 
 /// Dropout of attention probabilities (training), reproducible on every backend: the
-/// probability of query `i` for key `j` of head `h` in batch `b` is kept iff word `j % 4`
-/// of [`philox4x32_10`](crate::rand::philox4x32_10) with counter `[j / 4, i, h, b]` and
-/// key `[seed as u32, (seed >> 32) as u32]` is at least [`threshold`](Self::threshold);
-/// kept probabilities are scaled by [`scale`](Self::scale) (`1 / (1 - p)`), as PyTorch's
-/// and FlashAttention's dropout do. A new seed per training step gives new decisions.
+/// probability of query `i` for key `j` of head `h` in batch `b` is kept iff the 16-bit
+/// number `j % 8` ([`random16`](Self::random16)) of
+/// [`philox4x32_10`](crate::rand::philox4x32_10) with counter `[j / 8, i, h, b]` and key
+/// `[seed as u32, (seed >> 32) as u32]` is at least [`threshold`](Self::threshold); kept
+/// probabilities are scaled by [`scale`](Self::scale) (`1 / (1 - p)`), as PyTorch's and
+/// FlashAttention's dropout do. A new seed per training step gives new decisions. One
+/// Philox call decides eight keys (FlashAttention-2 takes 8-bit numbers, sixteen keys).
 ///
 /// ```
 /// use kpt_core::graph::AttentionDropout;
@@ -116,11 +118,19 @@ impl AttentionDropout {
         Ok(())
     }
 
-    /// A probability is kept iff its random word is at least this: `floor(p * 2^32)`.
+    /// Keys one Philox call decides.
+    pub const KEYS_PER_CALL: usize = 8;
+
+    /// A probability is kept iff its 16-bit random number is at least this:
+    /// `floor(p * 2^16)`.
     pub fn threshold(&self) -> u32 {
-        (f64::from(self.p) * 4_294_967_296.0)
-            .floor()
-            .min(f64::from(u32::MAX)) as u32
+        (f64::from(self.p) * 65_536.0).floor().min(65_535.0) as u32
+    }
+
+    /// The 16-bit random number of key `k` (0..8) of a call's eight keys: word `k / 2`,
+    /// its low half for even `k`, its high half for odd `k`.
+    pub fn random16(words: &[u32; 4], k: usize) -> u32 {
+        (words[k / 2] >> (16 * (k % 2))) & 0xFFFF
     }
 
     /// The factor of kept probabilities, `1 / (1 - p)`.
@@ -131,10 +141,11 @@ impl AttentionDropout {
     /// Whether the probability of query `query` for key `key` of head `head` in batch
     /// (or sequence) `batch` is kept.
     pub fn keeps(&self, batch: usize, head: usize, query: usize, key: usize) -> bool {
-        self.words(batch, head, query, key / 4)[key % 4] >= self.threshold()
+        let words = self.words(batch, head, query, key / Self::KEYS_PER_CALL);
+        Self::random16(&words, key % Self::KEYS_PER_CALL) >= self.threshold()
     }
 
-    /// The random words of keys `4 group .. 4 group + 3` of a query row (one Philox call).
+    /// The random words of keys `8 group .. 8 group + 7` of a query row (one Philox call).
     pub fn words(&self, batch: usize, head: usize, query: usize, group: usize) -> [u32; 4] {
         crate::rand::philox4x32_10(
             [group as u32, query as u32, head as u32, batch as u32],
@@ -1291,8 +1302,19 @@ mod tests {
     fn dropout_thresholds_and_checks() {
         let d = |p: f32| AttentionDropout { p, seed: 0 };
         assert_eq!(d(0.0).threshold(), 0);
-        assert_eq!(d(0.5).threshold(), 1 << 31);
+        assert_eq!(d(0.5).threshold(), 1 << 15);
+        assert_eq!(d(0.999_999).threshold(), 65_535);
         assert!((0..64).all(|j| d(0.0).keeps(1, 2, 3, j)));
+        // Key j takes half j % 2 of word (j % 8) / 2 of the call of keys 8 (j / 8) ..
+        let words = d(0.0).words(1, 2, 3, 1);
+        assert_eq!(AttentionDropout::random16(&words, 0), words[0] & 0xFFFF);
+        assert_eq!(AttentionDropout::random16(&words, 7), words[3] >> 16);
+        let t = d(0.3).threshold();
+        let want: Vec<bool> = (0..8)
+            .map(|k| AttentionDropout::random16(&words, k) >= t)
+            .collect();
+        let got: Vec<bool> = (8..16).map(|j| d(0.3).keeps(1, 2, 3, j)).collect();
+        assert_eq!(got, want);
         assert!(d(0.999).validate().is_ok());
         assert!(d(1.0).validate().is_err());
         let paged = AttentionParams {

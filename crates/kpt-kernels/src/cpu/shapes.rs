@@ -55,11 +55,17 @@ pub struct ShapeDropout {
 }
 
 impl ShapeDropout {
-    /// The random words of keys `4 group .. 4 group + 3` of the shape's query `i` of head
+    /// The random words of keys `8 group .. 8 group + 7` of the shape's query `i` of head
     /// `h` in batch `b` (positions counted in the op's call).
     fn words(&self, b: usize, h: usize, i: usize, group: usize) -> [u32; 4] {
         self.mask
             .words(self.first_batch + b, h, self.first_query + i, group)
+    }
+
+    /// Whether the shape's query `i` of head `h` in batch `b` keeps key `j`.
+    fn keeps(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
+        self.mask
+            .keeps(self.first_batch + b, h, self.first_query + i, j)
     }
 }
 
@@ -90,7 +96,7 @@ impl AttentionShape {
 
     /// Multiplies `p[n * stride]`, the probability of query `i` for key `j0 + n` of head
     /// `h` in batch `b`, by its dropout factor, for every `n` the slice holds (one Philox
-    /// call per four keys); nothing without dropout.
+    /// call per eight keys); nothing without dropout.
     pub fn apply_dropout(
         &self,
         (b, h, i): (usize, usize, usize),
@@ -100,13 +106,14 @@ impl AttentionShape {
     ) {
         let Some(d) = &self.dropout else { return };
         let (threshold, scale) = (d.mask.threshold(), d.mask.scale() as f32);
+        const KEYS: usize = AttentionDropout::KEYS_PER_CALL;
         let mut words = (usize::MAX, [0u32; 4]);
         for (n, x) in p.iter_mut().step_by(stride).enumerate() {
             let j = j0 + n;
-            if words.0 != j / 4 {
-                words = (j / 4, d.words(b, h, i, j / 4));
+            if words.0 != j / KEYS {
+                words = (j / KEYS, d.words(b, h, i, j / KEYS));
             }
-            *x = if words.1[j % 4] >= threshold {
+            *x = if AttentionDropout::random16(&words.1, j % KEYS) >= threshold {
                 *x * scale
             } else {
                 0.0
@@ -119,7 +126,7 @@ impl AttentionShape {
     pub fn dropout_factor(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
         match &self.dropout {
             None => 1.0,
-            Some(d) if d.words(b, h, i, j / 4)[j % 4] >= d.mask.threshold() => d.mask.scale(),
+            Some(d) if d.keeps(b, h, i, j) => d.mask.scale(),
             Some(_) => 0.0,
         }
     }

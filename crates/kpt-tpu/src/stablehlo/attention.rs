@@ -325,7 +325,7 @@ fn softmax_lse(b: &mut Builder, scores: &Val) -> Result<(Val, Val)> {
 /// Dropout's factors `[B, Hkv, G, S, T]` in `c` (`1 / (1 - p)` or 0, see
 /// `AttentionDropout`), or `None` without dropout: Philox4x32-10 on i64 tensors holding
 /// 32-bit words (products wrap in 64 bits, and the high word is a logical shift), its
-/// round keys constants. Batch entry and positions come from iotas over the score shape,
+/// round keys constants, then each key's 16 bits of its word. Batch entry and positions come from iotas over the score shape,
 /// or for a packed batch from `positions` (sequence, and positions within it).
 fn dropout_factors(
     b: &mut Builder,
@@ -353,9 +353,10 @@ fn dropout_factors(
     let g = int(b, groups);
     let head = b.binary("multiply", &kv, &g);
     let head = b.binary("add", &head, &member);
-    let four = int(b, 4);
-    let group = b.binary("divide", &j, &four);
-    let lane = b.binary("remainder", &j, &four);
+    let (eight, two, sixteen) = (int(b, 8), int(b, 2), int(b, 16));
+    let group = b.binary("divide", &j, &eight);
+    let within = b.binary("remainder", &j, &eight);
+    let lane = b.binary("divide", &within, &two);
     let low = int(b, 0xFFFF_FFFF);
     let thirty_two = int(b, 32);
     let (m0, m1) = (int(b, 0xD251_1F53), int(b, 0xCD9E_8D57));
@@ -379,13 +380,18 @@ fn dropout_factors(
         let x2 = b.binary("xor", &x2, &key1);
         ctr = [x0, lo1, x2, lo0];
     }
-    // Word j % 4 of the four.
+    // Word (j % 8) / 2 of the four, then its low (even j) or high (odd j) 16 bits.
     let mut word = ctr[3].clone();
     for w in (0..3).rev() {
         let at = int(b, w as i64);
         let is = b.compare(&lane, &at, Cmp::Eq);
         word = b.select(&is, &ctr[w], &word);
     }
+    let half = b.binary("remainder", &j, &two);
+    let shift = b.binary("multiply", &half, &sixteen);
+    let word = b.binary("shift_right_logical", &word, &shift);
+    let mask16 = int(b, 0xFFFF);
+    let word = b.binary("and", &word, &mask16);
     let threshold = int(b, i64::from(d.threshold()));
     let keep = b.compare(&word, &threshold, Cmp::Ge);
     let scale = b.splat(d.scale(), shape, c)?;
