@@ -190,7 +190,7 @@ pub(crate) struct AttentionDims {
     scale: f32,
     /// Sliding window in keys; 0 = none.
     window: i32,
-    /// Dropout: keep iff the Philox word is at least this; 0 = no dropout.
+    /// Dropout: keep iff the 16-bit Philox number is at least this; 0 = no dropout.
     dropout_threshold: u32,
     seed_lo: u32,
     seed_hi: u32,
