@@ -37,26 +37,6 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned k0, unsigned k1
     return c;
 }
 
-// The dropout factors of keys j and j + 1 (j even) of query i, head h, batch entry b:
-// 0 or p.dropout_scale each.
-__device__ __forceinline__ float2 dropout_pair(const AttentionDims& p, int b, int h, int i,
-                                               int j) {
-    const uint4 w = philox4x32_10(
-        make_uint4(static_cast<unsigned>(j) / 8u, static_cast<unsigned>(i),
-                   static_cast<unsigned>(h), static_cast<unsigned>(p.batch_offset + b)),
-        p.seed_lo, p.seed_hi);
-    const int k = (j % 8) / 2;
-    const unsigned x = k == 0 ? w.x : k == 1 ? w.y : k == 2 ? w.z : w.w;
-    return make_float2((x & 0xFFFFu) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
-                       (x >> 16) >= p.dropout_threshold ? p.dropout_scale : 0.0f);
-}
-
-// The dropout factor of key j of query i, head h, batch entry b: 0 or p.dropout_scale.
-__device__ __forceinline__ float dropout_one(const AttentionDims& p, int b, int h, int i, int j) {
-    const float2 f = dropout_pair(p, b, h, i, j & ~1);
-    return (j & 1) ? f.y : f.x;
-}
-
 // The 8 keep bits of one Philox call: bit 2 w + e is half e of word w (keys 8 g + 2 w + e).
 __device__ __forceinline__ uint32_t keep_bits8(uint4 w, unsigned threshold) {
     const unsigned hi = threshold << 16;  // half 1 >= threshold iff the word >= this
@@ -98,6 +78,36 @@ __device__ __forceinline__ uint32_t dropout_keep8(const AttentionDims& p, int b,
 #pragma unroll
     for (int x = 0; x < 4; ++x)
         keep |= ((v[x] >> (2 * tig)) & 0x03030303u) << (2 * (tig ^ x));
+    return keep;
+}
+
+// The same for a transposed accumulator (rows keys, columns queries: the dk / dv passes):
+// rows k0 + g and k0 + g + 8 (k0 % 16 == 0, g = lane / 4), eight n8 blocks of queries
+// q0 + 8 j + 2 tig + {0, 1}; bit 4 j + e of the result is element e of block j (key row
+// e / 2, query e % 2). A call decides one query's keys of an 8-key block, bit g for row g,
+// so the eight lanes of a column (one tig) need 32 calls, four per lane: lane g makes
+// those of query 2 tig + g % 2, key block (g / 2) % 2 and n8 blocks g / 4 + 2 m (byte m),
+// and eight shuffles within the column hand them out. Every lane of the warp must call it.
+__device__ __forceinline__ uint32_t dropout_keep8_t(const AttentionDims& p, int b, int h, int k0,
+                                                    int q0, int g, int tig) {
+    const unsigned kb = static_cast<unsigned>(k0) / 8u + static_cast<unsigned>((g >> 1) & 1);
+    const unsigned q = static_cast<unsigned>(q0 + 2 * tig + (g & 1) + 8 * (g >> 2));
+    const unsigned bat = static_cast<unsigned>(p.batch_offset + b);
+    uint32_t own = 0;
+#pragma unroll 2
+    for (int m = 0; m < 4; ++m) {
+        const uint4 w = philox4x32_10(make_uint4(kb, q + 16u * m, static_cast<unsigned>(h), bat),
+                                      p.seed_lo, p.seed_hi);
+        own |= keep_bits8(w, p.dropout_threshold) << (8 * m);
+    }
+    uint32_t keep = 0;
+#pragma unroll
+    for (int src = 0; src < 8; ++src) {
+        // Lane g = src of this column made the calls of query offset src % 2, key row
+        // (src / 2) % 2 and n8 blocks src / 4 + 2 m; this lane's key is bit g of each byte.
+        const uint32_t v = __shfl_sync(0xffffffffu, own, 4 * src + tig);
+        keep |= ((v >> g) & 0x01010101u) << (4 * (src >> 2) + 2 * ((src >> 1) & 1) + (src & 1));
+    }
     return keep;
 }
 

@@ -493,6 +493,10 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                           (p.causal && n0 + kBlockN - 1 > m0 + offset);
         const float* lrow = lses + buf * kBlockM;
         const float* drow = dsb + buf * kBlockM;
+        // Dropout: dV takes P Z, dS = P (Z dP - D).
+        const uint32_t keep = p.dropout_threshold != 0
+                                  ? kpt::dropout_keep8_t(p, b, h, n0 + warp * 16, m0, g, tig)
+                                  : ~0u;
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
             const int c = j * 8 + tig * 2;  // query column within the tile (and c + 1)
@@ -510,12 +514,7 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                     x = visible ? x : -INFINITY;
                 }
                 const float pr = exp2f(x - ((e & 1) ? l2.y : l2.x));
-                // Dropout: dV takes P Z, dS = P (Z dP - D). The thread's two queries of
-                // a key are in different Philox groups' rows: one call per element.
-                const float z = p.dropout_threshold != 0
-                                    ? kpt::dropout_one(p, b, h, m0 + c + (e & 1),
-                                                       n0 + kr0 + (e >> 1) * 8)
-                                    : 1.0f;
+                const float z = (keep >> (4 * j + e)) & 1u ? p.dropout_scale : 0.0f;
                 st[j][e] = pr * z;
                 dpt[j][e] = pr * (z * dpt[j][e] - ((e & 1) ? d2.y : d2.x));  // dS^T (unscaled)
             }

@@ -1224,11 +1224,14 @@ __device__ __forceinline__ void bwd_scores(float (&st)[32], float (&dpt)[32], ui
 // st becomes P = exp2(S scale2 (+ mask log2e) - lse2) and dpt dS = P o (dP - D), element
 // 4j + 2r + e of the 64 x 64 block: at(j, r, e) gives its (key, query), stats(j, r, e) its
 // query's (lse2, D). With `edge`, keys the query does not see (past the cache, causal) and
-// queries past seq_q give P = 0; otherwise every element is visible.
-template <typename At, typename Stats>
+// queries past seq_q give P = 0; otherwise every element is visible. kDropout: bit i of
+// `keep` is element i's decision (kpt::dropout_keep8 / _keep8_t); st becomes P Z and dpt
+// P (Z dP - D), Z = p.dropout_scale or 0.
+template <bool kDropout, typename At, typename Stats>
 __device__ __forceinline__ void bwd_probs(float (&st)[32], float (&dpt)[32], bool edge,
                                           float scale2, const Dims& p,
-                                          const float* __restrict__ mask, At at, Stats stats) {
+                                          const float* __restrict__ mask, At at, Stats stats,
+                                          uint32_t keep = ~0u) {
     const int offset = p.seq_kv - p.seq_q;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -1246,8 +1249,15 @@ __device__ __forceinline__ void bwd_probs(float (&st)[32], float (&dpt)[32], boo
                     x = visible ? x : -INFINITY;
                 }
                 const float2 ld = stats(j, r, e);
-                st[i] = exp2f(x - ld.x);
-                dpt[i] = st[i] * (dpt[i] - ld.y);
+                const float pr = exp2f(x - ld.x);
+                if constexpr (kDropout) {
+                    const float z = (keep >> i) & 1u ? p.dropout_scale : 0.0f;
+                    st[i] = pr * z;
+                    dpt[i] = pr * (z * dpt[i] - ld.y);
+                } else {
+                    st[i] = pr;
+                    dpt[i] = pr * (dpt[i] - ld.y);
+                }
             }
         }
     }
@@ -1295,7 +1305,7 @@ __device__ __forceinline__ uint64_t mn_desc(uint32_t addr, int rows) {
                      addr);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                               const T* __restrict__ v,
                                               const float* __restrict__ mask,
@@ -1394,6 +1404,11 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
         const int m0 = m_begin + (it % tiles_m) * kBwdRows;
         mbar_wait(full(s), phase);
         fence_proxy_async();
+        // Dropout's decisions of this warp's 16 keys and the 64 queries (query head h).
+        uint32_t keep = ~0u;
+        if constexpr (kDropout)
+            keep = kpt::dropout_keep8_t(p, b, hk * group + it / tiles_m, n0 + c * 64 + warp * 16,
+                                        m0, g, tig);
         const uint64_t qk = make_desc(kDescK, sq(s)), dok = make_desc(kDescK, sdo(s));
         // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries).
         float st[32], dpt[32];
@@ -1402,13 +1417,14 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
         // P^T and dS^T: element 4j + 2r + e is key kr0 + 8r, query m0 + 8j + 2tig + e.
         const float* lrow = stats + s * 2 * kBwdRows;
         const bool edge = mask != nullptr || (p.causal && n0 + c * 64 + 63 > m0 + offset);
-        bwd_probs(
+        bwd_probs<kDropout>(
             st, dpt, edge, scale2, p, mask,
             [&](int j, int r, int e) { return make_int2(n0 + kr0 + 8 * r, m0 + 8 * j + 2 * tig + e); },
             [&](int j, int, int e) {
                 const int col = 8 * j + 2 * tig + e;
                 return make_float2(lrow[col], lrow[kBwdRows + col]);
-            });
+            },
+            keep);
         // P^T and dS^T as A fragments (k-steps of 16 queries), then dV += P^T dO and
         // dK += dS^T Q with dO and Q read MN-major.
         uint32_t pf[4][4], sf[4][4];
@@ -1491,7 +1507,7 @@ struct DqConfig {
 static_assert(DqConfig<64>::kSmemBytes == 99400, "keep the kpt:launch shared= values in step");
 static_assert(DqConfig<128>::kSmemBytes == 197704, "keep the kpt:launch shared= values in step");
 
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v,
                                             const float* __restrict__ mask,
@@ -1614,10 +1630,12 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
                                   make_desc(kDescK, sv(s)));
         // P and dS: element 4j + 2r + e is row r0 + 8r, key n0 + 8j + 2tig + e.
         const bool edge = mask != nullptr || (p.causal && n0 + kDqKeys - 1 > row_first + offset);
-        bwd_probs(
+        uint32_t keep = ~0u;
+        if constexpr (kDropout) keep = kpt::dropout_keep8(p, b, h, m0 + r0, n0, tig);
+        bwd_probs<kDropout>(
             st, dpt, edge, scale2, p, mask,
             [&](int j, int r, int e) { return make_int2(n0 + 8 * j + 2 * tig + e, m0 + r0 + 8 * r); },
-            [&](int, int r, int) { return make_float2(lse2[r], dsum[r]); });
+            [&](int, int r, int) { return make_float2(lse2[r], dsum[r]); }, keep);
         uint32_t sf[4][4];
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
@@ -1663,13 +1681,13 @@ __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const f
                                            float*, const Dims&, float, Maps) {
     __trap();
 }
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 __device__ __forceinline__ void bwd_dkdv_sm90(const T*, const T*, const T*, const float*,
                                               const T*, const float*, const float*, T*, T*,
                                               const Dims&) {
     __trap();
 }
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 __device__ __forceinline__ void bwd_dq_sm90(const T*, const T*, const T*, const float*, const T*,
                                             const T*, const float*, T*, float*, float*,
                                             const Dims&) {
@@ -1804,7 +1822,10 @@ KPT_FLASH_SM90_FP8_N192(n192_causal_, KPT_FA3_POLY_FP8)
             const T* q, const T* k, const T* v, const float* mask, const T* dout,           \
             const float* lse, const float* delta, T* dk, T* dv, const Dims p) {             \
         kpt::dependent_launch_prologue();                                                  \
-        bwd_dkdv_sm90<T, D>(q, k, v, mask, dout, lse, delta, dk, dv, p);                   \
+        if (p.dropout_threshold != 0)                                                      \
+            bwd_dkdv_sm90<T, D, true>(q, k, v, mask, dout, lse, delta, dk, dv, p);         \
+        else                                                                               \
+            bwd_dkdv_sm90<T, D, false>(q, k, v, mask, dout, lse, delta, dk, dv, p);        \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(384, 1)                                    \
         kpt_flash_attention_sm90_bwd_dq_lse_##NAME##_d##D(                                   \
@@ -1812,7 +1833,10 @@ KPT_FLASH_SM90_FP8_N192(n192_causal_, KPT_FA3_POLY_FP8)
             const T* dout, const float* lse_in, T* dq, float* lse, float* delta,            \
             const Dims p) {                                                                 \
         kpt::dependent_launch_prologue();                                                  \
-        bwd_dq_sm90<T, D>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);             \
+        if (p.dropout_threshold != 0)                                                      \
+            bwd_dq_sm90<T, D, true>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);  \
+        else                                                                               \
+            bwd_dq_sm90<T, D, false>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p); \
     }
 
 KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64)

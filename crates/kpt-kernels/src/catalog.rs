@@ -541,8 +541,8 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             &[DType::BF16, DType::F16],
             "FlashAttention-2 style gradients on mma.sync tensor cores, no atomics: dq per \
              query tile (probabilities from the forward's log-sum-exp when given, else an \
-             online softmax that leaves it), then dk and dv per key tile in registers; \
-             dropout's decisions recomputed (then on mma.sync on Hopper too)",
+             online softmax that leaves it), then dk and dv per key tile in registers \
+             (on Hopper both on wgmma where they apply); dropout's decisions recomputed",
         )
         .with_priority(110)
         .limits(ShapeLimits {

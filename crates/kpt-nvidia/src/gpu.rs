@@ -175,6 +175,9 @@ pub struct Gpu {
     /// Whether split-KV attention may merge its runs in thread-block clusters
     /// ([`Gpu::cluster_attention`]).
     cluster_attention: AtomicBool,
+    /// Whether the attention backward runs its wgmma kernels on sm_90a
+    /// ([`Gpu::set_wgmma_backward`]).
+    wgmma_backward: AtomicBool,
     /// Whether GEMVs read constant weights before waiting for their producer
     /// ([`Gpu::gemv_preload`]).
     gemv_preload: bool,
@@ -228,6 +231,7 @@ impl Gpu {
             programmatic: AtomicBool::new(programmatic),
             attention_blocks: AtomicUsize::new(0),
             cluster_attention: AtomicBool::new(clusters),
+            wgmma_backward: AtomicBool::new(true),
             gemv_preload: switched_on("KPT_CUDA_GEMV_PRELOAD"),
             gemv_stage: switched_on("KPT_CUDA_GEMV_STAGE"),
         })
@@ -277,6 +281,18 @@ impl Gpu {
     pub fn set_cluster_attention(&self, on: bool) {
         let on = on && self.props.compute_capability.0 >= 9;
         self.cluster_attention.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the attention backward runs its wgmma kernels where the sm_90a cubin is
+    /// loaded (the default), or the mma.sync kernels everywhere (tests reach those on
+    /// Hopper this way). The result does not depend on it beyond rounding.
+    pub fn set_wgmma_backward(&self, on: bool) {
+        self.wgmma_backward.store(on, Ordering::Relaxed);
+    }
+
+    /// [`Gpu::set_wgmma_backward`]'s setting.
+    pub(crate) fn wgmma_backward(&self) -> bool {
+        self.wgmma_backward.load(Ordering::Relaxed)
     }
 
     /// Whether the GEMV kernel issues its first loads of weights that no kernel writes

@@ -1118,8 +1118,7 @@ impl Gpu {
         let stats = self.alloc((2 * rows).max(4) * 4)?;
         let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
         const SM90: &str = "flash_attention_sm90";
-        // The wgmma backward applies no dropout.
-        let hopper = !dims.dropout() && self.loaded_target(SM90)? == "sm_90a";
+        let hopper = self.wgmma_backward() && self.loaded_target(SM90)? == "sm_90a";
         if query_tiles > 0 && lse_in != 0 && hopper {
             // The wgmma dq kernel: 128 query rows per block.
             let pairs = dims.batch as usize * dims.heads as usize;

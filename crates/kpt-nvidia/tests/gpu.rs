@@ -686,7 +686,7 @@ proptest! {
                          head_dim in prop::sample::select(vec![64usize, 128]),
                          causal in any::<bool>(), with_mask in any::<bool>(),
                          p in 0.0f32..0.6, dropout_seed: u64,
-                         blocks in prop::option::of(1usize..=4),
+                         blocks in prop::option::of(1usize..=4), with_lse in any::<bool>(),
                          dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
         let Some(b) = backend() else { return Ok(()) };
         let shape = [batch, seq_q, seq_kv, kv_heads, group, head_dim];
@@ -704,8 +704,16 @@ proptest! {
         let forward = check(&with_dropout(op), &inputs);
         b.gpu().set_attention_blocks(None);
         forward?;
-        let (op, inputs) = attention_backward_inputs(shape, (causal, None), with_mask, dt, seed);
-        check(&with_dropout(op), &inputs)?;
+        // The backward on the wgmma kernels (on Hopper; dq there only with the forward's
+        // log-sum-exp), then on the mma.sync ones.
+        let (op, inputs) =
+            attention_backward_inputs_lse(shape, (causal, None), (with_mask, with_lse), dt, seed);
+        let op = with_dropout(op);
+        check(&op, &inputs)?;
+        b.gpu().set_wgmma_backward(false);
+        let sync = check(&op, &inputs);
+        b.gpu().set_wgmma_backward(true);
+        sync?;
     }
 
     /// FP8 at head dim 128 on a persistent grid of 1 to 8 blocks: every block walks several
