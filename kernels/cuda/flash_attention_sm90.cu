@@ -105,6 +105,14 @@
 // kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_bf16_d128 block=384 shared=197704 grid=query_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_f16_d64 block=384 shared=99400 grid=query_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_f16_d128 block=384 shared=197704 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_dropout_bf16_d64 block=384 shared=67624 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_dropout_bf16_d128 block=384 shared=133160 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_dropout_f16_d64 block=384 shared=67624 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_dropout_f16_d128 block=384 shared=133160 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_dropout_bf16_d64 block=384 shared=99400 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_dropout_bf16_d128 block=384 shared=197704 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_dropout_f16_d64 block=384 shared=99400 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_dropout_f16_d128 block=384 shared=197704 grid=query_tiles
 // kpt:launch kpt_attention_fp8_v_transpose_d128 block=256 shared=0 grid=tiles
 //
 // FP8 (e4m3) inputs, head dim 128, bf16 output (kpt_flash_attention_sm90_e4m3_d128): the same
@@ -1815,34 +1823,34 @@ KPT_FLASH_SM90_FP8_N192(n192_, 0)
 KPT_FLASH_SM90_FP8_N192(n192_causal_, KPT_FA3_POLY_FP8)
 
 // The backward's dk / dv launch on wgmma (see bwd_dkdv_sm90): the arguments of
-// flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block.
-#define KPT_FLASH_SM90_BWD(NAME, T, D)                                                     \
+// flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block; and its dq
+// launch given the forward's log-sum-exp. `_dropout_` entries apply Dims' dropout (separate
+// code, so that the entries without it stay as they were).
+#define KPT_FLASH_SM90_BWD(NAME, T, D, DROP, DROPOUT)                                      \
     extern "C" __global__ void __launch_bounds__(384, 1)                                    \
-        kpt_flash_attention_sm90_bwd_dkdv_##NAME##_d##D(                                     \
+        kpt_flash_attention_sm90_bwd_dkdv_##DROP##NAME##_d##D(                               \
             const T* q, const T* k, const T* v, const float* mask, const T* dout,           \
             const float* lse, const float* delta, T* dk, T* dv, const Dims p) {             \
         kpt::dependent_launch_prologue();                                                  \
-        if (p.dropout_threshold != 0)                                                      \
-            bwd_dkdv_sm90<T, D, true>(q, k, v, mask, dout, lse, delta, dk, dv, p);         \
-        else                                                                               \
-            bwd_dkdv_sm90<T, D, false>(q, k, v, mask, dout, lse, delta, dk, dv, p);        \
+        bwd_dkdv_sm90<T, D, DROPOUT>(q, k, v, mask, dout, lse, delta, dk, dv, p);          \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(384, 1)                                    \
-        kpt_flash_attention_sm90_bwd_dq_lse_##NAME##_d##D(                                   \
+        kpt_flash_attention_sm90_bwd_dq_lse_##DROP##NAME##_d##D(                             \
             const T* q, const T* k, const T* v, const float* mask, const T* out,            \
             const T* dout, const float* lse_in, T* dq, float* lse, float* delta,            \
             const Dims p) {                                                                 \
         kpt::dependent_launch_prologue();                                                  \
-        if (p.dropout_threshold != 0)                                                      \
-            bwd_dq_sm90<T, D, true>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);  \
-        else                                                                               \
-            bwd_dq_sm90<T, D, false>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p); \
+        bwd_dq_sm90<T, D, DROPOUT>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);    \
     }
 
-KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64)
-KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128)
-KPT_FLASH_SM90_BWD(f16, __half, 64)
-KPT_FLASH_SM90_BWD(f16, __half, 128)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64, , false)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128, , false)
+KPT_FLASH_SM90_BWD(f16, __half, 64, , false)
+KPT_FLASH_SM90_BWD(f16, __half, 128, , false)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64, dropout_, true)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128, dropout_, true)
+KPT_FLASH_SM90_BWD(f16, __half, 64, dropout_, true)
+KPT_FLASH_SM90_BWD(f16, __half, 128, dropout_, true)
 
 // q, k [batch, seq, heads * 128] e4m3, vt from kpt_attention_fp8_v_transpose_d128, out bf16;
 // p.scale includes q_scale * k_scale.
