@@ -81,6 +81,19 @@ __device__ __forceinline__ uint32_t dropout_keep8(const AttentionDims& p, int b,
     return keep;
 }
 
+// Multiplies the eight n8 blocks x[j][e] of an m16n8 accumulator laid out as dropout_keep8's
+// by their dropout factors: p.dropout_scale or 0. Every lane of the warp must call it.
+__device__ __forceinline__ void apply_dropout8(float (&x)[8][4], const AttentionDims& p, int b,
+                                               int h, int qi0, int n0, int tig) {
+    const uint32_t keep = dropout_keep8(p, b, h, qi0, n0, tig);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            x[j][e] = (keep >> (4 * j + e)) & 1u ? x[j][e] * p.dropout_scale : 0.0f;
+    }
+}
+
 // The same for a transposed accumulator (rows keys, columns queries: the dk / dv passes):
 // rows k0 + g and k0 + g + 8 (k0 % 16 == 0, g = lane / 4), eight n8 blocks of queries
 // q0 + 8 j + 2 tig + {0, 1}; bit 4 j + e of the result is element e of block j (key row

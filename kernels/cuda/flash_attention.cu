@@ -198,16 +198,8 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
             }
         }
         // Dropout (after the sums, which are the softmax's): P V takes P Z.
-        if (p.dropout_threshold != 0) {
-            static_assert(kBlockN == 64, "one keep word per key tile");
-            const uint32_t keep = kpt::dropout_keep8(p, b, h, qi0, n0, tig);
-#pragma unroll
-            for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[j][e] = (keep >> (4 * j + e)) & 1u ? s[j][e] * p.dropout_scale : 0.0f;
-            }
-        }
+        static_assert(kBlockN == 64, "one keep word per key tile");
+        if (p.dropout_threshold != 0) kpt::apply_dropout8(s, p, b, h, qi0, n0, tig);
 
         cp_async_wait<1>();  // V(t) has landed (K(t+1) may still be in flight)
         __syncthreads();

@@ -262,16 +262,8 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
             }
         }
         // Dropout: dS = P (Z dP - D), with Z the forward's factors.
-        if (p.dropout_threshold != 0) {
-            static_assert(kBlockN == 64, "one keep word per key tile");
-            const uint32_t keep = kpt::dropout_keep8(p, b, h, qi0, n0, tig);
-#pragma unroll
-            for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    dp[j][e] = (keep >> (4 * j + e)) & 1u ? dp[j][e] * p.dropout_scale : 0.0f;
-            }
-        }
+        static_assert(kBlockN == 64, "one keep word per key tile");
+        if (p.dropout_threshold != 0) kpt::apply_dropout8(dp, p, b, h, qi0, n0, tig);
         if constexpr (kGivenLse) {
             // dS = P (dP - D) with P = exp2(s - lse2): nothing to rescale.
 #pragma unroll

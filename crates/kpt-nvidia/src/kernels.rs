@@ -256,8 +256,9 @@ impl AttentionDims {
         })
     }
 
-    /// The same sizes with attention dropout (`attention_dims.cuh`); only the kernels of
-    /// `flash_attention.cu` and `flash_attention_bwd.cu` apply it.
+    /// The same sizes with attention dropout (`attention_dims.cuh`); the tensor-core
+    /// kernels apply it (`flash_attention*.cu`; the Hopper ones in their `_dropout_`
+    /// entries).
     pub(crate) fn with_dropout(self, dropout: Option<AttentionDropout>) -> Self {
         match dropout {
             None => self,
