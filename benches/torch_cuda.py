@@ -158,6 +158,7 @@ def variants(req):
         return out + [(f"{name} (expanded K/V)", f) for name, f in expanded]
     if kind == "attention_backward":
         b, h, d, s, causal = req["batch"], req["heads"], req["head_dim"], req["seq"], req["causal"]
+        dropout = req.get("dropout", 0.0)
         q, k, v = (rand((b, h, s, d), dt, -2.0, 2.0).requires_grad_() for _ in range(3))
         dout = rand((b, h, s, d), dt, -2.0, 2.0)
         out = []
@@ -167,7 +168,7 @@ def variants(req):
         # log-sum-exp); kpt's backward rows are handed its forward's output and log-sum-exp
         # likewise (benches/gpu/main.rs).
         for name, forward in sdpa_backends(
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout)
         ):
             o = forward()
 

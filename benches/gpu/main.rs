@@ -289,6 +289,37 @@ fn attention_cases() -> Vec<Case> {
             });
         }
     }
+    // The backward with dropout (p = 0.1; out and lse from kpt's forward with the same
+    // dropout), against torch's backward of SDPA with the same `dropout_p`. No target.
+    let p = 0.1f32;
+    for causal in [false, true] {
+        let full = 2.5 * 4.0 * (b * h * s * s * d) as f64;
+        let kind = if causal { "causal" } else { "full" };
+        let mut inputs: Vec<Tensor> = (0..5)
+            .map(|_| random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0))
+            .collect();
+        inputs.push(
+            Tensor::from_f64(&vec![0.0; b * h * s], &[b, h, s], DType::F32).expect("shape matches"),
+        );
+        out.push(Case {
+            name: format!("attention_backward_bf16_b{b}_h{h}_s{s}_d{d}_{kind}_dropout"),
+            metric: "TFLOP/s",
+            work: if causal { full / 2.0 } else { full },
+            kpt: Work::Op(Op::AttentionBackward(kpt_core::graph::AttentionParams {
+                lse: true,
+                dropout: Some(kpt_core::graph::AttentionDropout { p, seed: 7 }),
+                ..kpt_core::graph::AttentionParams::new(h, h, d, causal)
+            })),
+            inputs,
+            torch: json!({"kind": "attention_backward", "batch": b, "heads": h,
+                          "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16",
+                          "dropout": p}),
+            target: Target::None,
+            note: "dropout p = 0.1 (dq checked against the reference's decisions); out and \
+                   lse from kpt's forward with the same dropout; torch's backward of SDPA with \
+                   dropout_p = 0.1",
+        });
+    }
     // The decode attention of the 1.1B LLaMA-shaped model (models-* reports) at one and
     // 32 sequences over 512 keys: tracked without a target of its own.
     for b in [1usize, 32] {
@@ -941,9 +972,11 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
             (Op::MatMul, vec![x, w])
         }
     };
+    let seq = case.inputs[0].shape()[1];
     let want = match &op {
-        Op::Attention(ap) if ap.dropout.is_some() => {
-            vec![dropout_reference(ap, &inputs, case.inputs[0].shape()[1])?]
+        Op::Attention(ap) if ap.dropout.is_some() => vec![dropout_reference(ap, &inputs, seq)?],
+        Op::AttentionBackward(ap) if ap.dropout.is_some() => {
+            vec![dropout_backward_reference(ap, &inputs, seq)?]
         }
         _ => CpuReference.eval(&op, &inputs)?,
     };
@@ -971,17 +1004,17 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
     Ok(worst)
 }
 
-/// The reference of the last queries of a call with dropout (`inputs` as [`check`] slices
-/// them, from a call of `seq` queries): run as a shorter call whose queries take the
-/// decisions of their positions in the whole call.
-fn dropout_reference(
+/// The shape of the last queries of a call with dropout (`inputs` as [`check`] slices
+/// them, from a call of `seq` queries): a shorter call whose queries take the decisions of
+/// their positions in the whole call.
+fn dropout_shape(
     ap: &kpt_core::graph::AttentionParams,
     inputs: &[Tensor],
     seq: usize,
-) -> Result<Tensor> {
-    use kpt_kernels::cpu::{reference, AttentionShape, ShapeDropout};
+) -> kpt_kernels::cpu::AttentionShape {
+    use kpt_kernels::cpu::{AttentionShape, ShapeDropout};
     let (q, k) = (inputs[0].shape(), inputs[1].shape());
-    let shape = AttentionShape {
+    AttentionShape {
         scale: f64::from(ap.effective_scale()),
         dropout: ap.dropout.map(|mask| ShapeDropout {
             mask,
@@ -997,11 +1030,39 @@ fn dropout_reference(
             ap.head_dim,
             ap.causal,
         )
-    };
+    }
+}
+
+/// The reference output of the last queries of a forward call with dropout.
+fn dropout_reference(
+    ap: &kpt_core::graph::AttentionParams,
+    inputs: &[Tensor],
+    seq: usize,
+) -> Result<Tensor> {
+    let shape = dropout_shape(ap, inputs, seq);
     let [q, k, v] = [0, 1, 2].map(|i| inputs[i].to_f64_vec());
     let mut out = vec![0.0; shape.q_len()];
-    reference::attention(&q, &k, &v, None, &mut out, &shape)?;
+    kpt_kernels::cpu::reference::attention(&q, &k, &v, None, &mut out, &shape)?;
     Ok(Tensor::from_f64(&out, inputs[0].shape(), DType::F64)?)
+}
+
+/// The reference dq of the last queries of a backward call with dropout and the forward's
+/// log-sum-exp (`inputs`: q, k, v, out, dout, lse as [`check`] slices them).
+fn dropout_backward_reference(
+    ap: &kpt_core::graph::AttentionParams,
+    inputs: &[Tensor],
+    seq: usize,
+) -> Result<Tensor> {
+    let shape = dropout_shape(ap, inputs, seq);
+    let [q, k, v, out, dout, lse] = [0, 1, 2, 3, 4, 5].map(|i| inputs[i].to_f64_vec());
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    kpt_kernels::cpu::reference::attention_backward(
+        (&q, &k, &v, None),
+        (&out, &dout, Some(&lse)),
+        (&mut dq, &mut dk, &mut dv),
+        &shape,
+    )?;
+    Ok(Tensor::from_f64(&dq, inputs[0].shape(), DType::F64)?)
 }
 
 /// Back-to-back calls per timed repetition: enough for about 5 ms.

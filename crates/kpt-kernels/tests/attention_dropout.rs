@@ -258,7 +258,8 @@ fn bad_dropout_parameters_are_typed_errors() {
 }
 
 /// A call's last queries run as a shorter call (bottom-right causal keeps what they see)
-/// take the full call's decisions when the shape says where they start.
+/// take the full call's decisions when the shape says where they start, in the forward
+/// and in the backward's dq (as `kpt-bench-cuda` checks its dropout rows).
 #[test]
 fn last_queries_keep_their_decisions_with_a_query_offset() {
     let (s, r, hd) = (7usize, 2usize, 4usize);
@@ -285,6 +286,35 @@ fn last_queries_keep_their_decisions_with_a_query_offset() {
     let mut got = vec![0.0; tail.q_len()];
     r::attention(&q[(s - r) * row..], &k, &v, None, &mut got, &tail).unwrap();
     assert_eq!(got, want[(s - r) * row..]);
+
+    // The backward's dq rows of those queries likewise, given the forward's log-sum-exp
+    // ([batch, heads, seq_q]: the last r of each head's row).
+    let mut lse = vec![0.0; full.num_heads * s];
+    r::attention_lse(&q, &k, &v, None, &mut want, Some(&mut lse), &full).unwrap();
+    let dout = values(&mut rng, full.q_len());
+    let grads = |shape: &AttentionShape, (q, out, dout, lse): (&[f64], &[f64], &[f64], &[f64])| {
+        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        r::attention_backward(
+            (q, &k, &v, None),
+            (out, dout, Some(lse)),
+            (&mut dq, &mut dk, &mut dv),
+            shape,
+        )
+        .unwrap();
+        dq
+    };
+    let dq = grads(&full, (&q, &want, &dout, &lse));
+    let tail_lse: Vec<f64> = lse.chunks(s).flat_map(|h| h[s - r..].to_vec()).collect();
+    let tail_dq = grads(
+        &tail,
+        (
+            &q[(s - r) * row..],
+            &want[(s - r) * row..],
+            &dout[(s - r) * row..],
+            &tail_lse,
+        ),
+    );
+    assert_eq!(tail_dq, dq[(s - r) * row..]);
 }
 
 /// A graph with dropout attention, optimized at every level and run by the executor on
