@@ -124,6 +124,21 @@ fn random(rng: &mut SplitMix64, shape: &[usize], dtype: DType, lo: f32, hi: f32)
     Tensor::from_f64(&v, shape, dtype).expect("shape matches")
 }
 
+/// Inputs of a bf16 attention backward case `[b, h, s, d]`: q, k, v, out and dout, then
+/// with `lse` a placeholder log-sum-exp (kpt's forward writes both out and lse on the
+/// device before timing).
+fn backward_inputs(rng: &mut SplitMix64, [b, h, s, d]: [usize; 4], lse: bool) -> Vec<Tensor> {
+    let mut inputs: Vec<Tensor> = (0..5)
+        .map(|_| random(rng, &[b, s, h * d], DType::BF16, -2.0, 2.0))
+        .collect();
+    if lse {
+        inputs.push(
+            Tensor::from_f64(&vec![0.0; b * h * s], &[b, h, s], DType::F32).expect("shape matches"),
+        );
+    }
+    inputs
+}
+
 /// The FlashAttention issue's cases: prefill (bf16, full and causal, against the best of
 /// torch's SDPA backends), its backward (bf16, head dim 128, against the backward of each
 /// SDPA backend) and decode against long KV caches (one query per sequence, 32 query
@@ -251,15 +266,7 @@ fn attention_cases() -> Vec<Case> {
             let full = 2.5 * 4.0 * (b * h * s * s * d) as f64;
             let kind = if causal { "causal" } else { "full" };
             let suffix = if lse { "" } else { "_no_lse" };
-            let mut inputs: Vec<Tensor> = (0..5)
-                .map(|_| random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0))
-                .collect();
-            if lse {
-                inputs.push(
-                    Tensor::from_f64(&vec![0.0; b * h * s], &[b, h, s], DType::F32)
-                        .expect("shape matches"),
-                );
-            }
+            let inputs = backward_inputs(&mut rng, [b, h, s, d], lse);
             out.push(Case {
                 name: format!("attention_backward_bf16_b{b}_h{h}_s{s}_d{d}_{kind}{suffix}"),
                 metric: "TFLOP/s",
@@ -295,12 +302,7 @@ fn attention_cases() -> Vec<Case> {
     for causal in [false, true] {
         let full = 2.5 * 4.0 * (b * h * s * s * d) as f64;
         let kind = if causal { "causal" } else { "full" };
-        let mut inputs: Vec<Tensor> = (0..5)
-            .map(|_| random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0))
-            .collect();
-        inputs.push(
-            Tensor::from_f64(&vec![0.0; b * h * s], &[b, h, s], DType::F32).expect("shape matches"),
-        );
+        let inputs = backward_inputs(&mut rng, [b, h, s, d], true);
         out.push(Case {
             name: format!("attention_backward_bf16_b{b}_h{h}_s{s}_d{d}_{kind}_dropout"),
             metric: "TFLOP/s",

@@ -1042,8 +1042,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                        (p.causal && n0 + BN - 1 > row_first + offset);
             };
             // Dropout: the keep bits of tile n0 (64 keys per word) do not depend on the
-            // scores, so they are drawn while its Q K^T runs on the tensor cores (the Philox
-            // calls' latency hides there), and applied after its softmax.
+            // scores; they are drawn while its Q K^T runs on the tensor cores and applied
+            // after its softmax (the rows are bound by the Philox calls' multiplies, wherever
+            // they run: attention-h200-notes.md).
             uint32_t keep[kDropout ? BN / 64 : 1];
             auto draw = [&](int n0) {
                 if constexpr (kDropout) {
@@ -1239,7 +1240,7 @@ template <bool kDropout, typename At, typename Stats>
 __device__ __forceinline__ void bwd_probs(float (&st)[32], float (&dpt)[32], bool edge,
                                           float scale2, const Dims& p,
                                           const float* __restrict__ mask, At at, Stats stats,
-                                          uint32_t keep = ~0u) {
+                                          uint32_t keep) {
     const int offset = p.seq_kv - p.seq_q;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {

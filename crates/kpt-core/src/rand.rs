@@ -53,6 +53,11 @@ impl SplitMix64 {
     }
 }
 
+/// The multipliers of Philox4x32's rounds (of counter words 0 and 2).
+pub const PHILOX_MULTIPLIERS: [u32; 2] = [0xD251_1F53, 0xCD9E_8D57];
+/// What Philox4x32 adds to the two key words after each round (the Weyl sequence).
+pub const PHILOX_KEY_STEP: [u32; 2] = [0x9E37_79B9, 0xBB67_AE85];
+
 /// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011;
 /// the generator of cuRAND's and PyTorch's dropout): four 32-bit random words from a
 /// 128-bit `counter` and a 64-bit `key`, ten rounds. A pure function, so any device can
@@ -64,17 +69,16 @@ impl SplitMix64 {
 /// assert_eq!(philox4x32_10([0; 4], [0; 2]), [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8]);
 /// ```
 pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
-    const M0: u64 = 0xD251_1F53;
-    const M1: u64 = 0xCD9E_8D57;
-    const W0: u32 = 0x9E37_79B9;
-    const W1: u32 = 0xBB67_AE85;
     let (mut c, mut k) = (counter, key);
     for round in 0..10 {
         if round > 0 {
-            k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
+            k = [
+                k[0].wrapping_add(PHILOX_KEY_STEP[0]),
+                k[1].wrapping_add(PHILOX_KEY_STEP[1]),
+            ];
         }
-        let p0 = M0 * u64::from(c[0]);
-        let p1 = M1 * u64::from(c[2]);
+        let p0 = u64::from(PHILOX_MULTIPLIERS[0]) * u64::from(c[0]);
+        let p1 = u64::from(PHILOX_MULTIPLIERS[1]) * u64::from(c[2]);
         c = [
             (p1 >> 32) as u32 ^ c[1] ^ k[0],
             p1 as u32,

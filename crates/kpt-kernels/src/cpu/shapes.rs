@@ -35,8 +35,7 @@ pub struct AttentionShape {
     pub scale: f64,
     /// Sliding window: how many keys up to its aligned position a query sees.
     pub window: Option<usize>,
-    /// Dropout of the probabilities (the reference kernels apply it, the fast ones take
-    /// none).
+    /// Dropout of the probabilities (`apply_dropout`, `dropout_factor`).
     pub dropout: Option<ShapeDropout>,
 }
 

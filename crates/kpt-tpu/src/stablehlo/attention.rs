@@ -15,6 +15,7 @@
 //! that dtype before the products that read them.
 
 use kpt_core::graph::AttentionParams;
+use kpt_core::rand::{PHILOX_KEY_STEP, PHILOX_MULTIPLIERS};
 use kpt_core::{DType, Result};
 
 use super::builder::{Builder, Cmp, Reduce, Val};
@@ -325,8 +326,9 @@ fn softmax_lse(b: &mut Builder, scores: &Val) -> Result<(Val, Val)> {
 /// Dropout's factors `[B, Hkv, G, S, T]` in `c` (`1 / (1 - p)` or 0, see
 /// `AttentionDropout`), or `None` without dropout: Philox4x32-10 on i64 tensors holding
 /// 32-bit words (products wrap in 64 bits, and the high word is a logical shift), its
-/// round keys constants, then each key's 16 bits of its word. Batch entry and positions come from iotas over the score shape,
-/// or for a packed batch from `positions` (sequence, and positions within it).
+/// round keys constants, then each key's 16 bits of its word. Batch entry and positions
+/// come from iotas over the score shape, or for a packed batch from `positions`
+/// (sequence, and positions within it).
 fn dropout_factors(
     b: &mut Builder,
     p: &AttentionParams,
@@ -359,15 +361,15 @@ fn dropout_factors(
     let lane = b.binary("divide", &within, &two);
     let low = int(b, 0xFFFF_FFFF);
     let thirty_two = int(b, 32);
-    let (m0, m1) = (int(b, 0xD251_1F53), int(b, 0xCD9E_8D57));
+    let [m0, m1] = PHILOX_MULTIPLIERS.map(|m| int(b, i64::from(m)));
     let mut ctr = [group, i, head, batch];
     let (mut k0, mut k1) = (d.seed as u32, (d.seed >> 32) as u32);
     let hi = |b: &mut Builder, x: &Val| b.binary("shift_right_logical", x, &thirty_two);
     let lo = |b: &mut Builder, x: &Val| b.binary("and", x, &low);
     for round in 0..10 {
         if round > 0 {
-            k0 = k0.wrapping_add(0x9E37_79B9);
-            k1 = k1.wrapping_add(0xBB67_AE85);
+            k0 = k0.wrapping_add(PHILOX_KEY_STEP[0]);
+            k1 = k1.wrapping_add(PHILOX_KEY_STEP[1]);
         }
         let p0 = b.binary("multiply", &ctr[0], &m0);
         let p1 = b.binary("multiply", &ctr[2], &m1);
