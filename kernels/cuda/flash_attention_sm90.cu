@@ -56,6 +56,10 @@
 // mbarrier: the consumers release it once their last Q K^T of the work tile completed. Under
 // a causal mask tiles differ in length, so the stride walks items of two paired tiles, a
 // long one and a short one (paired_tile), which all walk about the same number of key tiles.
+// Without one, partial query tiles (seq_q not a multiple of kBlockM) come after all whole
+// ones: in the sectioned order a stride of 132 handed them to the same blocks every time
+// (at d = 64, S = 1024: one tile in six, each about 0.6 of a whole one, so the SMs' work
+// differed by +-10 %).
 // A grid of one block per tile runs one work tile per block.
 //
 // Launch: grid = 1 to ceil(seq_q / kBlockM) * batch * heads blocks (the tile count; kBlockM =
@@ -769,19 +773,31 @@ struct Work {
 
 // Work tile x of the block order (see the top): a section of `pairs` (batch, head) pairs, then
 // the query tile counted from the last (major) and the pair in the section (minor); the last
-// section may hold fewer pairs.
+// section may hold fewer pairs. partial_last: the partial query tiles (the first of each pair)
+// come after all whole ones, one per pair in order, so that a static stride over the SMs
+// hands the cheap tiles out last instead of to the same blocks every time.
 template <int kBlockM, int BN = kBlockN>
-__device__ __forceinline__ Work work_tile(long x, const Dims& p, int tiles_m, int pairs) {
+__device__ __forceinline__ Work work_tile(long x, const Dims& p, int tiles_m, int pairs,
+                                          bool partial_last) {
     const int bh_count = p.batch * p.heads;
-    const long section = static_cast<long>(pairs) * tiles_m;
-    const int first = static_cast<int>(x / section) * pairs;
-    const int in_section = min(pairs, bh_count - first);
-    const int r = static_cast<int>(x % section);
-    const int bh = first + r % in_section;
+    const int tiles = partial_last ? tiles_m - 1 : tiles_m;  // in the sectioned order
+    const long whole = static_cast<long>(tiles) * bh_count;
+    int bh, qt;  // qt: the query tile counted from the last
+    if (x >= whole) {
+        bh = static_cast<int>(x - whole);
+        qt = tiles_m - 1;
+    } else {
+        const long section = static_cast<long>(pairs) * tiles;
+        const int first = static_cast<int>(x / section) * pairs;
+        const int in_section = min(pairs, bh_count - first);
+        const int r = static_cast<int>(x % section);
+        bh = first + r % in_section;
+        qt = r / in_section;
+    }
     Work w;
     // Query tiles end at seq_q - i * kBlockM: a partial tile is the first one, whose rows
     // before 0 are zeros and never stored (under a causal mask it is also the shortest).
-    w.m0 = p.seq_q - (r / in_section + 1) * kBlockM;
+    w.m0 = p.seq_q - (qt + 1) * kBlockM;
     w.h = bh % p.heads;
     w.b = bh / p.heads;
     // Keys j <= i + seq_kv - seq_q are visible to query i (causal, bottom-right aligned).
@@ -851,6 +867,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // A persistent grid (fewer blocks than tiles) walks items gridDim.x apart: a tile each,
     // or under a causal mask two paired tiles (paired_tile).
     const bool paired = p.causal && gridDim.x < total;
+    const bool partial_last = !paired && gridDim.x < total && p.seq_q % kBlockM != 0;
     const long items = paired ? static_cast<long>(bh_count) * ((tiles_m + 1) / 2) : total;
     const long kv_bytes = 2L * p.seq_kv * D * static_cast<long>(sizeof(T));
     const int pairs = static_cast<int>(
@@ -909,7 +926,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             const long x = tile_of(n);
             if (x == -2) break;
             if (x < 0) continue;
-            const Work w = work_tile<kBlockM, BN>(x, p, tiles_m, pairs);
+            const Work w = work_tile<kBlockM, BN>(x, p, tiles_m, pairs, partial_last);
             const int hk = w.h / group;
             const T* qb = q + (static_cast<long>(w.b) * p.seq_q + w.m0) * q_stride +
                           static_cast<long>(w.h) * D;
@@ -1019,7 +1036,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         const long x = tile_of(n);
         if (x == -2) break;
         if (x < 0) continue;
-        const Work w = work_tile<kBlockM, BN>(x, p, tiles_m, pairs);
+        const Work w = work_tile<kBlockM, BN>(x, p, tiles_m, pairs, partial_last);
         const int n_tiles = w.n_tiles;
         // The two query rows of this thread's accumulators: qi0 and qi0 + 8.
         const int qi0 = w.m0 + c * 64 + warp * 16 + g;
