@@ -1167,9 +1167,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 pack_p<T, BN>(s_acc, pf);
                 if constexpr (kSerial) rescale_o<D>(o, alpha);
 
-                // kSerial: tile t issues S(t) and P(t - 1) V(t - 1) together and waits for
-                // both; its softmax then rescales O and packs P(t) between its exp2s.
-                for (int t = 1; kSerial && t < my_tiles; ++t) {
+                // Tile t: S(t) and P(t - 1) V(t - 1) in flight together. The softmax of t runs
+                // under P V; with kSerial the consumer waits for both, and its softmax rescales
+                // O and packs P(t) between its exp2s.
+                for (int t = 1; t < my_tiles; ++t) {
                     const int sp = s;  // stage of tile t - 1
                     const unsigned pp = phase;
                     advance();
@@ -1177,49 +1178,35 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     fence_proxy_async();
                     if (kPingPong) named_sync(my_turn, 256);
                     gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
+                    if constexpr (!kSerial) rescale_o<D>(o, alpha);
                     mbar_wait(full_v(sp), pp);
                     fence_proxy_async();
                     gemm_pv<T, D, BN>(o, pf, vdesc + sp * kVStageDesc);
                     if (kPingPong && (kCarry || !(c == kLast && t == n_tiles - 1)))
                         named_arrive(other_turn, 256);
                     draw(t * BN);
-                    wgmma_wait<0>();
-                    fence_regs(s_acc);
-                    fence_regs(o);
-                    fence_regs(pf);
-                    mbar_arrive(empty_k(s));
-                    if (t == my_tiles - 1) mbar_arrive(empty_q);
-                    mbar_arrive(empty_v(sp));
-                    softmax_serial(t * BN);
-                }
-                // Tile t: S(t) and P(t - 1) V(t - 1) in flight together; the softmax of t runs
-                // under P V.
-                for (int t = 1; !kSerial && t < my_tiles; ++t) {
-                    const int sp = s;  // stage of tile t - 1
-                    const unsigned pp = phase;
-                    advance();
-                    mbar_wait(full_k(s), phase);
-                    fence_proxy_async();
-                    if (kPingPong) named_sync(my_turn, 256);
-                    gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
-                    rescale_o<D>(o, alpha);
-                    mbar_wait(full_v(sp), pp);
-                    fence_proxy_async();
-                    gemm_pv<T, D, BN>(o, pf, vdesc + sp * kVStageDesc);
-                    if (kPingPong && (kCarry || !(c == kLast && t == n_tiles - 1)))
-                        named_arrive(other_turn, 256);
-                    draw(t * BN);
-                    wgmma_wait<1>();  // S(t) is done
-                    fence_regs(s_acc);
-                    mbar_arrive(empty_k(s));
-                    if (t == my_tiles - 1) mbar_arrive(empty_q);
-                    softmax(t * BN);
-                    drop();
-                    wgmma_wait<0>();  // P V of t - 1 is done
-                    fence_regs(o);
-                    fence_regs(pf);
-                    mbar_arrive(empty_v(sp));
-                    pack_p<T, BN>(s_acc, pf);
+                    if constexpr (kSerial) {
+                        wgmma_wait<0>();
+                        fence_regs(s_acc);
+                        fence_regs(o);
+                        fence_regs(pf);
+                        mbar_arrive(empty_k(s));
+                        if (t == my_tiles - 1) mbar_arrive(empty_q);
+                        mbar_arrive(empty_v(sp));
+                        softmax_serial(t * BN);
+                    } else {
+                        wgmma_wait<1>();  // S(t) is done
+                        fence_regs(s_acc);
+                        mbar_arrive(empty_k(s));
+                        if (t == my_tiles - 1) mbar_arrive(empty_q);
+                        softmax(t * BN);
+                        drop();
+                        wgmma_wait<0>();  // P V of t - 1 is done
+                        fence_regs(o);
+                        fence_regs(pf);
+                        mbar_arrive(empty_v(sp));
+                        pack_p<T, BN>(s_acc, pf);
+                    }
                 }
                 if constexpr (!kSerial) rescale_o<D>(o, alpha);
                 mbar_wait(full_v(s), phase);
