@@ -3,7 +3,12 @@
 # `cargo xtask gpu-bundle`. Needs only the NVIDIA driver, cuBLASLt and (for the
 # benchmark) a python3 with CUDA PyTorch.
 #
-#   run.sh OUT_DIR [all|tests|bench|models|xla] [extra kpt-bench-cuda arguments...]
+#   run.sh OUT_DIR [all|tests|bench|models|xla|profile] [extra kpt-bench-cuda arguments...]
+#
+# `profile`: Nsight Compute (ncu, --set full, clocks left alone) on one launch of kpt's
+# attention kernel and one of cuDNN's (torch SDPA) at the issue's d64 and d128 shapes;
+# the reports, their details pages, raw metrics and per-instruction samples (CSV) go to
+# OUT_DIR/profile.
 #
 # `xla`: kpt-tpu's tests (xla-tests/) on the CUDA PJRT plugin of the machine's JAX, then
 # kpt-bench-xla (kpt-tpu vs JAX jit) on the 1.1B checkpoint of `models` (written first
@@ -103,6 +108,34 @@ if [ "$what" = models ] || [ "$what" = all ]; then
   # A 1.1B LLaMA-shaped checkpoint through kpt-models and HF transformers.
   "$here/bin/kpt-bench-models" --python python3 --script "$here/hf_models.py" \
     --dir "${TMPDIR:-/tmp}/kpt-bench-llama" --name "models-$gpu" --out "$out/reports" || status=1
+fi
+if [ "$what" = profile ]; then
+  mkdir -p "$out/profile"
+  # name, kernel-name regex, then the command; the fourth matching launch is profiled.
+  profile() {
+    local name="$1" kernel="$2"
+    shift 2
+    if ncu --clock-control none --set full --import-source no -k "regex:$kernel" \
+        --launch-skip 3 -c 1 --target-processes all -f -o "$out/profile/$name" "$@" \
+        > "$out/profile/$name.log" 2>&1; then
+      ncu -i "$out/profile/$name.ncu-rep" --page details > "$out/profile/$name.details.txt"
+      ncu -i "$out/profile/$name.ncu-rep" --page raw --csv > "$out/profile/$name.raw.csv"
+      ncu -i "$out/profile/$name.ncu-rep" --page source --csv --print-source sass \
+        > "$out/profile/$name.sass.csv"
+      echo "PASS profile $name: $(grep -m1 -E '^ +Duration' "$out/profile/$name.details.txt")"
+    else
+      status=1
+      echo "FAIL profile $name (see $out/profile/$name.log)"
+    fi
+  }
+  for shape in "16 16 1024 64" "8 16 2048 128"; do
+    read -r b h s d <<< "$shape"
+    profile "cudnn-d$d" "sdpa|fmha|fprop" python3 "$here/sdpa_cudnn.py" "$b" "$h" "$s" "$d" full
+    profile "kpt-d$d" "kpt_flash_attention_sm90" "$here/bin/kpt-bench-cuda" --python python3 \
+      --script "$here/torch_cuda.py" --suite attention --chosen-only \
+      --filter "attention_prefill_bf16_b${b}_h${h}_s${s}_d${d}_full" \
+      --name profile --out "$out/profile/bench-d$d"
+  done
 fi
 if [ "$what" = xla ]; then
   plugin="$(python3 - <<'PY'

@@ -91,6 +91,7 @@ pub fn gpu_bundle() -> Result<()> {
     for script in [
         "torch_cuda.py",
         "torch_attention_oracle.py",
+        "sdpa_cudnn.py",
         "hf_models.py",
         "jax_llama.py",
     ] {
