@@ -740,6 +740,14 @@ __device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float 
     return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
+// 16-bit P's n8 block j (keys 8 j ..): registers 2 (j % 2) and 2 (j % 2) + 1 of k-step j / 2.
+template <typename T, int BN = kBlockN>
+__device__ __forceinline__ void pack_p_block(const float (&s)[BN / 2],
+                                             uint32_t (&pf)[kPSteps<T, BN>][4], int j) {
+    pf[j / 2][2 * (j % 2)] = pack2<T>(s[4 * j], s[4 * j + 1]);
+    pf[j / 2][2 * (j % 2) + 1] = pack2<T>(s[4 * j + 2], s[4 * j + 3]);
+}
+
 // P as the A fragments of P V. bf16/f16: k-step kc (keys 16 kc ..) is n8 blocks 2 kc and
 // 2 kc + 1 of S, i.e. elements 8 kc .. 8 kc + 7 in order. FP8: k-step kc (keys 32 kc ..) is
 // n8 blocks 4 kc .. 4 kc + 3; registers 0 / 1 take rows g / g + 8 of blocks 4 kc and 4 kc + 1,
@@ -757,22 +765,25 @@ __device__ __forceinline__ void pack_p(const float (&s)[BN / 2],
                 pf[kc][i] = pack4_e4m3(b[j], b[j + 1], b[j + 4], b[j + 5]);
             }
         } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                pf[kc][i] = pack2<T>(s[8 * kc + 2 * i], s[8 * kc + 2 * i + 1]);
+            pack_p_block<T, BN>(s, pf, 2 * kc);
+            pack_p_block<T, BN>(s, pf, 2 * kc + 1);
         }
     }
 }
 
+// O's n8 block j times its rows' factors.
+template <int D>
+__device__ __forceinline__ void rescale_o_block(float (&o)[D / 2], const float (&alpha)[2],
+                                                int j) {
+    o[4 * j] *= alpha[0];
+    o[4 * j + 1] *= alpha[0];
+    o[4 * j + 2] *= alpha[1];
+    o[4 * j + 3] *= alpha[1];
+}
 template <int D>
 __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha)[2]) {
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        o[4 * j] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
-    }
+    for (int j = 0; j < D / 8; ++j) rescale_o_block<D>(o, alpha, j);
 }
 
 // One work tile: query rows [m0, m0 + kBlockM) of (batch b, head h), which walks n_tiles
@@ -1106,23 +1117,15 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             // rescale is spread over the blocks (kShare of its n8 blocks after each).
             constexpr int kShare = (D / 8 + BN / 8 - 1) / (BN / 8);
             auto after = [&](int j, const float (&a)[2]) {
-                if constexpr (!kFp8<T>) {
-                    pf[j / 2][2 * (j % 2)] = pack2<T>(s_acc[4 * j], s_acc[4 * j + 1]);
-                    pf[j / 2][2 * (j % 2) + 1] = pack2<T>(s_acc[4 * j + 2], s_acc[4 * j + 3]);
-                }
+                if constexpr (!kFp8<T>) pack_p_block<T, BN>(s_acc, pf, j);
 #pragma unroll
                 for (int i = 0; i < kShare; ++i) {
-                    const int jo = j * kShare + i;
-                    if (jo < D / 8) {
-                        o[4 * jo] *= a[0];
-                        o[4 * jo + 1] *= a[0];
-                        o[4 * jo + 2] *= a[1];
-                        o[4 * jo + 3] *= a[1];
-                    }
+                    if (j * kShare + i < D / 8) rescale_o_block<D>(o, a, j * kShare + i);
                 }
             };
+            // (kSerial entries are 16-bit: three consumers or dropout.)
             auto softmax_serial = [&](int n0) {
-                if (kDropout || kFp8<T> || edge(n0)) {
+                if (kDropout || edge(n0)) {
                     softmax(n0);
                     drop();
                     pack_p<T, BN>(s_acc, pf);
