@@ -49,7 +49,8 @@
 // whose K and V together take about kL2Budget bytes, so that the blocks in flight read the
 // same few heads' K/V and find them in L2 (in (batch, head)-major order 132 blocks would
 // stream 132 heads' K/V from memory); inside a section, query tiles go last-first across its
-// heads, so that the longest causal blocks start first.
+// heads, so that the longest causal blocks start first. kL2Budget is 8 MiB (16 MiB read
+// 1 % slower at d = 128, S = 2048; attention-h200-notes.md).
 //
 // Persistent grid: with fewer blocks than tiles, a block runs work tiles x = blockIdx.x,
 // blockIdx.x + gridDim.x, ... in the order above, and the producer and the consumers carry
@@ -101,6 +102,9 @@
 // kpt:launch kpt_flash_attention_sm90_tma_n176_f16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128 block=384 shared=189552 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n192_x2_e4m3_d128 block=384 shared=189552 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n176_x2_bf16_d128 block=384 shared=214096 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n176_x2_f16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
@@ -285,7 +289,7 @@ constexpr int kPSteps = BN * static_cast<int>(sizeof(T)) / 32;
 
 constexpr float kLog2e = 1.4426950408889634f;
 // K/V bytes of the (batch, head) pairs whose blocks are scheduled together (see the top).
-constexpr long kL2Budget = 16L << 20;
+constexpr long kL2Budget = 8L << 20;
 
 using kpt::smem_u32;
 
@@ -349,6 +353,35 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TensorMap* map, 
         " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
         "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
         : "memory");
+}
+
+// The same box copied into the shared memory of every block of the cluster in `mask` (bit r:
+// rank r), at `dst` of each, completing on the barrier at `bar` of each.
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const TensorMap* map, int x,
+                                                      int y, int z, uint32_t bar, uint16_t mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar), "h"(mask)
+        : "memory");
+}
+// Arrives on the barrier at `bar` of cluster block `rank`.
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, unsigned rank) {
+    asm volatile(
+        "{\n.reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+}
+// Every thread of the cluster's blocks meets here.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
 }
 
 // Named barriers of the consumer ping-pong (0 is __syncthreads).
@@ -849,9 +882,11 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 // the output (v_scale for FP8, 1 otherwise). kDropout (16-bit, 128-key tiles): each P tile
 // loses its dropped probabilities after the softmax took its sum (dropout_keep8: one Philox
 // call per row and eight keys, shared by the quad of lanes) and the kept ones are scaled at
-// the store, with the normalization.
+// the store, with the normalization. kPair (TMA, launched in clusters of two): the blocks of a cluster take neighbouring query tiles of one (batch, head)
+// and share its K/V tiles: each copies half of every tile into both (TMA multicast), and a
+// stage is free once the consumers of both released it.
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
-          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false>
+          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
@@ -884,22 +919,41 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const int bh_count = p.batch * p.heads;
     const int tiles_m = (p.seq_q + kBlockM - 1) / kBlockM;
     const long total = static_cast<long>(tiles_m) * bh_count;
-    if (blockIdx.x >= total) return;
+    static_assert(!kPair || kTma, "K/V multicast: TMA copies");
+    // kPair: cluster x / 2 walks items of two query tiles (counted from the last, so that
+    // with an odd count the first item's rank-0 tile lies before row 0 and computes
+    // nothing), gridDim.x / 2 apart.
+    const unsigned rank = kPair ? blockIdx.x % 2 : 0;
+    const long block = kPair ? blockIdx.x / 2 : blockIdx.x;
+    const long grid = kPair ? gridDim.x / 2 : gridDim.x;
+    const int tiles_m2 = (tiles_m + 1) / 2;
+    if (block >= (kPair ? static_cast<long>(tiles_m2) * bh_count : total)) return;
     // A persistent grid (fewer blocks than tiles) walks items gridDim.x apart: a tile each,
     // or under a causal mask two paired tiles (paired_tile).
-    const bool paired = p.causal && gridDim.x < total;
-    const bool partial_last = !paired && gridDim.x < total && p.seq_q % kBlockM != 0;
-    const long items = paired ? static_cast<long>(bh_count) * ((tiles_m + 1) / 2) : total;
+    const bool paired = !kPair && p.causal && gridDim.x < total;
+    const bool partial_last = !kPair && !paired && gridDim.x < total && p.seq_q % kBlockM != 0;
+    const long items = paired ? static_cast<long>(bh_count) * ((tiles_m + 1) / 2)
+                              : kPair ? static_cast<long>(tiles_m2) * bh_count : total;
     const long kv_bytes = 2L * p.seq_kv * D * static_cast<long>(sizeof(T));
     const int pairs = static_cast<int>(
         max(1L, min(static_cast<long>(bh_count), kL2Budget / max(kv_bytes, 1L))));
     // The n-th work tile of this block (an index of the block order), -1 for none, or -2
     // past the last.
     auto tile_of = [&](long n) -> long {
-        const long item = blockIdx.x + (paired ? n / 2 : n) * gridDim.x;
+        const long item = block + (paired ? n / 2 : n) * grid;
         if (item >= items) return -2;
         return paired ? paired_tile(item, static_cast<int>(n % 2), tiles_m, pairs, bh_count)
                       : item;
+    };
+    // Work tile x (kPair: this block's half of item x, a work tile of twice the rows).
+    auto work = [&](long x) {
+        if constexpr (kPair) {
+            Work w = work_tile<2 * kBlockM, BN>(x, p, tiles_m2, pairs, false);
+            w.m0 += static_cast<int>(rank) * kBlockM;
+            return w;
+        } else {
+            return work_tile<kBlockM, BN>(x, p, tiles_m, pairs, partial_last);
+        }
     };
     const int group = p.heads / p.kv_heads;
     const int offset = p.seq_kv - p.seq_q;
@@ -910,19 +964,27 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
 
     // Full barriers: the 128 producer threads' cp.async arrivals, or the one arrival (with
     // its byte count) of the thread that issues the TMA copies.
+    // kPair: the K/V stages' empty barriers count one arrival per consumer warp of both blocks.
     constexpr unsigned kFills = kTma ? 1 : 128;
+    constexpr unsigned kReleases = kPair ? 2 * 4 * kConsumers : 128 * kConsumers;
     if (threadIdx.x == 0) {
         mbar_init(full_q, kFills);
         mbar_init(empty_q, 128 * kConsumers);
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), kFills);
-            mbar_init(empty_k(s), 128 * kConsumers);
+            mbar_init(empty_k(s), kReleases);
             mbar_init(full_v(s), kFills);
-            mbar_init(empty_v(s), 128 * kConsumers);
+            mbar_init(empty_v(s), kReleases);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    // kPair: the other block's barriers are ready before any copy or arrival reaches them,
+    // and no block leaves while the other may still copy into it or arrive on its barriers.
+    if constexpr (kPair) {
+        cluster_sync();
+    } else {
+        __syncthreads();
+    }
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
@@ -932,7 +994,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         // TMA: one thread issues every copy, as boxes of the tensor maps (128-byte column
         // blocks of the swizzled tiles; rows outside the tensor, Q's before 0 too, are
         // zeros), arming each full barrier with the bytes it waits for.
-        if (kTma && tp != 0) return;
+        if (kTma && tp != 0) {
+            if constexpr (kPair) cluster_sync();
+            return;
+        }
         constexpr int kBoxCols = 128 / static_cast<int>(sizeof(T));  // elements of a block
         constexpr int kColBlocks = D / kBoxCols;
         auto tma_tile = [&](uint32_t dst, const TensorMap* map, int rows, int col, int row, int z,
@@ -941,13 +1006,27 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             for (int cb = 0; cb < kColBlocks; ++cb)
                 tma_load_3d(dst + cb * rows * 128, map, col + cb * kBoxCols, row, z, bar);
         };
+        // kPair: this block's half of a K/V tile into both blocks: column block `rank` of
+        // two, or with one column block (FP8's K: the map's boxes are BN / 2 rows) rows
+        // [rank BN / 2, (rank + 1) BN / 2).
+        auto tma_half = [&](uint32_t dst, const TensorMap* map, int col, int row, int z,
+                            uint32_t bar) {
+            static_assert(kColBlocks <= 2 && (BN / 2) % 8 == 0, "halves of whole swizzle atoms");
+            if constexpr (kColBlocks == 2) {
+                tma_load_3d_multicast(dst + rank * BN * 128, map, col + rank * kBoxCols, row, z,
+                                      bar, 3);
+            } else {
+                tma_load_3d_multicast(dst + rank * (BN / 2) * 128, map, col,
+                                      row + rank * (BN / 2), z, bar, 3);
+            }
+        };
         int s = 0;
         unsigned phase = 0, q_phase = 0;
         for (long n = 0;; ++n) {
             const long x = tile_of(n);
             if (x == -2) break;
             if (x < 0) continue;
-            const Work w = work_tile<kBlockM, BN>(x, p, tiles_m, pairs, partial_last);
+            const Work w = work(x);
             const int hk = w.h / group;
             const T* qb = q + (static_cast<long>(w.b) * p.seq_q + w.m0) * q_stride +
                           static_cast<long>(w.h) * D;
@@ -962,7 +1041,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 const uint32_t ks = sk + s * C::kTileBytes, vs = sv + s * C::kVTileBytes;
                 // Stage s is free once every consumer released its previous tile.
                 mbar_wait(empty_k(s), phase ^ 1);
-                if constexpr (kTma) {
+                if constexpr (kPair) {
+                    mbar_expect_tx(full_k(s), C::kTileBytes);
+                    tma_half(ks, maps.k, hk * D, n0, w.b, full_k(s));
+                } else if constexpr (kTma) {
                     mbar_expect_tx(full_k(s), C::kTileBytes);
                     tma_tile(ks, maps.k, BN, hk * D, n0, w.b, full_k(s));
                 } else {
@@ -985,13 +1067,20 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 mbar_wait(empty_v(s), phase ^ 1);
                 if constexpr (kTma) {
                     mbar_expect_tx(full_v(s), C::kVTileBytes);
-                    if constexpr (kFp8<T>) {
+                    if constexpr (kFp8<T> && kPair) {
+                        // V^T's two column blocks: this block's one into both.
+                        static_assert(C::kVTileBytes == 2 * D * 128, "two V^T column blocks");
+                        tma_load_3d_multicast(vs + rank * D * 128, maps.v, n0 + rank * 128, 0,
+                                              w.b * p.kv_heads + hk, full_v(s), 3);
+                    } else if constexpr (kFp8<T>) {
                         // V^T: D rows of 128 keys per column block (keys past the tensor
                         // read as zeros).
 #pragma unroll
                         for (int cb = 0; cb < C::kVTileBytes / (D * 128); ++cb)
                             tma_load_3d(vs + cb * D * 128, maps.v, n0 + cb * 128, 0,
                                         w.b * p.kv_heads + hk, full_v(s));
+                    } else if constexpr (kPair) {
+                        tma_half(vs, maps.v, hk * D, n0, w.b, full_v(s));
                     } else {
                         tma_tile(vs, maps.v, BN, hk * D, n0, w.b, full_v(s));
                     }
@@ -1011,6 +1100,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             }
         }
         if constexpr (!kTma) asm volatile("cp.async.wait_all;\n" ::: "memory");
+        if constexpr (kPair) cluster_sync();
         return;
     }
 
@@ -1019,6 +1109,19 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const int c = wg - 1;  // 64 rows each
     const int t128 = threadIdx.x % 128, warp = t128 / 32, lane = t128 % 32;
     const int g = lane / 4, tig = lane % 4;
+    // Releases a K or V stage: every consumer thread, or with kPair one lane per warp on the
+    // barriers of both blocks.
+    auto release = [&](uint32_t bar) {
+        if constexpr (kPair) {
+            __syncwarp();
+            if (lane == 0) {
+                mbar_arrive(bar);
+                mbar_arrive_remote(bar, rank ^ 1u);
+            }
+        } else {
+            mbar_arrive(bar);
+        }
+    };
     const float scale2 = p.scale * kLog2e;
     const bool fast = scale2 > 0.0f && !kMask;
     const uint64_t qdesc = make_desc(kDescK, sq + c * 64 * 128);
@@ -1063,7 +1166,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         const long x = tile_of(n);
         if (x == -2) break;
         if (x < 0) continue;
-        const Work w = work_tile<kBlockM, BN>(x, p, tiles_m, pairs, partial_last);
+        const Work w = work(x);
         const int n_tiles = w.n_tiles;
         // The two query rows of this thread's accumulators: qi0 and qi0 + 8.
         const int qi0 = w.m0 + c * 64 + warp * 16 + g;
@@ -1163,7 +1266,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 draw(0);
                 wgmma_wait<0>();
                 fence_regs(s_acc);
-                mbar_arrive(empty_k(s));
+                release(empty_k(s));
                 if (my_tiles == 1) mbar_arrive(empty_q);
                 softmax(0);
                 drop();
@@ -1193,21 +1296,21 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                         fence_regs(s_acc);
                         fence_regs(o);
                         fence_regs(pf);
-                        mbar_arrive(empty_k(s));
+                        release(empty_k(s));
                         if (t == my_tiles - 1) mbar_arrive(empty_q);
-                        mbar_arrive(empty_v(sp));
+                        release(empty_v(sp));
                         softmax_serial(t * BN);
                     } else {
                         wgmma_wait<1>();  // S(t) is done
                         fence_regs(s_acc);
-                        mbar_arrive(empty_k(s));
+                        release(empty_k(s));
                         if (t == my_tiles - 1) mbar_arrive(empty_q);
                         softmax(t * BN);
                         drop();
                         wgmma_wait<0>();  // P V of t - 1 is done
                         fence_regs(o);
                         fence_regs(pf);
-                        mbar_arrive(empty_v(sp));
+                        release(empty_v(sp));
                         pack_p<T, BN>(s_acc, pf);
                     }
                 }
@@ -1218,7 +1321,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 wgmma_wait<0>();
                 fence_regs(o);
                 fence_regs(pf);
-                mbar_arrive(empty_v(s));
+                release(empty_v(s));
             } else {
                 mbar_arrive(empty_q);
             }
@@ -1229,9 +1332,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 if (kPingPong) named_sync(my_turn, 256);
                 if (kPingPong && (kCarry || !(c == kLast && t == n_tiles - 1)))
                     named_arrive(other_turn, 256);
-                mbar_arrive(empty_k(s));
+                release(empty_k(s));
                 mbar_wait(full_v(s), phase);
-                mbar_arrive(empty_v(s));
+                release(empty_v(s));
             }
         }
 
@@ -1267,6 +1370,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     if constexpr (kPingPong && kCarry) {
         if (c == 0) named_sync(my_turn, 256);
     }
+    if constexpr (kPair) cluster_sync();
 }
 
 // ---- backward: shared pieces --------------------------------------------------------------
@@ -1764,7 +1868,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
-          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false>
+          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
                                            float*, const Dims&, float, Maps) {
     __trap();
@@ -1861,24 +1965,28 @@ KPT_FLASH_SM90_TMA_DROPOUT(f16, __half, 128)
 //   128): fewer, longer key tiles per work tile, in two stages;
 // - `carry_`, d = 64: the consumers' ping-pong running across a block's work tiles
 //   (kCarry; ptxas spills 100 bytes there against 380 in the entries above); d = 128: the
-//   same on 128-key tiles, for causal calls over at most 2048 keys (no spills).
-#define KPT_FLASH_SM90_TMA_UNMASKED(TILE, NAME, T, D, BN, CARRY)                           \
+//   same on 128-key tiles, for causal calls over at most 2048 keys (no spills);
+// - `n176_x2_`, d = 128: the 176-key tiles in clusters of two blocks that share their K/V
+//   tiles (kPair), for calls without a causal mask; launched with a cluster dimension of 2.
+#define KPT_FLASH_SM90_TMA_UNMASKED(TILE, NAME, T, D, BN, CARRY, PAIR)                     \
     extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
         kpt_flash_attention_sm90_tma_##TILE##NAME##_d##D(                                    \
             const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
             const Dims p, const __grid_constant__ TensorMap tq,                             \
             const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
         kpt::dependent_launch_prologue();                                                  \
-        flash_sm90<T, D, false, true, BN, CARRY>(q, k, v, nullptr, out, lse, p, 1.0f,       \
-                                                 Maps{&tq, &tk, &tv});                     \
+        flash_sm90<T, D, false, true, BN, CARRY, KPT_FA3_POLY_FP8, false, PAIR>(           \
+            q, k, v, nullptr, out, lse, p, 1.0f, Maps{&tq, &tk, &tv});                      \
     }
 
-KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 64, kBlockN, true)
-KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 64, kBlockN, true)
-KPT_FLASH_SM90_TMA_UNMASKED(n176_, bf16, __nv_bfloat16, 128, 176, false)
-KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 128, kBlockN, true)
-KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 128, kBlockN, true)
-KPT_FLASH_SM90_TMA_UNMASKED(n176_, f16, __half, 128, 176, false)
+KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 64, kBlockN, true, false)
+KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 64, kBlockN, true, false)
+KPT_FLASH_SM90_TMA_UNMASKED(n176_, bf16, __nv_bfloat16, 128, 176, false, false)
+KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 128, kBlockN, true, false)
+KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 128, kBlockN, true, false)
+KPT_FLASH_SM90_TMA_UNMASKED(n176_, f16, __half, 128, 176, false, false)
+KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, bf16, __nv_bfloat16, 128, 176, false, true)
+KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, f16, __half, 128, 176, false, true)
 
 // FP8 with tiles of 192 keys (1.5 of the 128-key tile: half again as many scores per
 // max, shuffle, O rescale and barrier), in three stages, the consumers' ping-pong running
@@ -1886,8 +1994,9 @@ KPT_FLASH_SM90_TMA_UNMASKED(n176_, f16, __half, 128, 176, false)
 // the host sends masked calls to the 128-key entry). Two entries that differ in the exp2
 // split alone: `_n192_` for calls without a causal mask takes every exp2 on the MUFU units,
 // `_n192_causal_` one n8 block in KPT_FA3_POLY_FP8 on the FMA units (each measured faster
-// for its calls, by 3 and 1.5 %).
-#define KPT_FLASH_SM90_FP8_N192(TILE, POLY)                                                \
+// for its calls, by 3 and 1.5 %). `_n192_x2_`: `_n192_`'s calls in clusters of two blocks
+// that share their K/V tiles (kPair; the K map's boxes are 96 rows).
+#define KPT_FLASH_SM90_FP8_N192(TILE, POLY, PAIR)                                          \
     extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)                    \
         kpt_flash_attention_sm90_tma_##TILE##e4m3_d128(                                      \
             const E4M3* q, const E4M3* k, const E4M3* vt, const float* mask,                \
@@ -1895,12 +2004,13 @@ KPT_FLASH_SM90_TMA_UNMASKED(n176_, f16, __half, 128, 176, false)
             const __grid_constant__ TensorMap tq, const __grid_constant__ TensorMap tk,     \
             const __grid_constant__ TensorMap tv) {                                         \
         kpt::dependent_launch_prologue();                                                  \
-        flash_sm90<E4M3, 128, false, true, 192, true, POLY>(q, k, vt, nullptr, out, nullptr, \
-                                                            p, v_scale, Maps{&tq, &tk, &tv}); \
+        flash_sm90<E4M3, 128, false, true, 192, true, POLY, false, PAIR>(                   \
+            q, k, vt, nullptr, out, nullptr, p, v_scale, Maps{&tq, &tk, &tv});              \
     }
 
-KPT_FLASH_SM90_FP8_N192(n192_, 0)
-KPT_FLASH_SM90_FP8_N192(n192_causal_, KPT_FA3_POLY_FP8)
+KPT_FLASH_SM90_FP8_N192(n192_, 0, false)
+KPT_FLASH_SM90_FP8_N192(n192_causal_, KPT_FA3_POLY_FP8, false)
+KPT_FLASH_SM90_FP8_N192(n192_x2_, 0, true)
 
 // The backward's dk / dv launch on wgmma (see bwd_dkdv_sm90): the arguments of
 // flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block; and its dq

@@ -175,6 +175,11 @@ pub struct Gpu {
     /// Whether split-KV attention may merge its runs in thread-block clusters
     /// ([`Gpu::cluster_attention`]).
     cluster_attention: AtomicBool,
+    /// Whether Hopper attention shares K/V tiles between the blocks of a cluster
+    /// ([`Gpu::kv_multicast`]).
+    kv_multicast: AtomicBool,
+    /// [`Gpu::max_active_clusters`] by entry point and cluster size.
+    active_clusters: Mutex<HashMap<(String, u32), usize>>,
     /// Whether the attention backward runs its wgmma kernels on sm_90a
     /// ([`Gpu::set_wgmma_backward`]).
     wgmma_backward: AtomicBool,
@@ -214,6 +219,8 @@ impl Gpu {
         }));
         let programmatic = programmatic_launches(props.compute_capability.0);
         let clusters = props.compute_capability.0 >= 9 && switched_on("KPT_CUDA_CLUSTER_ATTENTION");
+        let multicast = props.compute_capability.0 >= 9
+            && std::env::var("KPT_CUDA_KV_MULTICAST").is_ok_and(|v| v == "1");
         tracing::info!(
             device = %props.name,
             arch = %props.arch(),
@@ -231,6 +238,8 @@ impl Gpu {
             programmatic: AtomicBool::new(programmatic),
             attention_blocks: AtomicUsize::new(0),
             cluster_attention: AtomicBool::new(clusters),
+            kv_multicast: AtomicBool::new(multicast),
+            active_clusters: Mutex::new(HashMap::new()),
             wgmma_backward: AtomicBool::new(true),
             gemv_preload: switched_on("KPT_CUDA_GEMV_PRELOAD"),
             gemv_stage: switched_on("KPT_CUDA_GEMV_STAGE"),
@@ -281,6 +290,84 @@ impl Gpu {
     pub fn set_cluster_attention(&self, on: bool) {
         let on = on && self.props.compute_capability.0 >= 9;
         self.cluster_attention.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether prefill attention without a causal mask or an additive mask runs on Hopper
+    /// in clusters of two blocks on neighbouring query tiles that copy each K/V tile once
+    /// for both (TMA multicast): off unless `KPT_CUDA_KV_MULTICAST=1` (on sm_90 and
+    /// newer), or as last set by [`Gpu::set_kv_multicast`]; measured slower than the
+    /// blocks on their own so far (docs/reports/attention-h200-notes.md). The result does
+    /// not depend on it.
+    pub fn kv_multicast(&self) -> bool {
+        self.kv_multicast.load(Ordering::Relaxed)
+    }
+
+    /// Turns [`Gpu::kv_multicast`] on or off for the calls that follow; on a device older
+    /// than sm_90 it stays off.
+    pub fn set_kv_multicast(&self, on: bool) {
+        let on = on && self.props.compute_capability.0 >= 9;
+        self.kv_multicast.store(on, Ordering::Relaxed);
+    }
+
+    /// Clusters of `cluster` blocks of `entry` (of kernel source `kernel`) that the device
+    /// runs at once (`cuOccupancyMaxActiveClusters`: a cluster's blocks share a GPC, so
+    /// fewer than the SM count over the cluster size may fit); cached per entry point.
+    pub(crate) fn max_active_clusters(
+        &self,
+        kernel: &'static str,
+        entry: &str,
+        cluster: u32,
+    ) -> Result<usize, NvidiaError> {
+        let key = (entry.to_string(), cluster);
+        if let Some(&n) = self
+            .active_clusters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(n);
+        }
+        let f = self.function(kernel, entry)?;
+        self.bind()?;
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            // SAFETY: an all-zero attribute value is valid (a union of plain integers).
+            value: unsafe { std::mem::zeroed() },
+        };
+        attribute.value.clusterDim.x = cluster;
+        attribute.value.clusterDim.y = 1;
+        attribute.value.clusterDim.z = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: f.meta.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: f.meta.shared_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        let mut clusters: std::ffi::c_int = 0;
+        // SAFETY: `config` and its attribute live across the call; the driver writes one int.
+        unsafe {
+            sys::cuOccupancyMaxActiveClusters(&mut clusters, f.function.cu_function(), &config)
+        }
+        .result()
+        .map_err(|e| NvidiaError::driver("cuOccupancyMaxActiveClusters", e))?;
+        let n = usize::try_from(clusters).unwrap_or(0);
+        if n == 0 {
+            return Err(NvidiaError::Invalid(format!(
+                "{entry}: no cluster of {cluster} blocks fits on this device"
+            )));
+        }
+        self.active_clusters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, n);
+        Ok(n)
     }
 
     /// Whether the attention backward runs its wgmma kernels where the sm_90a cubin is

@@ -927,6 +927,26 @@ impl Gpu {
         )
     }
 
+    /// Blocks of a cluster launch of `entry` (`flash_attention_sm90.cu`'s `_x2_` entries,
+    /// clusters of two blocks that take neighbouring query tiles of `block_m` rows of one
+    /// head): a persistent grid of the clusters that run at once
+    /// ([`Gpu::max_active_clusters`], within [`Gpu::attention_blocks`]), or fewer where the
+    /// call has fewer pairs of tiles.
+    fn sm90_pair_grid(
+        &self,
+        entry: &str,
+        dims: AttentionDims,
+        block_m: usize,
+    ) -> Result<u32, NvidiaError> {
+        let items =
+            (dims.seq_q as usize).div_ceil(2 * block_m) * dims.batch as usize * dims.heads as usize;
+        let most = self
+            .max_active_clusters("flash_attention_sm90", entry, 2)?
+            .min(self.attention_blocks() / 2)
+            .max(1);
+        grid("flash attention tile pairs", 2 * items.min(most))
+    }
+
     /// Tensor-core attention for bf16 and f16 with head dim 64 or 128: with `hopper`, the
     /// wgmma kernel of `flash_attention_sm90.cu` where its sm_90a cubin is loaded and no
     /// sliding window is set, else the mma.sync kernel of `flash_attention.cu`.
@@ -989,7 +1009,8 @@ impl Gpu {
             };
             // Without an additive mask: at head dim 64, and at 128 for causal calls over at
             // most CARRY_D128_MAX_KEYS keys, the consumers' ping-pong runs across a block's
-            // work tiles; other head-dim-128 calls take tiles of 176 keys.
+            // work tiles; other head-dim-128 calls take tiles of 176 keys, those without a
+            // causal mask in clusters of two blocks that share K/V ([`Gpu::kv_multicast`]).
             let carry = mask == 0
                 && !dropout
                 && (d == 64 || dims.causal != 0 && dims.seq_kv as usize <= CARRY_D128_MAX_KEYS);
@@ -1000,6 +1021,15 @@ impl Gpu {
                 FLASH_SM90_BLOCK_N
             };
             if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m, block_n) {
+                if wide && dims.causal == 0 && self.kv_multicast() {
+                    let entry = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
+                    let blocks = self.sm90_pair_grid(&entry, dims, block_m)?;
+                    launch!(
+                        self, SM90, entry, blocks, cluster 2;
+                        q, k, v, mask, out, lse, dims, tq, tk, tv
+                    );
+                    return Ok(());
+                }
                 let tile = match (dropout, wide, carry) {
                     (true, _, _) => "dropout_",
                     (false, true, _) => "n176_",
@@ -1058,12 +1088,15 @@ impl Gpu {
         launch!(self, SM90, "kpt_attention_fp8_v_transpose_d128", blocks; v, vt.ptr(), dims);
         let blocks = self.sm90_attention_grid(dims, FLASH_SM90_BLOCK_M)?;
         let vt_ptr = vt.ptr();
-        // Without an additive mask: tiles of 192 keys.
+        // Without an additive mask: tiles of 192 keys; without a causal mask either, in
+        // clusters of two blocks that share K/V ([`Gpu::kv_multicast`]), each copying 96 of
+        // a K tile's rows (the K map's boxes; the V^T map's are 128 keys regardless).
         let wide = mask == 0;
-        let block_n = if wide {
-            FLASH_SM90_BLOCK_N_FP8_WIDE
-        } else {
-            FLASH_SM90_BLOCK_N
+        let pair = wide && dims.causal == 0 && self.kv_multicast();
+        let block_n = match (wide, pair) {
+            (true, true) => FLASH_SM90_BLOCK_N_FP8_WIDE / 2,
+            (true, false) => FLASH_SM90_BLOCK_N_FP8_WIDE,
+            (false, _) => FLASH_SM90_BLOCK_N,
         };
         if let Some([tq, tk, tv]) = sm90_tensor_maps(
             TmaElem::Byte,
@@ -1072,6 +1105,15 @@ impl Gpu {
             FLASH_SM90_BLOCK_M,
             block_n,
         ) {
+            if pair {
+                let entry = "kpt_flash_attention_sm90_tma_n192_x2_e4m3_d128";
+                let blocks = self.sm90_pair_grid(entry, dims, FLASH_SM90_BLOCK_M)?;
+                launch!(
+                    self, SM90, entry, blocks, cluster 2;
+                    q, k, vt_ptr, mask, out, dims, v_scale, tq, tk, tv
+                );
+                return Ok(true);
+            }
             let entry = if !wide {
                 "kpt_flash_attention_sm90_tma_e4m3_d128"
             } else if dims.causal != 0 {

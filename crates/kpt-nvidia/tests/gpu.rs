@@ -1127,7 +1127,9 @@ proptest! {
 /// first tiles, caches shorter and longer than the query (under the causal mask, rows
 /// that see no key), additive masks, both 16-bit dtypes and head dims, and FP8. The grid
 /// size is set on the shared backend; other tests running meanwhile are not affected,
-/// as the result does not depend on it.
+/// as the result does not depend on it. The 3-block grid runs the calls without masks at
+/// head dim 128 in one cluster of two blocks sharing K/V (`Gpu::kv_multicast`), the
+/// 7-block one without clusters.
 #[test]
 fn attention_persistent_grid() -> Result<(), TestCaseError> {
     let Some(b) = backend() else { return Ok(()) };
@@ -1136,10 +1138,13 @@ fn attention_persistent_grid() -> Result<(), TestCaseError> {
         ([2, 385, 500, 2, 2, 128], true, DType::F16),
         ([3, 260, 129, 1, 3, 128], false, DType::BF16),
         ([2, 300, 300, 2, 2, 64], true, DType::F16),
+        ([1, 300, 211, 2, 2, 128], false, DType::F16),
     ];
     let mut result = Ok(());
-    for blocks in [3, 7] {
+    let multicast_before = b.gpu().kv_multicast();
+    for (blocks, multicast) in [(3, true), (7, false)] {
         b.gpu().set_attention_blocks(Some(blocks));
+        b.gpu().set_kv_multicast(multicast);
         for (seed, (shape, with_mask, dt)) in cases.into_iter().enumerate() {
             for causal in [false, true] {
                 result = result.and(check_attention(
@@ -1160,6 +1165,7 @@ fn attention_persistent_grid() -> Result<(), TestCaseError> {
         }
     }
     b.gpu().set_attention_blocks(None);
+    b.gpu().set_kv_multicast(multicast_before);
     result
 }
 
