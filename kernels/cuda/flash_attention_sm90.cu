@@ -365,23 +365,20 @@ __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const Tensor
         "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar), "h"(mask)
         : "memory");
 }
-// Arrives on the barrier at `bar` of cluster block `rank`.
+// Arrives on the barrier at `bar` of cluster block `rank`, with the arrive's default
+// semantics (release at CTA scope, as CUTLASS's ClusterBarrier): what it orders is this
+// thread's completed reads of its own shared memory, which the other block's TMA copies
+// overwrite next. (`.release.cluster` compiles to a MEMBAR.ALL.GPU before each arrival.)
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, unsigned rank) {
     asm volatile(
         "{\n.reg .b32 remote;\n"
         "mapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-        "r"(rank)
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
         : "memory");
 }
 // Every thread of the cluster's blocks meets here.
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
 }
 
 // Named barriers of the consumer ping-pong (0 is __syncthreads).
