@@ -311,7 +311,8 @@ impl Gpu {
 
     /// Clusters of `cluster` blocks of `entry` (of kernel source `kernel`) that the device
     /// runs at once (`cuOccupancyMaxActiveClusters`: a cluster's blocks share a GPC, so
-    /// fewer than the SM count over the cluster size may fit); cached per entry point.
+    /// fewer than the SM count over the cluster size may fit, and 0 where none does);
+    /// cached per entry point.
     pub(crate) fn max_active_clusters(
         &self,
         kernel: &'static str,
@@ -358,11 +359,6 @@ impl Gpu {
         .result()
         .map_err(|e| NvidiaError::driver("cuOccupancyMaxActiveClusters", e))?;
         let n = usize::try_from(clusters).unwrap_or(0);
-        if n == 0 {
-            return Err(NvidiaError::Invalid(format!(
-                "{entry}: no cluster of {cluster} blocks fits on this device"
-            )));
-        }
         self.active_clusters
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -929,22 +929,27 @@ impl Gpu {
 
     /// Blocks of a cluster launch of `entry` (`flash_attention_sm90.cu`'s `_x2_` entries,
     /// clusters of two blocks that take neighbouring query tiles of `block_m` rows of one
-    /// head): a persistent grid of the clusters that run at once
-    /// ([`Gpu::max_active_clusters`], within [`Gpu::attention_blocks`]), or fewer where the
-    /// call has fewer pairs of tiles.
+    /// head) where [`Gpu::kv_multicast`] is on and such clusters fit: a persistent grid of
+    /// the clusters that run at once ([`Gpu::max_active_clusters`], within
+    /// [`Gpu::attention_blocks`]), or fewer where the call has fewer pairs of tiles.
+    /// `None`: launch the entry without clusters.
     fn sm90_pair_grid(
         &self,
         entry: &str,
         dims: AttentionDims,
         block_m: usize,
-    ) -> Result<u32, NvidiaError> {
+    ) -> Result<Option<u32>, NvidiaError> {
+        if !self.kv_multicast() {
+            return Ok(None);
+        }
+        let fit = self.max_active_clusters("flash_attention_sm90", entry, 2)?;
+        if fit == 0 {
+            return Ok(None);
+        }
         let items =
             (dims.seq_q as usize).div_ceil(2 * block_m) * dims.batch as usize * dims.heads as usize;
-        let most = self
-            .max_active_clusters("flash_attention_sm90", entry, 2)?
-            .min(self.attention_blocks() / 2)
-            .max(1);
-        grid("flash attention tile pairs", 2 * items.min(most))
+        let most = fit.min(self.attention_blocks() / 2).max(1);
+        grid("flash attention tile pairs", 2 * items.min(most)).map(Some)
     }
 
     /// Tensor-core attention for bf16 and f16 with head dim 64 or 128: with `hopper`, the
@@ -1021,14 +1026,15 @@ impl Gpu {
                 FLASH_SM90_BLOCK_N
             };
             if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m, block_n) {
-                if wide && dims.causal == 0 && self.kv_multicast() {
-                    let entry = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
-                    let blocks = self.sm90_pair_grid(&entry, dims, block_m)?;
-                    launch!(
-                        self, SM90, entry, blocks, cluster 2;
-                        q, k, v, mask, out, lse, dims, tq, tk, tv
-                    );
-                    return Ok(());
+                if wide && dims.causal == 0 {
+                    let pair = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
+                    if let Some(blocks) = self.sm90_pair_grid(&pair, dims, block_m)? {
+                        launch!(
+                            self, SM90, pair, blocks, cluster 2;
+                            q, k, v, mask, out, lse, dims, tq, tk, tv
+                        );
+                        return Ok(());
+                    }
                 }
                 let tile = match (dropout, wide, carry) {
                     (true, _, _) => "dropout_",
@@ -1092,8 +1098,13 @@ impl Gpu {
         // clusters of two blocks that share K/V ([`Gpu::kv_multicast`]), each copying 96 of
         // a K tile's rows (the K map's boxes; the V^T map's are 128 keys regardless).
         let wide = mask == 0;
-        let pair = wide && dims.causal == 0 && self.kv_multicast();
-        let block_n = match (wide, pair) {
+        const PAIR: &str = "kpt_flash_attention_sm90_tma_n192_x2_e4m3_d128";
+        let pair = if wide && dims.causal == 0 {
+            self.sm90_pair_grid(PAIR, dims, FLASH_SM90_BLOCK_M)?
+        } else {
+            None
+        };
+        let block_n = match (wide, pair.is_some()) {
             (true, true) => FLASH_SM90_BLOCK_N_FP8_WIDE / 2,
             (true, false) => FLASH_SM90_BLOCK_N_FP8_WIDE,
             (false, _) => FLASH_SM90_BLOCK_N,
@@ -1105,11 +1116,9 @@ impl Gpu {
             FLASH_SM90_BLOCK_M,
             block_n,
         ) {
-            if pair {
-                let entry = "kpt_flash_attention_sm90_tma_n192_x2_e4m3_d128";
-                let blocks = self.sm90_pair_grid(entry, dims, FLASH_SM90_BLOCK_M)?;
+            if let Some(blocks) = pair {
                 launch!(
-                    self, SM90, entry, blocks, cluster 2;
+                    self, SM90, PAIR, blocks, cluster 2;
                     q, k, vt_ptr, mask, out, dims, v_scale, tq, tk, tv
                 );
                 return Ok(true);
