@@ -47,7 +47,8 @@ struct Args {
     /// Small shapes: a fast smoke test of the harness, not a benchmark.
     #[arg(long)]
     quick: bool,
-    /// Only cases whose name contains this.
+    /// Only cases whose name contains this (or, comma-separated, any of these); a term
+    /// ending in `$` must end the name.
     #[arg(long)]
     filter: Option<String>,
     /// Seconds of timed calls per side and round.
@@ -300,11 +301,7 @@ fn main() -> Result<()> {
 
     let cases: Vec<Case> = cases::all(args.quick)
         .into_iter()
-        .filter(|c| {
-            args.filter
-                .as_ref()
-                .is_none_or(|f| c.name.contains(f.as_str()))
-        })
+        .filter(|c| kpt_benches::filter_matches(args.filter.as_deref(), &c.name))
         .collect();
     let run_demo_row = !args.no_demo && !args.quick && args.filter.is_none();
     let pb = ProgressBar::new(cases.len() as u64 + run_demo_row as u64);

@@ -42,7 +42,8 @@ struct Args {
     /// Report name (files are NAME-latest.json etc.).
     #[arg(long, default_value = "nvidia-h100")]
     name: String,
-    /// Only cases whose name contains this (or, comma-separated, any of these).
+    /// Only cases whose name contains this (or, comma-separated, any of these); a term
+    /// ending in `$` must end the name.
     #[arg(long)]
     filter: Option<String>,
     /// Which cases: the backend's kernels (`core`, the nvidia-h100 report) or attention
@@ -1103,11 +1104,7 @@ fn main() -> Result<()> {
     };
     let cases: Vec<Case> = all
         .into_iter()
-        .filter(|c| {
-            args.filter
-                .as_deref()
-                .is_none_or(|f| f.split(',').any(|f| c.name.contains(f)))
-        })
+        .filter(|c| kpt_benches::filter_matches(args.filter.as_deref(), &c.name))
         .collect();
     let copy_tbps = if cases.iter().any(|c| matches!(c.target, Target::OfCopy(_))) {
         copy_bandwidth(&backend)?

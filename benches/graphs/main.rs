@@ -31,7 +31,8 @@ struct Args {
     /// Timed steps per mode.
     #[arg(long, default_value_t = 200)]
     steps: usize,
-    /// Only the shapes whose name contains this.
+    /// Only the shapes whose name contains this (or, comma-separated, any of these); a
+    /// term ending in `$` must end the name.
     #[arg(long)]
     filter: Option<String>,
     /// Also write the JSON here.
@@ -233,11 +234,10 @@ fn main() -> Result<()> {
     let mut registry = KernelRegistry::with_builtin();
     registry.set_disabled(&kpt_core::KptConfig::load_layered(None)?.kernel.disable);
     let mut rows = Vec::new();
-    for s in SHAPES.iter().filter(|s| {
-        args.filter
-            .as_ref()
-            .is_none_or(|f| s.name.contains(f.as_str()))
-    }) {
+    for s in SHAPES
+        .iter()
+        .filter(|s| kpt_benches::filter_matches(args.filter.as_deref(), s.name))
+    {
         let graph = decode_graph(s)?;
         let plan = auto_optimize(
             &graph,

@@ -133,7 +133,7 @@ if [ "$what" = profile ]; then
     profile "cudnn-d$d" "sdpa|fmha|fprop" python3 "$here/sdpa_cudnn.py" "$b" "$h" "$s" "$d" full
     profile "kpt-d$d" "kpt_flash_attention_sm90" "$here/bin/kpt-bench-cuda" --python python3 \
       --script "$here/torch_cuda.py" --suite attention --chosen-only \
-      --filter "attention_prefill_bf16_b${b}_h${h}_s${s}_d${d}_full" \
+      --filter "attention_prefill_bf16_b${b}_h${h}_s${s}_d${d}_full\$" \
       --name profile --out "$out/profile/bench-d$d"
   done
 fi
