@@ -7,10 +7,13 @@ many repetitions to take (`reps`); the reply holds the per-call seconds of every
 repetition of every variant. Timing is the same as on the kpt side: CUDA events around
 `inner` calls on the current stream, after warm-up calls (which also compile).
 Consecutive requests for the same case reuse its inputs and compiled functions, so the
-caller can interleave single repetitions with its own.
+caller can interleave single repetitions with its own. `KPT_SDPA_BACKENDS` (set by
+`kpt-bench-cuda --sdpa`), comma-separated flash, cudnn, efficient: time only those SDPA
+backends (default all three).
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,10 +37,16 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+SDPA_ONLY = {b for b in os.environ.get("KPT_SDPA_BACKENDS", "").split(",") if b}
+
+
 def sdpa_backends(call):
-    """`call` (an SDPA call) under each SDPA backend that takes it: flash, cuDNN, efficient."""
+    """`call` (an SDPA call) under each SDPA backend that takes it: flash, cuDNN, efficient
+    (those of `KPT_SDPA_BACKENDS` where it is set)."""
     out = []
     for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        if SDPA_ONLY and name.split("_")[0].lower() not in SDPA_ONLY:
+            continue
         backend = getattr(SDPBackend, name)
 
         def f(backend=backend):

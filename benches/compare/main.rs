@@ -272,7 +272,12 @@ fn main() -> Result<()> {
     let mut torch = if args.no_torch {
         None
     } else {
-        Some(TorchWorker::start(&args.python, &args.script, threads)?)
+        Some(TorchWorker::start(
+            &args.python,
+            &args.script,
+            threads,
+            &[],
+        )?)
     };
     let mut versions = std::collections::BTreeMap::new();
     versions.insert("kpt".to_string(), env!("CARGO_PKG_VERSION").to_string());

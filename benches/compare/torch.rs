@@ -19,10 +19,17 @@ pub struct TorchWorker {
 }
 
 impl TorchWorker {
-    /// Starts `python script` with `threads` intra-op threads and reads its greeting.
-    pub fn start(python: &Path, script: &Path, threads: usize) -> Result<Self> {
+    /// Starts `python script` with `threads` intra-op threads and the variables `env`
+    /// set, and reads its greeting.
+    pub fn start(
+        python: &Path,
+        script: &Path,
+        threads: usize,
+        env: &[(&str, String)],
+    ) -> Result<Self> {
         let mut child = Command::new(python)
             .arg(script)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .env("KPT_BENCH_THREADS", threads.to_string())
             .env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::piped())

@@ -64,6 +64,19 @@ struct Args {
     /// The command recorded in the report.
     #[arg(long, default_value = "cargo xtask gpu-bundle (run.sh)")]
     command: String,
+    /// Time only these of torch's SDPA backends (comma-separated; default all three), e.g.
+    /// `cudnn` for quicker A/B runs of kpt's kernels: attention ratios are then to the
+    /// backends timed, and targets named after another backend are left out.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    sdpa: Vec<SdpaBackend>,
+}
+
+/// One of torch's SDPA backends (`--sdpa`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum SdpaBackend {
+    Flash,
+    Cudnn,
+    Efficient,
 }
 
 /// The case lists `kpt-bench-cuda` can run.
@@ -1082,7 +1095,21 @@ fn main() -> Result<()> {
     };
     let backend = CudaBackend::new(0, options).context("opening CUDA device 0")?;
     backend.gpu().set_attention_blocks(args.attention_blocks);
-    let mut worker = TorchWorker::start(&args.python, &args.script, 1)?;
+    let sdpa: Vec<&str> = args
+        .sdpa
+        .iter()
+        .map(|b| match b {
+            SdpaBackend::Flash => "flash",
+            SdpaBackend::Cudnn => "cudnn",
+            SdpaBackend::Efficient => "efficient",
+        })
+        .collect();
+    let mut worker = TorchWorker::start(
+        &args.python,
+        &args.script,
+        1,
+        &[("KPT_SDPA_BACKENDS", sdpa.join(","))],
+    )?;
     let info = worker.info.clone();
     let text = |k: &str| info[k].as_str().unwrap_or("unknown").to_string();
     let mut versions = std::collections::BTreeMap::new();
@@ -1243,15 +1270,17 @@ fn run_case(
     match case.target {
         Target::Ratio(r) => row = row.with_target_ratio(r),
         Target::Value(t) => row = row.with_target(t),
-        Target::VsVariant(name, f) => {
-            let t = variants
-                .get(name)
-                .map(|t| rate(t))
-                .with_context(|| format!("torch returned no {name} timing for {}", case.name))?;
-            row = row
-                .with_target(f * t)
-                .with_note(format!("target {f}x {name} in this run"));
-        }
+        Target::VsVariant(name, f) => match variants.get(name) {
+            Some(t) => {
+                row = row
+                    .with_target(f * rate(t))
+                    .with_note(format!("target {f}x {name} in this run"));
+            }
+            None if !args.sdpa.is_empty() => {
+                row = row.with_note(format!("no target: {name} not timed (--sdpa)"));
+            }
+            None => bail!("torch returned no {name} timing for {}", case.name),
+        },
         Target::OfCopy(f) => {
             row = row.with_target(f * copy_tbps).with_note(format!(
                 "target {f} x the copy bandwidth measured in this run ({copy_tbps:.2} TB/s, \

@@ -428,7 +428,7 @@ fn main() -> Result<()> {
         Device::Cuda => (DType::BF16, "bf16"),
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut worker = TorchWorker::start(&args.python, &args.script, threads)?;
+    let mut worker = TorchWorker::start(&args.python, &args.script, threads, &[])?;
     let info = worker.info.clone();
     let text = |k: &str| info[k].as_str().unwrap_or("unknown").to_string();
     let mut versions = std::collections::BTreeMap::new();
