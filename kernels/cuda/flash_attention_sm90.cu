@@ -50,7 +50,7 @@
 // same few heads' K/V and find them in L2 (in (batch, head)-major order 132 blocks would
 // stream 132 heads' K/V from memory); inside a section, query tiles go last-first across its
 // heads, so that the longest causal blocks start first. kL2Budget is 8 MiB (16 MiB read
-// 1 % slower at d = 128, S = 2048; attention-h200-notes.md).
+// 0.8 % slower at d = 128, S = 2048; attention-h200-notes.md).
 //
 // Persistent grid: with fewer blocks than tiles, a block runs work tiles x = blockIdx.x,
 // blockIdx.x + gridDim.x, ... in the order above, and the producer and the consumers carry
@@ -879,9 +879,10 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 // the output (v_scale for FP8, 1 otherwise). kDropout (16-bit, 128-key tiles): each P tile
 // loses its dropped probabilities after the softmax took its sum (dropout_keep8: one Philox
 // call per row and eight keys, shared by the quad of lanes) and the kept ones are scaled at
-// the store, with the normalization. kPair (TMA, launched in clusters of two): the blocks of a cluster take neighbouring query tiles of one (batch, head)
-// and share its K/V tiles: each copies half of every tile into both (TMA multicast), and a
-// stage is free once the consumers of both released it.
+// the store, with the normalization. kPair (TMA, launched in clusters of two): the blocks of
+// a cluster take neighbouring query tiles of one (batch, head) and share its K/V tiles: each
+// copies half of every tile into both (TMA multicast), and a stage is free once the
+// consumers of both released it.
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
           int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
