@@ -105,6 +105,8 @@
 // kpt:launch kpt_flash_attention_sm90_tma_n192_x2_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_x2_bf16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_x2_f16_d128 block=384 shared=214096 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n160_carry_bf16_d128 block=384 shared=197712 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n160_carry_f16_d128 block=384 shared=197712 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
@@ -275,6 +277,8 @@ static_assert(Config<E4M3, 128>::kSmemBytes == 148624,
 static_assert(Config<E4M3, 128, 192>::kSmemBytes == 189552,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<__nv_bfloat16, 128, 176>::kSmemBytes == 214096,
+              "keep the kpt:launch shared= values in step");
+static_assert(Config<__nv_bfloat16, 128, 160>::kSmemBytes == 197712,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<__nv_bfloat16, 64, kBlockN, true>::kSmemBytes == 148624,
               "keep the kpt:launch shared= values in step");
@@ -497,6 +501,28 @@ __device__ __forceinline__ void wgmma_ss_n176(float (&d)[88], uint64_t a, uint64
     }
 }
 
+// d[64 x 160] (+)= A[64 x 16] B[16 x 160]: the S tile of 160-key tiles (d = 128).
+#define KPT_REGS80                                                                         \
+    KPT_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "  \
+               "%78, %79"
+#define KPT_WGMMA_SS_N160(TY)                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned.m64n160k16.f32." TY "." TY " {" KPT_REGS80  \
+                 "}, %80, %81, p, 1, 1, 0, 0;\n}\n"                                        \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),     \
+                   KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56), KPT_ACC8(64), KPT_ACC8(72)    \
+                 : "l"(a), "l"(b), "r"(scale_d))
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n160(float (&d)[80], uint64_t a, uint64_t b,
+                                              int scale_d) {
+    static_assert(sizeof(T) == 2, "160-key tiles are for bf16 / f16");
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        KPT_WGMMA_SS_N160("bf16");
+    } else {
+        KPT_WGMMA_SS_N160("f16");
+    }
+}
+
 // d[64 x 192] (+)= A[64 x 32] B[32 x 192], e4m3: the S tile of FP8's 192-key tiles.
 #define KPT_REGS96                                                                         \
     KPT_REGS88 ", %88, %89, %90, %91, %92, %93, %94, %95"
@@ -618,6 +644,8 @@ __device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint64_t qdesc, uint
         const uint32_t ko = ((kk / 4) * (BN * 128) + (kk % 4) * 32) >> 4;
         if constexpr (BN == 192) {
             wgmma_ss_n192_e4m3<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
+        } else if constexpr (BN == 160) {
+            wgmma_ss_n160<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
         } else if constexpr (BN == 176) {
             wgmma_ss_n176<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
         } else {
@@ -1965,7 +1993,9 @@ KPT_FLASH_SM90_TMA_DROPOUT(f16, __half, 128)
 //   (kCarry; ptxas spills 100 bytes there against 380 in the entries above); d = 128: the
 //   same on 128-key tiles, for causal calls over at most 2048 keys (no spills);
 // - `n176_x2_`, d = 128: the 176-key tiles in clusters of two blocks that share their K/V
-//   tiles (kPair), for calls without a causal mask; launched with a cluster dimension of 2.
+//   tiles (kPair), for calls without a causal mask; launched with a cluster dimension of 2;
+// - `n160_carry_`, d = 128: tiles of 160 keys with the carry (ptxas spills 16 bytes there,
+//   132 for the 176-key tiles with it), an alternative to `n176_` (Gpu::set_n160_tiles).
 #define KPT_FLASH_SM90_TMA_UNMASKED(TILE, NAME, T, D, BN, CARRY, PAIR)                     \
     extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
         kpt_flash_attention_sm90_tma_##TILE##NAME##_d##D(                                    \
@@ -1985,6 +2015,8 @@ KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 128, kBlockN, true, false)
 KPT_FLASH_SM90_TMA_UNMASKED(n176_, f16, __half, 128, 176, false, false)
 KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, bf16, __nv_bfloat16, 128, 176, false, true)
 KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, f16, __half, 128, 176, false, true)
+KPT_FLASH_SM90_TMA_UNMASKED(n160_carry_, bf16, __nv_bfloat16, 128, 160, true, false)
+KPT_FLASH_SM90_TMA_UNMASKED(n160_carry_, f16, __half, 128, 160, true, false)
 
 // FP8 with tiles of 192 keys (1.5 of the 128-key tile: half again as many scores per
 // max, shuffle, O rescale and barrier), in three stages, the consumers' ping-pong running

@@ -61,6 +61,9 @@ const FLASH_SM90_BLOCK_N: usize = 128;
 /// Keys per K/V tile of its `_tma_n176_` entries: bf16/f16 at head dim 128 without an
 /// additive mask (FlashAttention-3's tile for non-causal calls).
 const FLASH_SM90_BLOCK_N_WIDE: usize = 176;
+/// Keys per K/V tile of its `_tma_n160_carry_` entries, which take those calls instead
+/// where [`Gpu::n160_tiles`] is on.
+const FLASH_SM90_BLOCK_N_160: usize = 160;
 /// The longest cache on which causal head-dim-128 calls without an additive mask run the
 /// Hopper kernel's `_tma_carry_` entries (128-key tiles, the consumers' ping-pong carried
 /// across work tiles): +3 % at 2048 keys, -0.5 % at 4096 and -4 % at 16384 on an H200.
@@ -1015,18 +1018,20 @@ impl Gpu {
             // Without an additive mask: at head dim 64, and at 128 for causal calls over at
             // most CARRY_D128_MAX_KEYS keys, the consumers' ping-pong runs across a block's
             // work tiles; other head-dim-128 calls take tiles of 176 keys, those without a
-            // causal mask in clusters of two blocks that share K/V ([`Gpu::kv_multicast`]).
+            // causal mask in clusters of two blocks that share K/V ([`Gpu::kv_multicast`]),
+            // or tiles of 160 keys with the carry ([`Gpu::n160_tiles`]).
             let carry = mask == 0
                 && !dropout
                 && (d == 64 || dims.causal != 0 && dims.seq_kv as usize <= CARRY_D128_MAX_KEYS);
             let wide = d == 128 && mask == 0 && !dropout && !carry;
-            let block_n = if wide {
-                FLASH_SM90_BLOCK_N_WIDE
-            } else {
-                FLASH_SM90_BLOCK_N
+            let n160 = wide && self.n160_tiles();
+            let block_n = match (wide, n160) {
+                (true, true) => FLASH_SM90_BLOCK_N_160,
+                (true, false) => FLASH_SM90_BLOCK_N_WIDE,
+                (false, _) => FLASH_SM90_BLOCK_N,
             };
             if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m, block_n) {
-                if wide && dims.causal == 0 {
+                if wide && !n160 && dims.causal == 0 {
                     let pair = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
                     if let Some(blocks) = self.sm90_pair_grid(&pair, dims, block_m)? {
                         launch!(
@@ -1038,6 +1043,7 @@ impl Gpu {
                 }
                 let tile = match (dropout, wide, carry) {
                     (true, _, _) => "dropout_",
+                    (false, true, _) if n160 => "n160_carry_",
                     (false, true, _) => "n176_",
                     (false, false, true) => "carry_",
                     (false, false, false) => "",
