@@ -4,6 +4,12 @@
 # benchmark) a python3 with CUDA PyTorch.
 #
 #   run.sh OUT_DIR [all|tests|bench|models|xla|profile] [extra kpt-bench-cuda arguments...]
+#   run.sh OUT_DIR ab VAR FILTER [ROUNDS]
+#
+# `ab`: an A/B of one of kpt's runtime switches (an environment variable such as
+# KPT_CUDA_N160_TILES): the attention cases matching FILTER (kpt-bench-cuda --filter)
+# with VAR=0 and VAR=1 in turn, ROUNDS rounds (2 by default), against torch's cuDNN backend
+# alone; the reports go to OUT_DIR/reports as attention-GPU-VAR{0,1}-r{ROUND}.
 #
 # `profile`: Nsight Compute (ncu, --set full, clocks left alone) on one launch of kpt's
 # attention kernel and one of cuDNN's (torch SDPA) at the d64 and d128 shapes;
@@ -108,6 +114,21 @@ if [ "$what" = models ] || [ "$what" = all ]; then
   # A 1.1B LLaMA-shaped checkpoint through kpt-models and HF transformers.
   "$here/bin/kpt-bench-models" --python python3 --script "$here/hf_models.py" \
     --dir "${TMPDIR:-/tmp}/kpt-bench-llama" --name "models-$gpu" --out "$out/reports" || status=1
+fi
+if [ "$what" = ab ]; then
+  var="${1:?usage: run.sh OUT_DIR ab VAR FILTER [ROUNDS]}"
+  filter="${2:?usage: run.sh OUT_DIR ab VAR FILTER [ROUNDS]}"
+  rounds="${3:-2}"
+  for round in $(seq 1 "$rounds"); do
+    for value in 0 1; do
+      env "$var=$value" "$here/bin/kpt-bench-cuda" --python python3 \
+        --script "$here/torch_cuda.py" --suite attention --chosen-only --sdpa cudnn \
+        --filter "$filter" --name "attention-$gpu-$var$value-r$round" \
+        --out "$out/reports" > "$out/ab-$var$value-r$round.log" 2>&1 || status=1
+      echo "$var=$value round $round:"
+      grep -E '^attention' "$out/ab-$var$value-r$round.log"
+    done
+  done
 fi
 if [ "$what" = profile ]; then
   mkdir -p "$out/profile"
