@@ -478,10 +478,18 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64
     }
 }
 
-// d[64 x 176] (+)= A[64 x 16] B[16 x 176]: the S tile of 176-key tiles (d = 128, non-causal).
-#define KPT_REGS88                                                                         \
+// d[64 x N] (+)= A[64 x 16] B[16 x N]: the S tiles of 160- and 176-key tiles (d = 128).
+#define KPT_REGS80                                                                         \
     KPT_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "  \
-               "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87"
+               "%78, %79"
+#define KPT_REGS88 KPT_REGS80 ", %80, %81, %82, %83, %84, %85, %86, %87"
+#define KPT_WGMMA_SS_N160(TY)                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned.m64n160k16.f32." TY "." TY " {" KPT_REGS80  \
+                 "}, %80, %81, p, 1, 1, 0, 0;\n}\n"                                        \
+                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),     \
+                   KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56), KPT_ACC8(64), KPT_ACC8(72)    \
+                 : "l"(a), "l"(b), "r"(scale_d))
 #define KPT_WGMMA_SS_N176(TY)                                                              \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                              \
                  "wgmma.mma_async.sync.aligned.m64n176k16.f32." TY "." TY " {" KPT_REGS88  \
@@ -490,36 +498,20 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64
                    KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56), KPT_ACC8(64), KPT_ACC8(72),   \
                    KPT_ACC8(80)                                                            \
                  : "l"(a), "l"(b), "r"(scale_d))
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_n176(float (&d)[88], uint64_t a, uint64_t b,
+// The S tile of the wide 16-bit key tiles: 160 or 176 keys.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_wide(float (&d)[N / 2], uint64_t a, uint64_t b,
                                               int scale_d) {
-    static_assert(sizeof(T) == 2, "176-key tiles are for bf16 / f16");
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    static_assert(sizeof(T) == 2 && (N == 160 || N == 176), "wide tiles: bf16 / f16");
+    constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+    if constexpr (N == 160 && kBf16) {
+        KPT_WGMMA_SS_N160("bf16");
+    } else if constexpr (N == 160) {
+        KPT_WGMMA_SS_N160("f16");
+    } else if constexpr (kBf16) {
         KPT_WGMMA_SS_N176("bf16");
     } else {
         KPT_WGMMA_SS_N176("f16");
-    }
-}
-
-// d[64 x 160] (+)= A[64 x 16] B[16 x 160]: the S tile of 160-key tiles (d = 128).
-#define KPT_REGS80                                                                         \
-    KPT_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "  \
-               "%78, %79"
-#define KPT_WGMMA_SS_N160(TY)                                                              \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"                              \
-                 "wgmma.mma_async.sync.aligned.m64n160k16.f32." TY "." TY " {" KPT_REGS80  \
-                 "}, %80, %81, p, 1, 1, 0, 0;\n}\n"                                        \
-                 : KPT_ACC8(0), KPT_ACC8(8), KPT_ACC8(16), KPT_ACC8(24), KPT_ACC8(32),     \
-                   KPT_ACC8(40), KPT_ACC8(48), KPT_ACC8(56), KPT_ACC8(64), KPT_ACC8(72)    \
-                 : "l"(a), "l"(b), "r"(scale_d))
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_n160(float (&d)[80], uint64_t a, uint64_t b,
-                                              int scale_d) {
-    static_assert(sizeof(T) == 2, "160-key tiles are for bf16 / f16");
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        KPT_WGMMA_SS_N160("bf16");
-    } else {
-        KPT_WGMMA_SS_N160("f16");
     }
 }
 
@@ -644,10 +636,8 @@ __device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint64_t qdesc, uint
         const uint32_t ko = ((kk / 4) * (BN * 128) + (kk % 4) * 32) >> 4;
         if constexpr (BN == 192) {
             wgmma_ss_n192_e4m3<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
-        } else if constexpr (BN == 160) {
-            wgmma_ss_n160<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
-        } else if constexpr (BN == 176) {
-            wgmma_ss_n176<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
+        } else if constexpr (BN == 160 || BN == 176) {
+            wgmma_ss_wide<T, BN>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
         } else {
             wgmma_ss_n128<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
         }
