@@ -105,6 +105,12 @@ fn switched_on(name: &str) -> bool {
     std::env::var(name).map_or(true, |v| v != "0")
 }
 
+/// A performance switch that is off unless the environment sets `name=1` (features still
+/// being measured).
+fn opted_in(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
+}
+
 /// A check that a launcher would make on the host after its kernel (a flag the kernel
 /// sets on bad input), deferred to after each replay of a captured graph.
 type DeferredCheck = (DeviceBlock, String);
@@ -221,8 +227,7 @@ impl Gpu {
         }));
         let programmatic = programmatic_launches(props.compute_capability.0);
         let clusters = props.compute_capability.0 >= 9 && switched_on("KPT_CUDA_CLUSTER_ATTENTION");
-        let multicast = props.compute_capability.0 >= 9
-            && std::env::var("KPT_CUDA_KV_MULTICAST").is_ok_and(|v| v == "1");
+        let multicast = props.compute_capability.0 >= 9 && opted_in("KPT_CUDA_KV_MULTICAST");
         tracing::info!(
             device = %props.name,
             arch = %props.arch(),
@@ -241,9 +246,7 @@ impl Gpu {
             attention_blocks: AtomicUsize::new(0),
             cluster_attention: AtomicBool::new(clusters),
             kv_multicast: AtomicBool::new(multicast),
-            n160_tiles: AtomicBool::new(
-                std::env::var("KPT_CUDA_N160_TILES").is_ok_and(|v| v == "1"),
-            ),
+            n160_tiles: AtomicBool::new(opted_in("KPT_CUDA_N160_TILES")),
             active_clusters: Mutex::new(HashMap::new()),
             wgmma_backward: AtomicBool::new(true),
             gemv_preload: switched_on("KPT_CUDA_GEMV_PRELOAD"),
@@ -300,7 +303,7 @@ impl Gpu {
     /// Whether prefill attention without a causal mask or an additive mask runs on Hopper
     /// in clusters of two blocks on neighbouring query tiles that copy each K/V tile once
     /// for both (TMA multicast): off unless `KPT_CUDA_KV_MULTICAST=1` (on sm_90 and
-    /// newer), or as last set by [`Gpu::set_kv_multicast`]; measured slower than the
+    /// newer), or as last set by [`Gpu::set_kv_multicast`]; measured no faster than the
     /// blocks on their own so far (docs/reports/attention-h200-notes.md). The result does
     /// not depend on it.
     pub fn kv_multicast(&self) -> bool {
