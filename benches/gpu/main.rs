@@ -67,16 +67,8 @@ struct Args {
     /// Time only these of torch's SDPA backends (comma-separated; default all three), e.g.
     /// `cudnn` for quicker A/B runs of kpt's kernels: attention ratios are then to the
     /// backends timed, and targets named after another backend are left out.
-    #[arg(long, value_enum, value_delimiter = ',')]
-    sdpa: Vec<SdpaBackend>,
-}
-
-/// One of torch's SDPA backends (`--sdpa`).
-#[derive(clap::ValueEnum, Clone, Copy, Debug)]
-enum SdpaBackend {
-    Flash,
-    Cudnn,
-    Efficient,
+    #[arg(long, value_delimiter = ',', value_parser = ["flash", "cudnn", "efficient"])]
+    sdpa: Vec<String>,
 }
 
 /// The case lists `kpt-bench-cuda` can run.
@@ -1095,20 +1087,11 @@ fn main() -> Result<()> {
     };
     let backend = CudaBackend::new(0, options).context("opening CUDA device 0")?;
     backend.gpu().set_attention_blocks(args.attention_blocks);
-    let sdpa: Vec<&str> = args
-        .sdpa
-        .iter()
-        .map(|b| match b {
-            SdpaBackend::Flash => "flash",
-            SdpaBackend::Cudnn => "cudnn",
-            SdpaBackend::Efficient => "efficient",
-        })
-        .collect();
     let mut worker = TorchWorker::start(
         &args.python,
         &args.script,
         1,
-        &[("KPT_SDPA_BACKENDS", sdpa.join(","))],
+        &[("KPT_SDPA_BACKENDS", args.sdpa.join(","))],
     )?;
     let info = worker.info.clone();
     let text = |k: &str| info[k].as_str().unwrap_or("unknown").to_string();

@@ -67,6 +67,13 @@ gpu="${gpu:-gpu}"
 echo "reports named after: $gpu"
 
 status=0
+# kpt-bench-cuda's attention suite with the arguments given, timing the registry's kernel
+# only (the general fallback kernel takes seconds a call at these sizes; it is still
+# checked against the reference). The profile mode spells it out: ncu runs the binary.
+attention_bench() {
+  "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
+    --suite attention --chosen-only "$@"
+}
 if [ "$what" = tests ] || [ "$what" = all ]; then
   "$here/bin/kpt" detect --json > "$out/detect.json" 2> "$out/detect.log" || status=1
   cat "$out/detect.json"
@@ -102,10 +109,7 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
     --name "nvidia-$gpu" --out "$out/reports" "$@" || status=1
-  # The attention suite times the registry's kernel only: the general fallback kernel
-  # takes seconds a call at these sizes (it is still checked against the reference).
-  "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
-    --suite attention --chosen-only --name "attention-$gpu" --out "$out/reports" "$@" || status=1
+  attention_bench --name "attention-$gpu" --out "$out/reports" "$@" || status=1
   # Host time per decode-shaped run with CUDA graphs off and on.
   mkdir -p "$out/reports"
   "$here/bin/kpt-bench-graphs" --out "$out/reports/graphs-$gpu.json" || status=1
@@ -121,10 +125,9 @@ if [ "$what" = ab ]; then
   rounds="${3:-2}"
   for round in $(seq 1 "$rounds"); do
     for value in 0 1; do
-      env "$var=$value" "$here/bin/kpt-bench-cuda" --python python3 \
-        --script "$here/torch_cuda.py" --suite attention --chosen-only --sdpa cudnn \
-        --filter "$filter" --name "attention-$gpu-$var$value-r$round" \
-        --out "$out/reports" > "$out/ab-$var$value-r$round.log" 2>&1 || status=1
+      (export "$var=$value"; attention_bench --sdpa cudnn --filter "$filter" \
+        --name "attention-$gpu-$var$value-r$round" --out "$out/reports") \
+        > "$out/ab-$var$value-r$round.log" 2>&1 || status=1
       echo "$var=$value round $round:"
       grep -E '^attention' "$out/ab-$var$value-r$round.log"
     done
