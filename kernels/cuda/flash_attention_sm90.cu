@@ -96,17 +96,15 @@
 // kpt:launch kpt_flash_attention_sm90_tma_dropout_bf16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_dropout_f16_d64 block=384 shared=148624 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_dropout_f16_d128 block=384 shared=230512 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_n176_bf16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d128 block=384 shared=230512 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_n176_f16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_x2_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_x2_bf16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_x2_f16_d128 block=384 shared=214096 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_n160_carry_bf16_d128 block=384 shared=197712 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_n160_carry_f16_d128 block=384 shared=197712 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n160_carry_bf16_d128 block=384 shared=230480 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n160_carry_f16_d128 block=384 shared=230480 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
@@ -184,6 +182,8 @@ struct Maps {
     const TensorMap* q;
     const TensorMap* k;
     const TensorMap* v;
+    // The output's map (boxes of one 128-byte column block by 64 rows), for kStaged.
+    const TensorMap* o = nullptr;
 };
 
 // Consumer warpgroups (64 query rows each) per block: three for 16-bit d = 64, whose softmax
@@ -246,7 +246,7 @@ static_assert(Regs<3>::kProducer * 128 + Regs<3>::kConsumer * 384 <= Regs<3>::kL
 
 // The shared-memory geometry depends on the bytes of a row: 128 (bf16/f16 at d = 64, FP8 at
 // d = 128) or 256 (bf16/f16 at d = 128); the stage switches are named after the 16-bit sizes.
-template <typename T, int D, int BN = kBlockN, bool kDropout = false>
+template <typename T, int D, int BN = kBlockN, bool kDropout = false, bool kStaged = false>
 struct Config {
     static constexpr int kConsumers = ::kConsumers<T, D, kDropout>;
     static constexpr int kBlockM = 64 * kConsumers;  // query rows per block
@@ -261,9 +261,12 @@ struct Config {
     // block (D rows, 16 KiB) per 128 keys (the last one's columns past BN unused).
     static constexpr int kVTileBytes = kFp8<T> ? (BN + 127) / 128 * D * 128 : kTileBytes;
     static_assert(!kFp8<T> || (D == 128 && BN % 64 == 0), "FP8: d = 128, whole k-steps");
+    // kStaged: each consumer's 64 output rows, swizzled as a Q tile, for the TMA store.
+    static constexpr int kOutOffset = kQBytes + kStages * (kTileBytes + kVTileBytes);
+    static constexpr int kOutBytes = kStaged ? kBlockM * D * 2 : 0;
     // full_q, empty_q, then full_k, empty_k, full_v, empty_v of each stage.
     static constexpr int kBarriers = 2 + 4 * kStages;
-    static constexpr int kBarOffset = kQBytes + kStages * (kTileBytes + kVTileBytes);
+    static constexpr int kBarOffset = kOutOffset + kOutBytes;
     // + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time.
     static constexpr int kSmemBytes = kBarOffset + kBarriers * 8 + 1024;
 };
@@ -278,12 +281,13 @@ static_assert(Config<E4M3, 128, 192>::kSmemBytes == 189552,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<__nv_bfloat16, 128, 176>::kSmemBytes == 214096,
               "keep the kpt:launch shared= values in step");
-static_assert(Config<__nv_bfloat16, 128, 160>::kSmemBytes == 197712,
+static_assert(Config<__nv_bfloat16, 128, 160, false, true>::kSmemBytes == 230480,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<__nv_bfloat16, 64, kBlockN, true>::kSmemBytes == 148624,
               "keep the kpt:launch shared= values in step");
 #endif
-static_assert(Config<__nv_bfloat16, 128>::kSmemBytes <= 227 * 1024,
+static_assert(Config<__nv_bfloat16, 128>::kSmemBytes <= 227 * 1024 &&
+                  Config<__nv_bfloat16, 128, 160, false, true>::kSmemBytes <= 227 * 1024,
               "one block per SM must fit in the 227 KiB of dynamic shared memory");
 // k-steps of P V per K/V tile: 16 keys for bf16/f16, 32 for FP8 (32 bytes of A per row).
 template <typename T, int BN = kBlockN>
@@ -392,6 +396,44 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 }
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Named barriers of each consumer warpgroup's staged output store (kStaged).
+template <int kConsumers>
+constexpr int kStoreBarrier = kSchedBarrier + kConsumers;
+
+// ---- staged output store (kStaged) -----------------------------------------------------
+
+// Four 8 x 8 matrices of 16-bit values from registers in the mma accumulator layout (lane l:
+// row l / 4, columns 2 (l % 4) and + 1 of each) to the rows whose addresses lanes 8 i .. 8 i + 7
+// give for matrix i.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+// One box of a 3-D tensor map from shared memory at `src` to global memory (elements outside
+// the tensor, rows before 0 too, are not written), in this thread's current bulk group.
+__device__ __forceinline__ void tma_store_3d(const TensorMap* map, uint32_t src, int x, int y,
+                                             int z) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::
+            "l"(reinterpret_cast<uint64_t>(map)),
+        "r"(x), "r"(y), "r"(z), "r"(src)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until this thread's bulk groups have read their shared memory (the buffer may be
+// written again).
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// Waits until this thread's bulk groups have completed (their writes are done).
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 // ---- wgmma -----------------------------------------------------------------------------
@@ -902,14 +944,17 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 // copies half of every tile into both (TMA multicast), and a stage is free once the
 // consumers of both released it.
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
-          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false>
+          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false,
+          bool kStaged = false>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
                                            OutT<T>* __restrict__ out,
                                            float* __restrict__ lse, const Dims& p,
                                            float out_scale, Maps maps) {
-    using C = Config<T, D, BN, kDropout>;
+    using C = Config<T, D, BN, kDropout, kStaged>;
+    static_assert(!kStaged || (kTma && sizeof(OutT<T>) == 2 && D % 64 == 0),
+                  "staged store: TMA entries, 16-bit output");
     constexpr int kBlockM = C::kBlockM;
     constexpr int kConsumers = C::kConsumers;
     using R = Regs<kConsumers>;
@@ -1356,30 +1401,67 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
 
         // Normalize and store: the quad of lanes of a row holds its partial sums. Rows that saw
         // no key (l = 0) give zeros.
+        float inv[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float l = l_run[r];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv =
-                l > 0.0f ? (kDropout ? out_scale * p.dropout_scale : out_scale) / l : 0.0f;
+            inv[r] = l > 0.0f ? (kDropout ? out_scale * p.dropout_scale : out_scale) / l : 0.0f;
             const int qi = qi0 + r * 8;
-            if (qi < 0 || qi >= p.seq_q) continue;
-            if (lse != nullptr && tig == 0) {
+            if (lse != nullptr && tig == 0 && qi >= 0 && qi < p.seq_q) {
                 // m_run and the scores are in the log2 domain (P carries 2^kPOffset).
                 lse[(static_cast<long>(w.b) * p.heads + w.h) * p.seq_q + qi] =
                     l > 0.0f && m_run[r] != -INFINITY
                         ? (m_run[r] + log2f(l) - kPOffset) * 0.6931471805599453f
                         : INFINITY;
             }
-            OutT<T>* orow = out + (static_cast<long>(w.b) * p.seq_q + qi) * q_stride +
-                            static_cast<long>(w.h) * D + tig * 2;
+        }
+        if constexpr (kStaged) {
+            // Through shared memory: stmatrix into this consumer's buffer (the Q tile's
+            // swizzled layout), then one thread stores it with TMA while the warpgroup goes
+            // on. The buffer's previous store must have read it first.
+            const uint32_t so = base + C::kOutOffset + c * 64 * D * 2;
+            if (t128 == 0) bulk_wait_read();
+            named_sync(kStoreBarrier<kConsumers> + c, 128);
+            const int mi = lane / 8, rr = lane % 8;  // this lane's matrix and its row
+            const uint32_t row_addr = so + (warp * 16 + (mi % 2) * 8 + rr) * 128;
 #pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                *reinterpret_cast<uint32_t*>(orow + j * 8) =
-                    pack2<OutT<T>>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+            for (int j = 0; j < D / 8; j += 2) {
+                const int jc = j + mi / 2;  // this lane's 16-byte column chunk
+                stmatrix_x4(row_addr + (jc / 8) * 64 * 128 + (((jc % 8) ^ rr) << 4),
+                            pack2<OutT<T>>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
+                            pack2<OutT<T>>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
+                            pack2<OutT<T>>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
+                            pack2<OutT<T>>(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            named_sync(kStoreBarrier<kConsumers> + c, 128);
+            if (t128 == 0) {
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb)
+                    tma_store_3d(maps.o, so + cb * 64 * 128, w.h * D + cb * 64, w.m0 + c * 64,
+                                 w.b);
+                bulk_commit();
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int qi = qi0 + r * 8;
+                if (qi < 0 || qi >= p.seq_q) continue;
+                OutT<T>* orow = out + (static_cast<long>(w.b) * p.seq_q + qi) * q_stride +
+                                static_cast<long>(w.h) * D + tig * 2;
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j) {
+                    *reinterpret_cast<uint32_t*>(orow + j * 8) =
+                        pack2<OutT<T>>(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+                }
             }
         }
+    }
+    // The last output stores have completed.
+    if constexpr (kStaged) {
+        if (t128 == 0) bulk_wait();
     }
     // Under kCarry, the last consumer's last arrive (or the start's, for a block without
     // work).
@@ -1884,7 +1966,8 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
 #else  // not sm_90a: wgmma, setmaxnreg and these barriers do not exist; never launch it there.
 
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
-          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false>
+          int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false,
+          bool kStaged = false>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
                                            float*, const Dims&, float, Maps) {
     __trap();
@@ -1977,15 +2060,15 @@ KPT_FLASH_SM90_TMA_DROPOUT(f16, __half, 128)
 // Entries without an additive mask (`mask` is ignored: the host sends masked calls to the
 // entries above), each its own code, so that ptxas allocates registers for the unmasked path
 // alone:
-// - `n176_`, d = 128: tiles of 176 keys (FlashAttention-3's tile for non-causal head dim
-//   128): fewer, longer key tiles per work tile, in two stages;
 // - `carry_`, d = 64: the consumers' ping-pong running across a block's work tiles
 //   (kCarry; ptxas spills 100 bytes there against 380 in the entries above); d = 128: the
 //   same on 128-key tiles, for causal calls over at most 2048 keys (no spills);
-// - `n176_x2_`, d = 128: the 176-key tiles in clusters of two blocks that share their K/V
-//   tiles (kPair), for calls without a causal mask; launched with a cluster dimension of 2;
-// - `n160_carry_`, d = 128: tiles of 160 keys with the carry (ptxas spills 16 bytes there,
-//   132 for the 176-key tiles with it), an alternative to `n176_` (Gpu::set_n160_tiles).
+// - `n160_carry_`, d = 128: tiles of 160 keys with the carry, in two stages, for the other
+//   calls: fewer, longer key tiles per work tile (ptxas spills 16 bytes there; the 176-key
+//   tiles of FlashAttention-3 spill 132 with the carry and were 0-5 % slower without it);
+// - `n176_x2_`, d = 128: 176-key tiles in clusters of two blocks that share their K/V
+//   tiles (kPair), for calls without a causal mask where Gpu::kv_multicast is on;
+//   launched with a cluster dimension of 2.
 #define KPT_FLASH_SM90_TMA_UNMASKED(TILE, NAME, T, D, BN, CARRY, PAIR)                     \
     extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
         kpt_flash_attention_sm90_tma_##TILE##NAME##_d##D(                                    \
@@ -1999,14 +2082,27 @@ KPT_FLASH_SM90_TMA_DROPOUT(f16, __half, 128)
 
 KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 64, kBlockN, true, false)
 KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 64, kBlockN, true, false)
-KPT_FLASH_SM90_TMA_UNMASKED(n176_, bf16, __nv_bfloat16, 128, 176, false, false)
 KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 128, kBlockN, true, false)
 KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 128, kBlockN, true, false)
-KPT_FLASH_SM90_TMA_UNMASKED(n176_, f16, __half, 128, 176, false, false)
 KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, bf16, __nv_bfloat16, 128, 176, false, true)
 KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, f16, __half, 128, 176, false, true)
-KPT_FLASH_SM90_TMA_UNMASKED(n160_carry_, bf16, __nv_bfloat16, 128, 160, true, false)
-KPT_FLASH_SM90_TMA_UNMASKED(n160_carry_, f16, __half, 128, 160, true, false)
+
+// The 160-key entries store their output through shared memory by TMA (kStaged; the map `to`
+// has boxes of one 128-byte column block by 64 rows).
+#define KPT_FLASH_SM90_TMA_STAGED(TILE, NAME, T, D, BN)                                     \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
+        kpt_flash_attention_sm90_tma_##TILE##NAME##_d##D(                                    \
+            const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
+            const Dims p, const __grid_constant__ TensorMap tq,                             \
+            const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv,     \
+            const __grid_constant__ TensorMap to) {                                         \
+        kpt::dependent_launch_prologue();                                                  \
+        flash_sm90<T, D, false, true, BN, true, KPT_FA3_POLY_FP8, false, false, true>(     \
+            q, k, v, nullptr, out, lse, p, 1.0f, Maps{&tq, &tk, &tv, &to});                 \
+    }
+
+KPT_FLASH_SM90_TMA_STAGED(n160_carry_, bf16, __nv_bfloat16, 128, 160)
+KPT_FLASH_SM90_TMA_STAGED(n160_carry_, f16, __half, 128, 160)
 
 // FP8 with tiles of 192 keys (1.5 of the 128-key tile: half again as many scores per
 // max, shuffle, O rescale and barrier), in three stages, the consumers' ping-pong running

@@ -184,8 +184,6 @@ pub struct Gpu {
     /// Whether Hopper attention shares K/V tiles between the blocks of a cluster
     /// ([`Gpu::kv_multicast`]).
     kv_multicast: AtomicBool,
-    /// Whether Hopper attention at head dim 128 takes 160-key tiles ([`Gpu::n160_tiles`]).
-    n160_tiles: AtomicBool,
     /// [`Gpu::max_active_clusters`] by entry point and cluster size.
     active_clusters: Mutex<HashMap<(String, u32), usize>>,
     /// Whether the attention backward runs its wgmma kernels on sm_90a
@@ -246,7 +244,6 @@ impl Gpu {
             attention_blocks: AtomicUsize::new(0),
             cluster_attention: AtomicBool::new(clusters),
             kv_multicast: AtomicBool::new(multicast),
-            n160_tiles: AtomicBool::new(opted_in("KPT_CUDA_N160_TILES")),
             active_clusters: Mutex::new(HashMap::new()),
             wgmma_backward: AtomicBool::new(true),
             gemv_preload: switched_on("KPT_CUDA_GEMV_PRELOAD"),
@@ -315,20 +312,6 @@ impl Gpu {
     pub fn set_kv_multicast(&self, on: bool) {
         let on = on && self.props.compute_capability.0 >= 9;
         self.kv_multicast.store(on, Ordering::Relaxed);
-    }
-
-    /// Whether Hopper attention at head dim 128 without an additive mask, where it would
-    /// take 176-key tiles, takes 160-key tiles with the consumers' ping-pong carried across
-    /// work tiles instead: off unless `KPT_CUDA_N160_TILES=1`, or as last set by
-    /// [`Gpu::set_n160_tiles`]; not yet measured against the 176-key tiles
-    /// (docs/reports/attention-h200-notes.md). The result does not depend on it.
-    pub fn n160_tiles(&self) -> bool {
-        self.n160_tiles.load(Ordering::Relaxed)
-    }
-
-    /// Turns [`Gpu::n160_tiles`] on or off for the calls that follow.
-    pub fn set_n160_tiles(&self, on: bool) {
-        self.n160_tiles.store(on, Ordering::Relaxed);
     }
 
     /// Clusters of `cluster` blocks of `entry` (of kernel source `kernel`) that the device

@@ -58,12 +58,12 @@ const FLASH_SM90_BWD_KEYS: usize = 128;
 const FLASH_SM90_BWD_ROWS: usize = 128;
 /// Keys per K/V tile of `flash_attention_sm90.cu` (its kBlockN).
 const FLASH_SM90_BLOCK_N: usize = 128;
-/// Keys per K/V tile of its `_tma_n176_` entries: bf16/f16 at head dim 128 without an
-/// additive mask (FlashAttention-3's tile for non-causal calls).
-const FLASH_SM90_BLOCK_N_WIDE: usize = 176;
-/// Keys per K/V tile of its `_tma_n160_carry_` entries, which take those calls instead
-/// where [`Gpu::n160_tiles`] is on.
-const FLASH_SM90_BLOCK_N_160: usize = 160;
+/// Keys per K/V tile of its `_tma_n160_carry_` entries: bf16/f16 at head dim 128 without
+/// an additive mask, outside the short causal calls of [`CARRY_D128_MAX_KEYS`].
+const FLASH_SM90_BLOCK_N_WIDE: usize = 160;
+/// Keys per K/V tile of its `_tma_n176_x2_` entries (clusters of two blocks sharing K/V,
+/// [`Gpu::kv_multicast`]).
+const FLASH_SM90_BLOCK_N_PAIR: usize = 176;
 /// The longest cache on which causal head-dim-128 calls without an additive mask run the
 /// Hopper kernel's `_tma_carry_` entries (128-key tiles, the consumers' ping-pong carried
 /// across work tiles): +3 % at 2048 keys, -0.5 % at 4096 and -4 % at 16384 on an H200.
@@ -454,6 +454,22 @@ fn sm90_tensor_maps(
         tensor_map_3d(elem, v, kd, ks, [cols, tile as u32, 1])?
     };
     Some([tq, tk, tv])
+}
+
+/// The TMA map through which the Hopper attention kernel's `_tma_n160_carry_` entries store
+/// their output `[batch, seq_q, heads * d]` (16-bit): boxes of one 128-byte column block by
+/// the 64 rows of a consumer warpgroup, so rows before 0 and past a sequence's end are not
+/// written. `None` where the driver refuses the map.
+fn sm90_out_map(elem: TmaElem, out: u64, dims: AttentionDims) -> Option<TensorMap> {
+    let row = dims.heads as u64 * dims.head_dim as u64;
+    let (seq_q, batch) = (dims.seq_q as u64, dims.batch as u64);
+    tensor_map_3d(
+        elem,
+        out,
+        [row, seq_q, batch],
+        [row * 2, seq_q * row * 2],
+        [64, 64, 1],
+    )
 }
 
 /// The row reductions of `softmax.cu`.
@@ -1017,40 +1033,51 @@ impl Gpu {
             };
             // Without an additive mask: at head dim 64, and at 128 for causal calls over at
             // most CARRY_D128_MAX_KEYS keys, the consumers' ping-pong runs across a block's
-            // work tiles; other head-dim-128 calls take tiles of 176 keys, those without a
-            // causal mask in clusters of two blocks that share K/V ([`Gpu::kv_multicast`]),
-            // or tiles of 160 keys with the carry ([`Gpu::n160_tiles`]).
+            // work tiles on 128-key tiles; other head-dim-128 calls take 160-key tiles with
+            // the carry, or those without a causal mask 176-key tiles in clusters of two
+            // blocks that share K/V ([`Gpu::kv_multicast`]).
             let carry = mask == 0
                 && !dropout
                 && (d == 64 || dims.causal != 0 && dims.seq_kv as usize <= CARRY_D128_MAX_KEYS);
             let wide = d == 128 && mask == 0 && !dropout && !carry;
-            let n160 = wide && self.n160_tiles();
-            let block_n = match (wide, n160) {
-                (true, true) => FLASH_SM90_BLOCK_N_160,
+            let pair_entry = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
+            let pair = if wide && dims.causal == 0 {
+                self.sm90_pair_grid(&pair_entry, dims, block_m)?
+            } else {
+                None
+            };
+            let block_n = match (wide, pair.is_some()) {
+                (true, true) => FLASH_SM90_BLOCK_N_PAIR,
                 (true, false) => FLASH_SM90_BLOCK_N_WIDE,
                 (false, _) => FLASH_SM90_BLOCK_N,
             };
             if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m, block_n) {
-                if wide && !n160 && dims.causal == 0 {
-                    let pair = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
-                    if let Some(blocks) = self.sm90_pair_grid(&pair, dims, block_m)? {
-                        launch!(
-                            self, SM90, pair, blocks, cluster 2;
-                            q, k, v, mask, out, lse, dims, tq, tk, tv
-                        );
-                        return Ok(());
-                    }
+                if let Some(blocks) = pair {
+                    launch!(
+                        self, SM90, pair_entry, blocks, cluster 2;
+                        q, k, v, mask, out, lse, dims, tq, tk, tv
+                    );
+                    return Ok(());
                 }
-                let tile = match (dropout, wide, carry) {
-                    (true, _, _) => "dropout_",
-                    (false, true, _) if n160 => "n160_carry_",
-                    (false, true, _) => "n176_",
-                    (false, false, true) => "carry_",
-                    (false, false, false) => "",
-                };
-                let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
-                launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims, tq, tk, tv);
-                return Ok(());
+                if !wide {
+                    let tile = match (dropout, carry) {
+                        (true, _) => "dropout_",
+                        (false, true) => "carry_",
+                        (false, false) => "",
+                    };
+                    let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
+                    launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims, tq, tk, tv);
+                    return Ok(());
+                }
+                // The 160-key entries store the output by TMA too.
+                if let Some(to) = sm90_out_map(elem, out, dims) {
+                    let entry = format!("kpt_flash_attention_sm90_tma_n160_carry_{name}_d{d}");
+                    launch!(
+                        self, SM90, entry, blocks;
+                        q, k, v, mask, out, lse, dims, tq, tk, tv, to
+                    );
+                    return Ok(());
+                }
             }
             if !dropout {
                 let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");

@@ -1128,9 +1128,9 @@ proptest! {
 /// that see no key), additive masks, both 16-bit dtypes and head dims, and FP8. The grid
 /// size is set on the shared backend; other tests running meanwhile are not affected,
 /// as the result does not depend on it. The 3-block grid runs the calls without masks at
-/// head dim 128 in one cluster of two blocks sharing K/V (`Gpu::kv_multicast`), the
-/// 7-block one without clusters, the 5-block one on 160-key tiles (`Gpu::n160_tiles`, with
-/// a causal case over more keys than the 128-key carried entries take).
+/// head dim 128 in one cluster of two blocks sharing K/V (`Gpu::kv_multicast`), the 7- and
+/// 5-block ones on 160-key tiles; each pass adds a causal case over more keys than the
+/// 128-key carried entries take.
 #[test]
 fn attention_persistent_grid() -> Result<(), TestCaseError> {
     let Some(b) = backend() else { return Ok(()) };
@@ -1142,20 +1142,17 @@ fn attention_persistent_grid() -> Result<(), TestCaseError> {
         ([1, 300, 211, 2, 2, 128], false, DType::F16),
     ];
     let mut result = Ok(());
-    let (multicast_before, n160_before) = (b.gpu().kv_multicast(), b.gpu().n160_tiles());
-    for (blocks, multicast, n160) in [(3, true, false), (7, false, false), (5, false, true)] {
+    let multicast_before = b.gpu().kv_multicast();
+    for (blocks, multicast) in [(3, true), (7, false), (5, false)] {
         b.gpu().set_attention_blocks(Some(blocks));
         b.gpu().set_kv_multicast(multicast);
-        b.gpu().set_n160_tiles(n160);
-        if n160 {
-            result = result.and(check_attention(
-                [1, 150, 2101, 1, 2, 128],
-                (true, None),
-                false,
-                DType::BF16,
-                11,
-            ));
-        }
+        result = result.and(check_attention(
+            [1, 150, 2101, 1, 2, 128],
+            (true, None),
+            false,
+            DType::BF16,
+            11,
+        ));
         for (seed, (shape, with_mask, dt)) in cases.into_iter().enumerate() {
             for causal in [false, true] {
                 result = result.and(check_attention(
@@ -1177,7 +1174,6 @@ fn attention_persistent_grid() -> Result<(), TestCaseError> {
     }
     b.gpu().set_attention_blocks(None);
     b.gpu().set_kv_multicast(multicast_before);
-    b.gpu().set_n160_tiles(n160_before);
     result
 }
 
