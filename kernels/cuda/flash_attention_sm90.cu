@@ -98,15 +98,15 @@
 // kpt:launch kpt_flash_attention_sm90_tma_dropout_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d128 block=384 shared=230512 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_n192_e4m3_d128 block=384 shared=189552 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128 block=384 shared=189552 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n192_e4m3_d128 block=384 shared=222320 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128 block=384 shared=222320 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_x2_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_x2_bf16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n176_x2_f16_d128 block=384 shared=214096 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n160_carry_bf16_d128 block=384 shared=230480 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n160_carry_f16_d128 block=384 shared=230480 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d64 block=512 shared=156816 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d64 block=512 shared=181392 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d64 block=512 shared=181392 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d64 block=384 shared=67624 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_bf16_d128 block=384 shared=133160 grid=key_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dkdv_f16_d64 block=384 shared=67624 grid=key_tiles
@@ -272,6 +272,10 @@ struct Config {
 };
 #ifdef KPT_FA3_DEFAULT_CONFIG
 static_assert(Config<__nv_bfloat16, 64>::kSmemBytes == 156816,
+              "keep the kpt:launch shared= values in step");
+static_assert(Config<__nv_bfloat16, 64, kBlockN, false, true>::kSmemBytes == 181392,
+              "keep the kpt:launch shared= values in step");
+static_assert(Config<E4M3, 128, 192, false, true>::kSmemBytes == 222320,
               "keep the kpt:launch shared= values in step");
 static_assert(Config<__nv_bfloat16, 128>::kSmemBytes == 230512,
               "keep the kpt:launch shared= values in step");
@@ -1417,7 +1421,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                         : INFINITY;
             }
         }
-        if constexpr (kStaged) {
+        // The staged store takes whole boxes of rows from 0 on (a TMA store at a negative row
+        // faults); a consumer of a partial first tile with rows before 0 stores directly.
+        if (kStaged && w.m0 + c * 64 >= 0) {
             // Through shared memory: stmatrix into this consumer's buffer (the Q tile's
             // swizzled layout), then one thread stores it with TMA while the warpgroup goes
             // on. The buffer's previous store must have read it first.
@@ -2080,15 +2086,13 @@ KPT_FLASH_SM90_TMA_DROPOUT(f16, __half, 128)
             q, k, v, nullptr, out, lse, p, 1.0f, Maps{&tq, &tk, &tv});                      \
     }
 
-KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 64, kBlockN, true, false)
-KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 64, kBlockN, true, false)
 KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 128, kBlockN, true, false)
 KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 128, kBlockN, true, false)
 KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, bf16, __nv_bfloat16, 128, 176, false, true)
 KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, f16, __half, 128, 176, false, true)
 
-// The 160-key entries store their output through shared memory by TMA (kStaged; the map `to`
-// has boxes of one 128-byte column block by 64 rows).
+// The `carry_` entries at d = 64 and the 160-key entries store their output through shared
+// memory by TMA (kStaged; the map `to` has boxes of one 128-byte column block by 64 rows).
 #define KPT_FLASH_SM90_TMA_STAGED(TILE, NAME, T, D, BN)                                     \
     extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
         kpt_flash_attention_sm90_tma_##TILE##NAME##_d##D(                                    \
@@ -2101,6 +2105,8 @@ KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, f16, __half, 128, 176, false, true)
             q, k, v, nullptr, out, lse, p, 1.0f, Maps{&tq, &tk, &tv, &to});                 \
     }
 
+KPT_FLASH_SM90_TMA_STAGED(carry_, bf16, __nv_bfloat16, 64, kBlockN)
+KPT_FLASH_SM90_TMA_STAGED(carry_, f16, __half, 64, kBlockN)
 KPT_FLASH_SM90_TMA_STAGED(n160_carry_, bf16, __nv_bfloat16, 128, 160)
 KPT_FLASH_SM90_TMA_STAGED(n160_carry_, f16, __half, 128, 160)
 
@@ -2111,17 +2117,19 @@ KPT_FLASH_SM90_TMA_STAGED(n160_carry_, f16, __half, 128, 160)
 // split alone: `_n192_` for calls without a causal mask takes every exp2 on the MUFU units,
 // `_n192_causal_` one n8 block in KPT_FA3_POLY_FP8 on the FMA units (each measured faster
 // for its calls, by 3 and 1.5 %). `_n192_x2_`: `_n192_`'s calls in clusters of two blocks
-// that share their K/V tiles (kPair; the K map's boxes are 96 rows).
+// that share their K/V tiles (kPair; the K map's boxes are 96 rows). All take the bf16
+// output's map `to` (boxes of 64 columns by 64 rows); the entries without clusters store
+// through shared memory by TMA (kStaged).
 #define KPT_FLASH_SM90_FP8_N192(TILE, POLY, PAIR)                                          \
     extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)                    \
         kpt_flash_attention_sm90_tma_##TILE##e4m3_d128(                                      \
             const E4M3* q, const E4M3* k, const E4M3* vt, const float* mask,                \
             __nv_bfloat16* out, const Dims p, float v_scale,                                \
             const __grid_constant__ TensorMap tq, const __grid_constant__ TensorMap tk,     \
-            const __grid_constant__ TensorMap tv) {                                         \
+            const __grid_constant__ TensorMap tv, const __grid_constant__ TensorMap to) {   \
         kpt::dependent_launch_prologue();                                                  \
-        flash_sm90<E4M3, 128, false, true, 192, true, POLY, false, PAIR>(                   \
-            q, k, vt, nullptr, out, nullptr, p, v_scale, Maps{&tq, &tk, &tv});              \
+        flash_sm90<E4M3, 128, false, true, 192, true, POLY, false, PAIR, !PAIR>(            \
+            q, k, vt, nullptr, out, nullptr, p, v_scale, Maps{&tq, &tk, &tv, &to});         \
     }
 
 KPT_FLASH_SM90_FP8_N192(n192_, 0, false)

@@ -456,10 +456,11 @@ fn sm90_tensor_maps(
     Some([tq, tk, tv])
 }
 
-/// The TMA map through which the Hopper attention kernel's `_tma_n160_carry_` entries store
-/// their output `[batch, seq_q, heads * d]` (16-bit): boxes of one 128-byte column block by
-/// the 64 rows of a consumer warpgroup, so rows before 0 and past a sequence's end are not
-/// written. `None` where the driver refuses the map.
+/// The TMA map through which the Hopper attention kernel's staged entries (`_tma_n160_carry_`,
+/// `_tma_carry_` at head dim 64, FP8's `_tma_n192_`) store their 16-bit output
+/// `[batch, seq_q, heads * d]`: boxes of 64 columns by the 64 rows of a consumer warpgroup,
+/// so rows past a sequence's end are not written (the kernel stores boxes that would start
+/// before row 0 directly). `None` where the driver refuses the map.
 fn sm90_out_map(elem: TmaElem, out: u64, dims: AttentionDims) -> Option<TensorMap> {
     let row = dims.heads as u64 * dims.head_dim as u64;
     let (seq_q, batch) = (dims.seq_q as u64, dims.batch as u64);
@@ -1059,7 +1060,19 @@ impl Gpu {
                     );
                     return Ok(());
                 }
-                if !wide {
+                // The 160-key entries and the carried ones at head dim 64 store the output by
+                // TMA too.
+                if wide || carry && d == 64 {
+                    if let Some(to) = sm90_out_map(elem, out, dims) {
+                        let tile = if wide { "n160_carry_" } else { "carry_" };
+                        let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
+                        launch!(
+                            self, SM90, entry, blocks;
+                            q, k, v, mask, out, lse, dims, tq, tk, tv, to
+                        );
+                        return Ok(());
+                    }
+                } else {
                     let tile = match (dropout, carry) {
                         (true, _) => "dropout_",
                         (false, true) => "carry_",
@@ -1067,15 +1080,6 @@ impl Gpu {
                     };
                     let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
                     launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims, tq, tk, tv);
-                    return Ok(());
-                }
-                // The 160-key entries store the output by TMA too.
-                if let Some(to) = sm90_out_map(elem, out, dims) {
-                    let entry = format!("kpt_flash_attention_sm90_tma_n160_carry_{name}_d{d}");
-                    launch!(
-                        self, SM90, entry, blocks;
-                        q, k, v, mask, out, lse, dims, tq, tk, tv, to
-                    );
                     return Ok(());
                 }
             }
@@ -1127,10 +1131,16 @@ impl Gpu {
         launch!(self, SM90, "kpt_attention_fp8_v_transpose_d128", blocks; v, vt.ptr(), dims);
         let blocks = self.sm90_attention_grid(dims, FLASH_SM90_BLOCK_M)?;
         let vt_ptr = vt.ptr();
-        // Without an additive mask: tiles of 192 keys; without a causal mask either, in
-        // clusters of two blocks that share K/V ([`Gpu::kv_multicast`]), each copying 96 of
-        // a K tile's rows (the K map's boxes; the V^T map's are 128 keys regardless).
-        let wide = mask == 0;
+        // Without an additive mask: tiles of 192 keys, the output stored by TMA through the
+        // map `to`; without a causal mask either, in clusters of two blocks that share K/V
+        // ([`Gpu::kv_multicast`]), each copying 96 of a K tile's rows (the K map's boxes; the
+        // V^T map's are 128 keys regardless).
+        let to = if mask == 0 {
+            sm90_out_map(TmaElem::Bf16, out, dims)
+        } else {
+            None
+        };
+        let wide = to.is_some();
         const PAIR: &str = "kpt_flash_attention_sm90_tma_n192_x2_e4m3_d128";
         let pair = if wide && dims.causal == 0 {
             self.sm90_pair_grid(PAIR, dims, FLASH_SM90_BLOCK_M)?
@@ -1149,23 +1159,28 @@ impl Gpu {
             FLASH_SM90_BLOCK_M,
             block_n,
         ) {
-            if let Some(blocks) = pair {
+            let Some(to) = to else {
                 launch!(
-                    self, SM90, PAIR, blocks, cluster 2;
+                    self, SM90, "kpt_flash_attention_sm90_tma_e4m3_d128", blocks;
                     q, k, vt_ptr, mask, out, dims, v_scale, tq, tk, tv
                 );
                 return Ok(true);
+            };
+            if let Some(blocks) = pair {
+                launch!(
+                    self, SM90, PAIR, blocks, cluster 2;
+                    q, k, vt_ptr, mask, out, dims, v_scale, tq, tk, tv, to
+                );
+                return Ok(true);
             }
-            let entry = if !wide {
-                "kpt_flash_attention_sm90_tma_e4m3_d128"
-            } else if dims.causal != 0 {
+            let entry = if dims.causal != 0 {
                 "kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128"
             } else {
                 "kpt_flash_attention_sm90_tma_n192_e4m3_d128"
             };
             launch!(
                 self, SM90, entry, blocks;
-                q, k, vt_ptr, mask, out, dims, v_scale, tq, tk, tv
+                q, k, vt_ptr, mask, out, dims, v_scale, tq, tk, tv, to
             );
             return Ok(true);
         }
