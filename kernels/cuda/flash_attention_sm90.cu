@@ -96,8 +96,6 @@
 // kpt:launch kpt_flash_attention_sm90_tma_dropout_bf16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_dropout_f16_d64 block=384 shared=148624 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_dropout_f16_d128 block=384 shared=230512 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_carry_bf16_d128 block=384 shared=230512 grid=tiles
-// kpt:launch kpt_flash_attention_sm90_tma_carry_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_e4m3_d128 block=384 shared=189552 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_causal_e4m3_d128 block=384 shared=222320 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_n192_x2_e4m3_d128 block=384 shared=189552 grid=tiles
@@ -1198,10 +1196,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // barrier 1 + c and then lets the next go (arrive on 1 + (c + 1) % kConsumers);
     // consumer 0 starts. Every sync meets exactly one arrive. By default each work tile
     // starts and ends the round anew: the last consumer skips its arrive of the last tile
-    // and gives consumer 0 its first turn of the next. With kCarry (unmasked d = 64 and FP8,
-    // where it measured faster; d = 128 measured slower) the round runs on across a
-    // block's work tiles: the last consumer's last turn of one lets consumer 0 begin the
-    // next, whose Q K^T then runs while the others finish their softmax, P V and stores; the
+    // and gives consumer 0 its first turn of the next. With kCarry (the unmasked entries,
+    // where it measured faster) the round runs on across a block's work tiles: the last
+    // consumer's last turn of one lets consumer 0 begin the next, whose Q K^T then runs while the others finish their softmax, P V and stores; the
     // round starts once, before the first work tile, and consumer 0's sync after the last
     // meets the one arrive left over.
     constexpr bool kPingPong = KPT_FA3_PINGPONG != 0;
@@ -2066,33 +2063,31 @@ KPT_FLASH_SM90_TMA_DROPOUT(f16, __half, 128)
 // Entries without an additive mask (`mask` is ignored: the host sends masked calls to the
 // entries above), each its own code, so that ptxas allocates registers for the unmasked path
 // alone:
-// - `carry_`, d = 64: the consumers' ping-pong running across a block's work tiles
-//   (kCarry; ptxas spills 100 bytes there against 380 in the entries above); d = 128: the
-//   same on 128-key tiles, for causal calls over at most 2048 keys (no spills);
-// - `n160_carry_`, d = 128: tiles of 160 keys with the carry, in two stages, for the other
-//   calls: fewer, longer key tiles per work tile (ptxas spills 16 bytes there; the 176-key
-//   tiles of FlashAttention-3 spill 132 with the carry and were 0-5 % slower without it);
+// - `carry_`, d = 64: the consumers' ping-pong running across a block's work tiles (kCarry;
+//   ptxas spills 68 bytes there against 380 in the entries above);
+// - `n160_carry_`, d = 128: the same on tiles of 160 keys, in two stages: fewer, longer key
+//   tiles per work tile (ptxas spills 32 bytes, outside the key-tile loop; the 176-key tiles
+//   of FlashAttention-3 spill 132 with the carry and were 0-5 % slower without it; 128-key
+//   tiles with the carry were as fast at 2048 causal keys and 4 % slower at 16384);
+//   both store their output through shared memory by TMA (kStaged; the map `to` has boxes
+//   of one 128-byte column block by 64 rows);
 // - `n176_x2_`, d = 128: 176-key tiles in clusters of two blocks that share their K/V
 //   tiles (kPair), for calls without a causal mask where Gpu::kv_multicast is on;
 //   launched with a cluster dimension of 2.
-#define KPT_FLASH_SM90_TMA_UNMASKED(TILE, NAME, T, D, BN, CARRY, PAIR)                     \
-    extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
-        kpt_flash_attention_sm90_tma_##TILE##NAME##_d##D(                                    \
+#define KPT_FLASH_SM90_TMA_PAIR(NAME, T)                                                   \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, 128>, 1)                       \
+        kpt_flash_attention_sm90_tma_n176_x2_##NAME##_d128(                                  \
             const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
             const Dims p, const __grid_constant__ TensorMap tq,                             \
             const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
         kpt::dependent_launch_prologue();                                                  \
-        flash_sm90<T, D, false, true, BN, CARRY, KPT_FA3_POLY_FP8, false, PAIR>(           \
+        flash_sm90<T, 128, false, true, 176, false, KPT_FA3_POLY_FP8, false, true>(        \
             q, k, v, nullptr, out, lse, p, 1.0f, Maps{&tq, &tk, &tv});                      \
     }
 
-KPT_FLASH_SM90_TMA_UNMASKED(carry_, bf16, __nv_bfloat16, 128, kBlockN, true, false)
-KPT_FLASH_SM90_TMA_UNMASKED(carry_, f16, __half, 128, kBlockN, true, false)
-KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, bf16, __nv_bfloat16, 128, 176, false, true)
-KPT_FLASH_SM90_TMA_UNMASKED(n176_x2_, f16, __half, 128, 176, false, true)
+KPT_FLASH_SM90_TMA_PAIR(bf16, __nv_bfloat16)
+KPT_FLASH_SM90_TMA_PAIR(f16, __half)
 
-// The `carry_` entries at d = 64 and the 160-key entries store their output through shared
-// memory by TMA (kStaged; the map `to` has boxes of one 128-byte column block by 64 rows).
 #define KPT_FLASH_SM90_TMA_STAGED(TILE, NAME, T, D, BN)                                     \
     extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
         kpt_flash_attention_sm90_tma_##TILE##NAME##_d##D(                                    \
@@ -2119,7 +2114,7 @@ KPT_FLASH_SM90_TMA_STAGED(n160_carry_, f16, __half, 128, 160)
 // for its calls, by 3 and 1.5 %). `_n192_x2_`: `_n192_`'s calls in clusters of two blocks
 // that share their K/V tiles (kPair; the K map's boxes are 96 rows). All take the bf16
 // output's map `to` (boxes of 64 columns by 64 rows); `_n192_causal_` stores through shared
-// memory by TMA (kStaged: +1 % there, -2 % for `_n192_`'s calls).
+// memory by TMA (kStaged: +1 % there; for `_n192_`'s calls -2 % and +-0 in two runs).
 #define KPT_FLASH_SM90_FP8_N192(TILE, POLY, PAIR, STAGED)                                  \
     extern "C" __global__ void __launch_bounds__(kThreads<E4M3, 128>, 1)                    \
         kpt_flash_attention_sm90_tma_##TILE##e4m3_d128(                                      \

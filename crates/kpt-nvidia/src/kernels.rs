@@ -59,15 +59,11 @@ const FLASH_SM90_BWD_ROWS: usize = 128;
 /// Keys per K/V tile of `flash_attention_sm90.cu` (its kBlockN).
 const FLASH_SM90_BLOCK_N: usize = 128;
 /// Keys per K/V tile of its `_tma_n160_carry_` entries: bf16/f16 at head dim 128 without
-/// an additive mask, outside the short causal calls of [`CARRY_D128_MAX_KEYS`].
+/// an additive mask.
 const FLASH_SM90_BLOCK_N_WIDE: usize = 160;
 /// Keys per K/V tile of its `_tma_n176_x2_` entries (clusters of two blocks sharing K/V,
 /// [`Gpu::kv_multicast`]).
 const FLASH_SM90_BLOCK_N_PAIR: usize = 176;
-/// The longest cache on which causal head-dim-128 calls without an additive mask run the
-/// Hopper kernel's `_tma_carry_` entries (128-key tiles, the consumers' ping-pong carried
-/// across work tiles): +3 % at 2048 keys, -0.5 % at 4096 and -4 % at 16384 on an H200.
-const CARRY_D128_MAX_KEYS: usize = 2048;
 /// Keys per K/V tile of its `_tma_n192_` FP8 entries: FP8 without an additive mask.
 const FLASH_SM90_BLOCK_N_FP8_WIDE: usize = 192;
 /// Most query tiles of a causal call that runs on the persistent grid (paired tiles):
@@ -1032,15 +1028,13 @@ impl Gpu {
             } else {
                 TmaElem::F16
             };
-            // Without an additive mask: at head dim 64, and at 128 for causal calls over at
-            // most CARRY_D128_MAX_KEYS keys, the consumers' ping-pong runs across a block's
-            // work tiles on 128-key tiles; other head-dim-128 calls take 160-key tiles with
-            // the carry, or those without a causal mask 176-key tiles in clusters of two
-            // blocks that share K/V ([`Gpu::kv_multicast`]).
-            let carry = mask == 0
-                && !dropout
-                && (d == 64 || dims.causal != 0 && dims.seq_kv as usize <= CARRY_D128_MAX_KEYS);
-            let wide = d == 128 && mask == 0 && !dropout && !carry;
+            // Without an additive mask the consumers' ping-pong runs across a block's work
+            // tiles, on 128-key tiles at head dim 64 and 160-key tiles at 128, and the output
+            // is stored by TMA; at head dim 128 calls without a causal mask take 176-key
+            // tiles in clusters of two blocks that share K/V instead where
+            // [`Gpu::kv_multicast`] is on.
+            let unmasked = mask == 0 && !dropout;
+            let wide = unmasked && d == 128;
             let pair_entry = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
             let pair = if wide && dims.causal == 0 {
                 self.sm90_pair_grid(&pair_entry, dims, block_m)?
@@ -1060,26 +1054,19 @@ impl Gpu {
                     );
                     return Ok(());
                 }
-                // The 160-key entries and the carried ones at head dim 64 store the output by
-                // TMA too.
-                if wide || carry && d == 64 {
-                    if let Some(to) = sm90_out_map(elem, out, dims) {
-                        let tile = if wide { "n160_carry_" } else { "carry_" };
-                        let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
-                        launch!(
-                            self, SM90, entry, blocks;
-                            q, k, v, mask, out, lse, dims, tq, tk, tv, to
-                        );
-                        return Ok(());
-                    }
-                } else {
-                    let tile = match (dropout, carry) {
-                        (true, _) => "dropout_",
-                        (false, true) => "carry_",
-                        (false, false) => "",
-                    };
+                if !unmasked {
+                    let tile = if dropout { "dropout_" } else { "" };
                     let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
                     launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims, tq, tk, tv);
+                    return Ok(());
+                }
+                if let Some(to) = sm90_out_map(elem, out, dims) {
+                    let tile = if wide { "n160_carry_" } else { "carry_" };
+                    let entry = format!("kpt_flash_attention_sm90_tma_{tile}{name}_d{d}");
+                    launch!(
+                        self, SM90, entry, blocks;
+                        q, k, v, mask, out, lse, dims, tq, tk, tv, to
+                    );
                     return Ok(());
                 }
             }

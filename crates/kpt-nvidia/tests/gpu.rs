@@ -1129,8 +1129,7 @@ proptest! {
 /// size is set on the shared backend; other tests running meanwhile are not affected,
 /// as the result does not depend on it. The 3-block grid runs the calls without masks at
 /// head dim 128 in one cluster of two blocks sharing K/V (`Gpu::kv_multicast`), the 7- and
-/// 5-block ones on 160-key tiles; each pass adds a causal case over more keys than the
-/// 128-key carried entries take.
+/// 5-block ones on 160-key tiles; each pass adds a causal case over 2101 keys.
 #[test]
 fn attention_persistent_grid() -> Result<(), TestCaseError> {
     let Some(b) = backend() else { return Ok(()) };
