@@ -7,7 +7,7 @@
 #   run.sh OUT_DIR ab VAR FILTER [ROUNDS]
 #
 # `ab`: an A/B of one of kpt's runtime switches (an environment variable such as
-# KPT_CUDA_N160_TILES): the attention cases matching FILTER (kpt-bench-cuda --filter)
+# KPT_CUDA_KV_MULTICAST): the attention cases matching FILTER (kpt-bench-cuda --filter)
 # with VAR=0 and VAR=1 in turn, ROUNDS rounds (2 by default), against torch's cuDNN backend
 # alone; the reports go to OUT_DIR/reports as attention-GPU-VAR{0,1}-r{ROUND}.
 #
