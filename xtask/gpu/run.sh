@@ -5,11 +5,16 @@
 #
 #   run.sh OUT_DIR [all|tests|bench|models|xla|profile] [extra kpt-bench-cuda arguments...]
 #   run.sh OUT_DIR ab VAR FILTER [ROUNDS]
+#   run.sh OUT_DIR ab-bundle OTHER_BUNDLE FILTER [ROUNDS]
 #
 # `ab`: an A/B of one of kpt's runtime switches (an environment variable such as
 # KPT_CUDA_KV_MULTICAST): the attention cases matching FILTER (kpt-bench-cuda --filter)
 # with VAR=0 and VAR=1 in turn, ROUNDS rounds (2 by default), against torch's cuDNN backend
 # alone; the reports go to OUT_DIR/reports as attention-GPU-VAR{0,1}-r{ROUND}.
+#
+# `ab-bundle`: the same A/B between two builds: OTHER_BUNDLE (the folder of another
+# bundle, e.g. one of the commit before) and this one, in turn; the reports are named
+# attention-GPU-{other,this}-r{ROUND}.
 #
 # `profile`: Nsight Compute (ncu, --set full, clocks left alone) on one launch of kpt's
 # attention kernel and one of cuDNN's (torch SDPA) at the issue's d64 and d128 shapes;
@@ -70,8 +75,9 @@ status=0
 # kpt-bench-cuda's attention suite with the arguments given, timing the registry's kernel
 # only (the general fallback kernel takes seconds a call at these sizes; it is still
 # checked against the reference). The profile mode spells it out: ncu runs the binary.
+# `bench_bin` is the kpt-bench-cuda that runs it (this bundle's unless set).
 attention_bench() {
-  "$here/bin/kpt-bench-cuda" --python python3 --script "$here/torch_cuda.py" \
+  "${bench_bin:-$here/bin/kpt-bench-cuda}" --python python3 --script "$here/torch_cuda.py" \
     --suite attention --chosen-only "$@"
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -130,6 +136,22 @@ if [ "$what" = ab ]; then
         > "$out/ab-$var$value-r$round.log" 2>&1 || status=1
       echo "$var=$value round $round:"
       grep -E '^attention' "$out/ab-$var$value-r$round.log"
+    done
+  done
+fi
+if [ "$what" = ab-bundle ]; then
+  other="${1:?usage: run.sh OUT_DIR ab-bundle OTHER_BUNDLE FILTER [ROUNDS]}"
+  filter="${2:?usage: run.sh OUT_DIR ab-bundle OTHER_BUNDLE FILTER [ROUNDS]}"
+  rounds="${3:-2}"
+  for round in $(seq 1 "$rounds"); do
+    for side in other this; do
+      bin="$here/bin/kpt-bench-cuda"
+      [ "$side" = other ] && bin="$other/bin/kpt-bench-cuda"
+      (bench_bin="$bin" attention_bench --sdpa cudnn --filter "$filter" \
+        --name "attention-$gpu-$side-r$round" --out "$out/reports") \
+        > "$out/ab-$side-r$round.log" 2>&1 || status=1
+      echo "$side ($(cat "${bin%/bin/kpt-bench-cuda}/GIT_COMMIT" 2>/dev/null)) round $round:"
+      grep -E '^attention' "$out/ab-$side-r$round.log"
     done
   done
 fi
