@@ -423,8 +423,9 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                  "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                  : "memory");
 }
-// One box of a 3-D tensor map from shared memory at `src` to global memory (elements outside
-// the tensor, rows before 0 too, are not written), in this thread's current bulk group.
+// One box of a 3-D tensor map from shared memory at `src` to global memory, in this thread's
+// current bulk group. Elements past the tensor's end are not written, but unlike a TMA load
+// the box may not start at a negative coordinate: the store faults (illegal instruction).
 __device__ __forceinline__ void tma_store_3d(const TensorMap* map, uint32_t src, int x, int y,
                                              int z) {
     asm volatile(
@@ -1211,9 +1212,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // starts and ends the round anew: the last consumer skips its arrive of the last tile
     // and gives consumer 0 its first turn of the next. With kCarry (the unmasked entries,
     // where it measured faster) the round runs on across a block's work tiles: the last
-    // consumer's last turn of one lets consumer 0 begin the next, whose Q K^T then runs while the others finish their softmax, P V and stores; the
-    // round starts once, before the first work tile, and consumer 0's sync after the last
-    // meets the one arrive left over.
+    // consumer's last turn of one lets consumer 0 begin the next, whose Q K^T then runs
+    // while the others finish their softmax, P V and stores; the round starts once, before
+    // the first work tile, and consumer 0's sync after the last meets the one arrive left
+    // over.
     constexpr bool kPingPong = KPT_FA3_PINGPONG != 0;
     // The consumers' order within a key tile. Two consumers run a tile's softmax under their
     // own P V of the previous tile (FA3's intra-warpgroup overlap). Three (16-bit d = 64),
