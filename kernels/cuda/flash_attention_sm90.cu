@@ -241,7 +241,8 @@ static_assert(Regs<3>::kProducer * 128 + Regs<3>::kConsumer * 384 <= Regs<3>::kL
 // The warpgroup index made provably warp-uniform (a shuffle from lane 0, as CUTLASS's
 // canonical_warp_group_idx): the key-tile loop's wgmma descriptors then stay in uniform
 // registers (ptxas: no R2UR left in the 160-key loop, 59 fewer instructions per key tile,
-// spills down from 32 to 20 bytes at d128 and 68 to 20 at d64). Off until measured.
+// spills down from 32 to 20 bytes at d128 and 68 to 20 at d64; the backward's loops 6-11 %
+// shorter). Off until measured.
 #ifndef KPT_FA3_UNIFORM_WG
 #define KPT_FA3_UNIFORM_WG 0
 #endif
@@ -397,6 +398,14 @@ __device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, unsigned rank) 
 // Every thread of the cluster's blocks meets here.
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+// This thread's warpgroup. With KPT_FA3_UNIFORM_WG through a shuffle from lane 0, so that
+// the compiler knows it (and all that derives from it: tile counts, ring positions,
+// descriptors) is warp-uniform and keeps it in uniform registers.
+__device__ __forceinline__ int warpgroup_index() {
+    const int wg = static_cast<int>(threadIdx.x / 128);
+    return KPT_FA3_UNIFORM_WG ? __shfl_sync(0xffffffffu, wg, 0) : wg;
 }
 
 // Named barriers of the consumer ping-pong (0 is __syncthreads).
@@ -1058,12 +1067,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         __syncthreads();
     }
 
-    // KPT_FA3_UNIFORM_WG: the warpgroup index through a shuffle from lane 0, so that the
-    // compiler knows it (and all that derives from it: tile counts, ring positions,
-    // descriptors) is warp-uniform and keeps it in uniform registers.
-    const int wg = KPT_FA3_UNIFORM_WG
-                       ? __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0)
-                       : static_cast<int>(threadIdx.x / 128);
+    const int wg = warpgroup_index();
     if (wg == 0) {
         // ---- producer warpgroup ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
@@ -1655,7 +1659,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
 
     bwd_barriers<kBwdStages>(full_kv, full, empty);
 
-    const int wg = threadIdx.x / 128;
+    const int wg = warpgroup_index();
     if (wg == 0) {
         // ---- producer: K and V once, then Q, dO, lse2 and D per (head, query tile) ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
@@ -1855,7 +1859,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
 
     bwd_barriers<kDqStages>(full_q, full, empty);
 
-    const int wg = threadIdx.x / 128;
+    const int wg = warpgroup_index();
     if (wg == 0) {
         // ---- producer: Q and dO once, then K and V per key tile ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R::kProducer));
