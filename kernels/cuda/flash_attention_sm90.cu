@@ -246,6 +246,12 @@ static_assert(Regs<3>::kProducer * 128 + Regs<3>::kConsumer * 384 <= Regs<3>::kL
 #ifndef KPT_FA3_UNIFORM_WG
 #define KPT_FA3_UNIFORM_WG 0
 #endif
+// The last key tile of a 160-key entry's work tile, where at most 128 keys are left in the
+// cache (2048 = 12 x 160 + 128), on 128-key GEMMs and softmax: a fifth less tensor-core
+// work there and, with exactly 128 left, no element mask. Off until measured.
+#ifndef KPT_FA3_TAIL128
+#define KPT_FA3_TAIL128 0
+#endif
 // The consumers' fence.proxy.async after each "full" wait (see fence_proxy_async).
 #ifndef KPT_FA3_PROXY_FENCE
 #define KPT_FA3_PROXY_FENCE 1
@@ -685,9 +691,10 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const T* src, const T* 
 
 // ---- consumer --------------------------------------------------------------------------
 
-// S[64 x 128] = Q[64 x D] K[128 x D]^T, in k-steps of 32 bytes (16 or 32 elements).
-template <typename T, int D, int BN = kBlockN>
-__device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint64_t qdesc, uint64_t kdesc) {
+// S[64 x BN] = Q[64 x D] K[BN x D]^T, in k-steps of 32 bytes (16 or 32 elements). kN < BN:
+// the first kN keys of a tile laid out for BN (the 128-key tail of a 160-key tile).
+template <typename T, int D, int BN = kBlockN, int kN = BN>
+__device__ __forceinline__ void gemm_qk(float (&s)[kN / 2], uint64_t qdesc, uint64_t kdesc) {
     constexpr int kBlockM = Config<T, D>::kBlockM;
     fence_regs(s);
     wgmma_fence();
@@ -696,10 +703,10 @@ __device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint64_t qdesc, uint
         // Column block kk / 4 of the tile, 32 bytes per k-step inside it.
         const uint32_t qo = ((kk / 4) * (kBlockM * 128) + (kk % 4) * 32) >> 4;
         const uint32_t ko = ((kk / 4) * (BN * 128) + (kk % 4) * 32) >> 4;
-        if constexpr (BN == 192) {
+        if constexpr (kN == 192) {
             wgmma_ss_n192_e4m3<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
-        } else if constexpr (BN == 160 || BN == 176) {
-            wgmma_ss_wide<T, BN>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
+        } else if constexpr (kN == 160 || kN == 176) {
+            wgmma_ss_wide<T, kN>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
         } else {
             wgmma_ss_n128<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
         }
@@ -708,16 +715,17 @@ __device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint64_t qdesc, uint
     fence_regs(s);
 }
 
-// O[64 x D] += P[64 x 128] V[128 x D]. A k-step is 16 keys, 16 rows of the MN-major V tile
-// (2048 bytes), or for FP8 32 keys, 32 bytes into each row of the K-major V^T tile.
-template <typename T, int D, int BN = kBlockN>
+// O[64 x D] += P[64 x BN] V[BN x D]. A k-step is 16 keys, 16 rows of the MN-major V tile
+// (2048 bytes), or for FP8 32 keys, 32 bytes into each row of the K-major V^T tile. kSteps
+// below the tile's: the first keys only (the 128-key tail of a 160-key tile).
+template <typename T, int D, int BN = kBlockN, int kSteps = kPSteps<T, BN>>
 __device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kPSteps<T, BN>][4],
                                         uint64_t vdesc) {
     fence_regs(o);
     fence_regs(pf);
     wgmma_fence();
 #pragma unroll
-    for (int kc = 0; kc < kPSteps<T, BN>; ++kc) {
+    for (int kc = 0; kc < kSteps; ++kc) {
         // FP8: 32 bytes into the rows of V^T column block kc / 4 (D * 128 bytes each).
         const uint32_t off = kFp8<T> ? ((kc / 4) * D * 128 + (kc % 4) * 32) >> 4 : kc * (2048 >> 4);
         wgmma_rs<T, D>(o, pf[kc], vdesc + off);
@@ -1331,6 +1339,35 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 const int seen = max(0, min(p.seq_kv, row_first + 64 + offset));
                 my_tiles = min(my_tiles, (seen + BN - 1) / BN);
             }
+            // KPT_FA3_TAIL128: this warpgroup's last key tile is the cache's last and holds at
+            // most 128 keys; the loop takes it on the 128-key GEMMs and softmax (the first
+            // keys of the tile's 160-key layout, the first 64 of S's registers and 8 of P's).
+            constexpr bool kTail = KPT_FA3_TAIL128 && BN == 160 && !kSerial && !kFp8<T>;
+            const bool tail = kTail && my_tiles == n_tiles && my_tiles > 1 &&
+                              n_tiles * BN - p.seq_kv >= BN - 128;
+            auto qk_narrow = [&](uint64_t kd) {
+                if constexpr (kTail)
+                    gemm_qk<T, D, BN, 128>(*reinterpret_cast<float(*)[64]>(&s_acc), qdesc, kd);
+            };
+            auto softmax_narrow = [&](int n0) {
+                if constexpr (kTail) {
+                    float(&sn)[64] = *reinterpret_cast<float(*)[64]>(&s_acc);
+                    const bool diagonal = p.causal && n0 + 127 > row_first + offset;
+                    if (!fast || n0 + 128 > p.seq_kv || diagonal) {
+                        softmax_tile<true, kMask, kPOffset, 128>(sn, m_run, l_run, alpha, scale2,
+                                                                 n0, qi0, tig, p, mask);
+                    } else {
+                        softmax_tile<false, false, kPOffset, 128, kPoly>(
+                            sn, m_run, l_run, alpha, scale2, n0, qi0, tig, p, mask);
+                    }
+                }
+            };
+            auto pack_narrow = [&] {
+                if constexpr (kTail) {
+                    pack_p<T, 128>(*reinterpret_cast<float(*)[64]>(&s_acc),
+                                   *reinterpret_cast<uint32_t(*)[8][4]>(&pf));
+                }
+            };
             // Every consumer waits for this work tile's Q before it releases it, so that a
             // release never counts for the previous one.
             mbar_wait(full_q, q_phase);
@@ -1364,7 +1401,12 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     mbar_wait(full_k(s), phase);
                     fence_proxy_async();
                     if (kPingPong) named_sync(my_turn, 256);
-                    gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
+                    const bool narrow = tail && t == my_tiles - 1;
+                    if (narrow) {
+                        qk_narrow(kdesc + s * kStageDesc);
+                    } else {
+                        gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
+                    }
                     if constexpr (!kSerial) rescale_o<D>(o, alpha);
                     mbar_wait(full_v(sp), pp);
                     fence_proxy_async();
@@ -1386,19 +1428,31 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                         fence_regs(s_acc);
                         release(empty_k(s));
                         if (t == my_tiles - 1) mbar_arrive(empty_q);
-                        softmax(t * BN);
+                        if (narrow) {
+                            softmax_narrow(t * BN);
+                        } else {
+                            softmax(t * BN);
+                        }
                         drop();
                         wgmma_wait<0>();  // P V of t - 1 is done
                         fence_regs(o);
                         fence_regs(pf);
                         release(empty_v(sp));
-                        pack_p<T, BN>(s_acc, pf);
+                        if (narrow) {
+                            pack_narrow();
+                        } else {
+                            pack_p<T, BN>(s_acc, pf);
+                        }
                     }
                 }
                 if constexpr (!kSerial) rescale_o<D>(o, alpha);
                 mbar_wait(full_v(s), phase);
                 fence_proxy_async();
-                gemm_pv<T, D, BN>(o, pf, vdesc + s * kVStageDesc);
+                if (tail) {
+                    if constexpr (kTail) gemm_pv<T, D, BN, 8>(o, pf, vdesc + s * kVStageDesc);
+                } else {
+                    gemm_pv<T, D, BN>(o, pf, vdesc + s * kVStageDesc);
+                }
                 wgmma_wait<0>();
                 fence_regs(o);
                 fence_regs(pf);

@@ -1139,6 +1139,8 @@ fn attention_persistent_grid() -> Result<(), TestCaseError> {
         ([3, 260, 129, 1, 3, 128], false, DType::BF16),
         ([2, 300, 300, 2, 2, 64], true, DType::F16),
         ([1, 300, 211, 2, 2, 128], false, DType::F16),
+        // 288 = 160 + 128 keys: the last 160-key tile holds exactly 128.
+        ([2, 130, 288, 1, 2, 128], false, DType::BF16),
     ];
     let mut result = Ok(());
     let multicast_before = b.gpu().kv_multicast();
