@@ -1272,10 +1272,11 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             uint32_t pf[kPSteps<T, BN>][4];
             float alpha[2];
             const int row_first = w.m0 + c * 64;  // first query row of this warpgroup
-            // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal).
-            auto edge = [&](int n0) {
-                return !fast || n0 + BN > p.seq_kv ||
-                       (p.causal && n0 + BN - 1 > row_first + offset);
+            // Whether the first `keys` keys of tile n0 need per-element work (scale sign, mask,
+            // end of cache, diagonal).
+            auto edge = [&](int n0, int keys) {
+                return !fast || n0 + keys > p.seq_kv ||
+                       (p.causal && n0 + keys - 1 > row_first + offset);
             };
             // Dropout: the keep bits of tile n0 (64 keys per word) do not depend on the
             // scores; they are drawn while its Q K^T runs on the tensor cores and applied
@@ -1296,14 +1297,21 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                         if (!((keep[e / 32] >> (e % 32)) & 1u)) s_acc[e] = 0.0f;
                 }
             };
-            auto softmax = [&](int n0) {
-                if (edge(n0)) {
-                    softmax_tile<true, kMask, kPOffset, BN>(s_acc, m_run, l_run, alpha, scale2, n0,
-                                                        qi0, tig, p, mask);
+            // The online softmax of the first `keys` (a std::integral_constant) keys of tile n0,
+            // whose scores are `sc`.
+            auto softmax_keys = [&](auto keys, auto& sc, int n0) {
+                constexpr int kKeys = decltype(keys)::value;
+                if (edge(n0, kKeys)) {
+                    softmax_tile<true, kMask, kPOffset, kKeys>(sc, m_run, l_run, alpha, scale2, n0,
+                                                               qi0, tig, p, mask);
                 } else {
-                    softmax_tile<false, false, kPOffset, BN, kPoly>(s_acc, m_run, l_run, alpha,
-                                                                    scale2, n0, qi0, tig, p, mask);
+                    softmax_tile<false, false, kPOffset, kKeys, kPoly>(sc, m_run, l_run, alpha,
+                                                                       scale2, n0, qi0, tig, p,
+                                                                       mask);
                 }
+            };
+            auto softmax = [&](int n0) {
+                softmax_keys(std::integral_constant<int, BN>{}, s_acc, n0);
             };
             // kSerial without dropout: P's n8 block j is packed as soon as it is final, and O's
             // rescale is spread over the blocks (kShare of its n8 blocks after each).
@@ -1317,7 +1325,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             };
             // (kSerial entries are 16-bit: three consumers or dropout.)
             auto softmax_serial = [&](int n0) {
-                if (kDropout || edge(n0)) {
+                if (kDropout || edge(n0, BN)) {
                     softmax(n0);
                     drop();
                     pack_p<T, BN>(s_acc, pf);
@@ -1351,15 +1359,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             };
             auto softmax_narrow = [&](int n0) {
                 if constexpr (kTail) {
-                    float(&sn)[64] = *reinterpret_cast<float(*)[64]>(&s_acc);
-                    const bool diagonal = p.causal && n0 + 127 > row_first + offset;
-                    if (!fast || n0 + 128 > p.seq_kv || diagonal) {
-                        softmax_tile<true, kMask, kPOffset, 128>(sn, m_run, l_run, alpha, scale2,
-                                                                 n0, qi0, tig, p, mask);
-                    } else {
-                        softmax_tile<false, false, kPOffset, 128, kPoly>(
-                            sn, m_run, l_run, alpha, scale2, n0, qi0, tig, p, mask);
-                    }
+                    softmax_keys(std::integral_constant<int, 128>{},
+                                 *reinterpret_cast<float(*)[64]>(&s_acc), n0);
                 }
             };
             auto pack_narrow = [&] {
