@@ -125,17 +125,24 @@ if [ "$what" = models ] || [ "$what" = all ]; then
   "$here/bin/kpt-bench-models" --python python3 --script "$here/hf_models.py" \
     --dir "${TMPDIR:-/tmp}/kpt-bench-llama" --name "models-$gpu" --out "$out/reports" || status=1
 fi
+# One side of an A/B round (`ab`, `ab-bundle`): the attention cases matching $filter
+# against torch's cuDNN backend alone, as report attention-GPU-NAME-rROUND, logged to
+# OUT_DIR/ab-NAME-rROUND.log; prints the result lines, fails with the benchmark.
+ab_side() {
+  local name="$1" round="$2" rc=0
+  attention_bench --sdpa cudnn --filter "$filter" --name "attention-$gpu-$name-r$round" \
+    --out "$out/reports" > "$out/ab-$name-r$round.log" 2>&1 || rc=1
+  grep -E '^attention' "$out/ab-$name-r$round.log"
+  return $rc
+}
 if [ "$what" = ab ]; then
   var="${1:?usage: run.sh OUT_DIR ab VAR FILTER [ROUNDS]}"
   filter="${2:?usage: run.sh OUT_DIR ab VAR FILTER [ROUNDS]}"
   rounds="${3:-2}"
   for round in $(seq 1 "$rounds"); do
     for value in 0 1; do
-      (export "$var=$value"; attention_bench --sdpa cudnn --filter "$filter" \
-        --name "attention-$gpu-$var$value-r$round" --out "$out/reports") \
-        > "$out/ab-$var$value-r$round.log" 2>&1 || status=1
       echo "$var=$value round $round:"
-      grep -E '^attention' "$out/ab-$var$value-r$round.log"
+      (export "$var=$value"; ab_side "$var$value" "$round") || status=1
     done
   done
 fi
@@ -145,13 +152,10 @@ if [ "$what" = ab-bundle ]; then
   rounds="${3:-2}"
   for round in $(seq 1 "$rounds"); do
     for side in other this; do
-      bin="$here/bin/kpt-bench-cuda"
-      [ "$side" = other ] && bin="$other/bin/kpt-bench-cuda"
-      (bench_bin="$bin" attention_bench --sdpa cudnn --filter "$filter" \
-        --name "attention-$gpu-$side-r$round" --out "$out/reports") \
-        > "$out/ab-$side-r$round.log" 2>&1 || status=1
-      echo "$side ($(cat "${bin%/bin/kpt-bench-cuda}/GIT_COMMIT" 2>/dev/null)) round $round:"
-      grep -E '^attention' "$out/ab-$side-r$round.log"
+      bundle="$here"
+      [ "$side" = other ] && bundle="$other"
+      echo "$side ($(cat "$bundle/GIT_COMMIT" 2>/dev/null)) round $round:"
+      (bench_bin="$bundle/bin/kpt-bench-cuda"; ab_side "$side" "$round") || status=1
     done
   done
 fi
