@@ -79,8 +79,7 @@
 // runs on the rest; the kept ones' 1 / (1 - p) goes into the final normalization. The
 // log-sum-exp stays the softmax's.
 // Tuning switches for standalone builds (target/fa3test): KPT_FA3_STAGES_D64/_D128,
-// KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE, KPT_FA3_POLY_FP8, KPT_FA3_POLY_D64, KPT_FA3_POLY_D128,
-// KPT_FA3_UNIFORM_WG;
+// KPT_FA3_PINGPONG, KPT_FA3_PROXY_FENCE, KPT_FA3_POLY_FP8, KPT_FA3_POLY_D64, KPT_FA3_POLY_D128;
 // the artifacts use the defaults.
 //
 // kpt:launch kpt_flash_attention_sm90_bf16_d64 block=512 shared=156816 grid=tiles
@@ -238,20 +237,6 @@ static_assert(Regs<3>::kProducer * 128 + Regs<3>::kConsumer * 384 <= Regs<3>::kL
 #ifndef KPT_FA3_POLY_D128
 #define KPT_FA3_POLY_D128 0
 #endif
-// The warpgroup index made provably warp-uniform (a shuffle from lane 0, as CUTLASS's
-// canonical_warp_group_idx): the key-tile loop's wgmma descriptors then stay in uniform
-// registers (ptxas: no R2UR left in the 160-key loop, 59 fewer instructions per key tile,
-// spills down from 32 to 20 bytes at d128 and 68 to 20 at d64; the backward's loops 6-11 %
-// shorter). Off until measured.
-#ifndef KPT_FA3_UNIFORM_WG
-#define KPT_FA3_UNIFORM_WG 0
-#endif
-// The last key tile of a 160-key entry's work tile, where at most 128 keys are left in the
-// cache (2048 = 12 x 160 + 128), on 128-key GEMMs and softmax: a fifth less tensor-core
-// work there and, with exactly 128 left, no element mask. Off until measured.
-#ifndef KPT_FA3_TAIL128
-#define KPT_FA3_TAIL128 0
-#endif
 // The consumers' fence.proxy.async after each "full" wait (see fence_proxy_async).
 #ifndef KPT_FA3_PROXY_FENCE
 #define KPT_FA3_PROXY_FENCE 1
@@ -406,12 +391,14 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 
-// This thread's warpgroup. With KPT_FA3_UNIFORM_WG through a shuffle from lane 0, so that
-// the compiler knows it (and all that derives from it: tile counts, ring positions,
-// descriptors) is warp-uniform and keeps it in uniform registers.
+// This thread's warpgroup, through a shuffle from lane 0 (as CUTLASS's
+// canonical_warp_group_idx) so that the compiler knows it, and all that derives from it (tile
+// counts, ring positions, wgmma descriptors), is warp-uniform and keeps it in uniform
+// registers: no R2UR left in the 160-key loop, 59 fewer instructions per key tile, spills
+// down from 32 to 20 bytes at d128 and 68 to 20 at d64, and 6-13 % more throughput on the
+// H200 (docs/reports/attention-h200-notes.md).
 __device__ __forceinline__ int warpgroup_index() {
-    const int wg = static_cast<int>(threadIdx.x / 128);
-    return KPT_FA3_UNIFORM_WG ? __shfl_sync(0xffffffffu, wg, 0) : wg;
+    return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 }
 
 // Named barriers of the consumer ping-pong (0 is __syncthreads).
@@ -691,10 +678,9 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const T* src, const T* 
 
 // ---- consumer --------------------------------------------------------------------------
 
-// S[64 x BN] = Q[64 x D] K[BN x D]^T, in k-steps of 32 bytes (16 or 32 elements). kN < BN:
-// the first kN keys of a tile laid out for BN (the 128-key tail of a 160-key tile).
-template <typename T, int D, int BN = kBlockN, int kN = BN>
-__device__ __forceinline__ void gemm_qk(float (&s)[kN / 2], uint64_t qdesc, uint64_t kdesc) {
+// S[64 x 128] = Q[64 x D] K[128 x D]^T, in k-steps of 32 bytes (16 or 32 elements).
+template <typename T, int D, int BN = kBlockN>
+__device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint64_t qdesc, uint64_t kdesc) {
     constexpr int kBlockM = Config<T, D>::kBlockM;
     fence_regs(s);
     wgmma_fence();
@@ -703,10 +689,10 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kN / 2], uint64_t qdesc, uint
         // Column block kk / 4 of the tile, 32 bytes per k-step inside it.
         const uint32_t qo = ((kk / 4) * (kBlockM * 128) + (kk % 4) * 32) >> 4;
         const uint32_t ko = ((kk / 4) * (BN * 128) + (kk % 4) * 32) >> 4;
-        if constexpr (kN == 192) {
+        if constexpr (BN == 192) {
             wgmma_ss_n192_e4m3<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
-        } else if constexpr (kN == 160 || kN == 176) {
-            wgmma_ss_wide<T, kN>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
+        } else if constexpr (BN == 160 || BN == 176) {
+            wgmma_ss_wide<T, BN>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
         } else {
             wgmma_ss_n128<T>(s, qdesc + qo, kdesc + ko, kk > 0 ? 1 : 0);
         }
@@ -715,17 +701,16 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kN / 2], uint64_t qdesc, uint
     fence_regs(s);
 }
 
-// O[64 x D] += P[64 x BN] V[BN x D]. A k-step is 16 keys, 16 rows of the MN-major V tile
-// (2048 bytes), or for FP8 32 keys, 32 bytes into each row of the K-major V^T tile. kSteps
-// below the tile's: the first keys only (the 128-key tail of a 160-key tile).
-template <typename T, int D, int BN = kBlockN, int kSteps = kPSteps<T, BN>>
+// O[64 x D] += P[64 x 128] V[128 x D]. A k-step is 16 keys, 16 rows of the MN-major V tile
+// (2048 bytes), or for FP8 32 keys, 32 bytes into each row of the K-major V^T tile.
+template <typename T, int D, int BN = kBlockN>
 __device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pf)[kPSteps<T, BN>][4],
                                         uint64_t vdesc) {
     fence_regs(o);
     fence_regs(pf);
     wgmma_fence();
 #pragma unroll
-    for (int kc = 0; kc < kSteps; ++kc) {
+    for (int kc = 0; kc < kPSteps<T, BN>; ++kc) {
         // FP8: 32 bytes into the rows of V^T column block kc / 4 (D * 128 bytes each).
         const uint32_t off = kFp8<T> ? ((kc / 4) * D * 128 + (kc % 4) * 32) >> 4 : kc * (2048 >> 4);
         wgmma_rs<T, D>(o, pf[kc], vdesc + off);
@@ -1272,11 +1257,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             uint32_t pf[kPSteps<T, BN>][4];
             float alpha[2];
             const int row_first = w.m0 + c * 64;  // first query row of this warpgroup
-            // Whether the first `keys` keys of tile n0 need per-element work (scale sign, mask,
-            // end of cache, diagonal).
-            auto edge = [&](int n0, int keys) {
-                return !fast || n0 + keys > p.seq_kv ||
-                       (p.causal && n0 + keys - 1 > row_first + offset);
+            // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal).
+            auto edge = [&](int n0) {
+                return !fast || n0 + BN > p.seq_kv ||
+                       (p.causal && n0 + BN - 1 > row_first + offset);
             };
             // Dropout: the keep bits of tile n0 (64 keys per word) do not depend on the
             // scores; they are drawn while its Q K^T runs on the tensor cores and applied
@@ -1297,21 +1281,14 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                         if (!((keep[e / 32] >> (e % 32)) & 1u)) s_acc[e] = 0.0f;
                 }
             };
-            // The online softmax of the first `keys` (a std::integral_constant) keys of tile n0,
-            // whose scores are `sc`.
-            auto softmax_keys = [&](auto keys, auto& sc, int n0) {
-                constexpr int kKeys = decltype(keys)::value;
-                if (edge(n0, kKeys)) {
-                    softmax_tile<true, kMask, kPOffset, kKeys>(sc, m_run, l_run, alpha, scale2, n0,
-                                                               qi0, tig, p, mask);
-                } else {
-                    softmax_tile<false, false, kPOffset, kKeys, kPoly>(sc, m_run, l_run, alpha,
-                                                                       scale2, n0, qi0, tig, p,
-                                                                       mask);
-                }
-            };
             auto softmax = [&](int n0) {
-                softmax_keys(std::integral_constant<int, BN>{}, s_acc, n0);
+                if (edge(n0)) {
+                    softmax_tile<true, kMask, kPOffset, BN>(s_acc, m_run, l_run, alpha, scale2, n0,
+                                                        qi0, tig, p, mask);
+                } else {
+                    softmax_tile<false, false, kPOffset, BN, kPoly>(s_acc, m_run, l_run, alpha,
+                                                                    scale2, n0, qi0, tig, p, mask);
+                }
             };
             // kSerial without dropout: P's n8 block j is packed as soon as it is final, and O's
             // rescale is spread over the blocks (kShare of its n8 blocks after each).
@@ -1325,7 +1302,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             };
             // (kSerial entries are 16-bit: three consumers or dropout.)
             auto softmax_serial = [&](int n0) {
-                if (kDropout || edge(n0, BN)) {
+                if (kDropout || edge(n0)) {
                     softmax(n0);
                     drop();
                     pack_p<T, BN>(s_acc, pf);
@@ -1347,28 +1324,6 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 const int seen = max(0, min(p.seq_kv, row_first + 64 + offset));
                 my_tiles = min(my_tiles, (seen + BN - 1) / BN);
             }
-            // KPT_FA3_TAIL128: this warpgroup's last key tile is the cache's last and holds at
-            // most 128 keys; the loop takes it on the 128-key GEMMs and softmax (the first
-            // keys of the tile's 160-key layout, the first 64 of S's registers and 8 of P's).
-            constexpr bool kTail = KPT_FA3_TAIL128 && BN == 160 && !kSerial && !kFp8<T>;
-            const bool tail = kTail && my_tiles == n_tiles && my_tiles > 1 &&
-                              n_tiles * BN - p.seq_kv >= BN - 128;
-            auto qk_narrow = [&](uint64_t kd) {
-                if constexpr (kTail)
-                    gemm_qk<T, D, BN, 128>(*reinterpret_cast<float(*)[64]>(&s_acc), qdesc, kd);
-            };
-            auto softmax_narrow = [&](int n0) {
-                if constexpr (kTail) {
-                    softmax_keys(std::integral_constant<int, 128>{},
-                                 *reinterpret_cast<float(*)[64]>(&s_acc), n0);
-                }
-            };
-            auto pack_narrow = [&] {
-                if constexpr (kTail) {
-                    pack_p<T, 128>(*reinterpret_cast<float(*)[64]>(&s_acc),
-                                   *reinterpret_cast<uint32_t(*)[8][4]>(&pf));
-                }
-            };
             // Every consumer waits for this work tile's Q before it releases it, so that a
             // release never counts for the previous one.
             mbar_wait(full_q, q_phase);
@@ -1402,12 +1357,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     mbar_wait(full_k(s), phase);
                     fence_proxy_async();
                     if (kPingPong) named_sync(my_turn, 256);
-                    const bool narrow = tail && t == my_tiles - 1;
-                    if (narrow) {
-                        qk_narrow(kdesc + s * kStageDesc);
-                    } else {
-                        gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
-                    }
+                    gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
                     if constexpr (!kSerial) rescale_o<D>(o, alpha);
                     mbar_wait(full_v(sp), pp);
                     fence_proxy_async();
@@ -1429,31 +1379,19 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                         fence_regs(s_acc);
                         release(empty_k(s));
                         if (t == my_tiles - 1) mbar_arrive(empty_q);
-                        if (narrow) {
-                            softmax_narrow(t * BN);
-                        } else {
-                            softmax(t * BN);
-                        }
+                        softmax(t * BN);
                         drop();
                         wgmma_wait<0>();  // P V of t - 1 is done
                         fence_regs(o);
                         fence_regs(pf);
                         release(empty_v(sp));
-                        if (narrow) {
-                            pack_narrow();
-                        } else {
-                            pack_p<T, BN>(s_acc, pf);
-                        }
+                        pack_p<T, BN>(s_acc, pf);
                     }
                 }
                 if constexpr (!kSerial) rescale_o<D>(o, alpha);
                 mbar_wait(full_v(s), phase);
                 fence_proxy_async();
-                if (tail) {
-                    if constexpr (kTail) gemm_pv<T, D, BN, 8>(o, pf, vdesc + s * kVStageDesc);
-                } else {
-                    gemm_pv<T, D, BN>(o, pf, vdesc + s * kVStageDesc);
-                }
+                gemm_pv<T, D, BN>(o, pf, vdesc + s * kVStageDesc);
                 wgmma_wait<0>();
                 fence_regs(o);
                 fence_regs(pf);
