@@ -361,6 +361,13 @@ fn current_entries(
     Ok(Some(entries))
 }
 
+/// ptxas's C7511 remark in nvcc's diagnostics, if any: it serialized a kernel's wgmma
+/// instructions (each waits for the one before) for want of registers, which costs a
+/// Hopper attention kernel a quarter to a third of its speed without failing the build.
+fn serialized_wgmma(diagnostics: &str) -> Option<&str> {
+    diagnostics.lines().find(|l| l.contains("C7511"))
+}
+
 /// Compiles every `kernels/cuda/*.cu` for [`CUDA_TARGETS`] into `manifest`.
 fn build_cuda(
     python: &Path,
@@ -404,15 +411,21 @@ fn build_cuda(
         for (target, format, flags) in CUDA_TARGETS {
             let out = out_dir.join(format!("{name}.{target}.{format}"));
             let include_flag = format!("-I{}", include.display());
-            let status = Command::new(&nvcc)
+            let run = Command::new(&nvcc)
                 .args(flags)
                 .args(["-O3", "-std=c++17", "--use_fast_math", &include_flag, "-o"])
                 .arg(&out)
                 .arg(&src)
-                .status()
+                .stdout(std::process::Stdio::inherit())
+                .output()
                 .with_context(|| format!("running {}", nvcc.display()))?;
-            if !status.success() {
+            let diagnostics = String::from_utf8_lossy(&run.stderr);
+            eprint!("{diagnostics}");
+            if !run.status.success() {
                 bail!("nvcc failed on {} for {target}", rel(&src));
+            }
+            if let Some(line) = serialized_wgmma(&diagnostics) {
+                bail!("{} for {target}: {line}", rel(&src));
             }
             if format == "ptx" {
                 lower_ptx(ptxas, &out)?;
@@ -1104,6 +1117,16 @@ mod tests {
             let major: u32 = major.parse().unwrap();
             assert_eq!(isa, major * 1000 + minor * 100 + stepping, "{target}");
         }
+    }
+
+    #[test]
+    fn serialized_wgmma_is_found_in_nvcc_diagnostics() {
+        let clean = "ptxas info    : Used 168 registers\nfa.cu(281): warning #177-D: unused\n";
+        assert_eq!(serialized_wgmma(clean), None);
+        let remark = "ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async \
+                      instructions are serialized due to insufficient register resources";
+        let text = format!("{clean}{remark}\nptxas info    : Compiling entry\n");
+        assert_eq!(serialized_wgmma(&text), Some(remark));
     }
 
     #[test]
