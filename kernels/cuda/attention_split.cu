@@ -337,14 +337,6 @@ using kpt::mma;
 using kpt::pack2;
 using kpt::transpose8;
 
-// 16 bytes of a K / V row global -> shared (as cp_async16), with the L2 fetching the 256
-// aligned bytes around them on a miss: a row piece of one kv head (256 bytes at d128 in
-// 16 bits) then costs one DRAM request instead of one per sector.
-__device__ __forceinline__ void cp_async16_row(unsigned dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(bytes));
-}
-
 // Where a block's warp sits in the split kernel: its batch and kv head, and the n-tile and
 // dim tiles (dp, dp + nw, ...) whose sums it holds (none when not active).
 struct WarpPlace {
@@ -513,8 +505,8 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
                 if (c >= chunks) continue;
                 const bool ok = row >= 0;
                 const long off = ok ? row + c * 8 : 0;
-                cp_async16_row(ks + swz(j, c, kChunks), k + off, ok ? 16 : 0);
-                cp_async16_row(vs + swz(j, c, kChunks), v + off, ok ? 16 : 0);
+                cp_async16(ks + swz(j, c, kChunks), k + off, ok ? 16 : 0);
+                cp_async16(vs + swz(j, c, kChunks), v + off, ok ? 16 : 0);
             }
         } else {
             const int j0 = t * sd.tile, nk = min(sd.tile, len - j0);
@@ -526,8 +518,8 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
                 if (c >= chunks) continue;
                 const bool ok = j < nk;
                 const long off = base + (ok ? j * kv_row + c * 8 : 0);
-                cp_async16_row(ks + swz(j, c, kChunks), k + off, ok ? 16 : 0);
-                cp_async16_row(vs + swz(j, c, kChunks), v + off, ok ? 16 : 0);
+                cp_async16(ks + swz(j, c, kChunks), k + off, ok ? 16 : 0);
+                cp_async16(vs + swz(j, c, kChunks), v + off, ok ? 16 : 0);
             }
         }
     };
