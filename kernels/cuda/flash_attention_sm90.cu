@@ -395,7 +395,7 @@ __device__ __forceinline__ void cluster_sync() {
 // canonical_warp_group_idx) so that the compiler knows it, and all that derives from it (tile
 // counts, ring positions, wgmma descriptors), is warp-uniform and keeps it in uniform
 // registers: no R2UR left in the 160-key loop, 59 fewer instructions per key tile, spills
-// down from 32 to 20 bytes at d128 and 68 to 20 at d64, and 6-13 % more throughput on the
+// down from 32 to 20 bytes at d128 and 68 to 20 at d64, and 6-11 % more throughput on the
 // H200 (docs/reports/attention-h200-notes.md).
 __device__ __forceinline__ int warpgroup_index() {
     return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
@@ -2076,9 +2076,9 @@ KPT_FLASH_SM90_TMA_DROPOUT(f16, __half, 128)
 // entries above), each its own code, so that ptxas allocates registers for the unmasked path
 // alone:
 // - `carry_`, d = 64: the consumers' ping-pong running across a block's work tiles (kCarry;
-//   ptxas spills 68 bytes there against 380 in the entries above);
+//   ptxas spills 20 bytes there against 144 in the entries above);
 // - `n160_carry_`, d = 128: the same on tiles of 160 keys, in two stages: fewer, longer key
-//   tiles per work tile (ptxas spills 32 bytes, outside the key-tile loop; the 176-key tiles
+//   tiles per work tile (ptxas spills 20 bytes, outside the key-tile loop; the 176-key tiles
 //   of FlashAttention-3 spill 132 with the carry and were 0-5 % slower without it; 128-key
 //   tiles with the carry were as fast at 2048 causal keys and 4 % slower at 16384);
 //   both store their output through shared memory by TMA (kStaged; the map `to` has boxes
