@@ -1035,9 +1035,10 @@ impl Gpu {
             // [`Gpu::kv_multicast`] is on.
             let unmasked = mask == 0 && !dropout;
             let wide = unmasked && d == 128;
-            let pair_entry = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
             let pair = if wide && dims.causal == 0 {
-                self.sm90_pair_grid(&pair_entry, dims, block_m)?
+                let entry = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
+                self.sm90_pair_grid(&entry, dims, block_m)?
+                    .map(|blocks| (entry, blocks))
             } else {
                 None
             };
@@ -1047,9 +1048,9 @@ impl Gpu {
                 (false, _) => FLASH_SM90_BLOCK_N,
             };
             if let Some([tq, tk, tv]) = sm90_tensor_maps(elem, [q, k, v], dims, block_m, block_n) {
-                if let Some(blocks) = pair {
+                if let Some((entry, blocks)) = pair {
                     launch!(
-                        self, SM90, pair_entry, blocks, cluster 2;
+                        self, SM90, entry, blocks, cluster 2;
                         q, k, v, mask, out, lse, dims, tq, tk, tv
                     );
                     return Ok(());
