@@ -426,6 +426,23 @@ pub struct MemoryStats {
     pub total_bytes: Option<u64>,
 }
 
+/// A download started by [`Backend::download_async`].
+pub trait PendingDownload: Send {
+    /// Waits for the copy (and the work queued before it) and returns the tensor.
+    fn wait(self: Box<Self>) -> Result<Tensor>;
+}
+
+/// A download that finished when it started: what [`Backend::download_async`] gives
+/// on a backend whose downloads are synchronous.
+#[derive(Debug)]
+pub struct Downloaded(pub Tensor);
+
+impl PendingDownload for Downloaded {
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        Ok(self.0)
+    }
+}
+
 /// A compute backend: one device, its memory and its kernels.
 pub trait Backend: Send + Sync {
     /// Short name, e.g. `cpu`, `cuda:0`.
@@ -445,6 +462,18 @@ pub trait Backend: Send + Sync {
 
     /// Copies the first `spec.numel()` elements of a buffer back to the host.
     fn download(&self, buffer: &DeviceBuffer, spec: &TensorSpec) -> Result<Tensor>;
+
+    /// Starts [`Backend::download`] behind the work queued so far and returns without
+    /// waiting for it; [`PendingDownload::wait`] gives the tensor. Work queued after
+    /// this call may run before the wait returns, and `buffer` may be dropped once this
+    /// returns. The default downloads at once.
+    fn download_async(
+        &self,
+        buffer: &DeviceBuffer,
+        spec: &TensorSpec,
+    ) -> Result<Box<dyn PendingDownload>> {
+        Ok(Box::new(Downloaded(self.download(buffer, spec)?)))
+    }
 
     /// Copies the `src.spec.numel()` elements of `src` into `dst` from element
     /// `dst_offset` on (queued like a kernel). The dtypes must match and `dst` must have

@@ -15,8 +15,13 @@
 //! With [`Executor::set_graphs`] a run that repeats the previous run's signature (input
 //! specs, device input buffers, outputs kept on the device) is recorded once by
 //! [`Backend::capture`] (a CUDA graph) and replayed: host inputs are written into
-//! buffers the executor keeps for the capture ([`Backend::write`]), and the backend
-//! queues the whole run at once.
+//! buffers the executor keeps for the capture ([`Backend::write`]), and so are device
+//! inputs that no node updates in place ([`Backend::copy_into`]), such as the tokens an
+//! earlier run picked; the backend then queues the whole run at once.
+//!
+//! [`Executor::enqueue`] queues a run without waiting for it, so that a caller can queue
+//! the next decode step (fed the picked tokens on the device) before reading the tokens
+//! of this one ([`Backend::download_async`]).
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -154,11 +159,13 @@ pub struct GraphStats {
 }
 
 /// What must not change between two runs for one captured run to serve both: every
-/// input's shape and dtype, the address and size of every device-resident input's
-/// buffer, and which outputs stay on the device. Host input contents may change.
+/// input's shape and dtype, the address and size of the buffer of every device-resident
+/// input that a node updates in place, and which outputs stay on the device. The
+/// contents of the other inputs may change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Signature {
-    /// Per input: its spec, and for a device input the address and length of its buffer.
+    /// Per input: its spec, and for a device input updated in place the address and
+    /// length of its buffer.
     inputs: Vec<(TensorSpec, Option<(u64, usize)>)>,
     /// Per graph output: whether it stays on the device.
     on_device: Vec<bool>,
@@ -169,8 +176,9 @@ struct Captured {
     run: Box<dyn CapturedRun>,
     /// The specs of every value (the run's inference, the same for every replay).
     specs: Vec<TensorSpec>,
-    /// Per graph input fed from the host: the buffer the recorded launches read it from.
-    host_inputs: Vec<Option<DeviceBuffer>>,
+    /// Per graph input staged for the capture (fed from the host, or from the device
+    /// without an in-place update): the buffer the recorded launches read it from.
+    staged_inputs: Vec<Option<DeviceBuffer>>,
     /// Node outputs written in place into a device input's buffer: (output, input).
     in_place: Vec<(ValueId, usize)>,
 }
@@ -189,6 +197,9 @@ struct Entry {
     captured: Option<Captured>,
     /// [`Graphs::epoch`] when the capture was made.
     epoch: u64,
+    /// A replay of the capture was queued by [`Executor::enqueue`] and its deferred
+    /// checks ([`CapturedRun::check`]) have not run yet.
+    unchecked: bool,
 }
 
 /// The executor's captured-run state: the signatures run lately, the most recent last.
@@ -200,12 +211,26 @@ struct Graphs {
     /// made at an older epoch reads buffers that are gone, so it is made again.
     epoch: u64,
     stats: GraphStats,
+    /// Captured runs dropped from their entries while a queued replay's checks were
+    /// pending: kept until those checks run.
+    retired: Vec<Captured>,
 }
 
 impl Graphs {
     /// Forgets every signature and drops their captured runs.
     fn reset(&mut self) {
-        self.entries.clear();
+        for mut e in std::mem::take(&mut self.entries) {
+            Self::retire(&mut self.retired, &mut e);
+        }
+    }
+
+    /// Drops `entry`'s captured run, keeping it in `retired` while its checks are
+    /// pending.
+    fn retire(retired: &mut Vec<Captured>, entry: &mut Entry) {
+        let captured = entry.captured.take();
+        if std::mem::take(&mut entry.unchecked) {
+            retired.extend(captured);
+        }
     }
 
     /// The entry of the run in progress (the last one [`Executor::mode`] touched).
@@ -235,6 +260,8 @@ pub struct Executor {
     slots: Vec<Option<DeviceBuffer>>,
     /// Per node: the graph inputs it may update in place.
     updates: Vec<Vec<InPlace>>,
+    /// Per graph input: whether some node may update it in place.
+    in_place_inputs: Vec<bool>,
     /// Host time of the last run up to its final wait for the backend.
     last_launch: Duration,
     graphs: Graphs,
@@ -582,12 +609,17 @@ impl Executor {
             .collect::<Result<Vec<_>>>()?;
         let slots = (0..plan.memory.num_slots()).map(|_| None).collect();
         let updates = in_place_updates(&plan.graph);
+        let mut in_place_inputs = vec![false; plan.graph.inputs().len()];
+        for u in updates.iter().flatten() {
+            in_place_inputs[u.graph_input] = true;
+        }
         Ok(Self {
             plan,
             backend,
             params,
             slots,
             updates,
+            in_place_inputs,
             last_launch: Duration::ZERO,
             graphs: Graphs::default(),
         })
@@ -605,11 +637,12 @@ impl Executor {
 
     /// Turns captured runs (CUDA graphs) on or off; off by default. When on, runs whose
     /// signature (every input's shape and dtype, the buffer of every device-resident
-    /// input, which outputs stay on the device) equals the previous run's are served by
-    /// one capture: the first run of a signature runs normally (it loads modules, tunes
-    /// GEMMs, sizes buffers), the second is recorded by [`Backend::capture`] and
-    /// replayed, and later ones copy their host inputs into the buffers the capture
-    /// reads and replay it, which saves the host the launch work of every node. Captures
+    /// input that a node updates in place, which outputs stay on the device) equals the
+    /// previous run's are served by one capture: the first run of a signature runs
+    /// normally (it loads modules, tunes GEMMs, sizes buffers), the second is recorded by
+    /// [`Backend::capture`] and replayed, and later ones copy their other inputs (from
+    /// the host, or from device buffers anywhere) into the buffers the capture reads and
+    /// replay it, which saves the host the launch work of every node. Captures
     /// of up to 8 signatures are kept (the least recently run dropped first), so that
     /// sequences decoded in turn, each with its own caches, all replay. A backend that cannot
     /// capture, or a run whose launches cannot be recorded (one that waits for the
@@ -643,7 +676,7 @@ impl Executor {
             .iter()
             .map(|t| Feed::Host(Cow::Borrowed(t)))
             .collect();
-        let (outs, _) = self.run_inner(inputs, &[], false)?;
+        let (outs, _) = self.run_inner(inputs, &[], false, true)?;
         outs.into_iter()
             .map(|o| o.into_host(self.backend.as_ref()))
             .collect()
@@ -656,7 +689,7 @@ impl Executor {
             .iter()
             .map(|t| Feed::Host(Cow::Borrowed(t)))
             .collect();
-        let (outs, mut traced) = self.run_inner(host, &[], true)?;
+        let (outs, mut traced) = self.run_inner(host, &[], true, true)?;
         for (&id, t) in self.plan.graph.inputs().iter().zip(inputs) {
             traced[id.0] = Some(t.clone());
         }
@@ -676,8 +709,60 @@ impl Executor {
         on_device: &[bool],
     ) -> Result<Vec<RunTensor>> {
         let inputs = inputs.into_iter().map(Feed::from).collect();
-        self.run_inner(inputs, on_device, false)
+        self.run_inner(inputs, on_device, false, true)
             .map(|(outs, _)| outs)
+    }
+
+    /// Queues a run of the plan and returns at once, every output left on the device
+    /// (in order): nothing waits for the backend, so the caller may queue more work
+    /// behind it (the next decode step, fed this one's outputs) and read outputs with
+    /// [`Backend::download_async`]. Inputs are consumed as in
+    /// [`Executor::run_resident`]. Errors that kernels report after the launch (an id
+    /// outside an embedding table, found by a replay's deferred checks) surface at
+    /// the next run that waits, or at [`Executor::finish`].
+    pub fn enqueue(&mut self, inputs: Vec<RunTensor>) -> Result<Vec<DeviceTensor>> {
+        let inputs = inputs.into_iter().map(Feed::from).collect();
+        let on_device = vec![true; self.plan.graph.outputs().len()];
+        let (outs, _) = self.run_inner(inputs, &on_device, false, false)?;
+        outs.into_iter()
+            .map(|o| match o {
+                RunTensor::Device(d) => Ok(d),
+                RunTensor::Host(_) => Err(KptError::Graph(
+                    "a queued run returned an output on the host".into(),
+                )),
+            })
+            .collect()
+    }
+
+    /// Waits for the runs queued so far (by [`Executor::enqueue`]) and runs the checks
+    /// their kernels deferred; an error there drops the captured runs, as a failed run
+    /// does. Every other run ends with it.
+    pub fn finish(&mut self) -> Result<()> {
+        let checked = self
+            .backend
+            .synchronize()
+            .and_then(|()| self.check_queued());
+        if checked.is_err() {
+            self.graphs.reset();
+        }
+        checked
+    }
+
+    /// Runs the deferred checks of every captured run replayed since the last check
+    /// (call it after the backend synchronized).
+    fn check_queued(&mut self) -> Result<()> {
+        let g = &mut self.graphs;
+        for c in std::mem::take(&mut g.retired) {
+            c.run.check()?;
+        }
+        for e in &mut g.entries {
+            if std::mem::take(&mut e.unchecked) {
+                if let Some(c) = &e.captured {
+                    c.run.check()?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The host's time in the last run up to its final wait for the backend: preparing
@@ -693,16 +778,17 @@ impl Executor {
     fn signature(&self, inputs: &[Feed<'_>], on_device: &[bool]) -> Option<Signature> {
         let inputs = inputs
             .iter()
-            .map(|f| {
+            .zip(&self.in_place_inputs)
+            .map(|(f, &in_place)| {
                 let spec = f.spec();
                 if spec.dtype.is_quantized() {
                     return None;
                 }
                 let at = match f {
-                    Feed::Host(_) => None,
-                    Feed::Device(d) => {
+                    Feed::Device(d) if in_place => {
                         Some((self.backend.buffer_address(&d.buffer)?, d.buffer.len()))
                     }
+                    _ => None,
                 };
                 Some((spec, at))
             })
@@ -728,7 +814,8 @@ impl Executor {
             Some(i) => g.entries.remove(i),
             None => {
                 if g.entries.len() == MAX_SIGNATURES {
-                    g.entries.remove(0);
+                    let mut oldest = g.entries.remove(0);
+                    Graphs::retire(&mut g.retired, &mut oldest);
                 }
                 Entry {
                     signature: sig,
@@ -736,18 +823,19 @@ impl Executor {
                     refused: false,
                     captured: None,
                     epoch: 0,
+                    unchecked: false,
                 }
             }
         };
         g.entries.push(entry);
         let epoch = g.epoch;
-        let Ok(e) = g.current() else {
+        let Some(e) = g.entries.last_mut() else {
             return Mode::Plain;
         };
         e.runs += 1;
         if e.captured.is_some() && e.epoch != epoch {
             // Another signature's run replaced a slot this capture reads: record again.
-            e.captured = None;
+            Graphs::retire(&mut g.retired, e);
         }
         if e.refused {
             Mode::Plain
@@ -765,6 +853,7 @@ impl Executor {
         inputs: Vec<Feed<'_>>,
         on_device: &[bool],
         trace: bool,
+        wait: bool,
     ) -> Result<(Vec<RunTensor>, Vec<Option<Tensor>>)> {
         let started = Instant::now();
         let mode = self.mode(&inputs, on_device, trace);
@@ -773,7 +862,11 @@ impl Executor {
             // The capture's buffers may be gone with the error: start over.
             self.graphs.reset();
         }
-        result
+        let outputs = result?;
+        if wait {
+            self.finish()?;
+        }
+        Ok(outputs)
     }
 
     fn run_mode(
@@ -790,6 +883,7 @@ impl Executor {
             params,
             slots,
             updates,
+            in_place_inputs,
             last_launch,
             graphs,
         } = self;
@@ -825,23 +919,29 @@ impl Executor {
                 }
             }
         }
-        // Inputs: host ones uploaded (plain runs) or written into the buffers the
-        // capture reads (captured runs).
-        let from_host: Vec<bool> = inputs.iter().map(|f| matches!(f, Feed::Host(_))).collect();
+        // Inputs: host ones uploaded (plain runs); in captured runs, every input but
+        // the device ones updated in place is staged: written or copied into the
+        // buffers the capture reads.
+        let staged: Vec<bool> = inputs
+            .iter()
+            .zip(in_place_inputs.iter())
+            .map(|(f, &in_place)| !(in_place && matches!(f, Feed::Device(_))))
+            .collect();
         let mut device_inputs = Vec::with_capacity(inputs.len());
         for (p, input) in inputs.into_iter().enumerate() {
             let buffer = match (mode, input) {
                 (Mode::Plain, input) => input.into_buffer(backend)?,
-                (_, Feed::Device(d)) => d.buffer,
-                (Mode::Capture, Feed::Host(t)) => {
-                    let mut b = backend.allocate(t.dtype(), t.numel())?;
-                    backend.write(&t, &mut b)?;
+                (_, Feed::Device(d)) if !staged[p] => d.buffer,
+                (Mode::Capture, input) => {
+                    let spec = input.spec();
+                    let mut b = backend.allocate(spec.dtype, spec.numel())?;
+                    stage(backend, input, &mut b)?;
                     b
                 }
-                (Mode::Replay, Feed::Host(t)) => {
+                (Mode::Replay, input) => {
                     let c = held.as_mut().ok_or_else(no_capture)?;
-                    let mut b = c.host_inputs[p].take().ok_or_else(no_capture)?;
-                    backend.write(&t, &mut b)?;
+                    let mut b = c.staged_inputs[p].take().ok_or_else(no_capture)?;
+                    stage(backend, input, &mut b)?;
                     b
                 }
             };
@@ -884,7 +984,7 @@ impl Executor {
                     held = Some(Captured {
                         run,
                         specs: Vec::new(),
-                        host_inputs: Vec::new(),
+                        staged_inputs: Vec::new(),
                         in_place,
                     });
                 }
@@ -942,7 +1042,7 @@ impl Executor {
                 ValueSource::Input => {
                     let p = graph.inputs().iter().position(|&v| v == o);
                     match p {
-                        Some(p) if captured && from_host[p] => {
+                        Some(p) if captured && staged[p] => {
                             let b = device_inputs[p]
                                 .as_ref()
                                 .ok_or_else(|| no_buffer(graph, o))?;
@@ -1008,9 +1108,9 @@ impl Executor {
         }
         let replayed = if let Some(mut c) = held {
             c.specs = specs;
-            c.host_inputs = device_inputs
+            c.staged_inputs = device_inputs
                 .iter_mut()
-                .zip(&from_host)
+                .zip(&staged)
                 .map(|(b, &h)| if h { b.take() } else { None })
                 .collect();
             let epoch = graphs.epoch;
@@ -1022,13 +1122,23 @@ impl Executor {
             false
         };
         *last_launch = started.elapsed();
-        backend.synchronize()?;
         if replayed {
-            if let Some(c) = &graphs.current()?.captured {
-                c.run.check()?;
-            }
+            graphs.current()?.unchecked = true;
         }
         Ok((outputs, traced))
+    }
+}
+
+/// Writes (from the host) or copies (on the device) a run's input into `dst`, the buffer
+/// a captured run reads it from.
+fn stage(backend: &dyn Backend, input: Feed<'_>, dst: &mut DeviceBuffer) -> Result<()> {
+    match input {
+        Feed::Host(t) => backend.write(&t, dst),
+        Feed::Device(d) => {
+            backend.copy_into(d.view(), dst, 0)?;
+            dst.scale = d.buffer.scale;
+            Ok(())
+        }
     }
 }
 

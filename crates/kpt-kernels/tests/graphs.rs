@@ -25,6 +25,9 @@ struct Recording {
     captures: AtomicUsize,
     replays: Arc<AtomicUsize>,
     writes: AtomicUsize,
+    copies: AtomicUsize,
+    /// What the captured runs' deferred checks find: a kernel reported bad input.
+    bad: Arc<AtomicBool>,
 }
 
 impl Recording {
@@ -36,16 +39,28 @@ impl Recording {
             captures: AtomicUsize::new(0),
             replays: Arc::default(),
             writes: AtomicUsize::new(0),
+            copies: AtomicUsize::new(0),
+            bad: Arc::default(),
         })
     }
 }
 
-struct Replay(Arc<AtomicUsize>);
+struct Replay {
+    replays: Arc<AtomicUsize>,
+    bad: Arc<AtomicBool>,
+}
 
 impl CapturedRun for Replay {
     fn replay(&mut self) -> Result<bool> {
-        self.0.fetch_add(1, Ordering::SeqCst);
+        self.replays.fetch_add(1, Ordering::SeqCst);
         Ok(true)
+    }
+
+    fn check(&self) -> Result<()> {
+        match self.bad.load(Ordering::SeqCst) {
+            true => Err(KptError::InvalidArgument("a kernel saw bad input".into())),
+            false => Ok(()),
+        }
     }
 }
 
@@ -69,6 +84,7 @@ impl Backend for Recording {
         self.cpu.download(buffer, spec)
     }
     fn copy_into(&self, src: BufferRef<'_>, dst: &mut DeviceBuffer, at: usize) -> Result<()> {
+        self.copies.fetch_add(1, Ordering::SeqCst);
         self.cpu.copy_into(src, dst, at)
     }
     fn write_rows(
@@ -110,7 +126,10 @@ impl Backend for Recording {
         let r = work();
         self.capturing.store(false, Ordering::SeqCst);
         r?;
-        Ok(Some(Box::new(Replay(Arc::clone(&self.replays)))))
+        Ok(Some(Box::new(Replay {
+            replays: Arc::clone(&self.replays),
+            bad: Arc::clone(&self.bad),
+        })))
     }
     fn synchronize(&self) -> Result<()> {
         self.cpu.synchronize()
@@ -327,4 +346,69 @@ fn the_cpu_backend_cannot_capture_and_runs_normally() {
     for _ in 0..3 {
         assert_eq!(on.run(&inputs).unwrap(), off.run(&inputs).unwrap());
     }
+}
+
+#[test]
+fn device_inputs_read_in_place_are_staged_so_new_buffers_still_replay() {
+    let rec = Recording::new();
+    let backend: Arc<dyn Backend> = rec.clone();
+    let mut exec = executor(backend.clone());
+    exec.set_graphs(true);
+    let mut cache = zero_cache(backend.as_ref());
+    let slot = || RunTensor::Host(Tensor::from_vec(vec![1i64], &[1]).unwrap());
+    for s in 0..5 {
+        // A new buffer each run for the row, which no node updates in place.
+        let r = DeviceTensor::upload(backend.as_ref(), &row(s)).unwrap();
+        let copies = rec.copies.load(Ordering::SeqCst);
+        let inputs = vec![RunTensor::Device(cache), RunTensor::Device(r), slot()];
+        let mut out = exec.enqueue(inputs).unwrap().into_iter();
+        cache = out.next().unwrap();
+        assert_eq!(exec.captured(), s >= 1, "step {s}");
+        if s >= 1 {
+            // Staged: the row copied into the capture's buffer, and the two outputs kept
+            // on the device copied out of the capture's slots.
+            assert_eq!(rec.copies.load(Ordering::SeqCst) - copies, 3, "step {s}");
+        }
+    }
+    exec.finish().unwrap();
+    assert_eq!(
+        exec.graph_stats(),
+        GraphStats {
+            captures: 1,
+            replays: 3,
+            failures: 0
+        }
+    );
+}
+
+#[test]
+fn queued_replays_report_their_deferred_checks_when_finished() {
+    let rec = Recording::new();
+    let backend: Arc<dyn Backend> = rec.clone();
+    let mut exec = executor(backend.clone());
+    exec.set_graphs(true);
+    let mut cache = zero_cache(backend.as_ref());
+    let inputs = |cache| {
+        vec![
+            RunTensor::Device(cache),
+            RunTensor::Host(row(1)),
+            RunTensor::Host(Tensor::from_vec(vec![0i64], &[1]).unwrap()),
+        ]
+    };
+    for _ in 0..3 {
+        cache = exec.enqueue(inputs(cache)).unwrap().remove(0);
+    }
+    exec.finish().unwrap();
+    assert!(exec.captured());
+    // The kernels of the next replay report bad input: not at the launch, at the wait.
+    rec.bad.store(true, Ordering::SeqCst);
+    cache = exec.enqueue(inputs(cache)).unwrap().remove(0);
+    let err = exec.finish().unwrap_err().to_string();
+    assert!(err.contains("bad input"), "{err}");
+    assert!(!exec.captured(), "the captures are dropped after the error");
+    // A run that waits checks too; after the error nothing is pending.
+    rec.bad.store(false, Ordering::SeqCst);
+    let (cache, ..) = step(&mut exec, cache, &row(1), 0);
+    exec.finish().unwrap();
+    drop(cache);
 }

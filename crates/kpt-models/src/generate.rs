@@ -43,6 +43,7 @@
 
 use std::time::Instant;
 
+use kpt_core::backend::PendingDownload;
 use kpt_core::exec::{DeviceTensor, Executor, RunTensor};
 use kpt_core::rand::SplitMix64;
 use kpt_core::validate::{run_reference, ReferenceOps};
@@ -448,10 +449,43 @@ pub trait StepRunner {
         argmax(&self.decode(cache, token, position)?)
     }
 
+    /// Greedy decoding of one sequence from `token` at `position`: calls `next` with
+    /// each token picked, in order, until it returns `false` (the steps `next` saw
+    /// extend `cache`). The default runs [`StepRunner::decode_greedy`] step by step; a
+    /// runner may queue each step before the token of the step before reaches the host
+    /// ([`decode_greedy_pipelined`]).
+    fn decode_greedy_run(
+        &mut self,
+        cache: &mut Self::Cache,
+        token: i64,
+        position: usize,
+        next: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        greedy_steps(self, cache, token, position, next)
+    }
+
     /// Takes back the cache of a finished sequence, which a runner may reuse for a later
     /// one ([`PlanRunner`] keeps it in its [`CachePool`]). The default drops it.
     fn release(&mut self, cache: Self::Cache) {
         drop(cache);
+    }
+}
+
+/// [`StepRunner::decode_greedy_run`] one [`StepRunner::decode_greedy`] at a time.
+fn greedy_steps<R: StepRunner + ?Sized>(
+    runner: &mut R,
+    cache: &mut R::Cache,
+    mut token: i64,
+    mut position: usize,
+    next: &mut dyn FnMut(u32) -> Result<bool>,
+) -> Result<()> {
+    loop {
+        let picked = runner.decode_greedy(cache, token, position)?;
+        position += 1;
+        if !next(picked)? {
+            return Ok(());
+        }
+        token = i64::from(picked);
     }
 }
 
@@ -972,6 +1006,74 @@ fn single_token(t: &Tensor) -> Result<u32> {
     }
 }
 
+/// Greedy decoding of one sequence on a [`Phase::DecodeGreedy`] plan with every step
+/// queued before the token of the step before reaches the host, as vLLM's asynchronous
+/// scheduling does: step `n + 1` reads step `n`'s picked token on the device, and the
+/// host reads step `n`'s token ([`kpt_core::backend::Backend::download_async`], into
+/// page-locked memory on CUDA) while step `n + 1` runs, so the device does not wait for
+/// the host between steps. `next` gets each token, in order, until it returns `false`;
+/// the step queued after that one ran without its token being used (it wrote the cache
+/// row past the sequence's end, which is not read and is overwritten by the next step
+/// at that position). `cache` holds one sequence's caches (grown through `pool` as they
+/// fill). Returns once every queued step is done.
+pub fn decode_greedy_pipelined(
+    exec: &mut Executor,
+    pool: &mut CachePool,
+    cache: &mut Vec<DeviceTensor>,
+    token: i64,
+    position: usize,
+    next: &mut dyn FnMut(u32) -> Result<bool>,
+) -> Result<()> {
+    if !picks_tokens(&exec.plan().graph) {
+        return Err(ModelError::Generation(
+            "pipelined greedy decoding needs a plan that picks its tokens \
+             (Phase::DecodeGreedy)"
+                .into(),
+        ));
+    }
+    let steps = pipelined_steps(exec, pool, cache, token, position, next);
+    // The step queued past the last token, and the checks of every replay.
+    let finished = exec.finish().map_err(ModelError::from);
+    steps.and(finished)
+}
+
+fn pipelined_steps(
+    exec: &mut Executor,
+    pool: &mut CachePool,
+    cache: &mut Vec<DeviceTensor>,
+    token: i64,
+    mut position: usize,
+    next: &mut dyn FnMut(u32) -> Result<bool>,
+) -> Result<()> {
+    let backend = exec.backend().clone();
+    let mut ids = RunTensor::Host(Tensor::from_vec(vec![token], &[1, 1])?);
+    let mut pending: Option<Box<dyn PendingDownload>> = None;
+    loop {
+        let caches = pool.with_room(std::mem::take(cache), position, backend.as_ref())?;
+        let capacity = caches.first().map_or(position + 1, |c| c.spec.shape[1]);
+        let mut inputs: Vec<RunTensor> = decode_inputs(&[token], position, capacity)?
+            .into_iter()
+            .map(RunTensor::Host)
+            .collect();
+        inputs[0] = ids;
+        inputs.extend(caches.into_iter().map(RunTensor::Device));
+        // Logits, the picked token, then the caches (updated in place).
+        let mut outs = exec.enqueue(inputs)?.into_iter().skip(1);
+        let picked = outs.next().ok_or_else(|| {
+            ModelError::Generation("a greedy decode step returned no token".into())
+        })?;
+        *cache = outs.collect();
+        let read = backend.download_async(&picked.buffer, &picked.spec)?;
+        ids = RunTensor::Device(picked);
+        position += 1;
+        if let Some(token) = pending.replace(read) {
+            if !next(single_token(&token.wait()?)?)? {
+                return Ok(());
+            }
+        }
+    }
+}
+
 impl StepRunner for PlanRunner {
     /// Keys and values `[1, capacity, kv_dim]` of every layer in the decode backend's
     /// memory (the first `position` rows valid): a decode step writes its row in place,
@@ -1031,6 +1133,21 @@ impl StepRunner for PlanRunner {
         match self.step(cache, token, position, true)? {
             Next::Token(t) => Ok(t),
             Next::Logits(l) => argmax(&l),
+        }
+    }
+
+    fn decode_greedy_run(
+        &mut self,
+        cache: &mut Vec<DeviceTensor>,
+        token: i64,
+        position: usize,
+        next: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        if picks_tokens(&self.decode.plan().graph) {
+            let (exec, pool) = (&mut self.decode, &mut self.pool);
+            decode_greedy_pipelined(exec, pool, cache, token, position, next)
+        } else {
+            greedy_steps(self, cache, token, position, next)
         }
     }
 }
@@ -1275,6 +1392,9 @@ impl<R: StepRunner> Generator<R> {
         // Greedy steps ask the runner for the token alone (picked on the device where its
         // plan can).
         let greedy = sampling.is_greedy();
+        // A single greedy sequence runs its steps ahead of its tokens
+        // (`StepRunner::decode_greedy_run`).
+        let ahead = greedy && seqs.len() == 1;
         while seqs.iter().any(|s| s.stop.is_none()) {
             for (i, s) in seqs.iter_mut().enumerate() {
                 if s.stop.is_some() {
@@ -1284,18 +1404,32 @@ impl<R: StepRunner> Generator<R> {
                     Next::Logits(logits) => s.sampler.sample(logits)?,
                     Next::Token(t) => *t,
                 };
-                s.tokens.push(token);
-                on_token(&TokenEvent {
-                    sequence: i,
-                    index: s.tokens.len() - 1,
-                    token,
-                })?;
-                s.stop = Self::stopped(s, token, stop, tokenizer)?;
+                s.stop = Self::accept(&mut s.tokens, (i, token), stop, tokenizer, &mut on_token)?;
                 if s.stop.is_some() {
                     continue;
                 }
                 let t = Instant::now();
                 let (cache, id) = (&mut s.cache, i64::from(token));
+                if ahead {
+                    let (tokens, stopped, position) = (&mut s.tokens, &mut s.stop, &mut s.position);
+                    let mut last = t;
+                    self.runner
+                        .decode_greedy_run(cache, id, *position, &mut |token| {
+                            let now = Instant::now();
+                            stats.decode_ms.push((now - last).as_secs_f64() * 1e3);
+                            last = now;
+                            *position += 1;
+                            *stopped =
+                                Self::accept(tokens, (i, token), stop, tokenizer, &mut on_token)?;
+                            Ok(stopped.is_none())
+                        })?;
+                    if s.stop.is_none() {
+                        return Err(ModelError::Generation(
+                            "greedy decoding ended before a stop condition held".into(),
+                        ));
+                    }
+                    continue;
+                }
                 s.next = if greedy {
                     Next::Token(self.runner.decode_greedy(cache, id, s.position)?)
                 } else {
@@ -1319,8 +1453,26 @@ impl<R: StepRunner> Generator<R> {
         Ok(Generation { outputs, stats })
     }
 
+    /// Appends sequence `i`'s next `token`, reports it and says whether the sequence
+    /// stops there.
+    fn accept(
+        tokens: &mut Vec<u32>,
+        (i, token): (usize, u32),
+        stop: &StopCondition,
+        tokenizer: Option<&Tokenizer>,
+        on_token: &mut impl FnMut(&TokenEvent) -> Result<()>,
+    ) -> Result<Option<StopReason>> {
+        tokens.push(token);
+        on_token(&TokenEvent {
+            sequence: i,
+            index: tokens.len() - 1,
+            token,
+        })?;
+        Self::stopped(tokens, token, stop, tokenizer)
+    }
+
     fn stopped(
-        s: &Sequence<R::Cache>,
+        tokens: &[u32],
         token: u32,
         stop: &StopCondition,
         tokenizer: Option<&Tokenizer>,
@@ -1329,12 +1481,12 @@ impl<R: StepRunner> Generator<R> {
             return Ok(Some(StopReason::Eos(token)));
         }
         if let (false, Some(tok)) = (stop.stop_strings.is_empty(), tokenizer) {
-            let text = tok.decode(&s.tokens, true)?;
+            let text = tok.decode(tokens, true)?;
             if let Some(hit) = stop.stop_strings.iter().find(|m| text.contains(m.as_str())) {
                 return Ok(Some(StopReason::StopString(hit.clone())));
             }
         }
-        if s.tokens.len() >= stop.max_new_tokens {
+        if tokens.len() >= stop.max_new_tokens {
             return Ok(Some(StopReason::MaxTokens));
         }
         Ok(None)

@@ -10,8 +10,8 @@ use kpt_core::validate::run_reference;
 use kpt_core::{DType, OptLevel};
 use kpt_kernels::CpuReference;
 use kpt_models::generate::{
-    last_logits, prefill_inputs, Generator, PlanRunner, ReferenceRunner, SamplingParams,
-    StopCondition, StopReason,
+    argmax, last_logits, prefill_inputs, Generator, PlanRunner, ReferenceRunner, SamplingParams,
+    StepRunner, StopCondition, StopReason,
 };
 use kpt_models::lower::{last_rows, pack_prompts, unpack};
 use kpt_models::synthetic::{write_checkpoint, write_tokenizer, WriteOptions};
@@ -407,4 +407,66 @@ fn generation_on_reused_caches_equals_a_fresh_runner() {
         greedy(&mut reused, &[short], 9),
         greedy(&mut fresh, &[short], 9)
     );
+}
+
+/// One greedy sequence on a plan that picks its tokens runs each step ahead of its
+/// token (`decode_greedy_pipelined`): the tokens are those of the reference, and a run
+/// stopped after some tokens continues step by step as an uninterrupted run goes on.
+#[test]
+fn pipelined_greedy_decoding_equals_step_by_step_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_dir(dir.path(), 47);
+    let model = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_model(DType::F32)
+        .unwrap();
+    let picking = || {
+        let level = OptLevel::Balanced;
+        PlanRunner::new(
+            executor(&model.graph(Phase::Prefill, 4).unwrap(), level),
+            executor(&model.graph(Phase::DecodeGreedy, 4).unwrap(), level),
+        )
+    };
+    let mut reference =
+        Generator::for_model(ReferenceRunner::new(&model, &CpuReference).unwrap(), &model).unwrap();
+    let want = greedy(&mut reference, &[&PROMPT], 9).remove(0);
+    let mut pipelined = Generator::for_model(picking(), &model).unwrap();
+    assert_eq!(
+        greedy(&mut pipelined, &[&PROMPT], 9),
+        std::slice::from_ref(&want)
+    );
+
+    let ids: Vec<i64> = PROMPT.iter().map(|&t| i64::from(t)).collect();
+    let mut runner = picking();
+    let (logits, mut cache) = runner.prefill(&ids).unwrap();
+    let first = argmax(&logits).unwrap();
+    assert_eq!(first, want[0]);
+    let mut got = vec![first];
+    runner
+        .decode_greedy_run(&mut cache, i64::from(first), ids.len(), &mut |t| {
+            got.push(t);
+            Ok(got.len() < 4)
+        })
+        .unwrap();
+    assert_eq!(got, want[..4]);
+    for _ in 4..9 {
+        let (token, position) = (*got.last().unwrap(), ids.len() + got.len() - 1);
+        got.push(
+            runner
+                .decode_greedy(&mut cache, i64::from(token), position)
+                .unwrap(),
+        );
+    }
+    assert_eq!(got, want);
+
+    // An error from the callback ends the run and is returned.
+    let (_, mut cache) = runner.prefill(&ids).unwrap();
+    let err = runner
+        .decode_greedy_run(&mut cache, i64::from(first), ids.len(), &mut |_| {
+            Err(kpt_models::ModelError::Generation(
+                "stopped by the caller".into(),
+            ))
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("stopped by the caller"), "{err}");
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use kpt_core::backend::{
     cache_write_into, check_output_specs, copy_extent, row_write_extent, split_rotary_cache_into,
     split_rotary_via_temporaries, Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer,
-    MemoryStats, RotaryCaches,
+    MemoryStats, PendingDownload, RotaryCaches,
 };
 use kpt_core::graph::{rope_frequencies, rope_seq_len, Activation, Op, RopeScaling, TensorSpec};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
@@ -24,6 +24,7 @@ use crate::kernels::{
     AttentionDims, Binary, FlashBackward, Impl, PagedCache, QuantScale, RowOp, GEMV_MAX_ROWS,
 };
 use crate::memory::DeviceBlock;
+use crate::pinned::PendingRead;
 use crate::profiler::Profiler;
 use crate::NvidiaError;
 
@@ -958,6 +959,21 @@ impl CudaBackend {
     }
 }
 
+/// A download into page-locked memory queued on the backend's stream.
+struct CudaDownload {
+    read: PendingRead,
+    spec: TensorSpec,
+    scale: f32,
+}
+
+impl PendingDownload for CudaDownload {
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        let bytes = self.read.wait()?;
+        let t = Tensor::from_bytes(&bytes, self.spec.dtype, &self.spec.shape)?;
+        Ok(t.with_scale(self.scale))
+    }
+}
+
 /// A plan run captured into a CUDA graph on the backend's stream.
 struct CudaCapturedRun {
     graph: GpuGraph,
@@ -1015,6 +1031,22 @@ impl Backend for CudaBackend {
             .gpu
             .read(b, spec.numel() * spec.dtype.size_in_bytes())?;
         Ok(Tensor::from_bytes(&bytes, spec.dtype, &spec.shape)?.with_scale(buffer.scale))
+    }
+
+    fn download_async(
+        &self,
+        buffer: &DeviceBuffer,
+        spec: &TensorSpec,
+    ) -> Result<Box<dyn PendingDownload>> {
+        let b = block(buffer, spec)?;
+        let read = self
+            .gpu
+            .read_async(b, spec.numel() * spec.dtype.size_in_bytes())?;
+        Ok(Box::new(CudaDownload {
+            read,
+            spec: spec.clone(),
+            scale: buffer.scale,
+        }))
     }
 
     fn copy_into(

@@ -13,6 +13,7 @@ use kpt_kernels::artifacts::{self, Artifact, EntryPoint, Format};
 
 use crate::device::{self, GpuProperties};
 use crate::memory::{CachingAllocator, DeviceBlock, PrivateBlocks, RawMemory};
+use crate::pinned::{self, PendingRead, PinnedPool};
 use crate::NvidiaError;
 
 /// Device memory straight from the driver.
@@ -166,6 +167,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     props: GpuProperties,
     memory: CachingAllocator,
+    /// Page-locked host blocks for [`Gpu::read_async`].
+    pinned: PinnedPool,
     modules: Mutex<HashMap<&'static str, (&'static Artifact, Arc<CudaModule>)>>,
     /// Loaded functions by kernel, then entry point (Triton specializations of one
     /// kernel source share their entry point's name).
@@ -237,6 +240,7 @@ impl Gpu {
             stream,
             props,
             memory,
+            pinned: PinnedPool::default(),
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             capture: Mutex::new(None),
@@ -407,6 +411,16 @@ impl Gpu {
         &self.stream
     }
 
+    /// The device's context.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The page-locked host blocks of [`Gpu::read_async`].
+    pub(crate) fn pinned(&self) -> &PinnedPool {
+        &self.pinned
+    }
+
     /// The device's caching allocator.
     pub fn memory(&self) -> &CachingAllocator {
         &self.memory
@@ -547,6 +561,17 @@ impl Gpu {
             .map_err(|e| NvidiaError::driver("cuMemcpyDtoHAsync", e))?;
         self.synchronize()?;
         Ok(out)
+    }
+
+    /// The first `len` bytes of `src` after the work queued so far, copied into
+    /// page-locked memory without waiting: [`PendingRead::wait`] gives them, while work
+    /// queued after this call may run on.
+    pub fn read_async(
+        self: &Arc<Self>,
+        src: &DeviceBlock,
+        len: usize,
+    ) -> Result<PendingRead, NvidiaError> {
+        pinned::read_async(self, src, len)
     }
 
     /// Copies `bytes` from `src` to `dst` on the stream.

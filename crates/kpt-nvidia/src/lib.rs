@@ -21,6 +21,7 @@ mod gpu;
 mod kernels;
 mod memory;
 mod nvml;
+mod pinned;
 mod profiler;
 mod tma;
 
@@ -35,3 +36,4 @@ pub use memory::{
     estimate_bytes, size_class, CachingAllocator, DeviceBlock, MemoryStatistics, PrivateBlocks,
 };
 pub use nvml::{telemetry, GpuTelemetry};
+pub use pinned::PendingRead;

@@ -378,3 +378,54 @@ fn profiling_runs_are_not_captured() {
     }
     assert!(on.captured());
 }
+
+/// Steps queued without waiting (`Executor::enqueue`), each fed its ids from a new device
+/// buffer (staged into the capture's buffer, so they replay), with their logits read
+/// through `download_async` after every step was queued: the bits of plain steps.
+#[test]
+fn queued_steps_fed_device_ids_match_plain_steps() {
+    let Some(backend) = backend() else { return };
+    let b = backend.as_ref();
+    let mut queued = executor(&backend, true);
+    let mut plain = executor(&backend, false);
+    let (mut s_q, mut s_p) = (State::new(b, 4), State::new(b, 4));
+    let steps = 6;
+    let mut reads = Vec::new();
+    for step in 0..steps {
+        let index = |v: usize, dt: DType, shape: &[usize]| {
+            Tensor::from_f64(&[v as f64], shape, dt).unwrap()
+        };
+        let ids = DeviceTensor::upload(b, &index(token(step), DType::I32, &[1, 1])).unwrap();
+        let mut inputs = vec![
+            RunTensor::Device(ids),
+            RunTensor::Host(index(step, DType::I32, &[1])),
+            RunTensor::Host(index(step % CAPACITY, DType::I64, &[1])),
+        ];
+        inputs.extend(
+            std::mem::take(&mut s_q.caches)
+                .into_iter()
+                .map(RunTensor::Device),
+        );
+        let mut outs = queued.enqueue(inputs).unwrap().into_iter();
+        let logits = outs.next().unwrap();
+        s_q.caches = outs.collect();
+        // The logits' buffer is dropped at once; the read still sees this step's values.
+        reads.push(b.download_async(&logits.buffer, &logits.spec).unwrap());
+    }
+    let got: Vec<Tensor> = reads.into_iter().map(|r| r.wait().unwrap()).collect();
+    queued.finish().unwrap();
+    for (step, got) in got.iter().enumerate() {
+        assert_eq!(got, &s_p.step(&mut plain, step, token(step)), "step {step}");
+    }
+    assert_eq!(
+        queued.graph_stats(),
+        GraphStats {
+            captures: 1,
+            replays: steps as u64 - 2,
+            failures: 0
+        }
+    );
+    for (q, p) in s_q.caches.iter().zip(&s_p.caches) {
+        assert_eq!(q.download(b).unwrap(), p.download(b).unwrap());
+    }
+}
