@@ -369,13 +369,20 @@ fn attention_cases() -> Vec<Case> {
         }
         let table: Vec<f64> = ids.iter().map(|&i| i as f64).collect();
         let cache = |t: &Tensor| t.reshape(&[blocks, block, hkv * d]).expect("same elements");
+        let order: Vec<f64> = (0..blocks).map(|i| i as f64).collect();
+        let table_of =
+            |ids: &[f64]| Tensor::from_f64(ids, &[b, per_seq], DType::I32).expect("shape matches");
         let paged_inputs = vec![
             inputs[0].clone(),
             cache(&inputs[1]),
             cache(&inputs[2]),
-            Tensor::from_f64(&table, &[b, per_seq], DType::I32).expect("shape matches"),
+            table_of(&table),
             Tensor::from_f64(&vec![s as f64; b], &[b], DType::I32).expect("shape matches"),
         ];
+        let paged = Op::Attention(kpt_core::graph::AttentionParams {
+            paged: true,
+            ..kpt_core::graph::AttentionParams::new(hq, hkv, d, false)
+        });
         out.push(Case {
             name: format!("attention_decode_bf16_b{b}_h{hq}kv{hkv}_d{d}_kv{s}"),
             metric: "TB/s",
@@ -386,15 +393,31 @@ fn attention_cases() -> Vec<Case> {
             target: Target::OfCopy(0.8),
             note: "bytes = K and V read once; split-KV kernel",
         });
-        let dense = kpt_core::graph::AttentionParams::new(hq, hkv, d, false);
+        if s == 8192 {
+            // The same cache with every sequence's blocks in order (the dense layout read
+            // through the table): what the table costs apart from the scattering.
+            let mut ordered = paged_inputs.clone();
+            ordered[3] = table_of(&order);
+            out.push(Case {
+                name: format!(
+                    "attention_decode_paged_ordered_bf16_b{b}_h{hq}kv{hkv}_d{d}_kv{s}_block{block}"
+                ),
+                metric: "TB/s",
+                work: (2 * b * s * hkv * d * 2) as f64,
+                kpt: Work::Op(paged.clone()),
+                inputs: ordered,
+                torch: torch.clone(),
+                target: Target::None,
+                note: "bytes = K and V read once; paged cache, blocks of 16 in order (each \
+                       sequence's blocks contiguous, as in the dense cache), split-KV kernel \
+                       reading the block table and lengths on the device",
+            });
+        }
         out.push(Case {
             name: format!("attention_decode_paged_bf16_b{b}_h{hq}kv{hkv}_d{d}_kv{s}_block{block}"),
             metric: "TB/s",
             work: (2 * b * s * hkv * d * 2) as f64,
-            kpt: Work::Op(Op::Attention(kpt_core::graph::AttentionParams {
-                paged: true,
-                ..dense
-            })),
+            kpt: Work::Op(paged),
             inputs: paged_inputs,
             torch,
             target: Target::OfCopy(0.8),

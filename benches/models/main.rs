@@ -75,6 +75,11 @@ struct Args {
     /// Only write the checkpoint to `--dir` (for benchmarks that read it), then exit.
     #[arg(long)]
     checkpoint_only: bool,
+    /// Run one greedy decode step of one sequence (the decode rows' context, launched
+    /// node by node) between `cuProfilerStart` and `cuProfilerStop`, for Nsight Compute
+    /// with `--profile-from-start off`, then exit.
+    #[arg(long)]
+    ncu_decode_step: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
@@ -402,6 +407,29 @@ fn decode_ahead_per_token(
     Ok(per_token)
 }
 
+/// One greedy decode step of one sequence after a prefill of `ctx` tokens, launched node
+/// by node, then one replayed as a CUDA graph, each after three unprofiled steps and
+/// between `cuProfilerStart` and `cuProfilerStop`.
+fn ncu_decode_step(kpt: &mut Kpt, cuda: &CudaBackend, model: &Model, ctx: usize) -> Result<()> {
+    let level = OptLevel::Balanced;
+    let mut prefill = kpt.executor(&model.graph(Phase::Prefill, ctx)?, level)?;
+    let mut decode = kpt.executor(&model.graph(Phase::DecodeGreedy, ctx)?, level)?;
+    let prompt = kpt.ids(ctx);
+    let mut seq = Batch::prefill(kpt, &mut prefill, &[prompt])?;
+    for graphs in [false, true] {
+        decode.set_graphs(graphs);
+        for _ in 0..3 {
+            seq.step(kpt, &mut decode)?;
+        }
+        cuda.synchronize()?;
+        cuda.gpu().external_profiler(true)?;
+        seq.step(kpt, &mut decode)?;
+        cuda.synchronize()?;
+        cuda.gpu().external_profiler(false)?;
+    }
+    Ok(())
+}
+
 /// Kernel time per call of `f` (run `calls` times) from the backend's profiler, and the
 /// five kernels that take most of it, as a note.
 fn kernel_time(kpt: &Kpt, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<String> {
@@ -455,8 +483,8 @@ fn hf_seconds(worker: &mut TorchWorker, req: Value) -> Result<Vec<f64>> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let backend: Arc<dyn Backend> = match args.device {
-        Device::Cpu => Arc::new(CpuBackend::new()?),
+    let cuda = match args.device {
+        Device::Cpu => None,
         Device::Cuda => {
             // The configuration's environment layer: `KPT_KERNEL__AUTOTUNE_CACHE` pins
             // cuBLASLt's algorithms across runs.
@@ -464,8 +492,14 @@ fn main() -> Result<()> {
                 gemm: (&kpt_core::KptConfig::load_layered(None)?.kernel).into(),
                 ..CudaOptions::default()
             };
-            Arc::new(CudaBackend::new(0, options).context("opening CUDA device 0")?)
+            Some(Arc::new(
+                CudaBackend::new(0, options).context("opening CUDA device 0")?,
+            ))
         }
+    };
+    let backend: Arc<dyn Backend> = match &cuda {
+        Some(c) => c.clone(),
+        None => Arc::new(CpuBackend::new()?),
     };
     let (dtype, dname) = match args.device {
         Device::Cpu => (DType::F32, "f32"),
@@ -503,6 +537,10 @@ fn main() -> Result<()> {
         "op": "create", "config": args.size.config(), "dtype": dname,
         "dir": dir, "seed": 0,
     }))?;
+    // HF's `save_pretrained` of a random model writes no tokenizer; `kpt run` and `kpt
+    // bench model` on this directory need one.
+    let vocab = args.size.config()["vocab_size"].as_u64().unwrap_or(0) as usize;
+    kpt_models::synthetic::write_tokenizer(&dir, vocab)?;
     if args.checkpoint_only {
         progress.finish_and_clear();
         eprintln!("wrote the checkpoint to {}", dir.display());
@@ -528,6 +566,12 @@ fn main() -> Result<()> {
     let shapes = args.size.shapes();
     let level = OptLevel::Balanced;
     let reps = args.reps.max(1);
+    if args.ncu_decode_step {
+        let gpu = cuda
+            .as_ref()
+            .context("--ncu-decode-step needs --device cuda")?;
+        return ncu_decode_step(&mut kpt, gpu, &model, shapes.context);
+    }
     let params = created["params"].as_u64().unwrap_or(0);
     let model_note = format!(
         "{params} parameters, hidden {hidden}, {} layers, random weights",

@@ -620,6 +620,19 @@ impl Gpu {
             .map_err(|e| NvidiaError::driver("cuMemcpy2DAsync", e))
     }
 
+    /// Starts (`true`) or stops recording for an external profiler attached to the
+    /// process (`cuProfilerStart` / `cuProfilerStop`), so that Nsight Compute run with
+    /// `--profile-from-start off` profiles only the work queued in between.
+    pub fn external_profiler(&self, on: bool) -> Result<(), NvidiaError> {
+        self.bind()?;
+        // SAFETY: the context is current; both calls take no arguments.
+        let (r, name) = match on {
+            true => (unsafe { sys::cuProfilerStart() }, "cuProfilerStart"),
+            false => (unsafe { sys::cuProfilerStop() }, "cuProfilerStop"),
+        };
+        r.result().map_err(|e| NvidiaError::driver(name, e))
+    }
+
     /// Waits for all queued work; reports a failed kernel here.
     pub fn synchronize(&self) -> Result<(), NvidiaError> {
         self.stream
