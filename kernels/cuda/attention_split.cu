@@ -50,10 +50,11 @@
 // len - seq_q). Guards, since the host cannot check these values: a length is clamped to
 // 0..capacity, and a block id outside 0..num_blocks is never dereferenced: its rows are
 // masked like keys past the length (zeros in shared memory, no probability). The
-// tensor-core kernel looks block ids up one tile ahead: every warp holds the K / V row
-// offsets of the next tile's keys (two per lane at 64-key tiles, -1 for a masked key),
-// the loading threads take their rows' offsets by shuffle and add their chunk, and a
-// ballot of the current tile's offsets gives the mask of keys to score.
+// tensor-core kernel looks block ids up one tile ahead: every warp holds the cache rows
+// of the next tile's keys (two per lane at 64-key tiles, -1 for a masked key; 32-bit, the
+// host checks that the cache's rows fit), the loading threads take their rows by shuffle
+// and scale them onto pointers to their chunk, and a ballot of the current tile's rows
+// gives the mask of keys to score.
 // The f32 kernel looks them up per row as it copies the tile and marks each row in the
 // padding word after its K.
 //
@@ -472,41 +473,48 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
         const long off = ((b * p.seq_q + i) * p.heads + g * group + hh) * d + c * 8;
         cp_async16(qs + swz(r, c, kChunks), q + (ok ? off : 0), ok ? 16 : 0);
     }
-    // Paged: the element offsets of the K / V rows (this kv group's head) of keys j0 +
-    // lane and j0 + 32 + lane of tile t: -1 past the length, past the tile, or for an id
-    // that is not a cache block. Computed once per key, so that the copies only add their
-    // chunk.
-    auto row_offset = [&](int j) -> long long {
+    // Paged: the cache rows of keys j0 + lane and j0 + 32 + lane of tile t: -1 past the
+    // length, past the tile, or for an id that is not a cache block. Looked up once per
+    // key, so that the copies only scale their row (32 bits: the host checks that the
+    // cache's rows fit).
+    auto cache_row = [&](int j) -> int {
         const int id = paged_block(pg, b, j);
-        return id < 0 ? -1 : paged_row(pg, id, j) * kv_row + static_cast<long>(g) * d;
+        return id < 0 ? -1 : static_cast<int>(paged_row(pg, id, j));
     };
-    auto fetch = [&](int t, long long& lo, long long& hi) {
+    auto fetch = [&](int t, int& lo, int& hi) {
         const int j0 = t * sd.tile;
         lo = hi = -1;
         if (t >= t1) return;
-        if (lane < kTile && j0 + lane < len) lo = row_offset(j0 + lane);
-        if (kTile > 32 && j0 + 32 + lane < len) hi = row_offset(j0 + 32 + lane);
+        if (lane < kTile && j0 + lane < len) lo = cache_row(j0 + lane);
+        if (kTile > 32 && j0 + 32 + lane < len) hi = cache_row(j0 + 32 + lane);
     };
     // Keys j0.. of tile t into `stage`; rows past the cache's end (paged: past the
     // length, or of a bad block id, whose ids lo / hi are -1) are zeros, so that the zero
     // probabilities of those keys never meet garbage in V.
-    auto load = [&](int t, int stage, long long lo, long long hi) {
+    // Paged copies: kThreads is a multiple of kChunks, so every thread copies the same
+    // chunk c of its rows, from pointers to that chunk of this kv group's head.
+    const int pc = threadIdx.x % kChunks;
+    const long head = static_cast<long>(g) * d + pc * 8;
+    const T* __restrict__ kc = k + head;
+    const T* __restrict__ vc = v + head;
+    auto load = [&](int t, int stage, int lo, int hi) {
         if constexpr (kPaged) {
             const unsigned ks = smem + stage * kStageBytes, vs = ks + kStageElems * 2;
+            static_assert(kThreads % kChunks == 0 && kTile * kChunks % kThreads == 0);
 #pragma unroll
-            for (int x = threadIdx.x; x < kTile * kChunks; x += kThreads) {
-                const int j = x / kChunks, c = x % kChunks;
+            for (int i = 0; i < kTile * kChunks / kThreads; ++i) {
+                const int j = threadIdx.x / kChunks + i * (kThreads / kChunks);
                 // Every lane shuffles (before any leaves the iteration): key j's row.
-                long long row = __shfl_sync(0xffffffffu, lo, j % 32);
+                int row = __shfl_sync(0xffffffffu, lo, j % 32);
                 if constexpr (kTile > 32) {
-                    const long long row_hi = __shfl_sync(0xffffffffu, hi, j % 32);
+                    const int row_hi = __shfl_sync(0xffffffffu, hi, j % 32);
                     row = j < 32 ? row : row_hi;
                 }
-                if (c >= chunks) continue;
+                if (pc >= chunks) continue;
                 const bool ok = row >= 0;
-                const long off = ok ? row + c * 8 : 0;
-                cp_async16(ks + swz(j, c, kChunks), k + off, ok ? 16 : 0);
-                cp_async16(vs + swz(j, c, kChunks), v + off, ok ? 16 : 0);
+                const long off = static_cast<long>(ok ? row : 0) * kv_row;
+                cp_async16(ks + swz(j, pc, kChunks), kc + off, ok ? 16 : 0);
+                cp_async16(vs + swz(j, pc, kChunks), vc + off, ok ? 16 : 0);
             }
         } else {
             const int j0 = t * sd.tile, nk = min(sd.tile, len - j0);
@@ -544,7 +552,7 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
     // Paged: row offsets of the current tile's keys (cur) and of the next one's (nxt).
-    long long cur_lo = -1, cur_hi = -1, nxt_lo = -1, nxt_hi = -1;
+    int cur_lo = -1, cur_hi = -1, nxt_lo = -1, nxt_hi = -1;
     if constexpr (kPaged) {
         fetch(t0, cur_lo, cur_hi);
         fetch(t0 + 1, nxt_lo, nxt_hi);

@@ -886,6 +886,11 @@ impl Gpu {
             index_name(dt).map(|n| i32::from(n == "i64"))
         };
         let bs = cache.block_size;
+        // The kernels index cache rows (block * block_size + slot) in 32 bits.
+        int(
+            "cache rows",
+            cache.num_blocks.checked_mul(bs).unwrap_or(usize::MAX),
+        )?;
         let pg = PagedSplit {
             table: cache.table.0,
             lens: cache.lens.0,
