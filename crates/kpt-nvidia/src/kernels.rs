@@ -887,10 +887,7 @@ impl Gpu {
         };
         let bs = cache.block_size;
         // The kernels index cache rows (block * block_size + slot) in 32 bits.
-        int(
-            "cache rows",
-            cache.num_blocks.checked_mul(bs).unwrap_or(usize::MAX),
-        )?;
+        int("cache rows", cache.num_blocks.saturating_mul(bs))?;
         let pg = PagedSplit {
             table: cache.table.0,
             lens: cache.lens.0,
