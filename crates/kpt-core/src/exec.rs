@@ -158,6 +158,29 @@ pub struct GraphStats {
     pub failures: u64,
 }
 
+/// Where an output of a run goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// Downloaded to the host.
+    Host,
+    /// Left on the device for the caller.
+    Device,
+    /// Not wanted: left in the executor's buffers (an output written into a device
+    /// input's buffer in place still goes back to the caller, on the device).
+    Drop,
+}
+
+impl Keep {
+    /// Output `i` of `keep`, the host where it says nothing.
+    fn of(keep: &[Keep], i: usize) -> Keep {
+        keep.get(i).copied().unwrap_or(Keep::Host)
+    }
+}
+
+/// Host inputs of at most this many bytes are remembered by a capture, so that a later
+/// replay with the same contents does not write them again.
+const REMEMBERED_INPUT_BYTES: usize = 4096;
+
 /// What must not change between two runs for one captured run to serve both: every
 /// input's shape and dtype, the address and size of the buffer of every device-resident
 /// input that a node updates in place, and which outputs stay on the device. The
@@ -167,8 +190,8 @@ struct Signature {
     /// Per input: its spec, and for a device input updated in place the address and
     /// length of its buffer.
     inputs: Vec<(TensorSpec, Option<(u64, usize)>)>,
-    /// Per graph output: whether it stays on the device.
-    on_device: Vec<bool>,
+    /// Per graph output: where it goes.
+    outputs: Vec<Keep>,
 }
 
 /// A run captured by the backend, with what it recorded.
@@ -179,6 +202,9 @@ struct Captured {
     /// Per graph input staged for the capture (fed from the host, or from the device
     /// without an in-place update): the buffer the recorded launches read it from.
     staged_inputs: Vec<Option<DeviceBuffer>>,
+    /// Per graph input: the small host tensor last written into its staged buffer, which
+    /// a replay with the same contents does not write again.
+    written: Vec<Option<Tensor>>,
     /// Node outputs written in place into a device input's buffer: (output, input).
     in_place: Vec<(ValueId, usize)>,
 }
@@ -329,6 +355,10 @@ fn in_place_updates(graph: &Graph) -> Vec<Vec<InPlace>> {
         })
         .collect()
 }
+
+/// A run's graph outputs (`None` where dropped, [`Keep::Drop`]) and, when traced, every
+/// value by id.
+type RunOutputs = (Vec<Option<RunTensor>>, Vec<Option<Tensor>>);
 
 /// A slot whose own buffer was set aside while an in-place update put a device
 /// input's buffer there: (slot, its own buffer, the input's index, the output value).
@@ -678,6 +708,7 @@ impl Executor {
             .collect();
         let (outs, _) = self.run_inner(inputs, &[], false, true)?;
         outs.into_iter()
+            .flatten()
             .map(|o| o.into_host(self.backend.as_ref()))
             .collect()
     }
@@ -695,6 +726,7 @@ impl Executor {
         }
         let outs = outs
             .into_iter()
+            .flatten()
             .map(|o| o.into_host(self.backend.as_ref()))
             .collect::<Result<_>>()?;
         Ok((outs, traced))
@@ -709,25 +741,43 @@ impl Executor {
         on_device: &[bool],
     ) -> Result<Vec<RunTensor>> {
         let inputs = inputs.into_iter().map(Feed::from).collect();
-        self.run_inner(inputs, on_device, false, true)
-            .map(|(outs, _)| outs)
+        let keep: Vec<Keep> = on_device
+            .iter()
+            .map(|&d| if d { Keep::Device } else { Keep::Host })
+            .collect();
+        let (outs, _) = self.run_inner(inputs, &keep, false, true)?;
+        outs.into_iter()
+            .map(|o| o.ok_or_else(|| KptError::Graph("a run dropped an output".into())))
+            .collect()
     }
 
-    /// Queues a run of the plan and returns at once, every output left on the device
-    /// (in order): nothing waits for the backend, so the caller may queue more work
-    /// behind it (the next decode step, fed this one's outputs) and read outputs with
-    /// [`Backend::download_async`]. Inputs are consumed as in
+    /// Queues a run of the plan and returns at once: output `i` is left on the device
+    /// when `wanted[i]` is true (missing entries mean true), and `None` otherwise (not
+    /// copied out of the executor's buffers; an output written in place into a device
+    /// input's buffer always comes back). Nothing waits for the backend, so the caller
+    /// may queue more work behind it (the next decode step, fed this one's outputs) and
+    /// read outputs with [`Backend::download_async`]. Inputs are consumed as in
     /// [`Executor::run_resident`]. Errors that kernels report after the launch (an id
-    /// outside an embedding table, found by a replay's deferred checks) surface at
-    /// the next run that waits, or at [`Executor::finish`].
-    pub fn enqueue(&mut self, inputs: Vec<RunTensor>) -> Result<Vec<DeviceTensor>> {
+    /// outside an embedding table, found by a replay's deferred checks) surface at the
+    /// next run that waits, or at [`Executor::finish`].
+    pub fn enqueue(
+        &mut self,
+        inputs: Vec<RunTensor>,
+        wanted: &[bool],
+    ) -> Result<Vec<Option<DeviceTensor>>> {
         let inputs = inputs.into_iter().map(Feed::from).collect();
-        let on_device = vec![true; self.plan.graph.outputs().len()];
-        let (outs, _) = self.run_inner(inputs, &on_device, false, false)?;
+        let keep: Vec<Keep> = (0..self.plan.graph.outputs().len())
+            .map(|i| match wanted.get(i) {
+                Some(false) => Keep::Drop,
+                _ => Keep::Device,
+            })
+            .collect();
+        let (outs, _) = self.run_inner(inputs, &keep, false, false)?;
         outs.into_iter()
             .map(|o| match o {
-                RunTensor::Device(d) => Ok(d),
-                RunTensor::Host(_) => Err(KptError::Graph(
+                Some(RunTensor::Device(d)) => Ok(Some(d)),
+                None => Ok(None),
+                Some(RunTensor::Host(_)) => Err(KptError::Graph(
                     "a queued run returned an output on the host".into(),
                 )),
             })
@@ -775,7 +825,7 @@ impl Executor {
 
     /// The signature of a run, `None` when it cannot be captured (an input the backend
     /// has no address for, or a quantized input, whose scale launchers take by value).
-    fn signature(&self, inputs: &[Feed<'_>], on_device: &[bool]) -> Option<Signature> {
+    fn signature(&self, inputs: &[Feed<'_>], keep: &[Keep]) -> Option<Signature> {
         let inputs = inputs
             .iter()
             .zip(&self.in_place_inputs)
@@ -794,18 +844,16 @@ impl Executor {
             })
             .collect::<Option<Vec<_>>>()?;
         let outputs = self.plan.graph.outputs().len();
-        let on_device = (0..outputs)
-            .map(|i| on_device.get(i).copied().unwrap_or(false))
-            .collect();
-        Some(Signature { inputs, on_device })
+        let outputs = (0..outputs).map(|i| Keep::of(keep, i)).collect();
+        Some(Signature { inputs, outputs })
     }
 
     /// How this run launches: counts the run against its signature.
-    fn mode(&mut self, inputs: &[Feed<'_>], on_device: &[bool], trace: bool) -> Mode {
+    fn mode(&mut self, inputs: &[Feed<'_>], keep: &[Keep], trace: bool) -> Mode {
         if trace || !self.graphs.enabled {
             return Mode::Plain;
         }
-        let Some(sig) = self.signature(inputs, on_device) else {
+        let Some(sig) = self.signature(inputs, keep) else {
             self.graphs.reset();
             return Mode::Plain;
         };
@@ -851,13 +899,13 @@ impl Executor {
     fn run_inner(
         &mut self,
         inputs: Vec<Feed<'_>>,
-        on_device: &[bool],
+        keep: &[Keep],
         trace: bool,
         wait: bool,
-    ) -> Result<(Vec<RunTensor>, Vec<Option<Tensor>>)> {
+    ) -> Result<RunOutputs> {
         let started = Instant::now();
-        let mode = self.mode(&inputs, on_device, trace);
-        let result = self.run_mode(mode, inputs, on_device, trace, started);
+        let mode = self.mode(&inputs, keep, trace);
+        let result = self.run_mode(mode, inputs, keep, trace, started);
         if result.is_err() && mode != Mode::Plain {
             // The capture's buffers may be gone with the error: start over.
             self.graphs.reset();
@@ -873,10 +921,10 @@ impl Executor {
         &mut self,
         mut mode: Mode,
         inputs: Vec<Feed<'_>>,
-        on_device: &[bool],
+        keep: &[Keep],
         trace: bool,
         started: Instant,
-    ) -> Result<(Vec<RunTensor>, Vec<Option<Tensor>>)> {
+    ) -> Result<RunOutputs> {
         let Self {
             plan,
             backend,
@@ -928,20 +976,24 @@ impl Executor {
             .map(|(f, &in_place)| !(in_place && matches!(f, Feed::Device(_))))
             .collect();
         let mut device_inputs = Vec::with_capacity(inputs.len());
+        let mut written = vec![None; inputs.len()];
         for (p, input) in inputs.into_iter().enumerate() {
+            // A buffer that no node writes holds what was staged into it last.
+            let remember = !in_place_inputs[p];
             let buffer = match (mode, input) {
                 (Mode::Plain, input) => input.into_buffer(backend)?,
                 (_, Feed::Device(d)) if !staged[p] => d.buffer,
                 (Mode::Capture, input) => {
                     let spec = input.spec();
                     let mut b = backend.allocate(spec.dtype, spec.numel())?;
-                    stage(backend, input, &mut b)?;
+                    written[p] = stage(backend, input, &mut b, None, remember)?;
                     b
                 }
                 (Mode::Replay, input) => {
                     let c = held.as_mut().ok_or_else(no_capture)?;
                     let mut b = c.staged_inputs[p].take().ok_or_else(no_capture)?;
-                    stage(backend, input, &mut b)?;
+                    let last = c.written.get_mut(p).and_then(Option::take);
+                    written[p] = stage(backend, input, &mut b, last, remember)?;
                     b
                 }
             };
@@ -985,6 +1037,7 @@ impl Executor {
                         run,
                         specs: Vec::new(),
                         staged_inputs: Vec::new(),
+                        written: Vec::new(),
                         in_place,
                     });
                 }
@@ -1036,7 +1089,15 @@ impl Executor {
         };
         let mut outputs = Vec::with_capacity(graph.outputs().len());
         for (i, &o) in graph.outputs().iter().enumerate() {
-            let keep = on_device.get(i).copied().unwrap_or(false);
+            let in_place = displaced.iter().any(|d| d.3 == o);
+            let keep = match Keep::of(keep, i) {
+                Keep::Drop if !in_place => {
+                    outputs.push(None);
+                    continue;
+                }
+                Keep::Host => false,
+                Keep::Device | Keep::Drop => true,
+            };
             let spec = specs[o.0].clone();
             let buffer = match &graph.value(o).source {
                 ValueSource::Input => {
@@ -1046,21 +1107,21 @@ impl Executor {
                             let b = device_inputs[p]
                                 .as_ref()
                                 .ok_or_else(|| no_buffer(graph, o))?;
-                            outputs.push(if keep {
+                            outputs.push(Some(if keep {
                                 RunTensor::Device(DeviceTensor {
                                     buffer: copy(b, &spec)?,
                                     spec,
                                 })
                             } else {
                                 RunTensor::Host(backend.download(b, &spec)?)
-                            });
+                            }));
                             continue;
                         }
                         _ => p.and_then(|p| device_inputs[p].take()),
                     }
                 }
                 ValueSource::Param(t) if !keep => {
-                    outputs.push(RunTensor::Host(t.clone()));
+                    outputs.push(Some(RunTensor::Host(t.clone())));
                     continue;
                 }
                 ValueSource::Param(t) => Some(backend.upload(t)?),
@@ -1070,10 +1131,10 @@ impl Executor {
                     match s {
                         Some(s) if captured && keep && own => {
                             let b = slots[s].as_ref().ok_or_else(|| no_buffer(graph, o))?;
-                            outputs.push(RunTensor::Device(DeviceTensor {
+                            outputs.push(Some(RunTensor::Device(DeviceTensor {
                                 buffer: copy(b, &spec)?,
                                 spec,
-                            }));
+                            })));
                             continue;
                         }
                         _ => {
@@ -1094,9 +1155,9 @@ impl Executor {
             })?;
             let tensor = DeviceTensor { buffer, spec };
             if keep {
-                outputs.push(RunTensor::Device(tensor));
+                outputs.push(Some(RunTensor::Device(tensor)));
             } else {
-                outputs.push(RunTensor::Host(tensor.download(backend)?));
+                outputs.push(Some(RunTensor::Host(tensor.download(backend)?)));
                 // A slot's buffer serves the next run.
                 if let Some(s) = slot_of[o.0] {
                     slots[s].get_or_insert(tensor.buffer);
@@ -1108,6 +1169,7 @@ impl Executor {
         }
         let replayed = if let Some(mut c) = held {
             c.specs = specs;
+            c.written = written;
             c.staged_inputs = device_inputs
                 .iter_mut()
                 .zip(&staged)
@@ -1130,16 +1192,43 @@ impl Executor {
 }
 
 /// Writes (from the host) or copies (on the device) a run's input into `dst`, the buffer
-/// a captured run reads it from.
-fn stage(backend: &dyn Backend, input: Feed<'_>, dst: &mut DeviceBuffer) -> Result<()> {
+/// a captured run reads it from, unless `last` (the host tensor written there last, when
+/// `remember`: no node writes the buffer) has the same contents. Returns the host tensor
+/// to remember, if it is small enough.
+fn stage(
+    backend: &dyn Backend,
+    input: Feed<'_>,
+    dst: &mut DeviceBuffer,
+    last: Option<Tensor>,
+    remember: bool,
+) -> Result<Option<Tensor>> {
     match input {
-        Feed::Host(t) => backend.write(&t, dst),
+        Feed::Host(t) => {
+            if let Some(last) = last.filter(|l| remember && same_contents(l, &t)) {
+                return Ok(Some(last));
+            }
+            backend.write(&t, dst)?;
+            let small = t.numel() * t.dtype().size_in_bytes() <= REMEMBERED_INPUT_BYTES;
+            Ok((remember && small).then(|| t.into_owned()))
+        }
         Feed::Device(d) => {
             backend.copy_into(d.view(), dst, 0)?;
             dst.scale = d.buffer.scale;
-            Ok(())
+            Ok(None)
         }
     }
+}
+
+/// Whether two host tensors hold the same bytes (and dtype, shape and scale).
+fn same_contents(a: &Tensor, b: &Tensor) -> bool {
+    if a.dtype() != b.dtype()
+        || a.shape() != b.shape()
+        || a.scale().to_bits() != b.scale().to_bits()
+    {
+        return false;
+    }
+    let (a, b) = (a.contiguous(), b.contiguous());
+    matches!((a.as_bytes(), b.as_bytes()), (Ok(x), Ok(y)) if x == y)
 }
 
 fn no_capture() -> KptError {

@@ -238,8 +238,16 @@ fn the_second_run_of_a_signature_is_captured_and_later_ones_replay() {
             failures: 0
         }
     );
-    // Two host inputs written into the capture's buffers by each captured run.
-    assert_eq!(rec.writes.load(Ordering::SeqCst), 4 * 2);
+    // Two host inputs written into the capture's buffers by the capture; the replays'
+    // inputs held the same contents, so they were not written again.
+    assert_eq!(rec.writes.load(Ordering::SeqCst), 2);
+    // A new row is written (the slot, the same, is not), and so is the old one after it.
+    let (c, ..) = step(&mut exec, cache, &row(2), 2);
+    cache = c;
+    assert_eq!(rec.writes.load(Ordering::SeqCst), 3);
+    let (c, ..) = step(&mut exec, cache, &r, 2);
+    cache = c;
+    assert_eq!(rec.writes.load(Ordering::SeqCst), 4);
 
     // Another cache buffer is another signature: a normal run, then its own capture.
     let other = zero_cache(backend.as_ref());
@@ -361,7 +369,7 @@ fn device_inputs_read_in_place_are_staged_so_new_buffers_still_replay() {
         let r = DeviceTensor::upload(backend.as_ref(), &row(s)).unwrap();
         let copies = rec.copies.load(Ordering::SeqCst);
         let inputs = vec![RunTensor::Device(cache), RunTensor::Device(r), slot()];
-        let mut out = exec.enqueue(inputs).unwrap().into_iter();
+        let mut out = exec.enqueue(inputs, &[]).unwrap().into_iter().flatten();
         cache = out.next().unwrap();
         assert_eq!(exec.captured(), s >= 1, "step {s}");
         if s >= 1 {
@@ -396,13 +404,13 @@ fn queued_replays_report_their_deferred_checks_when_finished() {
         ]
     };
     for _ in 0..3 {
-        cache = exec.enqueue(inputs(cache)).unwrap().remove(0);
+        cache = exec.enqueue(inputs(cache), &[]).unwrap().remove(0).unwrap();
     }
     exec.finish().unwrap();
     assert!(exec.captured());
     // The kernels of the next replay report bad input: not at the launch, at the wait.
     rec.bad.store(true, Ordering::SeqCst);
-    cache = exec.enqueue(inputs(cache)).unwrap().remove(0);
+    cache = exec.enqueue(inputs(cache), &[]).unwrap().remove(0).unwrap();
     let err = exec.finish().unwrap_err().to_string();
     assert!(err.contains("bad input"), "{err}");
     assert!(!exec.captured(), "the captures are dropped after the error");
@@ -411,4 +419,40 @@ fn queued_replays_report_their_deferred_checks_when_finished() {
     let (cache, ..) = step(&mut exec, cache, &row(1), 0);
     exec.finish().unwrap();
     drop(cache);
+}
+
+#[test]
+fn outputs_not_wanted_by_a_queued_run_are_not_copied_out() {
+    let rec = Recording::new();
+    let backend: Arc<dyn Backend> = rec.clone();
+    let mut exec = executor(backend.clone());
+    exec.set_graphs(true);
+    let mut cache = zero_cache(backend.as_ref());
+    let address = backend.buffer_address(&cache.buffer);
+    for s in 0..4 {
+        let inputs = vec![
+            RunTensor::Device(cache),
+            RunTensor::Host(row(s)),
+            RunTensor::Host(Tensor::from_vec(vec![1i64], &[1]).unwrap()),
+        ];
+        let copies = rec.copies.load(Ordering::SeqCst);
+        // Nothing wanted: the cache, written in place, still comes back.
+        let out = exec.enqueue(inputs, &[false, false, false]).unwrap();
+        assert!(out[1].is_none() && out[2].is_none(), "step {s}");
+        cache = out
+            .into_iter()
+            .next()
+            .flatten()
+            .expect("the cache comes back");
+        assert_eq!(backend.buffer_address(&cache.buffer), address, "step {s}");
+        if s >= 1 {
+            assert_eq!(
+                rec.copies.load(Ordering::SeqCst),
+                copies,
+                "step {s}: no copy out"
+            );
+        }
+    }
+    exec.finish().unwrap();
+    assert_eq!(exec.graph_stats().replays, 2);
 }

@@ -1050,6 +1050,7 @@ fn pipelined_steps(
     let mut pending: Option<Box<dyn PendingDownload>> = None;
     loop {
         let caches = pool.with_room(std::mem::take(cache), position, backend.as_ref())?;
+        let caches_len = caches.len();
         let capacity = caches.first().map_or(position + 1, |c| c.spec.shape[1]);
         let mut inputs: Vec<RunTensor> = decode_inputs(&[token], position, capacity)?
             .into_iter()
@@ -1057,12 +1058,15 @@ fn pipelined_steps(
             .collect();
         inputs[0] = ids;
         inputs.extend(caches.into_iter().map(RunTensor::Device));
-        // Logits, the picked token, then the caches (updated in place).
-        let mut outs = exec.enqueue(inputs)?.into_iter().skip(1);
-        let picked = outs.next().ok_or_else(|| {
-            ModelError::Generation("a greedy decode step returned no token".into())
-        })?;
-        *cache = outs.collect();
+        // Logits (not wanted), the picked token, then the caches (updated in place).
+        let mut outs = exec.enqueue(inputs, &[false])?.into_iter().skip(1);
+        let mut next_out = || {
+            outs.next().flatten().ok_or_else(|| {
+                ModelError::Generation("a greedy decode step returned too few outputs".into())
+            })
+        };
+        let picked = next_out()?;
+        *cache = (0..caches_len).map(|_| next_out()).collect::<Result<_>>()?;
         let read = backend.download_async(&picked.buffer, &picked.spec)?;
         ids = RunTensor::Device(picked);
         position += 1;

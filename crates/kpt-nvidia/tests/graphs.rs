@@ -406,7 +406,7 @@ fn queued_steps_fed_device_ids_match_plain_steps() {
                 .into_iter()
                 .map(RunTensor::Device),
         );
-        let mut outs = queued.enqueue(inputs).unwrap().into_iter();
+        let mut outs = queued.enqueue(inputs, &[]).unwrap().into_iter().flatten();
         let logits = outs.next().unwrap();
         s_q.caches = outs.collect();
         // The logits' buffer is dropped at once; the read still sees this step's values.
