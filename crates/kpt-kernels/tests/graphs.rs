@@ -172,6 +172,25 @@ fn row(step: usize) -> Tensor {
     Tensor::from_vec(v, &[1, D]).unwrap()
 }
 
+/// A decode step's inputs: the cache, the row (on the host or the device) and the slot.
+fn step_inputs(cache: DeviceTensor, row: RunTensor, slot: i64) -> Vec<RunTensor> {
+    vec![
+        RunTensor::Device(cache),
+        row,
+        RunTensor::Host(Tensor::from_vec(vec![slot], &[1]).unwrap()),
+    ]
+}
+
+/// The recording backend, an executor on it with captured runs on, and a zero cache.
+fn recorded() -> (Arc<Recording>, Executor, DeviceTensor) {
+    let rec = Recording::new();
+    let backend: Arc<dyn Backend> = rec.clone();
+    let mut exec = executor(backend.clone());
+    exec.set_graphs(true);
+    let cache = zero_cache(backend.as_ref());
+    (rec, exec, cache)
+}
+
 /// One decode step: writes `row` at `slot`; returns the cache and the host outputs.
 fn step(
     exec: &mut Executor,
@@ -180,11 +199,7 @@ fn step(
     slot: i64,
 ) -> (DeviceTensor, Tensor, Tensor) {
     let backend = exec.backend().clone();
-    let inputs = vec![
-        RunTensor::Device(cache),
-        RunTensor::Host(row.clone()),
-        RunTensor::Host(Tensor::from_vec(vec![slot], &[1]).unwrap()),
-    ];
+    let inputs = step_inputs(cache, RunTensor::Host(row.clone()), slot);
     let mut out = exec
         .run_resident(inputs, &[true, false, true])
         .unwrap()
@@ -204,11 +219,8 @@ fn zero_cache(backend: &dyn Backend) -> DeviceTensor {
 
 #[test]
 fn the_second_run_of_a_signature_is_captured_and_later_ones_replay() {
-    let rec = Recording::new();
+    let (rec, mut exec, mut cache) = recorded();
     let backend: Arc<dyn Backend> = rec.clone();
-    let mut exec = executor(backend.clone());
-    exec.set_graphs(true);
-    let mut cache = zero_cache(backend.as_ref());
     let address = backend.buffer_address(&cache.buffer);
     let r = row(1);
     let mut first = None;
@@ -293,13 +305,10 @@ fn the_second_run_of_a_signature_is_captured_and_later_ones_replay() {
 
 #[test]
 fn a_failed_capture_runs_normally_and_is_not_tried_again() {
-    let rec = Recording::new();
+    let (rec, mut exec, mut cache) = recorded();
     rec.fail.store(true, Ordering::SeqCst);
     let backend: Arc<dyn Backend> = rec.clone();
-    let mut exec = executor(backend.clone());
-    exec.set_graphs(true);
     let mut plain = executor(Arc::new(CpuBackend::new().unwrap()));
-    let mut cache = zero_cache(backend.as_ref());
     let mut want_cache = zero_cache(plain.backend().as_ref());
     for s in 0..4 {
         let r = row(s);
@@ -358,17 +367,12 @@ fn the_cpu_backend_cannot_capture_and_runs_normally() {
 
 #[test]
 fn device_inputs_read_in_place_are_staged_so_new_buffers_still_replay() {
-    let rec = Recording::new();
-    let backend: Arc<dyn Backend> = rec.clone();
-    let mut exec = executor(backend.clone());
-    exec.set_graphs(true);
-    let mut cache = zero_cache(backend.as_ref());
-    let slot = || RunTensor::Host(Tensor::from_vec(vec![1i64], &[1]).unwrap());
+    let (rec, mut exec, mut cache) = recorded();
     for s in 0..5 {
         // A new buffer each run for the row, which no node updates in place.
-        let r = DeviceTensor::upload(backend.as_ref(), &row(s)).unwrap();
+        let r = DeviceTensor::upload(rec.as_ref(), &row(s)).unwrap();
         let copies = rec.copies.load(Ordering::SeqCst);
-        let inputs = vec![RunTensor::Device(cache), RunTensor::Device(r), slot()];
+        let inputs = step_inputs(cache, RunTensor::Device(r), 1);
         let mut out = exec.enqueue(inputs, &[]).unwrap().into_iter().flatten();
         cache = out.next().unwrap();
         assert_eq!(exec.captured(), s >= 1, "step {s}");
@@ -391,18 +395,8 @@ fn device_inputs_read_in_place_are_staged_so_new_buffers_still_replay() {
 
 #[test]
 fn queued_replays_report_their_deferred_checks_when_finished() {
-    let rec = Recording::new();
-    let backend: Arc<dyn Backend> = rec.clone();
-    let mut exec = executor(backend.clone());
-    exec.set_graphs(true);
-    let mut cache = zero_cache(backend.as_ref());
-    let inputs = |cache| {
-        vec![
-            RunTensor::Device(cache),
-            RunTensor::Host(row(1)),
-            RunTensor::Host(Tensor::from_vec(vec![0i64], &[1]).unwrap()),
-        ]
-    };
+    let (rec, mut exec, mut cache) = recorded();
+    let inputs = |cache| step_inputs(cache, RunTensor::Host(row(1)), 0);
     for _ in 0..3 {
         cache = exec.enqueue(inputs(cache), &[]).unwrap().remove(0).unwrap();
     }
@@ -423,18 +417,10 @@ fn queued_replays_report_their_deferred_checks_when_finished() {
 
 #[test]
 fn outputs_not_wanted_by_a_queued_run_are_not_copied_out() {
-    let rec = Recording::new();
-    let backend: Arc<dyn Backend> = rec.clone();
-    let mut exec = executor(backend.clone());
-    exec.set_graphs(true);
-    let mut cache = zero_cache(backend.as_ref());
-    let address = backend.buffer_address(&cache.buffer);
+    let (rec, mut exec, mut cache) = recorded();
+    let address = rec.buffer_address(&cache.buffer);
     for s in 0..4 {
-        let inputs = vec![
-            RunTensor::Device(cache),
-            RunTensor::Host(row(s)),
-            RunTensor::Host(Tensor::from_vec(vec![1i64], &[1]).unwrap()),
-        ];
+        let inputs = step_inputs(cache, RunTensor::Host(row(s)), 1);
         let copies = rec.copies.load(Ordering::SeqCst);
         // Nothing wanted: the cache, written in place, still comes back.
         let out = exec.enqueue(inputs, &[false, false, false]).unwrap();
@@ -444,7 +430,7 @@ fn outputs_not_wanted_by_a_queued_run_are_not_copied_out() {
             .next()
             .flatten()
             .expect("the cache comes back");
-        assert_eq!(backend.buffer_address(&cache.buffer), address, "step {s}");
+        assert_eq!(rec.buffer_address(&cache.buffer), address, "step {s}");
         if s >= 1 {
             assert_eq!(
                 rec.copies.load(Ordering::SeqCst),

@@ -175,21 +175,24 @@ impl State {
         }
     }
 
-    /// One step at position `step` with token `id`; returns the logits.
-    fn step(&mut self, exec: &mut Executor, step: usize, id: usize) -> Tensor {
-        let index = |v: i64, dt: DType, shape: &[usize]| {
-            RunTensor::Host(Tensor::from_f64(&[v as f64], shape, dt).unwrap())
-        };
+    /// The inputs of the step at position `step` fed `ids` `[1, 1]`, with the caches.
+    fn inputs(&mut self, step: usize, ids: RunTensor) -> Vec<RunTensor> {
         let mut inputs = vec![
-            index(id as i64, DType::I32, &[1, 1]),
-            index(step as i64, DType::I32, &[1]),
-            index((step % CAPACITY) as i64, DType::I64, &[1]),
+            ids,
+            RunTensor::Host(index(step, DType::I32, &[1])),
+            RunTensor::Host(index(step % CAPACITY, DType::I64, &[1])),
         ];
         inputs.extend(
             std::mem::take(&mut self.caches)
                 .into_iter()
                 .map(RunTensor::Device),
         );
+        inputs
+    }
+
+    /// One step at position `step` with token `id`; returns the logits.
+    fn step(&mut self, exec: &mut Executor, step: usize, id: usize) -> Tensor {
+        let inputs = self.inputs(step, RunTensor::Host(index(id, DType::I32, &[1, 1])));
         let mut keep = vec![false];
         keep.extend([true; 2 * LAYERS]);
         let addresses: Vec<_> = inputs[3..]
@@ -219,6 +222,11 @@ impl State {
         assert_eq!(addresses, back, "the caches are written in place");
         logits
     }
+}
+
+/// A host tensor of one index.
+fn index(v: usize, dt: DType, shape: &[usize]) -> Tensor {
+    Tensor::from_f64(&[v as f64], shape, dt).unwrap()
 }
 
 fn token(step: usize) -> usize {
@@ -392,20 +400,8 @@ fn queued_steps_fed_device_ids_match_plain_steps() {
     let steps = 6;
     let mut reads = Vec::new();
     for step in 0..steps {
-        let index = |v: usize, dt: DType, shape: &[usize]| {
-            Tensor::from_f64(&[v as f64], shape, dt).unwrap()
-        };
         let ids = DeviceTensor::upload(b, &index(token(step), DType::I32, &[1, 1])).unwrap();
-        let mut inputs = vec![
-            RunTensor::Device(ids),
-            RunTensor::Host(index(step, DType::I32, &[1])),
-            RunTensor::Host(index(step % CAPACITY, DType::I64, &[1])),
-        ];
-        inputs.extend(
-            std::mem::take(&mut s_q.caches)
-                .into_iter()
-                .map(RunTensor::Device),
-        );
+        let inputs = s_q.inputs(step, RunTensor::Device(ids));
         let mut outs = queued.enqueue(inputs, &[]).unwrap().into_iter().flatten();
         let logits = outs.next().unwrap();
         s_q.caches = outs.collect();
