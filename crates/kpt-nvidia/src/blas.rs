@@ -233,8 +233,7 @@ fn layout(
 /// How cuBLASLt algorithms are chosen (the `kernel` section of kpt's configuration).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GemmTuning {
-    /// Time the heuristic's candidates (for problems of at most 64 rows also split-K
-    /// variants of its first four) on the first use of each problem and keep the
+    /// Time the heuristic's candidates on the first use of each problem and keep the
     /// fastest; otherwise take the heuristic's first.
     pub autotune: bool,
     /// Untimed calls of each candidate before its timed ones.
@@ -310,13 +309,6 @@ pub fn cublaslt_present() -> bool {
 /// are timed again.
 const AUTOTUNE_CANDIDATES: usize = 24;
 const AUTOTUNE_FINALISTS: usize = 4;
-
-/// Problems of at most this many output rows (decode batches) also time split-K variants
-/// of the heuristic's first `SPLIT_K_BASES` candidates: with few rows, a narrow output
-/// leaves most SMs idle unless K is split.
-const SPLIT_K_MAX_ROWS: usize = 64;
-const SPLIT_K_BASES: usize = 4;
-const SPLIT_K_FACTORS: [u32; 4] = [2, 4, 8, 16];
 
 /// Workspace cuBLASLt may use: 32 MiB on Hopper, 4 MiB before (NVIDIA's advice).
 fn workspace_bytes(gpu: &Gpu) -> usize {
@@ -485,63 +477,6 @@ impl Blas {
         Ok(algos)
     }
 
-    /// `base`'s first `SPLIT_K_BASES` algorithms with K split in `SPLIT_K_FACTORS` parts,
-    /// reduced in f32 through the workspace (a fixed order, so the same bits every call),
-    /// where cuBLASLt accepts them for this problem within the workspace.
-    fn split_k_variants(
-        &self,
-        d: &Descriptors,
-        base: &[sys::cublasLtMatmulAlgo_t],
-    ) -> Vec<sys::cublasLtMatmulAlgo_t> {
-        let scheme = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
-        let mut out = Vec::new();
-        for algo in base.iter().take(SPLIT_K_BASES) {
-            for parts in SPLIT_K_FACTORS {
-                let mut a = *algo;
-                let set = |a: &mut sys::cublasLtMatmulAlgo_t, attr, v: &u32| {
-                    // SAFETY: both attributes are uint32_t; `v` lives through the call.
-                    unsafe {
-                        sys::cublasLtMatmulAlgoConfigSetAttribute(
-                            a,
-                            attr,
-                            v as *const u32 as *const c_void,
-                            std::mem::size_of::<u32>(),
-                        )
-                    }
-                    .result()
-                };
-                use sys::cublasLtMatmulAlgoConfigAttributes_t as Cfg;
-                if set(&mut a, Cfg::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &parts).is_err()
-                    || set(&mut a, Cfg::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme).is_err()
-                {
-                    continue;
-                }
-                // SAFETY: a plain C struct for cuBLASLt to fill; all-zero is valid.
-                let mut check =
-                    unsafe { std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>() };
-                // SAFETY: descriptors are live; `a` and `check` outlive the call.
-                let ok = unsafe {
-                    sys::cublasLtMatmulAlgoCheck(
-                        self.handle,
-                        d.desc,
-                        d.layouts[0],
-                        d.layouts[1],
-                        d.layouts[2],
-                        d.layouts[2],
-                        &a,
-                        &mut check,
-                    )
-                }
-                .result()
-                .is_ok();
-                if ok && check.workspaceSize <= self.workspace.bytes() {
-                    out.push(a);
-                }
-            }
-        }
-        out
-    }
-
     fn run(
         &self,
         gpu: &Gpu,
@@ -587,11 +522,7 @@ impl Blas {
         if !self.tuning.autotune {
             return Ok(self.candidates(d, 1)?[0]);
         }
-        let mut candidates = self.candidates(d, AUTOTUNE_CANDIDATES)?;
-        if s.m <= SPLIT_K_MAX_ROWS {
-            let split = self.split_k_variants(d, &candidates);
-            candidates.extend(split);
-        }
+        let candidates = self.candidates(d, AUTOTUNE_CANDIDATES)?;
         let cached = self
             .file
             .as_ref()
