@@ -65,6 +65,15 @@ fn plan_runner(model: &Model, level: OptLevel) -> PlanRunner {
     .with_packed(executor(&model.graph_packed(8, 2).unwrap(), level))
 }
 
+/// Optimized plans of `model` at `level` whose decode step picks greedy tokens on its
+/// device (`Phase::DecodeGreedy`): one greedy sequence decodes pipelined.
+fn picking_runner(model: &Model, level: OptLevel) -> PlanRunner {
+    PlanRunner::new(
+        executor(&model.graph(Phase::Prefill, 4).unwrap(), level),
+        executor(&model.graph(Phase::DecodeGreedy, 4).unwrap(), level),
+    )
+}
+
 fn greedy(
     g: &mut Generator<impl kpt_models::generate::StepRunner>,
     prompts: &[&[u32]],
@@ -208,11 +217,7 @@ fn greedy_picks_in_the_plan_equal_picks_on_the_host() {
         seed: 3,
     };
     for level in [OptLevel::Conservative, OptLevel::Balanced] {
-        let picking = PlanRunner::new(
-            executor(&model.graph(Phase::Prefill, 4).unwrap(), level),
-            executor(&model.graph(Phase::DecodeGreedy, 4).unwrap(), level),
-        );
-        let mut on_plan = Generator::for_model(picking, &model).unwrap();
+        let mut on_plan = Generator::for_model(picking_runner(&model, level), &model).unwrap();
         let mut on_host = Generator::for_model(plan_runner(&model, level), &model).unwrap();
         for params in [SamplingParams::greedy(), sampled] {
             let stop = StopCondition::new(7);
@@ -321,7 +326,38 @@ fn eos_tokens_and_stop_strings_stop() {
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let model = ckpt.load_model(DType::F32).unwrap();
     let tok = ckpt.tokenizer().unwrap();
-    let mut g = Generator::for_model(plan_runner(&model, OptLevel::Conservative), &model).unwrap();
+    // Step by step (logits to the host), and pipelined (tokens picked on the device).
+    for runner in [
+        plan_runner(&model, OptLevel::Conservative),
+        picking_runner(&model, OptLevel::Conservative),
+    ] {
+        stops_at_eos_and_stop_strings(Generator::for_model(runner, &model).unwrap(), &tok);
+    }
+    // The tokenizer's own eos id (config: 1) is what `with_eos` takes from it.
+    assert_eq!(tok.special_tokens().eos, [1]);
+    // An encoder cannot generate.
+    let bert_dir = tempfile::tempdir().unwrap();
+    write_checkpoint(
+        bert_dir.path(),
+        &json!({
+            "model_type": "bert", "vocab_size": 50, "hidden_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24,
+            "max_position_embeddings": 32, "type_vocab_size": 2
+        }),
+        WriteOptions::default(),
+    )
+    .unwrap();
+    let bert = Checkpoint::open(bert_dir.path())
+        .unwrap()
+        .load_model(DType::F32)
+        .unwrap();
+    let e = ReferenceRunner::new(&bert, &CpuReference).unwrap_err();
+    assert!(e.to_string().contains("encoder"), "{e}");
+}
+
+/// EOS ids and stop strings end `g`'s greedy generation of `PROMPT` where they first
+/// occur, keeping the token or text that matched; streamed tokens are the output's.
+fn stops_at_eos_and_stop_strings(mut g: Generator<PlanRunner>, tok: &kpt_models::Tokenizer) {
     let free = greedy(&mut g, &[&PROMPT], 8).remove(0);
     // The third token as end-of-sequence: generation stops there and keeps it.
     let eos = free[2];
@@ -366,26 +402,6 @@ fn eos_tokens_and_stop_strings_stop() {
     assert!(got.tokens.len() <= 4, "{got:?}");
     assert!(tok.decode(&got.tokens, true).unwrap().contains(&needle));
     assert_eq!(streamed, got.tokens);
-    // The tokenizer's own eos id (config: 1) is what `with_eos` takes from it.
-    assert_eq!(tok.special_tokens().eos, [1]);
-    // An encoder cannot generate.
-    let bert_dir = tempfile::tempdir().unwrap();
-    write_checkpoint(
-        bert_dir.path(),
-        &json!({
-            "model_type": "bert", "vocab_size": 50, "hidden_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24,
-            "max_position_embeddings": 32, "type_vocab_size": 2
-        }),
-        WriteOptions::default(),
-    )
-    .unwrap();
-    let bert = Checkpoint::open(bert_dir.path())
-        .unwrap()
-        .load_model(DType::F32)
-        .unwrap();
-    let e = ReferenceRunner::new(&bert, &CpuReference).unwrap_err();
-    assert!(e.to_string().contains("encoder"), "{e}");
 }
 
 /// A runner keeps a finished sequence's caches for the next one: a long sequence leaves
@@ -420,13 +436,7 @@ fn pipelined_greedy_decoding_equals_step_by_step_decoding() {
         .unwrap()
         .load_model(DType::F32)
         .unwrap();
-    let picking = || {
-        let level = OptLevel::Balanced;
-        PlanRunner::new(
-            executor(&model.graph(Phase::Prefill, 4).unwrap(), level),
-            executor(&model.graph(Phase::DecodeGreedy, 4).unwrap(), level),
-        )
-    };
+    let picking = || picking_runner(&model, OptLevel::Balanced);
     let mut reference =
         Generator::for_model(ReferenceRunner::new(&model, &CpuReference).unwrap(), &model).unwrap();
     let want = greedy(&mut reference, &[&PROMPT], 9).remove(0);
