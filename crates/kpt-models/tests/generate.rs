@@ -390,7 +390,7 @@ fn stops_at_eos_and_stop_strings(mut g: Generator<PlanRunner>, tok: &kpt_models:
             &[&PROMPT],
             &SamplingParams::greedy(),
             &StopCondition::new(8).with_stop_strings([needle.clone()]),
-            Some(&tok),
+            Some(tok),
             |e| {
                 streamed.push(e.token);
                 Ok(())
