@@ -335,24 +335,37 @@ impl Batch {
     }
 }
 
+/// How a decode timing runs its steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Steps {
+    /// Each step waited for ([`Batch::step`]).
+    Waited,
+    /// One sequence's steps queued ahead of its tokens ([`decode_ahead`]).
+    Ahead,
+}
+
 /// Seconds per decode step of `batch` sequences (`steps` steps after a prefill of `ctx`
 /// tokens, `reps` timed repetitions after one warm-up), and per step the host's time
-/// launching it.
+/// launching it (waited steps only).
 fn decode_per_token(
     kpt: &mut Kpt,
     (prefill, decode): (&mut Executor, &mut Executor),
     batch: usize,
     (ctx, steps, reps): (usize, usize, usize),
+    how: Steps,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     let (mut per_token, mut enqueue) = (Vec::new(), Vec::new());
     for rep in 0..reps + 1 {
         let prompts: Vec<Vec<i64>> = (0..batch).map(|_| kpt.ids(ctx)).collect();
         let mut seqs = Batch::prefill(kpt, prefill, &prompts)?;
-        let t = kpt.time(|| {
-            for _ in 0..steps {
-                seqs.step(kpt, decode)?;
+        let t = kpt.time(|| match how {
+            Steps::Ahead => decode_ahead(kpt, decode, &mut seqs, steps).map(drop),
+            Steps::Waited => {
+                for _ in 0..steps {
+                    seqs.step(kpt, decode)?;
+                }
+                Ok(())
             }
-            Ok(())
         })?;
         if rep >= 1 {
             per_token.push(t / steps as f64);
@@ -385,26 +398,6 @@ fn decode_ahead(
         },
     )?;
     Ok(tokens)
-}
-
-/// Seconds per token of [`decode_ahead`] after a prefill of `ctx` tokens (`reps` timed
-/// repetitions after one warm-up).
-fn decode_ahead_per_token(
-    kpt: &mut Kpt,
-    (prefill, decode): (&mut Executor, &mut Executor),
-    (ctx, steps, reps): (usize, usize, usize),
-) -> Result<Vec<f64>> {
-    let mut per_token = Vec::new();
-    for rep in 0..reps + 1 {
-        let prompt = kpt.ids(ctx);
-        let mut seq = Batch::prefill(kpt, prefill, &[prompt])?;
-        let t = kpt.time(|| decode_ahead(kpt, decode, &mut seq, steps).map(drop))?;
-        kpt.pool.borrow_mut().release(seq.caches);
-        if rep >= 1 {
-            per_token.push(t / steps as f64);
-        }
-    }
-    Ok(per_token)
 }
 
 /// One greedy decode step of one sequence after a prefill of `ctx` tokens, launched node
@@ -684,11 +677,15 @@ fn main() -> Result<()> {
             (&mut prefill, &mut decode),
             batch,
             (ctx, steps, reps),
+            Steps::Waited,
         )?;
         // One sequence decodes as `kpt run` does: each step queued ahead of its token.
         let waited = per_token;
         let per_token = match batch {
-            1 => decode_ahead_per_token(&mut kpt, (&mut prefill, &mut decode), (ctx, steps, reps))?,
+            1 => {
+                let execs = (&mut prefill, &mut decode);
+                decode_per_token(&mut kpt, execs, 1, (ctx, steps, reps), Steps::Ahead)?.0
+            }
             _ => waited.clone(),
         };
         let hf_t = hf_seconds(
@@ -746,8 +743,13 @@ fn main() -> Result<()> {
                 // The same step without CUDA graphs, and with cuBLASLt for every linear
                 // (no GEMV kernel).
                 decode.set_graphs(false);
-                let (plain_t, plain_enqueue) =
-                    decode_per_token(&mut kpt, (&mut prefill, &mut decode), 1, (ctx, steps, reps))?;
+                let (plain_t, plain_enqueue) = decode_per_token(
+                    &mut kpt,
+                    (&mut prefill, &mut decode),
+                    1,
+                    (ctx, steps, reps),
+                    Steps::Waited,
+                )?;
                 decode.set_graphs(true);
                 let mut without = kpt.registry.clone();
                 without.set_disabled(&["cuda.linear.gemv".to_string()]);
@@ -759,8 +761,13 @@ fn main() -> Result<()> {
                     kpt.backend.device(),
                 )?;
                 let mut cublas = Executor::new(plan, kpt.backend.clone())?;
-                let (cublas_t, _) =
-                    decode_per_token(&mut kpt, (&mut prefill, &mut cublas), 1, (ctx, steps, reps))?;
+                let (cublas_t, _) = decode_per_token(
+                    &mut kpt,
+                    (&mut prefill, &mut cublas),
+                    1,
+                    (ctx, steps, reps),
+                    Steps::Waited,
+                )?;
                 row.with_note(format!(
                     "each step replays a CUDA graph; without graphs, launching node by \
                      node: {:.1} tokens/s ({:.2} ms of host launching per token); kernel \

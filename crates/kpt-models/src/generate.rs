@@ -1046,7 +1046,8 @@ fn pipelined_steps(
     next: &mut dyn FnMut(u32) -> Result<bool>,
 ) -> Result<()> {
     let backend = exec.backend().clone();
-    let mut ids = RunTensor::Host(Tensor::from_vec(vec![token], &[1, 1])?);
+    // The token of the step before, on the device (the first step takes `token`).
+    let mut fed: Option<DeviceTensor> = None;
     let mut pending: Option<Box<dyn PendingDownload>> = None;
     loop {
         let caches = pool.with_room(std::mem::take(cache), position, backend.as_ref())?;
@@ -1056,7 +1057,9 @@ fn pipelined_steps(
             .into_iter()
             .map(RunTensor::Host)
             .collect();
-        inputs[0] = ids;
+        if let Some(ids) = fed.take() {
+            inputs[0] = RunTensor::Device(ids);
+        }
         inputs.extend(caches.into_iter().map(RunTensor::Device));
         // Logits (not wanted), the picked token, then the caches (updated in place).
         let mut outs = exec.enqueue(inputs, &[false])?.into_iter().skip(1);
@@ -1068,7 +1071,7 @@ fn pipelined_steps(
         let picked = next_out()?;
         *cache = (0..caches_len).map(|_| next_out()).collect::<Result<_>>()?;
         let read = backend.download_async(&picked.buffer, &picked.spec)?;
-        ids = RunTensor::Device(picked);
+        fed = Some(picked);
         position += 1;
         if let Some(token) = pending.replace(read) {
             if !next(single_token(&token.wait()?)?)? {

@@ -161,6 +161,17 @@ impl GpuGraph {
     }
 }
 
+/// That the first `len` bytes of `src` exist, for a read back to the host.
+pub(crate) fn check_read(src: &DeviceBlock, len: usize) -> Result<(), NvidiaError> {
+    if len > src.bytes() {
+        return Err(NvidiaError::Invalid(format!(
+            "cannot read {len} bytes from a {}-byte device block",
+            src.bytes()
+        )));
+    }
+    Ok(())
+}
+
 /// A CUDA device ready for work.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -548,12 +559,7 @@ impl Gpu {
 
     /// The first `len` bytes of `src`, after all queued work.
     pub fn read(&self, src: &DeviceBlock, len: usize) -> Result<Vec<u8>, NvidiaError> {
-        if len > src.bytes() {
-            return Err(NvidiaError::Invalid(format!(
-                "cannot read {len} bytes from a {}-byte device block",
-                src.bytes()
-            )));
-        }
+        check_read(src, len)?;
         let mut out = vec![0u8; len];
         self.bind()?;
         // SAFETY: the block holds `len` bytes; `out` outlives the copy (synchronized).

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent};
 
-use crate::gpu::Gpu;
+use crate::gpu::{check_read, Gpu};
 use crate::memory::DeviceBlock;
 use crate::NvidiaError;
 
@@ -47,6 +47,7 @@ pub(crate) struct PinnedPool {
 }
 
 impl PinnedPool {
+    /// A free block of at least `bytes`, or a new one (`ctx` must be current).
     fn take(&self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<PinnedBlock, NvidiaError> {
         {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
@@ -55,8 +56,6 @@ impl PinnedPool {
             }
         }
         let size = bytes.max(MIN_BLOCK).next_power_of_two();
-        ctx.bind_to_thread()
-            .map_err(|e| NvidiaError::driver("cuCtxSetCurrent", e))?;
         // SAFETY: the context is current; the block is only read after a copy wrote it.
         let ptr = unsafe { result::malloc_host(size, 0) }
             .map_err(|e| NvidiaError::driver("cuMemHostAlloc", e))?;
@@ -126,23 +125,17 @@ pub(crate) fn read_async(
     src: &DeviceBlock,
     len: usize,
 ) -> Result<PendingRead, NvidiaError> {
-    if len > src.bytes() {
-        return Err(NvidiaError::Invalid(format!(
-            "cannot read {len} bytes from a {}-byte device block",
-            src.bytes()
-        )));
-    }
-    let ctx = gpu.context();
-    let block = gpu.pinned().take(ctx, len)?;
+    check_read(src, len)?;
+    gpu.bind()?;
+    let block = gpu.pinned().take(gpu.context(), len)?;
     let stream = gpu.stream();
-    ctx.bind_to_thread()
-        .map_err(|e| NvidiaError::driver("cuCtxSetCurrent", e))?;
     // SAFETY: the block holds at least `len` bytes and stays allocated until the copy's
     // event completed (`PendingRead::wait` or its drop); `src` holds `len` bytes.
     unsafe { sys::cuMemcpyDtoHAsync_v2(block.ptr.cast(), src.ptr(), len, stream.cu_stream()) }
         .result()
         .map_err(|e| NvidiaError::driver("cuMemcpyDtoHAsync", e))?;
-    let done = ctx
+    let done = gpu
+        .context()
         .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
         .map_err(|e| NvidiaError::driver("cuEventCreate", e))?;
     done.record(stream)
