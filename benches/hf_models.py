@@ -12,7 +12,12 @@ first reply (before any request) describes the environment. Requests (`op`):
   greedy decode steps with the KV cache; seconds per step, one value per repetition.
 - `logits`: the logits of `ids` (one sequence) at the last `last` positions, in `dtype`
   (fp32: IEEE products and SDPA's math backend).
-- `greedy`: `new` greedy tokens after `ids`.
+- `greedy`: `new` greedy tokens after `ids` (with `with_logits`, each step's logits too).
+- `load`: loads the checkpoint in `dir` (any architecture transformers knows: a causal LM,
+  or with `encoder` the base model) in fp32 on `device` (default: CUDA when present), in
+  place of the created model, for `logits`, `greedy` and `encode`.
+- `encode`: an encoder's last hidden states of `seqs` (a padded batch with its attention
+  mask and token type 0) and their mean over each sequence's tokens, in `dtype`.
 
 Attention runs through `attn_implementation="sdpa"`, as the issue's baseline names.
 """
@@ -26,7 +31,7 @@ import time
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -171,14 +176,58 @@ class Worker:
     def greedy(self, req):
         model = self.model(req["dtype"])
         ids = torch.tensor([req["ids"]], device=self.device)
-        out = model(ids, use_cache=True)
-        cache, tokens = out.past_key_values, []
-        nxt = out.logits[:, -1:].argmax(-1)
-        for _ in range(req["new"]):
-            tokens.append(int(nxt[0, 0]))
-            o = model(nxt, past_key_values=cache, use_cache=True)
-            cache, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
-        return {"tokens": tokens}
+        exact = ieee_fp32() if req["dtype"] == "f32" else contextlib.nullcontext()
+        with exact:
+            out = model(ids, use_cache=True)
+            cache, tokens, rows = out.past_key_values, [], []
+            last = out.logits[:, -1:]
+            for _ in range(req["new"]):
+                nxt = last.argmax(-1)
+                tokens.append(int(nxt[0, 0]))
+                rows.append(last[0, 0].float().cpu().tolist())
+                o = model(nxt, past_key_values=cache, use_cache=True)
+                cache, last = o.past_key_values, o.logits[:, -1:]
+        reply = {"tokens": tokens}
+        if req.get("with_logits"):
+            reply["logits"] = rows
+        return reply
+
+    def load(self, req):
+        if "device" in req:
+            self.device = torch.device(req["device"])
+            self.timer = Timer(self.device)
+        auto = AutoModel if req.get("encoder") else AutoModelForCausalLM
+        model = auto.from_pretrained(
+            req["dir"], torch_dtype=torch.float32, attn_implementation="sdpa"
+        )
+        model = fp32_rotary(model.to(self.device).eval())
+        self.config = model.config
+        self.models = {"f32": model}
+        return {"class": type(model).__name__}
+
+    @torch.inference_mode()
+    def encode(self, req):
+        """Last hidden states and mean pooling of a padded batch; fp32 as `logits`."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        model = self.model(req["dtype"])
+        seqs = req["seqs"]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s, device=self.device)
+            mask[i, : len(s)] = 1
+        exact = req["dtype"] == "f32"
+        with ieee_fp32() if exact else contextlib.nullcontext():
+            with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
+                hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        m = mask.unsqueeze(-1).float()
+        pooled = (hidden * m).sum(1) / m.sum(1)
+        return {
+            "hidden": [hidden[i, : len(s)].cpu().tolist() for i, s in enumerate(seqs)],
+            "pooled": pooled.cpu().tolist(),
+        }
 
 
 def main():

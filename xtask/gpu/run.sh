@@ -62,6 +62,8 @@ export KPT_REQUIRE_GPU=1
 # kpt-nvidia's torch_oracle test: attention against torch's SDPA on the same inputs.
 export KPT_REQUIRE_TORCH=1 KPT_TORCH_PYTHON=python3
 export KPT_TORCH_ORACLE_SCRIPT="$here/torch_attention_oracle.py"
+# kpt's hf_oracle test: every model architecture against HF transformers.
+export KPT_HF_MODELS_SCRIPT="$here/hf_models.py"
 KPT_GIT_COMMIT="$(cat "$here/GIT_COMMIT")"
 export KPT_GIT_COMMIT
 

@@ -78,14 +78,21 @@ pub fn gpu_bundle() -> Result<()> {
         install(&release.join(bin), &dir.join("bin").join(bin))?;
     }
     // kpt-nvidia's tests run as they are; kpt-tpu's on the machine's PJRT plugin.
-    for (package, sub) in [("kpt-nvidia", "tests"), ("kpt-tpu", "xla-tests")] {
+    // Of kpt's, the transformers oracle of every model architecture (`hf_oracle`).
+    for (package, sub, only) in [
+        ("kpt-nvidia", "tests", ""),
+        ("kpt-tpu", "xla-tests", ""),
+        ("kpt", "tests", "hf_oracle-"),
+    ] {
         for exe in test_executables(package)? {
             let name = exe
                 .file_name()
                 .and_then(|n| n.to_str())
                 .context("test executable name")?
                 .to_string();
-            install(&exe, &dir.join(sub).join(name))?;
+            if name.starts_with(only) {
+                install(&exe, &dir.join(sub).join(name))?;
+            }
         }
     }
     for script in [
