@@ -223,6 +223,28 @@ fn attention_cases() -> Vec<Case> {
         target: Target::None,
         note: "FLOPs = 4 b h s² d / 2; the 1.1B model's prefill attention, no target",
     });
+    // Head dim 256 (Gemma-style heads): the mma.sync kernel with Q in shared memory.
+    // Tracked without a target.
+    let (b, h, s, d) = (4usize, 8usize, 2048usize, 256usize);
+    for causal in [false, true] {
+        let kind = if causal { "causal" } else { "full" };
+        let work = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+        out.push(Case {
+            name: format!("attention_prefill_bf16_b{b}_h{h}_s{s}_d{d}_{kind}"),
+            metric: "TFLOP/s",
+            work,
+            kpt: Work::Op(params(h, h, d, causal)),
+            inputs: vec![
+                random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0),
+                random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0),
+                random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0),
+            ],
+            torch: json!({"kind": "attention_prefill", "batch": b, "heads": h,
+                          "head_dim": d, "seq": s, "causal": causal, "dtype": "bf16"}),
+            target: Target::None,
+            note: "FLOPs = 4 b h s² d (halved when causal); head dim 256, no target",
+        });
+    }
     // FP8 e4m3 against kpt's own bf16 kernel on the same shape (and both against torch's
     // bf16 SDPA backends; torch has no FP8 attention).
     let (b, h, s, d) = (4usize, 16usize, 4096usize, 128usize);

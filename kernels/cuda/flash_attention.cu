@@ -1,10 +1,14 @@
 // FlashAttention-2 style forward attention on tensor cores (mma.sync m16n8k16, sm_80 and
-// newer) for bf16 and f16 with head dim 64 or 128: the same contract as attention.cu
+// newer) for bf16 and f16 with head dim 64, 128, 192 or 256: the same contract as attention.cu
 // (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right causal, sliding window; q and out
 // [batch, seq_q, heads * d], k and v [batch, seq_kv, kv_heads * d]).
 //
-// One block of 4 warps per (64 query rows, head, batch); each warp owns 16 rows. The
-// block's Q tile is staged through shared memory into registers once (A fragments). Key
+// One block of 4 warps per (64 query rows, head, batch); each warp owns 16 rows. At head
+// dim 64 and 128 the block's Q tile is staged through shared memory into registers once
+// (A fragments) and K and V take static shared memory; at 192 and 256, where O's
+// accumulators alone take 96-128 registers a thread, Q stays in its own shared tile and
+// each k-step of Q K^T reads its fragment from there, and the three tiles (76-99 KiB) are
+// dynamic shared memory. Key
 // tiles of 64 are walked with K and V in shared memory (rows padded by 16 bytes, so the
 // eight rows an ldmatrix reads fall in distinct banks), loaded with cp.async and
 // overlapped as FlashAttention-2 does: V(t) loads while S = Q K(t)^T runs, K(t+1) while
@@ -26,6 +30,10 @@
 // kpt:launch kpt_flash_attention_bf16_d128 block=128 shared=0 grid=tiles
 // kpt:launch kpt_flash_attention_f16_d64 block=128 shared=0 grid=tiles
 // kpt:launch kpt_flash_attention_f16_d128 block=128 shared=0 grid=tiles
+// kpt:launch kpt_flash_attention_bf16_d192 block=128 shared=76800 grid=tiles
+// kpt:launch kpt_flash_attention_bf16_d256 block=128 shared=101376 grid=tiles
+// kpt:launch kpt_flash_attention_f16_d192 block=128 shared=76800 grid=tiles
+// kpt:launch kpt_flash_attention_f16_d256 block=128 shared=101376 grid=tiles
 
 #include <type_traits>
 
@@ -56,14 +64,34 @@ __device__ __forceinline__ void load_tile(T* tile, int ld, const T* src, long st
     kpt::load_tile<T, D, kRows, kThreads>(tile, ld, src, stride, rows);
 }
 
+// Head dims above this keep Q in shared memory (see the top).
+constexpr int kMaxQInRegisters = 128;
+
+// The block's tiles of D + 8 columns: K, then V (which first holds the Q tile), then for
+// head dims above kMaxQInRegisters Q. Static shared memory up to that, dynamic above (the
+// launch's `shared=` bytes: 3 * 64 * (D + 8) * sizeof(T)).
+template <typename T, int D>
+__device__ __forceinline__ T* flash_tiles() {
+    constexpr int kTile = kBlockN * (D + 8);
+    if constexpr (D > kMaxQInRegisters) {
+        extern __shared__ __align__(16) unsigned char dynamic_tiles[];
+        return reinterpret_cast<T*>(dynamic_tiles);
+    } else {
+        __shared__ __align__(16) T tiles[2 * kTile];
+        return tiles;
+    }
+}
+
 template <typename T, int D>
 __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
                       const T* __restrict__ v, const float* __restrict__ mask,
                       T* __restrict__ out, float* __restrict__ lse, const Dims p) {
     constexpr int kLd = D + 8;  // padded row: 16 extra bytes
-    // K tile, and V tile (which first holds the Q tile).
-    __shared__ __align__(16) T ks[kBlockN * kLd];
-    __shared__ __align__(16) T vs[kBlockN * kLd];
+    constexpr bool kQShared = D > kMaxQInRegisters;
+    T* ks = flash_tiles<T, D>();
+    T* vs = ks + kBlockN * kLd;
+    // Q's tile: V's buffer until the fragments are in registers, or its own.
+    T* qs = kQShared ? vs + kBlockN * kLd : vs;
     static_assert(kBlockM <= kBlockN, "the Q tile is staged in the V buffer");
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -89,7 +117,7 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
     const int t_begin = min(kv_start, kv_end) / kBlockN;
     const int tiles_n = (kv_end + kBlockN - 1) / kBlockN;
 
-    load_tile<T, D, kBlockM>(vs, kLd, qb, q_stride, min(kBlockM, p.seq_q - m0));
+    load_tile<T, D, kBlockM>(qs, kLd, qb, q_stride, min(kBlockM, p.seq_q - m0));
     cp_async_commit();
     if (t_begin < tiles_n) {
         const int n0 = t_begin * kBlockN;
@@ -99,15 +127,15 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    // Q fragments of this warp's 16 rows: one A fragment per 16 columns of d.
-    unsigned qf[D / 16][4];
+    // Q fragments of this warp's 16 rows: one A fragment per 16 columns of d, in
+    // registers (the V buffer is then free) or read from Q's tile at each k-step.
+    const T* q_frag = qs + (warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kLd + (lane / 16) * 8;
+    unsigned qf[kQShared ? 1 : D / 16][4];
+    if constexpr (!kQShared) {
 #pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
-        const int row = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-        const int col = kc * 16 + (lane / 16) * 8;
-        kpt::ldsm_x4(qf[kc], vs + row * kLd + col);
+        for (int kc = 0; kc < D / 16; ++kc) kpt::ldsm_x4(qf[kc], q_frag + kc * 16);
+        __syncthreads();
     }
-    __syncthreads();  // the V buffer is free
 
     float o[D / 8][4];
 #pragma unroll
@@ -131,14 +159,21 @@ __device__ void flash(const T* __restrict__ q, const T* __restrict__ k,
         for (int j = 0; j < kBlockN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) {
+            unsigned a[4];
+            if constexpr (kQShared) {
+                kpt::ldsm_x4(a, q_frag + kc * 16);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[i] = qf[kc][i];
+            }
 #pragma unroll
             for (int jp = 0; jp < kBlockN / 16; ++jp) {
                 unsigned bf[4];
                 const int key = jp * 16 + (lane % 8) + (lane / 16) * 8;
                 const int col = kc * 16 + ((lane / 8) % 2) * 8;
                 kpt::ldsm_x4(bf, ks + key * kLd + col);
-                mma<T>(s[2 * jp], qf[kc], bf[0], bf[1]);
-                mma<T>(s[2 * jp + 1], qf[kc], bf[2], bf[3]);
+                mma<T>(s[2 * jp], a, bf[0], bf[1]);
+                mma<T>(s[2 * jp + 1], a, bf[2], bf[3]);
             }
         }
         __syncthreads();  // every warp is done with K(t)
@@ -264,3 +299,7 @@ KPT_FLASH(bf16, __nv_bfloat16, 64)
 KPT_FLASH(bf16, __nv_bfloat16, 128)
 KPT_FLASH(f16, __half, 64)
 KPT_FLASH(f16, __half, 128)
+KPT_FLASH(bf16, __nv_bfloat16, 192)
+KPT_FLASH(bf16, __nv_bfloat16, 256)
+KPT_FLASH(f16, __half, 192)
+KPT_FLASH(f16, __half, 256)

@@ -522,12 +522,13 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             Attention,
             &[DType::BF16, DType::F16],
             "FlashAttention-2 style: mma.sync tensor cores, K/V tiles by cp.async, \
-             online softmax in registers, dropout from Philox in registers; decode shapes \
-             go to split-KV (unless the log-sum-exp or dropout is asked for)",
+             online softmax in registers, dropout from Philox in registers, head dims 64 to \
+             256 (Q in shared memory above 128); decode shapes go to split-KV (unless the \
+             log-sum-exp or dropout is asked for)",
         )
         .with_priority(110)
         .limits(ShapeLimits {
-            max_head_dim: Some(128),
+            max_head_dim: Some(256),
             head_dim_multiple: Some(64),
             varlen: true,
             paged: true,

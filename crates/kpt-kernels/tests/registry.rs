@@ -1035,3 +1035,37 @@ fn amd_quantize_and_dequantize_come_from_the_cuda_source() {
         );
     }
 }
+
+#[test]
+fn wide_heads_take_the_mma_sync_flash_kernel_on_hopper() {
+    let registry = KernelRegistry::with_builtin();
+    let hopper = fake_device(DeviceKind::Cuda, "sm_90a");
+    let chain = |dtype: DType, head_dim: usize| {
+        let (op, inputs) = attention(head_dim);
+        let inputs: Vec<_> = inputs
+            .iter()
+            .map(|s| TensorSpec::new(&s.shape, dtype))
+            .collect();
+        op.infer(&inputs).expect("valid signature");
+        registry.fallback_chain(&op, &inputs, &hopper)
+    };
+    for dtype in [DType::BF16, DType::F16] {
+        for head_dim in [192, 256] {
+            assert_eq!(
+                chain(dtype, head_dim),
+                strings(&["cuda.attention.flash", "cuda.attention", CPU_REFERENCE]),
+                "{dtype} head dim {head_dim}"
+            );
+        }
+        assert_eq!(
+            chain(dtype, 128).first().map(String::as_str),
+            Some("cuda.attention.flash_sm90")
+        );
+        // Above the kernel's widest tile: not it.
+        let wider = chain(dtype, 320);
+        assert!(
+            !wider.iter().any(|k| k == "cuda.attention.flash"),
+            "{wider:?}"
+        );
+    }
+}

@@ -50,6 +50,8 @@ fn kernel_param<T: DeviceRepr>(value: &T) -> *mut c_void {
 /// Query rows per block of `flash_attention.cu` and `flash_attention_sm90.cu` (their
 /// kBlockM; the sm90 kernel's 16-bit d = 64 entries run three consumer warpgroups, 192 rows).
 const FLASH_BLOCK_M: usize = 64;
+/// Head dims of `flash_attention.cu`'s mma.sync kernel (the Hopper kernels: 64 and 128).
+const FLASH_HEAD_DIMS: [i32; 4] = [64, 128, 192, 256];
 const FLASH_SM90_BLOCK_M: usize = 128;
 const FLASH_SM90_BLOCK_M_D64: usize = 192;
 /// Keys per block of the wgmma dk / dv kernel of `flash_attention_sm90.cu` (its kBwdKeys)
@@ -994,17 +996,17 @@ impl Gpu {
             DType::F16 => "f16",
             _ => "",
         };
-        let tensor_cores = !name.is_empty() && (d == 64 || d == 128);
+        let tensor_cores = !name.is_empty() && FLASH_HEAD_DIMS.contains(&d);
         if lse != 0 && !tensor_cores {
             return Err(NvidiaError::Invalid(format!(
-                "attention log-sum-exp needs bf16 or f16 with head dim 64 or 128, not {dtype} \
-                 with head dim {d}"
+                "attention log-sum-exp needs bf16 or f16 with head dim 64, 128, 192 or 256, not \
+                 {dtype} with head dim {d}"
             )));
         }
         if dims.dropout() && !tensor_cores {
             return Err(NvidiaError::Invalid(format!(
-                "attention dropout needs bf16 or f16 with head dim 64 or 128, not {dtype} \
-                 with head dim {d}"
+                "attention dropout needs bf16 or f16 with head dim 64, 128, 192 or 256, not \
+                 {dtype} with head dim {d}"
             )));
         }
         // Dropout runs on the tensor-core kernels, for every shape.
@@ -1015,7 +1017,12 @@ impl Gpu {
             (dims.seq_q as usize).div_ceil(rows) * dims.batch as usize * dims.heads as usize
         };
         const SM90: &str = "flash_attention_sm90";
-        if hopper && dims.window == 0 && dims.seq_kv > 0 && self.loaded_target(SM90)? == "sm_90a" {
+        if hopper
+            && d <= 128
+            && dims.window == 0
+            && dims.seq_kv > 0
+            && self.loaded_target(SM90)? == "sm_90a"
+        {
             // Dropout: the `_tma_dropout_` entries (two consumer warpgroups at both head
             // dims), or where no tensor maps can be made the mma.sync kernel below.
             let dropout = dims.dropout();

@@ -630,7 +630,7 @@ proptest! {
     #[test]
     fn attention(batch in 1usize..3, seq_q in 1usize..40, seq_kv in 1usize..70,
                  kv_heads in 1usize..3, group in 1usize..4,
-                 head_dim in prop::sample::select(vec![1usize, 8, 33, 64, 128, 256]),
+                 head_dim in prop::sample::select(vec![1usize, 8, 33, 64, 128, 192, 256]),
                  causal in any::<bool>(), window in prop::option::of(1usize..50),
                  with_mask in any::<bool>(), dt in dtype(), seed: u64) {
         check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed)?;
@@ -638,11 +638,12 @@ proptest! {
 
     /// Prefill-shaped calls over several query and key tiles (64 each), partial tiles,
     /// caches shorter and longer than the query: the tensor-core kernels for bf16/f16
-    /// at head dims 64 and 128.
+    /// at head dims 64 to 256 (the wgmma kernels at 64 and 128 on Hopper, the mma.sync
+    /// one with Q in shared memory at 192 and 256).
     #[test]
     fn attention_prefill(batch in 1usize..3, seq_q in 17usize..200, seq_kv in 1usize..260,
                          kv_heads in 1usize..3, group in 1usize..=4,
-                         head_dim in prop::sample::select(vec![64usize, 128]),
+                         head_dim in prop::sample::select(vec![64usize, 128, 192, 256]),
                          causal in any::<bool>(), window in prop::option::of(1usize..150),
                          with_mask in any::<bool>(),
                          dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
@@ -714,6 +715,22 @@ proptest! {
         let sync = check(&op, &inputs);
         b.gpu().set_wgmma_backward(true);
         sync?;
+    }
+
+    /// Dropout at head dims 192 and 256 (the mma.sync kernel with Q in shared memory).
+    #[test]
+    fn attention_dropout_wide_heads(seq_q in 1usize..150, seq_kv in 1usize..200,
+                                    group in prop::sample::select(vec![1usize, 2]),
+                                    head_dim in prop::sample::select(vec![192usize, 256]),
+                                    causal in any::<bool>(), with_mask in any::<bool>(),
+                                    p in 0.0f32..0.6, dropout_seed: u64,
+                                    dt in prop::sample::select(vec![DType::BF16, DType::F16]),
+                                    seed: u64) {
+        let (op, inputs) =
+            attention_case([1, seq_q, seq_kv, 1, group, head_dim], (causal, None), with_mask, dt, seed);
+        let Op::Attention(a) = op else { unreachable!("an attention case") };
+        let dropout = Some(kpt_core::graph::AttentionDropout { p, seed: dropout_seed });
+        check(&Op::Attention(kpt_core::graph::AttentionParams { dropout, ..a }), &inputs)?;
     }
 
     /// FP8 at head dim 128 on a persistent grid of 1 to 8 blocks: every block walks several
