@@ -43,11 +43,11 @@
 
 use std::time::Instant;
 
-use kpt_core::backend::PendingDownload;
+use kpt_core::backend::{Backend, PendingDownload};
 use kpt_core::exec::{DeviceTensor, Executor, RunTensor};
 use kpt_core::rand::SplitMix64;
 use kpt_core::validate::{run_reference, ReferenceOps};
-use kpt_core::{Graph, Tensor};
+use kpt_core::{Graph, Tensor, TensorSpec};
 
 use crate::error::{ModelError, Result};
 use crate::lower::{last_rows, pack_prompts, unpack, Phase, LAST_ROWS};
@@ -379,16 +379,19 @@ pub struct GenerationStats {
     pub generated_tokens: usize,
     /// Time of the prefill (all prompts) in ms.
     pub prefill_ms: f64,
-    /// Time of each decode step (one token of one sequence) in ms.
+    /// Time of each decode step in ms: one token of one sequence, or of each unfinished
+    /// sequence where several decode together.
     pub decode_ms: Vec<f64>,
+    /// Tokens the decode steps produced, all sequences together.
+    pub decode_tokens: usize,
 }
 
 impl GenerationStats {
-    /// Decode steps per second (0 when no decode step ran).
+    /// Decoded tokens per second, all sequences together (0 when no decode step ran).
     pub fn decode_tokens_per_second(&self) -> f64 {
         let total: f64 = self.decode_ms.iter().sum();
         if total > 0.0 {
-            self.decode_ms.len() as f64 / (total / 1e3)
+            self.decode_tokens as f64 / (total / 1e3)
         } else {
             0.0
         }
@@ -420,6 +423,9 @@ pub struct Generation {
 pub trait StepRunner {
     /// One sequence's keys and values of every layer.
     type Cache;
+
+    /// The caches of several sequences decoded together ([`StepRunner::decode_batch`]).
+    type Batch;
 
     /// Runs the prefill of one prompt (positions from 0); returns the logits of its
     /// last position, `[vocab]`, and its cache.
@@ -469,6 +475,75 @@ pub trait StepRunner {
     fn release(&mut self, cache: Self::Cache) {
         drop(cache);
     }
+
+    /// Takes the caches of sequences that will decode together, in order (from
+    /// [`StepRunner::prefill_many`]).
+    fn batch(&mut self, caches: Vec<Self::Cache>) -> Result<Self::Batch>;
+
+    /// One decode step of the batch's sequences `active` (indices into it, ascending),
+    /// sequence `active[i]` fed `tokens[i]` at `positions[i]` (its length): returns each
+    /// one's next logits, or with `greedy` its token where the plan picks it. Runners
+    /// without a batched graph step them one at a time ([`decode_each`]); [`PlanRunner`]
+    /// runs one `[active, 1]` step of its decode plan over paged caches.
+    fn decode_batch(
+        &mut self,
+        batch: &mut Self::Batch,
+        active: &[usize],
+        tokens: &[i64],
+        positions: &[usize],
+        greedy: bool,
+    ) -> Result<Vec<StepOutput>>;
+
+    /// Takes back a batch whose sequences are finished.
+    fn release_batch(&mut self, batch: Self::Batch);
+}
+
+/// [`StepRunner::decode_batch`] one sequence at a time, for runners whose batch is the
+/// sequences' own caches.
+pub fn decode_each<R: StepRunner + ?Sized>(
+    runner: &mut R,
+    caches: &mut [R::Cache],
+    active: &[usize],
+    tokens: &[i64],
+    positions: &[usize],
+    greedy: bool,
+) -> Result<Vec<StepOutput>> {
+    check_batch_step(caches.len(), active, tokens, positions)?;
+    active
+        .iter()
+        .zip(tokens.iter().zip(positions))
+        .map(|(&i, (&token, &position))| {
+            let cache = &mut caches[i];
+            Ok(if greedy {
+                StepOutput::Token(runner.decode_greedy(cache, token, position)?)
+            } else {
+                StepOutput::Logits(runner.decode(cache, token, position)?)
+            })
+        })
+        .collect()
+}
+
+/// Checks a batched step's arguments against a batch of `sequences`.
+fn check_batch_step(
+    sequences: usize,
+    active: &[usize],
+    tokens: &[i64],
+    positions: &[usize],
+) -> Result<()> {
+    if tokens.len() != active.len() || positions.len() != active.len() {
+        return Err(ModelError::Generation(format!(
+            "a batched decode step of {} sequences got {} tokens and {} positions",
+            active.len(),
+            tokens.len(),
+            positions.len()
+        )));
+    }
+    if active.windows(2).any(|w| w[0] >= w[1]) || active.last().is_some_and(|&i| i >= sequences) {
+        return Err(ModelError::Generation(format!(
+            "sequences {active:?} of a batch of {sequences} (ascending indices needed)"
+        )));
+    }
+    Ok(())
 }
 
 /// [`StepRunner::decode_greedy_run`] one [`StepRunner::decode_greedy`] at a time.
@@ -501,7 +576,7 @@ pub fn prefill_inputs(ids: &[i64]) -> Result<Vec<Tensor>> {
 
 /// The small inputs of a decode step (see [`crate::lower::DecoderInputs`]) for
 /// `tokens.len()` sequences at `position`, sequence `b` owning block `b` of caches
-/// `[sequences, capacity, kv_dim]`: ids `[B, 1]`, positions `[1]`, slots `b * capacity +
+/// `[sequences, capacity, kv_dim]`: ids and positions `[B, 1]`, slots `b * capacity +
 /// position`, block table `[[b]]` and lengths `position + 1`. The caches follow them.
 pub fn decode_inputs(tokens: &[i64], position: usize, capacity: usize) -> Result<Vec<Tensor>> {
     if position >= capacity {
@@ -513,7 +588,7 @@ pub fn decode_inputs(tokens: &[i64], position: usize, capacity: usize) -> Result
     let (pos, cap) = (position as i64, capacity as i64);
     Ok(vec![
         Tensor::from_vec(tokens.to_vec(), &[b, 1])?,
-        Tensor::from_vec(vec![pos], &[1])?,
+        Tensor::from_vec(vec![pos; b], &[b, 1])?,
         Tensor::from_vec((0..b as i64).map(|s| s * cap + pos).collect(), &[b])?,
         Tensor::from_vec((0..b as i64).collect(), &[b, 1])?,
         Tensor::from_vec(vec![pos + 1; b], &[b])?,
@@ -876,16 +951,21 @@ impl PlanRunner {
 
 /// What a decoder step gives the next choice: logits to sample from, or the token the
 /// plan already picked on its device.
-enum Next {
+/// What a decode step gives a sequence: its next logits, or, where the step picked the
+/// token itself (greedy decoding on a [`Phase::DecodeGreedy`] plan), the token.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepOutput {
+    /// The logits of the next token, `[vocab]`.
     Logits(Vec<f64>),
+    /// The next token.
     Token(u32),
 }
 
-impl Next {
+impl StepOutput {
     fn logits(self) -> Result<Vec<f64>> {
         match self {
-            Next::Logits(l) => Ok(l),
-            Next::Token(_) => Err(ModelError::Generation(
+            StepOutput::Logits(l) => Ok(l),
+            StepOutput::Token(_) => Err(ModelError::Generation(
                 "a step picked a token, not logits".into(),
             )),
         }
@@ -911,7 +991,7 @@ impl PlanRunner {
         inputs: Vec<Tensor>,
         cache: Vec<DeviceTensor>,
         greedy: bool,
-    ) -> Result<(Next, Vec<DeviceTensor>)> {
+    ) -> Result<(StepOutput, Vec<DeviceTensor>)> {
         let mut feed: Vec<RunTensor> = inputs.into_iter().map(RunTensor::Host).collect();
         feed.extend(cache.into_iter().map(RunTensor::Device));
         let outputs = exec.plan().graph.outputs().len();
@@ -930,8 +1010,8 @@ impl PlanRunner {
         let logits = outs.next();
         let picked = if tokens { outs.next() } else { None };
         let next = match (greedy, logits, picked) {
-            (false, Some(RunTensor::Host(t)), _) => Next::Logits(last_logits(&t)?),
-            (true, _, Some(RunTensor::Host(t))) => Next::Token(single_token(&t)?),
+            (false, Some(RunTensor::Host(t)), _) => StepOutput::Logits(last_logits(&t)?),
+            (true, _, Some(RunTensor::Host(t))) => StepOutput::Token(single_token(&t)?),
             _ => {
                 return Err(ModelError::Generation(
                     "a decoder plan kept its logits or tokens on the device".into(),
@@ -952,7 +1032,7 @@ impl PlanRunner {
         token: i64,
         position: usize,
         greedy: bool,
-    ) -> Result<Next> {
+    ) -> Result<StepOutput> {
         let backend = self.decode.backend().clone();
         let cache = self
             .pool
@@ -1081,11 +1161,225 @@ fn pipelined_steps(
     }
 }
 
+/// The caches of sequences that a [`PlanRunner`] decodes together: per layer one pool of
+/// blocks `[blocks, block_size, kv_dim]` (paged attention's layout, vLLM's), sequence `i`
+/// owning the blocks of `tables[i]` in order. A sequence that fills its blocks gets the
+/// next free one; a pool without a free block doubles (copied whole, so block numbers
+/// stay).
+#[derive(Debug)]
+pub struct PagedBatch {
+    pools: Vec<DeviceTensor>,
+    block_size: usize,
+    tables: Vec<Vec<i64>>,
+    used: usize,
+}
+
+impl PagedBatch {
+    /// The sequences' caches `[1, capacity, kv_dim]` of every layer, copied into pools
+    /// of one block per sequence (the largest capacity).
+    fn new(caches: &[Vec<DeviceTensor>], backend: &dyn Backend) -> Result<Self> {
+        let first = caches
+            .first()
+            .ok_or_else(|| ModelError::Generation("a batch of no sequence".into()))?;
+        let shape_err = |what: String| ModelError::Generation(format!("batched caches: {what}"));
+        let mut block_size = 1;
+        for (i, c) in caches.iter().enumerate() {
+            if c.len() != first.len() {
+                return Err(shape_err(format!(
+                    "sequence {i} has {} caches, sequence 0 {}",
+                    c.len(),
+                    first.len()
+                )));
+            }
+            for (t, f) in c.iter().zip(first) {
+                match t.spec.shape[..] {
+                    [1, cap, w]
+                        if Some(&w) == f.spec.shape.last() && t.spec.dtype == f.spec.dtype =>
+                    {
+                        block_size = block_size.max(cap);
+                    }
+                    _ => {
+                        return Err(shape_err(format!(
+                            "sequence {i}'s cache {} does not match sequence 0's {}",
+                            t.spec, f.spec
+                        )))
+                    }
+                }
+                if t.buffer.scale != f.buffer.scale {
+                    return Err(shape_err(format!(
+                        "sequence {i}'s cache has another quantization scale"
+                    )));
+                }
+            }
+        }
+        let n = caches.len();
+        let pools = (0..first.len())
+            .map(|layer| {
+                let f = &first[layer];
+                let width = f.spec.shape[2];
+                let mut buffer = backend.allocate(f.spec.dtype, n * block_size * width)?;
+                buffer.scale = f.buffer.scale;
+                for (b, c) in caches.iter().enumerate() {
+                    backend.copy_into(c[layer].view(), &mut buffer, b * block_size * width)?;
+                }
+                Ok(DeviceTensor {
+                    buffer,
+                    spec: TensorSpec::new(&[n, block_size, width], f.spec.dtype),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            pools,
+            block_size,
+            tables: (0..n as i64).map(|b| vec![b]).collect(),
+            used: n,
+        })
+    }
+
+    /// Gives sequence `i` the blocks that `position` needs, doubling the pools when none
+    /// is free.
+    fn reserve(&mut self, i: usize, position: usize, backend: &dyn Backend) -> Result<()> {
+        while self.tables[i].len() <= position / self.block_size {
+            let blocks = self.pools.first().map_or(0, |p| p.spec.shape[0]);
+            if self.used == blocks {
+                for pool in &mut self.pools {
+                    let mut grown = pool.with_capacity(backend, 2 * pool.spec.numel())?;
+                    grown.spec.shape[0] = 2 * blocks;
+                    *pool = grown;
+                }
+            }
+            self.tables[i].push(self.used as i64);
+            self.used += 1;
+        }
+        Ok(())
+    }
+
+    /// The small inputs of a step of sequences `active` (see [`crate::lower::DecoderInputs`]):
+    /// ids and positions `[A, 1]` (one position per sequence), the cache rows, the block
+    /// table `[A, most blocks]` (short rows padded with their last block, never read) and
+    /// the lengths with the new token.
+    fn step_inputs(
+        &self,
+        active: &[usize],
+        tokens: &[i64],
+        positions: &[usize],
+    ) -> Result<Vec<Tensor>> {
+        let a = active.len();
+        let bs = self.block_size;
+        let width = active
+            .iter()
+            .map(|&i| self.tables[i].len())
+            .max()
+            .unwrap_or(1);
+        let mut table = Vec::with_capacity(a * width);
+        for &i in active {
+            let row = &self.tables[i];
+            table.extend((0..width).map(|j| row[j.min(row.len() - 1)]));
+        }
+        let slots = active
+            .iter()
+            .zip(positions)
+            .map(|(&i, &p)| self.tables[i][p / bs] * bs as i64 + (p % bs) as i64)
+            .collect();
+        let pos: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        Ok(vec![
+            Tensor::from_vec(tokens.to_vec(), &[a, 1])?,
+            Tensor::from_vec(pos.clone(), &[a, 1])?,
+            Tensor::from_vec(slots, &[a])?,
+            Tensor::from_vec(table, &[a, width])?,
+            Tensor::from_vec(pos.iter().map(|p| p + 1).collect(), &[a])?,
+        ])
+    }
+}
+
 impl StepRunner for PlanRunner {
     /// Keys and values `[1, capacity, kv_dim]` of every layer in the decode backend's
     /// memory (the first `position` rows valid): a decode step writes its row in place,
     /// and a full cache grows to [`cache_capacity`].
     type Cache = Vec<DeviceTensor>;
+    type Batch = PagedBatch;
+
+    fn batch(&mut self, caches: Vec<Vec<DeviceTensor>>) -> Result<PagedBatch> {
+        let batch = PagedBatch::new(&caches, self.decode.backend().as_ref())?;
+        for cache in caches {
+            self.pool.release(cache);
+        }
+        Ok(batch)
+    }
+
+    fn decode_batch(
+        &mut self,
+        batch: &mut PagedBatch,
+        active: &[usize],
+        tokens: &[i64],
+        positions: &[usize],
+        greedy: bool,
+    ) -> Result<Vec<StepOutput>> {
+        check_batch_step(batch.tables.len(), active, tokens, positions)?;
+        let backend = self.decode.backend().clone();
+        for (&i, &p) in active.iter().zip(positions) {
+            batch.reserve(i, p, backend.as_ref())?;
+        }
+        let graph = &self.decode.plan().graph;
+        let picks = greedy && picks_tokens(graph);
+        let keep = resident_outputs(graph, picks);
+        let mut feed: Vec<RunTensor> = batch
+            .step_inputs(active, tokens, positions)?
+            .into_iter()
+            .map(RunTensor::Host)
+            .collect();
+        feed.extend(
+            std::mem::take(&mut batch.pools)
+                .into_iter()
+                .map(RunTensor::Device),
+        );
+        let mut outs = self.decode.run_resident(feed, &keep)?.into_iter();
+        let logits = outs.next();
+        let picked = if picks_tokens(&self.decode.plan().graph) {
+            outs.next()
+        } else {
+            None
+        };
+        batch.pools = outs
+            .map(|o| Ok(o.into_device(backend.as_ref())?))
+            .collect::<Result<Vec<_>>>()?;
+        let next: Vec<StepOutput> = match (picks, logits, picked) {
+            (true, _, Some(RunTensor::Host(t))) => picked_tokens(&t)?
+                .into_iter()
+                .map(StepOutput::Token)
+                .collect(),
+            (false, Some(RunTensor::Host(t)), _) => {
+                let vocab = t.shape().last().copied().unwrap_or(0).max(1);
+                t.to_f64_vec()
+                    .chunks(vocab)
+                    .map(|row| {
+                        Ok(if greedy {
+                            StepOutput::Token(argmax(row)?)
+                        } else {
+                            StepOutput::Logits(row.to_vec())
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            }
+            _ => {
+                return Err(ModelError::Generation(
+                    "a decoder plan kept its logits or tokens on the device".into(),
+                ))
+            }
+        };
+        if next.len() != active.len() {
+            return Err(ModelError::Generation(format!(
+                "a batched decode step of {} sequences returned {} results",
+                active.len(),
+                next.len()
+            )));
+        }
+        Ok(next)
+    }
+
+    fn release_batch(&mut self, batch: PagedBatch) {
+        drop(batch);
+    }
 
     fn release(&mut self, cache: Vec<DeviceTensor>) {
         self.pool.release(cache);
@@ -1138,8 +1432,8 @@ impl StepRunner for PlanRunner {
             return argmax(&self.decode(cache, token, position)?);
         }
         match self.step(cache, token, position, true)? {
-            Next::Token(t) => Ok(t),
-            Next::Logits(l) => argmax(&l),
+            StepOutput::Token(t) => Ok(t),
+            StepOutput::Logits(l) => argmax(&l),
         }
     }
 
@@ -1191,6 +1485,26 @@ impl<'a> ReferenceRunner<'a> {
 
 impl StepRunner for ReferenceRunner<'_> {
     type Cache = Vec<Tensor>;
+    type Batch = Vec<Vec<Tensor>>;
+
+    fn batch(&mut self, caches: Vec<Vec<Tensor>>) -> Result<Vec<Vec<Tensor>>> {
+        Ok(caches)
+    }
+
+    fn decode_batch(
+        &mut self,
+        batch: &mut Vec<Vec<Tensor>>,
+        active: &[usize],
+        tokens: &[i64],
+        positions: &[usize],
+        greedy: bool,
+    ) -> Result<Vec<StepOutput>> {
+        decode_each(self, batch, active, tokens, positions, greedy)
+    }
+
+    fn release_batch(&mut self, batch: Vec<Vec<Tensor>>) {
+        drop(batch);
+    }
 
     fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<Tensor>)> {
         let outs = run_reference(&self.prefill, self.reference, &prefill_inputs(prompt)?)?;
@@ -1240,9 +1554,8 @@ pub struct Generator<R: StepRunner> {
 }
 
 /// The state of one sequence during [`Generator::generate`].
-struct Sequence<C> {
-    cache: C,
-    next: Next,
+struct Sequence {
+    next: StepOutput,
     sampler: Sampler,
     position: usize,
     tokens: Vec<u32>,
@@ -1378,14 +1691,14 @@ impl<R: StepRunner> Generator<R> {
                 refs.len()
             )));
         }
-        let mut seqs = first
+        let (firsts, mut caches): (Vec<_>, Vec<_>) = first.into_iter().unzip();
+        let mut seqs = firsts
             .into_iter()
             .zip(&refs)
             .enumerate()
-            .map(|(i, ((logits, cache), p))| {
+            .map(|(i, (logits, p))| {
                 Ok(Sequence {
-                    cache,
-                    next: Next::Logits(logits),
+                    next: StepOutput::Logits(logits),
                     sampler: Sampler::new(SamplingParams {
                         seed: sampling.seed.wrapping_add(i as u64),
                         ..*sampling
@@ -1399,35 +1712,81 @@ impl<R: StepRunner> Generator<R> {
         // Greedy steps ask the runner for the token alone (picked on the device where its
         // plan can).
         let greedy = sampling.is_greedy();
-        // A single greedy sequence runs its steps ahead of its tokens
-        // (`StepRunner::decode_greedy_run`).
-        let ahead = greedy && seqs.len() == 1;
-        while seqs.iter().any(|s| s.stop.is_none()) {
-            for (i, s) in seqs.iter_mut().enumerate() {
-                if s.stop.is_some() {
-                    continue;
-                }
+        if seqs.len() == 1 {
+            let cache = caches.pop().expect("one prompt, one cache");
+            let (cache, done) = self.decode_one(
+                cache,
+                &mut seqs[0],
+                greedy,
+                stop,
+                tokenizer,
+                &mut on_token,
+                &mut stats,
+            );
+            self.runner.release(cache);
+            done?;
+        } else {
+            // Several sequences step together, each step one token of every unfinished one.
+            let mut batch = self.runner.batch(caches)?;
+            let done = self.decode_many(
+                &mut batch,
+                &mut seqs,
+                greedy,
+                stop,
+                tokenizer,
+                &mut on_token,
+                &mut stats,
+            );
+            self.runner.release_batch(batch);
+            done?;
+        }
+        stats.generated_tokens = seqs.iter().map(|s| s.tokens.len()).sum();
+        let outputs = seqs
+            .into_iter()
+            .map(|s| SequenceOutput {
+                tokens: s.tokens,
+                stop: s.stop.unwrap_or(StopReason::MaxTokens),
+            })
+            .collect();
+        Ok(Generation { outputs, stats })
+    }
+
+    /// Decodes one sequence until it stops; a greedy one runs its steps ahead of its
+    /// tokens ([`StepRunner::decode_greedy_run`]). Gives its cache back, also on an error.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_one(
+        &mut self,
+        mut cache: R::Cache,
+        s: &mut Sequence,
+        greedy: bool,
+        stop: &StopCondition,
+        tokenizer: Option<&Tokenizer>,
+        on_token: &mut impl FnMut(&TokenEvent) -> Result<()>,
+        stats: &mut GenerationStats,
+    ) -> (R::Cache, Result<()>) {
+        let mut run = || -> Result<()> {
+            loop {
                 let token = match &s.next {
-                    Next::Logits(logits) => s.sampler.sample(logits)?,
-                    Next::Token(t) => *t,
+                    StepOutput::Logits(logits) => s.sampler.sample(logits)?,
+                    StepOutput::Token(t) => *t,
                 };
-                s.stop = Self::accept(&mut s.tokens, (i, token), stop, tokenizer, &mut on_token)?;
+                s.stop = Self::accept(&mut s.tokens, (0, token), stop, tokenizer, on_token)?;
                 if s.stop.is_some() {
-                    continue;
+                    return Ok(());
                 }
                 let t = Instant::now();
-                let (cache, id) = (&mut s.cache, i64::from(token));
-                if ahead {
+                let id = i64::from(token);
+                if greedy {
                     let (tokens, stopped, position) = (&mut s.tokens, &mut s.stop, &mut s.position);
                     let mut last = t;
                     self.runner
-                        .decode_greedy_run(cache, id, *position, &mut |token| {
+                        .decode_greedy_run(&mut cache, id, *position, &mut |token| {
                             let now = Instant::now();
                             stats.decode_ms.push((now - last).as_secs_f64() * 1e3);
+                            stats.decode_tokens += 1;
                             last = now;
                             *position += 1;
-                            *stopped =
-                                Self::accept(tokens, (i, token), stop, tokenizer, &mut on_token)?;
+                            *stopped = Self::accept(tokens, (0, token), stop, tokenizer, on_token)?;
                             Ok(stopped.is_none())
                         })?;
                     if s.stop.is_none() {
@@ -1435,29 +1794,63 @@ impl<R: StepRunner> Generator<R> {
                             "greedy decoding ended before a stop condition held".into(),
                         ));
                     }
-                    continue;
+                    return Ok(());
                 }
-                s.next = if greedy {
-                    Next::Token(self.runner.decode_greedy(cache, id, s.position)?)
-                } else {
-                    Next::Logits(self.runner.decode(cache, id, s.position)?)
-                };
+                s.next = StepOutput::Logits(self.runner.decode(&mut cache, id, s.position)?);
                 stats.decode_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                stats.decode_tokens += 1;
                 s.position += 1;
             }
-        }
-        stats.generated_tokens = seqs.iter().map(|s| s.tokens.len()).sum();
-        let outputs = seqs
-            .into_iter()
-            .map(|s| {
-                self.runner.release(s.cache);
-                SequenceOutput {
-                    tokens: s.tokens,
-                    stop: s.stop.unwrap_or(StopReason::MaxTokens),
+        };
+        let done = run();
+        (cache, done)
+    }
+
+    /// Decodes several sequences together until every one stopped: each step samples
+    /// (or takes) the next token of every unfinished sequence and runs one
+    /// [`StepRunner::decode_batch`] for those that go on.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_many(
+        &mut self,
+        batch: &mut R::Batch,
+        seqs: &mut [Sequence],
+        greedy: bool,
+        stop: &StopCondition,
+        tokenizer: Option<&Tokenizer>,
+        on_token: &mut impl FnMut(&TokenEvent) -> Result<()>,
+        stats: &mut GenerationStats,
+    ) -> Result<()> {
+        loop {
+            let (mut active, mut tokens, mut positions) = (Vec::new(), Vec::new(), Vec::new());
+            for (i, s) in seqs.iter_mut().enumerate() {
+                if s.stop.is_some() {
+                    continue;
                 }
-            })
-            .collect();
-        Ok(Generation { outputs, stats })
+                let token = match &s.next {
+                    StepOutput::Logits(logits) => s.sampler.sample(logits)?,
+                    StepOutput::Token(t) => *t,
+                };
+                s.stop = Self::accept(&mut s.tokens, (i, token), stop, tokenizer, on_token)?;
+                if s.stop.is_none() {
+                    active.push(i);
+                    tokens.push(i64::from(token));
+                    positions.push(s.position);
+                }
+            }
+            if active.is_empty() {
+                return Ok(());
+            }
+            let t = Instant::now();
+            let next = self
+                .runner
+                .decode_batch(batch, &active, &tokens, &positions, greedy)?;
+            stats.decode_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            stats.decode_tokens += active.len();
+            for (&i, out) in active.iter().zip(next) {
+                seqs[i].next = out;
+                seqs[i].position += 1;
+            }
+        }
     }
 
     /// Appends sequence `i`'s next `token`, reports it and says whether the sequence
@@ -1686,10 +2079,32 @@ mod tests {
     struct Cycle {
         vocab: usize,
         decodes: usize,
+        batched_steps: usize,
     }
 
     impl StepRunner for Cycle {
         type Cache = Vec<i64>;
+        type Batch = Vec<Vec<i64>>;
+
+        fn batch(&mut self, caches: Vec<Vec<i64>>) -> Result<Vec<Vec<i64>>> {
+            Ok(caches)
+        }
+
+        fn decode_batch(
+            &mut self,
+            batch: &mut Vec<Vec<i64>>,
+            active: &[usize],
+            tokens: &[i64],
+            positions: &[usize],
+            greedy: bool,
+        ) -> Result<Vec<StepOutput>> {
+            self.batched_steps += 1;
+            decode_each(self, batch, active, tokens, positions, greedy)
+        }
+
+        fn release_batch(&mut self, batch: Vec<Vec<i64>>) {
+            drop(batch);
+        }
 
         fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<i64>)> {
             let last = *prompt.last().unwrap();
@@ -1724,6 +2139,7 @@ mod tests {
             Cycle {
                 vocab: 8,
                 decodes: 0,
+                batched_steps: 0,
             },
             8,
         );
@@ -1746,9 +2162,12 @@ mod tests {
         assert_eq!(out.outputs[1].stop, StopReason::Eos(0));
         assert_eq!(out.stats.generated_tokens, 6);
         assert_eq!(out.stats.prompt_tokens, 3);
-        // No decode after a sequence's last token: 3 + 1 steps.
+        // No decode after a sequence's last token: 3 + 1 decodes, in 3 batched steps (two
+        // sequences, then the first alone).
         assert_eq!(g.runner().decodes, 4);
-        assert_eq!(out.stats.decode_ms.len(), 4);
+        assert_eq!(g.runner().batched_steps, 3);
+        assert_eq!(out.stats.decode_ms.len(), 3);
+        assert_eq!(out.stats.decode_tokens, 4);
         assert_eq!(events.len(), 6);
         assert_eq!(
             events[..3],
@@ -1778,6 +2197,7 @@ mod tests {
             Cycle {
                 vocab: 8,
                 decodes: 0,
+                batched_steps: 0,
             },
             8,
         )

@@ -43,8 +43,8 @@ impl Phase {
 /// [`LAST_ROWS`] `[1, sequences]` (i64) of each sequence's last token; `seq` is the prompt
 /// length (all prompts').
 ///
-/// Decode, `B` sequences of one token each at one position: ids `[B, 1]`, positions
-/// `[1]`, `slots` `[B]` (the cache row each sequence's new key and value go to),
+/// Decode, `B` sequences of one token each: ids `[B, 1]`, positions `[B, 1]` (each
+/// sequence's own), `slots` `[B]` (the cache row each sequence's new key and value go to),
 /// `block_table` `[B, blocks per sequence]` and `seq_lens` `[B]` (lengths with the new
 /// token), all i64, then each layer's caches `cache.{i}.k` / `cache.{i}.v` `[blocks,
 /// block_size, kv_dim]`: paged attention's layout (vLLM's), which a cache of one block
@@ -113,7 +113,7 @@ impl DecoderInputs {
             ));
         }
         let ids = g.input("ids", DType::I64, &[1, 1]);
-        let positions = g.input("positions", DType::I64, &[1]);
+        let positions = g.input("positions", DType::I64, &[1, 1]);
         let slots = g.input("slots", DType::I64, &[1]);
         let block_table = g.input("block_table", DType::I64, &[1, 1]);
         let seq_lens = g.input("seq_lens", DType::I64, &[1]);

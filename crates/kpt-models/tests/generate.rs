@@ -236,6 +236,59 @@ fn greedy_picks_in_the_plan_equal_picks_on_the_host() {
     }
 }
 
+/// Several sequences decode together, one `[active, 1]` step over paged caches: short
+/// prompts (blocks of 3 rows, the longest prompt's cache) generating 12 tokens each take
+/// five blocks apiece, so the pools double three times, and the sequences that stop at
+/// EOS leave the batch while the others go on. Tokens equal each prompt decoded alone.
+#[test]
+fn batched_decode_over_many_blocks_equals_each_prompt_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_dir(dir.path(), 44);
+    let model = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_model(DType::F32)
+        .unwrap();
+    let prompts: [&[u32]; 4] = [&[0, 7], &[0, 250, 3], &[0], &[0, 9, 9]];
+    for picking in [false, true] {
+        let runner = if picking {
+            picking_runner(&model, OptLevel::Balanced)
+        } else {
+            plan_runner(&model, OptLevel::Balanced)
+        };
+        let runner = runner.with_packed(executor(
+            &model.graph_packed(8, 2).unwrap(),
+            OptLevel::Balanced,
+        ));
+        let mut g = Generator::for_model(runner, &model).unwrap();
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| greedy(&mut g, &[p], 12).remove(0))
+            .collect();
+        assert_eq!(
+            greedy(&mut g, &prompts, 12),
+            alone,
+            "picking on the device: {picking}"
+        );
+        // An EOS that one sequence reaches early: it stops there, the others go on.
+        let eos = alone[1][4];
+        let stop = StopCondition::new(12).with_eos(&[eos]);
+        let out = g
+            .generate(&prompts, &SamplingParams::greedy(), &stop, None, |_| Ok(()))
+            .unwrap();
+        for (o, want) in out.outputs.iter().zip(&alone) {
+            let end = want.iter().position(|&t| t == eos).map_or(12, |i| i + 1);
+            assert_eq!(o.tokens, want[..end], "picking on the device: {picking}");
+        }
+        assert_eq!(
+            out.stats.decode_tokens,
+            out.outputs
+                .iter()
+                .map(|o| o.tokens.len() - 1)
+                .sum::<usize>()
+        );
+    }
+}
+
 /// Plans whose prefills compute only the last tokens' logits (`Phase::PrefillLast`, alone
 /// and packed) generate what plans with every position's logits do, greedy and sampled,
 /// for LLaMA and GPT-2; their logits are the full prefill's last rows.

@@ -873,7 +873,7 @@ fn run_model(cfg: KptConfig, args: RunArgs) -> anyhow::Result<()> {
     let stops: Vec<String> = gen.outputs.iter().map(|o| o.stop.to_string()).collect();
     eprintln!(
         "{} prompt tokens, {} generated at {level} on {}: prefill {:.1} ms ({:.0} tokens/s), \
-         decode {:.2} ms/token ({:.1} tokens/s); stopped: {}",
+         decode {:.2} ms/step ({:.1} tokens/s); stopped: {}",
         s.prompt_tokens,
         s.generated_tokens,
         rt.backend()?.name(),
