@@ -1,9 +1,12 @@
 //! kpt's attention against PyTorch on the same inputs: each variant (full and causal,
-//! head dims 64 and 128, GQA, an additive mask, a sliding window, a cache longer than
-//! the queries, decode, a variable-length batch, FP8 inputs, the backward pass) runs on
-//! the kernel the registry picks for the CUDA device, and on
-//! `F.scaled_dot_product_attention` through `benches/torch_attention_oracle.py`; both are
-//! held to twice the per-output tolerance they each have against the f64 reference.
+//! head dims 64 to 256, GQA and MQA, an additive mask, a sliding window, a softmax scale
+//! of the caller's, a cache longer than the queries, decode, a paged cache, a
+//! variable-length batch, FP8 inputs, the backward pass) runs on the kernel the registry
+//! picks for the CUDA device, and on `F.scaled_dot_product_attention` through
+//! `benches/torch_attention_oracle.py`; both are held to twice the per-output tolerance
+//! they each have against the f64 reference. Besides the fixed cases, seeded random ones
+//! draw odd lengths, caches longer than the queries, group ratios, head dims, masks,
+//! windows and scales.
 //!
 //! Needs a CUDA device and a Python with torch on CUDA (`KPT_TORCH_PYTHON`, default
 //! `python3`; the script from `KPT_TORCH_ORACLE_SCRIPT`, default the source tree's);
@@ -29,11 +32,13 @@ use kpt_nvidia::{CudaBackend, CudaOptions};
 use serde_json::{json, Value};
 
 /// One variant: the op, its inputs (named as the oracle reads them) and the oracle's
-/// description of it.
+/// description of it; `torch` replaces the inputs on torch's side where kpt's layout is
+/// not one torch takes (a paged cache, gathered).
 struct Case {
     name: String,
     op: Op,
     inputs: Vec<(&'static str, Tensor)>,
+    torch: Option<Vec<(&'static str, Tensor)>>,
     oracle: Value,
 }
 
@@ -52,19 +57,32 @@ struct Dims {
 fn case(
     name: &str,
     dt: DType,
-    Dims { b, s, t, h, hkv, d }: Dims,
+    dims: Dims,
     causal: bool,
     window: Option<usize>,
     with_mask: bool,
     backward: bool,
     seed: u64,
 ) -> Case {
-    let mut rng = SplitMix64::new(seed);
     let p = AttentionParams {
         window,
         mask: with_mask,
-        ..AttentionParams::new(h, hkv, d, causal)
+        ..AttentionParams::new(dims.h, dims.hkv, dims.d, causal)
     };
+    case_with(name, dt, dims, p, backward, seed)
+}
+
+/// [`case`] with the attention's parameters given.
+fn case_with(
+    name: &str,
+    dt: DType,
+    Dims { b, s, t, h, hkv, d }: Dims,
+    p: AttentionParams,
+    backward: bool,
+    seed: u64,
+) -> Case {
+    let mut rng = SplitMix64::new(seed);
+    let (causal, window, with_mask) = (p.causal, p.window, p.mask);
     let mut inputs = vec![
         ("q", random(&mut rng, &[b, s, h * d], dt, -2.0, 2.0)),
         ("k", random(&mut rng, &[b, t, hkv * d], dt, -2.0, 2.0)),
@@ -102,6 +120,7 @@ fn case(
         name: name.into(),
         op,
         inputs,
+        torch: None,
         oracle: json!({"kind": kind, "causal": causal, "window": window,
                        "heads": h, "kv_heads": hkv, "head_dim": d,
                        "scale": p.effective_scale(), "dtype": dtype_name(dt)}),
@@ -221,6 +240,7 @@ fn cases(dts: &[DType]) -> Vec<Case> {
         };
         out.push(Case {
             name: format!("varlen_causal_d64_{tag}"),
+            torch: None,
             op: Op::Attention(p),
             inputs: vec![
                 ("q", random(&mut rng, &[1, 40, h * d], dt, -2.0, 2.0)),
@@ -247,6 +267,7 @@ fn fp8_cases() -> Vec<Case> {
     let fp8 = |rng: &mut SplitMix64| random(rng, &[b, s, h * d], DType::F8E4M3, -2.0, 2.0);
     vec![Case {
         name: "fp8_full_d128".into(),
+        torch: None,
         op: Op::Attention(p),
         inputs: vec![
             ("q", fp8(&mut rng)),
@@ -257,6 +278,160 @@ fn fp8_cases() -> Vec<Case> {
                        "kv_heads": h, "head_dim": d, "scale": p.effective_scale(),
                        "dtype": "fp8"}),
     }]
+}
+
+/// Seeded random dense cases: odd query lengths (1 to 300), caches as long or longer (a
+/// few decode-shaped: 1 to 16 queries against up to 2000 keys), 1 to 4 kv heads times
+/// groups of 1, 2, 4 or 8, head dims 64 to 256, and a causal mask, an additive mask, a
+/// sliding window, a scale of the caller's and the backward pass each drawn at random
+/// (the backward at head dims 64 and 128, where kpt has gradient kernels).
+fn random_cases(dts: &[DType], per_dtype: usize, seed: u64) -> Vec<Case> {
+    let mut rng = SplitMix64::new(seed);
+    let mut pick = |n: usize| (rng.next_u64() % n as u64) as usize;
+    let mut out = Vec::new();
+    for &dt in dts {
+        for i in 0..per_dtype {
+            let decode = pick(4) == 0;
+            let s = if decode {
+                1 + pick(16)
+            } else {
+                1 + 2 * pick(150)
+            };
+            let t = if decode {
+                s + pick(2000)
+            } else {
+                s + [0, pick(200)][pick(2)]
+            };
+            let hkv = [1, 2, 4][pick(3)];
+            let h = hkv * [1, 2, 4, 8][pick(4)];
+            let d = [64, 128, 192, 256][pick(4)];
+            let backward = d <= 128 && !decode && pick(4) == 0;
+            let p = AttentionParams {
+                window: (!backward && pick(4) == 0).then(|| 1 + pick(t)),
+                mask: pick(4) == 0,
+                scale: (pick(3) == 0).then(|| 0.05 + 0.01 * pick(25) as f32),
+                ..AttentionParams::new(h, hkv, d, pick(2) == 0)
+            };
+            let b = 1 + pick(2);
+            let name = format!(
+                "random{i}_{}b{b}_s{s}_t{t}_h{h}kv{hkv}_d{d}{}{}{}{}_{}",
+                if backward { "backward_" } else { "" },
+                if p.causal { "_causal" } else { "" },
+                p.window.map_or(String::new(), |w| format!("_window{w}")),
+                if p.mask { "_mask" } else { "" },
+                p.scale.map_or(String::new(), |c| format!("_scale{c}")),
+                dtype_name(dt)
+            );
+            let seed = rng_seed(seed, i as u64, dt);
+            out.push(case_with(
+                &name,
+                dt,
+                Dims { b, s, t, h, hkv, d },
+                p,
+                backward,
+                seed,
+            ));
+        }
+    }
+    out
+}
+
+fn rng_seed(seed: u64, i: u64, dt: DType) -> u64 {
+    seed ^ (i << 8) ^ dt.size_in_bytes() as u64
+}
+
+/// Decode against a paged cache (blocks of 16 handed out in a shuffled order, each
+/// sequence its own length) with GQA; torch gets each sequence's keys gathered and packed
+/// as a variable-length batch.
+fn paged_case(name: &str, dt: DType, lens: &[usize], causal: bool, seed: u64) -> Case {
+    let mut rng = SplitMix64::new(seed);
+    let (s, h, hkv, d, block) = (2usize, 16usize, 4usize, 128usize, 16usize);
+    let b = lens.len();
+    let per_seq: Vec<usize> = lens.iter().map(|l| l.div_ceil(block)).collect();
+    let blocks: usize = per_seq.iter().sum::<usize>() + 3;
+    let mut order: Vec<usize> = (0..blocks).collect();
+    for i in (1..blocks).rev() {
+        order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    let width = per_seq.iter().copied().max().unwrap_or(1).max(1);
+    let mut table = vec![0i64; b * width];
+    let mut next = order.into_iter();
+    for (i, &n) in per_seq.iter().enumerate() {
+        for j in 0..n {
+            table[i * width + j] = next.next().unwrap() as i64;
+        }
+    }
+    let row = hkv * d;
+    let q = random(&mut rng, &[b, s, h * d], dt, -2.0, 2.0);
+    let kp = random(&mut rng, &[blocks, block, row], dt, -2.0, 2.0);
+    let vp = random(&mut rng, &[blocks, block, row], dt, -2.0, 2.0);
+    // Each sequence's keys in order, packed.
+    let gather = |pool: &Tensor| {
+        let v = pool.to_f64_vec();
+        let mut packed = Vec::new();
+        for (i, &len) in lens.iter().enumerate() {
+            for j in 0..len {
+                let blk = table[i * width + j / block] as usize;
+                let at = (blk * block + j % block) * row;
+                packed.extend_from_slice(&v[at..at + row]);
+            }
+        }
+        let total: usize = lens.iter().sum();
+        Tensor::from_f64(&packed, &[1, total, row], dt).unwrap()
+    };
+    let (kt, vt) = (gather(&kp), gather(&vp));
+    let qt = Tensor::from_f64(&q.to_f64_vec(), &[1, b * s, h * d], dt).unwrap();
+    let cu_q: Vec<usize> = (0..=b).map(|i| i * s).collect();
+    let cu_k: Vec<usize> = std::iter::once(0)
+        .chain(lens.iter().scan(0, |acc, &l| {
+            *acc += l;
+            Some(*acc)
+        }))
+        .collect();
+    let p = AttentionParams {
+        paged: true,
+        ..AttentionParams::new(h, hkv, d, causal)
+    };
+    let ids = |v: Vec<i64>, shape: &[usize]| Tensor::from_vec(v, shape).unwrap();
+    Case {
+        name: name.into(),
+        op: Op::Attention(p),
+        inputs: vec![
+            ("q", q),
+            ("k", kp),
+            ("v", vp),
+            ("block_table", ids(table, &[b, width])),
+            (
+                "seq_lens",
+                ids(lens.iter().map(|&l| l as i64).collect(), &[b]),
+            ),
+        ],
+        torch: Some(vec![("q", qt), ("k", kt), ("v", vt)]),
+        oracle: json!({"kind": "forward", "causal": causal, "window": null, "heads": h,
+                       "kv_heads": hkv, "head_dim": d, "scale": p.effective_scale(),
+                       "dtype": dtype_name(dt), "cu_seqlens": [cu_q, cu_k]}),
+    }
+}
+
+/// FP8 under a causal mask, with GQA and odd lengths.
+fn fp8_causal_case() -> Case {
+    let mut rng = SplitMix64::new(78);
+    let (b, s, t, h, hkv, d) = (1usize, 131usize, 301usize, 8usize, 2usize, 128usize);
+    let p = AttentionParams::new(h, hkv, d, true);
+    let mut fp8 = |shape: &[usize]| random(&mut rng, shape, DType::F8E4M3, -2.0, 2.0);
+    Case {
+        name: "fp8_gqa_causal_cache_d128".into(),
+        op: Op::Attention(p),
+        inputs: vec![
+            ("q", fp8(&[b, s, h * d])),
+            ("k", fp8(&[b, t, hkv * d])),
+            ("v", fp8(&[b, t, hkv * d])),
+        ],
+        torch: None,
+        oracle: json!({"kind": "forward", "causal": true, "window": null, "heads": h,
+                       "kv_heads": hkv, "head_dim": d, "scale": p.effective_scale(),
+                       "dtype": "fp8"}),
+    }
 }
 
 /// The Python that runs the oracle, if it has torch (on CUDA unless `cpu`).
@@ -323,8 +498,33 @@ fn attention_matches_torch() {
     } else {
         cases(&[DType::BF16, DType::F16])
     };
+    let dts: &[DType] = if cpu {
+        &[DType::F32]
+    } else {
+        &[DType::BF16, DType::F16]
+    };
+    all.extend(random_cases(dts, 12, 2026));
+    for (n, &dt) in dts.iter().enumerate() {
+        let tag = dtype_name(dt);
+        let seed = 500 + n as u64;
+        all.push(paged_case(
+            &format!("paged_decode_{tag}"),
+            dt,
+            &[1, 200, 37],
+            false,
+            seed,
+        ));
+        all.push(paged_case(
+            &format!("paged_causal_{tag}"),
+            dt,
+            &[70, 16],
+            true,
+            seed + 10,
+        ));
+    }
     if !cpu {
         all.extend(fp8_cases());
+        all.push(fp8_causal_case());
     }
     let dir = std::env::temp_dir().join(format!("kpt-torch-oracle-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -345,7 +545,7 @@ fn attention_matches_torch() {
         let mut desc = c.oracle.clone();
         let mut shapes = serde_json::Map::new();
         let mut names = Vec::new();
-        for (n, t) in &c.inputs {
+        for (n, t) in c.torch.as_ref().unwrap_or(&c.inputs) {
             if n.starts_with("cu_seqlens") {
                 continue;
             }
@@ -408,8 +608,10 @@ fn attention_matches_torch() {
         "kpt vs torch:\n{}",
         failures.join("\n")
     );
+    let names: Vec<&str> = all.iter().map(|c| c.name.as_str()).collect();
     note(&format!(
-        "kpt-nvidia torch oracle: {} cases on {device} agree with torch",
-        all.len()
+        "kpt-nvidia torch oracle: {} cases on {device} agree with torch: {}",
+        all.len(),
+        names.join(", ")
     ));
 }
