@@ -476,9 +476,18 @@ pub trait StepRunner {
         drop(cache);
     }
 
+    /// Makes room in `cache` for `rows` positions before its decoding starts, so that a
+    /// runner with caches of a fixed capacity allocates them once. The default does
+    /// nothing.
+    fn reserve(&mut self, cache: &mut Self::Cache, rows: usize) -> Result<()> {
+        let _ = (cache, rows);
+        Ok(())
+    }
+
     /// Takes the caches of sequences that will decode together, in order (from
-    /// [`StepRunner::prefill_many`]).
-    fn batch(&mut self, caches: Vec<Self::Cache>) -> Result<Self::Batch>;
+    /// [`StepRunner::prefill_many`]), with room for `rows` positions in each where the
+    /// runner allocates ahead ([`StepRunner::reserve`]).
+    fn batch(&mut self, caches: Vec<Self::Cache>, rows: usize) -> Result<Self::Batch>;
 
     /// One decode step of the batch's sequences `active` (indices into it, ascending),
     /// sequence `active[i]` fed `tokens[i]` at `positions[i]` (its length): returns each
@@ -1176,13 +1185,18 @@ pub struct PagedBatch {
 
 impl PagedBatch {
     /// The sequences' caches `[1, capacity, kv_dim]` of every layer, copied into pools
-    /// of one block per sequence (the largest capacity).
-    fn new(caches: &[Vec<DeviceTensor>], backend: &dyn Backend) -> Result<Self> {
+    /// of one block per sequence: blocks of the largest capacity, or of
+    /// [`cache_capacity`] rows for `rows` positions where that is more.
+    fn new(caches: &[Vec<DeviceTensor>], rows: usize, backend: &dyn Backend) -> Result<Self> {
         let first = caches
             .first()
             .ok_or_else(|| ModelError::Generation("a batch of no sequence".into()))?;
         let shape_err = |what: String| ModelError::Generation(format!("batched caches: {what}"));
-        let mut block_size = 1;
+        let mut block_size = if rows > 1 {
+            cache_capacity(rows - 1)
+        } else {
+            1
+        };
         for (i, c) in caches.iter().enumerate() {
             if c.len() != first.len() {
                 return Err(shape_err(format!(
@@ -1299,8 +1313,17 @@ impl StepRunner for PlanRunner {
     type Cache = Vec<DeviceTensor>;
     type Batch = PagedBatch;
 
-    fn batch(&mut self, caches: Vec<Vec<DeviceTensor>>) -> Result<PagedBatch> {
-        let batch = PagedBatch::new(&caches, self.decode.backend().as_ref())?;
+    fn reserve(&mut self, cache: &mut Vec<DeviceTensor>, rows: usize) -> Result<()> {
+        let backend = self.decode.backend().clone();
+        let position = rows.saturating_sub(1);
+        *cache = self
+            .pool
+            .with_room(std::mem::take(cache), position, backend.as_ref())?;
+        Ok(())
+    }
+
+    fn batch(&mut self, caches: Vec<Vec<DeviceTensor>>, rows: usize) -> Result<PagedBatch> {
+        let batch = PagedBatch::new(&caches, rows, self.decode.backend().as_ref())?;
         for cache in caches {
             self.pool.release(cache);
         }
@@ -1487,7 +1510,7 @@ impl StepRunner for ReferenceRunner<'_> {
     type Cache = Vec<Tensor>;
     type Batch = Vec<Vec<Tensor>>;
 
-    fn batch(&mut self, caches: Vec<Vec<Tensor>>) -> Result<Vec<Vec<Tensor>>> {
+    fn batch(&mut self, caches: Vec<Vec<Tensor>>, _rows: usize) -> Result<Vec<Vec<Tensor>>> {
         Ok(caches)
     }
 
@@ -1712,8 +1735,11 @@ impl<R: StepRunner> Generator<R> {
         // Greedy steps ask the runner for the token alone (picked on the device where its
         // plan can).
         let greedy = sampling.is_greedy();
+        // Every position a sequence can reach: its prompt and all but its last new token.
+        let rows = refs.iter().map(|p| p.len()).max().unwrap_or(0) + stop.max_new_tokens - 1;
         if seqs.len() == 1 {
-            let cache = caches.pop().expect("one prompt, one cache");
+            let mut cache = caches.pop().expect("one prompt, one cache");
+            self.runner.reserve(&mut cache, rows)?;
             let (cache, done) = self.decode_one(
                 cache,
                 &mut seqs[0],
@@ -1727,7 +1753,7 @@ impl<R: StepRunner> Generator<R> {
             done?;
         } else {
             // Several sequences step together, each step one token of every unfinished one.
-            let mut batch = self.runner.batch(caches)?;
+            let mut batch = self.runner.batch(caches, rows)?;
             let done = self.decode_many(
                 &mut batch,
                 &mut seqs,
@@ -2086,7 +2112,7 @@ mod tests {
         type Cache = Vec<i64>;
         type Batch = Vec<Vec<i64>>;
 
-        fn batch(&mut self, caches: Vec<Vec<i64>>) -> Result<Vec<Vec<i64>>> {
+        fn batch(&mut self, caches: Vec<Vec<i64>>, _rows: usize) -> Result<Vec<Vec<i64>>> {
             Ok(caches)
         }
 

@@ -11,7 +11,7 @@ use kpt_core::{DType, OptLevel};
 use kpt_kernels::CpuReference;
 use kpt_models::generate::{
     argmax, last_logits, prefill_inputs, Generator, PlanRunner, ReferenceRunner, SamplingParams,
-    StepRunner, StopCondition, StopReason,
+    StepOutput, StepRunner, StopCondition, StopReason,
 };
 use kpt_models::lower::{last_rows, pack_prompts, unpack};
 use kpt_models::synthetic::{write_checkpoint, write_tokenizer, WriteOptions};
@@ -236,12 +236,11 @@ fn greedy_picks_in_the_plan_equal_picks_on_the_host() {
     }
 }
 
-/// Several sequences decode together, one `[active, 1]` step over paged caches: short
-/// prompts (blocks of 3 rows, the longest prompt's cache) generating 12 tokens each take
-/// five blocks apiece, so the pools double three times, and the sequences that stop at
-/// EOS leave the batch while the others go on. Tokens equal each prompt decoded alone.
+/// Several sequences decode together, one `[active, 1]` step over paged caches, and
+/// generate what each prompt generates alone; sequences that stop at EOS leave the batch
+/// while the others go on. Greedy on the host and on the device.
 #[test]
-fn batched_decode_over_many_blocks_equals_each_prompt_alone() {
+fn batched_decode_equals_each_prompt_alone() {
     let dir = tempfile::tempdir().unwrap();
     llama_dir(dir.path(), 44);
     let model = Checkpoint::open(dir.path())
@@ -250,16 +249,7 @@ fn batched_decode_over_many_blocks_equals_each_prompt_alone() {
         .unwrap();
     let prompts: [&[u32]; 4] = [&[0, 7], &[0, 250, 3], &[0], &[0, 9, 9]];
     for picking in [false, true] {
-        let runner = if picking {
-            picking_runner(&model, OptLevel::Balanced)
-        } else {
-            plan_runner(&model, OptLevel::Balanced)
-        };
-        let runner = runner.with_packed(executor(
-            &model.graph_packed(8, 2).unwrap(),
-            OptLevel::Balanced,
-        ));
-        let mut g = Generator::for_model(runner, &model).unwrap();
+        let mut g = Generator::for_model(batch_runner(&model, picking), &model).unwrap();
         let alone: Vec<Vec<u32>> = prompts
             .iter()
             .map(|p| greedy(&mut g, &[p], 12).remove(0))
@@ -287,6 +277,66 @@ fn batched_decode_over_many_blocks_equals_each_prompt_alone() {
                 .sum::<usize>()
         );
     }
+}
+
+/// A batch without room reserved (blocks of 3 rows, the longest prompt's cache) whose
+/// sequences decode 12 tokens each: they take five blocks apiece, so the pools double
+/// three times, and the steps still give what each prompt gives alone.
+#[test]
+fn batched_decode_takes_new_blocks_as_sequences_fill_them() {
+    let dir = tempfile::tempdir().unwrap();
+    llama_dir(dir.path(), 45);
+    let model = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_model(DType::F32)
+        .unwrap();
+    let prompts: [&[i64]; 3] = [&[0, 7], &[0, 250, 3], &[0]];
+    for picking in [false, true] {
+        let mut runner = batch_runner(&model, picking);
+        let first = runner.prefill_many(&prompts).unwrap();
+        let (logits, caches): (Vec<_>, Vec<_>) = first.into_iter().unzip();
+        let mut batch = runner.batch(caches, 0).unwrap();
+        let mut tokens: Vec<i64> = logits
+            .iter()
+            .map(|l| i64::from(argmax(l).unwrap()))
+            .collect();
+        let mut got: Vec<Vec<i64>> = tokens.iter().map(|&t| vec![t]).collect();
+        for step in 0..11 {
+            let positions: Vec<usize> = prompts.iter().map(|p| p.len() + step).collect();
+            let next = runner
+                .decode_batch(&mut batch, &[0, 1, 2], &tokens, &positions, true)
+                .unwrap();
+            for (i, n) in next.into_iter().enumerate() {
+                let StepOutput::Token(t) = n else {
+                    panic!("a greedy step gives tokens")
+                };
+                tokens[i] = i64::from(t);
+                got[i].push(i64::from(t));
+            }
+        }
+        runner.release_batch(batch);
+        let mut g = Generator::for_model(runner, &model).unwrap();
+        for (p, got) in prompts.iter().zip(&got) {
+            let p: Vec<u32> = p.iter().map(|&t| t as u32).collect();
+            let want: Vec<i64> = greedy(&mut g, &[&p], 12)[0]
+                .iter()
+                .map(|&t| i64::from(t))
+                .collect();
+            assert_eq!(got, &want, "picking on the device: {picking}");
+        }
+    }
+}
+
+/// Plans at the balanced level with a packed prefill; the decode plan picks greedy
+/// tokens on the device when `picking`.
+fn batch_runner(model: &Model, picking: bool) -> PlanRunner {
+    let level = OptLevel::Balanced;
+    let runner = if picking {
+        picking_runner(model, level)
+    } else {
+        plan_runner(model, level)
+    };
+    runner.with_packed(executor(&model.graph_packed(8, 2).unwrap(), level))
 }
 
 /// Plans whose prefills compute only the last tokens' logits (`Phase::PrefillLast`, alone
