@@ -1252,7 +1252,7 @@ impl PagedBatch {
 
     /// Gives sequence `i` the blocks that `position` needs, doubling the pools when none
     /// is free.
-    fn reserve(&mut self, i: usize, position: usize, backend: &dyn Backend) -> Result<()> {
+    fn room_for(&mut self, i: usize, position: usize, backend: &dyn Backend) -> Result<()> {
         while self.tables[i].len() <= position / self.block_size {
             let blocks = self.pools.first().map_or(0, |p| p.spec.shape[0]);
             if self.used == blocks {
@@ -1341,7 +1341,7 @@ impl StepRunner for PlanRunner {
         check_batch_step(batch.tables.len(), active, tokens, positions)?;
         let backend = self.decode.backend().clone();
         for (&i, &p) in active.iter().zip(positions) {
-            batch.reserve(i, p, backend.as_ref())?;
+            batch.room_for(i, p, backend.as_ref())?;
         }
         let graph = &self.decode.plan().graph;
         let picks = greedy && picks_tokens(graph);
