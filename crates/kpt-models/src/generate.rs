@@ -1344,7 +1344,8 @@ impl StepRunner for PlanRunner {
             batch.room_for(i, p, backend.as_ref())?;
         }
         let graph = &self.decode.plan().graph;
-        let picks = greedy && picks_tokens(graph);
+        let has_tokens = picks_tokens(graph);
+        let picks = greedy && has_tokens;
         let keep = resident_outputs(graph, picks);
         let mut feed: Vec<RunTensor> = batch
             .step_inputs(active, tokens, positions)?
@@ -1358,11 +1359,7 @@ impl StepRunner for PlanRunner {
         );
         let mut outs = self.decode.run_resident(feed, &keep)?.into_iter();
         let logits = outs.next();
-        let picked = if picks_tokens(&self.decode.plan().graph) {
-            outs.next()
-        } else {
-            None
-        };
+        let picked = if has_tokens { outs.next() } else { None };
         batch.pools = outs
             .map(|o| Ok(o.into_device(backend.as_ref())?))
             .collect::<Result<Vec<_>>>()?;
@@ -1577,6 +1574,10 @@ pub struct Generator<R: StepRunner> {
 }
 
 /// The state of one sequence during [`Generator::generate`].
+/// The most cache rows a generation reserves before decoding (`StepRunner::reserve`);
+/// longer ones grow their caches as they fill.
+const MAX_RESERVED_ROWS: usize = 1 << 16;
+
 struct Sequence {
     next: StepOutput,
     sampler: Sampler,
@@ -1661,7 +1662,7 @@ impl<R: StepRunner> Generator<R> {
             // The last generated token is never fed back, so the positions used run to
             // len + max_new_tokens - 2.
             if let Some(max) = self.max_positions {
-                let needed = p.len() + stop.max_new_tokens - 1;
+                let needed = p.len().saturating_add(stop.max_new_tokens - 1);
                 if needed > max {
                     return Err(ModelError::Generation(format!(
                         "prompt {i} of {} tokens plus {} new tokens needs {needed} positions; \
@@ -1735,8 +1736,11 @@ impl<R: StepRunner> Generator<R> {
         // Greedy steps ask the runner for the token alone (picked on the device where its
         // plan can).
         let greedy = sampling.is_greedy();
-        // Every position a sequence can reach: its prompt and all but its last new token.
-        let rows = refs.iter().map(|p| p.len()).max().unwrap_or(0) + stop.max_new_tokens - 1;
+        // Every position a sequence can reach: its prompt and all but its last new token
+        // (at most MAX_RESERVED_ROWS ahead; caches grow past that as they fill).
+        let rows = (refs.iter().map(|p| p.len()).max().unwrap_or(0))
+            .saturating_add(stop.max_new_tokens - 1)
+            .min(MAX_RESERVED_ROWS);
         if seqs.len() == 1 {
             let mut cache = caches.pop().expect("one prompt, one cache");
             self.runner.reserve(&mut cache, rows)?;
@@ -2192,6 +2196,18 @@ mod tests {
         // sequences, then the first alone).
         assert_eq!(g.runner().decodes, 4);
         assert_eq!(g.runner().batched_steps, 3);
+        // No token budget to speak of (nothing reserved past MAX_RESERVED_ROWS): EOS ends it.
+        let open = g
+            .generate(
+                &[&[2], &[3]],
+                &SamplingParams::greedy(),
+                &StopCondition::new(usize::MAX).with_eos(&[6]),
+                None,
+                |_| Ok(()),
+            )
+            .unwrap();
+        assert_eq!(open.outputs[0].tokens, [3, 4, 5, 6]);
+        assert_eq!(open.outputs[1].tokens, [4, 5, 6]);
         assert_eq!(out.stats.decode_ms.len(), 3);
         assert_eq!(out.stats.decode_tokens, 4);
         assert_eq!(events.len(), 6);
@@ -2239,6 +2255,8 @@ mod tests {
         assert!(run(&[&[1, 9]], StopCondition::new(2)).contains("token 9, outside"));
         assert!(run(&[&[1]], StopCondition::new(0)).contains("max_new_tokens is 0"));
         assert!(run(&[&[1, 2, 3]], StopCondition::new(4)).contains("needs 6 positions"));
+        let e = run(&[&[1, 2, 3]], StopCondition::new(usize::MAX));
+        assert!(e.contains("positions"), "{e}");
         let e = run(&[&[1]], StopCondition::new(2).with_stop_strings(["x"]));
         assert!(e.contains("need the tokenizer"), "{e}");
         let bad = SamplingParams {
