@@ -121,9 +121,10 @@ pub fn cpu_kernels() -> Vec<KernelDef> {
             AttentionBackward,
             F32,
             "dq, dk, dv with recomputed probabilities (from the forward's log-sum-exp when \
-             given) and dropout decisions; (batch, kv head) tasks in parallel",
+             given) and dropout decisions; (batch, kv head) tasks in parallel; \
+             variable-length batches one sequence at a time",
         )
-        .limits(ANY_ATTENTION_BACKWARD_DROPOUT),
+        .limits(ANY_ATTENTION_BACKWARD_VARLEN_DROPOUT),
         k("cpu.add", Add, F32, "broadcasting add"),
         k("cpu.mul", Mul, F32, "broadcasting multiply"),
         k(
@@ -673,6 +674,13 @@ const ANY_ATTENTION_BACKWARD_DROPOUT: ShapeLimits = ShapeLimits {
     ..ANY_ATTENTION_BACKWARD
 };
 
+/// Every dense or variable-length attention backward shape, with dropout (the reference
+/// and the CPU kernel, which run a variable-length batch one sequence at a time).
+const ANY_ATTENTION_BACKWARD_VARLEN_DROPOUT: ShapeLimits = ShapeLimits {
+    varlen: true,
+    ..ANY_ATTENTION_BACKWARD_DROPOUT
+};
+
 /// The f64 reference declared for every op: correct for every float dtype, slow.
 pub fn reference_kernels() -> Vec<KernelDef> {
     OpKind::ALL
@@ -722,7 +730,7 @@ pub fn reference_kernels() -> Vec<KernelDef> {
             if op == OpKind::Attention {
                 def = def.limits(ANY_ATTENTION_DROPOUT);
             } else if op == OpKind::AttentionBackward {
-                def = def.limits(ANY_ATTENTION_BACKWARD_DROPOUT);
+                def = def.limits(ANY_ATTENTION_BACKWARD_VARLEN_DROPOUT);
             }
             def
         })

@@ -515,6 +515,30 @@ impl CpuBackend {
                 let (rows, dim) = rows_dim(&inputs[0].spec.shape);
                 cpu::softmax::argmax(input(&inputs[0])?, output(out0)?, rows, dim)
             }
+            Op::AttentionBackward(p) if p.varlen => {
+                let shape = attention_shape(p, &inputs[0].spec.shape, &inputs[1].spec.shape);
+                let [dq, dk, dv] = outputs else {
+                    return Err(KptError::Graph(
+                        "attention_backward needs three outputs".into(),
+                    ));
+                };
+                cpu::for_each_sequence_backward(
+                    &shape,
+                    &indices(&inputs[5])?,
+                    &indices(&inputs[6])?,
+                    (
+                        input(&inputs[0])?,
+                        input(&inputs[1])?,
+                        input(&inputs[2])?,
+                        input(&inputs[3])?,
+                        input(&inputs[4])?,
+                    ),
+                    (output(dq)?, output(dk)?, output(dv)?),
+                    |(q, k, v, out, dout), grads, s| {
+                        cpu::attention_backward(q, k, v, None, (out, dout, None), grads, s)
+                    },
+                )
+            }
             Op::AttentionBackward(p) => {
                 let shape = attention_shape(p, &inputs[0].spec.shape, &inputs[1].spec.shape);
                 let mask = if p.mask {

@@ -236,6 +236,22 @@ impl ReferenceOps for CpuReference {
                 let (rows, dim) = rows_dim(first.shape());
                 r::argmax(&x[0], &mut outs[0], rows, dim)?
             }
+            Op::AttentionBackward(p) if p.varlen => {
+                let shape = attention_shape(p, first.shape(), inputs[1].shape());
+                let [dq, dk, dv] = &mut outs[..] else {
+                    unreachable!("attention_backward infers three outputs")
+                };
+                cpu::for_each_sequence_backward(
+                    &shape,
+                    &ids(&inputs[5]),
+                    &ids(&inputs[6]),
+                    (&x[0], &x[1], &x[2], &x[3], &x[4]),
+                    (dq, dk, dv),
+                    |(q, k, v, out, dout), grads, s| {
+                        r::attention_backward((q, k, v, None), (out, dout, None), grads, s)
+                    },
+                )?
+            }
             Op::AttentionBackward(p) => {
                 let shape = attention_shape(p, first.shape(), inputs[1].shape());
                 let mask = if p.mask { Some(&x[5][..]) } else { None };

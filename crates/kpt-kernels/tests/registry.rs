@@ -1069,3 +1069,28 @@ fn wide_heads_take_the_mma_sync_flash_kernel_on_hopper() {
         );
     }
 }
+
+#[test]
+fn varlen_attention_backward_takes_the_cpu_kernel_or_the_reference() {
+    let registry = KernelRegistry::with_builtin();
+    let p = AttentionParams {
+        varlen: true,
+        ..AttentionParams::new(4, 2, 64, true)
+    };
+    let op = Op::AttentionBackward(p);
+    let chain = |dtype: DType, device: &DeviceInfo| {
+        let q = TensorSpec::new(&[1, 7, 4 * 64], dtype);
+        let kv = TensorSpec::new(&[1, 9, 2 * 64], dtype);
+        let cu = TensorSpec::new(&[3], DType::I64);
+        let inputs = vec![q.clone(), kv.clone(), kv, q.clone(), q, cu.clone(), cu];
+        op.infer(&inputs).expect("valid signature");
+        registry.fallback_chain(&op, &inputs, device)
+    };
+    assert_eq!(
+        chain(DType::F32, &cpu()),
+        strings(&["cpu.attention_backward", CPU_REFERENCE])
+    );
+    // No GPU kernel takes it yet: the host reference.
+    let hopper = fake_device(DeviceKind::Cuda, "sm_90a");
+    assert_eq!(chain(DType::BF16, &hopper), strings(&[CPU_REFERENCE]));
+}

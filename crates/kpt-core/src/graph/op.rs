@@ -25,9 +25,11 @@
 //!   of a variable-length batch and `i`, `j` positions within it. The log-sum-exp is the
 //!   softmax's, before dropout.
 //! - `AttentionBackward`: q, k, v, the forward output, its gradient, the mask when `mask`,
-//!   then with `lse` the forward's log-sum-exp `[B, Hq, S]` -> (dq, dk, dv). Given the
-//!   log-sum-exp, kernels take the probabilities as `exp(s - lse)` instead of recomputing
-//!   the softmax statistics.
+//!   then with `lse` the forward's log-sum-exp `[B, Hq, S]`, or with `varlen` (no mask, no
+//!   log-sum-exp) the forward's `cu_seqlens_q` and `cu_seqlens_k` -> (dq, dk, dv). Given
+//!   the log-sum-exp, kernels take the probabilities as `exp(s - lse)` instead of
+//!   recomputing the softmax statistics. A variable-length batch's sequences are
+//!   independent: each one's keys get the gradients of its own queries.
 //! - `Rotary`: x `[.., S, H*D]` (rank >= 2), positions (i32/i64) `[S]`, shared by every
 //!   sequence, or one per token, shaped like x's leading dims (`[B, S]` for x `[B, S, H*D]`:
 //!   batched decode of sequences at different lengths) -> same shape as x (NeoX "rotate
@@ -699,7 +701,9 @@ impl Op {
             Op::Attention(p) => {
                 3 + usize::from(p.mask) + 2 * usize::from(p.varlen) + 2 * usize::from(p.paged)
             }
-            Op::AttentionBackward(p) => 5 + usize::from(p.mask) + usize::from(p.lse),
+            Op::AttentionBackward(p) => {
+                5 + usize::from(p.mask) + usize::from(p.lse) + 2 * usize::from(p.varlen)
+            }
         }
     }
 
@@ -1097,14 +1101,25 @@ impl Op {
                         inputs[0].dtype,
                     ));
                 }
-                if p.varlen || p.paged {
+                if p.paged {
                     return Err(KptError::InvalidArgument(
-                        "attention_backward takes dense batches (no varlen, no paged cache)".into(),
+                        "attention_backward takes dense or variable-length batches (no paged \
+                         cache)"
+                            .into(),
+                    ));
+                }
+                if p.varlen && (p.mask || p.lse) {
+                    return Err(KptError::InvalidArgument(
+                        "a variable-length attention_backward takes no mask and no log-sum-exp"
+                            .into(),
                     ));
                 }
                 let mut forward = vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()];
                 if p.mask {
                     forward.push(inputs[5].clone());
+                }
+                if p.varlen {
+                    forward.extend([inputs[5].clone(), inputs[6].clone()]);
                 }
                 let out = Op::Attention(*p).infer(&forward)?;
                 for (t, what) in [(&inputs[3], "out"), (&inputs[4], "dout")] {
@@ -1602,6 +1617,28 @@ mod tests {
             paged.infer(&ins),
             Err(KptError::Graph(_) | KptError::InvalidArgument(_))
         ));
+        // A variable-length batch: the offsets follow dout.
+        let varlen = Op::AttentionBackward(AttentionParams { varlen: true, ..p });
+        assert_eq!(varlen.num_inputs(), 7);
+        let (q, kv) = (s(&[1, 7, 32], DType::BF16), s(&[1, 9, 16], DType::BF16));
+        let cu = s(&[3], DType::I64);
+        let ins = [
+            q.clone(),
+            kv.clone(),
+            kv.clone(),
+            q.clone(),
+            q.clone(),
+            cu.clone(),
+            cu,
+        ];
+        assert_eq!(varlen.infer(&ins).unwrap(), vec![q, kv.clone(), kv]);
+        let masked = Op::AttentionBackward(AttentionParams {
+            varlen: true,
+            mask: true,
+            ..p
+        });
+        let err = masked.infer(&[ins.to_vec(), vec![s(&[7, 9], DType::F32)]].concat());
+        assert!(err.unwrap_err().to_string().contains("no mask"));
     }
 
     #[test]

@@ -48,8 +48,8 @@ pub use linear::{linear, WeightsRef};
 pub use norm::{add_layer_norm, add_rms_norm, layer_norm, rms_norm};
 pub use rotary::{rotary, split_rotary};
 pub use shapes::{
-    for_each_paged_sequence, for_each_sequence, varlen_segments, AttentionShape, PagedKv,
-    ShapeDropout,
+    for_each_paged_sequence, for_each_sequence, for_each_sequence_backward, varlen_segments,
+    AttentionShape, PagedKv, ShapeDropout,
 };
 pub use softmax::{argmax, softmax};
 

@@ -386,6 +386,72 @@ pub fn for_each_sequence<T: Copy + Default>(
     Ok(())
 }
 
+/// [`for_each_sequence`] for the backward pass: `run` gets each sequence's q, k, v, forward
+/// output and its gradient, and its rows of dq, dk and dv (a sequence's keys get its own
+/// queries' gradients only); queries without keys get a zero dq, keys without queries
+/// zero dk and dv.
+#[allow(clippy::type_complexity)]
+pub fn for_each_sequence_backward<T: Copy + Default>(
+    shape: &AttentionShape,
+    cu_q: &[i64],
+    cu_k: &[i64],
+    (q, k, v, out, dout): (&[T], &[T], &[T], &[T], &[T]),
+    (dq, dk, dv): (&mut [T], &mut [T], &mut [T]),
+    mut run: impl FnMut(
+        (&[T], &[T], &[T], &[T], &[T]),
+        (&mut [T], &mut [T], &mut [T]),
+        &AttentionShape,
+    ) -> Result<()>,
+) -> Result<()> {
+    let (qr, kr) = (shape.q_row(), shape.kv_row());
+    for (what, len, want) in [
+        ("q", q.len(), shape.q_len()),
+        ("k", k.len(), shape.kv_len()),
+        ("v", v.len(), shape.kv_len()),
+        ("out", out.len(), shape.q_len()),
+        ("dout", dout.len(), shape.q_len()),
+        ("dq", dq.len(), shape.q_len()),
+        ("dk", dk.len(), shape.kv_len()),
+        ("dv", dv.len(), shape.kv_len()),
+    ] {
+        check_len("attention_backward", what, len, want)?;
+    }
+    dq.fill(T::default());
+    dk.fill(T::default());
+    dv.fill(T::default());
+    for (seq, (qs, ks)) in varlen_segments(cu_q, cu_k, shape.seq_q, shape.seq_kv)?
+        .into_iter()
+        .enumerate()
+    {
+        if qs.is_empty() || ks.is_empty() {
+            continue;
+        }
+        let sub = AttentionShape {
+            batch: 1,
+            seq_q: qs.len(),
+            seq_kv: ks.len(),
+            dropout: shape.dropout.map(|d| ShapeDropout {
+                first_batch: d.first_batch + seq,
+                ..d
+            }),
+            ..*shape
+        };
+        let (qrows, krows) = (qs.start * qr..qs.end * qr, ks.start * kr..ks.end * kr);
+        run(
+            (
+                &q[qrows.clone()],
+                &k[krows.clone()],
+                &v[krows.clone()],
+                &out[qrows.clone()],
+                &dout[qrows.clone()],
+            ),
+            (&mut dq[qrows], &mut dk[krows.clone()], &mut dv[krows]),
+            &sub,
+        )?;
+    }
+    Ok(())
+}
+
 /// A paged KV cache (vLLM's layout): `num_blocks` blocks of `block_size` rows each, every
 /// sequence's keys listed block by block in its row of the block table.
 #[derive(Debug, Clone, Copy)]
