@@ -79,6 +79,19 @@ def ieee_fp32():
         torch.set_float32_matmul_precision(precision)
 
 
+@contextlib.contextmanager
+def exact(dtype):
+    """For fp32 (`dtype` "f32"), `ieee_fp32` and SDPA's math backend, so that a run is as
+    exact as its dtype allows; other dtypes run as they are."""
+    if dtype != "f32":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with ieee_fp32(), sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
 def fp32_rotary(model):
     """`.to(dtype)` also rounds the rotary embedding's inverse frequencies (a buffer) to
     that dtype, which `from_pretrained(torch_dtype=...)` does not do: put them back in
@@ -161,14 +174,9 @@ class Worker:
         """Logits for an accuracy comparison. fp32: IEEE products (no TF32) and SDPA's
         math backend, so that the run is as exact as its dtype allows; other dtypes run
         as `greedy` does (SDPA's default choice)."""
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         model = self.model(req["dtype"])
         ids = torch.tensor([req["ids"]], device=self.device)
-        if req["dtype"] == "f32":
-            with ieee_fp32(), sdpa_kernel(SDPBackend.MATH):
-                out = model(ids).logits
-        else:
+        with exact(req["dtype"]):
             out = model(ids).logits
         return {"logits": out[0, -req["last"]:].float().cpu().tolist()}
 
@@ -208,8 +216,6 @@ class Worker:
     @torch.inference_mode()
     def encode(self, req):
         """Last hidden states and mean pooling of a padded batch; fp32 as `logits`."""
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         model = self.model(req["dtype"])
         seqs = req["seqs"]
         width = max(len(s) for s in seqs)
@@ -218,10 +224,8 @@ class Worker:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, device=self.device)
             mask[i, : len(s)] = 1
-        exact = req["dtype"] == "f32"
-        with ieee_fp32() if exact else contextlib.nullcontext():
-            with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
-                hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        with exact(req["dtype"]):
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
         m = mask.unsqueeze(-1).float()
         pooled = (hidden * m).sum(1) / m.sum(1)
         return {

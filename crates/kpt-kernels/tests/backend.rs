@@ -612,15 +612,7 @@ fn varlen_attention_backward_equals_each_sequence_alone() {
             cu_k,
         ];
         let op = Op::AttentionBackward(p);
-        let mut g = Graph::new();
-        let ins: Vec<_> = inputs
-            .iter()
-            .enumerate()
-            .map(|(i, t)| g.input(format!("in{i}"), t.dtype(), t.shape()))
-            .collect();
-        for v in g.op_multi("bwd", op.clone(), &ins).unwrap() {
-            g.output(v).unwrap();
-        }
+        let g = one_op_graph(&op, &inputs).unwrap();
         let backend = backend();
         let plan = optimize(&g, OptLevel::Conservative, &backend);
         assert_eq!(kernels(&plan), ["cpu.attention_backward"]);
@@ -802,16 +794,23 @@ fn bad_cu_seqlens_are_typed_errors() {
     }
 }
 
-/// Runs one op through the CPU backend's registry kernel.
-fn run_op_on_backend(op: &Op, inputs: &[Tensor]) -> kpt_core::Result<()> {
+/// A graph of one op on inputs shaped like `inputs`, every output of it a graph output.
+fn one_op_graph(op: &Op, inputs: &[Tensor]) -> kpt_core::Result<Graph> {
     let mut g = Graph::new();
     let ins: Vec<_> = inputs
         .iter()
         .enumerate()
         .map(|(i, t)| g.input(format!("in{i}"), t.dtype(), t.shape()))
         .collect();
-    let o = g.op("op", op.clone(), &ins)?;
-    g.output(o)?;
+    for o in g.op_multi("op", op.clone(), &ins)? {
+        g.output(o)?;
+    }
+    Ok(g)
+}
+
+/// Runs one op through the CPU backend's registry kernel.
+fn run_op_on_backend(op: &Op, inputs: &[Tensor]) -> kpt_core::Result<()> {
+    let g = one_op_graph(op, inputs)?;
     let backend = backend();
     let plan = optimize(&g, OptLevel::Conservative, &backend);
     Executor::new(plan, backend)?.run(inputs).map(|_| ())

@@ -503,8 +503,10 @@ pub trait StepRunner {
         greedy: bool,
     ) -> Result<Vec<StepOutput>>;
 
-    /// Takes back a batch whose sequences are finished.
-    fn release_batch(&mut self, batch: Self::Batch);
+    /// Takes back a batch whose sequences are finished. The default drops it.
+    fn release_batch(&mut self, batch: Self::Batch) {
+        drop(batch);
+    }
 }
 
 /// [`StepRunner::decode_batch`] one sequence at a time, for runners whose batch is the
@@ -1397,10 +1399,6 @@ impl StepRunner for PlanRunner {
         Ok(next)
     }
 
-    fn release_batch(&mut self, batch: PagedBatch) {
-        drop(batch);
-    }
-
     fn release(&mut self, cache: Vec<DeviceTensor>) {
         self.pool.release(cache);
     }
@@ -1520,10 +1518,6 @@ impl StepRunner for ReferenceRunner<'_> {
         greedy: bool,
     ) -> Result<Vec<StepOutput>> {
         decode_each(self, batch, active, tokens, positions, greedy)
-    }
-
-    fn release_batch(&mut self, batch: Vec<Vec<Tensor>>) {
-        drop(batch);
     }
 
     fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<Tensor>)> {
@@ -2130,10 +2124,6 @@ mod tests {
         ) -> Result<Vec<StepOutput>> {
             self.batched_steps += 1;
             decode_each(self, batch, active, tokens, positions, greedy)
-        }
-
-        fn release_batch(&mut self, batch: Vec<Vec<i64>>) {
-            drop(batch);
         }
 
         fn prefill(&mut self, prompt: &[i64]) -> Result<(Vec<f64>, Vec<i64>)> {

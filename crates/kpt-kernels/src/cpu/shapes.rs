@@ -367,16 +367,7 @@ pub fn for_each_sequence<T: Copy + Default>(
         if qs.is_empty() {
             continue;
         }
-        let sub = AttentionShape {
-            batch: 1,
-            seq_q: qs.len(),
-            seq_kv: ks.len(),
-            dropout: shape.dropout.map(|d| ShapeDropout {
-                first_batch: d.first_batch + seq,
-                ..d
-            }),
-            ..*shape
-        };
+        let sub = sequence_shape(shape, seq, qs.len(), ks.len());
         let (kk, vv) = (
             &k[ks.start * kr..ks.end * kr],
             &v[ks.start * kr..ks.end * kr],
@@ -384,6 +375,26 @@ pub fn for_each_sequence<T: Copy + Default>(
         run(&q[qs.start * qr..qs.end * qr], kk, vv, o, &sub)?;
     }
     Ok(())
+}
+
+/// Sequence `seq` of a variable-length batch as a dense batch of one: `seq_q` queries,
+/// `seq_kv` keys, dropout decisions drawn as batch entry `seq`.
+fn sequence_shape(
+    shape: &AttentionShape,
+    seq: usize,
+    seq_q: usize,
+    seq_kv: usize,
+) -> AttentionShape {
+    AttentionShape {
+        batch: 1,
+        seq_q,
+        seq_kv,
+        dropout: shape.dropout.map(|d| ShapeDropout {
+            first_batch: d.first_batch + seq,
+            ..d
+        }),
+        ..*shape
+    }
 }
 
 /// [`for_each_sequence`] for the backward pass: `run` gets each sequence's q, k, v, forward
@@ -426,16 +437,7 @@ pub fn for_each_sequence_backward<T: Copy + Default>(
         if qs.is_empty() || ks.is_empty() {
             continue;
         }
-        let sub = AttentionShape {
-            batch: 1,
-            seq_q: qs.len(),
-            seq_kv: ks.len(),
-            dropout: shape.dropout.map(|d| ShapeDropout {
-                first_batch: d.first_batch + seq,
-                ..d
-            }),
-            ..*shape
-        };
+        let sub = sequence_shape(shape, seq, qs.len(), ks.len());
         let (qrows, krows) = (qs.start * qr..qs.end * qr, ks.start * kr..ks.end * kr);
         run(
             (
