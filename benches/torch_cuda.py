@@ -192,7 +192,7 @@ def variants(req):
         return out
     if kind == "attention_decode":
         b, hq, hkv, d, s = req["batch"], req["heads"], req["kv_heads"], req["head_dim"], req["seq_kv"]
-        q = rand((b, hq, 1, d), dt, -2.0, 2.0)
+        q = rand((b, hq, req.get("seq_q", 1), d), dt, -2.0, 2.0)
         k, v = rand((b, hkv, s, d), dt, -2.0, 2.0), rand((b, hkv, s, d), dt, -2.0, 2.0)
         out = sdpa_backends(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         # What a user without GQA support in a backend runs: K/V expanded to every head.

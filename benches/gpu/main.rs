@@ -377,6 +377,7 @@ fn attention_cases() -> Vec<Case> {
             random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
             random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
         ];
+        let kv = (inputs[1].clone(), inputs[2].clone());
         let torch = json!({"kind": "attention_decode", "batch": b, "heads": hq,
                            "kv_heads": hkv, "head_dim": d, "seq_kv": s, "dtype": "bf16"});
         // The same sizes over a paged cache (vLLM's layout): blocks of 16 rows, the
@@ -416,6 +417,26 @@ fn attention_cases() -> Vec<Case> {
             note: "bytes = K and V read once; split-KV kernel",
         });
         if s == 8192 {
+            // 16 queries a sequence (a speculative-decoding draft verified at once): 64
+            // query rows a kv group, the split-KV kernel's wide entries.
+            let sq = 16usize;
+            out.push(Case {
+                name: format!("attention_decode_q{sq}_bf16_b{b}_h{hq}kv{hkv}_d{d}_kv{s}"),
+                metric: "TB/s",
+                work: (2 * b * s * hkv * d * 2) as f64,
+                kpt: Work::Op(params(hq, hkv, d, false)),
+                inputs: vec![
+                    random(&mut rng, &[b, sq, hq * d], DType::BF16, -2.0, 2.0),
+                    kv.0.clone(),
+                    kv.1.clone(),
+                ],
+                torch: json!({"kind": "attention_decode", "batch": b, "heads": hq,
+                              "kv_heads": hkv, "head_dim": d, "seq_kv": s, "seq_q": sq,
+                              "dtype": "bf16"}),
+                target: Target::None,
+                note: "bytes = K and V read once; 16 queries a sequence (no mask), split-KV \
+                       kernel's wide entries (64 query rows a kv group)",
+            });
             // The same cache with every sequence's blocks in order (the dense layout read
             // through the table): what the table costs apart from the scattering.
             let mut ordered = paged_inputs.clone();

@@ -36,9 +36,15 @@
 // themselves (see merge_in_cluster): no workspace and no combine launch. The host takes
 // them where a group's tiles fit 8 runs of at most two tiles (short caches: decode).
 //
-// The host takes the split path when the group's rows fit (<= 32; f32: and kQFloats) and
-// the cache spans at least two tiles; bf16 / f16 need d % 16 == 0, f32 rows of whole
-// 16-byte vectors. See kpt-nvidia's `AttentionDims::split`.
+// kpt_attention_split_wide_* and kpt_attention_split_paged_wide_* (bf16 / f16, head dims
+// up to 128): the same blocks for 33 to 64 query rows a kv group (e.g. 9 to 16 queries at
+// 4 q heads per kv head, as speculative decoding verifies): 8 n-tiles, warp w taking
+// n-tiles w and w + 4 with all dims, each K and V fragment feeding both; 168 registers,
+// three blocks an SM; no cluster entries (the combine pass merges their runs).
+//
+// The host takes the split path when the group's rows fit (<= 32, or <= 64 on the wide
+// entries; f32: 32 and kQFloats) and the cache spans at least two tiles; bf16 / f16 need
+// d % 16 == 0, f32 rows of whole 16-byte vectors. See kpt-nvidia's `AttentionDims::split`.
 //
 // kpt_attention_split_paged_*: the same kernels over a paged KV cache (vLLM's layout, k
 // and v [num_blocks, block_size, kv_heads * d]), nothing read on the host: key j of batch
@@ -68,6 +74,10 @@
 // kpt:launch kpt_attention_split_cluster_f16 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_split_paged_cluster_bf16 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_split_paged_cluster_f16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_wide_bf16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_wide_f16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_paged_wide_bf16 block=128 shared=0 grid=splits
+// kpt:launch kpt_attention_split_paged_wide_f16 block=128 shared=0 grid=splits
 // kpt:launch kpt_attention_combine_f32 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_combine_bf16 block=128 shared=0 grid=rows
 // kpt:launch kpt_attention_combine_f16 block=128 shared=0 grid=rows
@@ -317,11 +327,15 @@ namespace tc {
 // head-dim class D (kpt-nvidia's SPLIT_STAGE_ELEMS).
 constexpr int kStageElems = 4096;
 constexpr int kStages = 2;
-// Query rows of a kv group: up to four n-tiles of 8 (kpt-nvidia's SPLIT_MAX_ROWS).
-constexpr int kMaxRows = 32;
+// Query rows of a kv group: up to four n-tiles of 8 at head-dim class 256, eight at 64 and
+// 128 (kpt-nvidia's SPLIT_MAX_ROWS and SPLIT_MAX_ROWS_WIDE); either way 16 KiB of query
+// elements.
+constexpr int kQElems = 32 * kMaxDim;
 constexpr int kStageBytes = 2 * kStageElems * 2;  // K, then V
-constexpr int kSmemBytes = kStages * kStageBytes + kMaxRows * kMaxDim * 2;  // 48 KiB
+constexpr int kSmemBytes = kStages * kStageBytes + kQElems * 2;  // 48 KiB
 constexpr int kMinBlocks = 4;  // an SM's shared memory holds four blocks
+// The wide entries (two n-tiles a warp) need more registers: three blocks an SM.
+constexpr int kMinBlocksWide = 3;
 
 // Byte offset of 16-byte chunk c of row r in a tile of `chunks` chunks a row (a multiple
 // of 8): the chunk index is XORed with r % 8, so the 8 rows an ldmatrix phase reads at
@@ -338,13 +352,13 @@ using kpt::mma;
 using kpt::pack2;
 using kpt::transpose8;
 
-// Where a block's warp sits in the split kernel: its batch and kv head, and the n-tile and
-// dim tiles (dp, dp + nw, ...) whose sums it holds (none when not active).
+// Where a block's warp sits in the split kernel: its batch and kv head, and the n-tiles
+// nt, nt + 4, ... (kNt of them, those below `ntiles` active) and dim tiles (dp, dp + nw,
+// ...) whose sums it holds.
 struct WarpPlace {
     long b;
     int g;
-    bool active;
-    int nt, dp, nw;
+    int ntiles, nt, dp, nw;
 };
 
 // The end of a cluster launch (kpt_attention_split_cluster_*): the sd.splits blocks of a
@@ -354,11 +368,11 @@ struct WarpPlace {
 // `split` merges rows split, split + splits, ... (a warp a row) from every block's copy
 // with the combine kernel's arithmetic, and writes them; a second barrier keeps every
 // block's shared memory alive until the others have read it.
-template <typename T, int D>
-__device__ __forceinline__ void merge_in_cluster(const float (&o)[D / 16][4], const float (&m)[2],
-                                                 float (&l)[2], T* __restrict__ out,
-                                                 const SplitDims& sd, const unsigned smem,
-                                                 const WarpPlace w) {
+template <typename T, int D, int kNt>
+__device__ __forceinline__ void merge_in_cluster(const float (&o)[kNt][D / 16][4],
+                                                 const float (&m)[kNt][2], float (&l)[kNt][2],
+                                                 T* __restrict__ out, const SplitDims& sd,
+                                                 const unsigned smem, const WarpPlace w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
     // Blocks of a kv group in a cluster launch: the portable cluster size (kpt-nvidia's
@@ -371,24 +385,28 @@ __device__ __forceinline__ void merge_in_cluster(const float (&o)[D / 16][4], co
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
     float* red = static_cast<float*>(__cvta_shared_to_generic(smem));
     __syncthreads();  // every warp is done with the stages and the query rows
-    if (w.active) {
+#pragma unroll
+    for (int u = 0; u < kNt; ++u) {
+        const int nt = w.nt + 4 * u;
+        if (nt >= w.ntiles) break;
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
+            float lc = l[u][c];
 #pragma unroll
-            for (int off = 4; off < 32; off *= 2) l[c] += __shfl_xor_sync(0xffffffffu, l[c], off);
-            const int r = w.nt * 8 + 2 * tig + c;
+            for (int off = 4; off < 32; off *= 2) lc += __shfl_xor_sync(0xffffffffu, lc, off);
+            const int r = nt * 8 + 2 * tig + c;
             if (r >= rows) continue;
             float* dst = red + r * stride;
             if (w.dp == 0 && gid == 0) {
-                dst[0] = m[c];
-                dst[1] = l[c];
+                dst[0] = m[u][c];
+                dst[1] = lc;
             }
 #pragma unroll
             for (int i = 0; i < D / 16; ++i) {
                 const int dt = w.dp + w.nw * i;
                 if (dt >= steps) break;
-                dst[2 + 16 * dt + gid] = o[i][c];
-                dst[2 + 16 * dt + 8 + gid] = o[i][2 + c];
+                dst[2 + 16 * dt + gid] = o[u][i][c];
+                dst[2 + 16 * dt + 8 + gid] = o[u][i][2 + c];
             }
         }
     }
@@ -435,8 +453,9 @@ __device__ __forceinline__ void merge_in_cluster(const float (&o)[D / 16][4], co
 
 // One block of the split kernel for head dims d <= D (d % 16 == 0); `smem` is the shared
 // address of kSmemBytes: stage s's K at s * kStageBytes, its V kStageElems * 2 further,
-// the query rows after the stages. Every tile row and query row has D / 8 chunks.
-template <typename T, int D, bool kPaged, bool kCluster>
+// the query rows after the stages. Every tile row and query row has D / 8 chunks. A warp
+// holds kNt n-tiles of query rows: one for up to 32 rows, two for up to 64 (D <= 128).
+template <typename T, int D, bool kPaged, bool kCluster, int kNt>
 __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict__ k,
                                     const T* __restrict__ v, const float* __restrict__ mask,
                                     float* __restrict__ part, T* __restrict__ out,
@@ -445,6 +464,7 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
     constexpr int kKeyTiles = kTile / 16;   // m-tiles of keys of S^T
     constexpr int kSteps = D / 16;          // k-steps of S^T, m-tiles of dims of O^T
     constexpr int kChunks = D / 8;
+    static_assert(kNt == 1 || (kNt == 2 && D <= 128), "query rows fit kQElems");
     const Dims& p = sd.p;
     const int d = p.head_dim, steps = d / 16, chunks = d / 8;
     const int group = p.heads / p.kv_heads, rows = p.seq_q * group;
@@ -532,24 +552,37 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
         }
     };
 
-    // Warps per n-tile, this warp's n-tile and its share of the dims: dim tiles dp, dp +
-    // nw, ... Warps past the last n-tile only load.
-    const int nw = ntiles == 1 ? 4 : (ntiles == 2 ? 2 : 1);
-    const int nt = warp / nw, dp = warp % nw;
+    // Warps per n-tile, this warp's first n-tile and its share of the dims: dim tiles dp,
+    // dp + nw, ... With two n-tiles a warp, warp w takes n-tiles w and w + 4, all dims.
+    // Warps past the last n-tile only load; n-tile slots past it compute nothing.
+    const int nw = kNt == 2 || ntiles > 2 ? 1 : (ntiles == 1 ? 4 : 2);
+    const int nt = kNt == 2 ? warp : warp / nw, dp = kNt == 2 ? 0 : warp % nw;
     const bool active = nt < ntiles;
-    // The lane's two rows nt * 8 + 2 tig + {0, 1} (padding rows borrow the last row's
-    // query): their query index and last visible key under the causal mask.
-    int qi[2], lim[2];
+    bool on[kNt];
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        qi[c] = min(nt * 8 + 2 * tig + c, rows - 1) / group;
-        lim[c] = qi[c] + len - p.seq_q;
+    for (int u = 0; u < kNt; ++u) on[u] = nt + 4 * u < ntiles;
+    // The lane's two rows of each n-tile, (nt + 4 u) * 8 + 2 tig + {0, 1} (padding rows
+    // borrow the last row's query): their query index and last visible key under the
+    // causal mask.
+    int qi[kNt][2], lim[kNt][2];
+#pragma unroll
+    for (int u = 0; u < kNt; ++u) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            qi[u][c] = min((nt + 4 * u) * 8 + 2 * tig + c, rows - 1) / group;
+            lim[u][c] = qi[u][c] + len - p.seq_q;
+        }
     }
     // O^T tiles (16 dims x 8 rows), running max and this lane's part of the row sums.
-    float o[kSteps][4];
+    float o[kNt][kSteps][4];
+    float m[kNt][2], l[kNt][2];
 #pragma unroll
-    for (int i = 0; i < kSteps; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int u = 0; u < kNt; ++u) {
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) o[u][i][0] = o[u][i][1] = o[u][i][2] = o[u][i][3] = 0.0f;
+        m[u][0] = m[u][1] = -INFINITY;
+        l[u][0] = l[u][1] = 0.0f;
+    }
 
     // Paged: row offsets of the current tile's keys (cur) and of the next one's (nxt).
     int cur_lo = -1, cur_hi = -1, nxt_lo = -1, nxt_hi = -1;
@@ -580,15 +613,25 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
         const unsigned ks = smem + stage * kStageBytes, vs = ks + kStageElems * 2;
         const int j0 = t * sd.tile, nk = min(sd.tile, len - j0);
 
-        // S^T = K Q^T. Q's ldmatrix covers two k-steps: matrices of dims 16 kp + 8 i.
-        float s[kKeyTiles][4];
+        // S^T = K Q^T, each K fragment used by every n-tile of the warp. Q's ldmatrix
+        // covers two k-steps: matrices of dims 16 kp + 8 i.
+        float s[kNt][kKeyTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < kKeyTiles; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+        for (int u = 0; u < kNt; ++u) {
+#pragma unroll
+            for (int mt = 0; mt < kKeyTiles; ++mt)
+                s[u][mt][0] = s[u][mt][1] = s[u][mt][2] = s[u][mt][3] = 0.0f;
+        }
 #pragma unroll
         for (int kp = 0; kp < kSteps; kp += 2) {
             if (kp >= steps) break;
-            unsigned qf[4];
-            ldsm_x4(qf, qs + swz(nt * 8 + (lane & 7), 2 * kp + lane / 8, kChunks));
+            unsigned qf[kNt][4];
+#pragma unroll
+            for (int u = 0; u < kNt; ++u) {
+                if (on[u])
+                    ldsm_x4(qf[u], qs + swz((nt + 4 * u) * 8 + (lane & 7), 2 * kp + lane / 8,
+                                            kChunks));
+            }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 if (kp + h >= steps) break;
@@ -597,63 +640,75 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
                     // A = K[16 mt.., 16 (kp + h)..]: matrices (keys +0, +8) x (dims +0, +8).
                     unsigned a[4];
                     ldsm_x4(a, ks + swz(16 * mt + (lane & 15), 2 * (kp + h) + lane / 16, kChunks));
-                    mma<T>(s[mt], a, qf[2 * h], qf[2 * h + 1]);
+#pragma unroll
+                    for (int u = 0; u < kNt; ++u) {
+                        if (on[u]) mma<T>(s[u][mt], a, qf[u][2 * h], qf[u][2 * h + 1]);
+                    }
                 }
             }
         }
 
-        // Scaled scores plus mask; invisible keys and keys past the cache's end are -inf.
-        // s[mt][e] is key 16 mt + gid + 8 (e / 2) of row 2 tig + e % 2.
-        float mx[2] = {-INFINITY, -INFINITY};
+        // Per n-tile: scaled scores plus mask (invisible keys and keys past the cache's
+        // end are -inf; s[u][mt][e] is key 16 mt + gid + 8 (e / 2) of row 2 tig + e % 2),
+        // the online softmax, and P^T as the B operand of O^T += V^T P^T: the accumulator's
+        // 8x8 halves (keys +0 and +8 on gid, rows on tig) rounded to T and transposed (keys
+        // on tig, rows on gid).
+        unsigned pb[kNt][kKeyTiles][2];
+        float alpha[kNt][2];
 #pragma unroll
-        for (int mt = 0; mt < kKeyTiles; ++mt) {
+        for (int u = 0; u < kNt; ++u) {
+            float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = 16 * mt + gid + 8 * (e / 2), c = e % 2, j = j0 + key;
-                float x = -INFINITY;
-                if (key < nk && (!p.causal || j <= lim[c]) && (!kPaged || (keys >> key & 1))) {
-                    x = s[mt][e] * p.scale;
-                    if (mask) x += mask[static_cast<long>(qi[c]) * p.seq_kv + j];
+            for (int mt = 0; mt < kKeyTiles; ++mt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = 16 * mt + gid + 8 * (e / 2), c = e % 2, j = j0 + key;
+                    float x = -INFINITY;
+                    if (key < nk && (!p.causal || j <= lim[u][c]) &&
+                        (!kPaged || (keys >> key & 1))) {
+                        x = s[u][mt][e] * p.scale;
+                        if (mask) x += mask[static_cast<long>(qi[u][c]) * p.seq_kv + j];
+                    }
+                    s[u][mt][e] = x;
+                    mx[c] = fmaxf(mx[c], x);
                 }
-                s[mt][e] = x;
-                mx[c] = fmaxf(mx[c], x);
             }
-        }
-        // Keys lie on gid: the max over the 8 lanes of each tig.
-        float ref[2], alpha[2];
+            // Keys lie on gid: the max over the 8 lanes of each tig.
+            float ref[2];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
+            for (int c = 0; c < 2; ++c) {
 #pragma unroll
-            for (int off = 4; off < 32; off *= 2)
-                mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], off));
-            const float mn = fmaxf(m[c], mx[c]);
-            ref[c] = mn == -INFINITY ? 0.0f : mn;  // nothing visible yet: p = 0, not NaN
-            alpha[c] = __expf(m[c] - ref[c]);
-            m[c] = mn;
-            l[c] *= alpha[c];
-        }
-        // P^T as the B operand of O^T += V^T P^T: the accumulator's 8x8 halves (keys +0
-        // and +8 on gid, rows on tig) rounded to T and transposed (keys on tig, rows on gid).
-        unsigned pb[kKeyTiles][2];
-#pragma unroll
-        for (int mt = 0; mt < kKeyTiles; ++mt) {
-            float e4[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                e4[e] = __expf(s[mt][e] - ref[e % 2]);
-                l[e % 2] += e4[e];
+                for (int off = 4; off < 32; off *= 2)
+                    mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], off));
+                const float mn = fmaxf(m[u][c], mx[c]);
+                ref[c] = mn == -INFINITY ? 0.0f : mn;  // nothing visible yet: p = 0, not NaN
+                alpha[u][c] = __expf(m[u][c] - ref[c]);
+                m[u][c] = mn;
+                l[u][c] *= alpha[u][c];
             }
-            pb[mt][0] = transpose8(pack2<T>(e4[0], e4[1]));
-            pb[mt][1] = transpose8(pack2<T>(e4[2], e4[3]));
+#pragma unroll
+            for (int mt = 0; mt < kKeyTiles; ++mt) {
+                float e4[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    e4[e] = __expf(s[u][mt][e] - ref[e % 2]);
+                    l[u][e % 2] += e4[e];
+                }
+                pb[u][mt][0] = transpose8(pack2<T>(e4[0], e4[1]));
+                pb[u][mt][1] = transpose8(pack2<T>(e4[2], e4[3]));
+            }
         }
 #pragma unroll
         for (int i = 0; i < kSteps; ++i) {
             const int dt = dp + nw * i;
             if (dt >= steps) break;
-            o[i][0] *= alpha[0];
-            o[i][1] *= alpha[1];
-            o[i][2] *= alpha[0];
-            o[i][3] *= alpha[1];
+#pragma unroll
+            for (int u = 0; u < kNt; ++u) {
+                o[u][i][0] *= alpha[u][0];
+                o[u][i][1] *= alpha[u][1];
+                o[u][i][2] *= alpha[u][0];
+                o[u][i][3] *= alpha[u][1];
+            }
 #pragma unroll
             for (int mt = 0; mt < kKeyTiles; ++mt) {
                 // A = V^T[16 dt.., 16 mt..]: matrices (dims +0, +8) x (keys +0, +8), each
@@ -661,41 +716,50 @@ __device__ __forceinline__ void run(const T* __restrict__ q, const T* __restrict
                 unsigned a[4];
                 ldsm_x4_t(a, vs + swz(16 * mt + (lane & 7) + 8 * (lane / 16),
                                       2 * dt + (lane / 8) % 2, kChunks));
-                mma<T>(o[i], a, pb[mt][0], pb[mt][1]);
+#pragma unroll
+                for (int u = 0; u < kNt; ++u) {
+                    if (on[u]) mma<T>(o[u][i], a, pb[u][mt][0], pb[u][mt][1]);
+                }
             }
         }
     }
     if constexpr (kPaged || kCluster) kpt::cp_async_wait<0>();  // an empty run's query rows
     if constexpr (kCluster) {
-        merge_in_cluster<T, D>(o, m, l, out, sd, smem, {b, g, active, nt, dp, nw});
+        merge_in_cluster<T, D, kNt>(o, m, l, out, sd, smem, {b, g, ntiles, nt, dp, nw});
         return;
     }
-    if (!active) return;
     const int stride = d + 2;
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
+    for (int u = 0; u < kNt; ++u) {
+        if (!on[u]) break;
 #pragma unroll
-        for (int off = 4; off < 32; off *= 2) l[c] += __shfl_xor_sync(0xffffffffu, l[c], off);
-        const int r = nt * 8 + 2 * tig + c;
-        if (r >= rows) continue;
-        const long row = (b * p.seq_q + r / group) * p.heads + g * group + r % group;
-        float* out = part + (row * sd.splits + split) * stride;
-        if (dp == 0 && gid == 0) {
-            out[0] = m[c];
-            out[1] = l[c];
-        }
+        for (int c = 0; c < 2; ++c) {
 #pragma unroll
-        for (int i = 0; i < kSteps; ++i) {
-            const int dt = dp + nw * i;
-            if (dt >= steps) break;
-            out[2 + 16 * dt + gid] = o[i][c];
-            out[2 + 16 * dt + 8 + gid] = o[i][2 + c];
+            for (int off = 4; off < 32; off *= 2)
+                l[u][c] += __shfl_xor_sync(0xffffffffu, l[u][c], off);
+            const int r = (nt + 4 * u) * 8 + 2 * tig + c;
+            if (r >= rows) continue;
+            const long row = (b * p.seq_q + r / group) * p.heads + g * group + r % group;
+            float* out = part + (row * sd.splits + split) * stride;
+            if (dp == 0 && gid == 0) {
+                out[0] = m[u][c];
+                out[1] = l[u][c];
+            }
+#pragma unroll
+            for (int i = 0; i < kSteps; ++i) {
+                const int dt = dp + nw * i;
+                if (dt >= steps) break;
+                out[2 + 16 * dt + gid] = o[u][i][c];
+                out[2 + 16 * dt + 8 + gid] = o[u][i][2 + c];
+            }
         }
     }
 }
 
 // `part` gets the runs' partials, or (kCluster) the merged rows go straight to `out`.
-template <typename T, bool kPaged, bool kCluster = false>
+// kWide: 33 to 64 query rows a kv group, head dims up to 128, two n-tiles a warp (no
+// cluster launch).
+template <typename T, bool kPaged, bool kCluster = false, bool kWide = false>
 __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
                       const T* __restrict__ v, const float* __restrict__ mask,
                       float* __restrict__ part, T* __restrict__ out, const SplitDims sd,
@@ -703,12 +767,18 @@ __device__ void split(const T* __restrict__ q, const T* __restrict__ k,
     __shared__ __align__(128) unsigned char smem[kSmemBytes];
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     const int d = sd.p.head_dim;
-    if (d <= 64) {
-        run<T, 64, kPaged, kCluster>(q, k, v, mask, part, out, sd, pg, s);
+    if constexpr (kWide) {
+        if (d <= 64) {
+            run<T, 64, kPaged, false, 2>(q, k, v, mask, part, out, sd, pg, s);
+        } else {
+            run<T, 128, kPaged, false, 2>(q, k, v, mask, part, out, sd, pg, s);
+        }
+    } else if (d <= 64) {
+        run<T, 64, kPaged, kCluster, 1>(q, k, v, mask, part, out, sd, pg, s);
     } else if (d <= 128) {
-        run<T, 128, kPaged, kCluster>(q, k, v, mask, part, out, sd, pg, s);
+        run<T, 128, kPaged, kCluster, 1>(q, k, v, mask, part, out, sd, pg, s);
     } else {
-        run<T, 256, kPaged, kCluster>(q, k, v, mask, part, out, sd, pg, s);
+        run<T, 256, kPaged, kCluster, 1>(q, k, v, mask, part, out, sd, pg, s);
     }
 }
 
@@ -796,6 +866,24 @@ extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocks) kpt_atten
     kpt::dependent_launch_prologue();
     tc::split<__half, false>(q, k, v, mask, part, nullptr, sd, Paged{});
 }
+
+// 33 to 64 query rows a kv group (head dims up to 128).
+#define KPT_ATTENTION_SPLIT_WIDE(NAME, T)                                                    \
+    extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocksWide)               \
+        kpt_attention_split_wide_##NAME(const T* q, const T* k, const T* v,                  \
+                                        const float* mask, float* part, const SplitDims sd) { \
+        kpt::dependent_launch_prologue();                                                    \
+        tc::split<T, false, false, true>(q, k, v, mask, part, nullptr, sd, Paged{});         \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(kThreads, tc::kMinBlocksWide)               \
+        kpt_attention_split_paged_wide_##NAME(const T* q, const T* k, const T* v,            \
+                                              float* part, const SplitDims sd,               \
+                                              const Paged pg) {                              \
+        kpt::dependent_launch_prologue();                                                    \
+        tc::split<T, true, false, true>(q, k, v, nullptr, part, nullptr, sd, pg);            \
+    }
+KPT_ATTENTION_SPLIT_WIDE(bf16, __nv_bfloat16)
+KPT_ATTENTION_SPLIT_WIDE(f16, __half)
 
 // Paged KV cache: no mask (the op excludes one).
 extern "C" __global__ void __launch_bounds__(kThreads) kpt_attention_split_paged_f32(

@@ -318,13 +318,15 @@ impl AttentionDims {
     /// The split-KV plan for these sizes (`kernels/cuda/attention_split.cu`), or `None`
     /// when the general kernel should run (always with a sliding window, which the split
     /// kernels do not take): the kv group's query rows must fit the split
-    /// kernel ([`SPLIT_MAX_ROWS`]), the cache must span at least two tiles, and the head
+    /// kernel ([`SPLIT_MAX_ROWS`], or [`SPLIT_MAX_ROWS_WIDE`] on the wide 16-bit entries at
+    /// head dims up to 128), the cache must span at least two tiles, and the head
     /// dim must suit the dtype's kernel: bf16 and f16 run on tensor cores in k-steps of 16
     /// dims, with a tile of [`SPLIT_STAGE_ELEMS`] / D keys for the head-dim class D (64,
     /// 128 or 256); f32 runs the scalar kernel, whose rows must be whole 16-byte vectors
     /// and whose query rows must fit its shared memory. Tiles are dealt out in runs: about
     /// [`SPLIT_TARGET_BLOCKS`] blocks for f32; for bf16 / f16 at most one wave,
-    /// [`SPLIT_WAVE_BLOCKS`] (one run per kv group when there are more groups).
+    /// [`SPLIT_WAVE_BLOCKS`] (wide: [`SPLIT_WAVE_BLOCKS_WIDE`]; one run per kv group when
+    /// there are more groups).
     fn split(&self, dtype: DType) -> Option<SplitDims> {
         self.split_plan(dtype, 2)
     }
@@ -335,7 +337,12 @@ impl AttentionDims {
     fn split_plan(&self, dtype: DType, min_tiles: usize) -> Option<SplitDims> {
         let (d, size) = (self.head_dim as usize, dtype.size_in_bytes());
         let rows = self.seq_q as usize * (self.heads / self.kv_heads) as usize;
-        if rows > SPLIT_MAX_ROWS || self.window != 0 {
+        let max_rows = if dtype == DType::F32 || d > 128 {
+            SPLIT_MAX_ROWS
+        } else {
+            SPLIT_MAX_ROWS_WIDE
+        };
+        if rows > max_rows || self.window != 0 {
             return None;
         }
         let tile = if dtype == DType::F32 {
@@ -357,6 +364,8 @@ impl AttentionDims {
         }
         let runs = if dtype == DType::F32 {
             SPLIT_TARGET_BLOCKS.div_ceil(groups)
+        } else if rows > SPLIT_MAX_ROWS {
+            SPLIT_WAVE_BLOCKS_WIDE / groups
         } else {
             SPLIT_WAVE_BLOCKS / groups
         };
@@ -376,7 +385,10 @@ impl AttentionDims {
     /// cache needs no combine launch.
     fn cluster_plan(plan: SplitDims, dtype: DType) -> Option<SplitDims> {
         let tiles = plan.tiles as usize;
-        if dtype == DType::F32 || tiles > SPLIT_CLUSTER_MAX * SPLIT_CLUSTER_TILES {
+        if dtype == DType::F32
+            || plan.wide()
+            || tiles > SPLIT_CLUSTER_MAX * SPLIT_CLUSTER_TILES
+        {
             return None;
         }
         let per = tiles.div_ceil(SPLIT_CLUSTER_MAX);
@@ -401,14 +413,20 @@ const SPLIT_MAX_TILE: usize = 64;
 /// tc::kStageElems): 64, 32 or 16 keys of head-dim class 64, 128 or 256.
 const SPLIT_STAGE_ELEMS: usize = 4096;
 /// Query rows of one kv group the split kernels take (f32: 4 warps x kRowsPerWarp;
-/// bf16 / f16: tc::kMaxRows, four n-tiles of 8).
+/// bf16 / f16: four n-tiles of 8).
 const SPLIT_MAX_ROWS: usize = 32;
+/// Query rows of one kv group the wide bf16 / f16 entries take at head dims up to 128
+/// (`kpt_attention_split_wide_*`: eight n-tiles, two a warp), e.g. 16 queries at 4 q heads
+/// per kv head.
+const SPLIT_MAX_ROWS_WIDE: usize = 64;
 /// Blocks the f32 split kernel aims for.
 const SPLIT_TARGET_BLOCKS: usize = 1024;
 /// Blocks the bf16 / f16 split kernel stays within: one wave of four blocks (48 KiB of
 /// shared memory each) on each of an H100's 132 SMs. Fewer, longer runs beat two waves:
 /// each run pays a pipeline fill and a share of the combine pass.
 const SPLIT_WAVE_BLOCKS: usize = 528;
+/// The same for the wide entries, of which three fit an SM (their registers).
+const SPLIT_WAVE_BLOCKS_WIDE: usize = 396;
 
 /// The TMA maps of the Hopper attention kernel's Q, K and V tiles for query tiles of
 /// `block_m` rows and key tiles of `block_n` (the producer of `flash_attention_sm90.cu`):
@@ -526,6 +544,20 @@ struct SplitDims {
 unsafe impl cudarc::driver::DeviceRepr for SplitDims {}
 
 impl SplitDims {
+    /// Whether the kv group's query rows need the wide entries (more than
+    /// [`SPLIT_MAX_ROWS`]).
+    fn wide(&self) -> bool {
+        let d = &self.dims;
+        d.seq_q as usize * (d.heads / d.kv_heads) as usize > SPLIT_MAX_ROWS
+    }
+
+    /// The split kernel's entry for `name` (the dtype), `paged` or dense.
+    fn entry(&self, name: &str, paged: bool) -> String {
+        let paged = if paged { "paged_" } else { "" };
+        let wide = if self.wide() { "wide_" } else { "" };
+        format!("kpt_attention_split_{paged}{wide}{name}")
+    }
+
     /// Blocks of a split launch: one per kv group and run.
     fn blocks(&self) -> usize {
         self.dims.batch as usize * self.dims.kv_heads as usize * self.splits as usize
@@ -832,7 +864,7 @@ impl Gpu {
         let splits = split.splits as usize;
         let part = self.alloc(dims.rows() * splits * (dims.head_dim as usize + 2) * 4)?;
         let split_blocks = grid("attention splits", split.blocks())?;
-        let entry = format!("kpt_attention_split_{name}");
+        let entry = split.entry(name, false);
         launch!(self, "attention_split", entry, split_blocks; q, k, v, mask, part.ptr(), split);
         let entry = format!("kpt_attention_combine_{name}");
         launch!(self, "attention_split", entry, blocks; part.ptr(), out, split);
@@ -914,7 +946,7 @@ impl Gpu {
         let splits = split.splits as usize;
         let part = self.alloc(dims.rows() * splits * (dims.head_dim as usize + 2) * 4)?;
         let split_blocks = grid("attention splits", split.blocks())?;
-        let entry = format!("kpt_attention_split_paged_{name}");
+        let entry = split.entry(name, true);
         launch!(self, "attention_split", entry, split_blocks; q, k, v, part.ptr(), split, pg);
         let blocks = grid(
             "attention rows",
@@ -1659,7 +1691,17 @@ mod tests {
         assert!(dims(1, 0, 128).split_plan(DType::BF16, 1).is_none());
         let windowed = long.with_window(Some(16)).unwrap();
         assert!(windowed.split_plan(DType::BF16, 1).is_none());
-        assert!(dims(9, 8192, 128).split_plan(DType::BF16, 1).is_none());
+        // 9 to 16 queries at 4 q heads per kv head: the wide entries (bf16 / f16, head
+        // dims up to 128), three blocks an SM, no clusters; 17 are too many, as are 9 at
+        // head dim 256 or in f32.
+        let wide = dims(9, 8192, 128).split_plan(DType::BF16, 1).unwrap();
+        assert_eq!(wide.entry("bf16", true), "kpt_attention_split_paged_wide_bf16");
+        assert_eq!(long.split(DType::F16).unwrap().entry("f16", false), "kpt_attention_split_f16");
+        assert!(wide.blocks() <= SPLIT_WAVE_BLOCKS_WIDE);
+        assert!(AttentionDims::cluster_plan(dims(16, 512, 64).split(DType::BF16).unwrap(), DType::BF16).is_none());
+        assert!(dims(17, 8192, 128).split_plan(DType::BF16, 1).is_none());
+        assert!(dims(9, 8192, 256).split_plan(DType::BF16, 1).is_none());
+        assert!(dims(9, 8192, 128).split_plan(DType::F32, 1).is_none());
         // The kernel's `Paged`: two pointers and six ints.
         assert_eq!(std::mem::size_of::<PagedSplit>(), 40);
     }

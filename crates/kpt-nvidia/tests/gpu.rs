@@ -821,14 +821,15 @@ proptest! {
     /// readback. Block sizes of 1, below, above and not a multiple of the key tile (64
     /// keys at head dim 64, 32 at 128), lengths of 0, 1, odd and off the tile, different
     /// per sequence, spare table columns (splits past every length) full of garbage ids,
-    /// i32 and i64 tables and lengths mixed. f32 with 32 query rows of head dim 128 (more
-    /// than the f32 kernel's shared memory) takes the gather path.
+    /// i32 and i64 tables and lengths mixed; 33 to 64 query rows a kv group on the wide
+    /// entries. f32 with 32 query rows of head dim 128 (more than the f32 kernel's shared
+    /// memory) or more than 32 rows takes the gather path.
     #[test]
     fn attention_paged_decode(lens in prop::collection::vec(
                                   prop_oneof![Just(1usize), 0usize..70, 1usize..700], 1..=3),
                               spare in 0usize..3,
                               block_size in prop::sample::select(vec![1usize, 5, 16, 24, 48, 64, 100]),
-                              seq_q in 1usize..=4, kv_heads in 1usize..=2,
+                              seq_q in 1usize..=8, kv_heads in 1usize..=2,
                               group in prop::sample::select(vec![1usize, 4, 8]),
                               head_dim in prop::sample::select(vec![64usize, 128]),
                               causal in any::<bool>(), wide in any::<(bool, bool)>(),
@@ -877,7 +878,8 @@ proptest! {
         prop_assert!(in_place.to_f64_vec() == want, "write_rows: {specs:?}");
     }
 
-    /// Decode-shaped calls against caches of several tiles: the split-KV kernels.
+    /// Decode-shaped calls against caches of several tiles: the split-KV kernels (33 to
+    /// 64 query rows a kv group on the wide entries, e.g. 16 queries at group 4).
     #[test]
     fn attention_long_cache(batch in 1usize..3, seq_q in 1usize..=16, seq_kv in 65usize..1500,
                             kv_heads in 1usize..3, group in 1usize..=4,
