@@ -591,20 +591,58 @@ impl CudaBackend {
                 if !matches!(dt, DType::BF16 | DType::F16) {
                     return Err(KptError::dtype(kernel, "bf16 or f16", dt));
                 }
-                let dims = AttentionDims::new(
-                    qs[0],
-                    qs[1],
-                    ks[1],
-                    p.num_heads,
-                    p.num_kv_heads,
-                    p.head_dim,
-                    p.causal,
-                    p.effective_scale(),
-                )?
-                .with_window(p.window)?
-                .with_dropout(p.dropout);
-                let plan = FlashBackward::new(dt, dims)
-                    .map_err(|e| KptError::shape(kernel, e.to_string()))?;
+                let dims = |batch, seq_q, seq_kv| -> Result<AttentionDims> {
+                    Ok(AttentionDims::new(
+                        batch,
+                        seq_q,
+                        seq_kv,
+                        p.num_heads,
+                        p.num_kv_heads,
+                        p.head_dim,
+                        p.causal,
+                        p.effective_scale(),
+                    )?
+                    .with_window(p.window)?
+                    .with_dropout(p.dropout))
+                };
+                let plan = |dims| {
+                    FlashBackward::new(dt, dims).map_err(|e| KptError::shape(kernel, e.to_string()))
+                };
+                let [dq, dk, dv] = outputs else {
+                    return Err(err(format!("{op}: needs three outputs")));
+                };
+                let at = |i: usize| ptr(&inputs[i]);
+                let (q, k, v, out, dout) = (at(0)?, at(1)?, at(2)?, at(3)?, at(4)?);
+                let (dq, dk, dv) = (out_ptr(dq)?, out_ptr(dk)?, out_ptr(dv)?);
+                if p.varlen {
+                    // Variable-length batch (no mask, no log-sum-exp): the offsets are read
+                    // on the host and each sequence runs as a dense call on its rows, taking
+                    // dropout's decisions as batch entry s, as the forward does. Sequences
+                    // without queries still run, so that their keys' gradients are zeros.
+                    let segments = kpt_kernels::cpu::varlen_segments(
+                        &self.host_ids(&inputs[5])?,
+                        &self.host_ids(&inputs[6])?,
+                        qs[1],
+                        ks[1],
+                    )?;
+                    let size = (p.head_dim * dt.size_in_bytes()) as u64;
+                    let (q_row, kv_row) = (p.num_heads as u64 * size, p.num_kv_heads as u64 * size);
+                    for (s, (sq, sk)) in segments.into_iter().enumerate() {
+                        if sq.is_empty() && sk.is_empty() {
+                            continue;
+                        }
+                        let (qo, ko) = (sq.start as u64 * q_row, sk.start as u64 * kv_row);
+                        let dims = dims(1, sq.len(), sk.len())?.with_batch_offset(s)?;
+                        g.flash_attention_backward(
+                            &plan(dims)?,
+                            [q + qo, k + ko, v + ko, out + qo, dout + qo],
+                            [0, 0],
+                            [dq + qo, dk + ko, dv + ko],
+                        )?;
+                    }
+                    return Ok(());
+                }
+                let plan = plan(dims(qs[0], qs[1], ks[1])?)?;
                 let mask = if p.mask {
                     let m = &inputs[5];
                     if m.spec.dtype != DType::F32 {
@@ -630,21 +668,7 @@ impl CudaBackend {
                 } else {
                     0
                 };
-                let [dq, dk, dv] = outputs else {
-                    return Err(err(format!("{op}: needs three outputs")));
-                };
-                g.flash_attention_backward(
-                    &plan,
-                    [
-                        ptr(&inputs[0])?,
-                        ptr(&inputs[1])?,
-                        ptr(&inputs[2])?,
-                        ptr(&inputs[3])?,
-                        ptr(&inputs[4])?,
-                    ],
-                    [mask, lse],
-                    [out_ptr(dq)?, out_ptr(dk)?, out_ptr(dv)?],
-                )?;
+                g.flash_attention_backward(&plan, [q, k, v, out, dout], [mask, lse], [dq, dk, dv])?;
             }
             Op::Attention(p) => {
                 // Dropout: the tensor-core kernels only (the registry's choice).

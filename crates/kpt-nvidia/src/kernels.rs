@@ -385,10 +385,7 @@ impl AttentionDims {
     /// cache needs no combine launch.
     fn cluster_plan(plan: SplitDims, dtype: DType) -> Option<SplitDims> {
         let tiles = plan.tiles as usize;
-        if dtype == DType::F32
-            || plan.wide()
-            || tiles > SPLIT_CLUSTER_MAX * SPLIT_CLUSTER_TILES
-        {
+        if dtype == DType::F32 || plan.wide() || tiles > SPLIT_CLUSTER_MAX * SPLIT_CLUSTER_TILES {
             return None;
         }
         let per = tiles.div_ceil(SPLIT_CLUSTER_MAX);
@@ -1695,10 +1692,20 @@ mod tests {
         // dims up to 128), three blocks an SM, no clusters; 17 are too many, as are 9 at
         // head dim 256 or in f32.
         let wide = dims(9, 8192, 128).split_plan(DType::BF16, 1).unwrap();
-        assert_eq!(wide.entry("bf16", true), "kpt_attention_split_paged_wide_bf16");
-        assert_eq!(long.split(DType::F16).unwrap().entry("f16", false), "kpt_attention_split_f16");
+        assert_eq!(
+            wide.entry("bf16", true),
+            "kpt_attention_split_paged_wide_bf16"
+        );
+        assert_eq!(
+            long.split(DType::F16).unwrap().entry("f16", false),
+            "kpt_attention_split_f16"
+        );
         assert!(wide.blocks() <= SPLIT_WAVE_BLOCKS_WIDE);
-        assert!(AttentionDims::cluster_plan(dims(16, 512, 64).split(DType::BF16).unwrap(), DType::BF16).is_none());
+        assert!(AttentionDims::cluster_plan(
+            dims(16, 512, 64).split(DType::BF16).unwrap(),
+            DType::BF16
+        )
+        .is_none());
         assert!(dims(17, 8192, 128).split_plan(DType::BF16, 1).is_none());
         assert!(dims(9, 8192, 256).split_plan(DType::BF16, 1).is_none());
         assert!(dims(9, 8192, 128).split_plan(DType::F32, 1).is_none());

@@ -948,6 +948,46 @@ proptest! {
         check(&op, &inputs)?;
     }
 
+    /// Gradients of variable-length batches (prefill and decode sequences, and ones
+    /// without queries or keys, packed into one call): one dense backward per sequence,
+    /// with dropout's decisions of batch entry s for sequence s.
+    #[test]
+    fn attention_varlen_backward(seqs in prop::collection::vec((0usize..90, 0usize..150), 1..5),
+                                 kv_heads in 1usize..=2,
+                                 group in prop::sample::select(vec![1usize, 2, 4]),
+                                 head_dim in prop::sample::select(vec![64usize, 128]),
+                                 causal in any::<bool>(), dropout in any::<bool>(),
+                                 dt in prop::sample::select(vec![DType::BF16, DType::F16]),
+                                 seed: u64) {
+        let mut rng = SplitMix64::new(seed);
+        let heads = kv_heads * group;
+        let p = kpt_core::graph::AttentionParams {
+            varlen: true,
+            dropout: dropout.then_some(kpt_core::graph::AttentionDropout { p: 0.1, seed: 7 }),
+            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+        };
+        let cu = |f: fn(&(usize, usize)) -> usize| {
+            let v: Vec<f64> = std::iter::once(0.0)
+                .chain(seqs.iter().scan(0usize, |t, s| { *t += f(s); Some(*t as f64) }))
+                .collect();
+            Tensor::from_f64(&v, &[v.len()], DType::I64).unwrap()
+        };
+        let (tq, tk): (usize, usize) = (seqs.iter().map(|s| s.0).sum(), seqs.iter().map(|s| s.1).sum());
+        let (q_shape, kv_shape) = ([1, tq, heads * head_dim], [1, tk, kv_heads * head_dim]);
+        let inputs = [
+            random(&mut rng, &q_shape, dt, -2.0, 2.0),
+            random(&mut rng, &kv_shape, dt, -2.0, 2.0),
+            random(&mut rng, &kv_shape, dt, -2.0, 2.0),
+            random(&mut rng, &q_shape, dt, -1.0, 1.0),
+            random(&mut rng, &q_shape, dt, -1.0, 1.0),
+            cu(|s| s.0),
+            cu(|s| s.1),
+        ];
+        if tq > 0 && tk > 0 {
+            check(&Op::AttentionBackward(p), &inputs)?;
+        }
+    }
+
     /// The backward pass given the forward's log-sum-exp (the probabilities come from it,
     /// no online softmax): the same shapes as `attention_backward`.
     #[test]
