@@ -61,6 +61,35 @@ def sdpa_backends(call):
     return out
 
 
+def sliding_window_variants(q, k, v, w):
+    """Causal attention where query i sees keys i - w < j <= i, as torch users run it: SDPA
+    with a boolean mask (each backend that takes one), and FlexAttention (compiled) with a
+    block mask that skips the tiles outside the window."""
+    s = q.shape[2]
+    i = torch.arange(s, device=q.device)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
+    out = sdpa_backends(
+        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    )
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def window(b, h, qi, kj):
+            return (kj <= qi) & (qi - kj < w)
+
+        block_mask = create_block_mask(window, B=None, H=None, Q_LEN=s, KV_LEN=s)
+        flex = torch.compile(flex_attention)
+
+        def run():
+            return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+        run()
+        out.append(("FlexAttention (compiled)", run))
+    except Exception as e:  # no Triton or no FlexAttention in this torch
+        print(f"FlexAttention skipped: {e}", file=sys.stderr)
+    return out
+
+
 def variants(req):
     """The PyTorch implementations of one case: a list of (name, callable)."""
     kind = req["kind"]
@@ -151,6 +180,8 @@ def variants(req):
         dropout = req.get("dropout", 0.0)
         q = rand((b, h, s, d), dt, -2.0, 2.0)
         k, v = rand((b, hkv, s, d), dt, -2.0, 2.0), rand((b, hkv, s, d), dt, -2.0, 2.0)
+        if "window" in req:
+            return sliding_window_variants(q, k, v, req["window"])
         if hkv == h:
             return sdpa_backends(
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout)

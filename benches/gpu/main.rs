@@ -223,6 +223,29 @@ fn attention_cases() -> Vec<Case> {
         target: Target::None,
         note: "FLOPs = 4 b h s² d / 2; the 1.1B model's prefill attention, no target",
     });
+    // A sliding window of 4096 keys (Mistral's heads: 32 query heads, 8 kv heads, head
+    // dim 128) over 8192 causal keys. Tracked without a target.
+    let (b, h, hkv, s, d, w) = (2usize, 32usize, 8usize, 8192usize, 128usize, 4096usize);
+    let pairs = w * (w + 1) / 2 + (s - w) * w; // visible (query, key) pairs of a head
+    out.push(Case {
+        name: format!("attention_prefill_bf16_b{b}_h{h}kv{hkv}_s{s}_d{d}_causal_window{w}"),
+        metric: "TFLOP/s",
+        work: 4.0 * (b * h * pairs * d) as f64,
+        kpt: Work::Op(Op::Attention(kpt_core::graph::AttentionParams {
+            window: Some(w),
+            ..kpt_core::graph::AttentionParams::new(h, hkv, d, true)
+        })),
+        inputs: vec![
+            random(&mut rng, &[b, s, h * d], DType::BF16, -2.0, 2.0),
+            random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+            random(&mut rng, &[b, s, hkv * d], DType::BF16, -2.0, 2.0),
+        ],
+        torch: json!({"kind": "attention_prefill", "batch": b, "heads": h, "kv_heads": hkv,
+                      "head_dim": d, "seq": s, "causal": true, "window": w, "dtype": "bf16"}),
+        target: Target::None,
+        note: "FLOPs = 4 b h d x the visible (query, key) pairs; torch: SDPA with a boolean \
+               window mask, FlexAttention with a sliding-window block mask",
+    });
     // Head dim 256 (Gemma-style heads): the mma.sync kernel with Q in shared memory.
     // Tracked without a target.
     let (b, h, s, d) = (4usize, 8usize, 2048usize, 256usize);

@@ -91,6 +91,10 @@
 // kpt:launch kpt_flash_attention_sm90_tma_bf16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d128 block=384 shared=230512 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_window_bf16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_window_bf16_d128 block=384 shared=230512 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_window_f16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_tma_window_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_e4m3_d128 block=384 shared=148624 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_dropout_bf16_d64 block=384 shared=148624 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_dropout_bf16_d128 block=384 shared=230512 grid=tiles
@@ -155,7 +159,6 @@
 
 namespace {
 
-// Its `window` is not taken here: the host sends windowed calls to the other kernels.
 using Dims = kpt::AttentionDims;
 
 // An FP8 e4m3 element (its bits); the conversions are PTX cvt instructions.
@@ -746,7 +749,7 @@ struct NoAfter {
     __device__ __forceinline__ void operator()(int, const float (&)[2]) const {}
 };
 template <bool kEdge, bool kMask, int kPOffset, int BN = kBlockN, int kPoly = 0,
-          typename After = NoAfter>
+          bool kWindow = false, typename After = NoAfter>
 __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], float (&m_run)[2],
                                              float (&l_run)[2], float (&alpha)[2], float scale2,
                                              int n0, int qi0, int tig, const Dims& p,
@@ -755,18 +758,23 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], float (&m_run)[
     float mx[2] = {m_run[0], m_run[1]};
     if constexpr (kEdge) {
         // Element (j, e) is key n0 + 2 tig + c with c = 8 j + (e & 1), a constant: it is
-        // visible iff c < cols (end of the cache) and c <= lim[row] (causal diagonal).
+        // visible iff c < cols (end of the cache), c <= lim[row] (causal diagonal) and, with
+        // kWindow, c >= lo[row] (the sliding window's first key).
         const int cols = p.seq_kv - n0 - 2 * tig;
-        int lim[2];
+        int lim[2], lo[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-            lim[r] = p.causal ? qi0 + 8 * r + (p.seq_kv - p.seq_q) - n0 - 2 * tig : cols;
+        for (int r = 0; r < 2; ++r) {
+            const int diag = qi0 + 8 * r + (p.seq_kv - p.seq_q) - n0 - 2 * tig;
+            lim[r] = p.causal ? diag : cols;
+            lo[r] = kWindow ? diag + 1 - p.window : 0;
+        }
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int cc = 8 * j + (e & 1);
-                const bool visible = cc < cols && cc <= lim[e >> 1];
+                const bool visible =
+                    cc < cols && cc <= lim[e >> 1] && (!kWindow || cc >= lo[e >> 1]);
                 s[4 * j + e] = visible ? s[4 * j + e] * scale2 : -INFINITY;
             }
         }
@@ -890,9 +898,9 @@ __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha
 }
 
 // One work tile: query rows [m0, m0 + kBlockM) of (batch b, head h), which walks n_tiles
-// key tiles.
+// key tiles from tile t0 (past 0 under a sliding window).
 struct Work {
-    int m0, b, h, n_tiles;
+    int m0, b, h, t0, n_tiles;
 };
 
 // Work tile x of the block order (see the top): a section of `pairs` (batch, head) pairs, then
@@ -900,7 +908,7 @@ struct Work {
 // section may hold fewer pairs. partial_last: the partial query tiles (the first of each pair)
 // come after all whole ones, one per pair in order, so that a static stride over the SMs
 // hands the cheap tiles out last instead of to the same blocks every time.
-template <int kBlockM, int BN = kBlockN>
+template <int kBlockM, int BN = kBlockN, bool kWindow = false>
 __device__ __forceinline__ Work work_tile(long x, const Dims& p, int tiles_m, int pairs,
                                           bool partial_last) {
     const int bh_count = p.batch * p.heads;
@@ -927,7 +935,11 @@ __device__ __forceinline__ Work work_tile(long x, const Dims& p, int tiles_m, in
     // Keys j <= i + seq_kv - seq_q are visible to query i (causal, bottom-right aligned).
     int kv_end = p.seq_kv;
     if (p.causal) kv_end = max(0, min(p.seq_kv, w.m0 + kBlockM + p.seq_kv - p.seq_q));
-    w.n_tiles = (kv_end + BN - 1) / BN;
+    // With a sliding window of w keys (kWindow), query i sees keys j >= i + seq_kv - seq_q +
+    // 1 - w: the tile starts at the tile of its first row's first key.
+    const int kv_start = kWindow ? max(0, w.m0 + p.seq_kv - p.seq_q + 1 - p.window) : 0;
+    w.t0 = min(kv_start, kv_end) / BN;
+    w.n_tiles = (kv_end + BN - 1) / BN - w.t0;
     return w;
 }
 
@@ -958,7 +970,7 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 // consumers of both released it.
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
           int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false,
-          bool kStaged = false>
+          bool kStaged = false, bool kWindow = false>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
@@ -1022,11 +1034,11 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // Work tile x (kPair: this block's half of item x, a work tile of twice the rows).
     auto work = [&](long x) {
         if constexpr (kPair) {
-            Work w = work_tile<2 * kBlockM, BN>(x, p, tiles_m2, pairs, false);
+            Work w = work_tile<2 * kBlockM, BN, kWindow>(x, p, tiles_m2, pairs, false);
             w.m0 += static_cast<int>(rank) * kBlockM;
             return w;
         } else {
-            return work_tile<kBlockM, BN>(x, p, tiles_m, pairs, partial_last);
+            return work_tile<kBlockM, BN, kWindow>(x, p, tiles_m, pairs, partial_last);
         }
     };
     const int group = p.heads / p.kv_heads;
@@ -1110,7 +1122,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                                   : v + static_cast<long>(w.b) * p.seq_kv * kv_stride +
                                         static_cast<long>(hk) * D;
             for (int t = 0; t < w.n_tiles; ++t) {
-                const int n0 = t * BN;
+                const int n0 = (w.t0 + t) * BN;
                 const int rows = min(BN, p.seq_kv - n0);
                 const uint32_t ks = sk + s * C::kTileBytes, vs = sv + s * C::kVTileBytes;
                 // Stage s is free once every consumer released its previous tile.
@@ -1242,6 +1254,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         if (x < 0) continue;
         const Work w = work(x);
         const int n_tiles = w.n_tiles;
+        const int n_first = w.t0 * BN;  // the first key tile's first key
         // The two query rows of this thread's accumulators: qi0 and qi0 + 8.
         const int qi0 = w.m0 + c * 64 + warp * 16 + g;
 
@@ -1257,10 +1270,12 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             uint32_t pf[kPSteps<T, BN>][4];
             float alpha[2];
             const int row_first = w.m0 + c * 64;  // first query row of this warpgroup
-            // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal).
+            // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal,
+            // a sliding window's start before this warpgroup's last row's).
             auto edge = [&](int n0) {
                 return !fast || n0 + BN > p.seq_kv ||
-                       (p.causal && n0 + BN - 1 > row_first + offset);
+                       (p.causal && n0 + BN - 1 > row_first + offset) ||
+                       (kWindow && n0 < row_first + 64 + offset - p.window);
             };
             // Dropout: the keep bits of tile n0 (64 keys per word) do not depend on the
             // scores; they are drawn while its Q K^T runs on the tensor cores and applied
@@ -1283,8 +1298,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             };
             auto softmax = [&](int n0) {
                 if (edge(n0)) {
-                    softmax_tile<true, kMask, kPOffset, BN>(s_acc, m_run, l_run, alpha, scale2, n0,
-                                                        qi0, tig, p, mask);
+                    softmax_tile<true, kMask, kPOffset, BN, 0, kWindow>(
+                        s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p, mask);
                 } else {
                     softmax_tile<false, false, kPOffset, BN, kPoly>(s_acc, m_run, l_run, alpha,
                                                                     scale2, n0, qi0, tig, p, mask);
@@ -1322,7 +1337,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             int my_tiles = row_first + 64 > 0 ? n_tiles : 0;
             if (p.causal) {
                 const int seen = max(0, min(p.seq_kv, row_first + 64 + offset));
-                my_tiles = min(my_tiles, (seen + BN - 1) / BN);
+                my_tiles = min(my_tiles, max(0, (seen + BN - 1) / BN - w.t0));
             }
             // Every consumer waits for this work tile's Q before it releases it, so that a
             // release never counts for the previous one.
@@ -1337,12 +1352,12 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                 gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
                 if (kPingPong && (kCarry || !(c == kLast && n_tiles == 1)))
                     named_arrive(other_turn, 256);
-                draw(0);
+                draw(n_first);
                 wgmma_wait<0>();
                 fence_regs(s_acc);
                 release(empty_k(s));
                 if (my_tiles == 1) mbar_arrive(empty_q);
-                softmax(0);
+                softmax(n_first);
                 drop();
                 pack_p<T, BN>(s_acc, pf);
                 if constexpr (kSerial) rescale_o<D>(o, alpha);
@@ -1364,7 +1379,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     gemm_pv<T, D, BN>(o, pf, vdesc + sp * kVStageDesc);
                     if (kPingPong && (kCarry || !(c == kLast && t == n_tiles - 1)))
                         named_arrive(other_turn, 256);
-                    draw(t * BN);
+                    draw(n_first + t * BN);
                     if constexpr (kSerial) {
                         wgmma_wait<0>();
                         fence_regs(s_acc);
@@ -1373,13 +1388,13 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                         release(empty_k(s));
                         if (t == my_tiles - 1) mbar_arrive(empty_q);
                         release(empty_v(sp));
-                        softmax_serial(t * BN);
+                        softmax_serial(n_first + t * BN);
                     } else {
                         wgmma_wait<1>();  // S(t) is done
                         fence_regs(s_acc);
                         release(empty_k(s));
                         if (t == my_tiles - 1) mbar_arrive(empty_q);
-                        softmax(t * BN);
+                        softmax(n_first + t * BN);
                         drop();
                         wgmma_wait<0>();  // P V of t - 1 is done
                         fence_regs(o);
@@ -1982,7 +1997,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
 
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
           int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false,
-          bool kStaged = false>
+          bool kStaged = false, bool kWindow = false>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
                                            float*, const Dims&, float, Maps) {
     __trap();
@@ -2052,6 +2067,25 @@ KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 64)
 KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90_TMA(f16, __half, 64)
 KPT_FLASH_SM90_TMA(f16, __half, 128)
+
+// The TMA kernels for sliding windows (Dims::window; kWindow), without an additive mask or
+// dropout (the host sends those to flash_attention.cu): each work tile starts at the key
+// tile of its first row's first key, and tiles that cross a window's start mask per element.
+#define KPT_FLASH_SM90_TMA_WINDOW(NAME, T, D)                                              \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
+        kpt_flash_attention_sm90_tma_window_##NAME##_d##D(                                   \
+            const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
+            const Dims p, const __grid_constant__ TensorMap tq,                             \
+            const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
+        kpt::dependent_launch_prologue();                                                  \
+        flash_sm90<T, D, false, true, kBlockN, false, KPT_FA3_POLY_FP8, false, false, false, \
+                   true>(q, k, v, nullptr, out, lse, p, 1.0f, Maps{&tq, &tk, &tv});         \
+    }
+
+KPT_FLASH_SM90_TMA_WINDOW(bf16, __nv_bfloat16, 64)
+KPT_FLASH_SM90_TMA_WINDOW(bf16, __nv_bfloat16, 128)
+KPT_FLASH_SM90_TMA_WINDOW(f16, __half, 64)
+KPT_FLASH_SM90_TMA_WINDOW(f16, __half, 128)
 
 // The TMA kernels with attention dropout (Dims' dropout fields; see flash_sm90), for
 // training: the host sends every dropout call on Hopper here (with or without a mask). Two

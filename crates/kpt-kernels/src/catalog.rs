@@ -489,8 +489,9 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             120,
             "FlashAttention-3 style for Hopper: wgmma on shared-memory operands, a producer \
              warpgroup feeding a TMA/mbarrier ring, ping-pong consumer warpgroups, dropout \
-             from Philox in registers; decode shapes go to split-KV (unless the log-sum-exp \
-             or dropout is asked for), sliding windows to cuda.attention.flash",
+             from Philox in registers, sliding windows from each tile's first visible key \
+             tile; decode shapes go to split-KV (unless the log-sum-exp or dropout is asked \
+             for), windows with a mask or dropout to cuda.attention.flash",
         )
         .min_arch("sm_90")
         .limits(ShapeLimits {

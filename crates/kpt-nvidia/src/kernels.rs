@@ -1002,8 +1002,9 @@ impl Gpu {
     }
 
     /// Tensor-core attention for bf16 and f16 with head dim 64 or 128: with `hopper`, the
-    /// wgmma kernel of `flash_attention_sm90.cu` where its sm_90a cubin is loaded and no
-    /// sliding window is set, else the mma.sync kernel of `flash_attention.cu`.
+    /// wgmma kernel of `flash_attention_sm90.cu` where its sm_90a cubin is loaded (a sliding
+    /// window on its `_tma_window_` entries, without an additive mask or dropout), else the
+    /// mma.sync kernel of `flash_attention.cu`.
     /// Decode-shaped calls take the split-KV kernels and other dtypes or head dims the
     /// general kernel, as in [`Gpu::attention`]. With `lse` (non-zero) the rows'
     /// log-sum-exp (f32 `[batch, heads, seq_q]`) is written there too: then the
@@ -1046,9 +1047,10 @@ impl Gpu {
             (dims.seq_q as usize).div_ceil(rows) * dims.batch as usize * dims.heads as usize
         };
         const SM90: &str = "flash_attention_sm90";
+        let windowed = dims.window != 0;
         if hopper
             && d <= 128
-            && dims.window == 0
+            && (!windowed || (mask == 0 && !dims.dropout()))
             && dims.seq_kv > 0
             && self.loaded_target(SM90)? == "sm_90a"
         {
@@ -1066,12 +1068,22 @@ impl Gpu {
             } else {
                 TmaElem::F16
             };
+            if windowed {
+                // Only the TMA entries take a window; without tensor maps the mma.sync
+                // kernel below runs.
+                let maps = sm90_tensor_maps(elem, [q, k, v], dims, block_m, FLASH_SM90_BLOCK_N);
+                if let Some([tq, tk, tv]) = maps {
+                    let entry = format!("kpt_flash_attention_sm90_tma_window_{name}_d{d}");
+                    launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims, tq, tk, tv);
+                    return Ok(());
+                }
+            }
             // Without an additive mask the consumers' ping-pong runs across a block's work
             // tiles, on 128-key tiles at head dim 64 and 160-key tiles at 128, and the output
             // is stored by TMA; at head dim 128 calls without a causal mask take 176-key
             // tiles in clusters of two blocks that share K/V instead where
             // [`Gpu::kv_multicast`] is on.
-            let unmasked = mask == 0 && !dropout;
+            let unmasked = mask == 0 && !dropout && !windowed;
             let wide = unmasked && d == 128;
             let pair = if wide && dims.causal == 0 {
                 let entry = format!("kpt_flash_attention_sm90_tma_n176_x2_{name}_d{d}");
@@ -1109,7 +1121,7 @@ impl Gpu {
                     return Ok(());
                 }
             }
-            if !dropout {
+            if !dropout && !windowed {
                 let entry = format!("kpt_flash_attention_sm90_{name}_d{d}");
                 launch!(self, SM90, entry, blocks; q, k, v, mask, out, lse, dims);
                 return Ok(());

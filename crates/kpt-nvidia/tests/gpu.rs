@@ -652,17 +652,19 @@ proptest! {
 
     /// Prefill-shaped calls on a persistent grid of 1 to 8 blocks, so that every block walks
     /// several query tiles (paired ones under a causal mask): the Hopper kernel carries
-    /// its K/V ring and Q buffer across tiles (see `attention_persistent_grid`).
+    /// its K/V ring and Q buffer across tiles (see `attention_persistent_grid`), sliding
+    /// windows starting each tile's keys past 0 (the `_tma_window_` entries).
     #[test]
     fn attention_prefill_persistent(batch in 1usize..4, seq_q in 1usize..450, seq_kv in 1usize..400,
                                     kv_heads in 1usize..3, group in 1usize..=4,
                                     head_dim in prop::sample::select(vec![64usize, 128]),
                                     causal in any::<bool>(), with_mask in any::<bool>(),
+                                    window in prop::option::of(1usize..300),
                                     dt in prop::sample::select(vec![DType::BF16, DType::F16]),
                                     blocks in 1usize..=8, seed: u64) {
         let Some(b) = backend() else { return Ok(()) };
         b.gpu().set_attention_blocks(Some(blocks));
-        let result = check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, None), with_mask, dt, seed);
+        let result = check_attention([batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed);
         b.gpu().set_attention_blocks(None);
         result?;
     }
