@@ -2,7 +2,10 @@
 // newer) for bf16 and f16 with head dim 64 or 128: the gradients dq, dk, dv of
 // flash_attention.cu's forward (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right
 // causal; q, out, dout and dq [batch, seq_q, heads * d], k, v, dk and dv
-// [batch, seq_kv, kv_heads * d]). No sliding window (the host declines it).
+// [batch, seq_kv, kv_heads * d], sliding window: both launches walk only the tiles inside
+// it and mask per element where a tile crosses a row's window start; the Hopper wgmma
+// launches of flash_attention_sm90.cu take no window, so the host sends windowed calls
+// here on every GPU).
 //
 // The op passes no log-sum-exp, and two launches need no atomics:
 // 1. kpt_flash_attention_bwd_dq_*: one block of 4 warps per (64 query rows, head, batch),
@@ -135,15 +138,19 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
     const int offset = p.seq_kv - p.seq_q;
     int kv_end = p.seq_kv;
     if (p.causal) kv_end = max(0, min(p.seq_kv, m0 + rows + offset));
-    const int tiles_n = (kv_end + kBlockN - 1) / kBlockN;
+    // A sliding window of w keys: query i sees keys j >= i + offset + 1 - w, so the tile's
+    // keys start at its first query's first one.
+    const int kv_start = p.window > 0 ? max(0, m0 + offset + 1 - p.window) : 0;
+    const int n_first = min(kv_start, kv_end) / kBlockN * kBlockN;
+    const int tiles_n = (kv_end - n_first + kBlockN - 1) / kBlockN;
     const long row_at = static_cast<long>(bh) * seq_pad(p) + m0;  // lse2 and D
 
     load_tile<T, D, kBlockM>(qs, kLd, q + q_at, q_stride, rows);
     load_tile<T, D, kBlockM>(dos, kLd, dout + q_at, q_stride, rows);
     if (tiles_n > 0) {
-        const int nk = min(kBlockN, p.seq_kv);
-        load_tile<T, D, kBlockN>(kbuf, kLd, kb, kv_stride, nk);
-        load_tile<T, D, kBlockN>(vbuf, kLd, vb, kv_stride, nk);
+        const int nk = min(kBlockN, p.seq_kv - n_first);
+        load_tile<T, D, kBlockN>(kbuf, kLd, kb + n_first * kv_stride, kv_stride, nk);
+        load_tile<T, D, kBlockN>(vbuf, kLd, vb + n_first * kv_stride, kv_stride, nk);
     }
     cp_async_commit();
 
@@ -204,7 +211,7 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
             cp_async_wait<0>();  // K(t) and V(t) have landed
             __syncthreads();     // and every warp is done with tile t - 1
         }
-        const int n0 = t * kBlockN;
+        const int n0 = n_first + t * kBlockN;
         const int nk = min(kBlockN, p.seq_kv - n0);
         if (t + 1 < tiles_n) {
             const int n1 = n0 + kBlockN;
@@ -243,8 +250,10 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
             }
         }
 
+        // The last row has the latest window start.
         const bool edge = nk < kBlockN || mask != nullptr ||
-                          (p.causal && n0 + kBlockN - 1 > m0 + offset);
+                          (p.causal && n0 + kBlockN - 1 > m0 + offset) ||
+                          (p.window > 0 && n0 < m0 + rows + offset - p.window);
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
@@ -255,6 +264,7 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
                     const int qi = e < 2 ? qi0 : qi1;
                     bool visible = key < p.seq_kv && qi < p.seq_q;
                     if (p.causal) visible = visible && key <= qi + offset;
+                    if (p.window > 0) visible = visible && key >= qi + offset + 1 - p.window;
                     if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
                     x = visible ? x : -INFINITY;
                 }
@@ -401,9 +411,13 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
     const int nk = min(kBlockN, p.seq_kv - n0);
     const int offset = p.seq_kv - p.seq_q;
     const int pad = seq_pad(p);
-    // Query i sees key j iff j <= i + offset: the first query tile that sees key n0.
+    // Query i sees key j iff j <= i + offset: the first query tile that sees key n0. With a
+    // sliding window of w keys also iff i <= j - offset - 1 + w: m_end past the last query
+    // that sees key n0 + nk - 1.
     const int m_begin = p.causal ? max(0, n0 - offset) / kBlockM * kBlockM : 0;
-    const int tiles_m = m_begin < p.seq_q ? (p.seq_q - m_begin + kBlockM - 1) / kBlockM : 0;
+    const int m_end = p.window > 0 ? max(0, min(p.seq_q, n0 + nk - 1 - offset + p.window))
+                                   : p.seq_q;
+    const int tiles_m = m_begin < m_end ? (m_end - m_begin + kBlockM - 1) / kBlockM : 0;
     const int iters = group * tiles_m;
 
     // Loads the (head, query tile) of iteration it into buffer buf: Q, dO, lse2, D (the
@@ -482,7 +496,8 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
         // P^T = exp2(S^T scale log2e (+ mask log2e) - lse2); invisible pairs give 0, and so
         // do rows whose lse2 is +inf (nothing visible, or past seq_q).
         const bool edge = nk < kBlockN || mask != nullptr ||
-                          (p.causal && n0 + kBlockN - 1 > m0 + offset);
+                          (p.causal && n0 + kBlockN - 1 > m0 + offset) ||
+                          (p.window > 0 && n0 < m0 + kBlockM + offset - p.window);
         const float* lrow = lses + buf * kBlockM;
         const float* drow = dsb + buf * kBlockM;
         // Dropout: dV takes P Z, dS = P (Z dP - D).
@@ -502,6 +517,7 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                     const int qi = m0 + c + (e & 1);
                     bool visible = key < p.seq_kv && qi < p.seq_q;
                     if (p.causal) visible = visible && key <= qi + offset;
+                    if (p.window > 0) visible = visible && key >= qi + offset + 1 - p.window;
                     if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
                     x = visible ? x : -INFINITY;
                 }

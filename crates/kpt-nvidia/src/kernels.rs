@@ -613,7 +613,7 @@ pub(crate) struct FlashBackward {
 
 impl FlashBackward {
     /// The plan for `dims` in `dtype`, or why the kernels do not take them: bf16 or f16,
-    /// head dim 64 or 128, no sliding window.
+    /// head dim 64 or 128.
     pub(crate) fn new(dtype: DType, dims: AttentionDims) -> Result<Self, NvidiaError> {
         let name = match dtype {
             DType::BF16 => "bf16",
@@ -629,11 +629,6 @@ impl FlashBackward {
                 "flash attention backward takes head dim 64 or 128, not {}",
                 dims.head_dim
             )));
-        }
-        if dims.window != 0 {
-            return Err(NvidiaError::Invalid(
-                "flash attention backward takes no sliding window".into(),
-            ));
         }
         let (batch, seq_q, seq_kv) = (
             dims.batch as usize,
@@ -1256,7 +1251,9 @@ impl Gpu {
         let stats = self.alloc((2 * rows).max(4) * 4)?;
         let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
         const SM90: &str = "flash_attention_sm90";
-        let hopper = self.wgmma_backward() && self.loaded_target(SM90)? == "sm_90a";
+        // The wgmma kernels take no sliding window.
+        let hopper =
+            self.wgmma_backward() && dims.window == 0 && self.loaded_target(SM90)? == "sm_90a";
         // The wgmma kernels' entries with dropout are their own code.
         let drop = if dims.dropout() { "dropout_" } else { "" };
         if query_tiles > 0 && lse_in != 0 && hopper {
@@ -1663,13 +1660,14 @@ mod tests {
     }
 
     #[test]
-    fn flash_backward_declines_other_dtypes_head_dims_and_windows() {
+    fn flash_backward_declines_other_dtypes_and_head_dims() {
         assert!(FlashBackward::new(DType::F32, dims(3, 3, 64)).is_err());
         for d in [32, 96, 256] {
             assert!(FlashBackward::new(DType::BF16, dims(3, 3, d)).is_err());
         }
+        // Sliding windows: the mma.sync kernels take them.
         let windowed = dims(3, 3, 64).with_window(Some(2)).unwrap();
-        assert!(FlashBackward::new(DType::F16, windowed).is_err());
+        assert!(FlashBackward::new(DType::F16, windowed).is_ok());
     }
 
     #[test]

@@ -936,7 +936,8 @@ proptest! {
 
     /// Attention gradients on the tensor-core backward: odd lengths (1, not multiples of
     /// the 64-row tiles), caches shorter and longer than the query (rows that see no key
-    /// under the causal mask), GQA groups of 1, 2 and 4.
+    /// under the causal mask), GQA groups of 1, 2 and 4, sliding windows (the mma.sync
+    /// kernels on every GPU) with tiles inside and across a window's start.
     #[test]
     fn attention_backward(batch in 1usize..=3,
                           seq_q in prop_oneof![Just(1usize), 1usize..150],
@@ -944,9 +945,10 @@ proptest! {
                           kv_heads in 1usize..=2, group in prop::sample::select(vec![1usize, 2, 4]),
                           head_dim in prop::sample::select(vec![64usize, 128]),
                           causal in any::<bool>(), with_mask in any::<bool>(),
+                          window in prop::option::of(1usize..150),
                           dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
         let (op, inputs) = attention_backward_inputs(
-            [batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, None), with_mask, dt, seed);
+            [batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), with_mask, dt, seed);
         check(&op, &inputs)?;
     }
 
@@ -999,9 +1001,10 @@ proptest! {
                               kv_heads in 1usize..=2, group in prop::sample::select(vec![1usize, 2, 4]),
                               head_dim in prop::sample::select(vec![64usize, 128]),
                               causal in any::<bool>(), with_mask in any::<bool>(),
+                              window in prop::option::of(1usize..150),
                               dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
         let (op, inputs) = attention_backward_inputs_lse(
-            [batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, None), (with_mask, true),
+            [batch, seq_q, seq_kv, kv_heads, group, head_dim], (causal, window), (with_mask, true),
             dt, seed);
         check(&op, &inputs)?;
     }
