@@ -90,6 +90,13 @@ def sliding_window_variants(q, k, v, w):
     return out
 
 
+def backward_of(forward, inputs, dout):
+    """The backward of one run of `forward` (run once here, not timed), as
+    `out.backward(dout)` would run it, without accumulating .grad."""
+    o = forward()
+    return lambda: torch.autograd.grad(o, inputs, dout, retain_graph=True)
+
+
 def variants(req):
     """The PyTorch implementations of one case: a list of (name, callable)."""
     kind = req["kind"]
@@ -201,6 +208,11 @@ def variants(req):
         dropout = req.get("dropout", 0.0)
         q, k, v = (rand((b, h, s, d), dt, -2.0, 2.0).requires_grad_() for _ in range(3))
         dout = rand((b, h, s, d), dt, -2.0, 2.0)
+        if "window" in req:
+            return [
+                (name, backward_of(forward, (q, k, v), dout))
+                for name, forward in sliding_window_variants(q, k, v, req["window"])
+            ]
         out = []
         # The forward runs once under each backend; its backward (the same backend's) is
         # what is timed, as `out.backward(dout)` would run it, without accumulating .grad.

@@ -373,6 +373,27 @@ fn attention_cases() -> Vec<Case> {
                    dropout_p = 0.1",
         });
     }
+    // The backward under a sliding window of 4096 keys over 8192 causal keys (16 heads,
+    // head dim 128). Tracked without a target.
+    let (b, h, s, d, w) = (2usize, 16usize, 8192usize, 128usize, 4096usize);
+    let pairs = w * (w + 1) / 2 + (s - w) * w; // visible (query, key) pairs of a head
+    out.push(Case {
+        name: format!("attention_backward_bf16_b{b}_h{h}_s{s}_d{d}_causal_window{w}"),
+        metric: "TFLOP/s",
+        work: 2.5 * 4.0 * (b * h * pairs * d) as f64,
+        kpt: Work::Op(Op::AttentionBackward(kpt_core::graph::AttentionParams {
+            lse: true,
+            window: Some(w),
+            ..kpt_core::graph::AttentionParams::new(h, h, d, true)
+        })),
+        inputs: backward_inputs(&mut rng, [b, h, s, d], true),
+        torch: json!({"kind": "attention_backward", "batch": b, "heads": h, "head_dim": d,
+                      "seq": s, "causal": true, "window": w, "dtype": "bf16"}),
+        target: Target::None,
+        note: "FLOPs = 2.5 x the forward's over the visible pairs; out and lse from kpt's \
+               forward; torch: the backward of SDPA with a boolean window mask and of \
+               FlexAttention with a sliding-window block mask",
+    });
     // The decode attention of the 1.1B LLaMA-shaped model (models-* reports) at one and
     // 32 sequences over 512 keys: tracked without a target of its own.
     for b in [1usize, 32] {

@@ -3,9 +3,8 @@
 // flash_attention.cu's forward (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right
 // causal; q, out, dout and dq [batch, seq_q, heads * d], k, v, dk and dv
 // [batch, seq_kv, kv_heads * d], sliding window: both launches walk only the tiles inside
-// it and mask per element where a tile crosses a row's window start; the Hopper wgmma
-// launches of flash_attention_sm90.cu take no window, so the host sends windowed calls
-// here on every GPU).
+// it and mask per element where a tile crosses a row's window start, as the Hopper wgmma
+// launches of flash_attention_sm90.cu do).
 //
 // The op passes no log-sum-exp, and two launches need no atomics:
 // 1. kpt_flash_attention_bwd_dq_*: one block of 4 warps per (64 query rows, head, batch),

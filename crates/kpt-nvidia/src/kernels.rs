@@ -1251,9 +1251,7 @@ impl Gpu {
         let stats = self.alloc((2 * rows).max(4) * 4)?;
         let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
         const SM90: &str = "flash_attention_sm90";
-        // The wgmma kernels take no sliding window.
-        let hopper =
-            self.wgmma_backward() && dims.window == 0 && self.loaded_target(SM90)? == "sm_90a";
+        let hopper = self.wgmma_backward() && self.loaded_target(SM90)? == "sm_90a";
         // The wgmma kernels' entries with dropout are their own code.
         let drop = if dims.dropout() { "dropout_" } else { "" };
         if query_tiles > 0 && lse_in != 0 && hopper {
