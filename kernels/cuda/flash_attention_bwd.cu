@@ -52,6 +52,18 @@
 // kpt:launch kpt_flash_attention_bwd_dkdv_bf16_d128 block=128 shared=105472 grid=key_tiles
 // kpt:launch kpt_flash_attention_bwd_dkdv_f16_d64 block=128 shared=56320 grid=key_tiles
 // kpt:launch kpt_flash_attention_bwd_dkdv_f16_d128 block=128 shared=105472 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_window_bf16_d64 block=128 shared=55552 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_window_bf16_d128 block=128 shared=104704 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_window_f16_d64 block=128 shared=55552 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_window_f16_d128 block=128 shared=104704 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_window_bf16_d64 block=128 shared=55552 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_window_bf16_d128 block=128 shared=104704 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_window_f16_d64 block=128 shared=55552 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_window_f16_d128 block=128 shared=104704 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_window_bf16_d64 block=128 shared=56320 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_window_bf16_d128 block=128 shared=105472 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_window_f16_d64 block=128 shared=56320 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_window_f16_d128 block=128 shared=105472 grid=key_tiles
 
 #include <type_traits>
 
@@ -105,7 +117,7 @@ static_assert(kBlockM == kBlockN, "Q and dO tiles use the K tile's size");
 
 // kGivenLse: lse_in holds the forward's log-sum-exp (see the top of the file); otherwise
 // it is unused and the row statistics come from an online softmax.
-template <typename T, int D, bool kGivenLse>
+template <typename T, int D, bool kGivenLse, bool kWindow = false>
 __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
                         const T* __restrict__ v, const float* __restrict__ mask,
                         const T* __restrict__ out, const T* __restrict__ dout,
@@ -139,8 +151,8 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
     if (p.causal) kv_end = max(0, min(p.seq_kv, m0 + rows + offset));
     // A sliding window of w keys: query i sees keys j >= i + offset + 1 - w, so the tile's
     // keys start at its first query's first one.
-    const int kv_start = p.window > 0 ? max(0, m0 + offset + 1 - p.window) : 0;
-    const int n_first = min(kv_start, kv_end) / kBlockN * kBlockN;
+    const int kv_start = kWindow ? max(0, m0 + offset + 1 - p.window) : 0;
+    const int n_first = kWindow ? min(kv_start, kv_end) / kBlockN * kBlockN : 0;
     const int tiles_n = (kv_end - n_first + kBlockN - 1) / kBlockN;
     const long row_at = static_cast<long>(bh) * seq_pad(p) + m0;  // lse2 and D
 
@@ -252,7 +264,7 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
         // The last row has the latest window start.
         const bool edge = nk < kBlockN || mask != nullptr ||
                           (p.causal && n0 + kBlockN - 1 > m0 + offset) ||
-                          (p.window > 0 && n0 < m0 + rows + offset - p.window);
+                          (kWindow && n0 < m0 + rows + offset - p.window);
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
@@ -263,7 +275,7 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
                     const int qi = e < 2 ? qi0 : qi1;
                     bool visible = key < p.seq_kv && qi < p.seq_q;
                     if (p.causal) visible = visible && key <= qi + offset;
-                    if (p.window > 0) visible = visible && key >= qi + offset + 1 - p.window;
+                    if (kWindow) visible = visible && key >= qi + offset + 1 - p.window;
                     if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
                     x = visible ? x : -INFINITY;
                 }
@@ -381,7 +393,7 @@ static_assert(SmemKv<__nv_bfloat16, 128>::kBytes == 105472, "keep the kpt:launch
 static_assert(SmemKv<__half, 64>::kBytes == 56320, "keep the kpt:launch shared= values in step");
 static_assert(SmemKv<__half, 128>::kBytes == 105472, "keep the kpt:launch shared= values in step");
 
-template <typename T, int D>
+template <typename T, int D, bool kWindow = false>
 __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                         const T* __restrict__ v, const float* __restrict__ mask,
                         const T* __restrict__ dout, const float* __restrict__ lse,
@@ -414,7 +426,7 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
     // sliding window of w keys also iff i <= j - offset - 1 + w: m_end past the last query
     // that sees key n0 + nk - 1.
     const int m_begin = p.causal ? max(0, n0 - offset) / kBlockM * kBlockM : 0;
-    const int m_end = p.window > 0 ? max(0, min(p.seq_q, n0 + nk - 1 - offset + p.window))
+    const int m_end = kWindow ? max(0, min(p.seq_q, n0 + nk - 1 - offset + p.window))
                                    : p.seq_q;
     const int tiles_m = m_begin < m_end ? (m_end - m_begin + kBlockM - 1) / kBlockM : 0;
     const int iters = group * tiles_m;
@@ -496,7 +508,7 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
         // do rows whose lse2 is +inf (nothing visible, or past seq_q).
         const bool edge = nk < kBlockN || mask != nullptr ||
                           (p.causal && n0 + kBlockN - 1 > m0 + offset) ||
-                          (p.window > 0 && n0 < m0 + kBlockM + offset - p.window);
+                          (kWindow && n0 < m0 + kBlockM + offset - p.window);
         const float* lrow = lses + buf * kBlockM;
         const float* drow = dsb + buf * kBlockM;
         // Dropout: dV takes P Z, dS = P (Z dP - D).
@@ -516,7 +528,7 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                     const int qi = m0 + c + (e & 1);
                     bool visible = key < p.seq_kv && qi < p.seq_q;
                     if (p.causal) visible = visible && key <= qi + offset;
-                    if (p.window > 0) visible = visible && key >= qi + offset + 1 - p.window;
+                    if (kWindow) visible = visible && key >= qi + offset + 1 - p.window;
                     if (visible && mask) x += mask[static_cast<long>(qi) * p.seq_kv + key] * kLog2e;
                     x = visible ? x : -INFINITY;
                 }
@@ -577,31 +589,37 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
 
 }  // namespace
 
-#define KPT_FLASH_BWD(NAME, T, D)                                                            \
-    extern "C" __global__ void __launch_bounds__(kThreads) kpt_flash_attention_bwd_dq_##NAME##_d##D( \
-        const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,  \
-        T* dq, float* lse, float* delta, const Dims p) {                                     \
-        kpt::dependent_launch_prologue();                                                    \
-        dq_pass<T, D, false>(q, k, v, mask, out, dout, nullptr, dq, lse, delta, p);          \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(kThreads)                                   \
-        kpt_flash_attention_bwd_dq_lse_##NAME##_d##D(                                        \
-            const T* q, const T* k, const T* v, const float* mask, const T* out,             \
-            const T* dout, const float* lse_in, T* dq, float* lse, float* delta,             \
-            const Dims p) {                                                                  \
-        kpt::dependent_launch_prologue();                                                    \
-        dq_pass<T, D, true>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);            \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(kThreads)                                   \
-        kpt_flash_attention_bwd_dkdv_##NAME##_d##D(const T* q, const T* k, const T* v,        \
-                                                   const float* mask, const T* dout,          \
-                                                   const float* lse, const float* delta,      \
-                                                   T* dk, T* dv, const Dims p) {              \
-        kpt::dependent_launch_prologue();                                                    \
-        kv_pass<T, D>(q, k, v, mask, dout, lse, delta, dk, dv, p);                           \
+#define KPT_FLASH_BWD(NAME, T, D, TAG, WINDOW)                                                  \
+    extern "C" __global__ void __launch_bounds__(kThreads) kpt_flash_attention_bwd_dq_##TAG##NAME##_d##D( \
+        const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,     \
+        T* dq, float* lse, float* delta, const Dims p) {                                        \
+        kpt::dependent_launch_prologue();                                                       \
+        dq_pass<T, D, false, WINDOW>(q, k, v, mask, out, dout, nullptr, dq, lse, delta, p);     \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(kThreads)                                      \
+        kpt_flash_attention_bwd_dq_lse_##TAG##NAME##_d##D(                                      \
+            const T* q, const T* k, const T* v, const float* mask, const T* out,                \
+            const T* dout, const float* lse_in, T* dq, float* lse, float* delta,                \
+            const Dims p) {                                                                     \
+        kpt::dependent_launch_prologue();                                                       \
+        dq_pass<T, D, true, WINDOW>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);       \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(kThreads)                                      \
+        kpt_flash_attention_bwd_dkdv_##TAG##NAME##_d##D(const T* q, const T* k, const T* v,     \
+                                                   const float* mask, const T* dout,            \
+                                                   const float* lse, const float* delta,        \
+                                                   T* dk, T* dv, const Dims p) {                \
+        kpt::dependent_launch_prologue();                                                       \
+        kv_pass<T, D, WINDOW>(q, k, v, mask, dout, lse, delta, dk, dv, p);                      \
     }
 
-KPT_FLASH_BWD(bf16, __nv_bfloat16, 64)
-KPT_FLASH_BWD(bf16, __nv_bfloat16, 128)
-KPT_FLASH_BWD(f16, __half, 64)
-KPT_FLASH_BWD(f16, __half, 128)
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 64, , false)
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 128, , false)
+KPT_FLASH_BWD(f16, __half, 64, , false)
+KPT_FLASH_BWD(f16, __half, 128, , false)
+// Under a sliding window (Dims::window; kWindow): separate code, so that the entries above
+// keep theirs.
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 64, window_, true)
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 128, window_, true)
+KPT_FLASH_BWD(f16, __half, 64, window_, true)
+KPT_FLASH_BWD(f16, __half, 128, window_, true)

@@ -938,7 +938,7 @@ __device__ __forceinline__ Work work_tile(long x, const Dims& p, int tiles_m, in
     // With a sliding window of w keys (kWindow), query i sees keys j >= i + seq_kv - seq_q +
     // 1 - w: the tile starts at the tile of its first row's first key.
     const int kv_start = kWindow ? max(0, w.m0 + p.seq_kv - p.seq_q + 1 - p.window) : 0;
-    w.t0 = min(kv_start, kv_end) / BN;
+    w.t0 = kWindow ? min(kv_start, kv_end) / BN : 0;
     w.n_tiles = (kv_end + BN - 1) / BN - w.t0;
     return w;
 }
@@ -1337,7 +1337,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             int my_tiles = row_first + 64 > 0 ? n_tiles : 0;
             if (p.causal) {
                 const int seen = max(0, min(p.seq_kv, row_first + 64 + offset));
-                my_tiles = min(my_tiles, max(0, (seen + BN - 1) / BN - w.t0));
+                // (seen > the first row's window start, so this is at least 0.)
+                my_tiles = min(my_tiles, (seen + BN - 1) / BN - w.t0);
             }
             // Every consumer waits for this work tile's Q before it releases it, so that a
             // release never counts for the previous one.
@@ -1543,9 +1544,8 @@ __device__ __forceinline__ void bwd_scores(float (&st)[32], float (&dpt)[32], ui
 
 // st becomes P = exp2(S scale2 (+ mask log2e) - lse2) and dpt dS = P o (dP - D), element
 // 4j + 2r + e of the 64 x 64 block: at(j, r, e) gives its (key, query), stats(j, r, e) its
-// query's (lse2, D). With `edge`, keys the query does not see (past the cache, causal,
-// before its sliding window) and queries past seq_q give P = 0; otherwise every element is
-// visible. kDropout: bit i of
+// query's (lse2, D). With `edge`, keys the query does not see (past the cache, causal) and
+// queries past seq_q give P = 0; otherwise every element is visible. kDropout: bit i of
 // `keep` is element i's decision (kpt::dropout_keep8 / _keep8_t); st becomes P Z and dpt
 // P (Z dP - D), Z = p.dropout_scale or 0.
 template <bool kDropout, typename At, typename Stats>
@@ -1566,7 +1566,6 @@ __device__ __forceinline__ void bwd_probs(float (&st)[32], float (&dpt)[32], boo
                     const int2 kq = at(j, r, e);
                     bool visible = kq.x < p.seq_kv && kq.y < p.seq_q;
                     if (p.causal) visible = visible && kq.x <= kq.y + offset;
-                    if (p.window > 0) visible = visible && kq.x >= kq.y + offset + 1 - p.window;
                     if (visible && mask) x += mask[static_cast<long>(kq.y) * p.seq_kv + kq.x] * kLog2e;
                     x = visible ? x : -INFINITY;
                 }
@@ -1662,13 +1661,9 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
     const int nk = min(kBwdKeys, p.seq_kv - n0);
     const int offset = p.seq_kv - p.seq_q;
     const int pad = (p.seq_q + kBwdRows - 1) / kBwdRows * kBwdRows;  // the first launch's seq_pad
-    // Query i sees key j iff j <= i + offset: the first query tile that sees key n0. With a
-    // sliding window of w keys also iff i <= j - offset - 1 + w: m_end past the last query
-    // that sees key n0 + nk - 1.
+    // Query i sees key j iff j <= i + offset: the first query tile that sees key n0.
     const int m_begin = p.causal ? max(0, n0 - offset) / kBwdRows * kBwdRows : 0;
-    const int m_end = p.window > 0 ? max(0, min(p.seq_q, n0 + nk - 1 - offset + p.window))
-                                   : p.seq_q;
-    const int tiles_m = m_begin < m_end ? (m_end - m_begin + kBwdRows - 1) / kBwdRows : 0;
+    const int tiles_m = m_begin < p.seq_q ? (p.seq_q - m_begin + kBwdRows - 1) / kBwdRows : 0;
     const int iters = group * tiles_m;
 
     bwd_barriers<kBwdStages>(full_kv, full, empty);
@@ -1742,9 +1737,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
                                    make_desc(kDescK, sdo(s)));
         // P^T and dS^T: element 4j + 2r + e is key kr0 + 8r, query m0 + 8j + 2tig + e.
         const float* lrow = stats + s * 2 * kBwdRows;
-        // The tile's last query has the latest window start.
-        const bool edge = mask != nullptr || (p.causal && n0 + c * 64 + 63 > m0 + offset) ||
-                          (p.window > 0 && n0 + c * 64 < m0 + kBwdRows + offset - p.window);
+        const bool edge = mask != nullptr || (p.causal && n0 + c * 64 + 63 > m0 + offset);
         bwd_probs<kDropout>(
             st, dpt, edge, scale2, p, mask,
             [&](int j, int r, int e) { return make_int2(n0 + kr0 + 8 * r, m0 + 8 * j + 2 * tig + e); },
@@ -1868,10 +1861,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
     const int rows = min(kDqRows, p.seq_q - m0);
     const int offset = p.seq_kv - p.seq_q;
     const int kv_end = p.causal ? max(0, min(p.seq_kv, m0 + rows + offset)) : p.seq_kv;
-    // A sliding window of w keys: the keys start at the tile of the first row's first one.
-    const int kv_start = p.window > 0 ? max(0, m0 + offset + 1 - p.window) : 0;
-    const int n_first = min(kv_start, kv_end) / kDqKeys * kDqKeys;
-    const int tiles_n = (kv_end - n_first + kDqKeys - 1) / kDqKeys;
+    const int tiles_n = (kv_end + kDqKeys - 1) / kDqKeys;
     // lse2 and D rows: the first launch's layout, seq_q rounded up to 64.
     const int pad = (p.seq_q + 63) / 64 * 64;
     const long row_at = static_cast<long>(bh) * pad + m0;
@@ -1889,7 +1879,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
         int s = 0;
         unsigned phase = 0;
         for (int t = 0; t < tiles_n; ++t) {
-            const int n0 = n_first + t * kDqKeys;
+            const int n0 = t * kDqKeys;
             const int nk = min(kDqKeys, p.seq_kv - n0);
             mbar_wait(empty(s), phase ^ 1);
             load_tile<T, D, kDqKeys>(sk(s), kb + n0 * kv_stride, kb, kv_stride, 0, nk, tp);
@@ -1952,7 +1942,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
     int s = 0;
     unsigned phase = 0;
     for (int t = 0; t < tiles_n; ++t) {
-        const int n0 = n_first + t * kDqKeys;
+        const int n0 = t * kDqKeys;
         mbar_wait(full(s), phase);
         fence_proxy_async();
         // S = Q K^T and dP = dO V^T (64 rows x 64 keys).
@@ -1960,9 +1950,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
         bwd_scores<T, D, kDqRows>(st, dpt, qdesc, make_desc(kDescK, sk(s)), dodesc,
                                   make_desc(kDescK, sv(s)));
         // P and dS: element 4j + 2r + e is row r0 + 8r, key n0 + 8j + 2tig + e.
-        const bool edge = mask != nullptr ||
-                          (p.causal && n0 + kDqKeys - 1 > row_first + offset) ||
-                          (p.window > 0 && n0 < row_first + 64 + offset - p.window);
+        const bool edge = mask != nullptr || (p.causal && n0 + kDqKeys - 1 > row_first + offset);
         uint32_t keep = ~0u;
         if constexpr (kDropout) keep = kpt::dropout_keep8(p, b, h, m0 + r0, n0, tig);
         bwd_probs<kDropout>(

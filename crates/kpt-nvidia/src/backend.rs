@@ -11,7 +11,9 @@ use kpt_core::backend::{
     split_rotary_via_temporaries, Backend, BufferMut, BufferRef, CapturedRun, DeviceBuffer,
     MemoryStats, PendingDownload, RotaryCaches,
 };
-use kpt_core::graph::{rope_frequencies, rope_seq_len, Activation, Op, RopeScaling, TensorSpec};
+use kpt_core::graph::{
+    rope_frequencies, rope_seq_len, Activation, AttentionParams, Op, RopeScaling, TensorSpec,
+};
 use kpt_core::hardware::{DeviceInfo, DeviceKind};
 use kpt_core::profile::KernelProfile;
 use kpt_core::tensor::Tensor;
@@ -115,6 +117,28 @@ fn q_k_shapes<'a>(op: &str, inputs: &[BufferRef<'a>]) -> Result<(&'a [usize], &'
         )));
     }
     Ok((qs, ks))
+}
+
+/// The kernels' sizes of attention `p` over `batch` sequences of `seq_q` queries and
+/// `seq_kv` keys, its window and dropout included.
+fn attention_dims(
+    p: &AttentionParams,
+    batch: usize,
+    seq_q: usize,
+    seq_kv: usize,
+) -> Result<AttentionDims> {
+    Ok(AttentionDims::new(
+        batch,
+        seq_q,
+        seq_kv,
+        p.num_heads,
+        p.num_kv_heads,
+        p.head_dim,
+        p.causal,
+        p.effective_scale(),
+    )?
+    .with_window(p.window)?
+    .with_dropout(p.dropout))
 }
 
 fn ptr(r: &BufferRef<'_>) -> Result<u64> {
@@ -591,20 +615,7 @@ impl CudaBackend {
                 if !matches!(dt, DType::BF16 | DType::F16) {
                     return Err(KptError::dtype(kernel, "bf16 or f16", dt));
                 }
-                let dims = |batch, seq_q, seq_kv| -> Result<AttentionDims> {
-                    Ok(AttentionDims::new(
-                        batch,
-                        seq_q,
-                        seq_kv,
-                        p.num_heads,
-                        p.num_kv_heads,
-                        p.head_dim,
-                        p.causal,
-                        p.effective_scale(),
-                    )?
-                    .with_window(p.window)?
-                    .with_dropout(p.dropout))
-                };
+                let dims = |batch, seq_q, seq_kv| attention_dims(p, batch, seq_q, seq_kv);
                 let plan = |dims| {
                     FlashBackward::new(dt, dims).map_err(|e| KptError::shape(kernel, e.to_string()))
                 };
@@ -684,18 +695,7 @@ impl CudaBackend {
                 let scale = |i: usize| inputs[i].buffer.scale;
                 let qk_scale = if fp8 { scale(0) * scale(1) } else { 1.0 };
                 let dims = |batch, seq_q, seq_kv| {
-                    AttentionDims::new(
-                        batch,
-                        seq_q,
-                        seq_kv,
-                        p.num_heads,
-                        p.num_kv_heads,
-                        p.head_dim,
-                        p.causal,
-                        p.effective_scale(),
-                    )?
-                    .with_window(p.window)
-                    .map(|d| d.scaled(qk_scale).with_dropout(p.dropout))
+                    attention_dims(p, batch, seq_q, seq_kv).map(|d| d.scaled(qk_scale))
                 };
                 let mask = if p.mask {
                     let m = &inputs[3];

@@ -1251,7 +1251,10 @@ impl Gpu {
         let stats = self.alloc((2 * rows).max(4) * 4)?;
         let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
         const SM90: &str = "flash_attention_sm90";
-        let hopper = self.wgmma_backward() && self.loaded_target(SM90)? == "sm_90a";
+        // Sliding windows: the mma.sync `_window_` entries (the wgmma kernels take none).
+        let window = if dims.window != 0 { "window_" } else { "" };
+        let hopper =
+            self.wgmma_backward() && window.is_empty() && self.loaded_target(SM90)? == "sm_90a";
         // The wgmma kernels' entries with dropout are their own code.
         let drop = if dims.dropout() { "dropout_" } else { "" };
         if query_tiles > 0 && lse_in != 0 && hopper {
@@ -1262,11 +1265,11 @@ impl Gpu {
             launch!(self, SM90, entry, grid("query tiles", tiles)?;
                 q, k, v, mask, out, dout, lse_in, dq, lse, delta, dims);
         } else if query_tiles > 0 && lse_in != 0 {
-            let entry = format!("kpt_flash_attention_bwd_dq_lse_{name}_d{d}");
+            let entry = format!("kpt_flash_attention_bwd_dq_lse_{window}{name}_d{d}");
             launch!(self, "flash_attention_bwd", entry, grid("query tiles", query_tiles)?;
                 q, k, v, mask, out, dout, lse_in, dq, lse, delta, dims);
         } else if query_tiles > 0 {
-            let entry = format!("kpt_flash_attention_bwd_dq_{name}_d{d}");
+            let entry = format!("kpt_flash_attention_bwd_dq_{window}{name}_d{d}");
             launch!(self, "flash_attention_bwd", entry, grid("query tiles", query_tiles)?;
                 q, k, v, mask, out, dout, dq, lse, delta, dims);
         }
@@ -1280,7 +1283,7 @@ impl Gpu {
                     q, k, v, mask, dout, lse, delta, dk, dv, dims);
                 return Ok(());
             }
-            let entry = format!("kpt_flash_attention_bwd_dkdv_{name}_d{d}");
+            let entry = format!("kpt_flash_attention_bwd_dkdv_{window}{name}_d{d}");
             launch!(self, "flash_attention_bwd", entry, grid("key tiles", key_tiles)?;
                 q, k, v, mask, dout, lse, delta, dk, dv, dims);
         }
