@@ -125,6 +125,14 @@
 // kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_dropout_bf16_d128 block=384 shared=197704 grid=query_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_dropout_f16_d64 block=384 shared=99400 grid=query_tiles
 // kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_dropout_f16_d128 block=384 shared=197704 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_window_bf16_d64 block=384 shared=67624 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_window_bf16_d128 block=384 shared=133160 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_window_f16_d64 block=384 shared=67624 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dkdv_window_f16_d128 block=384 shared=133160 grid=key_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_window_bf16_d64 block=384 shared=99400 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_window_bf16_d128 block=384 shared=197704 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_window_f16_d64 block=384 shared=99400 grid=query_tiles
+// kpt:launch kpt_flash_attention_sm90_bwd_dq_lse_window_f16_d128 block=384 shared=197704 grid=query_tiles
 // kpt:launch kpt_attention_fp8_v_transpose_d128 block=256 shared=0 grid=tiles
 //
 // FP8 (e4m3) inputs, head dim 128, bf16 output (kpt_flash_attention_sm90_e4m3_d128): the same
@@ -1544,11 +1552,12 @@ __device__ __forceinline__ void bwd_scores(float (&st)[32], float (&dpt)[32], ui
 
 // st becomes P = exp2(S scale2 (+ mask log2e) - lse2) and dpt dS = P o (dP - D), element
 // 4j + 2r + e of the 64 x 64 block: at(j, r, e) gives its (key, query), stats(j, r, e) its
-// query's (lse2, D). With `edge`, keys the query does not see (past the cache, causal) and
-// queries past seq_q give P = 0; otherwise every element is visible. kDropout: bit i of
+// query's (lse2, D). With `edge`, keys the query does not see (past the cache, causal, with
+// kWindow before its sliding window) and queries past seq_q give P = 0; otherwise every
+// element is visible. kDropout: bit i of
 // `keep` is element i's decision (kpt::dropout_keep8 / _keep8_t); st becomes P Z and dpt
 // P (Z dP - D), Z = p.dropout_scale or 0.
-template <bool kDropout, typename At, typename Stats>
+template <bool kDropout, bool kWindow, typename At, typename Stats>
 __device__ __forceinline__ void bwd_probs(float (&st)[32], float (&dpt)[32], bool edge,
                                           float scale2, const Dims& p,
                                           const float* __restrict__ mask, At at, Stats stats,
@@ -1566,6 +1575,7 @@ __device__ __forceinline__ void bwd_probs(float (&st)[32], float (&dpt)[32], boo
                     const int2 kq = at(j, r, e);
                     bool visible = kq.x < p.seq_kv && kq.y < p.seq_q;
                     if (p.causal) visible = visible && kq.x <= kq.y + offset;
+                    if (kWindow) visible = visible && kq.x >= kq.y + offset + 1 - p.window;
                     if (visible && mask) x += mask[static_cast<long>(kq.y) * p.seq_kv + kq.x] * kLog2e;
                     x = visible ? x : -INFINITY;
                 }
@@ -1626,7 +1636,7 @@ __device__ __forceinline__ uint64_t mn_desc(uint32_t addr, int rows) {
                      addr);
 }
 
-template <typename T, int D, bool kDropout>
+template <typename T, int D, bool kDropout, bool kWindow>
 __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                               const T* __restrict__ v,
                                               const float* __restrict__ mask,
@@ -1661,9 +1671,12 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
     const int nk = min(kBwdKeys, p.seq_kv - n0);
     const int offset = p.seq_kv - p.seq_q;
     const int pad = (p.seq_q + kBwdRows - 1) / kBwdRows * kBwdRows;  // the first launch's seq_pad
-    // Query i sees key j iff j <= i + offset: the first query tile that sees key n0.
+    // Query i sees key j iff j <= i + offset: the first query tile that sees key n0. With a
+    // sliding window of w keys (kWindow) also iff i <= j - offset - 1 + w: m_end past the
+    // last query that sees key n0 + nk - 1.
     const int m_begin = p.causal ? max(0, n0 - offset) / kBwdRows * kBwdRows : 0;
-    const int tiles_m = m_begin < p.seq_q ? (p.seq_q - m_begin + kBwdRows - 1) / kBwdRows : 0;
+    const int m_end = kWindow ? max(0, min(p.seq_q, n0 + nk - 1 - offset + p.window)) : p.seq_q;
+    const int tiles_m = m_begin < m_end ? (m_end - m_begin + kBwdRows - 1) / kBwdRows : 0;
     const int iters = group * tiles_m;
 
     bwd_barriers<kBwdStages>(full_kv, full, empty);
@@ -1737,8 +1750,10 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const T* __restrict__ q, const T* 
                                    make_desc(kDescK, sdo(s)));
         // P^T and dS^T: element 4j + 2r + e is key kr0 + 8r, query m0 + 8j + 2tig + e.
         const float* lrow = stats + s * 2 * kBwdRows;
-        const bool edge = mask != nullptr || (p.causal && n0 + c * 64 + 63 > m0 + offset);
-        bwd_probs<kDropout>(
+        // The tile's last query has the latest window start.
+        const bool edge = mask != nullptr || (p.causal && n0 + c * 64 + 63 > m0 + offset) ||
+                          (kWindow && n0 + c * 64 < m0 + kBwdRows + offset - p.window);
+        bwd_probs<kDropout, kWindow>(
             st, dpt, edge, scale2, p, mask,
             [&](int j, int r, int e) { return make_int2(n0 + kr0 + 8 * r, m0 + 8 * j + 2 * tig + e); },
             [&](int j, int, int e) {
@@ -1828,7 +1843,7 @@ struct DqConfig {
 static_assert(DqConfig<64>::kSmemBytes == 99400, "keep the kpt:launch shared= values in step");
 static_assert(DqConfig<128>::kSmemBytes == 197704, "keep the kpt:launch shared= values in step");
 
-template <typename T, int D, bool kDropout>
+template <typename T, int D, bool kDropout, bool kWindow>
 __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v,
                                             const float* __restrict__ mask,
@@ -1861,7 +1876,11 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
     const int rows = min(kDqRows, p.seq_q - m0);
     const int offset = p.seq_kv - p.seq_q;
     const int kv_end = p.causal ? max(0, min(p.seq_kv, m0 + rows + offset)) : p.seq_kv;
-    const int tiles_n = (kv_end + kDqKeys - 1) / kDqKeys;
+    // A sliding window of w keys (kWindow): the keys start at the tile of the first row's
+    // first one.
+    const int n_first =
+        kWindow ? min(max(0, m0 + offset + 1 - p.window), kv_end) / kDqKeys * kDqKeys : 0;
+    const int tiles_n = (kv_end - n_first + kDqKeys - 1) / kDqKeys;
     // lse2 and D rows: the first launch's layout, seq_q rounded up to 64.
     const int pad = (p.seq_q + 63) / 64 * 64;
     const long row_at = static_cast<long>(bh) * pad + m0;
@@ -1879,7 +1898,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
         int s = 0;
         unsigned phase = 0;
         for (int t = 0; t < tiles_n; ++t) {
-            const int n0 = t * kDqKeys;
+            const int n0 = n_first + t * kDqKeys;
             const int nk = min(kDqKeys, p.seq_kv - n0);
             mbar_wait(empty(s), phase ^ 1);
             load_tile<T, D, kDqKeys>(sk(s), kb + n0 * kv_stride, kb, kv_stride, 0, nk, tp);
@@ -1942,7 +1961,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
     int s = 0;
     unsigned phase = 0;
     for (int t = 0; t < tiles_n; ++t) {
-        const int n0 = t * kDqKeys;
+        const int n0 = n_first + t * kDqKeys;
         mbar_wait(full(s), phase);
         fence_proxy_async();
         // S = Q K^T and dP = dO V^T (64 rows x 64 keys).
@@ -1950,10 +1969,12 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
         bwd_scores<T, D, kDqRows>(st, dpt, qdesc, make_desc(kDescK, sk(s)), dodesc,
                                   make_desc(kDescK, sv(s)));
         // P and dS: element 4j + 2r + e is row r0 + 8r, key n0 + 8j + 2tig + e.
-        const bool edge = mask != nullptr || (p.causal && n0 + kDqKeys - 1 > row_first + offset);
+        const bool edge = mask != nullptr ||
+                          (p.causal && n0 + kDqKeys - 1 > row_first + offset) ||
+                          (kWindow && n0 < row_first + 64 + offset - p.window);
         uint32_t keep = ~0u;
         if constexpr (kDropout) keep = kpt::dropout_keep8(p, b, h, m0 + r0, n0, tig);
-        bwd_probs<kDropout>(
+        bwd_probs<kDropout, kWindow>(
             st, dpt, edge, scale2, p, mask,
             [&](int j, int r, int e) { return make_int2(n0 + 8 * j + 2 * tig + e, m0 + r0 + 8 * r); },
             [&](int, int r, int) { return make_float2(lse2[r], dsum[r]); }, keep);
@@ -2003,13 +2024,13 @@ __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const f
                                            float*, const Dims&, float, Maps) {
     __trap();
 }
-template <typename T, int D, bool kDropout>
+template <typename T, int D, bool kDropout, bool kWindow>
 __device__ __forceinline__ void bwd_dkdv_sm90(const T*, const T*, const T*, const float*,
                                               const T*, const float*, const float*, T*, T*,
                                               const Dims&) {
     __trap();
 }
-template <typename T, int D, bool kDropout>
+template <typename T, int D, bool kDropout, bool kWindow>
 __device__ __forceinline__ void bwd_dq_sm90(const T*, const T*, const T*, const float*, const T*,
                                             const T*, const float*, T*, float*, float*,
                                             const Dims&) {
@@ -2182,13 +2203,13 @@ KPT_FLASH_SM90_FP8_N192(n192_x2_, 0, true, false)
 // flash_attention_bwd.cu's kpt_flash_attention_bwd_dkdv_*, 128 keys per block; and its dq
 // launch given the forward's log-sum-exp. `_dropout_` entries apply Dims' dropout (separate
 // code, so that the entries without it stay as they were).
-#define KPT_FLASH_SM90_BWD(NAME, T, D, DROP, DROPOUT)                                      \
+#define KPT_FLASH_SM90_BWD(NAME, T, D, DROP, DROPOUT, WINDOW)                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                    \
         kpt_flash_attention_sm90_bwd_dkdv_##DROP##NAME##_d##D(                               \
             const T* q, const T* k, const T* v, const float* mask, const T* dout,           \
             const float* lse, const float* delta, T* dk, T* dv, const Dims p) {             \
         kpt::dependent_launch_prologue();                                                  \
-        bwd_dkdv_sm90<T, D, DROPOUT>(q, k, v, mask, dout, lse, delta, dk, dv, p);          \
+        bwd_dkdv_sm90<T, D, DROPOUT, WINDOW>(q, k, v, mask, dout, lse, delta, dk, dv, p);  \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(384, 1)                                    \
         kpt_flash_attention_sm90_bwd_dq_lse_##DROP##NAME##_d##D(                             \
@@ -2196,17 +2217,25 @@ KPT_FLASH_SM90_FP8_N192(n192_x2_, 0, true, false)
             const T* dout, const float* lse_in, T* dq, float* lse, float* delta,            \
             const Dims p) {                                                                 \
         kpt::dependent_launch_prologue();                                                  \
-        bwd_dq_sm90<T, D, DROPOUT>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, p);    \
+        bwd_dq_sm90<T, D, DROPOUT, WINDOW>(q, k, v, mask, out, dout, lse_in, dq, lse, delta, \
+                                           p);                                             \
     }
 
-KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64, , false)
-KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128, , false)
-KPT_FLASH_SM90_BWD(f16, __half, 64, , false)
-KPT_FLASH_SM90_BWD(f16, __half, 128, , false)
-KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64, dropout_, true)
-KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128, dropout_, true)
-KPT_FLASH_SM90_BWD(f16, __half, 64, dropout_, true)
-KPT_FLASH_SM90_BWD(f16, __half, 128, dropout_, true)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64, , false, false)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128, , false, false)
+KPT_FLASH_SM90_BWD(f16, __half, 64, , false, false)
+KPT_FLASH_SM90_BWD(f16, __half, 128, , false, false)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64, dropout_, true, false)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128, dropout_, true, false)
+KPT_FLASH_SM90_BWD(f16, __half, 64, dropout_, true, false)
+KPT_FLASH_SM90_BWD(f16, __half, 128, dropout_, true, false)
+// Under a sliding window without dropout (kWindow; separate code, so that the entries above
+// keep theirs): dq walks the key tiles inside its rows' windows, dk / dv the query tiles
+// whose windows reach its keys. Windows with dropout run on flash_attention_bwd.cu.
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 64, window_, false, true)
+KPT_FLASH_SM90_BWD(bf16, __nv_bfloat16, 128, window_, false, true)
+KPT_FLASH_SM90_BWD(f16, __half, 64, window_, false, true)
+KPT_FLASH_SM90_BWD(f16, __half, 128, window_, false, true)
 
 // q, k [batch, seq, heads * 128] e4m3, vt from kpt_attention_fp8_v_transpose_d128, out bf16;
 // p.scale includes q_scale * k_scale.

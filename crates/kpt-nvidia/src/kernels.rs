@@ -1251,17 +1251,18 @@ impl Gpu {
         let stats = self.alloc((2 * rows).max(4) * 4)?;
         let (lse, delta) = (stats.ptr(), stats.ptr() + rows as u64 * 4);
         const SM90: &str = "flash_attention_sm90";
-        // Sliding windows: the mma.sync `_window_` entries (the wgmma kernels take none).
+        // Sliding windows take `_window_` entries (their own code), on wgmma without dropout.
         let window = if dims.window != 0 { "window_" } else { "" };
-        let hopper =
-            self.wgmma_backward() && window.is_empty() && self.loaded_target(SM90)? == "sm_90a";
-        // The wgmma kernels' entries with dropout are their own code.
-        let drop = if dims.dropout() { "dropout_" } else { "" };
+        let hopper = self.wgmma_backward()
+            && (window.is_empty() || !dims.dropout())
+            && self.loaded_target(SM90)? == "sm_90a";
+        // The wgmma kernels' entries with dropout or a window are their own code.
+        let tag = if dims.dropout() { "dropout_" } else { window };
         if query_tiles > 0 && lse_in != 0 && hopper {
             // The wgmma dq kernel: 128 query rows per block.
             let pairs = dims.batch as usize * dims.heads as usize;
             let tiles = (dims.seq_q as usize).div_ceil(FLASH_SM90_BWD_ROWS) * pairs;
-            let entry = format!("kpt_flash_attention_sm90_bwd_dq_lse_{drop}{name}_d{d}");
+            let entry = format!("kpt_flash_attention_sm90_bwd_dq_lse_{tag}{name}_d{d}");
             launch!(self, SM90, entry, grid("query tiles", tiles)?;
                 q, k, v, mask, out, dout, lse_in, dq, lse, delta, dims);
         } else if query_tiles > 0 && lse_in != 0 {
@@ -1278,7 +1279,7 @@ impl Gpu {
                 // The wgmma dk / dv kernel: 128 keys per block.
                 let groups = dims.batch as usize * dims.kv_heads as usize;
                 let tiles = (dims.seq_kv as usize).div_ceil(FLASH_SM90_BWD_KEYS) * groups;
-                let entry = format!("kpt_flash_attention_sm90_bwd_dkdv_{drop}{name}_d{d}");
+                let entry = format!("kpt_flash_attention_sm90_bwd_dkdv_{tag}{name}_d{d}");
                 launch!(self, SM90, entry, grid("key tiles", tiles)?;
                     q, k, v, mask, dout, lse, delta, dk, dv, dims);
                 return Ok(());
