@@ -167,6 +167,18 @@ fn check(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The cumulative offsets `[0, l0, l0 + l1, ...]` of sequence lengths, as a variable-length
+/// batch's `cu_seqlens` input of index dtype `dtype`.
+fn cu_seqlens(lens: impl Iterator<Item = usize>, dtype: DType) -> Tensor {
+    let v: Vec<f64> = std::iter::once(0.0)
+        .chain(lens.scan(0usize, |t, l| {
+            *t += l;
+            Some(*t as f64)
+        }))
+        .collect();
+    Tensor::from_f64(&v, &[v.len()], dtype).unwrap()
+}
+
 /// Rotary positions below `below`: `[seq]` shared by every sequence, or `[batch, seq]`
 /// with `per_token`; i64 when `wide`, else i32.
 fn positions(
@@ -765,12 +777,7 @@ proptest! {
             window,
             ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
         };
-        let cu = |f: fn(&(usize, usize)) -> usize| {
-            let v: Vec<f64> = std::iter::once(0.0)
-                .chain(seqs.iter().scan(0usize, |t, s| { *t += f(s); Some(*t as f64) }))
-                .collect();
-            Tensor::from_f64(&v, &[v.len()], DType::I32).unwrap()
-        };
+        let cu = |f: fn(&(usize, usize)) -> usize| cu_seqlens(seqs.iter().map(f), DType::I32);
         let (tq, tk): (usize, usize) = (seqs.iter().map(|s| s.0).sum(), seqs.iter().map(|s| s.1).sum());
         let inputs = [
             random(&mut rng, &[1, tq, heads * head_dim], dt, -2.0, 2.0),
@@ -970,12 +977,7 @@ proptest! {
             dropout: dropout.then_some(kpt_core::graph::AttentionDropout { p: 0.1, seed: 7 }),
             ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
         };
-        let cu = |f: fn(&(usize, usize)) -> usize| {
-            let v: Vec<f64> = std::iter::once(0.0)
-                .chain(seqs.iter().scan(0usize, |t, s| { *t += f(s); Some(*t as f64) }))
-                .collect();
-            Tensor::from_f64(&v, &[v.len()], DType::I64).unwrap()
-        };
+        let cu = |f: fn(&(usize, usize)) -> usize| cu_seqlens(seqs.iter().map(f), DType::I64);
         let (tq, tk): (usize, usize) = (seqs.iter().map(|s| s.0).sum(), seqs.iter().map(|s| s.1).sum());
         let (q_shape, kv_shape) = ([1, tq, heads * head_dim], [1, tk, kv_heads * head_dim]);
         let inputs = [
