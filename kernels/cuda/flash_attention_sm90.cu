@@ -4,7 +4,11 @@
 // head dim 64 or 128. The same contract, arguments and Dims as flash_attention.cu (GQA, optional
 // additive f32 mask [seq_q, seq_kv], bottom-right causal: query i sees key j iff
 // j <= i + seq_kv - seq_q; rows that see no key give zeros; q and out [batch, seq_q, heads * d],
-// k and v [batch, seq_kv, kv_heads * d]).
+// k and v [batch, seq_kv, kv_heads * d]). Sliding windows (Dims::window) are taken by the
+// `_window_` entries only (kWindow, compiled into those alone; the forward's without an
+// additive mask or dropout, the backward's without dropout): their work starts at the key
+// tile of the first row's first visible key, and tiles crossing a window's start mask per
+// element.
 //
 // Block: one producer warpgroup and two consumer warpgroups of 64 query rows (384 threads,
 // 128 query rows of one (batch, head)), or for bf16/f16 at d = 64 three consumers (512
