@@ -451,6 +451,34 @@ impl CudaBackend {
         Ok(t.to_f64_vec().into_iter().map(|x| x as i64).collect())
     }
 
+    /// The sequences of a variable-length attention batch of `dt` (offsets `cu_q` and
+    /// `cu_k`, read on the host: a small synchronous copy, checked against the `total_q` /
+    /// `total_k` packed rows): per sequence, the byte offsets of its first query row and
+    /// first key row, and its numbers of queries and keys.
+    fn varlen_sequences(
+        &self,
+        p: &AttentionParams,
+        dt: DType,
+        [cu_q, cu_k]: [&BufferRef<'_>; 2],
+        [total_q, total_k]: [usize; 2],
+    ) -> Result<Vec<(u64, u64, usize, usize)>> {
+        let segments = kpt_kernels::cpu::varlen_segments(
+            &self.host_ids(cu_q)?,
+            &self.host_ids(cu_k)?,
+            total_q,
+            total_k,
+        )?;
+        let size = (p.head_dim * dt.size_in_bytes()) as u64;
+        let (q_row, kv_row) = (p.num_heads as u64 * size, p.num_kv_heads as u64 * size);
+        Ok(segments
+            .into_iter()
+            .map(|(sq, sk)| {
+                let (qo, ko) = (sq.start as u64 * q_row, sk.start as u64 * kv_row);
+                (qo, ko, sq.len(), sk.len())
+            })
+            .collect())
+    }
+
     /// Runs a `cuda.*` kernel.
     fn run_device(
         &self,
@@ -626,24 +654,17 @@ impl CudaBackend {
                 let (q, k, v, out, dout) = (at(0)?, at(1)?, at(2)?, at(3)?, at(4)?);
                 let (dq, dk, dv) = (out_ptr(dq)?, out_ptr(dk)?, out_ptr(dv)?);
                 if p.varlen {
-                    // Variable-length batch (no mask, no log-sum-exp): the offsets are read
-                    // on the host and each sequence runs as a dense call on its rows, taking
-                    // dropout's decisions as batch entry s, as the forward does. Sequences
-                    // without queries still run, so that their keys' gradients are zeros.
-                    let segments = kpt_kernels::cpu::varlen_segments(
-                        &self.host_ids(&inputs[5])?,
-                        &self.host_ids(&inputs[6])?,
-                        qs[1],
-                        ks[1],
-                    )?;
-                    let size = (p.head_dim * dt.size_in_bytes()) as u64;
-                    let (q_row, kv_row) = (p.num_heads as u64 * size, p.num_kv_heads as u64 * size);
-                    for (s, (sq, sk)) in segments.into_iter().enumerate() {
-                        if sq.is_empty() && sk.is_empty() {
+                    // Variable-length batch (no mask, no log-sum-exp): each sequence runs as
+                    // a dense call on its rows, taking dropout's decisions as batch entry s,
+                    // as the forward does. Sequences without queries still run, so that
+                    // their keys' gradients are zeros.
+                    let cu = [&inputs[5], &inputs[6]];
+                    let sequences = self.varlen_sequences(p, dt, cu, [qs[1], ks[1]])?;
+                    for (s, (qo, ko, sq, sk)) in sequences.into_iter().enumerate() {
+                        if sq == 0 && sk == 0 {
                             continue;
                         }
-                        let (qo, ko) = (sq.start as u64 * q_row, sk.start as u64 * kv_row);
-                        let dims = dims(1, sq.len(), sk.len())?.with_batch_offset(s)?;
+                        let dims = dims(1, sq, sk)?.with_batch_offset(s)?;
                         g.flash_attention_backward(
                             &plan(dims)?,
                             [q + qo, k + ko, v + ko, out + qo, dout + qo],
@@ -824,28 +845,19 @@ impl CudaBackend {
                     run(q, k, v, out, dims(qs[0], qs[1], ks[1])?)?;
                     return Ok(());
                 }
-                // Variable-length batch: the offsets are read on the host (a small
-                // synchronous copy) and each sequence runs as a dense call on its rows.
-                let segments = kpt_kernels::cpu::varlen_segments(
-                    &self.host_ids(&inputs[3])?,
-                    &self.host_ids(&inputs[4])?,
-                    qs[1],
-                    ks[1],
-                )?;
-                let (q_row, kv_row) = (q_row as u64, kv_row as u64);
-                // Sequence s takes dropout decisions as batch entry s.
-                for (s, (sq, sk)) in segments.into_iter().enumerate() {
-                    if sq.is_empty() {
+                // Variable-length batch: each sequence runs as a dense call on its rows;
+                // sequence s takes dropout decisions as batch entry s.
+                let cu = [&inputs[3], &inputs[4]];
+                for (s, (qo, ko, sq, sk)) in self
+                    .varlen_sequences(p, dt, cu, [qs[1], ks[1]])?
+                    .into_iter()
+                    .enumerate()
+                {
+                    if sq == 0 {
                         continue;
                     }
-                    let (q0, k0) = (sq.start as u64, sk.start as u64);
-                    run(
-                        q + q0 * q_row,
-                        k + k0 * kv_row,
-                        v + k0 * kv_row,
-                        out + q0 * q_row,
-                        dims(1, sq.len(), sk.len())?.with_batch_offset(s)?,
-                    )?;
+                    let dims = dims(1, sq, sk)?.with_batch_offset(s)?;
+                    run(q + qo, k + ko, v + ko, out + qo, dims)?;
                 }
             }
             Op::CacheWrite => return cache_write_into(self, inputs, out0),
