@@ -2045,13 +2045,18 @@ __device__ __forceinline__ void bwd_dq_sm90(const T*, const T*, const T*, const 
 
 // The masked and unmasked kernels are separate code: the mask's loads would otherwise add to
 // the register pressure of every call (at three consumer warpgroups, 160 registers each).
-template <typename T, int D, bool kTma = false, bool kDropout = false>
+// kWindow: the sliding-window kernel, which takes no mask (the host sends masked windows to
+// flash_attention.cu).
+template <typename T, int D, bool kTma = false, bool kDropout = false, bool kWindow = false>
 __device__ __forceinline__ void flash_sm90_entry(const T* q, const T* k, const T* v,
                                                  const float* mask, OutT<T>* out, float* lse,
                                                  const Dims& p, float out_scale,
                                                  Maps maps = Maps{}) {
     constexpr int kPoly = KPT_FA3_POLY_FP8;
-    if (mask != nullptr) {
+    if constexpr (kWindow) {
+        flash_sm90<T, D, false, kTma, kBlockN, false, kPoly, kDropout, false, false, true>(
+            q, k, v, nullptr, out, lse, p, out_scale, maps);
+    } else if (mask != nullptr) {
         flash_sm90<T, D, true, kTma, kBlockN, false, kPoly, kDropout>(q, k, v, mask, out, lse, p,
                                                                       out_scale, maps);
     } else {
@@ -2079,39 +2084,29 @@ KPT_FLASH_SM90(f16, __half, 128)
 // The same kernels with the K/V and Q tiles copied by TMA (one producer thread) from the
 // tensor maps tq, tk, tv (128-byte swizzle, boxes of 128-byte column blocks by kBlockN
 // or kBlockM rows by one batch; see the producer warpgroup in flash_sm90).
-#define KPT_FLASH_SM90_TMA(NAME, T, D)                                                     \
+// TAG window_: the kernels for sliding windows (Dims::window; kWindow), without an additive
+// mask or dropout (the host sends those to flash_attention.cu): each work tile starts at the
+// key tile of its first row's first key, and tiles that cross a window's start mask per
+// element.
+#define KPT_FLASH_SM90_TMA(NAME, T, D, TAG, WINDOW)                                        \
     extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
-        kpt_flash_attention_sm90_tma_##NAME##_d##D(                                          \
+        kpt_flash_attention_sm90_tma_##TAG##NAME##_d##D(                                     \
             const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
             const Dims p, const __grid_constant__ TensorMap tq,                             \
             const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
         kpt::dependent_launch_prologue();                                                  \
-        flash_sm90_entry<T, D, true>(q, k, v, mask, out, lse, p, 1.0f, Maps{&tq, &tk, &tv}); \
+        flash_sm90_entry<T, D, true, false, WINDOW>(q, k, v, mask, out, lse, p, 1.0f,       \
+                                                    Maps{&tq, &tk, &tv});                  \
     }
 
-KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 64)
-KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128)
-KPT_FLASH_SM90_TMA(f16, __half, 64)
-KPT_FLASH_SM90_TMA(f16, __half, 128)
-
-// The TMA kernels for sliding windows (Dims::window; kWindow), without an additive mask or
-// dropout (the host sends those to flash_attention.cu): each work tile starts at the key
-// tile of its first row's first key, and tiles that cross a window's start mask per element.
-#define KPT_FLASH_SM90_TMA_WINDOW(NAME, T, D)                                              \
-    extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
-        kpt_flash_attention_sm90_tma_window_##NAME##_d##D(                                   \
-            const T* q, const T* k, const T* v, const float* mask, T* out, float* lse,      \
-            const Dims p, const __grid_constant__ TensorMap tq,                             \
-            const __grid_constant__ TensorMap tk, const __grid_constant__ TensorMap tv) {   \
-        kpt::dependent_launch_prologue();                                                  \
-        flash_sm90<T, D, false, true, kBlockN, false, KPT_FA3_POLY_FP8, false, false, false, \
-                   true>(q, k, v, nullptr, out, lse, p, 1.0f, Maps{&tq, &tk, &tv});         \
-    }
-
-KPT_FLASH_SM90_TMA_WINDOW(bf16, __nv_bfloat16, 64)
-KPT_FLASH_SM90_TMA_WINDOW(bf16, __nv_bfloat16, 128)
-KPT_FLASH_SM90_TMA_WINDOW(f16, __half, 64)
-KPT_FLASH_SM90_TMA_WINDOW(f16, __half, 128)
+KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 64, , false)
+KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128, , false)
+KPT_FLASH_SM90_TMA(f16, __half, 64, , false)
+KPT_FLASH_SM90_TMA(f16, __half, 128, , false)
+KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 64, window_, true)
+KPT_FLASH_SM90_TMA(bf16, __nv_bfloat16, 128, window_, true)
+KPT_FLASH_SM90_TMA(f16, __half, 64, window_, true)
+KPT_FLASH_SM90_TMA(f16, __half, 128, window_, true)
 
 // The TMA kernels with attention dropout (Dims' dropout fields; see flash_sm90), for
 // training: the host sends every dropout call on Hopper here (with or without a mask). Two
