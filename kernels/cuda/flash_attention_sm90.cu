@@ -149,10 +149,13 @@
 // accumulator holds keys 8 j + 2 tig + {0, 1}: instead of shuffling registers, each thread packs
 // the keys it holds in place and the transpose stores V^T in the matching key order (logical
 // column L of a 32-key block holds key 16 (L / 16) + 8 ((L / 2) % 2) + 2 ((L / 4) % 4) + L % 2).
-// The sum over keys does not depend on their order. P is exp2(s - max + 8) (at most 256, the
-// upper part of e4m3's range, so small probabilities keep their mantissa bits); the factor
-// cancels in the normalization. With the tensor cores twice as fast as for bf16, the softmax
-// bounds the FP8 kernel: on fully visible tiles one n8 block of scores in eight takes its
+// The sum over keys does not depend on their order. P is exp2(s - max + 5) (at most 32, so
+// small probabilities keep their mantissa bits, and a tile whose max exceeds the running max
+// by up to 3.5 still fits e4m3's 448); the factor cancels in the normalization. With the
+// tensor cores twice as fast as for bf16, the softmax bounds the FP8 kernel. The 192-key
+// entries start a tile's exp2s against the running max before the tile's max is known and
+// check afterwards that no P left e4m3's range (softmax_tile_spec; O keeps its scale, with
+// no rescale, when it held), and the causal entry takes one n8 block of scores in eight's
 // exp2 from a polynomial on the FMA units (exp2_fma) instead of the MUFU units (one in four
 // measured slower: the FMA units' extra instructions then cost more than the MUFU time
 // saved). Per-tensor scales: the host folds q_scale * k_scale into
@@ -894,6 +897,86 @@ __device__ __forceinline__ void pack_p(const float (&s)[BN / 2],
     }
 }
 
+// FP8 on a fully visible tile after the first (kSpec): the exp2s start at once against the
+// running max instead of after the tile's max. P = exp2(S scale2 - m_run + kPOffset) is taken,
+// summed and packed (e4m3) in one pass: the first half of P into registers of its own, the
+// second into pf once P(t - 1) V(t - 1) has read it (wait_pv). The guess holds when every P
+// is at most kSpecMax (inside e4m3's range; O then needs no rescale: alpha = 1). After each
+// half a warp vote checks the thread's sums of the half's P per row, which bound every P in
+// them; only where a sum exceeds kSpecMax (rows of many near-equal scores) are the half's
+// scores compared with m_run + log2(kSpecMax) - kPOffset. When that fails, s is as it was and
+// softmax(), the caller's softmax_tile, runs on it before P is packed again. The votes also
+// read the packed words (a sign bit is a NaN), so that the packing of each half stays ahead of
+// them (ptxas sinks work whose result only one branch uses into that branch), and each path
+// waits for P V once, so that ptxas keeps the wgmmas asynchronous. Returns whether the guess
+// held (warp-uniform, from the votes).
+constexpr float kSpecMax = 362.0f;  // 2^8.5 < e4m3's 448
+template <int kPOffset, int BN, int kPoly, typename WaitPv, typename Softmax>
+__device__ __forceinline__ bool softmax_tile_spec(float (&s)[BN / 2], const float (&m_run)[2],
+                                                  float (&l_run)[2], float (&alpha)[2],
+                                                  float scale2,
+                                                  uint32_t (&pf)[kPSteps<E4M3, BN>][4],
+                                                  WaitPv wait_pv, Softmax softmax) {
+    constexpr int kSteps = kPSteps<E4M3, BN>, kHalf = kSteps / 2;
+    const float b[2] = {m_run[0] - kPOffset, m_run[1] - kPOffset};
+    float sum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [half][row]
+    uint32_t head[kHalf][4];
+    uint32_t bits = 0;  // the packed words or'ed
+    auto step = [&](int kc, uint32_t(&dst)[4]) {
+        float x[16];  // n8 blocks 4 kc .. 4 kc + 3
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int j = 4 * kc + i / 4, r = (i % 4) >> 1;
+            const float a = fmaf(s[16 * kc + i], scale2, -b[r]);
+            x[i] = kPoly > 0 && j % (kPoly > 0 ? kPoly : 1) == kPoly - 1 ? exp2_fma(a) : exp2f(a);
+            sum[kc / kHalf][r] += x[i];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int j = 8 * (i / 2) + 2 * (i % 2);  // as in pack_p
+            dst[i] = pack4_e4m3(x[j], x[j + 1], x[j + 4], x[j + 5]);
+            bits |= dst[i];
+        }
+    };
+    // Whether half h broke the guess for some row of the warp.
+    auto failed = [&](int h) -> bool {
+        const bool nan = !(sum[h][0] + sum[h][1] >= 0.0f) || (bits & 0x80808080u) != 0;
+        if (__any_sync(0xffffffffu, nan || sum[h][0] > kSpecMax || sum[h][1] > kSpecMax) == 0)
+            return false;
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int i = 16 * kHalf * h; i < 16 * kHalf * (h + 1); ++i)
+            mx[(i % 4) >> 1] = fmaxf(mx[(i % 4) >> 1], s[i]);
+        constexpr float kMargin = 8.5f - kPOffset;  // log2(kSpecMax) - kPOffset, rounded up
+        return __any_sync(0xffffffffu, nan || mx[0] * scale2 > m_run[0] + kMargin ||
+                                           mx[1] * scale2 > m_run[1] + kMargin) != 0;
+    };
+#pragma unroll
+    for (int kc = 0; kc < kHalf; ++kc) step(kc, head[kc]);
+    if (failed(0)) {
+        softmax();
+        wait_pv();
+        pack_p<E4M3, BN>(s, pf);
+        return false;
+    }
+    wait_pv();
+#pragma unroll
+    for (int kc = kHalf; kc < kSteps; ++kc) step(kc, pf[kc]);
+    if (failed(1)) {
+        softmax();
+        pack_p<E4M3, BN>(s, pf);
+        return false;
+    }
+#pragma unroll
+    for (int kc = 0; kc < kHalf; ++kc)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pf[kc][i] = head[kc][i];
+    l_run[0] += sum[0][0] + sum[1][0];
+    l_run[1] += sum[0][1] + sum[1][1];
+    alpha[0] = alpha[1] = 1.0f;
+    return true;
+}
+
 // O's n8 block j times its rows' factors.
 template <int D>
 __device__ __forceinline__ void rescale_o_block(float (&o)[D / 2], const float (&alpha)[2],
@@ -995,7 +1078,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     constexpr int kBlockM = C::kBlockM;
     constexpr int kConsumers = C::kConsumers;
     using R = Regs<kConsumers>;
-    constexpr int kPOffset = kFp8<T> ? 8 : 0;
+    constexpr int kPOffset = kFp8<T> ? 5 : 0;
     // FP8: the tensor cores take half the cycles of bf16 for the same tile, and one exp2 per
     // score costs as many on the MUFU units; part of them go to the FMA units.
     constexpr int kPoly = kFp8<T> ? kPolyFp8 : D == 64 ? KPT_FA3_POLY_D64 : KPT_FA3_POLY_D128;
@@ -1244,6 +1327,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // softmax's exp2s (kSerial, cuDNN's order): there the other consumers' GEMMs hide the
     // softmax (measured +2-4 % at d = 64 and +1 % with dropout, -1 % at d = 128 and FP8).
     constexpr bool kSerial = kConsumers == 3 || kDropout;
+    // FP8's 192-key entries guess each tile's max (softmax_tile_spec): the softmax, not the
+    // tensor cores, bounds them (the 128-key entries, for masked calls, keep their registers).
+    constexpr bool kSpec = kFp8<T> && !kSerial && BN > kBlockN;
     constexpr int kLast = kConsumers - 1;
     const int my_turn = kSchedBarrier + c;
     const int other_turn = kSchedBarrier + (c + 1) % kConsumers;
@@ -1281,6 +1367,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             for (int i = 0; i < BN / 2; ++i) s_acc[i] = 0.0f;
             uint32_t pf[kPSteps<T, BN>][4];
             float alpha[2];
+            bool kept = false;  // kSpec: the last tile kept the max (alpha = 1, O as it is)
             const int row_first = w.m0 + c * 64;  // first query row of this warpgroup
             // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal,
             // a sliding window's start before this warpgroup's last row's).
@@ -1386,7 +1473,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     fence_proxy_async();
                     if (kPingPong) named_sync(my_turn, 256);
                     gemm_qk<T, D, BN>(s_acc, qdesc, kdesc + s * kStageDesc);
-                    if constexpr (!kSerial) rescale_o<D>(o, alpha);
+                    if constexpr (!kSerial) {
+                        if (!kSpec || !kept) rescale_o<D>(o, alpha);
+                    }
                     mbar_wait(full_v(sp), pp);
                     fence_proxy_async();
                     gemm_pv<T, D, BN>(o, pf, vdesc + sp * kVStageDesc);
@@ -1407,16 +1496,37 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                         fence_regs(s_acc);
                         release(empty_k(s));
                         if (t == my_tiles - 1) mbar_arrive(empty_q);
-                        softmax(n_first + t * BN);
-                        drop();
-                        wgmma_wait<0>();  // P V of t - 1 is done
-                        fence_regs(o);
-                        fence_regs(pf);
-                        release(empty_v(sp));
-                        pack_p<T, BN>(s_acc, pf);
+                        const int n0 = n_first + t * BN;
+                        // P V of t - 1 is done: pf and the stage of V(t - 1) are free.
+                        auto wait_pv = [&] {
+                            wgmma_wait<0>();
+                            fence_regs(o);
+                            fence_regs(pf);
+                            release(empty_v(sp));
+                        };
+                        auto plain = [&] {
+                            softmax(n0);
+                            drop();
+                            wait_pv();
+                            pack_p<T, BN>(s_acc, pf);
+                        };
+                        if constexpr (kSpec) {
+                            kept = false;
+                            if (edge(n0)) {
+                                plain();
+                            } else {
+                                kept = softmax_tile_spec<kPOffset, BN, kPoly>(
+                                    s_acc, m_run, l_run, alpha, scale2, pf, wait_pv,
+                                    [&] { softmax(n0); });
+                            }
+                        } else {
+                            plain();
+                        }
                     }
                 }
-                if constexpr (!kSerial) rescale_o<D>(o, alpha);
+                if constexpr (!kSerial) {
+                    if (!kSpec || !kept) rescale_o<D>(o, alpha);
+                }
                 mbar_wait(full_v(s), phase);
                 fence_proxy_async();
                 gemm_pv<T, D, BN>(o, pf, vdesc + s * kVStageDesc);

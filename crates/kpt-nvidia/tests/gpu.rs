@@ -308,23 +308,31 @@ fn check_attention_fp8(
         let m: Vec<f64> = (0..seq_q * seq_kv).map(|_| -2.0 * rng.next_f64()).collect();
         inputs.push(Tensor::from_f64(&m, &[seq_q, seq_kv], DType::F32).unwrap());
     }
-    let op = Op::Attention(p);
+    check_fp8_inputs(&Op::Attention(p), &inputs)
+}
+
+/// The FP8 attention `op` on `inputs` ([`check_attention_fp8`]'s bounds).
+fn check_fp8_inputs(op: &Op, inputs: &[Tensor]) -> Result<(), TestCaseError> {
+    let Some(b) = backend() else { return Ok(()) };
+    let Op::Attention(p) = op else {
+        return Err(TestCaseError::fail(format!("{op} is not an attention op")));
+    };
     let specs: Vec<TensorSpec> = inputs.iter().map(spec).collect();
-    let chain = registry().fallback_chain(&op, &specs, b.device());
+    let chain = registry().fallback_chain(op, &specs, b.device());
     let hopper = b.device().arch.as_deref() == Some("sm_90");
-    if hopper && head_dim == 128 {
+    if hopper && p.head_dim == 128 {
         prop_assert_eq!(
             chain.first().map(String::as_str),
             Some("cuda.attention.fp8_sm90")
         );
     }
-    let want = CpuReference.eval(&op, &inputs).unwrap()[0].to_f64_vec();
+    let want = CpuReference.eval(op, inputs).unwrap()[0].to_f64_vec();
     let vmax = inputs[2]
         .to_f64_vec()
         .iter()
         .fold(0f64, |m, x| m.max(x.abs()));
     for kernel in chain.iter().filter(|k| k.starts_with("cuda.")) {
-        let got = run_kernel(b, kernel, &op, &inputs)
+        let got = run_kernel(b, kernel, op, inputs)
             .map_err(|e| TestCaseError::fail(format!("{kernel}: {e}")))?;
         prop_assert_eq!(got[0].dtype(), DType::BF16);
         let got = got[0].to_f64_vec();
@@ -1254,6 +1262,38 @@ fn attention_fp8_fallback_large_scale() -> Result<(), TestCaseError> {
         [2, 223, 195, 2, 2, 128],
         (true, true, Some(0.950_893_46)),
         15_715_554_676_013_631_552,
+    )
+}
+
+/// The Hopper FP8 kernel guesses each key tile's max from the tiles before it and falls
+/// back to the exact softmax where the guess would overflow e4m3. Three batch entries of
+/// 1000 keys (six 192-key tiles) with the softmax scale 1: keys whose norm grows along the
+/// sequence (every tile's max far above the last: the fallback after each half tile), keys
+/// that all equal one row (all scores of a row equal: the sums of P exceed the bound and
+/// the scores themselves are compared), and random keys (the guess holds).
+#[test]
+fn attention_fp8_guessed_max() -> Result<(), TestCaseError> {
+    let (seq_q, seq_kv, d) = (130, 1000, 128);
+    let mut rng = SplitMix64::new(11);
+    let mut unit = |n: usize| -> Vec<f64> { (0..n).map(|_| rng.next_f64() * 2.0 - 1.0).collect() };
+    let q = unit(3 * seq_q * d);
+    let mut k = unit(3 * seq_kv * d);
+    for (j, x) in k[..seq_kv * d].iter_mut().enumerate() {
+        *x *= 0.25 + 2.0 * (j / d) as f64 / seq_kv as f64;
+    }
+    let row = k[seq_kv * d..seq_kv * d + d].to_vec();
+    for chunk in k[seq_kv * d..2 * seq_kv * d].chunks_mut(d) {
+        chunk.copy_from_slice(&row);
+    }
+    let v = unit(3 * seq_kv * d);
+    let fp8 = |x: &[f64], seq: usize| Tensor::from_f64(x, &[3, seq, d], DType::F8E4M3).unwrap();
+    let p = kpt_core::graph::AttentionParams {
+        scale: Some(1.0),
+        ..kpt_core::graph::AttentionParams::new(1, 1, d, false)
+    };
+    check_fp8_inputs(
+        &Op::Attention(p),
+        &[fp8(&q, seq_q), fp8(&k, seq_kv), fp8(&v, seq_kv)],
     )
 }
 
