@@ -394,6 +394,25 @@ fn attention_cases() -> Vec<Case> {
                forward; torch: the backward of SDPA with a boolean window mask and of \
                FlexAttention with a sliding-window block mask",
     });
+    // The backward at head dim 256 (a block per half of the head dim), causal, tracked
+    // without a target against torch's backends.
+    let (b, h, s, d) = (4usize, 8usize, 2048usize, 256usize);
+    out.push(Case {
+        name: format!("attention_backward_bf16_b{b}_h{h}_s{s}_d{d}_causal"),
+        metric: "TFLOP/s",
+        work: 2.5 * 4.0 * (b * h * s * s * d) as f64 / 2.0,
+        kpt: Work::Op(Op::AttentionBackward(kpt_core::graph::AttentionParams {
+            lse: true,
+            ..kpt_core::graph::AttentionParams::new(h, h, d, true)
+        })),
+        inputs: backward_inputs(&mut rng, [b, h, s, d], true),
+        torch: json!({"kind": "attention_backward", "batch": b, "heads": h, "head_dim": d,
+                      "seq": s, "causal": true, "dtype": "bf16"}),
+        target: Target::None,
+        note: "FLOPs = 2.5 x the forward's (half when causal); out and lse from kpt's \
+               forward (not timed); head dim 256: each block accumulates half of the head \
+               dim's columns and recomputes S and dP",
+    });
     // The decode attention of the 1.1B LLaMA-shaped model (models-* reports) at one and
     // 32 sequences over 512 keys: tracked without a target of its own.
     for b in [1usize, 32] {

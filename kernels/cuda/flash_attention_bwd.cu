@@ -1,5 +1,5 @@
 // FlashAttention-2 style attention backward on tensor cores (mma.sync m16n8k16, sm_80 and
-// newer) for bf16 and f16 with head dim 64 or 128: the gradients dq, dk, dv of
+// newer) for bf16 and f16 with head dim 64, 128, 192 or 256: the gradients dq, dk, dv of
 // flash_attention.cu's forward (GQA, additive [seq_q, seq_kv] f32 mask, bottom-right
 // causal; q, out, dout and dq [batch, seq_q, heads * d], k, v, dk and dv
 // [batch, seq_kv, kv_heads * d], sliding window: both launches walk only the tiles inside
@@ -36,6 +36,13 @@
 // With dropout (Dims::dropout_threshold > 0, see attention_dims.cuh) both launches
 // recompute the forward's decisions: dP becomes Z dP (dS = P (Z dP - D), D from the
 // forward's output, which holds the dropout) and dV takes P Z.
+// Head dims 192 and 256 (kSlices = 2): an accumulator of 16 rows x d a warp would not fit
+// the registers next to S and dP, so each block takes half of the head dim's columns of dq
+// (or dk and dv): blocks x and x + base (base: the blocks of one half) compute the same S
+// and dP over the whole head dim, each accumulating its half. That recomputes S and dP
+// once more (1.5x the matrix work of the dk / dv launch, 1.7x of dq's) instead of sending
+// the gradients to the host. At 256 the K / V (launch 1) and Q / dO (launch 2) tiles are
+// single-buffered (kBuffers = 1), so that the shared memory fits an A100's 164 KiB.
 // Shared rows are padded by 16 bytes so that the eight rows an ldmatrix reads fall in
 // distinct banks. Causal query tiles of launch 1 are scheduled last-first, key tiles of
 // launch 2 first-first: the blocks with the most work start first.
@@ -64,6 +71,30 @@
 // kpt:launch kpt_flash_attention_bwd_dkdv_window_bf16_d128 block=128 shared=105472 grid=key_tiles
 // kpt:launch kpt_flash_attention_bwd_dkdv_window_f16_d64 block=128 shared=56320 grid=key_tiles
 // kpt:launch kpt_flash_attention_bwd_dkdv_window_f16_d128 block=128 shared=105472 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_bf16_d192 block=128 shared=153856 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_bf16_d192 block=128 shared=153856 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_bf16_d192 block=128 shared=154624 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_f16_d192 block=128 shared=153856 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_f16_d192 block=128 shared=153856 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_f16_d192 block=128 shared=154624 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_bf16_d256 block=128 shared=135424 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_bf16_d256 block=128 shared=135424 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_bf16_d256 block=128 shared=135680 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_f16_d256 block=128 shared=135424 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_f16_d256 block=128 shared=135424 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_f16_d256 block=128 shared=135680 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_window_bf16_d192 block=128 shared=153856 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_window_bf16_d192 block=128 shared=153856 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_window_bf16_d192 block=128 shared=154624 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_window_f16_d192 block=128 shared=153856 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_window_f16_d192 block=128 shared=153856 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_window_f16_d192 block=128 shared=154624 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_window_bf16_d256 block=128 shared=135424 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_window_bf16_d256 block=128 shared=135424 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_window_bf16_d256 block=128 shared=135680 grid=key_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_window_f16_d256 block=128 shared=135424 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dq_lse_window_f16_d256 block=128 shared=135424 grid=query_tiles
+// kpt:launch kpt_flash_attention_bwd_dkdv_window_f16_d256 block=128 shared=135680 grid=key_tiles
 
 #include <type_traits>
 
@@ -86,6 +117,12 @@ using kpt::cp_async_wait;
 using kpt::mma;
 using kpt::pack2;
 
+// Head-dim halves a block accumulates (see the top), and the buffers of the streamed tiles.
+template <int D>
+constexpr int kSlices = D > 128 ? 2 : 1;
+template <int D>
+constexpr int kBuffers = D > 192 ? 1 : 2;
+
 // Tiles of kThreads threads.
 template <typename T, int D, int kRows>
 __device__ __forceinline__ void load_tile(T* tile, int ld, const T* src, long stride,
@@ -105,14 +142,16 @@ template <typename T, int D>
 struct SmemQ {
     static constexpr int kLd = D + 8;  // padded rows
     static constexpr int kTile = kBlockN * kLd;
-    // Q (staging), dO, K and V twice; D of the tile's rows.
-    static constexpr int kBytes =
-        6 * kTile * static_cast<int>(sizeof(T)) + kBlockM * static_cast<int>(sizeof(float));
+    // Q (staging), dO, K and V (kBuffers each); D of the tile's rows.
+    static constexpr int kBytes = (2 + 2 * kBuffers<D>) * kTile * static_cast<int>(sizeof(T)) +
+                                  kBlockM * static_cast<int>(sizeof(float));
 };
 static_assert(SmemQ<__nv_bfloat16, 64>::kBytes == 55552, "keep the kpt:launch shared= values in step");
 static_assert(SmemQ<__nv_bfloat16, 128>::kBytes == 104704, "keep the kpt:launch shared= values in step");
 static_assert(SmemQ<__half, 64>::kBytes == 55552, "keep the kpt:launch shared= values in step");
 static_assert(SmemQ<__half, 128>::kBytes == 104704, "keep the kpt:launch shared= values in step");
+static_assert(SmemQ<__half, 192>::kBytes == 153856, "keep the kpt:launch shared= values in step");
+static_assert(SmemQ<__half, 256>::kBytes == 135424, "keep the kpt:launch shared= values in step");
 static_assert(kBlockM == kBlockN, "Q and dO tiles use the K tile's size");
 
 // kGivenLse: lse_in holds the forward's log-sum-exp (see the top of the file); otherwise
@@ -125,19 +164,24 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
                         float* __restrict__ lse, float* __restrict__ delta, const Dims p) {
     using S = SmemQ<T, D>;
     constexpr int kLd = S::kLd;
+    constexpr int kBufs = kBuffers<D>, DA = D / kSlices<D>;  // DA: dq's columns here
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* qs = reinterpret_cast<T*>(smem_raw);
     T* dos = qs + S::kTile;
-    T* kbuf = dos + S::kTile;   // [2] K tiles
-    T* vbuf = kbuf + 2 * S::kTile;  // [2] V tiles
-    float* dsm = reinterpret_cast<float*>(vbuf + 2 * S::kTile);
+    T* kbuf = dos + S::kTile;          // [kBufs] K tiles
+    T* vbuf = kbuf + kBufs * S::kTile;  // [kBufs] V tiles
+    float* dsm = reinterpret_cast<float*>(vbuf + kBufs * S::kTile);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
-    // Block x = (query tile counted from the last) * batch * heads + b * heads + h.
+    // Block x = (query tile counted from the last) * batch * heads + b * heads + h, plus
+    // the head-dim half times the blocks of one half.
     const int tiles_m = (p.seq_q + kBlockM - 1) / kBlockM;
-    const int bh = static_cast<int>(blockIdx.x % (p.batch * p.heads));
-    const int m0 = (tiles_m - 1 - static_cast<int>(blockIdx.x / (p.batch * p.heads))) * kBlockM;
+    const unsigned half_blocks = static_cast<unsigned>(tiles_m * p.batch * p.heads);
+    const unsigned bx = DA < D ? blockIdx.x % half_blocks : blockIdx.x;
+    const int d0 = DA < D ? static_cast<int>(blockIdx.x / half_blocks) * DA : 0;
+    const int bh = static_cast<int>(bx % (p.batch * p.heads));
+    const int m0 = (tiles_m - 1 - static_cast<int>(bx / (p.batch * p.heads))) * kBlockM;
     const int h = bh % p.heads, b = bh / p.heads;
     const int hk = h / (p.heads / p.kv_heads);
     const long q_stride = static_cast<long>(p.heads) * D;
@@ -184,7 +228,7 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         if (half == 0) {
             dsm[r] = acc;
-            delta[row_at + r] = acc;
+            if (d0 == 0) delta[row_at + r] = acc;
         }
     }
     cp_async_wait<0>();
@@ -198,9 +242,9 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
     for (int kc = 0; kc < D / 16; ++kc) kpt::ldsm_x4(qf[kc], qs + a_row * kLd + kc * 16 + a_col);
     const float dr[2] = {dsm[warp * 16 + g], dsm[warp * 16 + g + 8]};
 
-    float acc[D / 8][4];
+    float acc[DA / 8][4];  // dq's columns d0 ..
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int i = 0; i < DA / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
     const float scale2 = p.scale * kLog2e;
     const int qi0 = m0 + warp * 16 + g, qi1 = qi0 + 8;
@@ -217,24 +261,33 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
         }
     }
 
+    // K and V of key tile n into buffer buf.
+    auto load_kv = [&](int n, int buf) {
+        const int nk = min(kBlockN, p.seq_kv - n);
+        load_tile<T, D, kBlockN>(kbuf + buf * S::kTile, kLd, kb + n * kv_stride, kv_stride, nk);
+        load_tile<T, D, kBlockN>(vbuf + buf * S::kTile, kLd, vb + n * kv_stride, kv_stride, nk);
+    };
     for (int t = 0; t < tiles_n; ++t) {
-        if (t > 0) {
-            cp_async_wait<0>();  // K(t) and V(t) have landed
-            __syncthreads();     // and every warp is done with tile t - 1
+        if constexpr (kBufs == 2) {
+            if (t > 0) {
+                cp_async_wait<0>();  // K(t) and V(t) have landed
+                __syncthreads();     // and every warp is done with tile t - 1
+            }
+        } else if (t > 0) {
+            __syncthreads();  // every warp is done with tile t - 1
+            load_kv(n_first + t * kBlockN, 0);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
         }
         const int n0 = n_first + t * kBlockN;
         const int nk = min(kBlockN, p.seq_kv - n0);
-        if (t + 1 < tiles_n) {
-            const int n1 = n0 + kBlockN;
-            const int nk1 = min(kBlockN, p.seq_kv - n1);
-            load_tile<T, D, kBlockN>(kbuf + ((t + 1) % 2) * S::kTile, kLd, kb + n1 * kv_stride,
-                                     kv_stride, nk1);
-            load_tile<T, D, kBlockN>(vbuf + ((t + 1) % 2) * S::kTile, kLd, vb + n1 * kv_stride,
-                                     kv_stride, nk1);
+        if constexpr (kBufs == 2) {
+            if (t + 1 < tiles_n) load_kv(n0 + kBlockN, (t + 1) % 2);
+            cp_async_commit();
         }
-        cp_async_commit();
-        const T* kt = kbuf + (t % 2) * S::kTile;
-        const T* vt = vbuf + (t % 2) * S::kTile;
+        const T* kt = kbuf + (t % kBufs) * S::kTile;
+        const T* vt = vbuf + (t % kBufs) * S::kTile;
 
         // S = Q K^T and dP = dO V^T for 16 rows x 64 keys.
         float s[kBlockN / 8][4], dp[kBlockN / 8][4];
@@ -321,7 +374,7 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
             }
             l_run[r] = l_run[r] * alpha + sum;
 #pragma unroll
-            for (int i = 0; i < D / 8; ++i) {
+            for (int i = 0; i < DA / 8; ++i) {
                 acc[i][2 * r] *= alpha;
                 acc[i][2 * r + 1] *= alpha;
             }
@@ -337,9 +390,9 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
                 pack2<T>(dp[2 * kc + 1][2], dp[2 * kc + 1][3]),
             };
 #pragma unroll
-            for (int dpi = 0; dpi < D / 16; ++dpi) {
+            for (int dpi = 0; dpi < DA / 16; ++dpi) {
                 const int key = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-                const int col = dpi * 16 + (lane / 16) * 8;
+                const int col = d0 + dpi * 16 + (lane / 16) * 8;
                 unsigned bf[4];
                 kpt::ldsm_x4_t(bf, kt + key * kLd + col);
                 mma<T>(acc[2 * dpi], sa, bf[0], bf[1]);
@@ -366,11 +419,11 @@ __device__ void dq_pass(const T* __restrict__ q, const T* __restrict__ k,
             row_lse2 = seen && qi < p.seq_q ? m_run[r] + log2f(l) : INFINITY;
             f = seen ? p.scale / l : 0.0f;
         }
-        if (tig == 0) lse[row_at + qi - m0] = row_lse2;
+        if (tig == 0 && d0 == 0) lse[row_at + qi - m0] = row_lse2;
         if (qi >= p.seq_q) continue;
-        T* row = dq + q_at + static_cast<long>(qi - m0) * q_stride;
+        T* row = dq + q_at + static_cast<long>(qi - m0) * q_stride + d0;
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
+        for (int i = 0; i < DA / 8; ++i) {
             *reinterpret_cast<unsigned*>(row + i * 8 + tig * 2) =
                 pack2<T>(acc[i][2 * r] * f, acc[i][2 * r + 1] * f);
         }
@@ -384,14 +437,16 @@ template <typename T, int D>
 struct SmemKv {
     static constexpr int kLd = D + 8;  // padded rows
     static constexpr int kTile = kBlockN * kLd;
-    // K, V; Q and dO twice; lse2 and D twice.
-    static constexpr int kBytes =
-        6 * kTile * static_cast<int>(sizeof(T)) + 4 * kBlockM * static_cast<int>(sizeof(float));
+    // K, V; Q, dO, lse2 and D (kBuffers each).
+    static constexpr int kBytes = (2 + 2 * kBuffers<D>) * kTile * static_cast<int>(sizeof(T)) +
+                                  2 * kBuffers<D> * kBlockM * static_cast<int>(sizeof(float));
 };
 static_assert(SmemKv<__nv_bfloat16, 64>::kBytes == 56320, "keep the kpt:launch shared= values in step");
 static_assert(SmemKv<__nv_bfloat16, 128>::kBytes == 105472, "keep the kpt:launch shared= values in step");
 static_assert(SmemKv<__half, 64>::kBytes == 56320, "keep the kpt:launch shared= values in step");
 static_assert(SmemKv<__half, 128>::kBytes == 105472, "keep the kpt:launch shared= values in step");
+static_assert(SmemKv<__half, 192>::kBytes == 154624, "keep the kpt:launch shared= values in step");
+static_assert(SmemKv<__half, 256>::kBytes == 135680, "keep the kpt:launch shared= values in step");
 
 template <typename T, int D, bool kWindow = false>
 __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
@@ -401,19 +456,24 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                         T* __restrict__ dv, const Dims p) {
     using S = SmemKv<T, D>;
     constexpr int kLd = S::kLd;
+    constexpr int kBufs = kBuffers<D>, DA = D / kSlices<D>;  // DA: dk's and dv's columns here
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* ks = reinterpret_cast<T*>(smem_raw);
     T* vs = ks + S::kTile;
-    T* qbuf = vs + S::kTile;         // [2] Q tiles
-    T* dobuf = qbuf + 2 * S::kTile;  // [2] dO tiles
-    float* lses = reinterpret_cast<float*>(dobuf + 2 * S::kTile);  // [2][kBlockM]
-    float* dsb = lses + 2 * kBlockM;                                // D, [2][kBlockM]
+    T* qbuf = vs + S::kTile;             // [kBufs] Q tiles
+    T* dobuf = qbuf + kBufs * S::kTile;  // [kBufs] dO tiles
+    float* lses = reinterpret_cast<float*>(dobuf + kBufs * S::kTile);  // [kBufs][kBlockM]
+    float* dsb = lses + kBufs * kBlockM;                                // D, [kBufs][kBlockM]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
     const int groups = p.batch * p.kv_heads;
-    const int bg = static_cast<int>(blockIdx.x % groups);
-    const int n0 = static_cast<int>(blockIdx.x / groups) * kBlockN;
+    // Block x = key tile * groups + group, plus the head-dim half times the blocks of one.
+    const unsigned half_blocks = static_cast<unsigned>((p.seq_kv + kBlockN - 1) / kBlockN * groups);
+    const unsigned bx = DA < D ? blockIdx.x % half_blocks : blockIdx.x;
+    const int d0 = DA < D ? static_cast<int>(blockIdx.x / half_blocks) * DA : 0;
+    const int bg = static_cast<int>(bx % groups);
+    const int n0 = static_cast<int>(bx / groups) * kBlockN;
     const int hk = bg % p.kv_heads, b = bg / p.kv_heads;
     const int group = p.heads / p.kv_heads;
     const long q_stride = static_cast<long>(p.heads) * D;
@@ -455,9 +515,9 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
     if (iters > 0) load_iter(0, 0);
     cp_async_commit();
 
-    float dka[D / 8][4], dva[D / 8][4];
+    float dka[DA / 8][4], dva[DA / 8][4];  // columns d0 ..
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
+    for (int i = 0; i < DA / 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.0f;
     }
@@ -468,13 +528,23 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
     const int a_col = (lane / 16) * 8;
 
     for (int it = 0; it < iters; ++it) {
-        const int buf = it % 2;
+        const int buf = it % kBufs;
         const int h = hk * group + it / tiles_m;  // the query head (dropout's decisions)
         const int m0 = m_begin + (it % tiles_m) * kBlockM;
-        cp_async_wait<0>();  // iteration it's tiles have landed
-        __syncthreads();     // and every warp is done with iteration it - 1's buffer
-        if (it + 1 < iters) load_iter(it + 1, buf ^ 1);
-        cp_async_commit();
+        if constexpr (kBufs == 2) {
+            cp_async_wait<0>();  // iteration it's tiles have landed
+            __syncthreads();     // and every warp is done with iteration it - 1's buffer
+            if (it + 1 < iters) load_iter(it + 1, buf ^ 1);
+            cp_async_commit();
+        } else {
+            if (it > 0) {
+                __syncthreads();  // every warp is done with iteration it - 1
+                load_iter(it, 0);
+                cp_async_commit();
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+        }
         const T* qs = qbuf + buf * S::kTile;
         const T* dos = dobuf + buf * S::kTile;
 
@@ -556,9 +626,9 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
                 pack2<T>(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]),
             };
 #pragma unroll
-            for (int dpi = 0; dpi < D / 16; ++dpi) {
+            for (int dpi = 0; dpi < DA / 16; ++dpi) {
                 const int row = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-                const int col = dpi * 16 + (lane / 16) * 8;
+                const int col = d0 + dpi * 16 + (lane / 16) * 8;
                 unsigned bf[4];
                 kpt::ldsm_x4_t(bf, dos + row * kLd + col);
                 mma<T>(dva[2 * dpi], pa, bf[0], bf[1]);
@@ -578,8 +648,8 @@ __device__ void kv_pass(const T* __restrict__ q, const T* __restrict__ k,
         if (key >= nk) continue;
         const long at = kv_at + static_cast<long>(key) * kv_stride;
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-            const int d = i * 8 + tig * 2;
+        for (int i = 0; i < DA / 8; ++i) {
+            const int d = d0 + i * 8 + tig * 2;
             *reinterpret_cast<unsigned*>(dk + at + d) =
                 pack2<T>(dka[i][2 * r] * p.scale, dka[i][2 * r + 1] * p.scale);
             *reinterpret_cast<unsigned*>(dv + at + d) = pack2<T>(dva[i][2 * r], dva[i][2 * r + 1]);
@@ -617,9 +687,17 @@ KPT_FLASH_BWD(bf16, __nv_bfloat16, 64, , false)
 KPT_FLASH_BWD(bf16, __nv_bfloat16, 128, , false)
 KPT_FLASH_BWD(f16, __half, 64, , false)
 KPT_FLASH_BWD(f16, __half, 128, , false)
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 192, , false)
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 256, , false)
+KPT_FLASH_BWD(f16, __half, 192, , false)
+KPT_FLASH_BWD(f16, __half, 256, , false)
 // Under a sliding window (Dims::window; kWindow): separate code, so that the entries above
 // keep theirs.
 KPT_FLASH_BWD(bf16, __nv_bfloat16, 64, window_, true)
 KPT_FLASH_BWD(bf16, __nv_bfloat16, 128, window_, true)
 KPT_FLASH_BWD(f16, __half, 64, window_, true)
 KPT_FLASH_BWD(f16, __half, 128, window_, true)
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 192, window_, true)
+KPT_FLASH_BWD(bf16, __nv_bfloat16, 256, window_, true)
+KPT_FLASH_BWD(f16, __half, 192, window_, true)
+KPT_FLASH_BWD(f16, __half, 256, window_, true)

@@ -545,13 +545,13 @@ pub fn cuda_kernels() -> Vec<KernelDef> {
             "FlashAttention-2 style gradients on mma.sync tensor cores, no atomics: dq per \
              query tile (probabilities from the forward's log-sum-exp when given, else an \
              online softmax that leaves it), then dk and dv per key tile in registers \
-             (on Hopper both on wgmma where they apply); sliding windows walk only the \
-             tiles inside them; dropout's decisions recomputed; variable-length batches \
-             one sequence per launch",
+             (on Hopper both on wgmma where they apply; head dims 192 and 256 a block per \
+             half of the head dim); sliding windows walk only the tiles inside them; \
+             dropout's decisions recomputed; variable-length batches one sequence per launch",
         )
         .with_priority(110)
         .limits(ShapeLimits {
-            max_head_dim: Some(128),
+            max_head_dim: Some(256),
             head_dim_multiple: Some(64),
             varlen: true,
             lse: true,

@@ -742,7 +742,7 @@ fn cuda_attention_backward_takes_bf16_f16_at_64_and_128_with_or_without_windows(
     };
     const FLASH: &str = "cuda.attention_backward.flash";
     for dtype in [DType::BF16, DType::F16] {
-        for head_dim in [64, 128] {
+        for head_dim in [64, 128, 192, 256] {
             let chain = backward(dtype, head_dim, None);
             assert_eq!(chain.first().map(String::as_str), Some(FLASH), "{chain:?}");
             assert_eq!(chain.last().map(String::as_str), Some(CPU_REFERENCE));
@@ -753,7 +753,7 @@ fn cuda_attention_backward_takes_bf16_f16_at_64_and_128_with_or_without_windows(
                 "{windowed:?}"
             );
         }
-        for head_dim in [32, 96, 256] {
+        for head_dim in [32, 96, 320] {
             let chain = backward(dtype, head_dim, None);
             assert!(!chain.iter().any(|k| k == FLASH), "{chain:?}");
         }

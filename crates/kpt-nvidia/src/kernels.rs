@@ -605,15 +605,16 @@ pub(crate) struct FlashBackward {
     dims: AttentionDims,
     /// Entry-point dtype suffix.
     name: &'static str,
-    /// Blocks of the dq kernel: query tiles x batch x heads.
+    /// Blocks of the dq kernel: query tiles x batch x heads x head-dim halves.
     query_tiles: usize,
-    /// Blocks of the dk / dv kernel: key tiles x batch x kv heads.
+    /// Blocks of the dk / dv kernel: key tiles x batch x kv heads x head-dim halves.
     key_tiles: usize,
 }
 
 impl FlashBackward {
     /// The plan for `dims` in `dtype`, or why the kernels do not take them: bf16 or f16,
-    /// head dim 64 or 128.
+    /// head dim 64, 128, 192 or 256. Above 128 each block accumulates half of the head
+    /// dim's columns (twice the blocks; `flash_attention_bwd.cu`).
     pub(crate) fn new(dtype: DType, dims: AttentionDims) -> Result<Self, NvidiaError> {
         let name = match dtype {
             DType::BF16 => "bf16",
@@ -624,12 +625,13 @@ impl FlashBackward {
                 )))
             }
         };
-        if !(dims.head_dim == 64 || dims.head_dim == 128) {
+        if ![64, 128, 192, 256].contains(&dims.head_dim) {
             return Err(NvidiaError::Invalid(format!(
-                "flash attention backward takes head dim 64 or 128, not {}",
+                "flash attention backward takes head dim 64, 128, 192 or 256, not {}",
                 dims.head_dim
             )));
         }
+        let halves = if dims.head_dim > 128 { 2 } else { 1 };
         let (batch, seq_q, seq_kv) = (
             dims.batch as usize,
             dims.seq_q as usize,
@@ -639,8 +641,8 @@ impl FlashBackward {
         let plan = Self {
             dims,
             name,
-            query_tiles: seq_q.div_ceil(FLASH_BWD_TILE) * batch * heads,
-            key_tiles: seq_kv.div_ceil(FLASH_BWD_TILE) * batch * kv_heads,
+            query_tiles: seq_q.div_ceil(FLASH_BWD_TILE) * batch * heads * halves,
+            key_tiles: seq_kv.div_ceil(FLASH_BWD_TILE) * batch * kv_heads * halves,
         };
         // The kernels index the padded statistics with i32 row numbers.
         int("flash backward rows", plan.padded_rows())?;
@@ -1254,6 +1256,7 @@ impl Gpu {
         // Sliding windows take `_window_` entries (their own code), on wgmma without dropout.
         let window = if dims.window != 0 { "window_" } else { "" };
         let hopper = self.wgmma_backward()
+            && d <= 128
             && (window.is_empty() || !dims.dropout())
             && self.loaded_target(SM90)? == "sm_90a";
         // The wgmma kernels' entries with dropout or a window are their own code.
@@ -1650,12 +1653,16 @@ mod tests {
     }
 
     #[test]
-    fn flash_backward_takes_bf16_and_f16_at_head_dims_64_and_128() {
+    fn flash_backward_takes_bf16_and_f16_at_head_dims_64_to_256() {
         for dt in [DType::BF16, DType::F16] {
-            for d in [64, 128] {
+            for (d, halves) in [(64, 1), (128, 1), (192, 2), (256, 2)] {
                 let plan = FlashBackward::new(dt, dims(65, 1, d)).unwrap();
-                // 2 query tiles x 2 batches x 8 heads; 1 key tile x 2 batches x 2 kv heads.
-                assert_eq!((plan.query_tiles, plan.key_tiles), (32, 4));
+                // 2 query tiles x 2 batches x 8 heads; 1 key tile x 2 batches x 2 kv heads;
+                // each twice above 128 (a block per half of the head dim).
+                assert_eq!(
+                    (plan.query_tiles, plan.key_tiles),
+                    (32 * halves, 4 * halves)
+                );
                 assert_eq!(plan.padded_rows(), 128 * 2 * 8);
             }
         }
@@ -1664,7 +1671,7 @@ mod tests {
     #[test]
     fn flash_backward_declines_other_dtypes_and_head_dims() {
         assert!(FlashBackward::new(DType::F32, dims(3, 3, 64)).is_err());
-        for d in [32, 96, 256] {
+        for d in [32, 96, 160] {
             assert!(FlashBackward::new(DType::BF16, dims(3, 3, d)).is_err());
         }
         // Sliding windows: the mma.sync kernels take them.

@@ -738,7 +738,8 @@ proptest! {
         sync?;
     }
 
-    /// Dropout at head dims 192 and 256 (the mma.sync kernel with Q in shared memory).
+    /// Dropout at head dims 192 and 256 (the mma.sync forward with Q in shared memory, and
+    /// the backward's blocks per half of the head dim).
     #[test]
     fn attention_dropout_wide_heads(seq_q in 1usize..150, seq_kv in 1usize..200,
                                     group in prop::sample::select(vec![1usize, 2]),
@@ -752,6 +753,11 @@ proptest! {
         let Op::Attention(a) = op else { unreachable!("an attention case") };
         let dropout = Some(kpt_core::graph::AttentionDropout { p, seed: dropout_seed });
         check(&Op::Attention(kpt_core::graph::AttentionParams { dropout, ..a }), &inputs)?;
+        // The gradients (a block per half of the head dim).
+        let (op, inputs) = attention_backward_inputs(
+            [1, seq_q, seq_kv, 1, group, head_dim], (causal, None), with_mask, dt, seed);
+        let Op::AttentionBackward(a) = op else { unreachable!("a backward case") };
+        check(&Op::AttentionBackward(kpt_core::graph::AttentionParams { dropout, ..a }), &inputs)?;
     }
 
     /// FP8 at head dim 128 on a persistent grid of 1 to 8 blocks: every block walks several
@@ -957,7 +963,7 @@ proptest! {
                           seq_q in prop_oneof![Just(1usize), 1usize..150],
                           seq_kv in prop_oneof![Just(1usize), 1usize..200],
                           kv_heads in 1usize..=2, group in prop::sample::select(vec![1usize, 2, 4]),
-                          head_dim in prop::sample::select(vec![64usize, 128]),
+                          head_dim in prop::sample::select(vec![64usize, 128, 192, 256]),
                           causal in any::<bool>(), with_mask in any::<bool>(),
                           window in prop::option::of(1usize..150),
                           dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
@@ -1008,7 +1014,7 @@ proptest! {
                               seq_q in prop_oneof![Just(1usize), 1usize..150],
                               seq_kv in prop_oneof![Just(1usize), 1usize..200],
                               kv_heads in 1usize..=2, group in prop::sample::select(vec![1usize, 2, 4]),
-                              head_dim in prop::sample::select(vec![64usize, 128]),
+                              head_dim in prop::sample::select(vec![64usize, 128, 192, 256]),
                               causal in any::<bool>(), with_mask in any::<bool>(),
                               window in prop::option::of(1usize..150),
                               dt in prop::sample::select(vec![DType::BF16, DType::F16]), seed: u64) {
@@ -1785,8 +1791,8 @@ fn bad_requests_are_errors() {
 fn attention_backward_declines_what_the_flash_kernel_does_not_take() {
     let Some(b) = backend() else { return };
     const FLASH: &str = "cuda.attention_backward.flash";
-    // Head dim 256 and f32: not offered, and refused with a typed error if asked.
-    for (head_dim, dt) in [(256, DType::BF16), (64, DType::F32)] {
+    // Head dim 96 and f32: not offered, and refused with a typed error if asked.
+    for (head_dim, dt) in [(96, DType::BF16), (64, DType::F32)] {
         let (op, inputs) =
             attention_backward_inputs([1, 5, 7, 1, 2, head_dim], (true, Some(3)), false, dt, 11);
         let specs: Vec<_> = inputs.iter().map(spec).collect();
