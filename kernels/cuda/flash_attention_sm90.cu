@@ -928,7 +928,11 @@ __device__ __forceinline__ bool softmax_tile_spec(float (&s)[BN / 2], const floa
         for (int i = 0; i < 16; ++i) {
             const int j = 4 * kc + i / 4, r = (i % 4) >> 1;
             const float a = fmaf(s[16 * kc + i], scale2, -b[r]);
-            x[i] = kPoly > 0 && j % (kPoly > 0 ? kPoly : 1) == kPoly - 1 ? exp2_fma(a) : exp2f(a);
+            // (A score far above the running max must still give a large P, which the vote
+            // catches: exp2f gives +inf, exp2_fma takes at most 127.)
+            x[i] = kPoly > 0 && j % (kPoly > 0 ? kPoly : 1) == kPoly - 1
+                       ? exp2_fma(fminf(a, 127.0f))
+                       : exp2f(a);
             sum[kc / kHalf][r] += x[i];
         }
 #pragma unroll

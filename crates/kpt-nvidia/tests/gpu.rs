@@ -1273,9 +1273,12 @@ fn attention_fp8_fallback_large_scale() -> Result<(), TestCaseError> {
 /// The Hopper FP8 kernel guesses each key tile's max from the tiles before it and falls
 /// back to the exact softmax where the guess would overflow e4m3. Three batch entries of
 /// 1000 keys (six 192-key tiles) with the softmax scale 1: keys whose norm grows along the
-/// sequence (every tile's max far above the last: the fallback after each half tile), keys
+/// first half of the sequence and is 16 to 48 times larger in the second (tile maxima above
+/// the running max, the first after the jump by more than 2^127: the fallback after a half
+/// tile), keys
 /// that all equal one row (all scores of a row equal: the sums of P exceed the bound and
-/// the scores themselves are compared), and random keys (the guess holds).
+/// the scores themselves are compared), and random keys (the guess holds); without and
+/// with a causal mask.
 #[test]
 fn attention_fp8_guessed_max() -> Result<(), TestCaseError> {
     let (seq_q, seq_kv, d) = (130, 1000, 128);
@@ -1284,7 +1287,12 @@ fn attention_fp8_guessed_max() -> Result<(), TestCaseError> {
     let q = unit(3 * seq_q * d);
     let mut k = unit(3 * seq_kv * d);
     for (j, x) in k[..seq_kv * d].iter_mut().enumerate() {
-        *x *= 0.25 + 2.0 * (j / d) as f64 / seq_kv as f64;
+        let key = j / d;
+        *x *= if key < seq_kv / 2 {
+            0.25 + key as f64 / seq_kv as f64
+        } else {
+            12.0
+        };
     }
     let row = k[seq_kv * d..seq_kv * d + d].to_vec();
     for chunk in k[seq_kv * d..2 * seq_kv * d].chunks_mut(d) {
@@ -1292,14 +1300,17 @@ fn attention_fp8_guessed_max() -> Result<(), TestCaseError> {
     }
     let v = unit(3 * seq_kv * d);
     let fp8 = |x: &[f64], seq: usize| Tensor::from_f64(x, &[3, seq, d], DType::F8E4M3).unwrap();
-    let p = kpt_core::graph::AttentionParams {
-        scale: Some(1.0),
-        ..kpt_core::graph::AttentionParams::new(1, 1, d, false)
-    };
-    check_fp8_inputs(
-        &Op::Attention(p),
-        &[fp8(&q, seq_q), fp8(&k, seq_kv), fp8(&v, seq_kv)],
-    )
+    let inputs = [fp8(&q, seq_q), fp8(&k, seq_kv), fp8(&v, seq_kv)];
+    // Without and with a causal mask (the causal entry takes part of its exp2s on the FMA
+    // units, whose input the guess must clamp).
+    for causal in [false, true] {
+        let p = kpt_core::graph::AttentionParams {
+            scale: Some(1.0),
+            ..kpt_core::graph::AttentionParams::new(1, 1, d, causal)
+        };
+        check_fp8_inputs(&Op::Attention(p), &inputs)?;
+    }
+    Ok(())
 }
 
 #[test]
