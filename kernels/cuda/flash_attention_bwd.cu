@@ -38,7 +38,7 @@
 // forward's output, which holds the dropout) and dV takes P Z.
 // Head dims 192 and 256 (kSlices = 2): an accumulator of 16 rows x d a warp would not fit
 // the registers next to S and dP, so each block takes half of the head dim's columns of dq
-// (or dk and dv): blocks x and x + base (base: the blocks of one half) compute the same S
+// (or dk and dv): blocks x and x + half_blocks (the blocks of one half) compute the same S
 // and dP over the whole head dim, each accumulating its half. That recomputes S and dP
 // once more (1.5x the matrix work of the dk / dv launch, 1.7x of dq's) instead of sending
 // the gradients to the host. At 256 the K / V (launch 1) and Q / dO (launch 2) tiles are
