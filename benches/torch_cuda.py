@@ -90,6 +90,53 @@ def sliding_window_variants(q, k, v, w):
     return out
 
 
+def varlen_variants(lens, h, d, causal, dt):
+    """Sequences of lengths `lens` packed into `[total, h, d]`, as torch users run them: SDPA
+    on nested (jagged) tensors under each backend that takes them, and FlexAttention
+    (compiled) with a document mask over the packed rows (block mask built once, not
+    timed)."""
+    total = sum(lens)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    offsets = torch.tensor(cu, device="cuda", dtype=torch.int64)
+    q, k, v = (rand((total, h, d), dt, -2.0, 2.0) for _ in range(3))
+    out = []
+    try:
+        nq, nk, nv = (
+            torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in (q, k, v)
+        )
+        nested = sdpa_backends(
+            lambda: F.scaled_dot_product_attention(nq, nk, nv, is_causal=causal)
+        )
+        out += [(f"{name} (nested)", f) for name, f in nested]
+    except Exception as e:  # no nested-tensor SDPA in this torch
+        print(f"nested SDPA skipped: {e}", file=sys.stderr)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        doc = torch.repeat_interleave(
+            torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda")
+        )
+
+        def document(b, hh, qi, kj):
+            same = doc[qi] == doc[kj]
+            return same & (kj <= qi) if causal else same
+
+        block_mask = create_block_mask(document, B=None, H=None, Q_LEN=total, KV_LEN=total)
+        flex = torch.compile(flex_attention)
+        qf, kf, vf = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
+
+        def run():
+            return flex(qf, kf, vf, block_mask=block_mask)
+
+        run()
+        out.append(("FlexAttention (compiled)", run))
+    except Exception as e:  # no Triton or no FlexAttention in this torch
+        print(f"FlexAttention skipped: {e}", file=sys.stderr)
+    return out
+
+
 def backward_of(forward, inputs, dout):
     """The backward of one run of `forward` (run once here, not timed), as
     `out.backward(dout)` would run it, without accumulating .grad."""
@@ -203,6 +250,8 @@ def variants(req):
             lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
         )
         return out + [(f"{name} (expanded K/V)", f) for name, f in expanded]
+    if kind == "attention_varlen":
+        return varlen_variants(req["lens"], req["heads"], req["head_dim"], req["causal"], dt)
     if kind == "attention_backward":
         b, h, d, s, causal = req["batch"], req["heads"], req["head_dim"], req["seq"], req["causal"]
         dropout = req.get("dropout", 0.0)

@@ -246,6 +246,55 @@ fn attention_cases() -> Vec<Case> {
         note: "FLOPs = 4 b h d x the visible (query, key) pairs; torch: SDPA with a boolean \
                window mask, FlexAttention with a sliding-window block mask",
     });
+    // Variable-length batches (sequences packed into one call with cu_seqlens, as
+    // FlashAttention's and vLLM's varlen calls take them): an LLM prefill of 16 prompts
+    // (causal, head dim 128) and an encoder batch of 64 short sequences (BERT-base heads,
+    // full). torch: SDPA on nested (jagged) tensors, FlexAttention with a document mask.
+    // Tracked without a target.
+    for (tag, n, (lo, hi), h, d, causal) in [
+        (
+            "prefill",
+            16usize,
+            (64.0f32, 2048.0f32),
+            16usize,
+            128usize,
+            true,
+        ),
+        ("encoder", 64, (32.0, 384.0), 12, 64, false),
+    ] {
+        let lens: Vec<usize> = rng.vec(n, lo, hi).into_iter().map(|l| l as usize).collect();
+        let total: usize = lens.iter().sum();
+        let pairs: usize = lens.iter().map(|l| l * l).sum();
+        let cu: Vec<f64> = std::iter::once(0.0)
+            .chain(lens.iter().scan(0.0, |t, &l| {
+                *t += l as f64;
+                Some(*t)
+            }))
+            .collect();
+        let offsets = Tensor::from_f64(&cu, &[n + 1], DType::I32).expect("shape matches");
+        let kind = if causal { "causal" } else { "full" };
+        out.push(Case {
+            name: format!("attention_varlen_{tag}_bf16_n{n}_t{total}_h{h}_d{d}_{kind}"),
+            metric: "TFLOP/s",
+            work: 4.0 * (h * pairs * d) as f64 / if causal { 2.0 } else { 1.0 },
+            kpt: Work::Op(Op::Attention(kpt_core::graph::AttentionParams {
+                varlen: true,
+                ..kpt_core::graph::AttentionParams::new(h, h, d, causal)
+            })),
+            inputs: vec![
+                random(&mut rng, &[1, total, h * d], DType::BF16, -2.0, 2.0),
+                random(&mut rng, &[1, total, h * d], DType::BF16, -2.0, 2.0),
+                random(&mut rng, &[1, total, h * d], DType::BF16, -2.0, 2.0),
+                offsets.clone(),
+                offsets,
+            ],
+            torch: json!({"kind": "attention_varlen", "lens": lens, "heads": h,
+                          "head_dim": d, "causal": causal, "dtype": "bf16"}),
+            target: Target::None,
+            note: "FLOPs = 4 h d x the sum of squared lengths (half when causal); torch: SDPA \
+                   on nested (jagged) tensors, FlexAttention with a document mask",
+        });
+    }
     // Head dim 256 (Gemma-style heads): the mma.sync kernel with Q in shared memory.
     // Tracked without a target.
     let (b, h, s, d) = (4usize, 8usize, 2048usize, 256usize);
@@ -1046,6 +1095,26 @@ fn check(case: &Case, p: &Prepared<'_>) -> Result<(f64, bool)> {
                     f64_tensor(&q.to_f64_vec(), q.shape())?,
                     f64_tensor(&k, &[1, len, row])?,
                     f64_tensor(&v, &[1, len, row])?,
+                ],
+            )
+        }
+        // Variable-length: the last sequence's last queries against its keys, as a dense
+        // call.
+        Work::Op(Op::Attention(ap)) if ap.varlen => {
+            let cu_k = case.inputs[4].to_f64_vec();
+            let start = cu_k[cu_k.len() - 2] as usize;
+            let keys = |t: &Tensor| -> Result<Tensor> {
+                Ok(t.narrow(1, start, t.shape()[1] - start)?.contiguous())
+            };
+            (
+                Op::Attention(kpt_core::graph::AttentionParams {
+                    varlen: false,
+                    ..*ap
+                }),
+                vec![
+                    last_queries(&case.inputs[0])?,
+                    keys(&case.inputs[1])?,
+                    keys(&case.inputs[2])?,
                 ],
             )
         }

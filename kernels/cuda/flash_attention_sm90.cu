@@ -91,6 +91,10 @@
 // kpt:launch kpt_flash_attention_sm90_f16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_e4m3_d128 block=384 shared=148624 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_varlen_bf16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_varlen_bf16_d128 block=384 shared=230512 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_varlen_f16_d64 block=512 shared=156816 grid=tiles
+// kpt:launch kpt_flash_attention_sm90_varlen_f16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_bf16_d64 block=512 shared=156816 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_bf16_d128 block=384 shared=230512 grid=tiles
 // kpt:launch kpt_flash_attention_sm90_tma_f16_d64 block=512 shared=156816 grid=tiles
@@ -200,6 +204,12 @@ struct Maps {
     const TensorMap* v;
     // The output's map (boxes of one 128-byte column block by 64 rows), for kStaged.
     const TensorMap* o = nullptr;
+};
+// The block's place in the grid: blockIdx.x of gridDim.x, or (index >= 0, a
+// variable-length batch's one block per work tile) work tile `index` of its sequence's
+// `count`.
+struct GridSlot {
+    long index = -1, count = 0;
 };
 
 // Consumer warpgroups (64 query rows each) per block: three for 16-bit d = 64, whose softmax
@@ -1075,7 +1085,8 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                                            const float* __restrict__ mask,
                                            OutT<T>* __restrict__ out,
                                            float* __restrict__ lse, const Dims& p,
-                                           float out_scale, Maps maps) {
+                                           float out_scale, Maps maps,
+                                           GridSlot slot = GridSlot{}) {
     using C = Config<T, D, BN, kDropout, kStaged>;
     static_assert(!kStaged || (kTma && sizeof(OutT<T>) == 2 && D % 64 == 0),
                   "staged store: TMA entries, 16-bit output");
@@ -1108,15 +1119,17 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // kPair: cluster x / 2 walks items of two query tiles (counted from the last, so that
     // with an odd count the first item's rank-0 tile lies before row 0 and computes
     // nothing), gridDim.x / 2 apart.
+    const long block_x = slot.index >= 0 ? slot.index : static_cast<long>(blockIdx.x);
+    const long grid_x = slot.index >= 0 ? slot.count : static_cast<long>(gridDim.x);
     const unsigned rank = kPair ? blockIdx.x % 2 : 0;
-    const long block = kPair ? blockIdx.x / 2 : blockIdx.x;
-    const long grid = kPair ? gridDim.x / 2 : gridDim.x;
+    const long block = kPair ? block_x / 2 : block_x;
+    const long grid = kPair ? grid_x / 2 : grid_x;
     const int tiles_m2 = (tiles_m + 1) / 2;
     if (block >= (kPair ? static_cast<long>(tiles_m2) * bh_count : total)) return;
     // A persistent grid (fewer blocks than tiles) walks items gridDim.x apart: a tile each,
     // or under a causal mask two paired tiles (paired_tile).
-    const bool paired = !kPair && p.causal && gridDim.x < total;
-    const bool partial_last = !kPair && !paired && gridDim.x < total && p.seq_q % kBlockM != 0;
+    const bool paired = !kPair && p.causal && grid_x < total;
+    const bool partial_last = !kPair && !paired && grid_x < total && p.seq_q % kBlockM != 0;
     const long items = paired ? static_cast<long>(bh_count) * ((tiles_m + 1) / 2)
                               : kPair ? static_cast<long>(tiles_m2) * bh_count : total;
     const long kv_bytes = 2L * p.seq_kv * D * static_cast<long>(sizeof(T));
@@ -2139,7 +2152,8 @@ template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarr
           int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false,
           bool kStaged = false, bool kWindow = false>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
-                                           float*, const Dims&, float, Maps) {
+                                           float*, const Dims&, float, Maps,
+                                           GridSlot = GridSlot{}) {
     __trap();
 }
 template <typename T, int D, bool kDropout, bool kWindow>
@@ -2179,6 +2193,116 @@ __device__ __forceinline__ void flash_sm90_entry(const T* q, const T* k, const T
     }
 }
 
+// ---- variable-length batches in one launch --------------------------------------------
+
+// Offset i of a cu_seqlens array of 32-bit (idx64 = 0) or 64-bit integers.
+__device__ __forceinline__ long cu_at(const void* cu, int idx64, int i) {
+    return idx64 ? static_cast<long>(static_cast<const long long*>(cu)[i])
+                 : static_cast<long>(static_cast<const int*>(cu)[i]);
+}
+
+// Where block x of a variable-length launch works: sequence rows from q0 of q and out (lq
+// queries) and from k0 of k and v (lk keys), work tile slot.index of the sequence's
+// slot.count (ceil(lq / kBlockM) * heads, sequences in order), or slot.index = -1 past the
+// last. Offsets are clamped to [0, total rows] and lengths to at least 0, so that no offsets
+// make a block read or write outside the packed rows; varlen_check reports invalid ones.
+// One warp calls it (every lane); it scans the offsets 32 sequences at a time.
+struct VarlenSeq {
+    long q0, k0;
+    int lq, lk;
+    GridSlot slot;
+};
+template <int kBlockM>
+__device__ __forceinline__ VarlenSeq varlen_find(long x, const Dims& p, const void* cu_q,
+                                                 const void* cu_k, int idx64) {
+    const int lane = threadIdx.x % 32;
+    auto at = [&](const void* cu, int i, int total) {
+        return min(max(cu_at(cu, idx64, i), 0L), static_cast<long>(total));
+    };
+    VarlenSeq r{};
+    r.slot.index = -1;
+    long before = 0;  // work tiles of the sequences before this chunk
+    for (int s0 = 0; s0 < p.batch; s0 += 32) {
+        const int s = s0 + lane;
+        long tiles = 0;
+        if (s < p.batch) {
+            const long rows = at(cu_q, s + 1, p.seq_q) - at(cu_q, s, p.seq_q);
+            tiles = (max(rows, 0L) + kBlockM - 1) / kBlockM * p.heads;
+        }
+        long end = tiles;  // inclusive prefix over the chunk's lanes
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+            const long up = __shfl_up_sync(0xffffffffu, end, o);
+            if (lane >= o) end += up;
+        }
+        end += before;
+        const unsigned hit = __ballot_sync(0xffffffffu, end > x);
+        if (hit != 0) {
+            const int l = __ffs(hit) - 1;
+            const long count = __shfl_sync(0xffffffffu, tiles, l);
+            const int seq = s0 + l;
+            r.slot.count = count;
+            r.slot.index = x - (__shfl_sync(0xffffffffu, end, l) - count);
+            r.q0 = at(cu_q, seq, p.seq_q);
+            r.k0 = at(cu_k, seq, p.seq_kv);
+            r.lq = static_cast<int>(max(at(cu_q, seq + 1, p.seq_q) - r.q0, 0L));
+            r.lk = static_cast<int>(max(at(cu_k, seq + 1, p.seq_kv) - r.k0, 0L));
+            return r;
+        }
+        before = __shfl_sync(0xffffffffu, end, 31);
+    }
+    return r;
+}
+
+// Sets *bad to 1 unless both offset arrays start at 0, never decrease and end at their
+// totals (p.seq_q, p.seq_kv). One warp calls it (every lane).
+__device__ __forceinline__ void varlen_check(const Dims& p, const void* cu_q, const void* cu_k,
+                                             int idx64, int* bad) {
+    bool ok = true;
+    for (int i = threadIdx.x % 32; i <= p.batch; i += 32) {
+        const long q = cu_at(cu_q, idx64, i), k = cu_at(cu_k, idx64, i);
+        if (i == 0) {
+            ok = ok && q == 0 && k == 0;
+        } else {
+            ok = ok && q >= cu_at(cu_q, idx64, i - 1) && k >= cu_at(cu_k, idx64, i - 1);
+        }
+        if (i == p.batch) ok = ok && q == p.seq_q && k == p.seq_kv;
+    }
+    if (!__all_sync(0xffffffffu, ok) && threadIdx.x % 32 == 0) *bad = 1;
+}
+
+// A variable-length batch (p.batch sequences packed into p.seq_q query and p.seq_kv key
+// rows; offsets cu_q and cu_k [p.batch + 1]) on the cp.async kernel without an additive mask,
+// dropout or window, one block per work tile of a sequence: warp 0 finds the block's
+// sequence, block 0's warp 1 checks the offsets, then the block runs as a dense call on that
+// sequence's rows (batch 1).
+template <typename T, int D>
+__device__ __forceinline__ void flash_sm90_varlen(const T* q, const T* k, const T* v, T* out,
+                                                  const Dims& p, const void* cu_q,
+                                                  const void* cu_k, int idx64, int* bad) {
+    __shared__ VarlenSeq at;
+    __shared__ Dims seq;
+    const int warp = threadIdx.x / 32;
+    if (warp == 0) {
+        const VarlenSeq r =
+            varlen_find<Config<T, D>::kBlockM>(blockIdx.x, p, cu_q, cu_k, idx64);
+        if (threadIdx.x == 0) {
+            at = r;
+            seq = p;
+            seq.batch = 1;
+            seq.seq_q = r.lq;
+            seq.seq_kv = r.lk;
+        }
+    } else if (warp == 1 && blockIdx.x == 0) {
+        varlen_check(p, cu_q, cu_k, idx64, bad);
+    }
+    __syncthreads();
+    if (at.slot.index < 0) return;
+    const long q_row = at.q0 * p.heads * D, kv_row = at.k0 * p.kv_heads * D;
+    flash_sm90<T, D, false, false>(q + q_row, k + kv_row, v + kv_row, nullptr, out + q_row,
+                                   nullptr, seq, 1.0f, Maps{}, at.slot);
+}
+
 }  // namespace
 
 #define KPT_FLASH_SM90(NAME, T, D)                                                         \
@@ -2194,6 +2318,24 @@ KPT_FLASH_SM90(bf16, __nv_bfloat16, 64)
 KPT_FLASH_SM90(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90(f16, __half, 64)
 KPT_FLASH_SM90(f16, __half, 128)
+
+// Variable-length batches in one launch (flash_sm90_varlen): q and out [p.seq_q, heads * d],
+// k and v [p.seq_kv, kv_heads * d], p.batch sequences; cu_q and cu_k int32 (idx64 = 0) or
+// int64 [p.batch + 1]; *bad (zeroed by the host) becomes 1 on invalid offsets. Grid: at
+// least the work tiles, (ceil(p.seq_q / kBlockM) + p.batch) * heads bounds them.
+#define KPT_FLASH_SM90_VARLEN(NAME, T, D)                                                  \
+    extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
+        kpt_flash_attention_sm90_varlen_##NAME##_d##D(                                       \
+            const T* q, const T* k, const T* v, T* out, const Dims p, const void* cu_q,     \
+            const void* cu_k, int idx64, int* bad) {                                        \
+        kpt::dependent_launch_prologue();                                                  \
+        flash_sm90_varlen<T, D>(q, k, v, out, p, cu_q, cu_k, idx64, bad);                  \
+    }
+
+KPT_FLASH_SM90_VARLEN(bf16, __nv_bfloat16, 64)
+KPT_FLASH_SM90_VARLEN(bf16, __nv_bfloat16, 128)
+KPT_FLASH_SM90_VARLEN(f16, __half, 64)
+KPT_FLASH_SM90_VARLEN(f16, __half, 128)
 
 // The same kernels with the K/V and Q tiles copied by TMA (one producer thread) from the
 // tensor maps tq, tk, tv (128-byte swizzle, boxes of 128-byte column blocks by kBlockN

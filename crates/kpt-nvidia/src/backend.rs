@@ -845,9 +845,26 @@ impl CudaBackend {
                     run(q, k, v, out, dims(qs[0], qs[1], ks[1])?)?;
                     return Ok(());
                 }
-                // Variable-length batch: each sequence runs as a dense call on its rows;
-                // sequence s takes dropout decisions as batch entry s.
+                // Variable-length batch on Hopper: one launch that reads the offsets on
+                // the device, where that kernel applies.
                 let cu = [&inputs[3], &inputs[4]];
+                let index = cu[0].spec.dtype;
+                let sequences = cu[0].spec.numel().saturating_sub(1);
+                if (fp8 || kernel == FLASH_ATTENTION_SM90)
+                    && cu[1].spec.dtype == index
+                    && cu[1].spec.numel() == sequences + 1
+                    && g.flash_attention_varlen(
+                        dt,
+                        [q, k, v],
+                        out,
+                        ([ptr(cu[0])?, ptr(cu[1])?], index),
+                        dims(1, qs[1], ks[1])?.packed(sequences)?,
+                    )?
+                {
+                    return Ok(());
+                }
+                // Elsewhere each sequence runs as a dense call on its rows (offsets read
+                // on the host); sequence s takes dropout decisions as batch entry s.
                 for (s, (qo, ko, sq, sk)) in self
                     .varlen_sequences(p, dt, cu, [qs[1], ks[1]])?
                     .into_iter()

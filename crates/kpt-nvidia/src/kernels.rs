@@ -287,6 +287,15 @@ impl AttentionDims {
         })
     }
 
+    /// The sizes of a variable-length batch of `sequences` packed into the rows of these
+    /// (built with batch 1): the `_varlen_` kernels' `Dims`.
+    pub(crate) fn packed(self, sequences: usize) -> Result<Self, NvidiaError> {
+        Ok(Self {
+            batch: int("sequences", sequences)?,
+            ..self
+        })
+    }
+
     /// The same sizes with a sliding window of `window` keys (at least 1).
     pub(crate) fn with_window(self, window: Option<usize>) -> Result<Self, NvidiaError> {
         Ok(Self {
@@ -1128,6 +1137,69 @@ impl Gpu {
         let entry = format!("kpt_flash_attention_{name}_d{d}");
         launch!(self, "flash_attention", entry, blocks; q, k, v, mask, out, lse, dims);
         Ok(())
+    }
+
+    /// A variable-length batch in one launch on Hopper: `dims.batch` sequences packed into
+    /// `dims.seq_q` query and `dims.seq_kv` key rows, with offsets `cu` (q then k, each
+    /// `[batch + 1]` of `index`, i32 or i64) read on the device, so the call needs no host
+    /// copy of the offsets before it (`flash_attention_sm90.cu`'s `_varlen_` entries, one
+    /// block per work tile of a sequence). bf16 / f16 at head dim 64 or 128, without an
+    /// additive mask, dropout or window. The kernel flags invalid offsets (not from 0, a
+    /// decrease, not ending at the row counts), checked after it as the embedding's ids are
+    /// (after each replay inside a captured graph). Returns `Ok(false)` without launching
+    /// anything where that kernel does not apply.
+    pub(crate) fn flash_attention_varlen(
+        &self,
+        dtype: DType,
+        [q, k, v]: [u64; 3],
+        out: u64,
+        (cu, index): ([u64; 2], DType),
+        dims: AttentionDims,
+    ) -> Result<bool, NvidiaError> {
+        const SM90: &str = "flash_attention_sm90";
+        let d = dims.head_dim;
+        let name = match dtype {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            _ => return Ok(false),
+        };
+        let idx64 = match index {
+            DType::I32 => 0i32,
+            DType::I64 => 1,
+            _ => return Ok(false),
+        };
+        if !(d == 64 || d == 128)
+            || dims.batch == 0
+            || dims.seq_q == 0
+            || dims.dropout()
+            || dims.window != 0
+            || self.loaded_target(SM90)? != "sm_90a"
+        {
+            return Ok(false);
+        }
+        let block_m = if d == 64 {
+            FLASH_SM90_BLOCK_M_D64
+        } else {
+            FLASH_SM90_BLOCK_M
+        };
+        // Every sequence's work tiles: its whole query tiles plus at most one partial.
+        let bound = (dims.seq_q as usize).div_ceil(block_m) + dims.batch as usize;
+        let blocks = grid("varlen attention tiles", bound * dims.heads as usize)?;
+        let bad = self.alloc_zeroed(4)?;
+        let entry = format!("kpt_flash_attention_sm90_varlen_{name}_d{d}");
+        let [cu_q, cu_k] = cu;
+        launch!(self, SM90, entry, blocks; q, k, v, out, dims, cu_q, cu_k, idx64, bad.ptr());
+        let message = format!(
+            "attention: cu_seqlens must run from 0 to the {} query and {} key rows without \
+             decreasing",
+            dims.seq_q, dims.seq_kv
+        );
+        if let Some(bad) = self.defer_check(bad, message.clone()) {
+            if self.read(&bad, 4)? != [0; 4] {
+                return Err(NvidiaError::Invalid(message));
+            }
+        }
+        Ok(true)
     }
 
     /// FP8 (e4m3) attention on Hopper, head dim 128, bf16 output: V is first transposed

@@ -804,6 +804,40 @@ proptest! {
         }
     }
 
+    /// Variable-length batches of longer sequences (lengths 1, around and at the 128- and
+    /// 192-row tiles, empty ones), i32 and i64 offsets: on Hopper one launch that reads the
+    /// offsets on the device, and every other dense kernel of the chain.
+    #[test]
+    fn attention_varlen_one_launch(
+        seqs in prop::collection::vec(
+            (prop_oneof![0usize..300, Just(1usize), Just(128), Just(192)],
+             prop_oneof![0usize..400, Just(1usize), Just(128)]), 1..7),
+        kv_heads in 1usize..=2, group in prop::sample::select(vec![1usize, 2, 4]),
+        head_dim in prop::sample::select(vec![64usize, 128]), causal in any::<bool>(),
+        dt in prop::sample::select(vec![DType::BF16, DType::F16]), wide in any::<bool>(),
+        seed: u64,
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let heads = kv_heads * group;
+        let p = kpt_core::graph::AttentionParams {
+            varlen: true,
+            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+        };
+        let index = if wide { DType::I64 } else { DType::I32 };
+        let cu = |f: fn(&(usize, usize)) -> usize| cu_seqlens(seqs.iter().map(f), index);
+        let (tq, tk): (usize, usize) = (seqs.iter().map(|s| s.0).sum(), seqs.iter().map(|s| s.1).sum());
+        let inputs = [
+            random(&mut rng, &[1, tq, heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
+            random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
+            cu(|s| s.0),
+            cu(|s| s.1),
+        ];
+        if tq > 0 {
+            check(&Op::Attention(p), &inputs)?;
+        }
+    }
+
     /// Paged KV caches: each sequence's blocks scattered over the cache (seeded shuffle),
     /// gathered on the device, then every dense kernel.
     #[test]
@@ -1912,4 +1946,69 @@ fn autotune_cache_file_pins_the_algorithm_across_backends() {
     };
     assert!(e.to_string().contains("cublaslt.json"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Invalid offsets of a variable-length batch are a typed error on every dense kernel: on
+/// Hopper the one-launch kernel flags them on the device (and clamps its reads and writes
+/// to the packed rows meanwhile), elsewhere the host reads them first. A valid call after
+/// each still computes.
+#[test]
+fn attention_varlen_bad_offsets() {
+    let Some(b) = backend() else { return };
+    let mut rng = SplitMix64::new(5);
+    let (heads, d) = (2, 64);
+    let p = kpt_core::graph::AttentionParams {
+        varlen: true,
+        ..kpt_core::graph::AttentionParams::new(heads, heads, d, true)
+    };
+    let (tq, tk) = (300, 300);
+    let mut rows = |n: usize| random(&mut rng, &[1, n, heads * d], DType::BF16, -2.0, 2.0);
+    let (q, k, v) = (rows(tq), rows(tk), rows(tk));
+    let offsets = |v: &[f64], dt| Tensor::from_f64(v, &[v.len()], dt).unwrap();
+    let good = [0.0, 100.0, 300.0];
+    let bad: [&[f64]; 4] = [
+        &[10.0, 100.0, 300.0],
+        &[0.0, 200.0, 100.0, 300.0],
+        &[0.0, 100.0, 250.0],
+        &[0.0, 100.0, 400.0],
+    ];
+    let specs: Vec<TensorSpec> = [
+        &q,
+        &k,
+        &v,
+        &offsets(&good, DType::I32),
+        &offsets(&good, DType::I32),
+    ]
+    .into_iter()
+    .map(spec)
+    .collect();
+    let op = Op::Attention(p);
+    let chain = registry().fallback_chain(&op, &specs, b.device());
+    for kernel in chain.iter().filter(|k| k.starts_with("cuda.")) {
+        for (cu, dt) in bad
+            .iter()
+            .flat_map(|cu| [(cu, DType::I32), (cu, DType::I64)])
+        {
+            let (cq, ck) = (offsets(cu, dt), offsets(&good, dt));
+            for (a, c) in [(&cq, &ck), (&ck, &cq)] {
+                let inputs = [q.clone(), k.clone(), v.clone(), a.clone(), c.clone()];
+                let err = run_kernel(b, kernel, &op, &inputs).expect_err(kernel);
+                assert!(err.to_string().contains("cu_seqlens"), "{kernel}: {err}");
+            }
+            let inputs = [
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                offsets(&good, dt),
+                offsets(&good, dt),
+            ];
+            let got = run_kernel(b, kernel, &op, &inputs).unwrap();
+            let want = CpuReference.eval(&op, &inputs).unwrap();
+            let tol = output_tolerance(&op, &inputs, 0, got[0].dtype());
+            assert!(
+                compare(&got[0], &want[0], tol).unwrap().within,
+                "{kernel} after {cu:?}"
+            );
+        }
+    }
 }

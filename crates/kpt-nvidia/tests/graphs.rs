@@ -425,3 +425,68 @@ fn queued_steps_fed_device_ids_match_plain_steps() {
         assert_eq!(q.download(b).unwrap(), p.download(b).unwrap());
     }
 }
+
+/// A variable-length attention whose offsets are host inputs of a fixed shape: on Hopper,
+/// where its kernel reads the offsets on the device, the runs after the first replay one
+/// capture, and new offsets every step give the bits of plain runs (elsewhere the
+/// offsets are read on the host and the runs are not captured, with the same results).
+/// Invalid offsets are an error after their replay.
+#[test]
+fn varlen_attention_replays_with_new_offsets() {
+    let Some(backend) = backend() else { return };
+    let (heads, total) = (4, 300);
+    let width = heads * HEAD_DIM;
+    let mut g = Graph::new();
+    let qkv: Vec<_> = ["q", "k", "v"]
+        .iter()
+        .map(|n| g.input(*n, DT, &[1, total, width]))
+        .collect();
+    let cu_q = g.input("cu_seqlens_q", DType::I32, &[3]);
+    let cu_k = g.input("cu_seqlens_k", DType::I32, &[3]);
+    let p = AttentionParams {
+        varlen: true,
+        ..AttentionParams::new(heads, heads, HEAD_DIM, true)
+    };
+    let a = g
+        .op(
+            "attn",
+            Op::Attention(p),
+            &[qkv[0], qkv[1], qkv[2], cu_q, cu_k],
+        )
+        .unwrap();
+    g.output(a).unwrap();
+    let plan = auto_optimize(
+        &g,
+        OptLevel::Conservative,
+        &PrecisionPolicy::default(),
+        &KernelRegistry::with_builtin(),
+        backend.device(),
+    )
+    .unwrap();
+    let hopper = backend.device().arch.as_deref() == Some("sm_90");
+    let mut on = Executor::new(plan.clone(), backend.clone()).unwrap();
+    on.set_graphs(true);
+    let mut off = Executor::new(plan, backend.clone()).unwrap();
+    let mut rng = SplitMix64::new(11);
+    let rows: Vec<Tensor> = (0..3)
+        .map(|_| random(&mut rng, &[1, total, width], 1.0))
+        .collect();
+    let inputs = |cu: [f64; 3]| {
+        let mut v = rows.clone();
+        let cu = Tensor::from_f64(&cu, &[3], DType::I32).unwrap();
+        v.extend([cu.clone(), cu]);
+        v
+    };
+    let offsets = [[0.0, 100.0, 300.0], [0.0, 250.0, 300.0], [0.0, 0.0, 300.0]];
+    for (step, cu) in offsets.into_iter().cycle().take(5).enumerate() {
+        let got = on.run(&inputs(cu)).unwrap();
+        let want = off.run(&inputs(cu)).unwrap();
+        assert_eq!(got, want, "step {step}, offsets {cu:?}");
+        assert_eq!(on.captured(), hopper && step >= 1, "step {step}");
+    }
+    let err = on
+        .run(&inputs([0.0, 350.0, 300.0]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cu_seqlens"), "{err}");
+}
