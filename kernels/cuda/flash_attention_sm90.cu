@@ -68,6 +68,13 @@
 // (at d = 64, S = 1024: one tile in six, each about 0.6 of a whole one, so the SMs' work
 // differed by +-10 %).
 // A grid of one block per tile runs one work tile per block.
+// Variable-length batches (the `_varlen_` entries, kVarlen: cp.async copies, no mask,
+// dropout or window): p.batch sequences packed into p.seq_q query and p.seq_kv key rows,
+// offsets read on the device. The block order is sequence-major (varlen_work), each
+// sequence laid out as a dense call of batch 1, and the persistent grid walks it as above
+// (a stride of single tiles); each warp finds a tile's sequence by scanning the offsets
+// from where its previous tile's scan stopped. The zero-filled copies past a sequence's
+// rows and the masks at its last key keep sequences apart.
 //
 // Launch: grid = 1 to ceil(seq_q / kBlockM) * batch * heads blocks (the tile count; kBlockM =
 // 192 for bf16/f16 at d = 64, else 128; fewer blocks run the persistent grid above), the
@@ -205,11 +212,13 @@ struct Maps {
     // The output's map (boxes of one 128-byte column block by 64 rows), for kStaged.
     const TensorMap* o = nullptr;
 };
-// The block's place in the grid: blockIdx.x of gridDim.x, or (index >= 0, a
-// variable-length batch's one block per work tile) work tile `index` of its sequence's
-// `count`.
-struct GridSlot {
-    long index = -1, count = 0;
+// A variable-length batch (the `_varlen_` entries): offsets cu_q and cu_k [p.batch + 1] of
+// 32-bit (idx64 = 0) or 64-bit integers, and the flag that invalid offsets set.
+struct Varlen {
+    const void* cu_q = nullptr;
+    const void* cu_k = nullptr;
+    int idx64 = 0;
+    int* bad = nullptr;
 };
 
 // Consumer warpgroups (64 query rows each) per block: three for 16-bit d = 64, whose softmax
@@ -1010,6 +1019,9 @@ __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha
 // key tiles from tile t0 (past 0 under a sliding window).
 struct Work {
     int m0, b, h, t0, n_tiles;
+    // kVarlen: the sequence's lengths and first rows (b is the sequence, -1 past the last).
+    int seq_q, seq_kv;
+    long q_row, kv_row;
 };
 
 // Work tile x of the block order (see the top): a section of `pairs` (batch, head) pairs, then
@@ -1069,6 +1081,92 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
     return sec * pairs * tiles_m + static_cast<long>(u) * in_section + pair;
 }
 
+// ---- variable-length batches -----------------------------------------------------------
+
+// Offset i of a cu_seqlens array of 32-bit (idx64 = 0) or 64-bit integers.
+__device__ __forceinline__ long cu_at(const void* cu, int idx64, int i) {
+    return idx64 ? static_cast<long>(static_cast<const long long*>(cu)[i])
+                 : static_cast<long>(static_cast<const int*>(cu)[i]);
+}
+
+// Where a warp's scan of the offsets stopped: the chunk of 32 sequences it is in and the
+// work tiles of the sequences before that chunk. A block's work tiles only grow, so each
+// call of varlen_work resumes there.
+struct VarlenCursor {
+    int s0 = 0;
+    long before = 0;
+};
+
+// Work tile x of a variable-length batch (p.batch sequences packed into p.seq_q query and
+// p.seq_kv key rows): sequence s has ceil(lq / kBlockM) * heads work tiles, sequences in
+// order, inside one its query tiles from the last (major) and its heads (minor), each as
+// work_tile lays out a dense call of batch 1. Offsets are clamped to [0, rows] and lengths
+// to at least 0, so that no offsets make a block read or write outside the packed rows
+// (varlen_check reports invalid ones). b = -1 past the last tile. Every lane of the warp
+// calls it; it reads the offsets 32 sequences at a time.
+template <int kBlockM, int BN>
+__device__ __forceinline__ Work varlen_work(long x, const Dims& p, const Varlen& vl,
+                                            VarlenCursor& cur) {
+    const int lane = threadIdx.x % 32;
+    auto at = [&](const void* cu, int i, int rows) {
+        return min(max(cu_at(cu, vl.idx64, i), 0L), static_cast<long>(rows));
+    };
+    Work w;
+    w.b = -1;
+    for (; cur.s0 < p.batch; cur.s0 += 32) {
+        const int s = cur.s0 + lane;
+        long tiles = 0;
+        if (s < p.batch) {
+            const long rows = at(vl.cu_q, s + 1, p.seq_q) - at(vl.cu_q, s, p.seq_q);
+            tiles = (max(rows, 0L) + kBlockM - 1) / kBlockM * p.heads;
+        }
+        long end = tiles;  // inclusive prefix over the chunk's lanes
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+            const long up = __shfl_up_sync(0xffffffffu, end, o);
+            if (lane >= o) end += up;
+        }
+        end += cur.before;
+        const unsigned hit = __ballot_sync(0xffffffffu, end > x);
+        if (hit != 0) {
+            const int l = __ffs(hit) - 1, seq = cur.s0 + l;
+            const long first = __shfl_sync(0xffffffffu, end - tiles, l);
+            Dims ps = p;
+            ps.batch = 1;
+            const long q0 = at(vl.cu_q, seq, p.seq_q), k0 = at(vl.cu_k, seq, p.seq_kv);
+            ps.seq_q = static_cast<int>(max(at(vl.cu_q, seq + 1, p.seq_q) - q0, 0L));
+            ps.seq_kv = static_cast<int>(max(at(vl.cu_k, seq + 1, p.seq_kv) - k0, 0L));
+            const int tiles_m = (ps.seq_q + kBlockM - 1) / kBlockM;
+            w = work_tile<kBlockM, BN>(x - first, ps, tiles_m, p.heads, false);
+            w.b = seq;
+            w.seq_q = ps.seq_q;
+            w.seq_kv = ps.seq_kv;
+            w.q_row = q0;
+            w.kv_row = k0;
+            return w;
+        }
+        cur.before = __shfl_sync(0xffffffffu, end, 31);
+    }
+    return w;
+}
+
+// Sets *vl.bad to 1 unless both offset arrays start at 0, never decrease and end at their
+// row counts (p.seq_q, p.seq_kv). Every lane of the warp calls it.
+__device__ __forceinline__ void varlen_check(const Dims& p, const Varlen& vl) {
+    bool ok = true;
+    for (int i = threadIdx.x % 32; i <= p.batch; i += 32) {
+        const long q = cu_at(vl.cu_q, vl.idx64, i), k = cu_at(vl.cu_k, vl.idx64, i);
+        if (i == 0) {
+            ok = ok && q == 0 && k == 0;
+        } else {
+            ok = ok && q >= cu_at(vl.cu_q, vl.idx64, i - 1) &&
+                 k >= cu_at(vl.cu_k, vl.idx64, i - 1);
+        }
+        if (i == p.batch) ok = ok && q == p.seq_q && k == p.seq_kv;
+    }
+    if (!__all_sync(0xffffffffu, ok) && threadIdx.x % 32 == 0) *vl.bad = 1;
+}
+
 // For FP8, v is the V^T buffer of kpt_attention_fp8_v_transpose_d128; out_scale multiplies
 // the output (v_scale for FP8, 1 otherwise). kDropout (16-bit, 128-key tiles): each P tile
 // loses its dropped probabilities after the softmax took its sum (dropout_keep8: one Philox
@@ -1079,14 +1177,13 @@ __device__ __forceinline__ long paired_tile(long item, int half, int tiles_m, in
 // consumers of both released it.
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
           int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false,
-          bool kStaged = false, bool kWindow = false>
+          bool kStaged = false, bool kWindow = false, bool kVarlen = false>
 __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v,
                                            const float* __restrict__ mask,
                                            OutT<T>* __restrict__ out,
                                            float* __restrict__ lse, const Dims& p,
-                                           float out_scale, Maps maps,
-                                           GridSlot slot = GridSlot{}) {
+                                           float out_scale, Maps maps, Varlen vl = Varlen{}) {
     using C = Config<T, D, BN, kDropout, kStaged>;
     static_assert(!kStaged || (kTma && sizeof(OutT<T>) == 2 && D % 64 == 0),
                   "staged store: TMA entries, 16-bit output");
@@ -1119,19 +1216,26 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     // kPair: cluster x / 2 walks items of two query tiles (counted from the last, so that
     // with an odd count the first item's rank-0 tile lies before row 0 and computes
     // nothing), gridDim.x / 2 apart.
-    const long block_x = slot.index >= 0 ? slot.index : static_cast<long>(blockIdx.x);
-    const long grid_x = slot.index >= 0 ? slot.count : static_cast<long>(gridDim.x);
     const unsigned rank = kPair ? blockIdx.x % 2 : 0;
-    const long block = kPair ? block_x / 2 : block_x;
-    const long grid = kPair ? grid_x / 2 : grid_x;
+    const long block = kPair ? blockIdx.x / 2 : blockIdx.x;
+    const long grid = kPair ? gridDim.x / 2 : gridDim.x;
     const int tiles_m2 = (tiles_m + 1) / 2;
-    if (block >= (kPair ? static_cast<long>(tiles_m2) * bh_count : total)) return;
+    static_assert(!kVarlen || !(kPair || kStaged || kFp8<T> || kDropout || kMask || kTma),
+                  "variable-length batches: the cp.async kernel without a mask or dropout");
+    // kVarlen: p.batch sequences packed into p.seq_q query rows have at most this many work
+    // tiles (each sequence at most one partial query tile); work() tells where they end.
+    const long varlen_tiles = (static_cast<long>(tiles_m) + p.batch) * p.heads;
+    if (block >= (kPair ? static_cast<long>(tiles_m2) * bh_count : kVarlen ? varlen_tiles : total))
+        return;
     // A persistent grid (fewer blocks than tiles) walks items gridDim.x apart: a tile each,
     // or under a causal mask two paired tiles (paired_tile).
-    const bool paired = !kPair && p.causal && grid_x < total;
-    const bool partial_last = !kPair && !paired && grid_x < total && p.seq_q % kBlockM != 0;
+    const bool paired = !kPair && !kVarlen && p.causal && gridDim.x < total;
+    const bool partial_last =
+        !kPair && !kVarlen && !paired && gridDim.x < total && p.seq_q % kBlockM != 0;
     const long items = paired ? static_cast<long>(bh_count) * ((tiles_m + 1) / 2)
-                              : kPair ? static_cast<long>(tiles_m2) * bh_count : total;
+                       : kPair    ? static_cast<long>(tiles_m2) * bh_count
+                       : kVarlen  ? varlen_tiles
+                                  : total;
     const long kv_bytes = 2L * p.seq_kv * D * static_cast<long>(sizeof(T));
     const int pairs = static_cast<int>(
         max(1L, min(static_cast<long>(bh_count), kL2Budget / max(kv_bytes, 1L))));
@@ -1143,9 +1247,13 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         return paired ? paired_tile(item, static_cast<int>(n % 2), tiles_m, pairs, bh_count)
                       : item;
     };
-    // Work tile x (kPair: this block's half of item x, a work tile of twice the rows).
+    // Work tile x (kPair: this block's half of item x, a work tile of twice the rows;
+    // kVarlen: see varlen_find, b = -1 past the last).
+    VarlenCursor cursor;
     auto work = [&](long x) {
-        if constexpr (kPair) {
+        if constexpr (kVarlen) {
+            return varlen_work<kBlockM, BN>(x, p, vl, cursor);
+        } else if constexpr (kPair) {
             Work w = work_tile<2 * kBlockM, BN, kWindow>(x, p, tiles_m2, pairs, false);
             w.m0 += static_cast<int>(rank) * kBlockM;
             return w;
@@ -1159,6 +1267,19 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
     const long kv_stride = static_cast<long>(p.kv_heads) * D;
     // FP8: V^T of a (batch, kv head), D rows of seq_kv rounded up to 128 keys.
     const long vt_stride = static_cast<long>((p.seq_kv + kBlockN - 1) / kBlockN) * kBlockN;
+    // A work tile's query and key counts and the rows before its first: its sequence's
+    // (kVarlen) or its batch entry's.
+    auto len_q = [&](const Work& w) { return kVarlen ? w.seq_q : p.seq_q; };
+    auto len_kv = [&](const Work& w) { return kVarlen ? w.seq_kv : p.seq_kv; };
+    auto row_q = [&](const Work& w) {
+        return kVarlen ? w.q_row : static_cast<long>(w.b) * p.seq_q;
+    };
+    auto row_kv = [&](const Work& w) {
+        return kVarlen ? w.kv_row : static_cast<long>(w.b) * p.seq_kv;
+    };
+    if constexpr (kVarlen) {
+        if (blockIdx.x == 0 && threadIdx.x / 32 == 1) varlen_check(p, vl);
+    }
 
     // Full barriers: the 128 producer threads' cp.async arrivals, or the one arrival (with
     // its byte count) of the thread that issues the TMA copies.
@@ -1225,17 +1346,15 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             if (x == -2) break;
             if (x < 0) continue;
             const Work w = work(x);
+            if (kVarlen && w.b < 0) break;
             const int hk = w.h / group;
-            const T* qb = q + (static_cast<long>(w.b) * p.seq_q + w.m0) * q_stride +
-                          static_cast<long>(w.h) * D;
-            const T* kb =
-                k + static_cast<long>(w.b) * p.seq_kv * kv_stride + static_cast<long>(hk) * D;
+            const T* qb = q + (row_q(w) + w.m0) * q_stride + static_cast<long>(w.h) * D;
+            const T* kb = k + row_kv(w) * kv_stride + static_cast<long>(hk) * D;
             const T* vb = kFp8<T> ? v + (static_cast<long>(w.b) * p.kv_heads + hk) * D * vt_stride
-                                  : v + static_cast<long>(w.b) * p.seq_kv * kv_stride +
-                                        static_cast<long>(hk) * D;
+                                  : v + row_kv(w) * kv_stride + static_cast<long>(hk) * D;
             for (int t = 0; t < w.n_tiles; ++t) {
                 const int n0 = (w.t0 + t) * BN;
-                const int rows = min(BN, p.seq_kv - n0);
+                const int rows = min(BN, len_kv(w) - n0);
                 const uint32_t ks = sk + s * C::kTileBytes, vs = sv + s * C::kVTileBytes;
                 // Stage s is free once every consumer released its previous tile.
                 mbar_wait(empty_k(s), phase ^ 1);
@@ -1368,6 +1487,16 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
         if (x == -2) break;
         if (x < 0) continue;
         const Work w = work(x);
+        if (kVarlen && w.b < 0) break;
+        // kVarlen: the work tile's sequence as a dense call (batch entry 0 of its rows).
+        Dims pw;
+        if constexpr (kVarlen) {
+            pw = p;
+            pw.seq_q = w.seq_q;
+            pw.seq_kv = w.seq_kv;
+        }
+        const Dims& pt = kVarlen ? pw : p;
+        const int off = kVarlen ? w.seq_kv - w.seq_q : offset;
         const int n_tiles = w.n_tiles;
         const int n_first = w.t0 * BN;  // the first key tile's first key
         // The two query rows of this thread's accumulators: qi0 and qi0 + 8.
@@ -1389,9 +1518,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             // Whether tile n0 needs per-element work (scale sign, mask, end of cache, diagonal,
             // a sliding window's start before this warpgroup's last row's).
             auto edge = [&](int n0) {
-                return !fast || n0 + BN > p.seq_kv ||
-                       (p.causal && n0 + BN - 1 > row_first + offset) ||
-                       (kWindow && n0 < row_first + 64 + offset - p.window);
+                return !fast || n0 + BN > len_kv(w) ||
+                       (p.causal && n0 + BN - 1 > row_first + off) ||
+                       (kWindow && n0 < row_first + 64 + off - p.window);
             };
             // Dropout: the keep bits of tile n0 (64 keys per word) do not depend on the
             // scores; they are drawn while its Q K^T runs on the tensor cores and applied
@@ -1415,10 +1544,10 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             auto softmax = [&](int n0) {
                 if (edge(n0)) {
                     softmax_tile<true, kMask, kPOffset, BN, 0, kWindow>(
-                        s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p, mask);
+                        s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, pt, mask);
                 } else {
                     softmax_tile<false, false, kPOffset, BN, kPoly>(s_acc, m_run, l_run, alpha,
-                                                                    scale2, n0, qi0, tig, p, mask);
+                                                                    scale2, n0, qi0, tig, pt, mask);
                 }
             };
             // kSerial without dropout: P's n8 block j is packed as soon as it is final, and O's
@@ -1440,7 +1569,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                     rescale_o<D>(o, alpha);
                 } else {
                     softmax_tile<false, false, kPOffset, BN, kPoly>(
-                        s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, p, mask, after);
+                        s_acc, m_run, l_run, alpha, scale2, n0, qi0, tig, pt, mask, after);
                 }
             };
             if (kPingPong && !kCarry && c == kLast) named_arrive(kSchedBarrier, 256);
@@ -1452,7 +1581,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             // Warpgroups whose rows all lie before row 0 (in a partial first tile) compute none.
             int my_tiles = row_first + 64 > 0 ? n_tiles : 0;
             if (p.causal) {
-                const int seen = max(0, min(p.seq_kv, row_first + 64 + offset));
+                const int seen = max(0, min(len_kv(w), row_first + 64 + off));
                 // (seen > the first row's window start, so this is at least 0.)
                 my_tiles = min(my_tiles, (seen + BN - 1) / BN - w.t0);
             }
@@ -1577,7 +1706,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             inv[r] = l > 0.0f ? (kDropout ? out_scale * p.dropout_scale : out_scale) / l : 0.0f;
             const int qi = qi0 + r * 8;
-            if (lse != nullptr && tig == 0 && qi >= 0 && qi < p.seq_q) {
+            if (!kVarlen && lse != nullptr && tig == 0 && qi >= 0 && qi < p.seq_q) {
                 // m_run and the scores are in the log2 domain (P carries 2^kPOffset).
                 lse[(static_cast<long>(w.b) * p.heads + w.h) * p.seq_q + qi] =
                     l > 0.0f && m_run[r] != -INFINITY
@@ -1618,9 +1747,9 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int qi = qi0 + r * 8;
-                if (qi < 0 || qi >= p.seq_q) continue;
-                OutT<T>* orow = out + (static_cast<long>(w.b) * p.seq_q + qi) * q_stride +
-                                static_cast<long>(w.h) * D + tig * 2;
+                if (qi < 0 || qi >= len_q(w)) continue;
+                OutT<T>* orow = out + (row_q(w) + qi) * q_stride + static_cast<long>(w.h) * D +
+                                tig * 2;
 #pragma unroll
                 for (int j = 0; j < D / 8; ++j) {
                     *reinterpret_cast<uint32_t*>(orow + j * 8) =
@@ -2150,10 +2279,9 @@ __device__ __forceinline__ void bwd_dq_sm90(const T* __restrict__ q, const T* __
 
 template <typename T, int D, bool kMask, bool kTma, int BN = kBlockN, bool kCarry = false,
           int kPolyFp8 = KPT_FA3_POLY_FP8, bool kDropout = false, bool kPair = false,
-          bool kStaged = false, bool kWindow = false>
+          bool kStaged = false, bool kWindow = false, bool kVarlen = false>
 __device__ __forceinline__ void flash_sm90(const T*, const T*, const T*, const float*, OutT<T>*,
-                                           float*, const Dims&, float, Maps,
-                                           GridSlot = GridSlot{}) {
+                                           float*, const Dims&, float, Maps, Varlen = Varlen{}) {
     __trap();
 }
 template <typename T, int D, bool kDropout, bool kWindow>
@@ -2193,116 +2321,6 @@ __device__ __forceinline__ void flash_sm90_entry(const T* q, const T* k, const T
     }
 }
 
-// ---- variable-length batches in one launch --------------------------------------------
-
-// Offset i of a cu_seqlens array of 32-bit (idx64 = 0) or 64-bit integers.
-__device__ __forceinline__ long cu_at(const void* cu, int idx64, int i) {
-    return idx64 ? static_cast<long>(static_cast<const long long*>(cu)[i])
-                 : static_cast<long>(static_cast<const int*>(cu)[i]);
-}
-
-// Where block x of a variable-length launch works: sequence rows from q0 of q and out (lq
-// queries) and from k0 of k and v (lk keys), work tile slot.index of the sequence's
-// slot.count (ceil(lq / kBlockM) * heads, sequences in order), or slot.index = -1 past the
-// last. Offsets are clamped to [0, total rows] and lengths to at least 0, so that no offsets
-// make a block read or write outside the packed rows; varlen_check reports invalid ones.
-// One warp calls it (every lane); it scans the offsets 32 sequences at a time.
-struct VarlenSeq {
-    long q0, k0;
-    int lq, lk;
-    GridSlot slot;
-};
-template <int kBlockM>
-__device__ __forceinline__ VarlenSeq varlen_find(long x, const Dims& p, const void* cu_q,
-                                                 const void* cu_k, int idx64) {
-    const int lane = threadIdx.x % 32;
-    auto at = [&](const void* cu, int i, int total) {
-        return min(max(cu_at(cu, idx64, i), 0L), static_cast<long>(total));
-    };
-    VarlenSeq r{};
-    r.slot.index = -1;
-    long before = 0;  // work tiles of the sequences before this chunk
-    for (int s0 = 0; s0 < p.batch; s0 += 32) {
-        const int s = s0 + lane;
-        long tiles = 0;
-        if (s < p.batch) {
-            const long rows = at(cu_q, s + 1, p.seq_q) - at(cu_q, s, p.seq_q);
-            tiles = (max(rows, 0L) + kBlockM - 1) / kBlockM * p.heads;
-        }
-        long end = tiles;  // inclusive prefix over the chunk's lanes
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-            const long up = __shfl_up_sync(0xffffffffu, end, o);
-            if (lane >= o) end += up;
-        }
-        end += before;
-        const unsigned hit = __ballot_sync(0xffffffffu, end > x);
-        if (hit != 0) {
-            const int l = __ffs(hit) - 1;
-            const long count = __shfl_sync(0xffffffffu, tiles, l);
-            const int seq = s0 + l;
-            r.slot.count = count;
-            r.slot.index = x - (__shfl_sync(0xffffffffu, end, l) - count);
-            r.q0 = at(cu_q, seq, p.seq_q);
-            r.k0 = at(cu_k, seq, p.seq_kv);
-            r.lq = static_cast<int>(max(at(cu_q, seq + 1, p.seq_q) - r.q0, 0L));
-            r.lk = static_cast<int>(max(at(cu_k, seq + 1, p.seq_kv) - r.k0, 0L));
-            return r;
-        }
-        before = __shfl_sync(0xffffffffu, end, 31);
-    }
-    return r;
-}
-
-// Sets *bad to 1 unless both offset arrays start at 0, never decrease and end at their
-// totals (p.seq_q, p.seq_kv). One warp calls it (every lane).
-__device__ __forceinline__ void varlen_check(const Dims& p, const void* cu_q, const void* cu_k,
-                                             int idx64, int* bad) {
-    bool ok = true;
-    for (int i = threadIdx.x % 32; i <= p.batch; i += 32) {
-        const long q = cu_at(cu_q, idx64, i), k = cu_at(cu_k, idx64, i);
-        if (i == 0) {
-            ok = ok && q == 0 && k == 0;
-        } else {
-            ok = ok && q >= cu_at(cu_q, idx64, i - 1) && k >= cu_at(cu_k, idx64, i - 1);
-        }
-        if (i == p.batch) ok = ok && q == p.seq_q && k == p.seq_kv;
-    }
-    if (!__all_sync(0xffffffffu, ok) && threadIdx.x % 32 == 0) *bad = 1;
-}
-
-// A variable-length batch (p.batch sequences packed into p.seq_q query and p.seq_kv key
-// rows; offsets cu_q and cu_k [p.batch + 1]) on the cp.async kernel without an additive mask,
-// dropout or window, one block per work tile of a sequence: warp 0 finds the block's
-// sequence, block 0's warp 1 checks the offsets, then the block runs as a dense call on that
-// sequence's rows (batch 1).
-template <typename T, int D>
-__device__ __forceinline__ void flash_sm90_varlen(const T* q, const T* k, const T* v, T* out,
-                                                  const Dims& p, const void* cu_q,
-                                                  const void* cu_k, int idx64, int* bad) {
-    __shared__ VarlenSeq at;
-    __shared__ Dims seq;
-    const int warp = threadIdx.x / 32;
-    if (warp == 0) {
-        const VarlenSeq r =
-            varlen_find<Config<T, D>::kBlockM>(blockIdx.x, p, cu_q, cu_k, idx64);
-        if (threadIdx.x == 0) {
-            at = r;
-            seq = p;
-            seq.batch = 1;
-            seq.seq_q = r.lq;
-            seq.seq_kv = r.lk;
-        }
-    } else if (warp == 1 && blockIdx.x == 0) {
-        varlen_check(p, cu_q, cu_k, idx64, bad);
-    }
-    __syncthreads();
-    if (at.slot.index < 0) return;
-    const long q_row = at.q0 * p.heads * D, kv_row = at.k0 * p.kv_heads * D;
-    flash_sm90<T, D, false, false>(q + q_row, k + kv_row, v + kv_row, nullptr, out + q_row,
-                                   nullptr, seq, 1.0f, Maps{}, at.slot);
-}
-
 }  // namespace
 
 #define KPT_FLASH_SM90(NAME, T, D)                                                         \
@@ -2319,17 +2337,21 @@ KPT_FLASH_SM90(bf16, __nv_bfloat16, 128)
 KPT_FLASH_SM90(f16, __half, 64)
 KPT_FLASH_SM90(f16, __half, 128)
 
-// Variable-length batches in one launch (flash_sm90_varlen): q and out [p.seq_q, heads * d],
-// k and v [p.seq_kv, kv_heads * d], p.batch sequences; cu_q and cu_k int32 (idx64 = 0) or
-// int64 [p.batch + 1]; *bad (zeroed by the host) becomes 1 on invalid offsets. Grid: at
-// least the work tiles, (ceil(p.seq_q / kBlockM) + p.batch) * heads bounds them.
+// Variable-length batches in one launch (kVarlen; the cp.async kernel without a mask,
+// dropout or window): q and out [p.seq_q, heads * d], k and v [p.seq_kv, kv_heads * d],
+// p.batch sequences at offsets cu_q and cu_k, int32 (idx64 = 0) or int64 [p.batch + 1];
+// *bad (zeroed by the host) becomes 1 on invalid offsets. Grid: up to the
+// (ceil(p.seq_q / kBlockM) + p.batch) * heads that bound the work tiles, fewer run the
+// persistent grid (a block walks work tiles gridDim.x apart, carrying the K/V ring).
 #define KPT_FLASH_SM90_VARLEN(NAME, T, D)                                                  \
     extern "C" __global__ void __launch_bounds__(kThreads<T, D>, 1)                         \
         kpt_flash_attention_sm90_varlen_##NAME##_d##D(                                       \
             const T* q, const T* k, const T* v, T* out, const Dims p, const void* cu_q,     \
             const void* cu_k, int idx64, int* bad) {                                        \
         kpt::dependent_launch_prologue();                                                  \
-        flash_sm90_varlen<T, D>(q, k, v, out, p, cu_q, cu_k, idx64, bad);                  \
+        flash_sm90<T, D, false, false, kBlockN, false, KPT_FA3_POLY_FP8, false, false,      \
+                   false, false, true>(q, k, v, nullptr, out, nullptr, p, 1.0f, Maps{},     \
+                                       Varlen{cu_q, cu_k, idx64, bad});                    \
     }
 
 KPT_FLASH_SM90_VARLEN(bf16, __nv_bfloat16, 64)

@@ -208,6 +208,8 @@ pub struct Gpu {
     gemv_preload: bool,
     /// Whether one-row 16-bit GEMVs stage the activations ([`Gpu::gemv_stage`]).
     gemv_stage: bool,
+    /// Whether variable-length attention runs in one launch ([`Gpu::varlen_launch`]).
+    varlen_launch: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -263,6 +265,7 @@ impl Gpu {
             wgmma_backward: AtomicBool::new(true),
             gemv_preload: switched_on("KPT_CUDA_GEMV_PRELOAD"),
             gemv_stage: switched_on("KPT_CUDA_GEMV_STAGE"),
+            varlen_launch: switched_on("KPT_CUDA_VARLEN_LAUNCH"),
         })
     }
 
@@ -410,6 +413,14 @@ impl Gpu {
     /// `KPT_CUDA_GEMV_STAGE=0`.
     pub fn gemv_stage(&self) -> bool {
         self.gemv_stage
+    }
+
+    /// Whether variable-length attention batches on Hopper run in one launch that reads
+    /// the offsets on the device (`Gpu::flash_attention_varlen`): unless
+    /// `KPT_CUDA_VARLEN_LAUNCH=0`, which runs one launch per sequence after a host read of
+    /// the offsets, as other GPUs do.
+    pub fn varlen_launch(&self) -> bool {
+        self.varlen_launch
     }
 
     /// What the device is.

@@ -1142,12 +1142,13 @@ impl Gpu {
     /// A variable-length batch in one launch on Hopper: `dims.batch` sequences packed into
     /// `dims.seq_q` query and `dims.seq_kv` key rows, with offsets `cu` (q then k, each
     /// `[batch + 1]` of `index`, i32 or i64) read on the device, so the call needs no host
-    /// copy of the offsets before it (`flash_attention_sm90.cu`'s `_varlen_` entries, one
-    /// block per work tile of a sequence). bf16 / f16 at head dim 64 or 128, without an
-    /// additive mask, dropout or window. The kernel flags invalid offsets (not from 0, a
-    /// decrease, not ending at the row counts), checked after it as the embedding's ids are
-    /// (after each replay inside a captured graph). Returns `Ok(false)` without launching
-    /// anything where that kernel does not apply.
+    /// copy of the offsets before it (`flash_attention_sm90.cu`'s `_varlen_` entries on a
+    /// persistent grid that walks the sequences' work tiles; [`Gpu::varlen_launch`]).
+    /// bf16 / f16 at head dim 64 or 128, without an additive mask, dropout or window. The
+    /// kernel flags invalid offsets (not from 0, a decrease, not ending at the row counts),
+    /// checked after it as the embedding's ids are (after each replay inside a captured
+    /// graph). Returns `Ok(false)` without launching anything where that kernel does not
+    /// apply.
     pub(crate) fn flash_attention_varlen(
         &self,
         dtype: DType,
@@ -1168,7 +1169,8 @@ impl Gpu {
             DType::I64 => 1,
             _ => return Ok(false),
         };
-        if !(d == 64 || d == 128)
+        if !self.varlen_launch()
+            || !(d == 64 || d == 128)
             || dims.batch == 0
             || dims.seq_q == 0
             || dims.dropout()
@@ -1182,9 +1184,11 @@ impl Gpu {
         } else {
             FLASH_SM90_BLOCK_M
         };
-        // Every sequence's work tiles: its whole query tiles plus at most one partial.
-        let bound = (dims.seq_q as usize).div_ceil(block_m) + dims.batch as usize;
-        let blocks = grid("varlen attention tiles", bound * dims.heads as usize)?;
+        // Every sequence's work tiles: its whole query tiles plus at most one partial; a
+        // persistent grid walks them.
+        let bound =
+            ((dims.seq_q as usize).div_ceil(block_m) + dims.batch as usize) * dims.heads as usize;
+        let blocks = grid("varlen attention tiles", bound.min(self.attention_blocks()))?;
         let bad = self.alloc_zeroed(4)?;
         let entry = format!("kpt_flash_attention_sm90_varlen_{name}_d{d}");
         let [cu_q, cu_k] = cu;

@@ -806,7 +806,8 @@ proptest! {
 
     /// Variable-length batches of longer sequences (lengths 1, around and at the 128- and
     /// 192-row tiles, empty ones), i32 and i64 offsets: on Hopper one launch that reads the
-    /// offsets on the device, and every other dense kernel of the chain.
+    /// offsets on the device (some cases on a persistent grid of 1 to 6 blocks, each
+    /// walking work tiles of several sequences), and every other dense kernel of the chain.
     #[test]
     fn attention_varlen_one_launch(
         seqs in prop::collection::vec(
@@ -815,7 +816,7 @@ proptest! {
         kv_heads in 1usize..=2, group in prop::sample::select(vec![1usize, 2, 4]),
         head_dim in prop::sample::select(vec![64usize, 128]), causal in any::<bool>(),
         dt in prop::sample::select(vec![DType::BF16, DType::F16]), wide in any::<bool>(),
-        seed: u64,
+        blocks in prop_oneof![Just(None), (1usize..=6).prop_map(Some)], seed: u64,
     ) {
         let mut rng = SplitMix64::new(seed);
         let heads = kv_heads * group;
@@ -834,7 +835,11 @@ proptest! {
             cu(|s| s.1),
         ];
         if tq > 0 {
-            check(&Op::Attention(p), &inputs)?;
+            let Some(b) = backend() else { return Ok(()) };
+            b.gpu().set_attention_blocks(blocks);
+            let result = check(&Op::Attention(p), &inputs);
+            b.gpu().set_attention_blocks(None);
+            result?;
         }
     }
 
