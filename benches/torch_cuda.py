@@ -23,11 +23,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
-# The backward rows time repeated backward calls of one forward (`backward_of` retains the
-# graph), which a compiled backward with donated buffers refuses once a compiled
-# FlexAttention forward ran without gradients before it.
-torch._functorch.config.donated_buffer = False
-
 
 def rand(shape, dtype, lo=-1.0, hi=1.0):
     return (torch.rand(shape, device="cuda") * (hi - lo) + lo).to(dtype)
