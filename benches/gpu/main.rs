@@ -255,14 +255,7 @@ fn attention_cases() -> Vec<Case> {
     // row make its compiled backward refuse the repeated calls it is timed with.
     let mut varlen = Vec::new();
     for (tag, n, (lo, hi), h, d, causal) in [
-        (
-            "prefill",
-            16usize,
-            (64.0f32, 2048.0f32),
-            16usize,
-            128usize,
-            true,
-        ),
+        ("prefill", 16usize, (64f32, 2048.0), 16usize, 128usize, true),
         ("encoder", 64, (32.0, 384.0), 12, 64, false),
     ] {
         let lens: Vec<usize> = rng.vec(n, lo, hi).into_iter().map(|l| l as usize).collect();

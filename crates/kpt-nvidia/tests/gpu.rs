@@ -179,6 +179,35 @@ fn cu_seqlens(lens: impl Iterator<Item = usize>, dtype: DType) -> Tensor {
     Tensor::from_f64(&v, &[v.len()], dtype).unwrap()
 }
 
+/// q, k, v (random in [-2, 2]) and the offsets (`index`) of a variable-length batch of
+/// (queries, keys) lengths `seqs`, with `kv_heads` kv heads of `group` query heads each.
+fn varlen_inputs(
+    seqs: &[(usize, usize)],
+    [kv_heads, group, head_dim]: [usize; 3],
+    dt: DType,
+    index: DType,
+    seed: u64,
+) -> Vec<Tensor> {
+    let mut rng = SplitMix64::new(seed);
+    let (tq, tk): (usize, usize) = (
+        seqs.iter().map(|s| s.0).sum(),
+        seqs.iter().map(|s| s.1).sum(),
+    );
+    vec![
+        random(
+            &mut rng,
+            &[1, tq, kv_heads * group * head_dim],
+            dt,
+            -2.0,
+            2.0,
+        ),
+        random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
+        random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
+        cu_seqlens(seqs.iter().map(|s| s.0), index),
+        cu_seqlens(seqs.iter().map(|s| s.1), index),
+    ]
+}
+
 /// Rotary positions below `below`: `[seq]` shared by every sequence, or `[batch, seq]`
 /// with `per_token`; i64 when `wide`, else i32.
 fn positions(
@@ -783,23 +812,13 @@ proptest! {
                         head_dim in prop::sample::select(vec![8usize, 64, 128]),
                         causal in any::<bool>(), window in prop::option::of(1usize..100),
                         dt in dtype(), seed: u64) {
-        let mut rng = SplitMix64::new(seed);
-        let heads = kv_heads * group;
         let p = kpt_core::graph::AttentionParams {
             varlen: true,
             window,
-            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+            ..kpt_core::graph::AttentionParams::new(kv_heads * group, kv_heads, head_dim, causal)
         };
-        let cu = |f: fn(&(usize, usize)) -> usize| cu_seqlens(seqs.iter().map(f), DType::I32);
-        let (tq, tk): (usize, usize) = (seqs.iter().map(|s| s.0).sum(), seqs.iter().map(|s| s.1).sum());
-        let inputs = [
-            random(&mut rng, &[1, tq, heads * head_dim], dt, -2.0, 2.0),
-            random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
-            random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
-            cu(|s| s.0),
-            cu(|s| s.1),
-        ];
-        if tq > 0 {
+        let inputs = varlen_inputs(&seqs, [kv_heads, group, head_dim], dt, DType::I32, seed);
+        if inputs[0].shape()[1] > 0 {
             check(&Op::Attention(p), &inputs)?;
         }
     }
@@ -818,23 +837,13 @@ proptest! {
         dt in prop::sample::select(vec![DType::BF16, DType::F16]), wide in any::<bool>(),
         blocks in prop_oneof![Just(None), (1usize..=6).prop_map(Some)], seed: u64,
     ) {
-        let mut rng = SplitMix64::new(seed);
-        let heads = kv_heads * group;
         let p = kpt_core::graph::AttentionParams {
             varlen: true,
-            ..kpt_core::graph::AttentionParams::new(heads, kv_heads, head_dim, causal)
+            ..kpt_core::graph::AttentionParams::new(kv_heads * group, kv_heads, head_dim, causal)
         };
         let index = if wide { DType::I64 } else { DType::I32 };
-        let cu = |f: fn(&(usize, usize)) -> usize| cu_seqlens(seqs.iter().map(f), index);
-        let (tq, tk): (usize, usize) = (seqs.iter().map(|s| s.0).sum(), seqs.iter().map(|s| s.1).sum());
-        let inputs = [
-            random(&mut rng, &[1, tq, heads * head_dim], dt, -2.0, 2.0),
-            random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
-            random(&mut rng, &[1, tk, kv_heads * head_dim], dt, -2.0, 2.0),
-            cu(|s| s.0),
-            cu(|s| s.1),
-        ];
-        if tq > 0 {
+        let inputs = varlen_inputs(&seqs, [kv_heads, group, head_dim], dt, index, seed);
+        if inputs[0].shape()[1] > 0 {
             let Some(b) = backend() else { return Ok(()) };
             b.gpu().set_attention_blocks(blocks);
             let result = check(&Op::Attention(p), &inputs);
