@@ -1248,7 +1248,7 @@ __device__ __forceinline__ void flash_sm90(const T* __restrict__ q, const T* __r
                       : item;
     };
     // Work tile x (kPair: this block's half of item x, a work tile of twice the rows;
-    // kVarlen: see varlen_find, b = -1 past the last).
+    // kVarlen: see varlen_work, b = -1 past the last).
     VarlenCursor cursor;
     auto work = [&](long x) {
         if constexpr (kVarlen) {
