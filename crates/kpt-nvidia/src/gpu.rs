@@ -547,18 +547,21 @@ impl Gpu {
             .is_some()
     }
 
-    /// While a capture records, keeps `flag` (4 bytes that a captured kernel sets on bad
-    /// input) to be checked after each replay and returns `None`; otherwise gives it
-    /// back for the caller to read now.
-    pub(crate) fn defer_check(&self, flag: DeviceBlock, message: String) -> Option<DeviceBlock> {
-        let mut capture = self.capture.lock().unwrap_or_else(|p| p.into_inner());
-        match capture.as_mut() {
-            Some(checks) => {
+    /// Checks `flag` (4 bytes that the kernel just queued sets on bad input): reads it now
+    /// (waiting for the kernel) and fails with `message` where it is set, or while a
+    /// capture records keeps it to be checked after each replay instead.
+    pub(crate) fn check_flag(&self, flag: DeviceBlock, message: String) -> Result<(), NvidiaError> {
+        {
+            let mut capture = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(checks) = capture.as_mut() {
                 checks.push((flag, message));
-                None
+                return Ok(());
             }
-            None => Some(flag),
         }
+        if self.read(&flag, 4)? != [0; 4] {
+            return Err(NvidiaError::Invalid(message));
+        }
+        Ok(())
     }
 
     /// A new block holding `data`.

@@ -54,6 +54,16 @@ const FLASH_BLOCK_M: usize = 64;
 const FLASH_HEAD_DIMS: [i32; 4] = [64, 128, 192, 256];
 const FLASH_SM90_BLOCK_M: usize = 128;
 const FLASH_SM90_BLOCK_M_D64: usize = 192;
+
+/// Query rows per block of `flash_attention_sm90.cu`'s forward at head dim `d` (its
+/// `Config::kBlockM`: three consumer warpgroups for 16-bit d = 64 without dropout).
+fn sm90_block_m(d: i32, dropout: bool) -> usize {
+    if d == 64 && !dropout {
+        FLASH_SM90_BLOCK_M_D64
+    } else {
+        FLASH_SM90_BLOCK_M
+    }
+}
 /// Keys per block of the wgmma dk / dv kernel of `flash_attention_sm90.cu` (its kBwdKeys)
 /// and query rows per block of its dq kernel (kDqRows).
 const FLASH_SM90_BWD_KEYS: usize = 128;
@@ -1063,11 +1073,7 @@ impl Gpu {
             // Dropout: the `_tma_dropout_` entries (two consumer warpgroups at both head
             // dims), or where no tensor maps can be made the mma.sync kernel below.
             let dropout = dims.dropout();
-            let block_m = if d == 64 && !dropout {
-                FLASH_SM90_BLOCK_M_D64
-            } else {
-                FLASH_SM90_BLOCK_M
-            };
+            let block_m = sm90_block_m(d, dropout);
             let blocks = self.sm90_attention_grid(dims, block_m)?;
             let elem = if dtype == DType::BF16 {
                 TmaElem::Bf16
@@ -1179,11 +1185,7 @@ impl Gpu {
         {
             return Ok(false);
         }
-        let block_m = if d == 64 {
-            FLASH_SM90_BLOCK_M_D64
-        } else {
-            FLASH_SM90_BLOCK_M
-        };
+        let block_m = sm90_block_m(d, false);
         // Every sequence's work tiles: its whole query tiles plus at most one partial; a
         // persistent grid walks them.
         let bound =
@@ -1198,11 +1200,7 @@ impl Gpu {
              decreasing",
             dims.seq_q, dims.seq_kv
         );
-        if let Some(bad) = self.defer_check(bad, message.clone()) {
-            if self.read(&bad, 4)? != [0; 4] {
-                return Err(NvidiaError::Invalid(message));
-            }
-        }
+        self.check_flag(bad, message)?;
         Ok(true)
     }
 
@@ -1651,13 +1649,7 @@ impl Gpu {
         launch!(self, "embedding", entry, grid("ids", n)?;
             ids, table, out, long(vocab), int("dim", dim)?, bad.ptr());
         let message = format!("embedding: an id is outside the table of {vocab} rows");
-        // Inside a captured graph the flag is read after each replay instead.
-        if let Some(bad) = self.defer_check(bad, message.clone()) {
-            if self.read(&bad, 4)? != [0; 4] {
-                return Err(NvidiaError::Invalid(message));
-            }
-        }
-        Ok(())
+        self.check_flag(bad, message)
     }
 
     /// Writes `max |x|` of `n` elements to the f32 at `amax` (which must hold 0).
